@@ -1,0 +1,146 @@
+"""Token sampling on the host, in numpy: penalties, temperature, top-k, top-p, min-p, then a seeded draw.
+
+The order is that of vLLM and HF's logits processors: penalties -> temperature -> top-k -> top-p -> min-p.
+Penalties follow their definitions there: the repetition penalty divides positive logits and multiplies negative
+ones for every token seen in prompt + output (CTRL / HF); presence and frequency penalties subtract, OpenAI style,
+`presence * [count > 0] + frequency * count` over output tokens only. The GPU runtime's host fallback uses this
+module too, and `Sampler.distribution` exposes the final probabilities (for tests and speculative acceptance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ninfer_rt.errors import NinferError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. top_k=0, top_p=1, min_p=0 and neutral penalties switch a stage off;
+    temperature=0 or greedy=True picks the arg-max (after penalties)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        """Reject values no sampler can honour, naming the field."""
+        checks = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise NinferError(f"sampling {name}={getattr(self, name)!r}: must be {want}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling reduces to arg-max."""
+        return self.greedy or self.temperature == 0
+
+    @classmethod
+    def defaults_from_generation_config(cls, cfg: dict, **overrides) -> SamplingParams:
+        """The checkpoint's defaults from generation_config.json: do_sample false (or absent, as in HF) means
+        greedy; temperature, top_k, top_p, min_p, repetition_penalty when present; then overrides."""
+        fields: dict = {"greedy": not cfg.get("do_sample", False)}
+        for key, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
+                          ("repetition_penalty", float)):
+            value = cfg.get(key)
+            if value is not None:
+                try:
+                    fields[key] = kind(value)
+                except (TypeError, ValueError) as e:
+                    raise NinferError(f"generation_config.json: {key}={value!r} is not a number") from e
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
+                    params: SamplingParams) -> np.ndarray:
+    """Penalised logits (float64 copy): repetition over history, presence/frequency over history[prompt_len:]."""
+    x = np.asarray(logits, dtype=np.float64).copy()  # x: [V]
+    hist = np.asarray(history, dtype=np.int64)
+    if params.repetition_penalty != 1.0 and hist.size:
+        seen = np.unique(hist)
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and hist.size > prompt_len:
+        ids, counts = np.unique(hist[prompt_len:], return_counts=True)
+        x[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return x
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax of float64 logits; -inf entries get probability 0."""
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+class Sampler:
+    """Draws tokens under fixed SamplingParams with its own random stream (same seed, same tokens)."""
+
+    def __init__(self, params: SamplingParams):
+        """Start the random stream from params.seed (fresh OS entropy when None)."""
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (), prompt_len: int = 0) -> np.ndarray:
+        """Final probabilities over the vocabulary (float64 [V]) after every stage; one-hot when greedy.
+
+        history is prompt + output so far; its first prompt_len ids are the prompt.
+        """
+        p = self.params
+        x = apply_penalties(logits, history, prompt_len, p)  # x: [V]
+        vocab = x.shape[0]
+        if p.is_greedy:
+            out = np.zeros(vocab)
+            out[int(np.argmax(x))] = 1.0
+            return out
+        x /= p.temperature
+        # Work on the surviving candidates only: after top-k that is k entries instead of the vocabulary.
+        cand = np.arange(vocab)
+        if 0 < p.top_k < vocab:
+            kth = np.partition(x, vocab - p.top_k)[vocab - p.top_k]
+            cand = np.flatnonzero(x >= kth)  # ties with the k-th value stay, as in HF
+        xc = x[cand]
+        if p.top_p < 1.0:
+            probs = _softmax(xc)
+            order = np.argsort(-probs, kind="stable")
+            mass_before = np.cumsum(probs[order]) - probs[order]
+            # Smallest head reaching top_p: keep a token while the mass strictly above it is < top_p.
+            keep = order[mass_before < p.top_p]
+            cand, xc = cand[keep], xc[keep]
+        if p.min_p > 0.0:
+            probs = _softmax(xc)
+            keep = probs >= p.min_p * probs.max()
+            cand, xc = cand[keep], xc[keep]
+        out = np.zeros(vocab)
+        out[cand] = _softmax(xc)
+        return out
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), prompt_len: int = 0) -> int:
+        """Next token id for logits (float32 [V]); history is prompt + output so far, its first prompt_len
+        ids being the prompt (repetition penalty sees all of it, presence/frequency only the output)."""
+        probs = self.distribution(logits, history, prompt_len)
+        if self.params.is_greedy:
+            return int(np.argmax(probs))
+        cdf = np.cumsum(probs)
+        u = self._rng.random() * cdf[-1]
+        i = int(np.searchsorted(cdf, u, side="right"))
+        # u can round up to cdf[-1]; fall back to the last token that has probability.
+        return i if i < probs.shape[0] and probs[i] > 0 else int(np.flatnonzero(probs)[-1])

@@ -1,0 +1,153 @@
+"""The checkpoint's tokenizer, loaded from its files with `tokenizers` (no torch, no transformers).
+
+`Tokenizer.from_resources` takes the files by name (tokenizer.json required; tokenizer_config.json and
+generation_config.json optional) and exposes encode/decode, the stop ids, and a streaming detokenizer that only
+ever yields complete UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from ninfer_rt.errors import NinferError
+
+# Qwen chats end on <|im_end|>; raw text ends on <|endoftext|>: stop on either (facts §7).
+_QWEN_STOPS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _load_json(resources: dict[str, bytes], name: str) -> dict:
+    """Parse an optional JSON resource; {} when absent, NinferError naming the file when malformed."""
+    raw = resources.get(name)
+    if raw is None:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NinferError(f"{name}: malformed JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise NinferError(f"{name}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict with 'content'."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer with the checkpoint's stop, bos and pad ids."""
+
+    def __init__(self, backend: _HFTokenizer, tokenizer_config: dict, generation_config: dict):
+        """Wrap a loaded `tokenizers.Tokenizer`; use `from_resources` to build one from files."""
+        self._tok = backend
+        self.tokenizer_config = tokenizer_config
+        self.generation_config = generation_config
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+        eos: list[int] = []
+        gen_eos = generation_config.get("eos_token_id")
+        for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(i, int):
+                eos.append(i)
+        for text in (_token_text(tokenizer_config.get("eos_token")), *_QWEN_STOPS):
+            i = backend.token_to_id(text) if text else None
+            if i is not None:
+                eos.append(i)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.bos_id: int | None = self._special_id("bos")
+        self.pad_id: int | None = self._special_id("pad")
+
+    def _special_id(self, kind: str) -> int | None:
+        """bos/pad id: generation_config's `<kind>_token_id`, else tokenizer_config's `<kind>_token` looked up."""
+        i = self.generation_config.get(f"{kind}_token_id")
+        if isinstance(i, int):
+            return i
+        text = _token_text(self.tokenizer_config.get(f"{kind}_token"))
+        return self._tok.token_to_id(text) if text else None
+
+    @classmethod
+    def from_resources(cls, resources: dict[str, bytes]) -> Tokenizer:
+        """Build from checkpoint files by name: tokenizer.json (required), tokenizer_config.json and
+        generation_config.json (optional)."""
+        raw = resources.get("tokenizer.json")
+        if raw is None:
+            raise NinferError("tokenizer.json: missing (the checkpoint has no tokenizer)")
+        try:
+            backend = _HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise NinferError(f"tokenizer.json: malformed ({first})") from e
+        return cls(backend, _load_json(resources, "tokenizer_config.json"),
+                   _load_json(resources, "generation_config.json"))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text; special tokens written in the text (e.g. <|im_start|>) become their ids, no BOS."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ids; incomplete UTF-8 decodes to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary or added token, None when unknown."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        """Vocabulary spelling of an id (byte-level form), None when out of range."""
+        return self._tok.id_to_token(i)
+
+    def is_stop(self, i: int) -> bool:
+        """Whether generation ends on this id."""
+        return i in self.eos_ids
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer over this tokenizer."""
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of ids into text pieces; a piece is released only once its UTF-8 is complete.
+
+    Decodes a small window (from the last released boundary) rather than the whole stream, so each step costs
+    O(window), and the window keeps context for decoders whose output depends on the previous token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        """Start an empty stream."""
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already released as text
+
+    def push(self, i: int) -> str:
+        """Add one id; return the newly completed text ('' while a multi-byte character is still open)."""
+        self._ids.append(i)
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield the non-empty pieces of ids, then whatever `finish` releases."""
+        for i in ids:
+            piece = self.push(i)
+            if piece:
+                yield piece
+        tail = self.finish()
+        if tail:
+            yield tail
+
+    def finish(self) -> str:
+        """Release what is still held (an unfinished character comes out as U+FFFD) and reset the stream."""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        self._ids, self._prefix, self._read = [], 0, 0
+        return full_text[len(prefix_text):]

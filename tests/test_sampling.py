@@ -1,0 +1,222 @@
+"""Host sampler against straightforward re-implementations written here from the definitions.
+
+Allowed sets (top-k, top-p, min-p) and penalties are recomputed with plain Python loops; empirical frequencies are
+checked against the softmax with a binomial 5-sigma bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ninfer_pack.tiny_tokenizer import tiny_tokenizer_files
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import Sampler, SamplingParams, apply_penalties
+
+V = 48
+
+
+def _logits(seed: int, scale: float = 1.5, vocab: int = V) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(vocab) * scale).astype(np.float32)
+
+
+def _softmax_py(values: list[float]) -> list[float]:
+    """Softmax in Python floats; -inf -> 0."""
+    m = max(values)
+    e = [math.exp(v - m) if v != -math.inf else 0.0 for v in values]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def _draw(params: SamplingParams, logits: np.ndarray, n: int, history=(), prompt_len=0) -> Counter:
+    s = Sampler(params)
+    return Counter(s.sample(logits, list(history), prompt_len) for _ in range(n))
+
+
+# --- independent allowed sets ---------------------------------------------------------------------------
+
+def _allowed_top_k(logits: list[float], k: int) -> set[int]:
+    return set(sorted(range(len(logits)), key=lambda i: -logits[i])[:k])
+
+
+def _allowed_top_p(logits: list[float], p: float) -> set[int]:
+    probs = _softmax_py(logits)
+    out, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        out.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return out
+
+
+def _allowed_min_p(logits: list[float], min_p: float) -> set[int]:
+    probs = _softmax_py(logits)
+    return {i for i, q in enumerate(probs) if q >= min_p * max(probs)}
+
+
+def _masked(logits: list[float], keep: set[int]) -> list[float]:
+    return [v if i in keep else -math.inf for i, v in enumerate(logits)]
+
+
+def _top_p_margin(logits: list[float], p: float) -> float:
+    """Distance from p to the nearest cumulative sum: the test needs it well above float64 rounding."""
+    probs = sorted(_softmax_py(logits), reverse=True)
+    cums = np.cumsum(probs)
+    return float(np.min(np.abs(cums - p)))
+
+
+def test_greedy_is_argmax():
+    for seed in range(40):
+        logits = _logits(seed)
+        want = int(np.argmax(logits))
+        assert Sampler(SamplingParams(greedy=True)).sample(logits, []) == want
+        assert Sampler(SamplingParams(temperature=0.0)).sample(logits, []) == want
+
+
+def test_top_k_one_is_greedy():
+    for seed in range(40):
+        logits = _logits(seed)
+        assert Sampler(SamplingParams(top_k=1, seed=seed)).sample(logits, []) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 20])
+def test_top_k_stays_in_allowed_set(k):
+    logits = _logits(1, scale=0.7)
+    allowed = _allowed_top_k(logits.tolist(), k)
+    drawn = _draw(SamplingParams(top_k=k, seed=5), logits, 1500)
+    assert set(drawn) == allowed  # nothing outside, and (with these flat logits) every member appears
+
+
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.9])
+def test_top_p_stays_in_allowed_set(p):
+    logits = _logits(2, scale=1.2)
+    lst = logits.astype(np.float64).tolist()
+    assert _top_p_margin(lst, p) > 1e-6
+    allowed = _allowed_top_p(lst, p)
+    drawn = _draw(SamplingParams(top_p=p, seed=6), logits, 2000)
+    assert set(drawn) <= allowed
+    assert set(np.flatnonzero(Sampler(SamplingParams(top_p=p)).distribution(logits))) == allowed
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.6])
+def test_min_p_stays_in_allowed_set(min_p):
+    logits = _logits(3, scale=1.2)
+    allowed = _allowed_min_p(logits.astype(np.float64).tolist(), min_p)
+    drawn = _draw(SamplingParams(min_p=min_p, seed=7), logits, 2000)
+    assert set(drawn) <= allowed
+    assert set(np.flatnonzero(Sampler(SamplingParams(min_p=min_p)).distribution(logits))) == allowed
+
+
+def test_stages_compose_in_order():
+    # penalties are off here; temperature -> top-k -> top-p -> min-p, each on what the previous left
+    logits = _logits(4, scale=1.0)
+    t, k, p, mp = 0.8, 12, 0.8, 0.15
+    x = [v / t for v in logits.astype(np.float64).tolist()]
+    x = _masked(x, _allowed_top_k(x, k))
+    x = _masked(x, _allowed_top_p(x, p))
+    x = _masked(x, _allowed_min_p(x, mp))
+    want = _softmax_py(x)
+    got = Sampler(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp)).distribution(logits)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)  # both float64
+
+
+def test_temperature_to_zero_limit():
+    logits = _logits(8)
+    top = int(np.argmax(logits))
+    gap = float(np.sort(logits)[-1] - np.sort(logits)[-2])
+    for t in (1e-1, 1e-2, 1e-3):
+        probs = Sampler(SamplingParams(temperature=t)).distribution(logits)
+        # every other token is at most exp(-gap / t) times the top one
+        assert 1.0 - probs[top] <= V * math.exp(-gap / t) + 1e-15
+    assert set(_draw(SamplingParams(temperature=1e-3, seed=1), logits, 200)) == {top}
+
+
+def test_seed_determinism():
+    logits = _logits(9, scale=0.5)
+    params = SamplingParams(temperature=1.1, top_k=30, top_p=0.97, seed=1234)
+
+    def run(p):
+        s = Sampler(p)
+        return [s.sample(logits, []) for _ in range(300)]
+
+    assert run(params) == run(params)
+    assert run(params) != run(SamplingParams(temperature=1.1, top_k=30, top_p=0.97, seed=1235))
+
+
+def _naive_penalties(logits: list[float], history: list[int], prompt_len: int, rep: float, presence: float,
+                     frequency: float) -> list[float]:
+    """The definitions, token by token: repetition over prompt+output, presence/frequency over output."""
+    out = list(logits)
+    for tok in set(history):
+        out[tok] = out[tok] / rep if out[tok] > 0 else out[tok] * rep
+    counts: dict[int, int] = {}
+    for tok in history[prompt_len:]:
+        counts[tok] = counts.get(tok, 0) + 1
+    for tok, c in counts.items():
+        out[tok] -= frequency * c + presence
+    return out
+
+
+@pytest.mark.parametrize("rep, presence, frequency", [(1.3, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 0.4),
+                                                      (1.2, 0.7, 0.3), (0.8, -0.5, 0.2)])
+def test_penalties_match_definitions(rep, presence, frequency):
+    logits = _logits(10)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, V, 20).tolist()
+    output = rng.integers(0, V, 15).tolist() + [prompt[0], prompt[0]]  # repeats, some also in the prompt
+    history = prompt + output
+    params = SamplingParams(repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency)
+    want = _naive_penalties(logits.astype(np.float64).tolist(), history, len(prompt), rep, presence, frequency)
+    np.testing.assert_allclose(apply_penalties(logits, history, len(prompt), params), want, rtol=1e-14)
+    np.testing.assert_allclose(Sampler(params).distribution(logits, history, len(prompt)), _softmax_py(want),
+                               rtol=1e-12, atol=1e-15)
+    greedy = SamplingParams(greedy=True, repetition_penalty=rep, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    assert Sampler(greedy).sample(logits, history, len(prompt)) == int(np.argmax(want))
+
+
+def test_penalties_change_the_pick():
+    logits = np.zeros(V, dtype=np.float32)
+    logits[5], logits[6] = 3.0, 2.5
+    greedy = SamplingParams(greedy=True, presence_penalty=1.0)
+    assert Sampler(greedy).sample(logits, [5], prompt_len=1) == 5  # prompt tokens are not presence-penalised
+    assert Sampler(greedy).sample(logits, [5], prompt_len=0) == 6
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=21),
+                                    SamplingParams(temperature=1.3, top_k=4, seed=22)])
+def test_empirical_distribution_matches_softmax(params):
+    logits = _logits(12, scale=1.0, vocab=8)
+    x = [v / params.temperature for v in logits.astype(np.float64).tolist()]
+    if params.top_k:
+        x = _masked(x, _allowed_top_k(x, params.top_k))
+    probs = _softmax_py(x)
+    n = 20000
+    counts = _draw(params, logits, n)
+    for i, q in enumerate(probs):
+        # binomial count: mean n q, sd sqrt(n q (1 - q)); 5 sigma keeps a false alarm below 1e-6 per token
+        assert abs(counts.get(i, 0) - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1e-9, (i, counts.get(i, 0), n * q)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
+                                          ("min_p", 1.1), ("repetition_penalty", 0.0),
+                                          ("presence_penalty", math.nan)])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(NinferError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_defaults_from_generation_config():
+    cfg = json.loads(tiny_tokenizer_files()["generation_config.json"])
+    p = SamplingParams.defaults_from_generation_config(cfg)
+    assert (p.greedy, p.temperature, p.top_k, p.top_p) == (not cfg["do_sample"], cfg["temperature"], cfg["top_k"],
+                                                           cfg["top_p"])
+    assert SamplingParams.defaults_from_generation_config({}).is_greedy  # HF: do_sample defaults to false
+    assert SamplingParams.defaults_from_generation_config(cfg, seed=3, top_k=5).top_k == 5
+    with pytest.raises(NinferError, match="generation_config.json: top_p"):
+        SamplingParams.defaults_from_generation_config({"top_p": "high"})
