@@ -1,0 +1,362 @@
+"""The .ninfer artifact: the one module that knows the file's bytes (docs/format.md says the same in prose).
+
+    offset 0   prefix, 64 bytes:
+               magic "NINFER\\x1a\\n" (8) | version u32 LE | flags u32 LE (0) | header length u64 LE |
+               SHA-256 of the header (32) | 8 zero bytes
+    offset 64  header: UTF-8 JSON (model config and spec, tensor table, resources, recipe, provenance)
+    ...        zero padding up to payload_offset, a multiple of 4096
+    payload    tensors and resources at absolute offsets, each a multiple of 256; bytes are the kernels' layout
+
+The writer is atomic: everything goes to a hidden temporary file beside the output, which is fsynced and
+renamed into place only when complete, so an interrupted run never leaves a file at the output path.
+The reader maps the file (mmap) and validates the prefix, header checksum, schema, bounds and alignment
+before anything is used; tensor checksums are checked on demand (`verify_checksums`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ninfer_rt.errors import FormatError
+
+MAGIC = b"NINFER\x1a\n"  # \x1a and \n catch text-mode transfers, as PNG's signature does
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQ32s8x")  # 64 bytes
+PAYLOAD_ALIGN = 4096
+TENSOR_ALIGN = 256
+CHECKSUM = "sha256"
+_HEX_ZERO = "0" * 64  # placeholder of the final checksum's exact width, so the header length is known early
+
+
+def align_up(n: int, a: int) -> int:
+    """Round n up to a multiple of a."""
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class TensorEntry:
+    """One row of the tensor table.
+
+    name: the artifact tensor's name (a checkpoint name, or brace form for fused tensors);
+    parts: the checkpoint tensors it was made from, [{"name", "shape"}], in order;
+    transform/params: the named layout transform (ninfer_rt.layout) that produced `shape` from the parts;
+    format: the weight format (ninfer_rt.formats) of the bytes; offset/nbytes/sha256: where and what.
+    """
+
+    name: str
+    shape: list[int]
+    format: str
+    parts: list[dict]
+    transform: str = "identity"
+    params: dict = field(default_factory=dict)
+    group: str = "text"
+    offset: int = 0
+    nbytes: int = 0
+    sha256: str = _HEX_ZERO
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorEntry":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise FormatError(f"malformed tensor entry {d.get('name', '?')!r}: {e}") from None
+
+
+@dataclass
+class ResourceEntry:
+    """A file copied byte for byte from the checkpoint (tokenizer.json, chat template, ...)."""
+
+    name: str
+    offset: int = 0
+    nbytes: int = 0
+    sha256: str = _HEX_ZERO
+
+
+def _sha256(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _serialize(header: dict) -> bytes:
+    # sort_keys + fixed separators: the same content always gives the same bytes and the same length
+    return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[ResourceEntry]) -> tuple[dict, int]:
+    """Assign offsets to every object and return (header dict, payload_offset).
+
+    The header's length depends on the offsets it records, which depend on its length; a fixed point is
+    reached in a step or two because only the digit counts can change.
+    """
+    payload = PAYLOAD_ALIGN
+    while True:
+        pos = payload
+        for obj in [*tensors, *resources]:
+            pos = align_up(pos, TENSOR_ALIGN)
+            obj.offset = pos
+            pos += obj.nbytes
+        header = dict(meta, format="ninfer", version=VERSION, checksum=CHECKSUM, payload_offset=payload,
+                      file_size=pos, tensors=[asdict(t) for t in tensors],
+                      resources=[asdict(r) for r in resources])
+        need = align_up(PREFIX.size + len(_serialize(header)), PAYLOAD_ALIGN)
+        if need == payload:
+            return header, payload
+        payload = need
+
+
+class ArtifactWriter:
+    """Writes one artifact atomically.
+
+    Usage: construct with the tensor table (nbytes known from the size formulas) and the resources, then
+    `with writer: writer.write_tensor(name, buf) ...`; leaving the block normally publishes the file,
+    leaving it by an exception (or never calling every write_tensor) removes the temporary file.
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: dict, tensors: list[TensorEntry],
+                 resources: dict[str, bytes]):
+        self.path = Path(path)
+        self.tensors = {t.name: t for t in tensors}
+        if len(self.tensors) != len(tensors):
+            raise ValueError("duplicate tensor names in the artifact plan")
+        self._resources = resources
+        self._res_entries = [ResourceEntry(name=n, nbytes=len(b)) for n, b in resources.items()]
+        self.meta = meta
+        self.header, self.payload_offset = layout_objects(meta, tensors, self._res_entries)
+        self.file_size = self.header["file_size"]
+        self._written: set[str] = set()
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._fd: int | None = None
+
+    def __enter__(self) -> "ArtifactWriter":
+        if not self.path.parent.is_dir():
+            raise FormatError(f"output directory does not exist: {self.path.parent}")
+        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, self.file_size)  # sparse until written; reserves the full length
+        return self
+
+    def write_tensor(self, name: str, data) -> None:
+        """Write one tensor's bytes (exactly its planned nbytes) and record their checksum."""
+        entry = self.tensors[name]
+        view = memoryview(data).cast("B")
+        if view.nbytes != entry.nbytes:
+            raise ValueError(f"{name}: got {view.nbytes} bytes, the size formula says {entry.nbytes}")
+        self._pwrite_all(view, entry.offset)
+        entry.sha256 = _sha256(view)
+        self._written.add(name)
+
+    def _pwrite_all(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(self._fd, view[done:done + (1 << 30)], offset + done)
+
+    def _finish(self) -> None:
+        missing = [n for n in self.tensors if n not in self._written]
+        if missing:
+            raise ValueError(f"artifact incomplete: {len(missing)} tensors never written, first {missing[0]}")
+        for entry in self._res_entries:
+            data = self._resources[entry.name]
+            self._pwrite_all(memoryview(data), entry.offset)
+            entry.sha256 = _sha256(data)
+        header, payload = layout_objects(self.meta, list(self.tensors.values()), self._res_entries)
+        assert payload == self.payload_offset and header["file_size"] == self.file_size
+        raw = _serialize(header)
+        prefix = PREFIX.pack(MAGIC, VERSION, 0, len(raw), hashlib.sha256(raw).digest())
+        head = prefix + raw
+        self._pwrite_all(memoryview(head + bytes(payload - len(head))), 0)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        os.replace(self._tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+        self.header = header
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            if self._tmp.exists():
+                self._tmp.unlink()
+
+
+_REQUIRED = {"format": str, "version": int, "checksum": str, "payload_offset": int, "file_size": int,
+             "tensors": list, "resources": list, "model": dict, "recipe": dict, "provenance": dict}
+
+
+class Artifact:
+    """A validated, memory-mapped .ninfer file. Use `Artifact.open(path)`; close() or a with block."""
+
+    def __init__(self, path: Path, header: dict, mm: mmap.mmap | None, size: int):
+        self.path, self.header, self._mm, self.size = path, header, mm, size
+        self.tensors = {t["name"]: TensorEntry.from_dict(t) for t in header["tensors"]}
+        self.resources = {r["name"]: ResourceEntry(**r) for r in header["resources"]}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Artifact":
+        """Open and validate: magic, version, header checksum and schema, object bounds and alignment."""
+        path = Path(path)
+        if not path.exists():
+            raise FormatError(f"no such file: {path}")
+        if not path.is_file():
+            raise FormatError(f"not a file: {path}")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(PREFIX.size)
+            if len(prefix) < PREFIX.size:
+                raise FormatError(f"{path} is not a ninfer artifact (only {size} bytes)")
+            magic, version, _flags, hlen, hsum = PREFIX.unpack(prefix)
+            if magic != MAGIC:
+                raise FormatError(f"{path} is not a ninfer artifact (bad magic {magic[:8]!r})")
+            if version != VERSION:
+                raise FormatError(f"{path} is format version {version}; this ninfer reads version {VERSION}")
+            if PREFIX.size + hlen > size:
+                raise FormatError(f"{path} is truncated: the header needs {PREFIX.size + hlen} bytes, "
+                                  f"the file has {size}")
+            raw = f.read(hlen)
+        if hashlib.sha256(raw).digest() != hsum:
+            raise FormatError(f"{path}: header checksum mismatch (the header is corrupted)")
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+        _validate_header(path, header, size)
+        mm = None
+        if size > 0:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls(path, header, mm, size)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def __enter__(self) -> "Artifact":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def spec(self):
+        """The ModelSpec the artifact was made for."""
+        from ninfer_rt.config import ModelSpec
+
+        return ModelSpec.from_dict(self.header["model"]["spec"])
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's bytes, zero-copy from the mapping."""
+        e = self.tensors[name]
+        return memoryview(self._mm)[e.offset:e.offset + e.nbytes]
+
+    def resource(self, name: str) -> bytes:
+        r = self.resources[name]
+        return bytes(memoryview(self._mm)[r.offset:r.offset + r.nbytes])
+
+    def decode(self, name: str) -> np.ndarray:
+        """The tensor decoded to float32 in its artifact layout (after the layout transform)."""
+        from ninfer_rt.formats import get_format
+
+        e = self.tensors[name]
+        return get_format(e.format).decode(self.raw(name), tuple(e.shape))
+
+    def checkpoint_tensors(self, name: str) -> dict[str, np.ndarray]:
+        """Decode one artifact tensor and invert its layout transform: {checkpoint name: float32 array}."""
+        from ninfer_rt.layout import TensorPlan, apply_inverse
+
+        e = self.tensors[name]
+        plan = TensorPlan(name=e.name, parts=tuple(p["name"] for p in e.parts),
+                          part_shapes=tuple(tuple(p["shape"]) for p in e.parts), transform=e.transform,
+                          params=e.params, shape=tuple(e.shape))
+        return apply_inverse(plan, self.decode(name))
+
+    def verify_checksums(self, on_bytes: Callable[[int], None] | None = None) -> list[str]:
+        """SHA-256 of every tensor and resource against the table; returns the names that differ."""
+        bad = []
+        for obj in [*self.tensors.values(), *self.resources.values()]:
+            h = hashlib.sha256()
+            view = memoryview(self._mm)[obj.offset:obj.offset + obj.nbytes]
+            for i in range(0, obj.nbytes, 64 << 20):
+                h.update(view[i:i + (64 << 20)])
+            if on_bytes:
+                on_bytes(obj.nbytes)
+            if h.hexdigest() != obj.sha256:
+                bad.append(obj.name)
+        return bad
+
+
+def _validate_header(path: Path, h: dict, size: int) -> None:
+    """Schema, bounds, alignment and non-overlap; every failure names what is wrong."""
+    if not isinstance(h, dict):
+        raise FormatError(f"{path}: header is not a JSON object")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(h.get(key), typ):
+            raise FormatError(f"{path}: header field '{key}' is missing or not a {typ.__name__}")
+    if h["format"] != "ninfer" or h["version"] != VERSION:
+        raise FormatError(f"{path}: header says format {h['format']!r} version {h['version']}")
+    if h["file_size"] != size:
+        what = "truncated" if size < h["file_size"] else "longer than its header says"
+        raise FormatError(f"{path} is {what}: {size} bytes, the header says {h['file_size']}")
+    if h["payload_offset"] % PAYLOAD_ALIGN:
+        raise FormatError(f"{path}: payload offset {h['payload_offset']} is not a multiple of {PAYLOAD_ALIGN}")
+    spans = []
+    for kind in ("tensors", "resources"):
+        for obj in h[kind]:
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                raise FormatError(f"{path}: malformed entry in '{kind}'")
+            name, off, n = obj["name"], obj.get("offset"), obj.get("nbytes")
+            if not (isinstance(off, int) and isinstance(n, int)) or n < 0:
+                raise FormatError(f"{path}: {name}: offset/nbytes missing or invalid")
+            if off % TENSOR_ALIGN or off < h["payload_offset"] or off + n > size:
+                raise FormatError(f"{path}: {name}: bytes [{off}, {off + n}) are misaligned or out of bounds")
+            sha = obj.get("sha256")
+            if not (isinstance(sha, str) and len(sha) == 64):
+                raise FormatError(f"{path}: {name}: missing checksum")
+            spans.append((off, off + n, name))
+    for kind in ("tensors",):
+        for t in h[kind]:
+            _validate_tensor(path, t)
+    spans.sort()
+    for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise FormatError(f"{path}: {an} and {bn} overlap")
+    names = [t["name"] for t in h["tensors"]]
+    if len(set(names)) != len(names):
+        raise FormatError(f"{path}: duplicate tensor names in the table")
+
+
+def _validate_tensor(path: Path, t: dict) -> None:
+    from ninfer_rt.formats import get_format
+
+    shape = t.get("shape")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
+        raise FormatError(f"{path}: {t['name']}: invalid shape {shape!r}")
+    try:
+        fmt = get_format(t.get("format"))
+    except Exception:
+        raise FormatError(f"{path}: {t['name']}: unknown weight format {t.get('format')!r}") from None
+    if fmt.nbytes(tuple(shape)) != t["nbytes"]:
+        raise FormatError(f"{path}: {t['name']}: {t['nbytes']} bytes, but {fmt.name} {shape} needs "
+                          f"{fmt.nbytes(tuple(shape))}")
+    if not isinstance(t.get("parts"), list) or not t["parts"]:
+        raise FormatError(f"{path}: {t['name']}: no parts listed")
+
+
+def iter_entries(header: dict) -> Iterable[TensorEntry]:
+    """Tensor entries of a parsed header, in file order."""
+    return (TensorEntry.from_dict(t) for t in header["tensors"])
