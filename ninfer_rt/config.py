@@ -1,0 +1,492 @@
+"""The model described from config.json, for the whole qwen3_5 / qwen3_5_moe (Qwen3.5 / Qwen3.6) family.
+
+`ModelSpec.from_config` reads the three shapes config.json comes in: the VLM form (top-level `model_type`
+qwen3_5 / qwen3_5_moe with a nested `text_config` and usually a `vision_config`), the flat text-only form
+(`qwen3_5_text` / `qwen3_5_moe_text`), and FP8 releases (a top-level `quantization_config`). Nothing is
+specific to one checkpoint: every dimension comes from the file, defaults are transformers' own.
+
+`ModelSpec.tensor_shapes()` lists every tensor the model implies under its canonical name
+(docs/architecture.md): language model under `model.language_model.`, `lm_head`, `mtp.*` with fused expert
+banks, `model.visual.*`. numpy-free and torch-free: this module is plain Python.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ninfer_rt.errors import ConfigError, SourceError
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
+LINEAR, FULL = "linear_attention", "full_attention"
+GROUPS = ("text", "mtp", "vision")
+# transformers' rotary embedding falls back to this split when rope_parameters has no mrope_section.
+_HF_MROPE_SECTION = (11, 11, 10)
+_VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                  "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings")
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One canonical tensor: its shape and the part of the model it belongs to ("text", "mtp" or "vision")."""
+
+    shape: tuple[int, ...]
+    group: str
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower (ViT + 2x2 patch merger) of a Qwen3.5/3.6 VLM checkpoint."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_size(self) -> int:
+        """Width of one merged token: spatial_merge_size² patches concatenated."""
+        return self.hidden_size * self.spatial_merge_size ** 2
+
+
+class _Fields:
+    """Typed access to one JSON object of config.json; errors name the file and the dotted field path."""
+
+    def __init__(self, obj: dict, source: str, prefix: str):
+        self.obj, self.source, self.prefix = obj, source, prefix
+
+    def error(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.prefix}{key} {what}")
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def get_int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.obj.get(key)
+        if value is None:
+            if default is None:
+                raise self.error(key, "is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def get_float(self, key: str, default: float) -> float:
+        value = self.obj.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"must be a number, got {value!r}")
+        return float(value)
+
+    def get_dict(self, key: str) -> dict | None:
+        value = self.obj.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self.error(key, f"must be an object, got {type(value).__name__}")
+        return value
+
+
+def _token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An `eos_token_id`-style value (null, an id, or a list of ids) as a tuple."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise ConfigError(f"{where} must be a token id or a list of token ids, got {value!r}")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Qwen3.5/3.6 model as config.json describes it: the text model, the MTP head and the vision tower.
+
+    Dense members (family "qwen3_5") have `intermediate_size` and `num_experts == 0`; MoE members have
+    `intermediate_size is None` and the four MoE sizes. `raw` is the config.json object it was read from.
+    """
+
+    family: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: int | None
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool
+    rope_parameters: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mtp_num_hidden_layers: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    vision: VisionSpec | None
+    quantization: dict | None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived sizes ----
+    @property
+    def is_moe(self) -> bool:
+        """True for the qwen3_5_moe family (routed experts + shared expert in every layer)."""
+        return self.family == "qwen3_5_moe"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each attention head that get (m)RoPE; the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        """Gated DeltaNet q (and k) width: key heads × key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Gated DeltaNet v (and z, output) width: value heads × value head dim."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the DeltaNet causal conv: [q | k | v]."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the gated softmax-attention layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    # ---- reading ----
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelSpec:
+        """Read a config.json file (or the config.json inside a checkpoint directory)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise SourceError(f"{path}: no such file")
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_config(cfg, source=str(path))
+
+    @classmethod
+    def from_config(cls, cfg: dict, source: str = "config.json") -> ModelSpec:
+        """Describe the model of a parsed config.json (VLM, text-only or FP8 form); `source` names it in errors."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        top = _Fields(cfg, source, "")
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            raise top.error("model_type", "is missing")
+        if model_type in FAMILIES:  # VLM form: the language model lives under text_config
+            family = model_type
+            text_cfg = top.get_dict("text_config")
+            if text_cfg is None:
+                raise top.error("text_config", "is missing")
+            text = _Fields(text_cfg, source, "text_config.")
+            inner = text_cfg.get("model_type")
+            if inner is not None and inner != family + "_text":
+                raise text.error("model_type", f"is {inner!r}, which does not match model_type {family!r}")
+            vision_cfg = top.get_dict("vision_config")
+            tie = cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
+        elif model_type in tuple(f + "_text" for f in FAMILIES):
+            family, text, vision_cfg = model_type[: -len("_text")], top, None
+            tie = cfg.get("tie_word_embeddings", False)
+        else:
+            raise ConfigError(f"unsupported architecture {model_type!r}: ninfer supports "
+                              f"{', '.join(FAMILIES)} (Qwen3.5/Qwen3.6)")
+        t = text.obj
+
+        num_layers = text.get_int("num_hidden_layers")
+        if t.get("layer_types") is not None:
+            if not isinstance(t["layer_types"], list):
+                raise text.error("layer_types", "must be a list")
+            layer_types = tuple(t["layer_types"])
+        else:  # transformers' rule: every interval-th layer (1-based) is full attention
+            interval = text.get_int("full_attention_interval", default=4)
+            layer_types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
+
+        # Rope settings: rope_parameters (or the older rope_scaling) first, then text-config top level.
+        rope = text.get_dict("rope_parameters") or text.get_dict("rope_scaling") or {}
+        rp = _Fields(rope, source, text.prefix + ("rope_parameters." if t.get("rope_parameters") else
+                                                  "rope_scaling." if t.get("rope_scaling") else ""))
+        rope_theta = rp.get_float("rope_theta", text.get_float("rope_theta", 10000.0))
+        partial = rp.get_float("partial_rotary_factor", text.get_float("partial_rotary_factor", 0.25))
+        section = rope.get("mrope_section", t.get("mrope_section"))
+        if section is None:
+            section = _HF_MROPE_SECTION
+        elif not (isinstance(section, list) and all(isinstance(s, int) and s >= 0 for s in section)):
+            raise rp.error("mrope_section", f"must be a list of non-negative integers, got {section!r}")
+
+        if family == "qwen3_5_moe":
+            moe = {k: text.get_int(k) for k in _MOE_FIELDS}
+            intermediate = None
+        else:
+            moe = dict.fromkeys(_MOE_FIELDS, 0)
+            intermediate = text.get_int("intermediate_size")
+
+        bos = t.get("bos_token_id", cfg.get("bos_token_id"))
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+            raise text.error("bos_token_id", f"must be a token id, got {bos!r}")
+        eos_raw = t.get("eos_token_id", cfg.get("eos_token_id"))
+        quant = top.get_dict("quantization_config") or text.get_dict("quantization_config")
+
+        spec = cls(
+            family=family,
+            hidden_size=text.get_int("hidden_size"),
+            num_hidden_layers=num_layers,
+            vocab_size=text.get_int("vocab_size"),
+            num_attention_heads=text.get_int("num_attention_heads"),
+            num_key_value_heads=text.get_int("num_key_value_heads"),
+            head_dim=text.get_int("head_dim"),
+            layer_types=layer_types,
+            linear_num_key_heads=text.get_int("linear_num_key_heads"),
+            linear_num_value_heads=text.get_int("linear_num_value_heads"),
+            linear_key_head_dim=text.get_int("linear_key_head_dim"),
+            linear_value_head_dim=text.get_int("linear_value_head_dim"),
+            linear_conv_kernel_dim=text.get_int("linear_conv_kernel_dim", default=4),
+            intermediate_size=intermediate,
+            **moe,
+            rms_norm_eps=text.get_float("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            mrope_section=tuple(section),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+            rope_parameters=copy.deepcopy(rope),
+            max_position_embeddings=text.get_int("max_position_embeddings", default=32768),
+            tie_word_embeddings=bool(tie),
+            mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0),
+            bos_token_id=bos,
+            eos_token_ids=_token_ids(eos_raw, f"{source}: {text.prefix}eos_token_id"),
+            vision=_vision(vision_cfg, source) if vision_cfg is not None else None,
+            quantization=copy.deepcopy(quant),
+            raw=copy.deepcopy(cfg),
+        )
+        spec._validate(source, text.prefix, rp.prefix, section_given=section is not _HF_MROPE_SECTION)
+        return spec
+
+    def _validate(self, source: str, prefix: str, rope_prefix: str, section_given: bool = True) -> None:
+        """Cross-field consistency; each failure names the fields that disagree."""
+        p = prefix
+
+        def fail(msg: str) -> ConfigError:
+            return ConfigError(f"{source}: {msg}")
+
+        if self.family not in FAMILIES:
+            raise fail(f"family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise fail(f"{p}layer_types has {len(self.layer_types)} entries but {p}num_hidden_layers is "
+                       f"{self.num_hidden_layers}")
+        for i, lt in enumerate(self.layer_types):
+            if lt not in (LINEAR, FULL):
+                raise fail(f"{p}layer_types[{i}] is {lt!r}; expected {LINEAR!r} or {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise fail(f"{p}num_attention_heads ({self.num_attention_heads}) is not divisible by "
+                       f"{p}num_key_value_heads ({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise fail(f"{p}linear_num_value_heads ({self.linear_num_value_heads}) is not divisible by "
+                       f"{p}linear_num_key_heads ({self.linear_num_key_heads})")
+        rot = self.rotary_dim
+        if rot <= 0 or rot % 2 or rot > self.head_dim:
+            raise fail(f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {rot} "
+                       f"for head_dim {self.head_dim}; it must be even and in 2..head_dim")
+        if sum(self.mrope_section) != rot // 2:
+            what = "" if section_given else " (absent, so transformers' default)"
+            raise fail(f"{rope_prefix}mrope_section {list(self.mrope_section)}{what} sums to "
+                       f"{sum(self.mrope_section)}, but rotary_dim/2 is {rot // 2}")
+        if self.is_moe:
+            if self.intermediate_size is not None:
+                raise fail(f"{p}intermediate_size must be unset for the qwen3_5_moe family")
+            if self.num_experts_per_tok > self.num_experts:
+                raise fail(f"{p}num_experts_per_tok ({self.num_experts_per_tok}) exceeds {p}num_experts "
+                           f"({self.num_experts})")
+        elif self.intermediate_size is None or self.num_experts:
+            raise fail(f"{p}intermediate_size must be set and num_experts 0 for the dense qwen3_5 family")
+        v = self.vision
+        if v is not None and v.hidden_size % v.num_heads:
+            raise fail(f"vision_config.hidden_size ({v.hidden_size}) is not divisible by "
+                       f"vision_config.num_heads ({v.num_heads})")
+
+    # ---- tensors ----
+    def tensor_shapes(self) -> dict[str, TensorInfo]:
+        """Every tensor of the model under its canonical name, in checkpoint order: text, then mtp, then vision.
+
+        Routed experts are fused banks `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`,
+        FP8 pairs are one dequantized `weight`, and lm_head is absent when tied to the embedding.
+        """
+        out: dict[str, TensorInfo] = {}
+        H, V = self.hidden_size, self.vocab_size
+        lm = "model.language_model."
+        out[lm + "embed_tokens.weight"] = TensorInfo((V, H), "text")
+        for i, lt in enumerate(self.layer_types):
+            self._add_decoder_layer(out, f"{lm}layers.{i}.", lt, "text")
+        out[lm + "norm.weight"] = TensorInfo((H,), "text")
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = TensorInfo((V, H), "text")
+        if self.mtp_num_hidden_layers:
+            out["mtp.fc.weight"] = TensorInfo((H, 2 * H), "mtp")  # input: concat(embedding, hidden)
+            for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+                out[f"mtp.{n}.weight"] = TensorInfo((H,), "mtp")
+            for i in range(self.mtp_num_hidden_layers):
+                self._add_decoder_layer(out, f"mtp.layers.{i}.", FULL, "mtp")
+            out["mtp.norm.weight"] = TensorInfo((H,), "mtp")
+        if self.vision is not None:
+            self._add_vision(out)
+        return out
+
+    def _add_decoder_layer(self, out: dict[str, TensorInfo], p: str, layer_type: str, group: str) -> None:
+        H = self.hidden_size
+
+        def add(name: str, *shape: int) -> None:
+            out[p + name] = TensorInfo(tuple(shape), group)
+
+        add("input_layernorm.weight", H)
+        if layer_type == LINEAR:
+            nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+            add("linear_attn.in_proj_qkv.weight", self.conv_dim, H)
+            add("linear_attn.in_proj_z.weight", self.value_dim, H)
+            add("linear_attn.in_proj_b.weight", nv, H)
+            add("linear_attn.in_proj_a.weight", nv, H)
+            add("linear_attn.conv1d.weight", self.conv_dim, 1, self.linear_conv_kernel_dim)
+            add("linear_attn.A_log", nv)
+            add("linear_attn.dt_bias", nv)
+            add("linear_attn.norm.weight", dv)
+            add("linear_attn.out_proj.weight", H, self.value_dim)
+        else:
+            d, nh, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
+            add("self_attn.q_proj.weight", 2 * nh * d, H)  # per head: d query rows, then d gate rows
+            add("self_attn.k_proj.weight", nkv * d, H)
+            add("self_attn.v_proj.weight", nkv * d, H)
+            add("self_attn.o_proj.weight", H, nh * d)
+            add("self_attn.q_norm.weight", d)
+            add("self_attn.k_norm.weight", d)
+        add("post_attention_layernorm.weight", H)
+        if self.is_moe:
+            E, I, Is = self.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
+            add("mlp.gate.weight", E, H)
+            add("mlp.experts.gate_up_proj", E, 2 * I, H)  # gate rows, then up rows, per expert
+            add("mlp.experts.down_proj", E, H, I)
+            add("mlp.shared_expert.gate_proj.weight", Is, H)
+            add("mlp.shared_expert.up_proj.weight", Is, H)
+            add("mlp.shared_expert.down_proj.weight", H, Is)
+            add("mlp.shared_expert_gate.weight", 1, H)
+        else:
+            I = self.intermediate_size
+            add("mlp.gate_proj.weight", I, H)
+            add("mlp.up_proj.weight", I, H)
+            add("mlp.down_proj.weight", H, I)
+
+    def _add_vision(self, out: dict[str, TensorInfo]) -> None:
+        v = self.vision
+        hid, M = v.hidden_size, v.merged_size
+
+        def add(name: str, *shape: int) -> None:
+            out["model.visual." + name] = TensorInfo(tuple(shape), "vision")
+
+        add("patch_embed.proj.weight", hid, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        add("patch_embed.proj.bias", hid)
+        add("pos_embed.weight", v.num_position_embeddings, hid)
+        for b in range(v.depth):
+            p = f"blocks.{b}."
+            for n in ("norm1", "norm2"):
+                add(p + n + ".weight", hid)
+                add(p + n + ".bias", hid)
+            for n, rows, cols in (("attn.qkv", 3 * hid, hid), ("attn.proj", hid, hid),
+                                  ("mlp.linear_fc1", v.intermediate_size, hid),
+                                  ("mlp.linear_fc2", hid, v.intermediate_size)):
+                add(p + n + ".weight", rows, cols)
+                add(p + n + ".bias", rows)
+        add("merger.norm.weight", hid)
+        add("merger.norm.bias", hid)
+        add("merger.linear_fc1.weight", M, M)
+        add("merger.linear_fc1.bias", M)
+        add("merger.linear_fc2.weight", v.out_hidden_size, M)
+        add("merger.linear_fc2.bias", v.out_hidden_size)
+
+    def num_parameters(self, groups: tuple[str, ...] = GROUPS) -> int:
+        """Total elements over tensor_shapes() in the given groups."""
+        return sum(t.numel for t in self.tensor_shapes().values() if t.group in groups)
+
+    # ---- serialisation (the artifact header carries the spec) ----
+    def to_dict(self) -> dict:
+        """A JSON-able dict of every field (tuples become lists, `vision` a dict); inverse of from_dict."""
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, VisionSpec):
+                value = {k: getattr(value, k) for k in _VISION_FIELDS}
+            elif isinstance(value, tuple):
+                value = list(value)
+            d[f.name] = copy.deepcopy(value)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelSpec:
+        """Rebuild a spec from to_dict() output (e.g. an artifact header), checking it as from_config does."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"model spec: expected an object, got {type(d).__name__}")
+        kw = {}
+        for f in fields(cls):
+            if f.name not in d:
+                if f.name == "raw":
+                    continue
+                raise ConfigError(f"model spec: field {f.name} is missing")
+            kw[f.name] = copy.deepcopy(d[f.name])
+        for name in ("layer_types", "mrope_section", "eos_token_ids"):
+            kw[name] = tuple(kw[name])
+        if kw["vision"] is not None:
+            try:
+                kw["vision"] = VisionSpec(**kw["vision"])
+            except TypeError as e:
+                raise ConfigError(f"model spec: vision is malformed ({e})") from None
+        spec = cls(**kw)
+        spec._validate("model spec", "", "")
+        return spec
+
+
+def _vision(cfg: dict, source: str) -> VisionSpec:
+    """Read vision_config; every size is required except in_channels (3, RGB)."""
+    r = _Fields(cfg, source, "vision_config.")
+    return VisionSpec(**{k: r.get_int(k, default=3 if k == "in_channels" else None) for k in _VISION_FIELDS})
