@@ -1,0 +1,168 @@
+"""Choosing codes: max-abs baseline, the scale search's gain on heavy tails, and the exact decode check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ninfer_pack.quant as quant
+from ninfer_pack.quant import check_decoded, quantize_rows
+from ninfer_rt.errors import NinferError
+from ninfer_rt.formats import get_format
+
+BITS = (4, 5, 6, 8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # two OpenMP threads on a 2-core machine shared with other jobs run ~10x slower than one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def student_t(rows, k, seed):
+    """Heavy-tailed weights (Student-t, 3 degrees of freedom) and lognormal per-channel importance."""
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.standard_t(3, size=(rows, k)).astype(np.float32))
+    imp = torch.from_numpy(np.exp(1.5 * rng.standard_normal(k)).astype(np.float32))
+    return w, imp
+
+
+def group_err(w, q, s, group, imp=None):
+    """Σ imp (w - float32(s) q)^2 per group in float64 (exact products, ~2^-53 sums): [R, Kp/G]."""
+    rows, kp = q.shape
+    w_pad = torch.nn.functional.pad(w.double(), (0, kp - w.shape[1]))
+    d = (w_pad - (q.double().reshape(rows, -1, group) * s.double().unsqueeze(-1)).reshape(rows, kp)) ** 2
+    if imp is not None:
+        d = d * torch.nn.functional.pad(imp.double(), (0, kp - w.shape[1]))
+    return d.reshape(rows, -1, group).sum(-1)
+
+
+def decode(q, s, bits, group, k):
+    """Decode through the artifact's byte layout, as `ninfer-pack verify` does."""
+    fmt = get_format(f"q{bits}g{group}")
+    shape = (q.shape[0], k)
+    return torch.from_numpy(fmt.decode(fmt.pack(q.numpy(), s.numpy()), shape))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_maxabs_is_the_plain_formula_and_passes_the_check(bits):
+    w, _ = student_t(64, 200, bits)
+    q, s = quantize_rows(w, bits, 32, search=False)
+    qmax = 2 ** (bits - 1) - 1
+    assert q.shape == (64, 256) and q.dtype == torch.int8 and s.shape == (64, 8) and s.dtype == torch.float16
+    w_np = np.pad(w.numpy(), ((0, 0), (0, 56))).reshape(64, 8, 32)
+    want = (np.abs(w_np).max(-1) / np.float32(qmax)).astype(np.float16)  # fp32 divide, then RNE to fp16
+    assert np.array_equal(s.numpy().view(np.uint16), want.view(np.uint16))
+    assert not q[:, 200:].any() and not s[:, 7:].any()  # K padding: zero codes, padding-only group scale 0
+    ok, detail = check_decoded(w, decode(q, s, bits, 32, 200), s, bits, 32)
+    assert ok, detail
+    assert " 0 clipped" in detail  # max-abs never clips: fp16 rounding moves |w/s| by < qmax * 2^-11
+
+
+# error ratio search / max-abs measured on this data (q*g64, [256, 2000], seeds 0-2): without importance
+# 0.72, 0.85, 0.91, 0.95; with importance 0.54-0.58, 0.68-0.72, 0.78-0.80, 0.85-0.87. Bars sit above those.
+BARS = {4: (0.76, 0.62), 5: (0.88, 0.76), 6: (0.94, 0.84), 8: (0.97, 0.92)}
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "importance"])
+def test_search_beats_maxabs_on_heavy_tails(bits, weighted):
+    w, imp = student_t(256, 2000, 7)
+    imp = imp if weighted else None
+    q0, s0 = quantize_rows(w, bits, 64, search=False)
+    q1, s1 = quantize_rows(w, bits, 64, importance=imp, search=True)
+    e0, e1 = group_err(w, q0, s0, 64, imp), group_err(w, q1, s1, 64, imp)
+    ratio = float(e1.sum() / e0.sum())
+    assert ratio < BARS[bits][weighted], f"q{bits}g64 error ratio {ratio:.3f}"
+    # never worse on any group: the search compares fp32 sums of G terms (each relative error <= (G+2)u,
+    # u = 2^-24), so its "not worse" can be off by 2(G+2)u relative in exact arithmetic
+    tol = 2 * (64 + 2) * 2.0 ** -24
+    worst = float((e1 - e0 * (1 + tol)).max())
+    assert worst <= 0, f"a group got worse by {worst}"
+    ok, detail = check_decoded(w, decode(q1, s1, bits, 64, 2000), s1, bits, 64)
+    assert ok, detail
+
+
+def test_importance_steers_the_error():
+    w, imp = student_t(128, 1024, 3)
+    q_plain, s_plain = quantize_rows(w, 4, 128)
+    q_imp, s_imp = quantize_rows(w, 4, 128, importance=imp)
+    # judged by the weighted error, using the importance must help, and by the plain error it must cost
+    assert group_err(w, q_imp, s_imp, 128, imp).sum() < 0.95 * group_err(w, q_plain, s_plain, 128, imp).sum()
+    assert group_err(w, q_imp, s_imp, 128).sum() > group_err(w, q_plain, s_plain, 128).sum()
+
+
+def test_search_uses_the_negative_end_of_the_code_range():
+    # one large positive outlier per group: mapping it to -8 with a negative scale is the finer grid
+    w = torch.linspace(-1, 1, 128).repeat(4, 1)
+    w[:, 5] = 8.0
+    q, s = quantize_rows(w, 4, 128)
+    assert (s < 0).all() and (q[:, 5] == -8).all()
+    assert group_err(w, q, s, 128).sum() < group_err(w, *quantize_rows(w, 4, 128, search=False), 128).sum()
+
+
+def test_chunking_and_zero_rows_do_not_change_results(monkeypatch):
+    w, imp = student_t(37, 300, 5)
+    w[3] = 0
+    q, s = quantize_rows(w, 5, 32, importance=imp)
+    assert not q[3].any() and not s[3].any()
+    monkeypatch.setattr(quant, "_CHUNK_ELEMS", 1000)  # one row per chunk
+    q2, s2 = quantize_rows(w, 5, 32, importance=imp)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.int16), s2.view(torch.int16))
+
+
+def test_bad_inputs_name_the_culprit():
+    w = torch.ones(4, 128)
+    w[2, 17] = float("nan")
+    with pytest.raises(NinferError, match="row 2 col 17 is nan"):
+        quantize_rows(w, 4, 64)
+    with pytest.raises(NinferError, match="importance must be 128"):
+        quantize_rows(torch.ones(4, 128), 4, 64, importance=torch.ones(64))
+    with pytest.raises(NinferError, match="row 1: a group's scale overflows fp16"):
+        quantize_rows(torch.tensor([[1.0] * 128, [1e7] * 128]), 4, 64, search=False)
+    with pytest.raises(ValueError, match="no format q3g64"):
+        quantize_rows(torch.ones(4, 128), 3, 64)
+
+
+def test_check_decoded_by_hand():
+    # q4, scale 0.5, one group of 32 (K padded to 128: three padding groups with scale 0); qmax + 1/2 = 7.5
+    w = torch.zeros(1, 32)
+    w[0, :5] = torch.tensor([0.3, 3.74, 3.76, -3.9, -4.3])  # w/s: 0.6, 7.48, 7.52, -7.8, -8.6
+    s = torch.tensor([[0.5, 0, 0, 0]], dtype=torch.float16)
+    good = w.clone()
+    good[0, :5] = torch.tensor([0.5, 3.5, 3.5, -4.0, -4.0])  # in range, in range, clipped (x3): the ends
+    ok, detail = check_decoded(w, good, s, 4, 32)
+    assert ok and "3 clipped" in detail, detail
+    for col, value in [(0, 0.0), (1, 3.0), (2, 3.0), (4, -3.5)]:
+        bad = good.clone()
+        bad[0, col] = value
+        ok, detail = check_decoded(w, bad, s, 4, 32)
+        assert not ok and f"row 0 col {col}:" in detail, (col, detail)
+    ok, detail = check_decoded(w, good, torch.tensor([[0.5, 0, 0.25, 0]], dtype=torch.float16), 4, 32)
+    assert not ok and "padding group 2" in detail
+    ok, detail = check_decoded(w, good, torch.tensor([[float("inf"), 0, 0, 0]], dtype=torch.float16), 4, 32)
+    assert not ok and "group 0 has scale inf" in detail
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_check_decoded_rejects_one_code_off_by_one(bits):
+    w, imp = student_t(16, 200, bits)
+    q, s = quantize_rows(w, bits, 64, importance=imp)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    assert check_decoded(w, decode(q, s, bits, 64, 200), s, bits, 64)[0]
+    fmt = get_format(f"q{bits}g64")
+    stored = fmt.pack(q.numpy(), s.numpy()).tobytes()  # read-only numpy views, as verify gets from the file
+    assert check_decoded(w.numpy(), fmt.decode(stored, (16, 200)), fmt.unpack(stored, (16, 200))[1], bits, 64)[0]
+    ratio = (w / s.float().repeat_interleave(64, 1)[:, :200]).abs()
+    inside = ((q[:, :200] > qmin) & (q[:, :200] < qmax)).nonzero()
+    clipped = (ratio > qmax + 0.5).nonzero()
+    assert len(clipped), "the search clips heavy tails, so some element must be clipped"
+    for (r, c), step in [(inside[len(inside) // 2], 1), (inside[0], -1), (clipped[0], None)]:
+        q_bad = q.clone()
+        q_bad[r, c] += step if step is not None else (1 if q[r, c] == qmin else -1)  # clipped: step inward
+        ok, detail = check_decoded(w, decode(q_bad, s, bits, 64, 200), s, bits, 64)
+        assert not ok and f"row {int(r)} col {int(c)}:" in detail, detail
