@@ -1,0 +1,252 @@
+"""Reference ops against transformers' own Qwen3.5 functions and modules, and against closed-form maths.
+
+Tolerances. Where our op performs the same fp32 (or bf16) operations in the same order as HF, the check is
+bit-exact. Elsewhere only the summation order differs: fp32 unit roundoff is u = 2^-24 ≈ 6e-8, and every
+reduction here has n ≤ 128 terms, so the worst-case relative error n·u ≈ 8e-6 stays under rel = 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+
+from hf_tiny import assert_close_rel, text_config_kwargs
+from ninfer_rt.reference import ops
+
+FP32_REL = 1e-5  # n·u for reductions of n ≤ 128 fp32 terms (module docstring)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors on 2 shared cores: torch's thread pool only adds contention (10x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gen(seed: int) -> torch.Generator:
+    """A seeded CPU generator."""
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(*shape, seed: int = 0, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    """Seeded N(0, scale²) values of `shape`, then cast to `dtype`."""
+    return (scale * torch.randn(*shape, generator=gen(seed))).to(dtype)
+
+
+def decay_inputs(T: int, nv: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """g ≤ 0 and β in (0, 1) distributed as the model makes them (A = U(0.01, 16), as hf_tiny)."""
+    g_ = gen(seed)
+    A = torch.empty(nv).uniform_(0.01, 16, generator=g_)
+    a, dt, b = torch.randn(T, nv, generator=g_), 0.5 * torch.randn(nv, generator=g_), torch.randn(T, nv, generator=g_)
+    return -A * F.softplus(a + dt), torch.sigmoid(b)
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_zc_is_hf_bit_for_bit(dtype):
+    norm = hf.Qwen3_5RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(rand(64, seed=1, scale=0.1))
+    norm = norm.to(dtype)
+    x = rand(5, 3, 64, seed=2, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(ops.rms_norm_zc(x, norm.weight, 1e-6), norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_is_hf_bit_for_bit(dtype):
+    # bf16 exposes the cast order: normalise in fp32, cast, weight multiply in bf16, gate in fp32
+    norm = hf.Qwen3_5RMSNormGated(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + rand(16, seed=1, scale=0.1))
+    norm = norm.to(dtype)
+    o, z = rand(7, 4, 16, seed=2, dtype=dtype), rand(7, 4, 16, seed=3, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(ops.gated_rms_norm(o, z, norm.weight, 1e-6), norm(o, z))
+
+
+def test_l2norm_is_hf_and_unit_length():
+    x = rand(9, 2, 16, seed=4)
+    assert torch.equal(ops.l2norm(x), hf.l2norm(x, dim=-1, eps=1e-6))
+    assert torch.allclose(ops.l2norm(x).norm(dim=-1), torch.ones(9, 2), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+
+
+def test_mrope_axis_split_of_the_real_checkpoints():
+    # qwen36-architecture.md §3.3: rot 64, section [11, 11, 10] -> T {0,3,..,30}, H {1,4,..,31}, W {2,5,..,29}
+    axis = ops.mrope_axis(64, [11, 11, 10])
+    assert (axis == 0).nonzero().flatten().tolist() == list(range(0, 31, 3))
+    assert (axis == 1).nonzero().flatten().tolist() == list(range(1, 32, 3))
+    assert (axis == 2).nonzero().flatten().tolist() == list(range(2, 30, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cos_sin_is_hf_for_three_distinct_position_rows(dtype):
+    # real dims (head 256, partial 0.25 -> rot 64, section [11, 11, 10]); distinct T/H/W rows test the axis choice
+    cfg = tf.Qwen3_5TextConfig(head_dim=256, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    rotary = hf.Qwen3_5TextRotaryEmbedding(cfg)
+    pos = torch.stack([torch.arange(40) + 7, torch.arange(40) // 5 + 3, torch.arange(40) % 5 + 11])  # [3, T]
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), pos[:, None, :])
+    cos, sin = ops.rope_cos_sin(pos, 64, 1e7, [11, 11, 10], dtype)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    # text positions: one row means all three axes equal
+    text_cos, _ = ops.rope_cos_sin(pos[0], 64, 1e7, [11, 11, 10], dtype)
+    assert torch.equal(text_cos, ops.rope_cos_sin(pos[0].expand(3, -1), 64, 1e7, [11, 11, 10], dtype)[0])
+
+
+def test_apply_rope_is_hf_bit_for_bit():
+    cos, sin = ops.rope_cos_sin(torch.arange(100, 112), 8, 1e7, [2, 1, 1])
+    q, k = rand(12, 4, 32, seed=5), rand(12, 2, 32, seed=6)
+    want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(ops.apply_rope(q, cos, sin), want_q[0].transpose(0, 1))
+    assert torch.equal(ops.apply_rope(k, cos, sin), want_k[0].transpose(0, 1))
+    assert torch.equal(ops.apply_rope(q, cos, sin)[..., 8:], q[..., 8:])  # dims past rot pass through
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def test_gated_attention_against_sdpa_with_a_kv_cache():
+    T, S, nH, nKV, d = 5, 12, 4, 2, 32  # 7 cached positions + 5 new queries
+    q, gate = rand(T, nH, d, seed=7), rand(T, nH * d, seed=8)
+    k, v = rand(S, nKV, d, seed=9), rand(S, nKV, d, seed=10)
+    allowed = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)    # [T, S]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+                                          v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed)
+    want = want.transpose(0, 1).reshape(T, nH * d) * torch.sigmoid(gate)
+    got = ops.gated_attention(q, gate, k, v)
+    assert_close_rel(got, want, FP32_REL)
+    # the last query alone (a decode step) gives the same row
+    assert_close_rel(ops.gated_attention(q[-1:], gate[-1:], k, v), got[-1:], FP32_REL)
+
+
+# ---------------------------------------------------------------------------------------------- conv
+
+
+def test_causal_conv1d_against_hf_full_and_step():
+    T, C, K = 11, 24, 4
+    x, w = rand(T, C, seed=11), rand(C, K, seed=12, scale=0.5)
+    want = hf.causal_conv1d_fn(x.T[None], w, None, activation="silu")[0].T
+    y, state = ops.causal_conv1d(x, w)
+    assert_close_rel(y, want, FP32_REL)
+    assert torch.equal(state, x[-(K - 1):].T)  # the last K-1 pre-conv inputs, oldest first
+
+    # split at 6: the state carries the history; then one-step decode against HF's update kernel
+    y1, s1 = ops.causal_conv1d(x[:6], w)
+    y2, s2 = ops.causal_conv1d(x[6:], w, s1)
+    assert_close_rel(torch.cat([y1, y2]), want, FP32_REL)
+    x_new = rand(C, seed=13)
+    hf_state = torch.cat([torch.zeros(C, 1), s2], 1)[None].clone()  # HF keeps K columns, the oldest unused
+    want_step = hf.causal_conv1d_update(x_new[None, :, None], hf_state, w, None, "silu")[0, :, 0]
+    y_step, s3 = ops.causal_conv1d_step(x_new, w, s2)
+    assert_close_rel(y_step, want_step, FP32_REL)
+    assert torch.equal(s3, hf_state[0, :, 1:])
+
+
+# ---------------------------------------------------------------------------------------------- DeltaNet
+
+
+def delta_inputs(T: int, nk: int, nv: int, dk: int, dv: int, seed: int):
+    """Random (q, k, v, g, beta) for the delta rule: q/k [T, nk, dk], v [T, nv, dv], g/beta [T, nv]."""
+    q, k, v = rand(T, nk, dk, seed=seed), rand(T, nk, dk, seed=seed + 1), rand(T, nv, dv, seed=seed + 2)
+    g, beta = decay_inputs(T, nv, seed + 3)
+    return q, k, v, g, beta
+
+
+def test_recurrent_step_is_the_closed_form_in_float64():
+    # S_t = e^{g}(I − β k̂k̂ᵀ) S_{t−1} + β k̂ vᵀ, o_t = S_tᵀ q̂, one head, in float64 (no GVA, no HF)
+    T, dk, dv = 6, 8, 5
+    q, k, v, g, beta = delta_inputs(T, 1, 1, dk, dv, seed=20)
+    S0 = rand(1, dk, dv, seed=30, scale=0.3)
+    o, S = ops.gated_delta_rule_recurrent(q, k, v, g, beta, S0)
+    Sd = S0[0].double()
+    for t in range(T):
+        kh = F.normalize(k[t, 0].double(), dim=0, eps=0)
+        qh = F.normalize(q[t, 0].double(), dim=0, eps=0) * dk ** -0.5
+        b = beta[t, 0].double()
+        Sd = g[t, 0].double().exp() * (torch.eye(dk, dtype=torch.float64) - b * torch.outer(kh, kh)) @ Sd \
+            + b * torch.outer(kh, v[t, 0].double())
+        # the l2norm eps (1e-6 under the root) is the only difference: ~1e-6 / Σk² relative
+        assert_close_rel(o[t, 0], Sd.T @ qh, 1e-5)
+    assert_close_rel(S[0], Sd, 1e-5)
+
+
+def test_recurrent_against_hf_with_gva():
+    q, k, v, g, beta = delta_inputs(9, 2, 4, 16, 16, seed=40)
+    S0 = rand(4, 16, 16, seed=41, scale=0.3)
+    want_o, want_S = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                         initial_state=S0[None], output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True)
+    o, S = ops.gated_delta_rule_recurrent(q, k, v, g, beta, S0)
+    assert_close_rel(o, want_o[0], FP32_REL)
+    assert_close_rel(S, want_S[0], FP32_REL)
+
+
+@pytest.mark.parametrize("T", [1, 64, 150])
+def test_chunked_equals_recurrent(T):
+    # 150 = two full chunks and a zero-padded tail of 22; start from a non-zero state
+    q, k, v, g, beta = delta_inputs(T, 2, 4, 16, 16, seed=50 + T)
+    S0 = rand(4, 16, 16, seed=51, scale=0.3)
+    o_r, S_r = ops.gated_delta_rule_recurrent(q, k, v, g, beta, S0)
+    o_c, S_c = ops.gated_delta_rule_chunked(q, k, v, g, beta, S0)
+    assert o_c.shape == (T, 4, 16) and S_c.shape == (4, 16, 16)
+    assert_close_rel(o_c, o_r, FP32_REL)
+    assert_close_rel(S_c, S_r, FP32_REL)
+
+
+def test_chunked_against_hf_and_long_run_drift():
+    # 512 steps (mlx-lm's drift check) with weak decay, so the state keeps a long memory
+    T = 512
+    q, k, v, _, beta = delta_inputs(T, 2, 4, 16, 16, seed=60)
+    g = -0.05 * torch.rand(T, 4, generator=gen(61))
+    want_o, want_S = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_c, S_c = ops.gated_delta_rule_chunked(q, k, v, g, beta)
+    assert_close_rel(o_c, want_o[0], FP32_REL)
+    assert_close_rel(S_c, want_S[0], FP32_REL)
+    o_r, S_r = ops.gated_delta_rule_recurrent(q, k, v, g, beta)
+    assert_close_rel(o_c, o_r, FP32_REL)
+    assert_close_rel(S_c, S_r, FP32_REL)
+
+
+# ---------------------------------------------------------------------------------------------- FFN
+
+
+def test_swiglu_mlp_against_hf():
+    cfg = tf.Qwen3_5TextConfig(**text_config_kwargs(moe=False))
+    mlp = hf.Qwen3_5MLP(cfg, 96)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(rand(*p.shape, seed=p.numel(), scale=0.1))
+    h = rand(6, 64, seed=70)
+    with torch.no_grad():
+        want = mlp(h)
+    assert_close_rel(ops.swiglu_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), want,
+                     FP32_REL)
+
+
+def test_moe_against_hf_sparse_block():
+    cfg = tf.Qwen3_5MoeTextConfig(**text_config_kwargs(moe=True))
+    block = hf_moe.Qwen3_5MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for i, (_, p) in enumerate(sorted(block.named_parameters())):
+            p.copy_(rand(*p.shape, seed=80 + i, scale=0.2))
+    h = rand(13, 64, seed=90)
+    with torch.no_grad():
+        want = block(h[None])[0]
+    s = block.shared_expert
+    got = ops.moe(h, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 2,
+                  s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, block.shared_expert_gate.weight)
+    assert_close_rel(got.detach(), want, FP32_REL)
