@@ -1,0 +1,512 @@
+"""The checkpoint reader against transformers: every on-disk form, FP8 dequantization, bad inputs, the Hub, streaming.
+
+Oracles: the tiny HF models' own parameters (bit-exact, cast as stored), transformers' FP8 block dequantization
+(`_dequantize_fp8_weight`, exact in float32), transformers' own `save_pretrained` output, the safetensors files'
+sizes (bytes on disk), and the process's peak resident memory for streaming.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx2
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import errors as hfe
+from safetensors.torch import load_file, save_file
+
+import checkpoints as ckpts
+import hf_tiny
+from ninfer_pack.source import HUB_PATTERNS, RESOURCE_FILES, Checkpoint, fetch_config
+from ninfer_rt.config import ModelSpec
+from ninfer_rt.errors import ConfigError, SourceError
+
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny models (4 layers: three DeltaNet, one attention), built once."""
+    return {"vlm_moe": hf_tiny.make_vlm(True, num_layers=4), "vlm_dense": hf_tiny.make_vlm(False, num_layers=4),
+            "causal_moe": hf_tiny.make_causal_lm(True, num_layers=4),
+            "causal_dense": hf_tiny.make_causal_lm(False, num_layers=4)}
+
+
+def _data_bytes(path: Path) -> int:
+    """Tensor bytes over all shards, from the files themselves: size - 8 - header length."""
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        total += f.stat().st_size - 8 - n
+    return total
+
+
+def _check_matches(ck: Checkpoint, expected: dict[str, torch.Tensor], model, fp8: bool = False) -> None:
+    """Names, shapes, dtypes and values: bit-exact against the expectation and the HF parameters."""
+    assert sorted(ck.names) == sorted(expected)
+    assert ck.total_source_bytes == _data_bytes(ck.path)
+    hf = ckpts.canonical_params(model)
+    for name in ck.names:
+        t = ck.read(name)
+        want = expected[name]
+        assert tuple(t.shape) == ck.shape(name) == tuple(want.shape), name
+        src = ck.source_dtype(name)
+        if src == "F8_E4M3":
+            assert fp8 and ckpts.FP8_ELIGIBLE.search(name), name
+            assert t.dtype == torch.float32
+        else:
+            assert t.dtype == _TORCH_DTYPE[src], name
+            if name in hf:  # the HF parameter itself, cast the way the checkpoint stores it
+                assert torch.equal(t, hf[name].to(t.dtype)), name
+        assert torch.equal(t.float(), want), name
+
+
+FORMS = {
+    "vlm-fused": ("vlm_moe", dict()),
+    "vlm-per-expert-mtp-fused-3-shards": ("vlm_moe", dict(experts="per_expert", mtp="fused", shards=3)),
+    "vlm-one-file-no-fp32": ("vlm_moe", dict(experts="per_expert", fp32_fields=False, shards=1)),
+    "vlm-odd-shard-names-fp32": ("vlm_moe", dict(dtype=torch.float32,
+                                                 shard_name="model.safetensors-{i:05d}-of-{n:05d}.safetensors")),
+    "causal-per-expert": ("causal_moe", dict(prefix="causal", experts="per_expert", mtp="per_expert", shards=4)),
+    "causal-fused-no-mtp": ("causal_moe", dict(prefix="causal", mtp=False)),
+    "causal-from-vlm": ("vlm_moe", dict(prefix="causal", experts="per_expert")),
+    "dense-causal": ("causal_dense", dict(prefix="causal")),
+    "dense-vlm-f16": ("vlm_dense", dict(dtype=torch.float16, mtp=False)),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_form_reads_back_exactly(models, tmp_path, form):
+    key, kw = FORMS[form]
+    path, expected = ckpts.write_checkpoint(tmp_path / "ck", models[key], **kw)
+    with Checkpoint.open(str(path)) as ck:
+        _check_matches(ck, expected, models[key])
+        want_missing = {"mtp"} if kw.get("mtp", True) is False else set()
+        assert ck.missing_groups == want_missing
+        if kw.get("fp32_fields", True) and "moe" in key:
+            assert ck.source_dtype("model.language_model.layers.0.linear_attn.A_log") == "F32"
+        assert ck.provenance == {"source": str(path), "path": str(path.resolve())}
+
+
+@pytest.mark.parametrize("key", ["vlm_moe", "causal_moe"])
+def test_reads_what_transformers_save_pretrained_writes(models, tmp_path, key):
+    model = copy.deepcopy(models[key]).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".mlp.experts.0.gate_proj.weight" in n for n in weight_map)  # HF writes per-expert tensors
+    ck = Checkpoint.open(tmp_path)
+    hf = ckpts.canonical_params(model)
+    assert sorted(ck.names) == sorted(hf)
+    for name in ck.names:
+        assert torch.equal(ck.read(name), hf[name].to(torch.bfloat16)), name
+    assert ck.missing_groups == {"mtp"}
+    assert ck.total_source_bytes == _data_bytes(tmp_path)
+
+
+def test_read_order_streams_shard_by_shard(models, tmp_path):
+    path, _ = ckpts.write_checkpoint(tmp_path, models["vlm_moe"], shards=3, mtp="fused")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = [weight_map[n] for n in Checkpoint.open(path).names]  # canonical == stored names in this form
+    assert shards == sorted(shards)
+
+
+FP8_FORMS = {
+    "per-expert-bf16-scales": ("vlm_moe", dict(experts="per_expert")),
+    "fused-fp32-scales": ("vlm_moe", dict(fp8_scale_dtype=torch.float32, mtp="fused")),
+    "odd-blocks-16x24": ("vlm_moe", dict(experts="per_expert", fp8_block=(16, 24), fp8_scale_dtype=torch.float32)),
+    "no-block-size-key": ("causal_moe", dict(prefix="causal", experts="per_expert", fp8_block=None, shards=3)),
+    "dense": ("causal_dense", dict(prefix="causal", fp8_block=(32, 48))),
+}
+
+
+@pytest.mark.parametrize("form", list(FP8_FORMS))
+def test_fp8_dequantizes_like_transformers(models, tmp_path, form):
+    key, kw = FP8_FORMS[form]
+    path, expected = ckpts.write_checkpoint(tmp_path, models[key], fp8=True, **kw)
+    ck = Checkpoint.open(path)
+    # expected FP8 values are transformers' _dequantize_fp8_weight output; equality is exact in float32
+    _check_matches(ck, expected, models[key], fp8=True)
+    hf = ckpts.canonical_params(models[key])
+    fp8 = [n for n in ck.names if ck.source_dtype(n) == "F8_E4M3"]
+    assert len(fp8) == len([n for n in ck.names if ckpts.FP8_ELIGIBLE.search(n)]) > 0
+    for name in fp8:
+        if name in hf:
+            # e4m3 keeps 3 mantissa bits: rounding error <= 2^-4 relative per normal element, so also in norm
+            hf_tiny.assert_close_rel(ck.read(name), hf[name], 2.0 ** -4)
+            assert not torch.equal(ck.read(name), hf[name])  # it really went through FP8
+
+
+def test_fp8_scale_grid_must_match_config_block(models, tmp_path):
+    path, _ = ckpts.write_checkpoint(tmp_path, models["vlm_moe"], fp8=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]  # e.g. q_proj [256, 64] would need [4, 1] scales
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        Checkpoint.open(path)
+    m = re.search(r"_scale_inv has shape \[(\d+), (\d+)\], but \[(\d+), (\d+)\] in 64x64 blocks .*needs "
+                  r"\[(\d+), (\d+)\]", _one_line(e))
+    has_n, has_k, n, k, need_n, need_k = map(int, m.groups())
+    assert (has_n, has_k, need_n, need_k) == (-(-n // 128), -(-k // 128), -(-n // 64), -(-k // 64))
+
+
+def test_builtin_tiny_checkpoints_open():
+    for source in ("builtin:tiny-moe", "builtin:tiny-dense"):
+        ck = Checkpoint.open(source)
+        shapes = ck.spec.tensor_shapes()
+        assert set(ck.names) == {n for n, t in shapes.items() if t.group not in ck.missing_groups}
+        for name in ck.names:
+            assert tuple(ck.read(name).shape) == shapes[name].shape
+        assert ck.provenance["source"] == source
+    with pytest.raises(SourceError, match="builtin:nope"):
+        Checkpoint.open("builtin:nope")
+
+
+def test_resources_are_copied_byte_for_byte(models, tmp_path):
+    path, _ = ckpts.write_checkpoint(tmp_path, models["causal_dense"], prefix="causal")
+    blobs = {"tokenizer.json": b'{"v": 1}\r\n', "chat_template.jinja": "{{ x }} \u00e9\n".encode(),
+             "merges.txt": bytes(range(256)), "generation_config.json": b"{}"}
+    for n, b in blobs.items():
+        (path / n).write_bytes(b)
+    (path / "README.md").write_text("not a resource")
+    assert Checkpoint.open(path).resources == blobs
+
+
+# ---- bad inputs ----
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Load every shard, let edit(tensors) change the dict, write it back (new names into the first shard)."""
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    wm = index["weight_map"]
+    tensors = {}
+    for f in sorted(set(wm.values())):
+        tensors.update(load_file(path / f))
+    edit(tensors)
+    files = sorted(set(wm.values()))
+    wm = {n: wm.get(n, files[0]) for n in tensors}
+    for f in files:
+        save_file({n: t for n, t in tensors.items() if wm[n] == f}, path / f)
+    index["weight_map"] = wm
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.fixture()
+def vlm_dir(models, tmp_path):
+    return ckpts.write_checkpoint(tmp_path / "ck", models["vlm_moe"], experts="per_expert")[0]
+
+
+def test_missing_paths_and_files(tmp_path):
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(str(tmp_path / "nope" / "deeper"))
+    assert _one_line(e) == f"no such directory: {tmp_path / 'nope' / 'deeper'}"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SourceError, match="not a directory"):
+        Checkpoint.open(str(tmp_path / "file"))
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(str(tmp_path))
+    assert _one_line(e) == f"{tmp_path} has no config.json"
+    (tmp_path / "config.json").write_text(json.dumps(hf_tiny.make_causal_lm(False, num_layers=4).config.to_dict()))
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(str(tmp_path))
+    assert _one_line(e) == f"{tmp_path} has no *.safetensors files"
+
+
+def test_revision_with_local_directory_is_refused(vlm_dir):
+    with pytest.raises(SourceError, match="revision"):
+        Checkpoint.open(str(vlm_dir), revision="main")
+
+
+def test_index_naming_a_missing_shard(vlm_dir):
+    (vlm_dir / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SourceError, match="model-00002-of-00002.safetensors") as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+def test_index_disagreeing_with_shards(vlm_dir):
+    index = json.loads((vlm_dir / "model.safetensors.index.json").read_text())
+    name = "model.language_model.norm.weight"
+    other = {"model-00001-of-00002.safetensors": "model-00002-of-00002.safetensors"}
+    index["weight_map"][name] = other.get(index["weight_map"][name], "model-00001-of-00002.safetensors")
+    (vlm_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceError, match=name):
+        Checkpoint.open(vlm_dir)
+
+
+@pytest.mark.parametrize("cut", ["length", "header", "data"])
+def test_truncated_shard_names_the_file(vlm_dir, cut):
+    shard = vlm_dir / "model-00001-of-00002.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    keep = {"length": 5, "header": 8 + n // 2, "data": len(raw) - 3}[cut]
+    shard.write_bytes(raw[:keep])
+    with pytest.raises(SourceError, match=str(shard)) as e:
+        Checkpoint.open(vlm_dir)
+    assert {"length": "truncated", "header": "truncated", "data": "beyond the end"}[cut] in _one_line(e)
+
+
+def test_malformed_header_names_the_file(vlm_dir):
+    shard = vlm_dir / "model-00002-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[8:12] = b"\xff{[:"
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(SourceError, match=f"{shard}: malformed safetensors header") as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+def test_offsets_past_the_end_name_the_file(vlm_dir):
+    shard = vlm_dir / "model-00001-of-00002.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    size = len(raw) - 8 - n
+    header[name]["data_offsets"] = [size - (end - begin) + 2, size + 2]  # right length, 2 bytes past the end
+    text = json.dumps(header).encode()  # offsets are relative to the data, so the header may change length
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(SourceError, match=f"{shard}: tensor {name} has data offsets.*beyond the end"):
+        Checkpoint.open(vlm_dir)
+
+
+def test_unsupported_dtype_names_tensor_and_dtype(vlm_dir):
+    name = "model.language_model.layers.1.linear_attn.A_log"
+    _rewrite(vlm_dir, lambda t: t.update({name: t[name].double()}))
+    with pytest.raises(SourceError, match=f"tensor {name} in .* unsupported dtype F64") as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("name,pattern", [
+    ("model.language_model.norm.weight", "lacks tensor model.language_model.norm.weight"),
+    ("model.language_model.layers.2.mlp.experts.5.up_proj.weight",
+     "lacks tensor model.language_model.layers.2.mlp.experts.5.up_proj.weight"),
+    ("mtp.norm.weight", "part of the mtp tensors but lacks mtp.norm.weight"),
+    ("model.visual.blocks.1.attn.qkv.bias", "part of the vision tensors but lacks model.visual.blocks.1.attn.qkv.bias"),
+])
+def test_missing_tensor_is_named(vlm_dir, name, pattern):
+    _rewrite(vlm_dir, lambda t: t.pop(name))
+    with pytest.raises(SourceError, match=pattern) as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+def test_whole_optional_groups_may_be_absent(vlm_dir):
+    _rewrite(vlm_dir, lambda t: [t.pop(n) for n in list(t) if n.startswith(("mtp.", "model.visual."))])
+    ck = Checkpoint.open(vlm_dir)
+    assert ck.missing_groups == {"mtp", "vision"}
+    assert not any(n.startswith(("mtp.", "model.visual.")) for n in ck.names)
+
+
+@pytest.mark.parametrize("name", ["model.language_model.layers.0.mlp.bogus.weight", "model.extra.weight",
+                                  "model.language_model.layers.1.mlp.experts.8.down_proj.weight"])
+def test_unexpected_tensor_is_named(vlm_dir, name):
+    _rewrite(vlm_dir, lambda t: t.update({name: torch.zeros(64, 32, dtype=torch.bfloat16)}))
+    canonical = name.replace("model.extra", "model.language_model.extra")
+    with pytest.raises(SourceError, match=f"unexpected tensor {canonical}") as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+def test_shape_disagreeing_with_config_is_a_config_error(vlm_dir):
+    name = "model.language_model.norm.weight"
+    _rewrite(vlm_dir, lambda t: t.update({name: torch.zeros(65, dtype=torch.bfloat16)}))
+    with pytest.raises(ConfigError, match=rf"{name} has shape \[65\].*implies \[64\]") as e:
+        Checkpoint.open(vlm_dir)
+    _one_line(e)
+
+
+def test_fp8_weight_without_scales_and_stray_scales(models, tmp_path):
+    path, _ = ckpts.write_checkpoint(tmp_path, models["vlm_moe"], fp8=True, experts="per_expert")
+    name = "model.language_model.layers.3.self_attn.k_proj.weight"
+    _rewrite(path, lambda t: t.pop(name + "_scale_inv"))
+    with pytest.raises(SourceError, match=f"FP8 tensor {name} has no {name}_scale_inv"):
+        Checkpoint.open(path)
+    _rewrite(path, lambda t: t.pop(name))
+    _rewrite(path, lambda t: t.update({name + "_scale_inv": torch.ones(1, 1)}))
+    with pytest.raises(SourceError, match=f"unexpected tensor {name}_scale_inv"):
+        Checkpoint.open(path)
+
+
+# ---- the Hub ----
+
+REPO = "ninfer-test/no-such-model"
+_RESP = {code: httpx2.Response(code, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{REPO}"))
+         for code in (401, 403, 404, 500)}
+
+
+def _offline_error() -> Exception:
+    """What snapshot_download raises when the library's offline mode is on and the repo is not cached."""
+    e = hfe.LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder\nset HF_HUB_OFFLINE=0")
+    e.__cause__ = hfe.OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.")
+    return e
+
+
+HUB_FAILURES = {
+    "not-found": (hfe.RepositoryNotFoundError("404 Client Error.\nRepository Not Found", response=_RESP[404]),
+                  "repository not found"),
+    "gated": (hfe.GatedRepoError("403 Client Error.\nCannot access gated repo", response=_RESP[403]), "gated"),
+    "revision": (hfe.RevisionNotFoundError("404 Client Error.\nRevision Not Found", response=_RESP[404]),
+                 "revision 'v9' not found"),
+    "unauthorised": (hfe.HfHubHTTPError("401 Client Error.\nUnauthorized", response=_RESP[401]), "not authorised"),
+    "unreachable": (hfe.LocalEntryNotFoundError("Got: ConnectError\nAn error happened"), "unreachable"),
+    "offline": (_offline_error(), "offline mode (HF_HUB_OFFLINE)"),
+    "server": (hfe.HfHubHTTPError("500 Server Error", response=_RESP[500]), "HTTP error 500"),
+    "disk": (OSError(28, "No space left on device"), "No space left on device"),
+}
+
+
+@pytest.mark.parametrize("case", list(HUB_FAILURES))
+def test_hub_failures_are_one_line(monkeypatch, case):
+    exc, reason = HUB_FAILURES[case]
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(REPO, revision="v9", progress=False)
+    msg = _one_line(e)
+    assert msg.startswith(f"cannot download '{REPO}' from the Hugging Face Hub: ") and reason in msg
+
+
+def test_hub_offline_mode_for_real(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE set in the environment: no network is tried and the error is one line."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(REPO)
+    assert "offline mode (HF_HUB_OFFLINE)" in _one_line(e)
+    with pytest.raises(SourceError) as e:
+        fetch_config(REPO)
+    assert "offline mode (HF_HUB_OFFLINE)" in _one_line(e)
+    # and set before huggingface_hub is imported, where the library itself reads it
+    code = ("from ninfer_pack.source import Checkpoint\n"
+            "try:\n Checkpoint.open(%r)\nexcept Exception as e:\n print(repr(e))")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code % REPO], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.startswith("SourceError(\"cannot download 'ninfer-test/no-such-model'"), out.stdout + out.stderr
+
+
+def test_hub_download_arguments_and_provenance(models, tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap, _ = ckpts.write_checkpoint(tmp_path / "snapshots" / commit, models["causal_dense"], prefix="causal")
+    (snap / "tokenizer.json").write_bytes(b"{}")
+    calls = []
+
+    def fake(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    ck = Checkpoint.open("owner/name", revision="v1")
+    assert ck.provenance == {"source": "owner/name", "revision": commit}
+    assert ck.resources == {"tokenizer.json": b"{}"}
+    (repo, kw), = calls
+    assert repo == "owner/name" and kw["revision"] == "v1"
+    wanted = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", *RESOURCE_FILES]
+    for f in wanted:
+        assert any(fnmatch.fnmatch(f, p) for p in kw["allow_patterns"]), f
+    assert not any(fnmatch.fnmatch("pytorch_model.bin", p) for p in HUB_PATTERNS)
+
+
+def test_fetch_config(models, tmp_path, monkeypatch):
+    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_moe"], prefix="causal")
+    want = json.loads((path / "config.json").read_text())
+    assert fetch_config(str(path)) == want
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, filename, **kw: str(path / filename))
+    assert fetch_config("owner/name") == want
+    with pytest.raises(SourceError, match="no such directory"):
+        fetch_config(str(tmp_path / "a" / "b" / "c"))
+
+
+# ---- streaming ----
+
+_MEASURE = textwrap.dedent("""
+    import json, mmap, sys
+    from ninfer_pack.source import Checkpoint
+
+    def kib(key):
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+    def peak_growth(fn):
+        base = kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+        fn()
+        return (kib("VmHWM") - base) * 1024
+
+    ck = Checkpoint.open(sys.argv[1])
+    ck.read(ck.names[-1])  # warm up lazy imports and the allocator
+
+    def read_all():
+        for n in ck.names:
+            t = ck.read(n)
+            del t
+
+    def mmap_shard():
+        with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            sum(m[i] for i in range(0, len(m), 4096))  # touch every page
+
+    good = peak_growth(read_all)
+    # the two ways not to read a checkpoint, to show the measure sees them
+    shard = sorted(ck.path.glob("*.safetensors"))[0]
+    whole = peak_growth(lambda: len(shard.read_bytes()))
+    mapped = peak_growth(mmap_shard)
+    print(json.dumps({"good": good, "whole_shard": whole, "mmap": mapped}))
+""")
+
+
+def test_reading_streams_with_memory_bounded_by_the_largest_tensor(tmp_path):
+    """Peak RSS growth (VmHWM, reset just before) of a fresh process reading every tensor in turn.
+
+    Why this measure: VmHWM counts every resident page, torch's allocator and file mappings included, where
+    tracemalloc sees neither torch tensors nor mmap; a fresh process with malloc's mmap threshold pinned
+    returns freed tensors to the OS at once, so the peak reflects live memory rather than allocator caching.
+    """
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    kw = hf_tiny.text_config_kwargs(moe=False, num_layers=16)
+    kw.update(vocab_size=4096, hidden_size=256, intermediate_size=4096)  # every big tensor is 1M bf16 = 2 MiB
+    import transformers as tf
+
+    cfg = json.loads(tf.Qwen3_5TextConfig(**kw).to_json_string(use_diff=False))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shapes = ModelSpec.from_config(cfg).tensor_shapes()
+    names = [n for n, t in shapes.items() if t.group == "text"]
+    half = len(names) // 2
+    for i, part in enumerate((names[:half], names[half:])):
+        save_file({n: torch.zeros(shapes[n].shape, dtype=torch.bfloat16) for n in part},
+                  tmp_path / f"model-{i + 1:05d}-of-00002.safetensors")
+    largest = max(shapes[n].numel for n in names) * 2
+    total = sum(shapes[n].numel for n in names) * 2
+    assert total > 40 * largest
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    # one tensor alive at a time (plus page-granular slack); a whole-shard load is ~total/2 = 20+ x largest
+    assert got["good"] <= 3 * largest, got
+    assert got["whole_shard"] > 10 * largest and got["mmap"] > 10 * largest, got
