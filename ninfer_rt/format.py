@@ -242,8 +242,12 @@ class Artifact:
         return cls(path, header, mm, size)
 
     def close(self) -> None:
+        """Unmap now, or, while decoded arrays still view the mapping, when the last of them goes."""
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # numpy views are still alive; dropping our reference lets the GC unmap later
             self._mm = None
 
     def __enter__(self) -> "Artifact":

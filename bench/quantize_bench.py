@@ -1,0 +1,121 @@
+"""Quantize throughput and peak host memory on a generated multi-GB checkpoint.
+
+Generates a checkpoint with the exact Qwen3.6-35B-A3B widths (hidden 2048, 256 experts, vocab 248,320)
+but only --layers layers, in shards of --shard-gb, then runs `ninfer-pack quantize` in a child process and
+reads the child's peak RSS. Target (issue 2): peak RSS < 4 GB + one shard. Prints a table, writes JSON.
+
+    python bench/quantize_bench.py --layers 4 --recipe qwen3.6-35b-a3b --json bench/results/quantize.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ninfer_rt.config import ModelSpec  # noqa: E402
+from ninfer_pack.plan import builtin_config_path  # noqa: E402
+
+
+def synthetic_config(layers: int) -> dict:
+    """The 35B-A3B config.json cut to `layers` layers (every 4th is full attention), text only, no MTP."""
+    cfg = json.loads(builtin_config_path("qwen3.6-35b-a3b").read_text())
+    tc = cfg["text_config"]
+    tc["num_hidden_layers"] = layers
+    tc["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    tc["mtp_num_hidden_layers"] = 0
+    cfg.pop("vision_config", None)
+    return cfg
+
+
+def write_checkpoint(dest: Path, layers: int, shard_bytes: int, seed: int = 0) -> tuple[int, int]:
+    """Random bf16 tensors of the spec's shapes, in shards of about shard_bytes; returns (total, largest shard)."""
+    cfg = synthetic_config(layers)
+    spec = ModelSpec.from_config(cfg)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    size, total, largest, files, weight_map = 0, 0, 0, [], {}
+
+    def flush():
+        nonlocal shard, size, largest
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(dest / name))
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+            largest = max(largest, size)
+            shard, size = {}, 0
+
+    for name, info in spec.tensor_shapes().items():
+        if info.group != "text":
+            continue
+        dtype = torch.float32 if name.endswith(("A_log", "linear_attn.norm.weight")) else torch.bfloat16
+        t = (torch.randn(info.shape, generator=g) * 0.02).to(dtype)
+        if size + t.nbytes > shard_bytes:
+            flush()
+        shard[name] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))
+    return total, largest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (35B-A3B widths)")
+    ap.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GB")
+    ap.add_argument("--recipe", default="qwen3.6-35b-a3b")
+    ap.add_argument("--workdir", default=None, help="where to generate (default: a temp dir, removed after)")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        ckpt, art = Path(tmp) / "ckpt", Path(tmp) / "out.ninfer"
+        ckpt.mkdir()
+        t0 = time.perf_counter()
+        total, largest = write_checkpoint(ckpt, args.layers, int(args.shard_gb * 1e9))
+        gen_s = time.perf_counter() - t0
+        os.sync()
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ninfer_pack.cli", "quantize", str(ckpt), "--recipe", args.recipe,
+                        "--out", str(art)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+        out_bytes = art.stat().st_size
+    limit = 4e9 + largest
+    res = {"bench": "quantize", "recipe": args.recipe, "layers": args.layers, "source_bytes": total,
+           "largest_shard_bytes": largest, "artifact_bytes": out_bytes, "generate_s": round(gen_s, 1),
+           "quantize_s": round(wall, 2), "gb_per_s": round(total / 1e9 / wall, 4), "peak_rss_bytes": peak,
+           "rss_limit_bytes": int(limit), "rss_ok": peak < limit, "cpu": platform.processor() or platform.machine(),
+           "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    t = Table(title=f"quantize: {args.layers} layers of Qwen3.6-35B-A3B widths, recipe {args.recipe}")
+    for col in ("source GB", "largest shard GB", "artifact GB", "seconds", "GB/s", "peak RSS GB", "limit GB", "ok"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{total / 1e9:.2f}", f"{largest / 1e9:.2f}", f"{out_bytes / 1e9:.2f}", f"{wall:.1f}",
+              f"{res['gb_per_s']:.3f}", f"{peak / 1e9:.2f}", f"{limit / 1e9:.2f}", "yes" if res["rss_ok"] else "NO")
+    Console().print(t)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

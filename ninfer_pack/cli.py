@@ -1,0 +1,248 @@
+"""ninfer-pack: a thin Typer CLI over the ninfer_pack library (quantize, inspect, verify, publish)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.table import Table
+
+from ninfer_rt.errors import NinferError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Quantize Qwen3.5/3.6 checkpoints into one verified, kernel-ready .ninfer artifact.")
+out = Console()
+err = Console(stderr=True)
+
+
+def _bytes_progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'; binary units, as GPU memory is counted."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return ""
+
+
+def human_count(n: float) -> str:
+    """35951822704 -> '35.95 B'."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(int(n))
+
+
+def _size_table(title: str, rows: list[dict], total_params: int, total_bytes: int) -> Table:
+    t = Table(title=title)
+    for col, just in (("tensor class", "left"), ("tensors", "right"), ("parameters", "right"),
+                      ("formats", "left"), ("size", "right"), ("bits/weight", "right")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        t.add_row(r["class"], str(r["tensors"]), human_count(r["params"]), r["formats"], human_bytes(r["nbytes"]),
+                  f"{r['bpw']:.2f}")
+    t.add_section()
+    t.add_row("total", str(sum(r["tensors"] for r in rows)), human_count(total_params), "",
+              human_bytes(total_bytes), f"{8 * total_bytes / max(total_params, 1):.3f}", style="bold")
+    return t
+
+
+@app.command()
+def quantize(
+    source: str = typer.Argument(..., help="Checkpoint: a local directory, a Hub repo id (owner/name), "
+                                           "or builtin:tiny-moe / builtin:tiny-dense."),
+    recipe: str = typer.Option(..., "--recipe", help="Recipe name (recipes/NAME.toml) or path to a .toml."),
+    out_path: Path = typer.Option(..., "--out", help="Output artifact, e.g. model.ninfer (written atomically)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    importance: Optional[Path] = typer.Option(None, "--importance",
+                                              help="safetensors of per-input-channel importance [K] per tensor."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+):
+    """Quantize SOURCE with a recipe into one .ninfer artifact."""
+    from ninfer_pack.pipeline import bits_per_param, params_total, quantize as run_quantize
+    from ninfer_pack.plan import plan_artifact, summarize
+    from ninfer_pack.recipe import load_recipe
+    from ninfer_pack.source import Checkpoint
+
+    if out_path.exists() and not overwrite:
+        raise NinferError(f"{out_path} exists; pass --overwrite to replace it")
+    rec = load_recipe(recipe)
+    ckpt = Checkpoint.open(source, revision=revision)
+    plan_artifact(ckpt.spec, {n: tuple(ckpt.shape(n)) for n in ckpt.names}, rec)  # recipe errors before any work
+    t0 = time.perf_counter()
+    with _bytes_progress() as prog:
+        task = prog.add_task("quantize", total=ckpt.total_source_bytes)
+        res = run_quantize(source, rec, out_path, importance=importance, ckpt=ckpt,
+                           progress=lambda n, name: prog.advance(task, n))
+    dt = time.perf_counter() - t0
+    for w in res.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+    payload = sum(t.nbytes for t in res.planned)
+    out.print(_size_table(f"{out_path}", summarize(res.planned), params_total(res.planned), payload))
+    err.print(f"wrote {out_path}: {human_bytes(res.file_size)} ({human_bytes(res.file_size - payload)} of header, "
+              f"resources and alignment), {bits_per_param(res.planned):.3f} bits per parameter; "
+              f"{res.source_bytes / 1e9 / dt:.3f} GB/s of source in {dt:.1f} s")
+
+
+def _plan_source(source: str, recipe: str, revision: str | None):
+    """Shapes for plan mode: from safetensors headers (local dir), else from config.json alone."""
+    from ninfer_rt.config import ModelSpec
+    from ninfer_pack.plan import builtin_config_path
+    from ninfer_pack.source import Checkpoint, fetch_config
+
+    p = Path(source)
+    if p.is_dir() or source.startswith("builtin:"):
+        ckpt = Checkpoint.open(source, revision=revision)
+        return ckpt.spec, {n: tuple(ckpt.shape(n)) for n in ckpt.names}
+    if p.is_file() and p.suffix == ".json":
+        spec = ModelSpec.from_file(p)
+    elif builtin_config_path(source) is not None:
+        spec = ModelSpec.from_file(builtin_config_path(source))
+    else:
+        spec = ModelSpec.from_config(fetch_config(source, revision=revision))
+    return spec, {n: info.shape for n, info in spec.tensor_shapes().items()}
+
+
+@app.command()
+def inspect(
+    path: str = typer.Argument(..., help="An artifact, or (with --recipe) a checkpoint dir, Hub repo id, "
+                                         "config.json, or a built-in config name such as qwen3.6-35b-a3b."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Plan mode: print the sizes this recipe would "
+                                                                 "give, from the size formulas; writes nothing."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision for plan mode."),
+    tensors: bool = typer.Option(False, "--tensors", help="Also list every tensor."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+):
+    """Formats, sizes and bits per weight per tensor class and in total."""
+    from ninfer_pack.plan import PlannedTensor, plan_artifact, summarize
+    from ninfer_pack.recipe import load_recipe
+    from ninfer_rt.format import Artifact
+    from ninfer_rt.layout import TensorPlan
+
+    if recipe is not None:
+        spec, shapes = _plan_source(path, recipe, revision)
+        planned, warnings = plan_artifact(spec, shapes, load_recipe(recipe))
+        title = f"plan: {path} with recipe {recipe} (weights only; the file adds header, tokenizer, alignment)"
+    else:
+        with Artifact.open(path) as art:
+            planned = [PlannedTensor(TensorPlan(e.name, tuple(p["name"] for p in e.parts),
+                                                tuple(tuple(p["shape"]) for p in e.parts), e.transform, e.params,
+                                                tuple(e.shape)),
+                                     e.format, e.nbytes, sum(_prod(p["shape"]) for p in e.parts), e.group)
+                       for e in art.tensors.values()]
+            warnings, title = [], f"{path} (recipe {art.header['recipe'].get('name', '?')}; {human_bytes(art.size)} file)"
+    rows = summarize(planned)
+    params = sum(t.params for t in planned)
+    total = sum(t.nbytes for t in planned)
+    if as_json:
+        print(json.dumps({"title": title, "classes": rows, "total_params": params, "total_bytes": total,
+                          "bits_per_param": 8 * total / max(params, 1),
+                          "tensors": [{"name": t.name, "format": t.format, "shape": list(t.plan.shape),
+                                       "nbytes": t.nbytes} for t in planned] if tensors else None}, indent=1))
+        return
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+    if tensors:
+        tt = Table(title="tensors")
+        for col in ("name", "format", "shape", "bytes"):
+            tt.add_column(col)
+        for t in planned:
+            tt.add_row(t.name, t.format, "x".join(map(str, t.plan.shape)), f"{t.nbytes:,}")
+        out.print(tt)
+    out.print(_size_table(title, rows, params, total))
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@app.command()
+def verify(
+    path: str = typer.Argument(..., help="The artifact to check."),
+    source: Optional[str] = typer.Option(None, "--source", help="Also decode every tensor and compare it with "
+                                                                "this checkpoint (dir, Hub id or builtin:...)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --source."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON report."),
+):
+    """Check magic, header, bounds, alignment and checksums (and, with --source, every tensor's error)."""
+    from ninfer_pack.verify import verify as run_verify
+    from ninfer_rt.format import Artifact
+
+    with Artifact.open(path) as art:  # structural problems end here with one line
+        size = art.size
+    with _bytes_progress() as prog:
+        task = prog.add_task("checksums", total=size)
+        rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))
+    if as_json:
+        print(json.dumps({"ok": rep.ok, "path": rep.path, "bad_checksums": rep.bad_checksums,
+                          "problems": rep.problems,
+                          "tensors": [c.__dict__ for c in rep.checks]}, indent=1))
+    else:
+        if rep.checks:
+            t = Table(title=f"{path} against {source}")
+            for col in ("tensor", "format", "rel. RMS error", "status"):
+                t.add_column(col)
+            for c in rep.checks:
+                t.add_row(c.name, c.format, f"{c.rel_rmse:.2e}", "ok" if c.ok else f"[red]FAIL[/] {c.detail}")
+            out.print(t)
+        for name in rep.bad_checksums:
+            err.print(f"[red]checksum mismatch:[/] {name}")
+        for p in rep.problems:
+            err.print(f"[red]problem:[/] {p}")
+    if not rep.ok:
+        first = (rep.bad_checksums and f"checksum mismatch in {rep.bad_checksums[0]}") or \
+                (rep.problems and rep.problems[0]) or next(f"{c.name}: {c.detail}" for c in rep.checks if not c.ok)
+        raise NinferError(f"{path} is not sound: {first}")
+    err.print(f"{path}: sound ({rep.tensors} tensors, {rep.bytes:,} bytes"
+              f"{', every tensor within its format error' if rep.checks else ''})")
+
+
+@app.command()
+def publish(
+    path: Path = typer.Argument(..., help="The artifact to upload."),
+    repo: str = typer.Option(..., "--repo", help="Target Hub repo, OWNER/NAME (created if missing)."),
+    private: bool = typer.Option(False, "--private", help="Create the repo as private."),
+    dry_run: Optional[Path] = typer.Option(None, "--dry-run", help="Write the folder that would be uploaded "
+                                                                   "here instead of uploading."),
+):
+    """Upload the artifact with a generated model card (token from `hf auth login` or HF_TOKEN)."""
+    from ninfer_pack.publish import publish as run_publish
+    from ninfer_rt.format import Artifact
+
+    with Artifact.open(path) as art:
+        size = art.size
+    with _bytes_progress() as prog:
+        task = prog.add_task("sha256", total=size)
+        where = run_publish(path, repo, private=private, dry_run_dir=dry_run,
+                            on_bytes=lambda n: prog.advance(task, n))
+    err.print(f"{'staged' if dry_run else 'published'}: {where}")
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit 1."""
+    try:
+        app()
+    except NinferError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""publish: upload an artifact to the Hugging Face Hub with a generated model card.
+
+The token comes from huggingface_hub's usual sources (a prior `hf auth login`, or HF_TOKEN) and is never
+printed. `--dry-run` writes the folder that would be uploaded (the card, and a hard link to or copy of the
+artifact) so the card can be read before anything leaves the machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from ninfer_rt import __version__
+from ninfer_rt.errors import NinferError
+from ninfer_rt.format import Artifact
+from ninfer_pack.plan import summarize
+
+
+class PublishError(NinferError):
+    """The Hub refused or could not be reached."""
+
+
+def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """SHA-256 of a whole file, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(64 << 20):
+            h.update(chunk)
+            if on_bytes:
+                on_bytes(len(chunk))
+    return h.hexdigest()
+
+
+def _summary_rows(art: Artifact) -> list[dict]:
+    from ninfer_pack.plan import PlannedTensor
+    from ninfer_rt.layout import TensorPlan
+
+    planned = []
+    for e in art.tensors.values():
+        params = sum(math.prod(p["shape"]) for p in e.parts)
+        plan = TensorPlan(e.name, tuple(p["name"] for p in e.parts), tuple(tuple(p["shape"]) for p in e.parts),
+                          e.transform, e.params, tuple(e.shape))
+        planned.append(PlannedTensor(plan, e.format, e.nbytes, params, e.group))
+    return summarize(planned)
+
+
+def model_card(art: Artifact, repo: str, sha256: str) -> str:
+    """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, how to run."""
+    prov = art.header["provenance"]
+    base = prov.get("repo_id") or prov.get("source", "unknown")
+    license_ = art.header["model"]["config"].get("license", "apache-2.0")
+    rows = _summary_rows(art)
+    params = sum(r["params"] for r in rows)
+    fname = art.path.name
+    lines = [
+        "---",
+        f"base_model: {base}",
+        "base_model_relation: quantized",
+        f"license: {license_}",
+        "library_name: ninfer",
+        "tags:",
+        "  - ninfer",
+        "  - quantized",
+        f"  - {art.spec.family}",
+        "---",
+        "",
+        f"# {repo.split('/')[-1]}",
+        "",
+        f"`{base}` quantized with [ninfer](https://github.com/ninfer) recipe "
+        f"`{art.header['recipe'].get('name', '?')}` into one `.ninfer` artifact that ninfer-rt loads with "
+        "no repacking.",
+        "",
+        "| tensor class | tensors | parameters | formats | GiB | bits/weight |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['class']} | {r['tensors']} | {r['params']:,} | {r['formats']} | "
+                     f"{r['nbytes'] / 2**30:.3f} | {r['bpw']:.2f} |")
+    lines += [
+        f"| **total** | {sum(r['tensors'] for r in rows)} | {params:,} | | {art.size / 2**30:.3f} | "
+        f"{8 * art.size / max(params, 1):.2f} |",
+        "",
+        f"- file: `{fname}`, {art.size:,} bytes",
+        f"- SHA-256: `{sha256}`",
+        f"- source revision: `{prov.get('revision', 'local')}`; written by ninfer {prov.get('ninfer_version', '?')}",
+        "",
+        "## Run",
+        "",
+        "```bash",
+        "pip install ninfer",
+        f"hf download {repo} {fname} --local-dir .",
+        f"ninfer-pack verify {fname}",
+        f"ninfer-rt run {fname} --chat --prompt 'Hello'",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def stage(path: Path, folder: Path, repo: str, on_bytes=None) -> Path:
+    """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy)."""
+    with Artifact.open(path) as art:
+        card = model_card(art, repo, file_sha256(path, on_bytes))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "README.md").write_text(card, encoding="utf-8")
+    target = folder / path.name
+    if target.exists():
+        target.unlink()
+    try:
+        os.link(path, target)
+    except OSError:
+        shutil.copyfile(path, target)
+    return folder
+
+
+def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: str | Path | None = None,
+            on_bytes=None) -> str:
+    """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder."""
+    path = Path(path)
+    if "/" not in repo or repo.count("/") != 1:
+        raise PublishError(f"--repo must be OWNER/NAME, got {repo!r}")
+    if dry_run_dir is not None:
+        return str(stage(path, Path(dry_run_dir), repo, on_bytes))
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    api = HfApi(library_name="ninfer", library_version=__version__)
+    try:
+        api.whoami()
+    except (LocalTokenNotFoundError, OSError, HfHubHTTPError) as e:
+        raise PublishError("not logged in to the Hugging Face Hub: run `hf auth login` or set HF_TOKEN "
+                           f"({type(e).__name__})") from None
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        folder = stage(path, Path(tmp) / "upload", repo, on_bytes)
+        try:
+            api.create_repo(repo, private=private, exist_ok=True)
+            api.upload_folder(repo_id=repo, folder_path=str(folder),
+                              commit_message=f"Upload {path.name} (ninfer {__version__})")
+        except (HfHubHTTPError, OSError) as e:
+            raise PublishError(f"upload to {repo} failed: {str(e).splitlines()[0]}") from None
+    return f"https://huggingface.co/{repo}"
