@@ -235,3 +235,40 @@ def test_publish_dry_run_and_no_token(packed, tmp_path, capsys, monkeypatch):
     assert code == 1 and "not logged in" in error_line(e)
     code, _, e = run(["publish", packed, "--repo", "not-a-repo-id"], capsys)
     assert code == 1 and "OWNER/NAME" in error_line(e)
+
+
+@pytest.mark.parametrize("form", ["fp8", "causal_per_expert"])
+def test_other_on_disk_forms_quantize_and_verify(form, tmp_path, capsys):
+    """FP8 block checkpoints and save_pretrained-style per-expert text-only checkpoints pack and verify."""
+    import checkpoints
+    import hf_tiny
+
+    model = hf_tiny.make_causal_lm(moe=True, seed=3)
+    kw = dict(prefix="causal", experts="per_expert") if form == "causal_per_expert" else \
+        dict(prefix="causal", experts="fused", fp8=True)
+    src, _expected = checkpoints.write_checkpoint(tmp_path / "src", model, **kw)
+    out = tmp_path / "m.ninfer"
+    code, _, e = run(["quantize", src, "--recipe", "tiny", "--out", out], capsys)
+    assert code == 0, e
+    code, o, e = run(["verify", out, "--source", src, "--json"], capsys)
+    assert code == 0 and json.loads(o)["ok"], e
+
+
+def test_bf16_recipe_is_lossless(tiny_moe, tmp_path):
+    """bf16 recipe: decoding the artifact and inverting every layout transform gives the checkpoint back."""
+    import numpy as np
+
+    from ninfer_pack.pipeline import quantize
+    from ninfer_pack.source import Checkpoint
+
+    out = tmp_path / "bf16.ninfer"
+    quantize(str(tiny_moe), "bf16", out)
+    ckpt = Checkpoint.open(str(tiny_moe))
+    seen = set()
+    with Artifact.open(out) as art:
+        for name in art.tensors:
+            for part, arr in art.checkpoint_tensors(name).items():
+                ref = ckpt.read(part).float().numpy()
+                np.testing.assert_array_equal(arr, ref, err_msg=part)  # bit-exact: bf16 and fp32 are stored as is
+                seen.add(part)
+    assert seen == set(ckpt.names)
