@@ -48,11 +48,17 @@ def _summary_rows(art: Artifact) -> list[dict]:
     return summarize(planned)
 
 
-def model_card(art: Artifact, repo: str, sha256: str) -> str:
+DEFAULT_LICENSE = "apache-2.0"  # the Qwen3.5/3.6 releases' license
+
+
+def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None = None,
+               license_: str = DEFAULT_LICENSE) -> str:
     """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, how to run."""
     prov = art.header["provenance"]
-    base = prov.get("repo_id") or prov.get("source", "unknown")
-    license_ = art.header["model"]["config"].get("license", "apache-2.0")
+    # a Hub source names its base model; a local directory does not, so the user must (--base-model)
+    base = base_model or (None if "path" in prov else prov.get("source"))
+    if not base:
+        raise PublishError(f"{art.path} was packed from a local directory: pass --base-model OWNER/NAME")
     rows = _summary_rows(art)
     params = sum(r["params"] for r in rows)
     fname = art.path.name
@@ -101,10 +107,10 @@ def model_card(art: Artifact, repo: str, sha256: str) -> str:
     return "\n".join(lines)
 
 
-def stage(path: Path, folder: Path, repo: str, on_bytes=None) -> Path:
+def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path:
     """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy)."""
     with Artifact.open(path) as art:
-        card = model_card(art, repo, file_sha256(path, on_bytes))
+        card = model_card(art, repo, file_sha256(path, on_bytes), **card_kw)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "README.md").write_text(card, encoding="utf-8")
     target = folder / path.name
@@ -118,13 +124,14 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None) -> Path:
 
 
 def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: str | Path | None = None,
-            on_bytes=None) -> str:
+            on_bytes=None, base_model: str | None = None, license_: str = DEFAULT_LICENSE) -> str:
     """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder."""
+    card_kw = {"base_model": base_model, "license_": license_}
     path = Path(path)
     if "/" not in repo or repo.count("/") != 1:
         raise PublishError(f"--repo must be OWNER/NAME, got {repo!r}")
     if dry_run_dir is not None:
-        return str(stage(path, Path(dry_run_dir), repo, on_bytes))
+        return str(stage(path, Path(dry_run_dir), repo, on_bytes, **card_kw))
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
@@ -137,7 +144,7 @@ def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: 
     import tempfile
 
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        folder = stage(path, Path(tmp) / "upload", repo, on_bytes)
+        folder = stage(path, Path(tmp) / "upload", repo, on_bytes, **card_kw)
         try:
             api.create_repo(repo, private=private, exist_ok=True)
             api.upload_folder(repo_id=repo, folder_path=str(folder),

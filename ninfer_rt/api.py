@@ -1,0 +1,288 @@
+"""The runtime's Python API: `load` an artifact, then `logits` or streaming `generate`.
+
+    model = load("model.ninfer")                       # device "cpu": the PyTorch reference, fp32
+    for piece in model.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=64):
+        print(piece, end="", flush=True)
+    model.last_stats                                   # prompt/generated tokens, prefill s, decode tok/s
+
+Generation prefills the prompt once, then decodes token by token against the cache. It stops on the tokenizer's
+stop ids (<|im_end|>, <|endoftext|>, generation_config's eos), on a stop string, or after max_new_tokens.
+Vocabulary rows past the tokenizer's last id (the embedding is padded, e.g. 248,320 rows for 248,077 ids) are
+masked so they are never sampled. This module stays numpy-only: torch lives behind the reference backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from os import PathLike
+
+import numpy as np
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.format import Artifact
+from ninfer_rt.sampling import Sampler, SamplingParams
+
+DEVICES = ("cpu", "cuda")
+CUDA_NOT_BUILT = ("--device cuda needs the GPU runtime (ninfer-rt's CUDA kernels), which is not built yet; "
+                  "use --device cpu")
+
+
+@dataclass
+class GenerationStats:
+    """Timings and counts of one generate call.
+
+    generated_tokens counts every sampled token, the stop token included (it cost a forward like the others);
+    token_ids holds the output without the stop token. finish_reason: "eos" (a stop id), "stop" (a stop
+    string), "length" (max_new_tokens or the context end), or "cancelled" (the caller stopped iterating).
+    """
+
+    prompt_tokens: int
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = "cancelled"
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens per second of the prefill (which includes sampling the first token)."""
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second of the decode steps: each after the first sampled token costs one forward."""
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class _ReferenceBackend:
+    """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact (torch imported here, lazily)."""
+
+    def __init__(self, artifact: Artifact):
+        """Decode the text weights and build the reference model."""
+        from ninfer_rt.reference.model import ReferenceModel
+        from ninfer_rt.reference.weights import artifact_weights
+
+        # the MTP head is not used by plain decoding, so its tensors are not decoded
+        self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=("text",)))
+
+    def new_cache(self):
+        """Empty decode state for one sequence."""
+        return self.model.new_cache()
+
+    def forward(self, ids: np.ndarray, cache) -> np.ndarray:
+        """ids int64 [T] -> logits float32 [T, V]; advances cache by T positions."""
+        return self.model.forward(ids, cache).numpy()
+
+
+class Model:
+    """A loaded artifact ready to run. Attributes: `spec` (ModelSpec), `artifact`, `device`, `tokenizer`,
+    `chat_template`, `generation_config`, and `last_stats` (GenerationStats of the latest generate call)."""
+
+    def __init__(self, artifact: Artifact, backend: _ReferenceBackend, device: str):
+        """Wrap an opened artifact and its backend; use `load` instead."""
+        self.artifact, self.device = artifact, device
+        self.spec = artifact.spec
+        self._backend = backend
+        self._resources = {name: artifact.resource(name) for name in artifact.resources}
+        self._tokenizer = None
+        self._chat = None
+        self.last_stats: GenerationStats | None = None
+
+    # ------------------------------------------------------------------------------------------- text side
+
+    @property
+    def tokenizer(self):
+        """The artifact's Tokenizer (built on first use; NinferError when the artifact carries none)."""
+        if self._tokenizer is None:
+            from ninfer_rt.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_resources(self._resources)
+        return self._tokenizer
+
+    @property
+    def chat_template(self):
+        """The artifact's sandboxed ChatTemplate (built on first use)."""
+        if self._chat is None:
+            from ninfer_rt.chat import ChatTemplate
+
+            self._chat = ChatTemplate.from_resources(self._resources)
+        return self._chat
+
+    @property
+    def generation_config(self) -> dict:
+        """generation_config.json of the checkpoint ({} when absent)."""
+        return self.tokenizer.generation_config
+
+    @property
+    def sampling_defaults(self) -> SamplingParams:
+        """SamplingParams from generation_config.json (greedy when it is absent or says do_sample false)."""
+        return SamplingParams.defaults_from_generation_config(self.generation_config)
+
+    @property
+    def real_vocab_size(self) -> int:
+        """Ids the tokenizer can produce; rows from here up to spec.vocab_size are padding."""
+        return min(self.tokenizer.vocab_size, self.spec.vocab_size)
+
+    def prompt_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
+                   enable_thinking: bool | None = None) -> list[int]:
+        """Token ids of a prompt: text is encoded as is (no BOS); messages are rendered with the chat template
+        and add_generation_prompt (enable_thinking reaches the template; None keeps its default); a list of
+        ids is checked and used unchanged."""
+        if (prompt is None) == (messages is None):
+            raise NinferError("generate: give exactly one of prompt (text or token ids) or messages")
+        if messages is not None:
+            text = self.chat_template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+            ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self._check_ids(prompt)
+        if not ids:
+            raise NinferError("prompt is empty: there is nothing to continue from")
+        return ids
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """Token ids as a list of ints in [0, vocab_size); NinferError naming the first bad one."""
+        ids = [int(i) for i in token_ids]
+        for pos, i in enumerate(ids):
+            if not 0 <= i < self.spec.vocab_size:
+                raise NinferError(f"token id {i} at position {pos} is outside the vocabulary "
+                                  f"[0, {self.spec.vocab_size})")
+        return ids
+
+    # ------------------------------------------------------------------------------------------- model side
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits float32 [T, vocab_size] of one sequence run from an empty cache (padded rows included)."""
+        ids = self._check_ids(token_ids)
+        if not ids:
+            raise NinferError("logits: token_ids is empty")
+        return self._backend.forward(np.asarray(ids, dtype=np.int64), self._backend.new_cache())
+
+    def generate_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
+                     max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+                     enable_thinking: bool | None = None) -> Iterator[int]:
+        """Stream the generated token ids (the stop id is not yielded); arguments as `generate`.
+
+        The prompt is checked when this is called, not on the first `next`, so bad input fails early.
+        """
+        ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking)
+        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+            raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+        context = self.spec.max_position_embeddings
+        if len(ids) >= context:
+            raise NinferError(f"prompt has {len(ids)} tokens; the model's context holds {context}")
+        params = sampling if sampling is not None else self.sampling_defaults
+        stop_ids = set(self.tokenizer.eos_ids)
+        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stop_ids)
+
+    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stop_ids: set[int]) -> Iterator[int]:
+        """Prefill once, then one forward per token; records self.last_stats as it goes."""
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        history, real = list(ids), self.real_vocab_size
+        cache = self._backend.new_cache()
+
+        def step(new_ids: list[int]) -> int:
+            """Forward new_ids through the cache and sample the next token from the last row."""
+            logits = self._backend.forward(np.asarray(new_ids, dtype=np.int64), cache)[-1]  # logits: [V]
+            logits[real:] = -np.inf  # padded vocabulary rows are never sampled
+            return sampler.sample(logits, history, len(ids))
+
+        t0 = time.perf_counter()
+        token = step(ids)
+        stats.prefill_s = time.perf_counter() - t0
+        while True:
+            stats.generated_tokens += 1
+            if token in stop_ids:
+                stats.finish_reason = "eos"
+                return
+            stats.token_ids.append(token)
+            history.append(token)
+            yield token
+            if len(stats.token_ids) >= budget:
+                stats.finish_reason = "length"
+                return
+            t0 = time.perf_counter()
+            token = step([token])
+            stats.decode_s += time.perf_counter() - t0
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
+                 max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+                 enable_thinking: bool | None = None, stop: list[str] | None = None) -> Iterator[str]:
+        """Stream the continuation as text pieces (each complete UTF-8).
+
+        prompt: text or token ids, or messages: a chat rendered with the artifact's template (enable_thinking
+        False asks for the no-thinking prompt). sampling defaults to the artifact's generation_config.json.
+        Stops on a stop id, on any of the `stop` strings (text from the stop string on is not yielded), or
+        after max_new_tokens. Timings land in `last_stats` when the iterator ends.
+        """
+        stops = list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
+        token_stream = self.generate_ids(prompt, messages=messages, max_new_tokens=max_new_tokens,
+                                         sampling=sampling, enable_thinking=enable_thinking)
+        return self._text_stream(token_stream, stops)
+
+    def _text_stream(self, token_stream: Iterator[int], stops: list[str]) -> Iterator[str]:
+        """Detokenize the ids, holding back any tail that could still grow into a stop string."""
+        detok = self.tokenizer.detokenizer()
+        text, sent = "", 0  # all text so far; text[:sent] has been yielded
+        pieces = (detok.push(i) for i in token_stream)
+        for piece in _chain_tail(pieces, detok.finish):
+            text += piece
+            hit = min((j for j in (text.find(s, sent) for s in stops) if j >= 0), default=-1)
+            if hit >= 0:
+                token_stream.close()
+                self.last_stats.finish_reason = "stop"
+                if hit > sent:
+                    yield text[sent:hit]
+                return
+            keep = max((_overlap(text, s) for s in stops), default=0)
+            if len(text) - keep > sent:
+                yield text[sent:len(text) - keep]
+                sent = len(text) - keep
+        if len(text) > sent:
+            yield text[sent:]
+
+    # ------------------------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Release the artifact's mapping (the decoded weights live on in the backend until it is dropped)."""
+        self.artifact.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _chain_tail(pieces: Iterator[str], tail) -> Iterator[str]:
+    """Yield the pieces, then tail() once the stream is exhausted (the detokenizer's held bytes)."""
+    yield from pieces
+    yield tail()
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with (0 when none)."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+def load(path: str | PathLike, device: str = "cpu") -> Model:
+    """Open and validate the artifact at `path` and build a Model on `device` ("cpu": the fp32 reference)."""
+    if device not in DEVICES:
+        raise NinferError(f"device {device!r}: choose cpu or cuda")
+    if device == "cuda":
+        raise NinferError(CUDA_NOT_BUILT)
+    artifact = Artifact.open(path)
+    try:
+        return Model(artifact, _ReferenceBackend(artifact), device)
+    except BaseException:
+        artifact.close()
+        raise

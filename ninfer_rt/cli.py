@@ -1,0 +1,151 @@
+"""ninfer-rt: a thin Typer CLI over ninfer_rt.api (run a prompt, describe an artifact)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ninfer_rt.errors import NinferError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run Qwen3.5/3.6 .ninfer artifacts.")
+out = Console()
+err = Console(stderr=True)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'; binary units, as memory is counted."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _sampling(model, greedy: bool, overrides: dict):
+    """The artifact's generation_config defaults, then the options given; any sampling option asks for sampling
+    (a do_sample-false config would otherwise ignore it) unless --greedy."""
+    from ninfer_rt.sampling import SamplingParams
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    wants_sampling = any(k != "seed" for k in given)
+    greedy_flag = {"greedy": True} if greedy else ({"greedy": False} if wants_sampling else {})
+    return SamplingParams.defaults_from_generation_config(model.generation_config, **given, **greedy_flag)
+
+
+@app.command()
+def run(
+    path: Path = typer.Argument(..., help="The .ninfer artifact."),
+    prompt: str = typer.Option(..., "--prompt", help="Prompt text (raw, or a user message with --chat)."),
+    chat: bool = typer.Option(False, "--chat", help="Render the prompt as a user message with the artifact's "
+                                                   "chat template and the generation prompt."),
+    no_think: bool = typer.Option(False, "--no-think", help="Ask the chat template for the no-thinking prompt."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
+    greedy: bool = typer.Option(False, "--greedy", help="Arg-max decoding (overrides the sampling options)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Softmax temperature."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus threshold in (0, 1]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted once per "
+                                                                                      "token already generated."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="CTRL-style penalty "
+                                                                                          "over prompt + output."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (same seed, same text)."),
+    device: str = typer.Option("cpu", "--device", help="cpu (the PyTorch reference) or cuda."),
+):
+    """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
+    from ninfer_rt.api import load
+
+    if no_think and not chat:
+        raise NinferError("--no-think applies to the chat template: add --chat")
+    t0 = time.perf_counter()
+    model = load(path, device=device)
+    load_s = time.perf_counter() - t0
+    params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                           presence_penalty=presence_penalty,
+                                           repetition_penalty=repetition_penalty, seed=seed))
+    if chat:
+        pieces = model.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+                                sampling=params, enable_thinking=False if no_think else None)
+    else:
+        pieces = model.generate(prompt, max_new_tokens=max_new_tokens, sampling=params)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    s = model.last_stats
+    err.print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_s:.3f} s ({s.prefill_tok_s:.1f} tok/s); "
+              f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.1f} tok/s ({s.finish_reason}); "
+              f"load {load_s:.2f} s on {model.device}", highlight=False, soft_wrap=True, emoji=False)
+
+
+@app.command()
+def info(path: Path = typer.Argument(..., help="The .ninfer artifact.")):
+    """Describe the model in an artifact: family, layers, widths, experts, vocabulary, context, recipe, size."""
+    from ninfer_rt.format import Artifact
+
+    with Artifact.open(path) as art:
+        spec = art.spec
+        recipe = art.header["recipe"].get("name", "?")
+        real_vocab = _tokenizer_vocab(art)
+        weights = sum(t.nbytes for t in art.tensors.values())
+        size = art.size
+    full = len(spec.full_attention_layers)
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    rows = [
+        ("family", spec.family),
+        ("layers", f"{spec.num_hidden_layers} ({spec.num_hidden_layers - full} Gated DeltaNet, {full} attention)"),
+        ("hidden", str(spec.hidden_size)),
+        ("attention heads", f"{spec.num_attention_heads} q / {spec.num_key_value_heads} kv x {spec.head_dim}"),
+        ("experts", f"{spec.num_experts} routed, top-{spec.num_experts_per_tok}, + 1 shared "
+                    f"(dim {spec.moe_intermediate_size})" if spec.is_moe
+         else f"dense (intermediate {spec.intermediate_size})"),
+        ("vocab", f"{spec.vocab_size}" + (f" ({real_vocab} in the tokenizer)" if real_vocab else "")),
+        ("context", f"{spec.max_position_embeddings:,}"),
+        ("MTP layers", str(spec.mtp_num_hidden_layers)),
+        ("vision", "yes" if spec.vision is not None else "no"),
+        ("recipe", recipe),
+        ("size", f"{human_bytes(size)} ({human_bytes(weights)} of weights)"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    out.print(table)
+
+
+def _tokenizer_vocab(art) -> int | None:
+    """Ids of the artifact's tokenizer, or None when it has none (or an unreadable one: info still works)."""
+    if "tokenizer.json" not in art.resources:
+        return None
+    from ninfer_rt.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_resources({"tokenizer.json": art.resource("tokenizer.json")}).vocab_size
+    except NinferError:
+        return None
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit 1."""
+    try:
+        app()
+    except NinferError as e:
+        sys.stdout.flush()
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
