@@ -177,20 +177,32 @@ def verify(
                                                                 "this checkpoint (dir, Hub id or builtin:...)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of --source."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report."),
+    numerics: bool = typer.Option(False, "--numerics", help="Also measure what quantization cost: KL divergence, "
+                                                            "top-token agreement, PPL and per-layer hidden-state "
+                                                            "differences against --source (fp32 reference, CPU)."),
 ):
     """Check magic, header, bounds, alignment and checksums (and, with --source, every tensor's error)."""
     from ninfer_pack.verify import verify as run_verify
     from ninfer_rt.format import Artifact
 
+    if numerics and source is None:
+        raise NinferError("--numerics needs --source: the checkpoint the artifact was made from")
     with Artifact.open(path) as art:  # structural problems end here with one line
         size = art.size
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=size)
         rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))
+    num = None
+    if numerics and rep.ok:  # numerics of an unsound file would measure the damage, not the quantization
+        from ninfer_pack.numerics import measure
+
+        num = measure(path, source, revision=revision, progress=lambda m: err.print(f"numerics: {m}"))
     if as_json:
-        print(json.dumps({"ok": rep.ok, "path": rep.path, "bad_checksums": rep.bad_checksums,
-                          "problems": rep.problems,
-                          "tensors": [c.__dict__ for c in rep.checks]}, indent=1))
+        report = {"ok": rep.ok, "path": rep.path, "bad_checksums": rep.bad_checksums, "problems": rep.problems,
+                  "tensors": [c.__dict__ for c in rep.checks]}
+        if numerics:
+            report["numerics"] = num.to_dict() if num is not None else None
+        print(json.dumps(report, indent=1))
     else:
         if rep.checks:
             t = Table(title=f"{path} against {source}")
@@ -203,6 +215,11 @@ def verify(
             err.print(f"[red]checksum mismatch:[/] {name}")
         for p in rep.problems:
             err.print(f"[red]problem:[/] {p}")
+        if num is not None:
+            from ninfer_pack.numerics import report_tables
+
+            for table in report_tables(num):
+                out.print(table)
     if not rep.ok:
         first = (rep.bad_checksums and f"checksum mismatch in {rep.bad_checksums[0]}") or \
                 (rep.problems and rep.problems[0]) or next(f"{c.name}: {c.detail}" for c in rep.checks if not c.ok)

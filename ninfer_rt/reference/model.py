@@ -268,11 +268,13 @@ class ReferenceModel:
         return ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, s.mrope_section, self.dtype)
 
     def forward_with_hidden(self, ids: torch.Tensor, cache: Cache | None = None,
-                            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            positions: torch.Tensor | None = None, *, return_layers: bool = False):
         """ids [T] -> (logits [T, V] fp32, final post-norm hidden states [T, H], the MTP input).
 
         Continues `cache` (advancing it by T) or, when None, runs from an empty one. `positions` ([T], or [3, T]
         T/H/W rows for multimodal input) defaults to cache.pos .. cache.pos + T - 1.
+        With return_layers=True a third item is returned: the residual stream as a list of L + 1 tensors [T, H],
+        index 0 the embeddings and index i the output of decoder layer i - 1 (before the final norm).
         """
         cache = self.new_cache() if cache is None else cache
         T = ids.shape[0]
@@ -280,11 +282,15 @@ class ReferenceModel:
             positions = torch.arange(cache.pos, cache.pos + T)
         cos, sin = self._rope(positions)                                         # cos/sin: [T, rot]
         x = self.embed[ids]                                                      # x: [T, H]
+        stream = [x] if return_layers else None
         for layer, state in zip(self.layers, cache.layers):
             x = layer(x, cos, sin, state)
+            if stream is not None:
+                stream.append(x)
         cache.pos += T
         x = ops.rms_norm_zc(x, self.norm, self.spec.rms_norm_eps)
-        return (x @ self.lm_head.T).float(), x
+        logits = (x @ self.lm_head.T).float()
+        return (logits, x, stream) if return_layers else (logits, x)
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,234 @@
+"""verify --numerics: the quantization cost (KLD, same-top, Δp, PPL, per-layer divergence) measured on the
+fp32 reference model, checked against an independent computation and against properties the maths implies.
+
+The tiny built-ins have random weights, so their next-token distributions are nearly uniform (PPL ≈ 550 of a
+500-token vocab): KLDs are small in absolute terms and same-top rates low, but they scale with the bit width
+exactly as quantization theory says, which is what the bounds below test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer_pack.numerics import (DIVERGENCE_THRESHOLD, PROMPTS, first_divergent, largest_jump, layer_diffs,
+                                  measure, run_reference, tokenize_prompts)
+from ninfer_pack.pipeline import quantize
+from ninfer_pack.recipe import parse_recipe
+from ninfer_pack.source import Checkpoint
+from ninfer_pack.tiny import materialize_builtin
+from ninfer_rt.errors import ConfigError, SourceError
+from ninfer_rt.format import Artifact
+from ninfer_rt.reference.model import ReferenceModel
+from ninfer_rt.reference.weights import artifact_weights, checkpoint_weights
+from ninfer_rt.tokenizer import Tokenizer
+from test_pack_cli import error_line, run
+
+
+@pytest.fixture(scope="module")
+def builtins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("builtin")
+    return {kind: materialize_builtin(f"builtin:tiny-{kind}", cache_dir=root) for kind in ("moe", "dense")}
+
+
+@pytest.fixture(scope="module")
+def packer(tmp_path_factory):
+    """pack(kind source dir, recipe) -> artifact path, each made once per module."""
+    root, made = tmp_path_factory.mktemp("art"), {}
+
+    def pack(src, recipe):
+        key = (str(src), recipe if isinstance(recipe, str) else recipe.name)
+        if key not in made:
+            made[key] = root / f"{len(made)}.ninfer"
+            quantize(str(src), recipe, made[key])
+        return made[key]
+    return pack
+
+
+def uniform_recipe(fmt: str):
+    """Every matmul weight in `fmt`; what cannot or should not be quantized kept exact, as the real recipes do."""
+    return parse_recipe({"name": f"all-{fmt}", "description": f"every linear weight {fmt}", "rules": [
+        {"pattern": r"model\.visual\..*", "format": "bf16"},
+        {"pattern": r"(model\.language_model|mtp)\.layers\.\d+\.linear_attn\.(A_log|dt_bias)", "format": "fp32"},
+        {"pattern": r".*norm(_embedding|_hidden)?\.weight", "format": "bf16"},
+        {"pattern": r".*linear_attn\.(in_proj_a|in_proj_b|conv1d)\.weight", "format": "bf16"},
+        {"pattern": r".*", "format": fmt}]})
+
+
+def test_bf16_recipe_is_lossless(builtins, packer):
+    # The bf16 artifact decodes to the checkpoint's exact values, so both fp32 runs see identical weights and
+    # (deterministic CPU kernels) give identical logits: 0 measured. The bound allows a changed fp32 reduction
+    # order: logit noise ~1e-6 * |logit| gives a KLD ~1e-12, so 1e-10 nats; hidden states within 1e-6 relative.
+    rep = measure(packer(builtins["moe"], "bf16"), str(builtins["moe"]))
+    print(f"bf16: mean KLD {rep.kld_mean:.3g}, max {rep.kld_max:.3g}, same top {rep.same_top:.4f}")
+    assert rep.recipe == "bf16" and rep.scored > 300
+    assert 0 <= rep.kld_max <= 1e-10 and abs(rep.kld_mean) <= 1e-10
+    assert rep.same_top == 1.0
+    assert abs(rep.ppl_ratio - 1) <= 1e-9 and rep.rms_dp <= 1e-9 and rep.rms_dp_top <= 1e-9
+    assert all(d.rel_rms <= 1e-6 for d in rep.layers) and len(rep.layers) == 9  # embedding + 8 layers
+    assert rep.first_divergent_layer is None
+
+
+# Measured mean KLD (nats, 494 scored tokens; the tiny checkpoints are deterministic, so these only move when
+# the quantizer, formats or reference change): tiny/moe 0.00640, qwen3.6-35b-a3b/moe 0.00441,
+# qwen3.6-27b/dense 0.00523. Bounds: a factor 2 up catches a quantizer regression, a factor 3 down catches an
+# artifact whose quantized weights are not actually used (q8 everywhere gives 4e-5).
+SHIPPED = [("tiny", "moe", 0.00640), ("qwen3.6-35b-a3b", "moe", 0.00441), ("qwen3.6-27b", "dense", 0.00523)]
+
+
+@pytest.mark.parametrize("recipe, kind, measured", SHIPPED)
+def test_shipped_recipe_kld(builtins, packer, recipe, kind, measured):
+    rep = measure(packer(builtins[kind], recipe), str(builtins[kind]))
+    print(f"{recipe} on tiny-{kind}: mean KLD {rep.kld_mean:.5f} ± {rep.kld_mean_stderr:.5f}, "
+          f"99% {rep.kld_p99:.4f}, same top {rep.same_top:.3f}, PPL ratio {rep.ppl_ratio:.4f}")
+    assert measured / 3 < rep.kld_mean < 2 * measured
+    assert rep.kld_median <= rep.kld_p99 <= rep.kld_p999 <= rep.kld_max
+    assert rep.same_top < 1 and abs(math.log(rep.ppl_ratio)) < 0.05
+    # every shipped recipe quantizes the embedding (q8 or q6), beyond bf16 rounding
+    assert rep.first_divergent_layer == -1 and rep.layers[0].rel_rms > DIVERGENCE_THRESHOLD
+
+
+def test_more_bits_give_lower_kld(builtins, packer):
+    # One more bit halves the quantization step, so the error variance drops 4x per bit and KLD (second order
+    # in the logit error) with it: q8 vs q4 predicts ~256x. Measured: q8 4.1e-5, q6 7.6e-4, q4 8.7e-3 (212x).
+    src = builtins["dense"]
+    reps = {f: measure(packer(src, uniform_recipe(f)), str(src)) for f in ("q8g32", "q6g64", "q4g32")}
+    kld = {f: r.kld_mean for f, r in reps.items()}
+    print("mean KLD by format:", {f: f"{v:.3g}" for f, v in kld.items()})
+    assert kld["q8g32"] < kld["q6g64"] < kld["q4g32"]
+    assert kld["q4g32"] > 64 * kld["q8g32"]
+    assert reps["q8g32"].same_top > reps["q4g32"].same_top
+    assert reps["q8g32"].layers[-1].rel_rms < reps["q6g64"].layers[-1].rel_rms < reps["q4g32"].layers[-1].rel_rms
+
+
+def test_statistics_match_an_independent_computation(builtins, packer):
+    src = builtins["dense"]
+    art_path = packer(src, "tiny")
+    rep = measure(art_path, str(src))
+
+    # The same two runs, done here by hand: the llama.cpp window rule is logits[T//2 : T-1] vs ids[T//2+1 : T].
+    ckpt = Checkpoint.open(str(src))
+    with Artifact.open(art_path) as art:
+        tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
+        models = [ReferenceModel(ckpt.spec, checkpoint_weights(ckpt, ("text",))),
+                  ReferenceModel(ckpt.spec, artifact_weights(art, ("text",)))]
+    ls, la, tg, hs, ha = [], [], [], [], []
+    with torch.no_grad():
+        for _name, text in PROMPTS:
+            ids = torch.tensor(tok.encode(text))
+            T = len(ids)
+            (l0, h0, s0), (l1, h1, s1) = [m.forward_with_hidden(ids, return_layers=True) for m in models]
+            assert l0.shape == (T, ckpt.spec.vocab_size)
+            ls.append(l0[T // 2:T - 1])
+            la.append(l1[T // 2:T - 1])
+            tg.append(ids[T // 2 + 1:])
+            hs.append(torch.stack(s0))
+            ha.append(torch.stack(s1))
+    ls, la, tg = torch.cat(ls).double(), torch.cat(la).double(), torch.cat(tg)
+    log_p, log_q = F.log_softmax(ls, -1), F.log_softmax(la, -1)
+    kld = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).numpy()  # KL(source || artifact)
+    p, q = log_p.exp(), log_q.exp()
+    rows = torch.arange(len(tg))
+    dp = (q[rows, tg] - p[rows, tg]).numpy()
+    top = p.argmax(-1)
+    dp_top = (q[rows, top] - p[rows, top]).numpy()
+
+    # Both sides are float64 from the same fp32 logits: only summation order differs (~1e-15 relative).
+    close = dict(rel=1e-9, abs=1e-14)
+    assert rep.scored == len(kld) == sum(len(tok.encode(t)) - 1 - len(tok.encode(t)) // 2 for _n, t in PROMPTS)
+    assert rep.kld_mean == pytest.approx(kld.mean(), **close)
+    assert rep.kld_mean_stderr == pytest.approx(kld.std(ddof=0) / math.sqrt(len(kld) - 1), **close)
+    assert rep.kld_median == pytest.approx(np.median(kld), **close)
+    assert rep.kld_p99 == pytest.approx(np.percentile(kld, 99), **close)    # numpy's linear = llama.cpp's rule
+    assert rep.kld_p999 == pytest.approx(np.percentile(kld, 99.9), **close)
+    assert rep.kld_max == pytest.approx(kld.max(), **close)
+    assert rep.same_top == float((la.argmax(-1) == top).double().mean())
+    assert rep.dp_mean == pytest.approx(dp.mean(), **close)
+    assert rep.rms_dp == pytest.approx(np.sqrt((dp ** 2).mean()), **close)
+    assert rep.rms_dp_top == pytest.approx(np.sqrt((dp_top ** 2).mean()), **close)
+    ppl_s = math.exp(F.cross_entropy(ls, tg).item())
+    ppl_a = math.exp(F.cross_entropy(la, tg).item())
+    assert rep.ppl_source == pytest.approx(ppl_s, **close) and rep.ppl_artifact == pytest.approx(ppl_a, **close)
+    assert rep.ppl_ratio == pytest.approx(ppl_a / ppl_s, **close)
+
+    # per stage: ||Δh|| / ||h|| over every token of every prompt, in numpy
+    hs, ha = torch.cat(hs, 1).double().numpy(), torch.cat(ha, 1).double().numpy()  # [L+1, sum T, H]
+    rel = np.linalg.norm((ha - hs).reshape(len(hs), -1), axis=1) / np.linalg.norm(hs.reshape(len(hs), -1), axis=1)
+    assert [d.rel_rms for d in rep.layers] == pytest.approx(rel.tolist(), rel=1e-9)
+    assert [d.index for d in rep.layers] == list(range(-1, ckpt.spec.num_hidden_layers))
+
+
+def test_residual_stream_is_the_model_path(builtins):
+    # return_layers exposes what the model computes: stage 0 is the embedding rows, and the final norm of the
+    # last stage is the post-norm hidden state whose projection gives the logits.
+    ckpt = Checkpoint.open(str(builtins["moe"]))
+    model = ReferenceModel(ckpt.spec, checkpoint_weights(ckpt, ("text",)))
+    ids = torch.tensor([5, 77, 300, 12, 9, 401, 3])
+    with torch.no_grad():
+        logits, h, stream = model.forward_with_hidden(ids, return_layers=True)
+        plain_logits, plain_h = model.forward_with_hidden(ids)
+    x = stream[-1].double()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ckpt.spec.rms_norm_eps) * (1 + model.norm.double())
+    assert len(stream) == ckpt.spec.num_hidden_layers + 1
+    assert torch.equal(stream[0], model.embed[ids])
+    assert torch.allclose(normed.float(), h, rtol=1e-5, atol=1e-6)  # fp32 rounding of a 64-wide RMS
+    assert torch.equal(logits, plain_logits) and torch.equal(h, plain_h)
+
+
+def test_divergence_points_at_the_damaged_layer(builtins):
+    # Perturb one layer's weights: causality keeps every earlier stage bit-identical, and the per-layer table
+    # must name that layer, both as first divergent and as the largest jump.
+    ckpt = Checkpoint.open(str(builtins["dense"]))
+    spec, w = ckpt.spec, checkpoint_weights(ckpt, ("text",))
+    windows = tokenize_prompts(Tokenizer.from_resources(ckpt.resources), PROMPTS[:2], spec.vocab_size)
+    base = run_reference(spec, w, windows)
+    g = torch.Generator().manual_seed(0)
+    for layer, name, scale, diverges in ((5, "mlp.down_proj.weight", 0.3, True),
+                                         (6, "input_layernorm.weight", 0.05, False)):
+        n = f"model.language_model.layers.{layer}.{name}"
+        bad = dict(w, **{n: w[n] + scale * w[n].pow(2).mean().sqrt() * torch.randn(w[n].shape, generator=g)})
+        d = layer_diffs(base.stream, run_reference(spec, bad, windows).stream, spec.layer_types)
+        print(f"damaged layer {layer}:", " ".join(f"{x.index}:{x.rel_rms:.2e}" for x in d))
+        assert all(x.rel_rms == 0 for x in d[:layer + 1])  # stages -1 .. layer-1
+        assert largest_jump(d) == layer
+        # a 0.3-RMS change of a down projection is far beyond bf16 rounding; 5% noise on a norm weight is not
+        assert first_divergent(d) == (layer if diverges else None)
+
+
+def test_bad_inputs(builtins, packer):
+    dense_art = packer(builtins["dense"], "tiny")
+    with pytest.raises(SourceError, match="family differs"):
+        measure(dense_art, str(builtins["moe"]))
+    with pytest.raises(ConfigError, match="prompt 'short'"):
+        measure(dense_art, str(builtins["dense"]), prompts=[("short", "hi")])
+
+
+def test_cli_numerics(builtins, packer, capsys):
+    src = builtins["dense"]
+    art = packer(src, "qwen3.6-27b")
+    code, o, e = run(["verify", art, "--source", src, "--numerics"], capsys)
+    assert code == 0, e
+    assert "sound" in e
+    for label in ("Mean KLD", "99.9% KLD", "Same top p", "RMS Δp", "PPL ratio", "First divergent",
+                  "hidden-state difference per stage", "full_attention", "layer 7"):
+        assert label in o, label
+
+    code, o, e = run(["verify", art, "--source", src, "--numerics", "--json"], capsys)
+    assert code == 0, e
+    report = json.loads(o)
+    assert report["ok"] and report["tensors"]
+    num = report["numerics"]
+    for key in ("kld_mean", "kld_mean_stderr", "kld_median", "kld_p99", "kld_p999", "kld_max", "same_top",
+                "dp_mean", "rms_dp", "rms_dp_top", "ppl_source", "ppl_artifact", "ppl_ratio", "threshold",
+                "first_divergent_layer", "largest_jump_layer", "layers", "prompts", "scored", "recipe"):
+        assert key in num, key
+    assert len(num["layers"]) == 9 and set(num["layers"][0]) == {"index", "kind", "rel_rms", "added"}
+    assert num["kld_mean"] == measure(art, str(src)).kld_mean  # the CLI reports the library's numbers
+
+    code, _o, e = run(["verify", art, "--numerics"], capsys)
+    assert code == 1 and "--source" in error_line(e)
