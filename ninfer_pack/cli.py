@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
+from rich.markup import escape
 from rich.table import Table
 
 from ninfer_rt.errors import NinferError
@@ -235,6 +236,9 @@ def publish(
     private: bool = typer.Option(False, "--private", help="Create the repo as private."),
     dry_run: Optional[Path] = typer.Option(None, "--dry-run", help="Write the folder that would be uploaded "
                                                                    "here instead of uploading."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model for the card "
+                                                                        "(default: the Hub repo it was packed from)."),
+    license_: str = typer.Option("apache-2.0", "--license", help="License in the card's front matter."),
 ):
     """Upload the artifact with a generated model card (token from `hf auth login` or HF_TOKEN)."""
     from ninfer_pack.publish import publish as run_publish
@@ -244,8 +248,8 @@ def publish(
         size = art.size
     with _bytes_progress() as prog:
         task = prog.add_task("sha256", total=size)
-        where = run_publish(path, repo, private=private, dry_run_dir=dry_run,
-                            on_bytes=lambda n: prog.advance(task, n))
+        where = run_publish(path, repo, private=private, dry_run_dir=dry_run, base_model=base_model,
+                            license_=license_, on_bytes=lambda n: prog.advance(task, n))
     err.print(f"{'staged' if dry_run else 'published'}: {where}")
 
 
@@ -254,7 +258,7 @@ def main() -> None:
     try:
         app()
     except NinferError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

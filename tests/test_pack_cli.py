@@ -223,15 +223,21 @@ def test_plan_35b_and_27b(capsys):
 def test_publish_dry_run_and_no_token(packed, tmp_path, capsys, monkeypatch):
     stage = tmp_path / "stage"
     code, _, e = run(["publish", packed, "--repo", "me/tiny-ninfer", "--dry-run", stage], capsys)
+    assert code == 1 and "--base-model" in error_line(e)  # packed from a local dir: the card needs a base model
+    code, _, e = run(["publish", packed, "--repo", "me/tiny-ninfer", "--dry-run", stage,
+                      "--base-model", "Qwen/Qwen3.6-35B-A3B"], capsys)
     assert code == 0, e
     card = (stage / "README.md").read_text()
-    assert card.startswith("---\n") and "base_model_relation: quantized" in card and "license:" in card
+    front = card.split("---\n")[1]
+    assert card.startswith("---\n") and "base_model: Qwen/Qwen3.6-35B-A3B\n" in front
+    assert "base_model_relation: quantized" in front and "license: apache-2.0" in front and "tags:" in front
     assert hashlib.sha256(packed.read_bytes()).hexdigest() in card
     assert (stage / packed.name).read_bytes() == packed.read_bytes()
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, e = run(["publish", packed, "--repo", "me/tiny-ninfer"], capsys)
+    code, _, e = run(["publish", packed, "--repo", "me/tiny-ninfer", "--base-model", "Qwen/Qwen3.6-35B-A3B"],
+                     capsys)
     assert code == 1 and "not logged in" in error_line(e)
     code, _, e = run(["publish", packed, "--repo", "not-a-repo-id"], capsys)
     assert code == 1 and "OWNER/NAME" in error_line(e)
