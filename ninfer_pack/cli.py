@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -12,9 +11,9 @@ import typer
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
-from rich.markup import escape
 from rich.table import Table
 
+from ninfer_rt.console import human_bytes, human_count, run_app
 from ninfer_rt.errors import NinferError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -26,23 +25,6 @@ err = Console(stderr=True)
 def _bytes_progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'; binary units, as GPU memory is counted."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return ""
-
-
-def human_count(n: float) -> str:
-    """35951822704 -> '35.95 B'."""
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return str(int(n))
 
 
 def _size_table(title: str, rows: list[dict], total_params: int, total_bytes: int) -> Table:
@@ -255,14 +237,7 @@ def publish(
 
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit 1."""
-    try:
-        app()
-    except NinferError as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    run_app(app, err)
 
 
 if __name__ == "__main__":

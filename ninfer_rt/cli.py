@@ -9,24 +9,15 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from ninfer_rt.console import human_bytes, run_app
 from ninfer_rt.errors import NinferError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run Qwen3.5/3.6 .ninfer artifacts.")
 out = Console()
 err = Console(stderr=True)
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'; binary units, as memory is counted."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def _sampling(model, greedy: bool, overrides: dict):
@@ -136,15 +127,7 @@ def _tokenizer_vocab(art) -> int | None:
 
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit 1."""
-    try:
-        app()
-    except NinferError as e:
-        sys.stdout.flush()
-        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    run_app(app, err)
 
 
 if __name__ == "__main__":

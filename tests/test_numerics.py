@@ -27,7 +27,8 @@ from ninfer_rt.format import Artifact
 from ninfer_rt.reference.model import ReferenceModel
 from ninfer_rt.reference.weights import artifact_weights, checkpoint_weights
 from ninfer_rt.tokenizer import Tokenizer
-from test_pack_cli import error_line, run
+from cli_runner import error_line
+from test_pack_cli import run
 
 
 @pytest.fixture(scope="module")

@@ -6,35 +6,18 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 
 import pytest
 
+from cli_runner import error_line, run_main
 from ninfer_pack import cli
 from ninfer_pack.tiny import materialize_builtin
 from ninfer_rt.format import Artifact
 
 
 def run(args, capsys):
-    """Run `ninfer-pack ARGS` in-process through the real entry point; returns (exit code, stdout, stderr)."""
-    old = sys.argv
-    sys.argv = ["ninfer-pack", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
-    o = capsys.readouterr()
-    return code, o.out, o.err
-
-
-def error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err  # exactly one line, no traceback
-    assert "Traceback" not in err
-    return lines[0]
+    """`ninfer-pack ARGS` in-process; returns (exit code, stdout, stderr)."""
+    return run_main(cli.main, "ninfer-pack", args, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,9 @@ from ninfer_rt.formats import get_format
 BITS = (4, 5, 6, 8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # two OpenMP threads on a 2-core machine shared with other jobs run ~10x slower than one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 def student_t(rows, k, seed):

@@ -27,12 +27,8 @@ PROMPT = 80      # crosses the 64-token DeltaNet chunk boundary
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on 2 shared cores: torch's thread pool only adds contention (10x slower here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 def canonical(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

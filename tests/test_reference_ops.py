@@ -21,12 +21,8 @@ FP32_REL = 1e-5  # n·u for reductions of n ≤ 128 fp32 terms (module docstring
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on 2 shared cores: torch's thread pool only adds contention (10x slower here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 def gen(seed: int) -> torch.Generator:

@@ -31,12 +31,8 @@ GREEDY = SamplingParams(greedy=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on 2 shared cores: torch's thread pool only adds contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
-import torch
 
 from ninfer_pack.tiny import materialize_builtin
+from cli_runner import error_line, run_main
 from ninfer_rt import cli
 from ninfer_rt.api import CUDA_NOT_BUILT
 from ninfer_rt.chat import ChatTemplate
@@ -18,33 +17,13 @@ PROMPT = "The assistant reads the question"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on 2 shared cores: torch's thread pool only adds contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 def run(args, capsys):
-    """Run `ninfer-rt ARGS` in-process through the real entry point; returns (exit code, stdout, stderr)."""
-    old = sys.argv
-    sys.argv = ["ninfer-rt", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
-    o = capsys.readouterr()
-    return code, o.out, o.err
-
-
-def error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err  # exactly one line, no traceback
-    return lines[0]
+    """`ninfer-rt ARGS` in-process; returns (exit code, stdout, stderr)."""
+    return run_main(cli.main, "ninfer-rt", args, capsys)
 
 
 def prompt_tokens(err: str) -> int:

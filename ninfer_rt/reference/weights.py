@@ -6,7 +6,7 @@ An artifact stores kernel layouts; decoding each tensor and inverting its layout
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
