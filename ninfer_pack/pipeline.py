@@ -53,20 +53,16 @@ def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | Non
         if fmt.name == "bf16" and arr.dtype == np.uint16:
             return fmt.encode(arr)
         return fmt.encode(as_f32(arr))
-    shape = arr.shape
-    K = shape[-1]
+    K = arr.shape[-1]
     rows = arr.reshape(-1, K)
     R = rows.shape[0]
-    Kp = -(-K // 128) * 128
-    q = np.empty((R, Kp), np.int8)
-    scales = np.empty((R, Kp // fmt.group), np.float16)
+    buf = np.zeros(fmt.nbytes(arr.shape), dtype=np.uint8)
     step = max(1, ROW_CHUNK_ELEMS // K)
-    for r0 in range(0, R, step):
+    for r0 in range(0, R, step):  # encode and pack chunk by chunk straight into the final buffer
         w = torch.from_numpy(as_f32(rows[r0:r0 + step]))
-        qc, sc = quantize_rows(w, fmt.bits, fmt.group, importance=importance)
-        q[r0:r0 + step] = qc.numpy()
-        scales[r0:r0 + step] = sc.numpy()
-    return fmt.pack(q.reshape(*shape[:-1], Kp), scales.reshape(*shape[:-1], Kp // fmt.group))
+        q, scales = quantize_rows(w, fmt.bits, fmt.group, importance=importance)
+        fmt.pack_rows(buf, R, r0, q.numpy(), scales.numpy())
+    return buf
 
 
 def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:

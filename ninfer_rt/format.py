@@ -22,11 +22,12 @@ import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
-from ninfer_rt.errors import FormatError
+from ninfer_rt.errors import FormatError, NinferError
+from ninfer_rt.formats import round_up
 
 MAGIC = b"NINFER\x1a\n"  # \x1a and \n catch text-mode transfers, as PNG's signature does
 VERSION = 1
@@ -35,11 +36,6 @@ PAYLOAD_ALIGN = 4096
 TENSOR_ALIGN = 256
 CHECKSUM = "sha256"
 _HEX_ZERO = "0" * 64  # placeholder of the final checksum's exact width, so the header length is known early
-
-
-def align_up(n: int, a: int) -> int:
-    """Round n up to a multiple of a."""
-    return (n + a - 1) // a * a
 
 
 @dataclass
@@ -100,13 +96,13 @@ def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[Resou
     while True:
         pos = payload
         for obj in [*tensors, *resources]:
-            pos = align_up(pos, TENSOR_ALIGN)
+            pos = round_up(pos, TENSOR_ALIGN)
             obj.offset = pos
             pos += obj.nbytes
         header = dict(meta, format="ninfer", version=VERSION, checksum=CHECKSUM, payload_offset=payload,
                       file_size=pos, tensors=[asdict(t) for t in tensors],
                       resources=[asdict(r) for r in resources])
-        need = align_up(PREFIX.size + len(_serialize(header)), PAYLOAD_ALIGN)
+        need = round_up(PREFIX.size + len(_serialize(header)), PAYLOAD_ALIGN)
         if need == payload:
             return header, payload
         payload = need
@@ -204,7 +200,8 @@ class Artifact:
     def __init__(self, path: Path, header: dict, mm: mmap.mmap | None, size: int):
         self.path, self.header, self._mm, self.size = path, header, mm, size
         self.tensors = {t["name"]: TensorEntry.from_dict(t) for t in header["tensors"]}
-        self.resources = {r["name"]: ResourceEntry(**r) for r in header["resources"]}
+        self.resources = {r["name"]: ResourceEntry(**{k: r[k] for k in ("name", "offset", "nbytes", "sha256")})
+                          for r in header["resources"]}
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Artifact":
@@ -219,11 +216,13 @@ class Artifact:
             prefix = f.read(PREFIX.size)
             if len(prefix) < PREFIX.size:
                 raise FormatError(f"{path} is not a ninfer artifact (only {size} bytes)")
-            magic, version, _flags, hlen, hsum = PREFIX.unpack(prefix)
+            magic, version, flags, hlen, hsum = PREFIX.unpack(prefix)
             if magic != MAGIC:
                 raise FormatError(f"{path} is not a ninfer artifact (bad magic {magic[:8]!r})")
             if version != VERSION:
                 raise FormatError(f"{path} is format version {version}; this ninfer reads version {VERSION}")
+            if flags or prefix[56:64] != bytes(8):
+                raise FormatError(f"{path}: reserved prefix bytes are not zero (corrupted or a newer writer)")
             if PREFIX.size + hlen > size:
                 raise FormatError(f"{path} is truncated: the header needs {PREFIX.size + hlen} bytes, "
                                   f"the file has {size}")
@@ -231,10 +230,10 @@ class Artifact:
         if hashlib.sha256(raw).digest() != hsum:
             raise FormatError(f"{path}: header checksum mismatch (the header is corrupted)")
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{path}: header is not valid JSON ({e})") from None
-        _validate_header(path, header, size)
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise FormatError(f"{path}: header is not valid UTF-8 JSON ({type(e).__name__})") from None
+        _validate_header(path, header, size, PREFIX.size + hlen)
         mm = None
         if size > 0:
             with open(path, "rb") as f:
@@ -287,7 +286,16 @@ class Artifact:
         plan = TensorPlan(name=e.name, parts=tuple(p["name"] for p in e.parts),
                           part_shapes=tuple(tuple(p["shape"]) for p in e.parts), transform=e.transform,
                           params=e.params, shape=tuple(e.shape))
-        return apply_inverse(plan, self.decode(name))
+        try:
+            parts = apply_inverse(plan, self.decode(name))
+        except (NinferError, ValueError, TypeError, KeyError, ZeroDivisionError) as err:
+            # types were checked at open; what remains is a table whose parts, transform and params disagree
+            raise FormatError(f"{self.path}: {name}: its layout record cannot be inverted ({err})") from None
+        for part, shape in zip(plan.parts, plan.part_shapes):
+            if tuple(parts[part].shape) != shape:
+                raise FormatError(f"{self.path}: {name}: part {part} comes out {list(parts[part].shape)}, "
+                                  f"the table says {list(shape)}")
+        return parts
 
     def verify_checksums(self, on_bytes: Callable[[int], None] | None = None) -> list[str]:
         """SHA-256 of every tensor and resource against the table; returns the names that differ."""
@@ -304,37 +312,41 @@ class Artifact:
         return bad
 
 
-def _validate_header(path: Path, h: dict, size: int) -> None:
+def _is_int(x) -> bool:
+    return type(x) is int  # JSON true/false must not pass as 1/0
+
+
+def _validate_header(path: Path, h: dict, size: int, header_end: int) -> None:
     """Schema, bounds, alignment and non-overlap; every failure names what is wrong."""
     if not isinstance(h, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     for key, typ in _REQUIRED.items():
-        if not isinstance(h.get(key), typ):
+        ok = _is_int(h.get(key)) if typ is int else isinstance(h.get(key), typ)
+        if not ok:
             raise FormatError(f"{path}: header field '{key}' is missing or not a {typ.__name__}")
     if h["format"] != "ninfer" or h["version"] != VERSION:
         raise FormatError(f"{path}: header says format {h['format']!r} version {h['version']}")
     if h["file_size"] != size:
         what = "truncated" if size < h["file_size"] else "longer than its header says"
         raise FormatError(f"{path} is {what}: {size} bytes, the header says {h['file_size']}")
-    if h["payload_offset"] % PAYLOAD_ALIGN:
-        raise FormatError(f"{path}: payload offset {h['payload_offset']} is not a multiple of {PAYLOAD_ALIGN}")
+    if h["payload_offset"] % PAYLOAD_ALIGN or h["payload_offset"] < header_end:
+        raise FormatError(f"{path}: payload offset {h['payload_offset']} is misaligned or inside the header")
     spans = []
     for kind in ("tensors", "resources"):
         for obj in h[kind]:
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 raise FormatError(f"{path}: malformed entry in '{kind}'")
             name, off, n = obj["name"], obj.get("offset"), obj.get("nbytes")
-            if not (isinstance(off, int) and isinstance(n, int)) or n < 0:
+            if not (_is_int(off) and _is_int(n)) or n < 0:
                 raise FormatError(f"{path}: {name}: offset/nbytes missing or invalid")
             if off % TENSOR_ALIGN or off < h["payload_offset"] or off + n > size:
                 raise FormatError(f"{path}: {name}: bytes [{off}, {off + n}) are misaligned or out of bounds")
             sha = obj.get("sha256")
-            if not (isinstance(sha, str) and len(sha) == 64):
-                raise FormatError(f"{path}: {name}: missing checksum")
+            if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+                raise FormatError(f"{path}: {name}: missing or malformed checksum")
             spans.append((off, off + n, name))
-    for kind in ("tensors",):
-        for t in h[kind]:
-            _validate_tensor(path, t)
+    for t in h["tensors"]:
+        _validate_tensor(path, t)
     spans.sort()
     for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
@@ -342,25 +354,40 @@ def _validate_header(path: Path, h: dict, size: int) -> None:
     names = [t["name"] for t in h["tensors"]]
     if len(set(names)) != len(names):
         raise FormatError(f"{path}: duplicate tensor names in the table")
+    from ninfer_rt.config import ModelSpec
+
+    try:
+        ModelSpec.from_dict(h["model"].get("spec"))
+    except (NinferError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        raise FormatError(f"{path}: model description in the header is invalid ({e})") from None
 
 
 def _validate_tensor(path: Path, t: dict) -> None:
+    """Types of one tensor row, its size formula, and a known layout transform with a params dict."""
     from ninfer_rt.formats import get_format
+    from ninfer_rt.layout import TRANSFORMS
 
-    shape = t.get("shape")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
-        raise FormatError(f"{path}: {t['name']}: invalid shape {shape!r}")
+    name, shape = t["name"], t.get("shape")
+    if not (isinstance(shape, list) and shape and all(_is_int(d) and d > 0 for d in shape)):
+        raise FormatError(f"{path}: {name}: invalid shape {shape!r}")
     try:
         fmt = get_format(t.get("format"))
-    except Exception:
-        raise FormatError(f"{path}: {t['name']}: unknown weight format {t.get('format')!r}") from None
+        fmt.check_shape(tuple(shape))
+    except NinferError as e:
+        raise FormatError(f"{path}: {name}: {e}") from None
     if fmt.nbytes(tuple(shape)) != t["nbytes"]:
-        raise FormatError(f"{path}: {t['name']}: {t['nbytes']} bytes, but {fmt.name} {shape} needs "
+        raise FormatError(f"{path}: {name}: {t['nbytes']} bytes, but {fmt.name} {shape} needs "
                           f"{fmt.nbytes(tuple(shape))}")
-    if not isinstance(t.get("parts"), list) or not t["parts"]:
-        raise FormatError(f"{path}: {t['name']}: no parts listed")
-
-
-def iter_entries(header: dict) -> Iterable[TensorEntry]:
-    """Tensor entries of a parsed header, in file order."""
-    return (TensorEntry.from_dict(t) for t in header["tensors"])
+    parts = t.get("parts")
+    if not (isinstance(parts, list) and parts and all(
+            isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("shape"), list)
+            and p["shape"] and all(_is_int(d) and d > 0 for d in p["shape"]) for p in parts)):
+        raise FormatError(f"{path}: {name}: parts must be a list of {{name, shape}}")
+    if not isinstance(t.get("transform"), str) or t["transform"] not in TRANSFORMS:
+        raise FormatError(f"{path}: {name}: unknown layout transform {t.get('transform')!r}")
+    if not isinstance(t.get("params"), dict):
+        raise FormatError(f"{path}: {name}: transform params must be an object")
+    try:
+        TensorEntry.from_dict(t)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None

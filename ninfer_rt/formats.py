@@ -32,7 +32,7 @@ K_ALIGN = 128  # K is padded to a multiple of this: a whole number of groups for
 PLANE_ALIGN = 256  # every plane starts at a multiple of this from the tensor's first byte
 
 
-def _round_up(n: int, a: int) -> int:
+def round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
@@ -73,7 +73,7 @@ def pad_k(x: np.ndarray, multiple: int = K_ALIGN) -> np.ndarray:
     same padded length and no kernel needs a ragged tail. Inverse: unpad_k(pad_k(x), K) == x.
     """
     k = x.shape[-1]
-    kp = _round_up(k, multiple)
+    kp = round_up(k, multiple)
     if kp == k:
         return x
     out = np.zeros(x.shape[:-1] + (kp,), dtype=x.dtype)
@@ -253,7 +253,7 @@ class IntFormat(WeightFormat):
     def planes(self, shape):
         """qs, then qh (5 and 6 bits only), then scales, each at a 256-byte-aligned offset."""
         self.check_shape(shape)
-        rows, kp = math.prod(shape[:-1]), _round_up(shape[-1], K_ALIGN)
+        rows, kp = math.prod(shape[:-1]), round_up(shape[-1], K_ALIGN)
         if self.bits == 8:
             arrays = [("qs", np.dtype(np.int8), (rows, kp))]
         else:
@@ -265,12 +265,12 @@ class IntFormat(WeightFormat):
         for name, dtype, pshape in arrays:
             p = Plane(name, dtype, pshape, off)
             out.append(p)
-            off = _round_up(off + p.nbytes, PLANE_ALIGN)
+            off = round_up(off + p.nbytes, PLANE_ALIGN)
         return out
 
     def nbytes(self, shape):
         """Sum of the planes' sizes, each rounded up to 256 bytes."""
-        return sum(_round_up(p.nbytes, PLANE_ALIGN) for p in self.planes(shape))
+        return sum(round_up(p.nbytes, PLANE_ALIGN) for p in self.planes(shape))
 
     def _check_codes(self, q: np.ndarray, scales: np.ndarray) -> None:
         if q.dtype != np.int8 or q.ndim < 2 or q.shape[-1] % K_ALIGN:
@@ -290,20 +290,29 @@ class IntFormat(WeightFormat):
         Its length is nbytes(shape) for any logical shape whose K pads to Kp (the layout depends on Kp
         only). The caller supplies zeros in the K padding (codes 0, padding-only groups scale 0).
         """
-        self._check_codes(q, scales)
         rows, kp = math.prod(q.shape[:-1]), q.shape[-1]
-        q2 = q.reshape(rows, kp)
-        planes = {p.name: p for p in self.planes((rows, kp))}
         buf = np.zeros(self.nbytes((rows, kp)), dtype=np.uint8)
-        if self.bits == 8:
-            self._plane(buf, planes["qs"])[...] = q2
-        else:
-            u = (q2.view(np.uint8) + np.uint8(self.offset))  # wraps mod 256 to exactly q + 2^(b-1)
-            self._plane(buf, planes["qs"])[...] = pack_nibbles(u & 0x0F)
-            if self.bits > 4:
-                self._plane(buf, planes["qh"])[...] = pack_high_bits(u >> 4, self.bits - 4)
-        self._plane(buf, planes["scales"])[...] = scales.reshape(rows, -1)
+        self.pack_rows(buf, rows, 0, q.reshape(rows, kp), scales.reshape(rows, -1))
         return buf
+
+    def pack_rows(self, buf: np.ndarray, total_rows: int, row0: int, q: np.ndarray, scales: np.ndarray) -> None:
+        """Write rows [row0, row0 + n) of a tensor of total_rows rows into every plane of buf, in place.
+
+        Planes are row-major, so a block of rows is one contiguous slice of each plane: a large tensor is
+        packed chunk by chunk into its final buffer with no full-size temporaries.
+        """
+        self._check_codes(q, scales)
+        n, kp = q.shape
+        planes = {p.name: p for p in self.planes((total_rows, kp))}
+        rows = slice(row0, row0 + n)
+        if self.bits == 8:
+            self._plane(buf, planes["qs"])[rows] = q
+        else:
+            u = (q.view(np.uint8) + np.uint8(self.offset))  # wraps mod 256 to exactly q + 2^(b-1)
+            self._plane(buf, planes["qs"])[rows] = pack_nibbles(u & 0x0F)
+            if self.bits > 4:
+                self._plane(buf, planes["qh"])[rows] = pack_high_bits(u >> 4, self.bits - 4)
+        self._plane(buf, planes["scales"])[rows] = scales
 
     def unpack(self, buf, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Inverse of pack: (codes int8 [..., Kp], scales float16 [..., Kp/G]) for the logical shape.

@@ -212,8 +212,7 @@ TRANSFORMS: dict[str, tuple[Forward, Inverse]] = {
     "interleave_gate_up": (lambda parts, tile, pair: interleave_gate_up(*parts, tile=tile),
                            lambda a, tile, pair: deinterleave_gate_up(a, tile=tile, pair=pair)),
     "conv_taps_major": (lambda parts: conv_taps_major(parts[0]), lambda a: [conv_channels_major(a)]),
-    "stack_experts": (lambda parts: stack_experts(parts), unstack_experts),
-}
+}  # stack_experts is not here: it defines the bank the checkpoint reader builds, never an artifact plan
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ import pytest
 from ninfer_rt.errors import FormatError
 from ninfer_rt.format import MAGIC, PAYLOAD_ALIGN, PREFIX, TENSOR_ALIGN, Artifact, ArtifactWriter, TensorEntry
 from ninfer_rt.formats import get_format
+from ninfer_rt.config import ModelSpec
+from ninfer_pack.tiny import tiny_config
 
-META = {"model": {"config": {}, "spec": {}}, "recipe": {"name": "test"}, "provenance": {"source": "unit"}}
+META = {"model": {"config": tiny_config("moe"), "spec": ModelSpec.from_config(tiny_config("moe")).to_dict()},
+        "recipe": {"name": "test"}, "provenance": {"source": "unit"}}
 
 
 def _entries(rng):
@@ -96,16 +99,17 @@ def good(tmp_path):
 
 
 def _rewrite_header(src, dst, mutate):
-    """Copy an artifact with a mutated header, re-hashed so only the mutation is wrong."""
+    """Copy an artifact with a mutated header, re-hashed so only the mutation is wrong (it may grow into the
+    zero padding before the payload, so every offset stays valid)."""
     raw = bytearray(src.read_bytes())
     _m, v, f, hlen, _h = PREFIX.unpack(raw[:PREFIX.size])
     h = json.loads(raw[64:64 + hlen])
+    payload = h["payload_offset"]
     mutate(h)
     new = json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
-    assert len(new) <= hlen
-    new = new + b" " * (hlen - len(new))  # JSON allows trailing whitespace: same length, offsets stay valid
-    raw[:PREFIX.size] = PREFIX.pack(MAGIC, v, f, hlen, hashlib.sha256(new).digest())
-    raw[64:64 + hlen] = new
+    assert PREFIX.size + len(new) <= payload
+    raw[:PREFIX.size] = PREFIX.pack(MAGIC, v, f, len(new), hashlib.sha256(new).digest())
+    raw[64:payload] = new + bytes(payload - 64 - len(new))
     dst.write_bytes(bytes(raw))
     return dst
 
@@ -166,3 +170,83 @@ def test_payload_corruption_is_found_by_checksums(good, tmp_path):
     p.write_bytes(bytes(b))
     with Artifact.open(p) as art:  # structure is intact...
         assert art.verify_checksums() == ["c.weight"]  # ...the payload is not
+
+
+def _with_raw_header(src, dst, header: bytes, flags: int = 0):
+    """Copy an artifact with its header replaced by arbitrary bytes (re-hashed, so only the content is wrong)."""
+    raw = bytearray(src.read_bytes())
+    hlen = PREFIX.unpack(raw[:PREFIX.size])[3]
+    header = header + b" " * max(0, hlen - len(header))
+    raw[:PREFIX.size] = PREFIX.pack(MAGIC, 1, flags, len(header), hashlib.sha256(header).digest())
+    dst.write_bytes(bytes(raw[:PREFIX.size]) + header + bytes(raw[PREFIX.size + hlen:]))
+    return dst
+
+
+@pytest.mark.parametrize("case, message", [
+    ("list", "not a JSON object"),
+    ("nested", "not valid UTF-8 JSON"),
+    ("utf16", "not valid UTF-8 JSON"),
+    ("flags", "reserved prefix bytes"),
+    ("bool_version", "'version' is missing or not a int"),
+    ("payload_zero", "inside the header"),
+    ("negative_shape", "invalid shape"),
+    ("bool_shape", "invalid shape"),
+    ("parts_missing", "parts must be a list"),
+    ("part_shape_str", "parts must be a list"),
+    ("transform_unknown", "unknown layout transform"),
+    ("transform_list", "unknown layout transform"),
+    ("params_list", "params must be an object"),
+    ("sha_not_hex", "malformed checksum"),
+    ("extra_key", "malformed tensor entry"),
+    ("bad_spec", "model description in the header is invalid"),
+])
+def test_adversarial_headers_give_one_line(good, tmp_path, case, message):
+    p = tmp_path / f"{case}.ninfer"
+    raw = good.read_bytes()
+    hlen = PREFIX.unpack(raw[:PREFIX.size])[3]
+    tensor_edits = {
+        "negative_shape": {"shape": [-3, 5]},
+        "bool_shape": {"shape": [True, 5]},
+        "parts_missing": {"parts": []},
+        "part_shape_str": {"parts": [{"name": "a.weight", "shape": "3x5"}]},
+        "transform_unknown": {"transform": "rot13"},
+        "transform_list": {"transform": ["identity"]},
+        "params_list": {"params": [1]},
+        "sha_not_hex": {"sha256": "z" * 64},
+        "extra_key": {"colour": "red"},
+    }
+    header_edits = {
+        "bool_version": lambda h: h.update(version=True),
+        "payload_zero": lambda h: h.update(payload_offset=0),
+        "bad_spec": lambda h: h["model"]["spec"].update(num_key_value_heads=0),
+    }
+    if case == "list":
+        _with_raw_header(good, p, b"[1, 2]")
+    elif case == "nested":
+        _with_raw_header(good, p, b"[" * 200_000)
+    elif case == "utf16":
+        _with_raw_header(good, p, raw[64:64 + hlen].decode().encode("utf-16"))
+    elif case == "flags":
+        _with_raw_header(good, p, raw[64:64 + hlen], flags=1)
+    elif case in tensor_edits:
+        _rewrite_header(good, p, lambda h: h["tensors"][0].update(tensor_edits[case]))
+    else:
+        _rewrite_header(good, p, header_edits[case])
+    with pytest.raises(FormatError, match=message) as ei:
+        Artifact.open(p)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("mutation", [
+    {"parts": [{"name": "a.weight", "shape": [3, 5]}, {"name": "a2.weight", "shape": [3, 5]}]},
+    {"parts": [{"name": "a.weight", "shape": [5, 3]}]},
+    {"transform": "fuse_qkvg", "params": {"num_heads": "1"}},
+    {"transform": "interleave_gate_up", "params": {"tile": 0}},
+])
+def test_inconsistent_layout_records_fail_on_use_with_one_line(good, tmp_path, mutation):
+    """Types pass at open; a table whose parts/transform/params disagree fails when inverted, with a reason."""
+    p = _rewrite_header(good, tmp_path / "m.ninfer", lambda h: h["tensors"][0].update(mutation))
+    with Artifact.open(p) as art:
+        with pytest.raises(FormatError, match="a.weight") as ei:
+            art.checkpoint_tensors("a.weight")
+    assert "\n" not in str(ei.value)

@@ -22,7 +22,9 @@ def artifact_weights(art: Artifact, groups: Iterable[str] = ("text", "mtp"),
         if entry.group not in wanted:
             continue
         for part, arr in art.checkpoint_tensors(name).items():
-            out[part] = torch.from_numpy(arr.copy()).to(dtype)  # copy: decoded views may alias the mapping
+            # own the memory: raw fp32 decodes are read-only views of the file mapping
+            own = arr if arr.flags.owndata and arr.flags.writeable else arr.copy()
+            out[part] = torch.from_numpy(own).to(dtype)
     return out
 
 
