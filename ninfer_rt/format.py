@@ -66,6 +66,14 @@ class TensorEntry:
         except TypeError as e:
             raise FormatError(f"malformed tensor entry {d.get('name', '?')!r}: {e}") from None
 
+    def plan(self):
+        """The layout plan (ninfer_rt.layout.TensorPlan) this entry records."""
+        from ninfer_rt.layout import TensorPlan
+
+        return TensorPlan(name=self.name, parts=tuple(p["name"] for p in self.parts),
+                          part_shapes=tuple(tuple(p["shape"]) for p in self.parts), transform=self.transform,
+                          params=dict(self.params), shape=tuple(self.shape))
+
 
 @dataclass
 class ResourceEntry:
@@ -108,6 +116,17 @@ def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[Resou
         payload = need
 
 
+def check_output_path(path: Path) -> None:
+    """Fail early, with one line, when `path` cannot become an artifact (before hours of work are spent)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FormatError(f"{path} is a directory; --out takes a file path such as model.ninfer")
+    if not path.parent.is_dir():
+        raise FormatError(f"output directory does not exist: {path.parent}")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise FormatError(f"output directory is not writable: {path.parent}")
+
+
 class ArtifactWriter:
     """Writes one artifact atomically.
 
@@ -132,10 +151,12 @@ class ArtifactWriter:
         self._fd: int | None = None
 
     def __enter__(self) -> "ArtifactWriter":
-        if not self.path.parent.is_dir():
-            raise FormatError(f"output directory does not exist: {self.path.parent}")
-        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self._fd, self.file_size)  # sparse until written; reserves the full length
+        check_output_path(self.path)
+        try:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(self._fd, self.file_size)  # sparse until written; reserves the full length
+        except OSError as e:
+            raise FormatError(f"cannot write {self.path}: {e.strerror}") from None
         return self
 
     def write_tensor(self, name: str, data) -> None:
@@ -280,12 +301,9 @@ class Artifact:
 
     def checkpoint_tensors(self, name: str) -> dict[str, np.ndarray]:
         """Decode one artifact tensor and invert its layout transform: {checkpoint name: float32 array}."""
-        from ninfer_rt.layout import TensorPlan, apply_inverse
+        from ninfer_rt.layout import apply_inverse
 
-        e = self.tensors[name]
-        plan = TensorPlan(name=e.name, parts=tuple(p["name"] for p in e.parts),
-                          part_shapes=tuple(tuple(p["shape"]) for p in e.parts), transform=e.transform,
-                          params=e.params, shape=tuple(e.shape))
+        plan = self.tensors[name].plan()
         try:
             parts = apply_inverse(plan, self.decode(name))
         except (NinferError, ValueError, TypeError, KeyError, ZeroDivisionError) as err:
