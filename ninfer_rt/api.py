@@ -176,13 +176,12 @@ class Model:
         if len(ids) >= context:
             raise NinferError(f"prompt has {len(ids)} tokens; the model's context holds {context}")
         params = sampling if sampling is not None else self.sampling_defaults
-        stop_ids = set(self.tokenizer.eos_ids)
-        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stop_ids)
+        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params))
 
-    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stop_ids: set[int]) -> Iterator[int]:
+    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler) -> Iterator[int]:
         """Prefill once, then one forward per token; records self.last_stats as it goes."""
         stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
-        history, real = list(ids), self.real_vocab_size
+        history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
         cache = self._backend.new_cache()
 
         def step(new_ids: list[int]) -> int:
@@ -196,7 +195,7 @@ class Model:
         stats.prefill_s = time.perf_counter() - t0
         while True:
             stats.generated_tokens += 1
-            if token in stop_ids:
+            if is_stop(token):
                 stats.finish_reason = "eos"
                 return
             stats.token_ids.append(token)

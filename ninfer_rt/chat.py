@@ -1,9 +1,10 @@
 """Chat rendering with the checkpoint's own Jinja template, inside a locked-down sandbox.
 
 The template is code downloaded with the checkpoint, so it runs in jinja2's ImmutableSandboxedEnvironment with
-one change: an unsafe attribute (`__class__`, `__mro__`, `__subclasses__`, ...) raises instead of quietly
-rendering as undefined, and everything the template sees is rebuilt from plain JSON types first. The helpers and
-settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
+two changes: an unsafe attribute (`__class__`, `__mro__`, `__subclasses__`, ...) raises instead of quietly
+rendering as undefined, and one operation that would build something huge from a short expression (`'a' * 10**9`,
+`10 ** (10**8)`, `'%999999999s' % ''`, `''.ljust(10**9)`, `''|center(10**9)`) is refused before it runs.
+Everything the template sees is rebuilt from plain JSON types first. The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
 `raise_exception`, `tojson` without ASCII escaping, `strftime_now`, `namespace`, `dict`), so output matches
 `transformers`' apply_chat_template.
 """
@@ -11,7 +12,10 @@ settings are those Hugging Face templates are written against (trim_blocks, lstr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
+import string
 from datetime import datetime
 from typing import Any
 
@@ -21,20 +25,167 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from markupsafe import soft_str
 
 from ninfer_rt.errors import NinferError
+from ninfer_rt.tokenizer import _load_json, _token_text
 
 # Names under which callers pass a message's reasoning; templates read `reasoning_content` (gpt-oss: `thinking`).
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
+# What one template operation may build. Real chat templates stay orders of magnitude below both: a prompt is
+# assembled by concatenation, which these limits leave alone.
+_MAX_ITEMS = 1_000_000  # characters or list items added by one repetition, padding width or fill count
+_MAX_INT_BITS = 1 << 16  # ~19,700 decimal digits, far past anything a template computes
+# A printf conversion: optional (key), flags, width, .precision, length modifier, type.
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?[a-zA-Z%]")
+_DIGITS = re.compile(r"\d+")
+
+
+def _refuse_over(items: Any, what: str) -> None:
+    """SecurityError when an operation would add more than _MAX_ITEMS items (non-ints are not sizes: skip)."""
+    if isinstance(items, int) and items > _MAX_ITEMS:
+        raise SecurityError(f"{what} would build more than {_MAX_ITEMS:,} items")
+
+
+def _refuse_wide(digits: str, what: str) -> None:
+    """SecurityError for a width or precision written in a format string beyond _MAX_ITEMS."""
+    if digits.isdigit() and (len(digits) > len(str(_MAX_ITEMS)) or int(digits) > _MAX_ITEMS):
+        raise SecurityError(f"{what} width {digits[:12]} exceeds {_MAX_ITEMS:,}")
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+    """Refuse `*`, `**` and `%` whose result would be huge, before Python allocates (or computes) it."""
+    if op == "*":
+        if isinstance(left, int) and isinstance(right, int):
+            if left.bit_length() + right.bit_length() > _MAX_INT_BITS:
+                raise SecurityError(f"'*' would build an integer over {_MAX_INT_BITS} bits")
+            return
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                _refuse_over(len(seq) * n, "'*' repetition")
+    elif op == "**":
+        # |a ** b| >= 2 ** ((bits(a) - 1) * b): cheap to evaluate even when b is astronomically large
+        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 \
+                and (abs(left).bit_length() - 1) * right >= _MAX_INT_BITS:
+            raise SecurityError(f"'**' would build an integer over {_MAX_INT_BITS} bits")
+    elif op == "%" and isinstance(left, str):
+        _check_printf(left, right)
+
+
+def _check_printf(fmt: str, args: Any) -> None:
+    """Refuse a printf-style format whose width or precision (written, or taken by `*` from args) is huge."""
+    values = args if isinstance(args, tuple) else (args,)
+    for m in _PRINTF.finditer(fmt):
+        for spec in m.groups():
+            if spec == "*":
+                for v in values:
+                    _refuse_over(abs(v) if isinstance(v, int) else 0, "'%' with a '*' width")
+            elif spec:
+                _refuse_wide(spec, "'%' format")
+
+
+def _check_format_spec(fmt: str) -> None:
+    """Refuse a str.format template with a huge field width; a nested `{}` width cannot be checked, so is refused."""
+    for _, field, spec, _ in string.Formatter().parse(fmt):
+        if field is not None and spec:
+            if "{" in spec:
+                raise SecurityError("str.format: a replacement field inside a format spec is not allowed")
+            for digits in _DIGITS.findall(spec):
+                _refuse_wide(digits, "str.format")
+
+
+def _lines(s: Any) -> int:
+    return s.count("\n") + 1 if isinstance(s, str) else 1
+
+
+def _pad_growth(s: Any, width: Any = 0, *_: Any) -> Any:
+    """ljust / rjust / center / zfill (methods and the center filter): up to `width` characters."""
+    return width
+
+
+def _tabs_growth(s: Any, tabsize: Any = 8) -> Any:
+    """expandtabs: up to `tabsize` characters per tab."""
+    return tabsize * s.count("\t") if isinstance(tabsize, int) else 0
+
+
+def _indent_growth(s: Any, width: Any = 4, *_: Any, **__: Any) -> Any:
+    """indent filter: the indent (a count or a string) on every line."""
+    return (len(width) if isinstance(width, str) else width) * _lines(s) if isinstance(width, (str, int)) else 0
+
+
+def _fill_growth(value: Any, count: Any = 0, *_: Any, **kwargs: Any) -> Any:
+    """batch / slice filters: `linecount` / `slices` lists, padded with fill_with up to that many items."""
+    return kwargs.get("linecount", kwargs.get("slices", count))
+
+
+# Items each sizing call adds, from its arguments (methods get the string, filters the filtered value, first).
+_STR_METHOD_GROWTH = {"ljust": _pad_growth, "rjust": _pad_growth, "center": _pad_growth, "zfill": _pad_growth,
+                      "expandtabs": _tabs_growth}
+_FILTER_GROWTH = {"center": _pad_growth, "indent": _indent_growth, "batch": _fill_growth, "slice": _fill_growth}
+
+
+def _check_growth(grow: Any, what: str, *args: Any, **kwargs: Any) -> None:
+    """Run a growth estimate and refuse a huge one; arguments the estimate cannot bind are left to the call."""
+    try:
+        items = grow(*args, **kwargs)
+    except TypeError:
+        return
+    _refuse_over(items, what)
+
+
+def _guarded_filter(name: str, f: Any) -> Any:
+    """jinja's filter `name` with a size check in front (filters are called directly, not through env.call)."""
+    grow = _FILTER_GROWTH.get(name)
+
+    @functools.wraps(f)
+    def checked(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "format":  # `format` is printf: value % args
+            _check_printf(soft_str(value), kwargs or args)
+        else:
+            _check_growth(grow, f"filter {name}", value, *args, **kwargs)
+        return f(value, *args, **kwargs)
+
+    return checked
+
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """ImmutableSandboxedEnvironment where touching an unsafe attribute is an error, not a silent undefined."""
+    """ImmutableSandboxedEnvironment where touching an unsafe attribute is an error, not a silent undefined, and
+    operations that could build something huge are size-checked first."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         """Refuse the access outright, so an escape attempt stops the render with a SecurityError."""
         raise SecurityError(f"access to attribute {attribute!r} on {type(obj).__name__} is not allowed")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        """`*`, `**`, `%`: refused when the result would be huge (see _check_binop), else computed as usual."""
+        _check_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Every call from the template: str padding methods (ljust, center, zfill, ...) are size-checked first."""
+        owner = getattr(obj, "__self__", None)
+        grow = _STR_METHOD_GROWTH.get(getattr(obj, "__name__", "")) if isinstance(owner, str) else None
+        if grow is not None:
+            _check_growth(grow, f"str.{obj.__name__}", owner, *args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        """Sandboxed str.format / format_map, with field widths checked before formatting."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+
+        @functools.wraps(wrapped)
+        def checked(*args: Any, **kwargs: Any) -> str:
+            _check_format_spec(fmt)
+            return wrapped(*args, **kwargs)
+
+        return checked
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -105,6 +256,8 @@ class _DictHelper:
 def _environment() -> _StrictSandbox:
     """The sandbox with the settings and helpers Hugging Face chat templates expect."""
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    for name in (*_FILTER_GROWTH, "format"):
+        env.filters[name] = _guarded_filter(name, env.filters[name])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=_DictHelper())
@@ -156,19 +309,17 @@ def _one_line(e: BaseException) -> str:
 def load_chat_template(resources: dict[str, bytes], name: str = "default") -> tuple[str, str]:
     """(template source, where it came from): chat_template.jinja, else tokenizer_config.json's chat_template
     (a string, or a list of {name, template} from which `name` is taken)."""
+    return _select_template(resources, _load_json(resources, "tokenizer_config.json"), name)
+
+
+def _select_template(resources: dict[str, bytes], config: dict, name: str) -> tuple[str, str]:
+    """load_chat_template on an already parsed tokenizer_config.json."""
     if "chat_template.jinja" in resources and name == "default":
         try:
             return resources["chat_template.jinja"].decode("utf-8"), "chat_template.jinja"
         except UnicodeDecodeError as e:
             raise NinferError(f"chat_template.jinja: not UTF-8 text ({e})") from e
-    raw = resources.get("tokenizer_config.json")
-    entry = None
-    if raw is not None:
-        try:
-            config = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise NinferError(f"tokenizer_config.json: malformed JSON ({e})") from e
-        entry = config.get("chat_template") if isinstance(config, dict) else None
+    entry = config.get("chat_template")
     origin = "tokenizer_config.json chat_template"
     if isinstance(entry, str) and name == "default":
         return entry, origin
@@ -182,22 +333,6 @@ def load_chat_template(resources: dict[str, bytes], name: str = "default") -> tu
     if name != "default":
         raise NinferError(f"{origin}: no template named {name!r}")
     raise NinferError("chat template: missing (no chat_template.jinja and no chat_template in tokenizer_config.json)")
-
-
-def _special_tokens(resources: dict[str, bytes]) -> dict[str, str]:
-    """bos/eos/unk/pad token strings from tokenizer_config.json, passed to the template as HF does."""
-    try:
-        config = json.loads(resources.get("tokenizer_config.json", b"{}"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NinferError(f"tokenizer_config.json: malformed JSON ({e})") from e
-    out = {}
-    for key in _SPECIAL_TOKEN_KEYS:
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
 
 
 class ChatTemplate:
@@ -217,8 +352,11 @@ class ChatTemplate:
     @classmethod
     def from_resources(cls, resources: dict[str, bytes], name: str = "default") -> ChatTemplate:
         """The checkpoint's template (see `load_chat_template`) with its special tokens."""
-        source, origin = load_chat_template(resources, name)
-        return cls(source, origin, _special_tokens(resources))
+        config = _load_json(resources, "tokenizer_config.json")
+        source, origin = _select_template(resources, config, name)
+        # bos/eos/unk/pad strings reach the template as variables, as in transformers
+        tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        return cls(source, origin, {key: text for key, text in tokens.items() if text is not None})
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
                enable_thinking: bool | None = None, documents: list[dict] | None = None, **kwargs: Any) -> str:
@@ -242,7 +380,3 @@ class ChatTemplate:
         except Exception as e:  # the template is foreign code: any failure inside it is the checkpoint's fault
             raise NinferError(f"{self.origin}: {type(e).__name__}: {_one_line(e)}") from e
 
-
-def render_chat(resources: dict[str, bytes], messages: list[dict], **kwargs: Any) -> str:
-    """One-shot: load the checkpoint's template from resources and render messages (kwargs as `render`)."""
-    return ChatTemplate.from_resources(resources).render(messages, **kwargs)

@@ -20,13 +20,19 @@ out = Console()
 err = Console(stderr=True)
 
 
+# Options that only mean something when sampling; penalties and the seed leave greedy decoding greedy (HF applies
+# penalties in greedy search as well).
+_SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p")
+
+
 def _sampling(model, greedy: bool, overrides: dict):
-    """The artifact's generation_config defaults, then the options given; any sampling option asks for sampling
-    (a do_sample-false config would otherwise ignore it) unless --greedy."""
+    """The artifact's generation_config defaults, then the options given. A temperature/top-p/top-k/min-p option
+    asks for sampling (a do_sample-false config would otherwise ignore it) unless --greedy; penalties and --seed
+    do not."""
     from ninfer_rt.sampling import SamplingParams
 
     given = {k: v for k, v in overrides.items() if v is not None}
-    wants_sampling = any(k != "seed" for k in given)
+    wants_sampling = any(k in _SAMPLING_OPTIONS for k in given)
     greedy_flag = {"greedy": True} if greedy else ({"greedy": False} if wants_sampling else {})
     return SamplingParams.defaults_from_generation_config(model.generation_config, **given, **greedy_flag)
 
@@ -39,7 +45,8 @@ def run(
                                                    "chat template and the generation prompt."),
     no_think: bool = typer.Option(False, "--no-think", help="Ask the chat template for the no-thinking prompt."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
-    greedy: bool = typer.Option(False, "--greedy", help="Arg-max decoding (overrides the sampling options)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Arg-max decoding of the penalised logits (overrides "
+                                                         "temperature, top-p, top-k and min-p)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Softmax temperature."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus threshold in (0, 1]."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),

@@ -1,8 +1,10 @@
 """Token sampling on the host, in numpy: penalties, temperature, top-k, top-p, min-p, then a seeded draw.
 
-The order is that of vLLM and HF's logits processors: penalties -> temperature -> top-k -> top-p -> min-p.
-Penalties follow their definitions there: the repetition penalty divides positive logits and multiplies negative
-ones for every token seen in prompt + output (CTRL / HF); presence and frequency penalties subtract, OpenAI style,
+The order is Hugging Face's (transformers' generate): penalties -> temperature -> top-k -> top-p -> min-p, and
+greedy decoding is the arg-max of the penalised logits, as HF applies penalties in greedy search too. vLLM v1
+differs: it applies min-p right after temperature, before top-k/top-p, so with min-p and top-k/top-p combined
+the kept set can differ from vLLM's. The repetition penalty divides positive logits and multiplies negative ones
+for every token seen in prompt + output (CTRL / HF); presence and frequency penalties subtract, OpenAI style,
 `presence * [count > 0] + frequency * count` over output tokens only. The GPU runtime's host fallback uses this
 module too, and `Sampler.distribution` exposes the final probabilities (for tests and speculative acceptance).
 """
@@ -112,6 +114,7 @@ class Sampler:
             out[int(np.argmax(x))] = 1.0
             return out
         x /= p.temperature
+        # HF's order from here: top-k, top-p, min-p (vLLM v1 would apply min-p first).
         # Work on the surviving candidates only: after top-k that is k entries instead of the vocabulary.
         cand = np.arange(vocab)
         if 0 < p.top_k < vocab:

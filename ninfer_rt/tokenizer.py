@@ -97,10 +97,6 @@ class Tokenizer:
         """Id of a vocabulary or added token, None when unknown."""
         return self._tok.token_to_id(token)
 
-    def id_to_token(self, i: int) -> str | None:
-        """Vocabulary spelling of an id (byte-level form), None when out of range."""
-        return self._tok.id_to_token(i)
-
     def is_stop(self, i: int) -> bool:
         """Whether generation ends on this id."""
         return i in self.eos_ids

@@ -103,6 +103,21 @@ def test_greedy_generation_matches_transformers(built):
     assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.decode_tok_s > 0
 
 
+@torch.no_grad()
+def test_greedy_applies_the_repetition_penalty_as_transformers(builder):
+    # HF applies repetition_penalty as a logits processor in greedy search too: greedy = arg-max of penalised logits
+    hf, ours = builder(True)
+    ids = prompt_ids()
+    plain = list(ours.generate_ids(ids, max_new_tokens=NEW, sampling=GREEDY))
+    got = list(ours.generate_ids(ids, max_new_tokens=NEW, sampling=SamplingParams(greedy=True, repetition_penalty=1.5)))
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, PROMPT, dtype=torch.long), do_sample=False,
+                      repetition_penalty=1.5, max_new_tokens=NEW, eos_token_id=list(ours.tokenizer.eos_ids),
+                      suppress_tokens=list(range(REAL_VOCAB, 500)), pad_token_id=TINY_SPECIAL_IDS["<|endoftext|>"])
+    assert ours.last_stats.finish_reason == "length" and len(got) == NEW
+    assert got == out[0, PROMPT:].tolist()
+    assert got != plain  # the penalty really changed the greedy picks
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +123,37 @@ def test_bad_options(artifact, capsys):
     assert code == 1 and "--chat" in error_line(err)
     code, _, err = run(["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 0], capsys)
     assert code == 1 and "max_new_tokens" in error_line(err)
+
+
+def test_only_sampling_options_turn_a_greedy_config_into_sampling():
+    # a do_sample-false generation_config (greedy by default, as in HF)
+    model = SimpleNamespace(generation_config={"do_sample": False, "temperature": 0.6, "top_k": 20, "top_p": 0.95})
+    names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "seed")
+
+    def params(greedy=False, **given):
+        return cli._sampling(model, greedy, {k: given.get(k) for k in names})
+
+    assert params().is_greedy
+    # penalties apply under greedy decoding too (HF's logits processors), and a seed is moot there
+    p = params(repetition_penalty=1.3, presence_penalty=0.5, seed=3)
+    assert p.is_greedy and (p.repetition_penalty, p.presence_penalty, p.seed) == (1.3, 0.5, 3)
+    for name, value in (("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)):
+        assert not params(**{name: value}).is_greedy, name
+        assert params(greedy=True, **{name: value}).is_greedy, name
+    # a do_sample-true config keeps sampling when only a penalty is given
+    model.generation_config["do_sample"] = True
+    assert not params(repetition_penalty=1.3).is_greedy
+
+
+def test_greedy_run_with_a_penalty_is_the_penalised_argmax(artifact, capsys):
+    args = ["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy", "--repetition-penalty", 1.5]
+    code, out, err = run(args, capsys)
+    assert code == 0, err
+    from ninfer_rt import load
+    from ninfer_rt.sampling import SamplingParams
+
+    with load(artifact) as m:
+        want = "".join(m.generate(PROMPT, max_new_tokens=10,
+                                  sampling=SamplingParams(greedy=True, repetition_penalty=1.5)))
+        plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
+    assert out == want + "\n" and want != plain

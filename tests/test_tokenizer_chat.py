@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import codecs
 import json
+import time
 
+import jinja2
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -103,7 +105,8 @@ def test_special_tokens(tok, hf_fast):
     assert tok.decode(ids, skip_special_tokens=True) == hf_fast.decode(ids, skip_special_tokens=True)
     assert "<think>" in tok.decode(ids, skip_special_tokens=True)
     assert tok.eos_ids == (TINY_SPECIAL_IDS["<|im_end|>"], TINY_SPECIAL_IDS["<|endoftext|>"])
-    assert tok.is_stop(hf_fast.eos_token_id)
+    assert tok.is_stop(hf_fast.eos_token_id) and tok.is_stop(TINY_SPECIAL_IDS["<|endoftext|>"])
+    assert not tok.is_stop(TINY_SPECIAL_IDS["<|im_start|>"]) and not tok.is_stop(tok.encode("a")[0])
     assert tok.pad_id == hf_fast.pad_token_id == TINY_SPECIAL_IDS["<|endoftext|>"]
     assert tok.bos_id == TINY_SPECIAL_IDS["<|endoftext|>"]  # from generation_config.json
 
@@ -251,6 +254,33 @@ def test_template_source_selection(files):
         load_chat_template({"tokenizer.json": files["tokenizer.json"]})
 
 
+@pytest.mark.parametrize("eos_form", ["string", "AddedToken"])
+def test_special_tokens_reach_the_template_as_in_transformers(files, tmp_path, eos_form):
+    cfg = json.loads(files["tokenizer_config.json"])
+    if eos_form == "AddedToken":  # older tokenizer_config.json files spell special tokens as AddedToken dicts
+        cfg["eos_token"] = {"__type": "AddedToken", "content": cfg["eos_token"], "lstrip": False, "normalized": False,
+                            "rstrip": False, "single_word": False, "special": True}
+    source = "[{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}]{{ messages[0].content }}"
+    res = {**files, "tokenizer_config.json": json.dumps(cfg).encode(), "chat_template.jinja": source.encode()}
+    for name, data in res.items():
+        (tmp_path / name).write_bytes(data)
+    msgs = [{"role": "user", "content": "x"}]
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(msgs, chat_template=source, tokenize=False)
+    assert ChatTemplate.from_resources(res).render(msgs) == theirs
+    assert "<|im_end|>" in theirs  # the eos really reached the template
+
+
+@pytest.mark.parametrize("data, why", [(b"{not json", "malformed JSON"), (b"[1, 2]", "expected a JSON object")])
+def test_bad_tokenizer_config_fails_alike_for_template_and_tokenizer(files, data, why):
+    res = {**files, "tokenizer_config.json": data}
+    with pytest.raises(NinferError, match=why) as chat_error:
+        ChatTemplate.from_resources(res)
+    with pytest.raises(NinferError) as tok_error:
+        Tokenizer.from_resources(res)
+    assert str(chat_error.value) == str(tok_error.value)
+    assert str(chat_error.value).startswith("tokenizer_config.json:") and "\n" not in str(chat_error.value)
+
+
 MALICIOUS = [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
     "{% for c in [].__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
@@ -292,3 +322,53 @@ def test_tiny_template_rejects_bad_chats(files):
         ct.render([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
     with pytest.raises(NinferError, match="unexpected message role: wizard"):
         ct.render([{"role": "wizard", "content": "a"}])
+
+
+# Each would take seconds to minutes, or gigabytes, if run. Jinja's `**` is left-associative: `10**10**8` is
+# (10**10)**8 = 10**80, harmless; `10**(10**8)` is the one that computes for minutes.
+HUGE = [
+    "{{ ('a'*1000000000)|length }}",
+    "{{ 10**(10**8) }}",
+    "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x > 0 }}",
+    "{{ ('%1000000000s' % '')|length }}",
+    "{{ ('%*d' % (1000000000, 1))|length }}",
+    "{{ ('%1000000000s'|format(''))|length }}",
+    "{{ '{:>1000000000}'.format('')|length }}",
+    "{{ '{:>{w}}'.format('', w=1000000000)|length }}",
+    "{{ ''.ljust(1000000000)|length }}",
+    "{{ ('\t' * 1000).expandtabs(tabsize=1000000)|length }}",
+    "{{ ''|center(1000000000)|length }}",
+    "{{ ('a\n' * 100000)|indent(100000)|length }}",
+    "{{ [1]|batch(1000000000, 0)|list|length }}",
+    "{{ [1]|slice(slices=1000000000)|list|length }}",
+]
+
+
+@pytest.mark.parametrize("source", HUGE)
+def test_sandbox_refuses_huge_results_quickly(source):
+    t0 = time.perf_counter()
+    with pytest.raises(NinferError, match="blocked by the sandbox") as e:
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+    assert time.perf_counter() - t0 < 2.0  # refused before any work; the payload itself takes far longer
+    assert "\n" not in str(e.value)
+
+
+# The same operators, methods and filters at ordinary sizes, up to the limits themselves (1,000,000 items,
+# 65,536-bit integers).
+WITHIN_LIMITS = (
+    "{{ '-' * 3 }}|{{ 3 * [1, 2] }}|{{ 2 ** 100 }}|{{ 2 ** -2 }}|{{ 2.5 ** 3 }}|{{ 7 % 3 }}|{{ 1.5 * 2 }}|"
+    "{{ '%5s|%-3d|%.2f|%%' % ('ab', 7, 3.14159) }}|{{ '%*d' % (4, 2) }}|{{ '%(k)s' % {'k': 'v'} }}|"
+    "{{ '{:>6}|{!r}'.format('x', 'y') }}|{{ '{0}{1}{0}'.format('a', 'b') }}|{{ 'x'.ljust(4) }}|"
+    "{{ 'x'.center(5, '*') }}|{{ '7'.zfill(3) }}|"
+    "{{ 'a\tb'.expandtabs(4) }}|{{ 'a'|center(5) }}|{{ 'a\nb'|indent(2, true) }}|{{ 'a\nb'|indent('> ') }}|"
+    "{{ [1, 2, 3]|batch(2, 0)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ '%s!'|format('q') }}|"
+    "{{ ('a' * 1000000)|length }}|{{ ('%1000000s' % '')|length }}|{{ (2 ** 65535) > 0 }}"
+)
+
+
+def test_sandbox_size_checks_leave_ordinary_sizes_alone():
+    # oracle: jinja without any sandbox
+    assert ChatTemplate(WITHIN_LIMITS).render([]) == jinja2.Environment().from_string(WITHIN_LIMITS).render()
+    for just_over in ("{{ 'a' * 1000001 }}", "{{ [0] * 1000 * 1001 }}", "{{ 2 ** 65536 }}", "{{ 'x'.ljust(1000001) }}"):
+        with pytest.raises(NinferError, match="blocked by the sandbox"):
+            ChatTemplate(just_over).render([])
