@@ -43,6 +43,7 @@ _EXPERT_PART = re.compile(r"^(?P<stem>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>ga
 _KEPT_PREFIXES = ("model.language_model.", "model.visual.", "mtp.", "lm_head.")
 _OPEN_FILES = 4  # file handles kept open (LRU); per-expert banks hop between a few shards
 _TRUE = {"1", "ON", "YES", "TRUE"}
+_MAX_HEADER = 100_000_000  # bytes; the safetensors library's own cap, so a corrupt length cannot fill RAM
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ def _read_header(path: Path, shard: int) -> dict[str, _Stored]:
         if len(head) < 8:
             raise SourceError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
         (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise SourceError(f"{path}: safetensors header length {n} bytes exceeds the {_MAX_HEADER}-byte limit "
+                              f"(corrupted length prefix?)")
         if n > size - 8:
             raise SourceError(f"{path}: truncated safetensors header ({n} bytes announced, {size - 8} present)")
         raw = f.read(n)
@@ -110,13 +114,16 @@ def _read_header(path: Path, shard: int) -> dict[str, _Stored]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            ints = (*shape, begin, end)
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+        try:  # dtype a string, shape a list of ints, data_offsets two ints; all ints >= 0 and not bools
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list)):
+                raise TypeError
+            shape, (begin, end) = tuple(shape), offsets
+            if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
                 raise TypeError
         except (TypeError, KeyError, ValueError):
-            raise SourceError(f"{path}: malformed safetensors header entry for tensor {name}") from None
+            raise SourceError(f"{path}: malformed safetensors header entry for tensor {name} (expected a string "
+                              f"dtype, a shape of non-negative integers and two integer data_offsets)") from None
         if dtype not in _DTYPES:
             raise SourceError(f"tensor {name} in {path} has unsupported dtype {dtype} "
                               f"(supported: {', '.join(_DTYPES)})")
@@ -150,6 +157,10 @@ def _shard_files(path: Path, label: str) -> tuple[list[Path], Path | None, dict 
             raise TypeError
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise SourceError(f"{index}: malformed index (expected a JSON object with a weight_map)") from None
+    for name, fname in weight_map.items():  # an untrusted index must not point outside the checkpoint
+        if fname in ("", ".", "..") or "\0" in fname or Path(fname).name != fname:
+            raise SourceError(f"{index.name} maps tensor {name!r} to {fname!r}, which is not a plain file name "
+                              f"(shards must lie in {label} itself)")
     files = []
     for fname in sorted(set(weight_map.values())):
         if not (path / fname).is_file():
@@ -173,11 +184,8 @@ class Checkpoint:
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise SourceError(f"{label} has no config.json")
-        try:
-            self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-        self.spec = ModelSpec.from_config(self.config, source=str(cfg_path))
+        self.spec = ModelSpec.from_file(cfg_path)
+        self.config = self.spec.raw
         self.resources = {n: (path / n).read_bytes() for n in RESOURCE_FILES if (path / n).is_file()}
 
         stored = self._scan(path, label)
@@ -220,7 +228,7 @@ class Checkpoint:
                     raise SourceError(f"tensor {name} is stored twice: in {stored[name].file.name} and {f.name}")
                 stored[name] = st
         for name, fname in (weight_map or {}).items():
-            if name not in stored or stored[name].file.name != Path(fname).name:
+            if name not in stored or stored[name].file.name != fname:
                 raise SourceError(f"{index.name} places tensor {name} in {fname}, but that shard does not hold it")
         return stored
 
@@ -332,9 +340,6 @@ class Checkpoint:
     def total_source_bytes(self) -> int:
         """Bytes on disk of every tensor read."""
         return sum(self.source_nbytes(n) for n in self.names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
 
     # ---- reading ----
     def read(self, name: str) -> torch.Tensor:
@@ -471,7 +476,9 @@ def _download(repo: str, revision: str | None, progress: bool) -> tuple[Path, st
 
 
 def fetch_config(source: str, revision: str | None = None) -> dict:
-    """config.json alone, from a local directory or a Hub repo id (for plans that need no weights)."""
+    """config.json alone, from a local directory or a Hub repo id (for plans that need no weights).
+
+    The file is checked as a ModelSpec on the way; the parsed JSON object is returned."""
     import huggingface_hub
 
     local = Path(source).expanduser()
@@ -482,12 +489,11 @@ def fetch_config(source: str, revision: str | None = None) -> dict:
     elif _REPO_ID.match(source) and not local.exists():
         path = Path(_hub(source, revision, False, lambda offline: huggingface_hub.hf_hub_download(
             source, "config.json", revision=revision, local_files_only=offline)))
+    elif local.exists():
+        raise SourceError(f"{source} is not a checkpoint directory, config.json or Hub repo id")
     else:
         raise SourceError(f"no such directory: {source}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return ModelSpec.from_file(path).raw
 
 
 def _hub_reason(e: Exception, hfe, revision: str | None, offline: bool) -> str | None:

@@ -276,15 +276,80 @@ def test_offsets_past_the_end_name_the_file(vlm_dir):
     shard = vlm_dir / "model-00001-of-00002.safetensors"
     raw = shard.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    begin, end = header[name]["data_offsets"]
     size = len(raw) - 8 - n
-    header[name]["data_offsets"] = [size - (end - begin) + 2, size + 2]  # right length, 2 bytes past the end
-    text = json.dumps(header).encode()  # offsets are relative to the data, so the header may change length
-    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+    def past_the_end(entry):
+        begin, end = entry["data_offsets"]
+        return {**entry, "data_offsets": [size - (end - begin) + 2, size + 2]}  # right length, 2 bytes past the end
+
+    name = _edit_header(shard, past_the_end)
     with pytest.raises(SourceError, match=f"{shard}: tensor {name} has data offsets.*beyond the end"):
         Checkpoint.open(vlm_dir)
+
+
+def _edit_header(shard: Path, edit) -> str:
+    """Let edit(entry) change the first tensor's header entry in place; returns that tensor's name."""
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name] = edit(header[name])
+    text = json.dumps(header).encode()  # offsets are relative to the data, so the header may change length
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return name
+
+
+BAD_ENTRIES = {  # case -> (key, bad value); key None replaces the whole entry
+    "dtype-list": ("dtype", ["BF16"]), "dtype-int": ("dtype", 16), "shape-bool": ("shape", [True]),
+    "shape-negative": ("shape", [-1, 4]), "shape-float": ("shape", [2.0]), "shape-string": ("shape", "64"),
+    "shape-object": ("shape", {"64": 64}), "offsets-one": ("data_offsets", [0]),
+    "offsets-three": ("data_offsets", [0, 2, 4]), "offsets-string": ("data_offsets", "01"),
+    "offsets-null": ("data_offsets", [0, None]), "entry-list": (None, ["BF16", [1], [0, 2]]),
+    "no-dtype": (None, {"shape": [1], "data_offsets": [0, 2]}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_malformed_header_entry_names_file_and_tensor(vlm_dir, case):
+    shard = vlm_dir / "model-00001-of-00002.safetensors"
+    key, bad = BAD_ENTRIES[case]
+    name = _edit_header(shard, lambda e: bad if key is None else {**e, key: bad})
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(vlm_dir)
+    assert _one_line(e).startswith(f"{shard}: malformed safetensors header entry for tensor {name} ")
+
+
+def test_oversized_header_length_is_refused_before_reading(vlm_dir):
+    """A corrupt length prefix within a big file: refused by the 100 MB cap, not read into memory."""
+    shard = vlm_dir / "model-00001-of-00002.safetensors"
+    limit = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
+    with open(shard, "wb") as f:
+        f.write(struct.pack("<Q", limit + 1) + b"{}")
+        f.truncate(limit + 4096)  # sparse: the announced header fits in the file, so only the cap catches it
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(vlm_dir)
+    msg = _one_line(e)
+    assert msg.startswith(f"{shard}: ") and f"header length {limit + 1} bytes exceeds the {limit}-byte limit" in msg
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subdir"])
+def test_index_shard_names_must_be_plain_file_names(vlm_dir, tmp_path, where):
+    """An untrusted index must not make the reader open a file outside the checkpoint directory."""
+    shard = "model-00002-of-00002.safetensors"
+    outside = {"parent": tmp_path, "absolute": tmp_path, "subdir": vlm_dir / "sub"}[where]
+    outside.mkdir(exist_ok=True)
+    (vlm_dir / shard).rename(outside / shard)  # a real shard: without the check the open would succeed
+    fname = {"parent": f"../{shard}", "absolute": str(tmp_path / shard), "subdir": f"sub/{shard}"}[where]
+    index_path = vlm_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {n: fname if f == shard else f for n, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    first = next(n for n, f in index["weight_map"].items() if f == fname)
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(vlm_dir)
+    msg = _one_line(e)
+    assert msg.startswith(f"model.safetensors.index.json maps tensor {first!r} to {fname!r}, "), msg
+    assert "not a plain file name" in msg
 
 
 def test_unsupported_dtype_names_tensor_and_dtype(vlm_dir):
@@ -438,6 +503,34 @@ def test_fetch_config(models, tmp_path, monkeypatch):
     assert fetch_config("owner/name") == want
     with pytest.raises(SourceError, match="no such directory"):
         fetch_config(str(tmp_path / "a" / "b" / "c"))
+    assert Checkpoint.open(path).config == want
+
+
+def test_fetch_config_refuses_a_file(models, tmp_path, monkeypatch):
+    """`inspect x.safetensors --recipe R`: the file exists, so neither "no such directory" nor a Hub download."""
+    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_dense"], prefix="causal")
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("fetch_config went to the Hub for a local file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    monkeypatch.chdir(tmp_path)
+    shard = "ck/model-00001-of-00002.safetensors"  # relative, so it also looks like a repo id "owner/name"
+    for source in (shard, str(tmp_path / shard)):
+        with pytest.raises(SourceError) as e:
+            fetch_config(source)
+        assert _one_line(e) == f"{source} is not a checkpoint directory, config.json or Hub repo id"
+
+
+def test_config_json_that_is_not_json(models, tmp_path, monkeypatch):
+    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_dense"], prefix="causal")
+    cfg = path / "config.json"
+    cfg.write_text('{"model_type": "qwen3_5_text",')
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, filename, **kw: str(path / filename))
+    for call in (lambda: Checkpoint.open(path), lambda: fetch_config(str(path)), lambda: fetch_config("owner/name")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert _one_line(e).startswith(f"{cfg}: not valid JSON (")
 
 
 # ---- streaming ----
