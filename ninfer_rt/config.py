@@ -24,11 +24,13 @@ from ninfer_rt.errors import ConfigError, SourceError
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
 GROUPS = ("text", "mtp", "vision")
+ROPE_TYPES = ("default", "yarn")
 # transformers' rotary embedding falls back to this split when rope_parameters has no mrope_section.
 _HF_MROPE_SECTION = (11, 11, 10)
 _VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                   "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings")
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_COUNT_FIELDS = _MOE_FIELDS + ("mtp_num_hidden_layers",)  # spec integers that may be 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,10 @@ class VisionSpec:
 
 
 class _Fields:
-    """Typed access to one JSON object of config.json; errors name the file and the dotted field path."""
+    """Typed access to one JSON object of config.json; errors name the file and the dotted field path.
+
+    A null value counts as absent (the default applies); bools are not numbers (`type(x) is int`).
+    """
 
     def __init__(self, obj: dict, source: str, prefix: str):
         self.obj, self.source, self.prefix = obj, source, prefix
@@ -82,25 +87,43 @@ class _Fields:
     def has(self, key: str) -> bool:
         return self.obj.get(key) is not None
 
+    def _absent(self, key: str, what: str) -> ConfigError:
+        return self.error(key, "is missing" if key not in self.obj else f"must be {what}, got None")
+
     def get_int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
         value = self.obj.get(key)
         if value is None:
             if default is None:
-                raise self.error(key, "is missing")
+                raise self._absent(key, "an integer")
             return default
-        if isinstance(value, bool) or not isinstance(value, int):
+        if type(value) is not int:
             raise self.error(key, f"must be an integer, got {value!r}")
         if value < minimum:
             raise self.error(key, f"must be >= {minimum}, got {value}")
         return value
 
-    def get_float(self, key: str, default: float) -> float:
+    def get_float(self, key: str, default: float | None = None, above: float | None = None,
+                  minimum: float | None = None) -> float:
         value = self.obj.get(key)
         if value is None:
+            if default is None:
+                raise self._absent(key, "a number")
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"must be a number, got {value!r}")
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise self.error(key, f"must be a finite number, got {value!r}")
+        if above is not None and not value > above:
+            raise self.error(key, f"must be > {above}, got {value}")
+        if minimum is not None and not value >= minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
         return float(value)
+
+    def get_bool(self, key: str, default: bool | None = None) -> bool:
+        value = self.obj.get(key)
+        if value is None and default is not None:
+            return default
+        if type(value) is not bool:
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
 
     def get_dict(self, key: str) -> dict | None:
         value = self.obj.get(key)
@@ -108,15 +131,68 @@ class _Fields:
             raise self.error(key, f"must be an object, got {type(value).__name__}")
         return value
 
+    def get_int_list(self, key: str) -> tuple[int, ...]:
+        value = self.obj.get(key)
+        if not (isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)):
+            raise self.error(key, f"must be a list of non-negative integers, got {value!r}")
+        return tuple(value)
+
 
 def _token_ids(value: Any, where: str) -> tuple[int, ...]:
     """An `eos_token_id`-style value (null, an id, or a list of ids) as a tuple."""
     if value is None:
         return ()
     items = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+    if not all(type(i) is int and i >= 0 for i in items):
         raise ConfigError(f"{where} must be a token id or a list of token ids, got {value!r}")
     return tuple(items)
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rope scaling (rope_type "yarn") with transformers' defaults filled in.
+
+    `attention_factor` multiplies cos and sin: as given, else 0.1·ln(factor) + 1 (or the mscale /
+    mscale_all_dim ratio of the same form when both are set), as transformers' _compute_yarn_parameters.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling(r: _Fields, max_position_embeddings: int) -> tuple[str, Yarn | None]:
+    """The rope type of a rope_parameters object and, for "yarn", its parameters; errors name the key."""
+    # "type" is the older spelling transformers still reads
+    key = "type" if r.obj.get("rope_type") is None and r.has("type") else "rope_type"
+    rope_type = r.obj.get(key)
+    rope_type = "default" if rope_type is None else rope_type
+    if rope_type not in ROPE_TYPES:
+        raise r.error(key, f"{rope_type!r} is not supported (ninfer supports {', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return rope_type, None
+    factor = r.get_float("factor", minimum=1.0)
+    original = r.get_int("original_max_position_embeddings", default=max_position_embeddings)
+    mscale, mscale_all_dim = r.get_float("mscale", 0.0), r.get_float("mscale_all_dim", 0.0)
+    if r.has("attention_factor"):
+        attention = r.get_float("attention_factor", above=0.0)
+    elif mscale and mscale_all_dim:
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention = _yarn_mscale(factor)
+    # transformers reads `beta_fast or 32`, `beta_slow or 1`: a 0 means the default too
+    beta_fast = r.get_float("beta_fast", 0.0) or 32.0
+    beta_slow = r.get_float("beta_slow", 0.0) or 1.0
+    if not 0 < beta_slow <= beta_fast:
+        raise r.error("beta_fast", f"({beta_fast}) and beta_slow ({beta_slow}) must satisfy 0 < beta_slow <= beta_fast")
+    return rope_type, Yarn(factor, original, attention, beta_fast, beta_slow, r.get_bool("truncate", True))
 
 
 @dataclass(frozen=True)
@@ -124,7 +200,9 @@ class ModelSpec:
     """A Qwen3.5/3.6 model as config.json describes it: the text model, the MTP head and the vision tower.
 
     Dense members (family "qwen3_5") have `intermediate_size` and `num_experts == 0`; MoE members have
-    `intermediate_size is None` and the four MoE sizes. `raw` is the config.json object it was read from.
+    `intermediate_size is None` and the four MoE sizes. `rope_parameters` is the rope object as written;
+    `rope_type` and `yarn` are read from it. `raw` is the config.json object it was read from (from_config
+    only: to_dict leaves it out, the artifact header keeps config.json itself).
     """
 
     family: str
@@ -170,6 +248,18 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         """Leading dims of each attention head that get (m)RoPE; the rest pass through."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_type(self) -> str:
+        """"default" (plain RoPE) or "yarn"."""
+        return _rope_scaling(_Fields(self.rope_parameters, "model spec", "rope_parameters."),
+                             self.max_position_embeddings)[0]
+
+    @property
+    def yarn(self) -> Yarn | None:
+        """The YaRN parameters when rope_type is "yarn", else None."""
+        return _rope_scaling(_Fields(self.rope_parameters, "model spec", "rope_parameters."),
+                             self.max_position_embeddings)[1]
 
     @property
     def key_dim(self) -> int:
@@ -254,11 +344,16 @@ class ModelSpec:
                                                   "rope_scaling." if t.get("rope_scaling") else ""))
         rope_theta = rp.get_float("rope_theta", text.get_float("rope_theta", 10000.0))
         partial = rp.get_float("partial_rotary_factor", text.get_float("partial_rotary_factor", 0.25))
-        section = rope.get("mrope_section", t.get("mrope_section"))
-        if section is None:
+        if rope.get("mrope_section") is not None:
+            section = rp.get_int_list("mrope_section")
+        elif t.get("mrope_section") is not None:
+            section = text.get_int_list("mrope_section")
+        else:
             section = _HF_MROPE_SECTION
-        elif not (isinstance(section, list) and all(isinstance(s, int) and s >= 0 for s in section)):
-            raise rp.error("mrope_section", f"must be a list of non-negative integers, got {section!r}")
+        rope_params = copy.deepcopy(rope)
+        # transformers lets a text-config-level original_max_position_embeddings override rope_parameters' own
+        if text.has("original_max_position_embeddings") and rope.get("rope_type", rope.get("type")) == "yarn":
+            rope_params["original_max_position_embeddings"] = t["original_max_position_embeddings"]
 
         if family == "qwen3_5_moe":
             moe = {k: text.get_int(k) for k in _MOE_FIELDS}
@@ -268,7 +363,7 @@ class ModelSpec:
             intermediate = text.get_int("intermediate_size")
 
         bos = t.get("bos_token_id", cfg.get("bos_token_id"))
-        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+        if bos is not None and (type(bos) is not int or bos < 0):
             raise text.error("bos_token_id", f"must be a token id, got {bos!r}")
         eos_raw = t.get("eos_token_id", cfg.get("eos_token_id"))
         quant = top.get_dict("quantization_config") or text.get_dict("quantization_config")
@@ -293,10 +388,11 @@ class ModelSpec:
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             mrope_section=tuple(section),
-            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-            rope_parameters=copy.deepcopy(rope),
+            mrope_interleaved=rp.get_bool("mrope_interleaved", True),
+            rope_parameters=rope_params,
             max_position_embeddings=text.get_int("max_position_embeddings", default=32768),
-            tie_word_embeddings=bool(tie),
+            tie_word_embeddings=_Fields({"tie_word_embeddings": tie}, source, text.prefix).get_bool(
+                "tie_word_embeddings", False),
             mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0),
             bos_token_id=bos,
             eos_token_ids=_token_ids(eos_raw, f"{source}: {text.prefix}eos_token_id"),
@@ -304,11 +400,16 @@ class ModelSpec:
             quantization=copy.deepcopy(quant),
             raw=copy.deepcopy(cfg),
         )
-        spec._validate(source, text.prefix, rp.prefix, section_given=section is not _HF_MROPE_SECTION)
+        spec._validate(source, text.prefix, rp.prefix, rp.prefix, section_given=section is not _HF_MROPE_SECTION)
         return spec
 
-    def _validate(self, source: str, prefix: str, rope_prefix: str, section_given: bool = True) -> None:
-        """Cross-field consistency; each failure names the fields that disagree."""
+    def _validate(self, source: str, prefix: str, rope_prefix: str, rope_dict_prefix: str,
+                  section_given: bool = True) -> None:
+        """Ranges and cross-field consistency; each failure names the fields that disagree.
+
+        `rope_prefix` names where rope_theta / partial_rotary_factor / mrope_section were read, and
+        `rope_dict_prefix` the rope_parameters object (its rope_type and YaRN keys).
+        """
         p = prefix
 
         def fail(msg: str) -> ConfigError:
@@ -328,6 +429,11 @@ class ModelSpec:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise fail(f"{p}linear_num_value_heads ({self.linear_num_value_heads}) is not divisible by "
                        f"{p}linear_num_key_heads ({self.linear_num_key_heads})")
+        if not self.rms_norm_eps >= 0:
+            raise fail(f"{p}rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 1:
+            raise fail(f"{rope_prefix}rope_theta must be > 1, got {self.rope_theta}")
+        _rope_scaling(_Fields(self.rope_parameters, source, rope_dict_prefix), self.max_position_embeddings)
         rot = self.rotary_dim
         if rot <= 0 or rot % 2 or rot > self.head_dim:
             raise fail(f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {rot} "
@@ -335,15 +441,20 @@ class ModelSpec:
         if sum(self.mrope_section) != rot // 2:
             what = "" if section_given else " (absent, so transformers' default)"
             raise fail(f"{rope_prefix}mrope_section {list(self.mrope_section)}{what} sums to "
-                       f"{sum(self.mrope_section)}, but rotary_dim/2 is {rot // 2}")
+                       f"{sum(self.mrope_section)}, but rotary_dim/2 is {rot // 2} ({p}head_dim {self.head_dim} × "
+                       f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} / 2)")
         if self.is_moe:
             if self.intermediate_size is not None:
                 raise fail(f"{p}intermediate_size must be unset for the qwen3_5_moe family")
+            for name in _MOE_FIELDS:
+                if getattr(self, name) < 1:
+                    raise fail(f"{p}{name} must be >= 1 for the qwen3_5_moe family, got {getattr(self, name)}")
             if self.num_experts_per_tok > self.num_experts:
                 raise fail(f"{p}num_experts_per_tok ({self.num_experts_per_tok}) exceeds {p}num_experts "
                            f"({self.num_experts})")
-        elif self.intermediate_size is None or self.num_experts:
-            raise fail(f"{p}intermediate_size must be set and num_experts 0 for the dense qwen3_5 family")
+        elif self.intermediate_size is None or any(getattr(self, name) for name in _MOE_FIELDS):
+            raise fail(f"{p}intermediate_size must be set and {', '.join(_MOE_FIELDS)} 0 for the dense qwen3_5 "
+                       f"family")
         v = self.vision
         if v is not None and v.hidden_size % v.num_heads:
             raise fail(f"vision_config.hidden_size ({v.hidden_size}) is not divisible by "
@@ -451,10 +562,12 @@ class ModelSpec:
 
     # ---- serialisation (the artifact header carries the spec) ----
     def to_dict(self) -> dict:
-        """A JSON-able dict of every field (tuples become lists, `vision` a dict); inverse of from_dict."""
+        """A JSON-able dict of every field but `raw` (tuples become lists, `vision` a dict); inverse of from_dict."""
         d: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "raw":
+                continue
             if isinstance(value, VisionSpec):
                 value = {k: getattr(value, k) for k in _VISION_FIELDS}
             elif isinstance(value, tuple):
@@ -464,29 +577,52 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpec:
-        """Rebuild a spec from to_dict() output (e.g. an artifact header), checking it as from_config does."""
+        """Rebuild a spec from to_dict() output (e.g. an artifact header), checking every field's type and range
+        and then the model as from_config does; any malformed field gives a one-line ConfigError naming it.
+        Unknown keys (such as `raw`, written by older versions) are ignored."""
         if not isinstance(d, dict):
             raise ConfigError(f"model spec: expected an object, got {type(d).__name__}")
-        kw = {}
         for f in fields(cls):
-            if f.name not in d:
-                if f.name == "raw":
-                    continue
+            if f.name != "raw" and f.name not in d:
                 raise ConfigError(f"model spec: field {f.name} is missing")
-            kw[f.name] = copy.deepcopy(d[f.name])
-        for name in ("layer_types", "mrope_section", "eos_token_ids"):
-            kw[name] = tuple(kw[name])
-        if kw["vision"] is not None:
-            try:
-                kw["vision"] = VisionSpec(**kw["vision"])
-            except TypeError as e:
-                raise ConfigError(f"model spec: vision is malformed ({e})") from None
+        r = _Fields(d, "model spec", "")
+
+        def nullable(name: str, read):
+            return None if d[name] is None else read(name)
+
+        kw: dict[str, Any] = {f.name: r.get_int(f.name, minimum=0 if f.name in _COUNT_FIELDS else 1)
+                              for f in fields(cls) if f.type == "int"}
+        if not isinstance(d["family"], str):
+            raise r.error("family", f"must be a string, got {d['family']!r}")
+        if not isinstance(d["layer_types"], list):
+            raise r.error("layer_types", f"must be a list, got {d['layer_types']!r}")
+        if not isinstance(d["eos_token_ids"], list):
+            raise r.error("eos_token_ids", f"must be a list of token ids, got {d['eos_token_ids']!r}")
+        if d["rope_parameters"] is None:
+            raise r.error("rope_parameters", "must be an object, got None")
+        kw.update(
+            family=d["family"],
+            layer_types=tuple(d["layer_types"]),
+            intermediate_size=nullable("intermediate_size", r.get_int),
+            rms_norm_eps=r.get_float("rms_norm_eps"),
+            rope_theta=r.get_float("rope_theta"),
+            partial_rotary_factor=r.get_float("partial_rotary_factor"),
+            mrope_section=r.get_int_list("mrope_section"),
+            mrope_interleaved=r.get_bool("mrope_interleaved"),
+            rope_parameters=copy.deepcopy(r.get_dict("rope_parameters")),
+            tie_word_embeddings=r.get_bool("tie_word_embeddings"),
+            bos_token_id=nullable("bos_token_id", lambda k: r.get_int(k, minimum=0)),
+            eos_token_ids=_token_ids(d["eos_token_ids"], "model spec: eos_token_ids"),
+            vision=nullable("vision", lambda k: _vision(r.get_dict(k), "model spec", "vision.", strict=True)),
+            quantization=copy.deepcopy(r.get_dict("quantization")),
+        )
         spec = cls(**kw)
-        spec._validate("model spec", "", "")
+        spec._validate("model spec", "", "", "rope_parameters.")
         return spec
 
 
-def _vision(cfg: dict, source: str) -> VisionSpec:
-    """Read vision_config; every size is required except in_channels (3, RGB)."""
-    r = _Fields(cfg, source, "vision_config.")
-    return VisionSpec(**{k: r.get_int(k, default=3 if k == "in_channels" else None) for k in _VISION_FIELDS})
+def _vision(cfg: dict, source: str, prefix: str = "vision_config.", strict: bool = False) -> VisionSpec:
+    """Read vision_config (or a spec's `vision`); every size is required except in_channels (3, RGB) unless strict."""
+    r = _Fields(cfg, source, prefix)
+    return VisionSpec(**{k: r.get_int(k, default=3 if k == "in_channels" and not strict else None)
+                         for k in _VISION_FIELDS})

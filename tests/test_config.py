@@ -142,13 +142,141 @@ def test_rope_settings_from_older_spellings():
 def test_dict_round_trip_is_json_able():
     for raw in (_vlm_config(True), json.loads((CONFIGS / "qwen3.6-27b.json").read_text())):
         spec = ModelSpec.from_config(raw)
-        back = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
-        assert back == spec and back.raw == raw == spec.raw
+        d = spec.to_dict()
+        assert "raw" not in d and spec.raw == raw  # the header keeps config.json itself under model.config
+        back = ModelSpec.from_dict(json.loads(json.dumps(d)))
+        assert back == spec and back.raw == {}
         assert back.tensor_shapes() == spec.tensor_shapes()
+        assert ModelSpec.from_dict({**d, "raw": raw}) == spec  # headers written before raw was dropped
     d = spec.to_dict()
     del d["head_dim"]
     with pytest.raises(ConfigError, match="head_dim is missing"):
         ModelSpec.from_dict(d)
+
+
+# ---------------------------------------------------------------------------------------------- rope type
+
+
+MODEL_CARD_YARN = {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "yarn",
+                   "rope_theta": 10000000, "partial_rotary_factor": 0.25, "factor": 4.0,
+                   "original_max_position_embeddings": 262144}
+
+
+@pytest.mark.parametrize("extra", [{}, {"mscale": 0.7, "mscale_all_dim": 1.0}, {"attention_factor": 1.5},
+                                   {"beta_fast": 16, "beta_slow": 2, "truncate": False}],
+                         ids=["card", "mscale", "attention_factor", "betas"])
+def test_yarn_parameters_match_transformers(extra):
+    # The model card's 1M-token setting on the real 35B config; attention factor against transformers' own.
+    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    cfg["text_config"]["rope_parameters"] = {**MODEL_CARD_YARN, **extra}
+    spec = ModelSpec.from_config(cfg)
+    hf_cfg = tf.Qwen3_5MoeConfig.from_dict(json.loads(json.dumps(cfg))).text_config
+    _, hf_attention = tf.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    y = spec.yarn
+    assert spec.rope_type == "yarn" and spec.rotary_dim == 64
+    assert (y.factor, y.original_max_position_embeddings) == (4.0, 262144)
+    assert y.attention_factor == hf_attention
+    assert (y.beta_fast, y.beta_slow, y.truncate) == (extra.get("beta_fast", 32), extra.get("beta_slow", 1),
+                                                      extra.get("truncate", True))
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).yarn == y
+    plain = ModelSpec.from_file(CONFIGS / "qwen3.6-35b-a3b.json")
+    assert plain.rope_type == "default" and plain.yarn is None
+
+
+def test_yarn_original_context_defaults_like_transformers():
+    # without original_max_position_embeddings transformers takes max_position_embeddings; a text-config-level
+    # original_max_position_embeddings takes priority over rope_parameters' (its Phi-3 rule)
+    kw = hf_tiny.text_config_kwargs(moe=False)
+    kw["rope_parameters"] = {**kw["rope_parameters"], "rope_type": "yarn", "factor": 2.0}
+    for extra in ({}, {"original_max_position_embeddings": 64}):
+        cfg = {"model_type": "qwen3_5_text", **json.loads(json.dumps(kw)), **extra}
+        hf_cfg = tf.Qwen3_5TextConfig(**json.loads(json.dumps({**kw, **extra})))
+        hf_cfg.standardize_rope_params()
+        want = hf_cfg.rope_parameters["original_max_position_embeddings"]
+        assert ModelSpec.from_config(cfg).yarn.original_max_position_embeddings == want == (extra or kw)[
+            "original_max_position_embeddings" if extra else "max_position_embeddings"]
+
+
+def test_unsupported_rope_type_is_named():
+    for rope_type in ("dynamic", "linear", "longrope", 3):
+        msg = _broken(lambda c, t: t["rope_parameters"].update(rope_type=rope_type))
+        assert msg == (f"config.json: text_config.rope_parameters.rope_type {rope_type!r} is not supported "
+                       "(ninfer supports default, yarn)")
+    # the older spelling `type` is read too, and from_dict checks the stored rope_parameters the same way
+    assert "rope_parameters.type 'dynamic' is not supported" in _broken(
+        lambda c, t: t["rope_parameters"].pop("rope_type") and t["rope_parameters"].update(type="dynamic"))
+    d = ModelSpec.from_config(_vlm_config(False)).to_dict()
+    d["rope_parameters"]["rope_type"] = "dynamic"
+    with pytest.raises(ConfigError, match=r"^model spec: rope_parameters\.rope_type 'dynamic' is not supported"):
+        ModelSpec.from_dict(d)
+
+
+def test_malformed_yarn_parameters_are_named():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    for key, value, what in (("factor", None, "must be a number, got None"), ("factor", 0.5, "must be >= 1.0"),
+                             ("factor", "4", "must be a finite number"),
+                             ("original_max_position_embeddings", 0, "must be >= 1"),
+                             ("attention_factor", -1.0, "must be > 0.0"), ("truncate", 1, "must be true or false"),
+                             ("beta_fast", 0.5, "(0.5) and beta_slow (1.0) must satisfy")):
+        msg = _broken(lambda c, t: t["rope_parameters"].update({**yarn, key: value}))
+        assert msg.startswith(f"config.json: text_config.rope_parameters.{key} {what}"), msg
+
+
+# ---------------------------------------------------------------------------------------------- from_dict checks
+
+
+def _spec_dict(moe: bool = True) -> dict:
+    """to_dict() of the tiny VLM spec with YaRN rope, as an artifact header stores it."""
+    cfg = _vlm_config(moe)
+    cfg["text_config"]["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+    return json.loads(json.dumps(ModelSpec.from_config(cfg).to_dict()))
+
+
+def _from_dict_error(d: dict) -> str:
+    with pytest.raises(ConfigError) as e:
+        ModelSpec.from_dict(d)
+    assert "\n" not in str(e.value) and str(e.value).startswith("model spec: ")
+    return str(e.value)
+
+
+def test_from_dict_rejects_the_reviewed_corruptions():
+    # each of these crashed later (ZeroDivisionError, TypeError, ValueError) or was accepted
+    for field, value in (("num_key_value_heads", 0), ("layer_types", 5), ("mrope_section", None),
+                         ("partial_rotary_factor", "a"), ("hidden_size", "x"), ("hidden_size", True),
+                         ("tie_word_embeddings", 1), ("rope_parameters", None), ("vision", {"depth": 2}),
+                         ("eos_token_ids", 5), ("rms_norm_eps", float("nan")), ("rope_theta", float("inf"))):
+        assert field in _from_dict_error({**_spec_dict(), field: value}), (field, value)
+    d = _spec_dict()
+    d["rope_parameters"]["factor"] = "a"
+    assert _from_dict_error(d) == "model spec: rope_parameters.factor must be a finite number, got 'a'"
+
+
+JUNK = (None, True, False, 0, -1, 1, 3, 4096, 0.5, -2.5, float("nan"), float("inf"), "", "x", [], [5], {}, {"a": 1})
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_from_dict_fails_only_with_config_error(moe):
+    # Every field (and every vision / rope_parameters key) set to every junk value: from_dict either returns a
+    # spec that works or raises a one-line ConfigError naming the field; never any other exception.
+    base = _spec_dict(moe)
+    edits = [((k,), v) for k in base for v in JUNK]
+    edits += [(("vision", k), v) for k in base["vision"] for v in JUNK]
+    edits += [(("rope_parameters", k), v) for k in list(base["rope_parameters"]) + ["attention_factor", "beta_fast",
+              "beta_slow", "mscale", "mscale_all_dim", "truncate", "type"] for v in JUNK]
+    failed = 0
+    for path, value in edits:
+        d = json.loads(json.dumps(base))
+        target = d if len(path) == 1 else d[path[0]]
+        target[path[-1]] = value
+        try:
+            spec = ModelSpec.from_dict(d)
+        except ConfigError as e:
+            failed += 1
+            assert "\n" not in str(e) and path[-1] in str(e), (path, value, str(e))
+            continue
+        # accepted: then everything derived from it works
+        spec.tensor_shapes(), spec.rope_type, spec.yarn, spec.full_attention_layers, spec.num_parameters()
+    assert failed > len(edits) // 2  # the junk is mostly rejected; the accepted rest still builds
 
 
 def test_optional_parts():

@@ -10,8 +10,12 @@ against one forward) only reorder the same fp32 work: rel = 1e-5.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
+import transformers as tf
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
@@ -137,6 +141,34 @@ def test_mtp_matches_transformers_parts(tiny, full_forward):
     parts += [ref.mtp_logits(hidden[t:t + 1], next_ids[t:t + 1], positions[t:t + 1], cache)
               for t in range(70, PROMPT)]
     assert_close_rel(torch.cat(parts), got, SELF_REL)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "factor": 4.0,
+        "original_max_position_embeddings": 32, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+
+
+@torch.no_grad()
+def test_yarn_logits_match_transformers():
+    # a tiny dense model with YaRN and a 32-token original context: the 80-token prompt runs past it
+    kw = {**hf_tiny.text_config_kwargs(moe=False), "max_position_embeddings": 128, "rope_parameters": dict(YARN)}
+    model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**copy.deepcopy(kw))).float().eval()
+    hf_tiny.rerandomize(model, 3)
+    spec = ModelSpec.from_config({"model_type": "qwen3_5_text", **copy.deepcopy(kw)})
+    assert spec.rope_type == "yarn" and spec.yarn.original_max_position_embeddings < PROMPT
+    weights = canonical(model.state_dict())
+    ids = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(11))
+    ref = ReferenceModel(spec, weights)
+    got = ref(ids)
+    assert_close_rel(got, model(ids[None]).logits[0], HF_REL)
+    # decode steps past the original context take the same YaRN tables
+    cache = ref.new_cache()
+    parts = [ref(ids[:70], cache)] + [ref(ids[t:t + 1], cache) for t in range(70, PROMPT)]
+    assert_close_rel(torch.cat(parts), got, SELF_REL)
+    # the same weights under plain RoPE give clearly different logits, so the match above is YaRN's
+    plain = dataclasses.replace(spec, rope_parameters={k: v for k, v in YARN.items() if k not in
+                                                       ("rope_type", "factor", "original_max_position_embeddings")})
+    assert plain.rope_type == "default"
+    assert (ReferenceModel(plain, weights)(ids) - got).norm() > 100 * HF_REL * got.norm()
 
 
 def test_missing_or_misshapen_tensor_is_named(tiny):

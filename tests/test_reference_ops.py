@@ -7,6 +7,8 @@ reduction here has n ≤ 128 terms, so the worst-case relative error n·u ≈ 8e
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from hf_tiny import assert_close_rel, text_config_kwargs
+from ninfer_rt.config import ModelSpec
 from ninfer_rt.reference import ops
 
 FP32_REL = 1e-5  # n·u for reductions of n ≤ 128 fp32 terms (module docstring)
@@ -100,6 +103,33 @@ def test_rope_cos_sin_is_hf_for_three_distinct_position_rows(dtype):
     # text positions: one row means all three axes equal
     text_cos, _ = ops.rope_cos_sin(pos[0], 64, 1e7, [11, 11, 10], dtype)
     assert torch.equal(text_cos, ops.rope_cos_sin(pos[0].expand(3, -1), 64, 1e7, [11, 11, 10], dtype)[0])
+
+
+YARN_CARD = {"rope_type": "yarn", "rope_theta": 10000000, "partial_rotary_factor": 0.25, "factor": 4.0,
+             "original_max_position_embeddings": 262144, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+
+
+@pytest.mark.parametrize("extra", [{}, {"truncate": False}, {"mscale": 0.7, "mscale_all_dim": 1.0},
+                                   {"attention_factor": 1.25, "beta_fast": 8, "beta_slow": 2}],
+                         ids=["card", "untruncated", "mscale", "explicit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cos_sin_yarn_is_hf(extra, dtype):
+    # the model card's 1M-token YaRN on the real dims (head 256 -> rot 64); spec -> ops against HF's rotary
+    # embedding, at positions past the 262144-token original context, three distinct T/H/W rows
+    kw = {**text_config_kwargs(moe=False), "head_dim": 256, "max_position_embeddings": 1048576,
+          "rope_parameters": {**YARN_CARD, **extra}}
+    spec = ModelSpec.from_config({"model_type": "qwen3_5_text", **copy.deepcopy(kw)})
+    rotary = hf.Qwen3_5TextRotaryEmbedding(tf.Qwen3_5TextConfig(**copy.deepcopy(kw)))
+    inv_freq, scale = ops.rope_inv_freq(spec.rotary_dim, spec.rope_theta, spec.yarn)
+    assert torch.equal(inv_freq, rotary.inv_freq) and scale == rotary.attention_scaling
+    t = torch.arange(0, 1_000_000, 25_000)                                     # 40 positions up to ~1M
+    pos = torch.stack([t, t // 7 + 3, t // 11 + 5])                            # [3, T]
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), pos[:, None, :])
+    cos, sin = ops.rope_cos_sin(pos, spec.rotary_dim, spec.rope_theta, spec.mrope_section, dtype, spec.yarn)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    # YaRN moves both the frequencies and the magnitude: plain RoPE differs
+    plain_cos, _ = ops.rope_cos_sin(pos, spec.rotary_dim, spec.rope_theta, spec.mrope_section, dtype)
+    assert not torch.allclose(plain_cos.float(), cos.float(), atol=1e-2)
 
 
 def test_apply_rope_is_hf_bit_for_bit():

@@ -243,6 +243,7 @@ class ReferenceModel:
         if not spec.mrope_interleaved:
             raise ConfigError("rope_parameters.mrope_interleaved: the qwen3_5 family only uses interleaved mRoPE")
         self.spec, self.dtype = spec, dtype
+        self._yarn = spec.yarn  # None for plain RoPE
         self._read = _Reader(weights, dtype)
         H, V = spec.hidden_size, spec.vocab_size
         self.embed = self._read(LM + "embed_tokens.weight", (V, H))
@@ -265,7 +266,7 @@ class ReferenceModel:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        return ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, s.mrope_section, self.dtype)
+        return ops.rope_cos_sin(positions, s.rotary_dim, s.rope_theta, s.mrope_section, self.dtype, self._yarn)
 
     def forward_with_hidden(self, ids: torch.Tensor, cache: Cache | None = None,
                             positions: torch.Tensor | None = None, *, return_layers: bool = False):

@@ -11,6 +11,8 @@ heads of dims dk/dv, C channels, K conv taps, E experts, I intermediate size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -67,23 +69,54 @@ def mrope_axis(rotary_dim: int, mrope_section: tuple[int, ...] | list[int]) -> t
     return axis
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
-                 mrope_section: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of partial interleaved mRoPE.
+def rope_inv_freq(rotary_dim: int, theta: float, yarn=None) -> tuple[torch.Tensor, float]:
+    """Rotary frequencies and the factor that scales cos/sin, plain or YaRN (transformers' formulas, fp32).
 
-    inv_freq[j] = θ^(-2j/rot), j < rot/2; angle[t, j] = pos[axis(j), t] · inv_freq[j] (fp32);
-    cos = cat(cos(angle), cos(angle)), sin likewise, then cast to `dtype` (HF casts to the model dtype).
+    Plain: inv_freq[j] = 1 / θ^(2j/rot), factor 1. YaRN (`yarn` a config.Yarn; s = yarn.factor, L = the original
+    context): frequencies that turn fewer than beta_slow times over L are interpolated (divided by s), those
+    turning more than beta_fast times are kept, and a linear ramp over j in [lo, hi] blends the two, where
+    j*(β) = rot · ln(L / (2πβ)) / (2 ln θ), lo = j*(beta_fast), hi = j*(beta_slow) (floor/ceil when truncate,
+    clipped to [0, rot-1]); factor = yarn.attention_factor.
+    Shape: [rot/2] fp32.
+    """
+    powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)  # θ^(2j/rot): [rot/2]
+    if yarn is None:
+        return 1.0 / powers, 1.0
+
+    def ramp_point(rotations: float) -> float:
+        L = yarn.original_max_position_embeddings
+        return (rotary_dim * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = ramp_point(yarn.beta_fast), ramp_point(yarn.beta_slow)
+    if yarn.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+    if lo == hi:
+        hi += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # [rot/2]
+    # same operation order as transformers, so the fp32 result is bit-identical
+    keep = 1 - ramp                                                                # weight of the unscaled freq
+    inv_freq = 1.0 / (yarn.factor * powers) * (1 - keep) + 1.0 / powers * keep
+    return inv_freq, yarn.attention_factor
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 mrope_section: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32, yarn=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of partial interleaved mRoPE, plain or YaRN-scaled.
+
+    (inv_freq, a) = rope_inv_freq(rot, θ, yarn); angle[t, j] = pos[axis(j), t] · inv_freq[j] (fp32);
+    cos = cat(a·cos(angle), a·cos(angle)), sin likewise, then cast to `dtype` (HF casts to the model dtype).
     Text positions are one row [T] (all three axes equal); [3, T] gives the T/H/W rows of multimodal input.
     Shapes: positions [T] or [3, T] -> cos, sin [T, rot].
     """
     if positions.dim() == 1:
         positions = positions.unsqueeze(0).expand(3, -1)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))  # [rot/2]
+    inv_freq, scale = rope_inv_freq(rotary_dim, theta, yarn)                       # inv_freq: [rot/2]
     axis = mrope_axis(rotary_dim, mrope_section)                                   # [rot/2]
     pos = positions.float()[axis].transpose(0, 1)                                  # pos: [T, rot/2]
     angle = pos * inv_freq                                                         # angle: [T, rot/2]
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos() * scale, angle.sin() * scale
     return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
 
 
