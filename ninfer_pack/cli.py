@@ -53,21 +53,15 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
 ):
     """Quantize SOURCE with a recipe into one .ninfer artifact."""
-    from ninfer_pack.pipeline import bits_per_param, params_total, quantize as run_quantize
-    from ninfer_pack.plan import plan_artifact, summarize
-    from ninfer_pack.recipe import load_recipe
-    from ninfer_pack.source import Checkpoint
+    from ninfer_pack.pipeline import bits_per_param, params_total, prepare, write_artifact
+    from ninfer_pack.plan import summarize
 
-    if out_path.exists() and not overwrite:
-        raise NinferError(f"{out_path} exists; pass --overwrite to replace it")
-    rec = load_recipe(recipe)
-    ckpt = Checkpoint.open(source, revision=revision)
-    plan_artifact(ckpt.spec, {n: tuple(ckpt.shape(n)) for n in ckpt.names}, rec)  # recipe errors before any work
+    # every check that reads no weight (output path, recipe, importance, tokenizer, plan) before the work
+    job = prepare(source, recipe, out_path, revision=revision, importance=importance, overwrite=overwrite)
     t0 = time.perf_counter()
     with _bytes_progress() as prog:
-        task = prog.add_task("quantize", total=ckpt.total_source_bytes)
-        res = run_quantize(source, rec, out_path, importance=importance, ckpt=ckpt,
-                           progress=lambda n, name: prog.advance(task, n))
+        task = prog.add_task("quantize", total=job.ckpt.total_source_bytes)
+        res = write_artifact(job, progress=lambda n, name: prog.advance(task, n))
     dt = time.perf_counter() - t0
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
@@ -78,7 +72,7 @@ def quantize(
               f"{res.source_bytes / 1e9 / dt:.3f} GB/s of source in {dt:.1f} s")
 
 
-def _plan_source(source: str, recipe: str, revision: str | None):
+def _plan_source(source: str, revision: str | None):
     """Shapes for plan mode: from safetensors headers (local dir), else from config.json alone."""
     from ninfer_rt.config import ModelSpec
     from ninfer_pack.plan import builtin_config_path
@@ -108,29 +102,24 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ):
     """Formats, sizes and bits per weight per tensor class and in total."""
-    from ninfer_pack.plan import PlannedTensor, plan_artifact, summarize
+    from ninfer_pack.plan import plan_artifact, planned_from_artifact, summarize
     from ninfer_pack.recipe import load_recipe
     from ninfer_rt.format import Artifact
-    from ninfer_rt.layout import TensorPlan
 
     if recipe is not None:
-        spec, shapes = _plan_source(path, recipe, revision)
+        spec, shapes = _plan_source(path, revision)
         planned, warnings = plan_artifact(spec, shapes, load_recipe(recipe))
         title = f"plan: {path} with recipe {recipe} (weights only; the file adds header, tokenizer, alignment)"
     else:
         with Artifact.open(path) as art:
-            planned = [PlannedTensor(TensorPlan(e.name, tuple(p["name"] for p in e.parts),
-                                                tuple(tuple(p["shape"]) for p in e.parts), e.transform, e.params,
-                                                tuple(e.shape)),
-                                     e.format, e.nbytes, sum(_prod(p["shape"]) for p in e.parts), e.group)
-                       for e in art.tensors.values()]
-            warnings, title = [], f"{path} (recipe {art.header['recipe'].get('name', '?')}; {human_bytes(art.size)} file)"
+            planned, warnings = planned_from_artifact(art), []
+            title = f"{path} (recipe {art.header['recipe'].get('name', '?')}; {human_bytes(art.size)} file)"
     rows = summarize(planned)
     params = sum(t.params for t in planned)
     total = sum(t.nbytes for t in planned)
     if as_json:
         print(json.dumps({"title": title, "classes": rows, "total_params": params, "total_bytes": total,
-                          "bits_per_param": 8 * total / max(params, 1),
+                          "bits_per_param": 8 * total / max(params, 1), "warnings": warnings,
                           "tensors": [{"name": t.name, "format": t.format, "shape": list(t.plan.shape),
                                        "nbytes": t.nbytes} for t in planned] if tensors else None}, indent=1))
         return
@@ -144,13 +133,6 @@ def inspect(
             tt.add_row(t.name, t.format, "x".join(map(str, t.plan.shape)), f"{t.nbytes:,}")
         out.print(tt)
     out.print(_size_table(title, rows, params, total))
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @app.command()
@@ -172,6 +154,10 @@ def verify(
         raise NinferError("--numerics needs --source: the checkpoint the artifact was made from")
     with Artifact.open(path) as art:  # structural problems end here with one line
         size = art.size
+        if numerics:
+            from ninfer_pack.numerics import check_memory
+
+            check_memory(art.spec)  # before the long tensor-by-tensor comparison
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=size)
         rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ninfer_rt.errors import ConfigError, SourceError
+from ninfer_rt.errors import ConfigError, NinferError, SourceError
 from ninfer_rt.format import Artifact
 from ninfer_rt.reference.model import ReferenceModel
 from ninfer_rt.reference.weights import artifact_weights, checkpoint_weights
@@ -263,6 +263,31 @@ def _spec_mismatch(a, b) -> str | None:
     return next((k for k in da if k != "raw" and da[k] != db.get(k)), "config")
 
 
+def available_memory() -> int | None:
+    """Bytes of RAM available to a new allocation (MemAvailable in /proc/meminfo); None where unreadable."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(spec) -> None:
+    """Refuse, before anything is loaded, a model whose fp32 text weights exceed the available RAM.
+
+    One fp32 copy of the text weights is alive at a time (source, then artifact); activations of the short
+    prompts are small beside it. Skipped where the available memory cannot be read.
+    """
+    need = 4 * spec.num_parameters(("text",))
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise NinferError(f"--numerics runs the fp32 reference on the CPU: needs ~{need / 1e9:.3g} GB, "
+                          f"{avail / 1e9:.3g} GB available")
+
+
 def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str, str]] | None = None, *,
             revision: str | None = None, threshold: float = DIVERGENCE_THRESHOLD,
             progress: Callable[[str], None] | None = None) -> NumericsReport:
@@ -270,20 +295,22 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
     the artifact's weights (fp32, CPU) and report what the quantization cost."""
     prompts = PROMPTS if prompts is None else tuple(prompts)
     say = progress or (lambda _msg: None)
-    with Checkpoint.open(source, revision=revision) as ckpt, Artifact.open(artifact_path) as art:
-        spec = art.spec
-        field_ = _spec_mismatch(spec, ckpt.spec)
-        if field_ is not None:
-            raise SourceError(f"{source} is not the model {artifact_path} was made from ({field_} differs)")
-        recipe = art.header.get("recipe", {}).get("name", "?")
-        tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
-        windows = tokenize_prompts(tok, prompts, spec.vocab_size)
+    with Artifact.open(artifact_path) as art:
+        check_memory(art.spec)  # before the checkpoint is opened (a Hub repo: downloaded) or a weight loaded
+        with Checkpoint.open(source, revision=revision) as ckpt:
+            spec = art.spec
+            field_ = _spec_mismatch(spec, ckpt.spec)
+            if field_ is not None:
+                raise SourceError(f"{source} is not the model {artifact_path} was made from ({field_} differs)")
+            recipe = art.header.get("recipe", {}).get("name", "?")
+            tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
+            windows = tokenize_prompts(tok, prompts, spec.vocab_size)
 
-        # Source first, then the artifact: only one set of fp32 weights is alive at a time.
-        say(f"reference model on {source}")
-        src = run_reference(spec, checkpoint_weights(ckpt, ("text",)), windows)
-        say(f"reference model on {artifact_path}")
-        got = run_reference(spec, artifact_weights(art, ("text",)), windows)
+            # Source first, then the artifact: only one set of fp32 weights is alive at a time.
+            say(f"reference model on {source}")
+            src = run_reference(spec, checkpoint_weights(ckpt, ("text",)), windows)
+            say(f"reference model on {artifact_path}")
+            got = run_reference(spec, artifact_weights(art, ("text",)), windows)
 
     per_window = []
     for ids, ls, la in zip(windows, src.logits, got.logits):
@@ -347,4 +374,4 @@ def report_tables(rep: NumericsReport) -> list:
 
 __all__ = ["PROMPTS", "DIVERGENCE_THRESHOLD", "LayerDiff", "NumericsReport", "measure", "token_stats",
            "summarize_tokens", "layer_diffs", "first_divergent", "largest_jump", "run_reference", "ReferenceRun",
-           "tokenize_prompts", "score_range", "report_tables"]
+           "tokenize_prompts", "score_range", "report_tables", "available_memory", "check_memory"]

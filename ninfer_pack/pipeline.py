@@ -6,6 +6,7 @@ their 16-bit source form, then encoded in row chunks converted to float32 on the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 from ninfer_rt import __version__
-from ninfer_rt.errors import SourceError
-from ninfer_rt.format import ArtifactWriter, TensorEntry
+from ninfer_rt.errors import FormatError, NinferError, SourceError
+from ninfer_rt.format import ArtifactWriter, TensorEntry, check_output_path
 from ninfer_rt.formats import bf16_bits_to_f32, get_format
 from ninfer_rt.layout import apply_forward
 from ninfer_pack.plan import PlannedTensor, plan_artifact
@@ -46,8 +47,13 @@ def read_parts(ckpt: Checkpoint, parts: tuple[str, ...]) -> list[np.ndarray]:
     return arrays
 
 
-def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | None = None) -> np.ndarray:
-    """Encode one artifact-layout array into its format's bytes (np.uint8 of exactly nbytes)."""
+def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | None = None,
+                  name: str | None = None) -> np.ndarray:
+    """Encode one artifact-layout array into its format's bytes (np.uint8 of exactly nbytes).
+
+    A weight the format cannot encode (non-finite, or a group whose scale overflows fp16) raises
+    NinferError naming `name` and the row/col in the artifact layout.
+    """
     fmt = get_format(fmt_name)
     if not fmt.is_quantized:
         if fmt.name == "bf16" and arr.dtype == np.uint16:
@@ -60,13 +66,21 @@ def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | Non
     step = max(1, ROW_CHUNK_ELEMS // K)
     for r0 in range(0, R, step):  # encode and pack chunk by chunk straight into the final buffer
         w = torch.from_numpy(as_f32(rows[r0:r0 + step]))
-        q, scales = quantize_rows(w, fmt.bits, fmt.group, importance=importance)
+        try:
+            q, scales = quantize_rows(w, fmt.bits, fmt.group, importance=importance)
+        except NinferError as e:
+            # quantize_rows counts rows from the chunk it was given: report them in the whole tensor
+            msg = re.sub(r"^weight row (\d+)", lambda m: f"row {r0 + int(m[1])}", str(e))
+            raise NinferError(f"tensor {name}: {msg}" if name else msg) from None
         fmt.pack_rows(buf, R, r0, q.numpy(), scales.numpy())
     return buf
 
 
 def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
-    """Per-input-channel importance (e.g. mean squared activations): a safetensors file of name -> [K]."""
+    """Per-input-channel importance (e.g. mean squared activations): a safetensors file of name -> [K].
+
+    Checks the file alone (readable, 1-D, finite, >= 0); match_importance checks it against the plan.
+    """
     if path is None:
         return {}
     from safetensors import SafetensorError
@@ -79,26 +93,65 @@ def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
         tensors = load_file(str(p))
     except (SafetensorError, OSError, ValueError) as e:
         raise SourceError(f"{p} is not a readable safetensors file: {e}") from None
+    out = {}
     for name, t in tensors.items():
         if t.dim() != 1:
             raise SourceError(f"{p}: importance for {name} must be 1-D [K], got {list(t.shape)}")
-    return {n: t.float() for n, t in tensors.items()}
+        t = t.float()
+        if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            bad = int((~torch.isfinite(t) | (t < 0)).nonzero()[0])
+            raise SourceError(f"{p}: importance for {name} has {t[bad].item()} at channel {bad}; "
+                              "every value must be finite and >= 0")
+        out[name] = t
+    return out
 
 
-def _importance_for(planned: PlannedTensor, importance: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    # All parts of a fused tensor read the same input, so any part's importance applies to all of them.
-    for part in planned.plan.parts:
-        if part in importance:
-            imp = importance[part]
-            if imp.numel() != planned.plan.shape[-1]:
-                raise SourceError(f"importance for {part} has {imp.numel()} channels, the tensor has "
-                                  f"{planned.plan.shape[-1]} inputs")
-            return imp
-    return None
+def match_importance(importance: dict[str, torch.Tensor], planned: list[PlannedTensor],
+                     path: str | Path = "importance") -> dict[str, torch.Tensor]:
+    """Importance per artifact tensor {artifact name: [K]}; every entry must name a planned checkpoint
+    tensor and have K = the tensor's input size in the artifact layout (SourceError naming both otherwise).
+
+    All parts of a fused tensor read the same input, so the first part that has an entry supplies it.
+    """
+    owner = {part: t for t in planned for part in t.plan.parts}
+    for name in importance:
+        if name not in owner:
+            raise SourceError(f"{path}: importance entry {name} is not a tensor of the checkpoint")
+    out: dict[str, torch.Tensor] = {}
+    for name, imp in importance.items():
+        t = owner[name]
+        K = t.plan.shape[-1]
+        if imp.numel() != K:
+            raise SourceError(f"{path}: importance for {name} has {imp.numel()} channels, the tensor has {K} "
+                              "inputs")
+        out.setdefault(t.name, imp)
+    return out
+
+
+def require_tokenizer(ckpt: Checkpoint, source: str) -> None:
+    """ninfer-rt reads the tokenizer from the artifact, so a checkpoint without one cannot become a model."""
+    if "tokenizer.json" not in ckpt.resources:
+        raise SourceError(f"{source} has no tokenizer.json: ninfer-rt needs it to run the model")
+
+
+@dataclass
+class QuantizeJob:
+    """A quantization checked and planned, with nothing read but headers: what write_artifact executes."""
+
+    source: str
+    out: Path
+    ckpt: Checkpoint
+    recipe: Recipe
+    planned: list[PlannedTensor]      # in the checkpoint's read order
+    warnings: list[str]
+    importance: dict[str, torch.Tensor]  # artifact tensor name -> [K]
+    importance_path: str | None
 
 
 @dataclass
 class QuantizeResult:
+    """What write_artifact wrote: the plan, recipe warnings, source bytes read and the file size."""
+
     path: Path
     planned: list[PlannedTensor]
     warnings: list[str]
@@ -106,50 +159,75 @@ class QuantizeResult:
     file_size: int
 
 
-def quantize(source: str, recipe: str | Recipe, out: str | Path, *, revision: str | None = None,
-             importance: str | Path | None = None, progress: Callable[[int, str], None] | None = None,
-             ckpt: Checkpoint | None = None) -> QuantizeResult:
-    """Quantize `source` with `recipe` into the artifact `out` (written atomically).
+def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str | None = None,
+            importance: str | Path | None = None, ckpt: Checkpoint | None = None,
+            overwrite: bool = True) -> QuantizeJob:
+    """Every check that reads no weight, cheapest first: the output path, the recipe and importance files,
+    then (opening, for a Hub repo downloading, the checkpoint) the tokenizer, the plan, importance vs plan.
 
-    progress(n, name) is called after each tensor with the number of source bytes consumed.
+    overwrite=False refuses an existing `out` (the CLI's default); the write itself is atomic either way.
     """
-    ckpt = ckpt or Checkpoint.open(source, revision=revision)
+    out = Path(out)
+    check_output_path(out)
+    if out.exists() and not overwrite:
+        raise FormatError(f"{out} exists; pass --overwrite to replace it")
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     imp = load_importance(importance)
+    ckpt = ckpt or Checkpoint.open(source, revision=revision)
+    require_tokenizer(ckpt, source)
     shapes = {n: tuple(ckpt.shape(n)) for n in ckpt.names}
     planned, warnings = plan_artifact(ckpt.spec, shapes, rec)
     order = {n: i for i, n in enumerate(ckpt.names)}
     planned.sort(key=lambda t: min(order[p] for p in t.plan.parts))  # stream the shards in order
+    return QuantizeJob(source, out, ckpt, rec, planned, warnings, match_importance(imp, planned, importance),
+                       str(importance) if importance else None)
 
+
+def write_artifact(job: QuantizeJob, progress: Callable[[int, str], None] | None = None) -> QuantizeResult:
+    """Read, transform, encode and write every planned tensor; the file appears only when all are written.
+
+    progress(n, name) is called after each tensor with the number of source bytes consumed.
+    """
+    ckpt, planned = job.ckpt, job.planned
     entries = [TensorEntry(name=t.name, shape=list(t.plan.shape), format=t.format,
                            parts=[{"name": n, "shape": list(s)} for n, s in zip(t.plan.parts, t.plan.part_shapes)],
                            transform=t.plan.transform, params=dict(t.plan.params), group=t.group, nbytes=t.nbytes)
                for t in planned]
     meta = {
         "model": {"config": ckpt.config, "spec": ckpt.spec.to_dict(), "missing_groups": sorted(ckpt.missing_groups)},
-        "recipe": {**rec.to_dict(), "resolved": {t.name: t.format for t in planned},
-                   "importance": str(importance) if importance else None},
+        "recipe": {**job.recipe.to_dict(), "resolved": {t.name: t.format for t in planned},
+                   "importance": job.importance_path},
         "provenance": {**ckpt.provenance, "ninfer_version": __version__},
     }
-    out = Path(out)
-    with ArtifactWriter(out, meta, entries, dict(ckpt.resources)) as writer:
+    with ArtifactWriter(job.out, meta, entries, dict(ckpt.resources)) as writer:
         for t in planned:
             arrays = read_parts(ckpt, t.plan.parts)
             arr = apply_forward(t.plan, arrays)
             del arrays
-            writer.write_tensor(t.name, encode_tensor(arr, t.format, _importance_for(t, imp)))
+            writer.write_tensor(t.name, encode_tensor(arr, t.format, job.importance.get(t.name), name=t.name))
             if progress:
                 progress(sum(ckpt.source_nbytes(p) for p in t.plan.parts), t.name)
-    return QuantizeResult(out, planned, warnings, ckpt.total_source_bytes, writer.file_size)
+    return QuantizeResult(job.out, planned, job.warnings, ckpt.total_source_bytes, writer.file_size)
+
+
+def quantize(source: str, recipe: str | Recipe, out: str | Path, *, revision: str | None = None,
+             importance: str | Path | None = None, progress: Callable[[int, str], None] | None = None,
+             ckpt: Checkpoint | None = None) -> QuantizeResult:
+    """Quantize `source` with `recipe` into the artifact `out` (written atomically): prepare, then write."""
+    return write_artifact(prepare(source, recipe, out, revision=revision, importance=importance, ckpt=ckpt),
+                          progress)
 
 
 def params_total(planned: list[PlannedTensor]) -> int:
+    """Checkpoint parameters the plan covers."""
     return sum(t.params for t in planned)
 
 
 def bits_per_param(planned: list[PlannedTensor]) -> float:
+    """Weight bytes per checkpoint parameter, in bits."""
     return 8 * sum(t.nbytes for t in planned) / max(1, params_total(planned))
 
 
-__all__ = ["quantize", "encode_tensor", "read_parts", "as_f32", "to_numpy", "load_importance",
-           "QuantizeResult", "params_total", "bits_per_param"]
+__all__ = ["quantize", "prepare", "write_artifact", "QuantizeJob", "QuantizeResult", "encode_tensor", "read_parts",
+           "as_f32", "to_numpy", "load_importance", "match_importance", "require_tokenizer", "params_total",
+           "bits_per_param"]

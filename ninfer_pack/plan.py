@@ -69,17 +69,21 @@ class PlannedTensor:
 
 def plan_artifact(spec, shapes: dict[str, tuple], recipe: Recipe) -> tuple[list[PlannedTensor], list[str]]:
     """Plan every artifact tensor for checkpoint tensors `shapes` (canonical names); returns (plan, warnings)."""
-    plans = plan_tensors(spec, list(shapes))
-    formats, warnings = resolve_plans(recipe, plans, shapes)
+    plans = plan_tensors(spec, list(shapes))  # raises for a name config.json does not imply
+    formats, warnings = resolve_plans(recipe, plans, shapes)  # also checks each format can store its shape
     info = spec.tensor_shapes()
     out = []
     for p in plans:
         fmt = get_format(formats[p.name])
-        fmt.check_shape(tuple(p.shape))
         params = sum(math.prod(s) for s in p.part_shapes)
-        group = info[p.parts[0]].group if p.parts[0] in info else "text"
-        out.append(PlannedTensor(p, fmt.name, fmt.nbytes(tuple(p.shape)), params, group))
+        out.append(PlannedTensor(p, fmt.name, fmt.nbytes(tuple(p.shape)), params, info[p.parts[0]].group))
     return out, warnings
+
+
+def planned_from_artifact(art) -> list[PlannedTensor]:
+    """The plan an artifact (ninfer_rt.format.Artifact) records, from its tensor table alone."""
+    return [PlannedTensor(e.plan(), e.format, e.nbytes, sum(math.prod(p["shape"]) for p in e.parts), e.group)
+            for e in art.tensors.values()]
 
 
 def summarize(planned: list[PlannedTensor]) -> list[dict]:

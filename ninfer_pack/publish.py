@@ -8,7 +8,6 @@ artifact) so the card can be read before anything leaves the machine.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Callable
 from ninfer_rt import __version__
 from ninfer_rt.errors import NinferError
 from ninfer_rt.format import Artifact
-from ninfer_pack.plan import summarize
+from ninfer_pack.plan import planned_from_artifact, summarize
 
 
 class PublishError(NinferError):
@@ -35,31 +34,40 @@ def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> st
     return h.hexdigest()
 
 
-def _summary_rows(art: Artifact) -> list[dict]:
-    from ninfer_pack.plan import PlannedTensor
-    from ninfer_rt.layout import TensorPlan
-
-    planned = []
-    for e in art.tensors.values():
-        params = sum(math.prod(p["shape"]) for p in e.parts)
-        plan = TensorPlan(e.name, tuple(p["name"] for p in e.parts), tuple(tuple(p["shape"]) for p in e.parts),
-                          e.transform, e.params, tuple(e.shape))
-        planned.append(PlannedTensor(plan, e.format, e.nbytes, params, e.group))
-    return summarize(planned)
-
-
 DEFAULT_LICENSE = "apache-2.0"  # the Qwen3.5/3.6 releases' license
+
+
+def base_model_of(art: Artifact, base_model: str | None = None) -> str:
+    """The card's base_model: `base_model` if given, else the Hub repo the artifact was packed from."""
+    if base_model:
+        _check_repo_id(base_model, "--base-model")
+        return base_model
+    prov = art.header["provenance"]
+    # only a Hub source (recorded with its commit) names a model; a local dir or builtin: does not
+    if "revision" in prov and prov.get("source"):
+        return prov["source"]
+    raise PublishError(f"{art.path} was packed from {prov.get('source', 'an unknown source')}, not a Hub repo: "
+                       "pass --base-model OWNER/NAME")
+
+
+def _check_repo_id(repo: str, option: str) -> None:
+    """OWNER/NAME as the Hub accepts it, checked before any hashing or network."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if repo.count("/") != 1:
+        raise PublishError(f"{option} must be OWNER/NAME, got {repo!r}")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise PublishError(f"{option} {repo!r} is not a valid Hub repo id: {str(e).splitlines()[0]}") from None
 
 
 def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None = None,
                license_: str = DEFAULT_LICENSE) -> str:
     """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, how to run."""
     prov = art.header["provenance"]
-    # a Hub source names its base model; a local directory does not, so the user must (--base-model)
-    base = base_model or (None if "path" in prov else prov.get("source"))
-    if not base:
-        raise PublishError(f"{art.path} was packed from a local directory: pass --base-model OWNER/NAME")
-    rows = _summary_rows(art)
+    base = base_model_of(art, base_model)
+    rows = summarize(planned_from_artifact(art))
     params = sum(r["params"] for r in rows)
     fname = art.path.name
     lines = [
@@ -107,19 +115,34 @@ def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None 
     return "\n".join(lines)
 
 
+def check_stage_folder(path: Path, folder: Path) -> None:
+    """Refuse a --dry-run folder that is a file, or where staging would replace the artifact itself."""
+    if folder.exists() and not folder.is_dir():
+        raise PublishError(f"--dry-run {folder} is an existing file; it takes a folder to write the upload into")
+    if (folder / path.name).resolve() == path.resolve():  # resolve() follows a symlink to the artifact too
+        raise PublishError(f"--dry-run {folder} would replace {path} itself; choose another folder")
+    if (folder / "README.md").resolve() == path.resolve():
+        raise PublishError(f"--dry-run {folder}: its README.md would overwrite {path}; choose another folder")
+
+
 def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path:
     """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy)."""
+    check_stage_folder(path, folder)
     with Artifact.open(path) as art:
-        card = model_card(art, repo, file_sha256(path, on_bytes), **card_kw)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "README.md").write_text(card, encoding="utf-8")
+        base = base_model_of(art, card_kw.pop("base_model", None))  # fail before hashing the whole file
+        card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, **card_kw)
     target = folder / path.name
-    if target.exists():
-        target.unlink()
     try:
-        os.link(path, target)
-    except OSError:
-        shutil.copyfile(path, target)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "README.md").write_text(card, encoding="utf-8")
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copyfile(path, target)
+    except OSError as e:
+        raise PublishError(f"cannot stage into {folder}: {e.strerror or e}") from None
     return folder
 
 
@@ -128,8 +151,7 @@ def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: 
     """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder."""
     card_kw = {"base_model": base_model, "license_": license_}
     path = Path(path)
-    if "/" not in repo or repo.count("/") != 1:
-        raise PublishError(f"--repo must be OWNER/NAME, got {repo!r}")
+    _check_repo_id(repo, "--repo")  # before hashing a 20 GB file or asking the Hub
     if dry_run_dir is not None:
         return str(stage(path, Path(dry_run_dir), repo, on_bytes, **card_kw))
     from huggingface_hub import HfApi

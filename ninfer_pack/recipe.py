@@ -162,7 +162,7 @@ def parse_recipe(data: Mapping, source: str = "<recipe>") -> Recipe:
         _check_keys(r, _RULE_KEYS, where)
         try:
             re.compile(r["pattern"])
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:  # a huge repeat count overflows, deep nesting recurses
             raise RecipeError(f"{where}: invalid regex {r['pattern']!r}: {e}") from None
         try:
             fmt = get_format(r["format"]).name

@@ -8,14 +8,17 @@ pass quant.check_decoded (every element within half a step of its group's scale,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
 from ninfer_rt.format import Artifact
 from ninfer_rt.formats import get_format
-from ninfer_rt.layout import TensorPlan, apply_forward
+from ninfer_rt.layout import apply_forward
+from ninfer_pack import pipeline
 from ninfer_pack.pipeline import as_f32, encode_tensor, read_parts
 from ninfer_pack.quant import check_decoded
 from ninfer_pack.source import Checkpoint
@@ -44,28 +47,44 @@ class VerifyReport:
         return not self.bad_checksums and not self.problems and all(c.ok for c in self.checks)
 
 
-def _plan_of(entry) -> TensorPlan:
-    return TensorPlan(name=entry.name, parts=tuple(p["name"] for p in entry.parts),
-                      part_shapes=tuple(tuple(p["shape"]) for p in entry.parts), transform=entry.transform,
-                      params=dict(entry.params), shape=tuple(entry.shape))
+def _rel_rmse(ref_rows: np.ndarray, got_rows: np.ndarray) -> float:
+    """||got - ref|| / ||ref|| over [R, K] rows (ref as stored: bf16 bits or float), summed in float64 row
+    chunks so no full-size float64 copy is made; an all-zero ref gives the absolute RMS error instead."""
+    R, K = ref_rows.shape
+    step = max(1, pipeline.ROW_CHUNK_ELEMS // K)
+    ref2 = err2 = 0.0
+    for r0 in range(0, R, step):
+        ref = as_f32(ref_rows[r0:r0 + step]).astype(np.float64)
+        diff = got_rows[r0:r0 + step].astype(np.float64) - ref
+        ref2 += float(np.einsum("ij,ij->", ref, ref))
+        err2 += float(np.einsum("ij,ij->", diff, diff))
+    return math.sqrt(err2 / ref2) if ref2 else math.sqrt(err2 / max(1, R * K))
+
+
+def _as_torch(a: np.ndarray) -> torch.Tensor:
+    """A zero-copy torch view; bf16 bit patterns become torch.bfloat16 so a row slice widens exactly."""
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == np.uint16 else torch.from_numpy(a)
 
 
 def compare_tensor(art: Artifact, name: str, source_layout: np.ndarray) -> TensorCheck:
-    """Compare one artifact tensor against its source, both in the artifact layout."""
+    """Compare one artifact tensor against its source, both in the artifact layout.
+
+    Peak memory is the source plus one float32 decode of the tensor: every float64 quantity is taken in row
+    chunks of pipeline.ROW_CHUNK_ELEMS.
+    """
     e = art.tensors[name]
     fmt = get_format(e.format)
     raw = art.raw(name)
-    ref = as_f32(source_layout)
-    got = fmt.decode(raw, tuple(e.shape))
-    denom = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2))) or 1.0
-    rel = float(np.sqrt(np.mean((got.astype(np.float64) - ref) ** 2))) / denom
-    if not fmt.is_quantized:
-        same = bytes(raw) == encode_tensor(source_layout, e.format).tobytes()
-        return TensorCheck(name, e.format, rel, same, "" if same else "bytes differ from the re-encoded source")
-    _q, scales = fmt.unpack(raw, tuple(e.shape))
     K = e.shape[-1]
-    ok, detail = check_decoded(ref.reshape(-1, K), got.reshape(-1, K), scales.reshape(-1, scales.shape[-1]),
-                               fmt.bits, fmt.group)
+    src = source_layout.reshape(-1, K)
+    got = fmt.decode(raw, tuple(e.shape)).reshape(-1, K)
+    rel = _rel_rmse(src, got)
+    if not fmt.is_quantized:
+        same = np.array_equal(np.frombuffer(raw, dtype=np.uint8), encode_tensor(source_layout, e.format))
+        return TensorCheck(name, e.format, rel, same, "" if same else "bytes differ from the re-encoded source")
+    scales = fmt.unpack(raw, tuple(e.shape))[1]  # the codes are dropped at once: only the scales are needed
+    ok, detail = check_decoded(_as_torch(src), got, scales.reshape(-1, scales.shape[-1]), fmt.bits, fmt.group)
     return TensorCheck(name, e.format, rel, ok, detail)
 
 
@@ -86,7 +105,7 @@ def verify(path: str, source: str | None = None, *, revision: str | None = None,
         for extra in sorted(covered - set(ckpt.names)):
             report.problems.append(f"artifact tensor part {extra} is not in the source")
         for name, e in art.tensors.items():
-            plan = _plan_of(e)
+            plan = e.plan()
             if not set(plan.parts) <= set(ckpt.names):
                 continue
             arr = apply_forward(plan, read_parts(ckpt, plan.parts))

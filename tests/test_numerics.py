@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -233,3 +234,33 @@ def test_cli_numerics(builtins, packer, capsys):
 
     code, _o, e = run(["verify", art, "--numerics"], capsys)
     assert code == 1 and "--source" in error_line(e)
+
+
+def test_memory_is_checked_before_loading(builtins, packer, capsys, monkeypatch):
+    import ninfer_pack.numerics as numerics
+    from ninfer_pack.plan import CONFIGS_DIR
+    from ninfer_rt.config import ModelSpec
+    from ninfer_rt.errors import NinferError
+
+    avail = numerics.available_memory()  # this machine is Linux: /proc/meminfo is readable
+    assert avail is not None and 0 < avail < 1 << 50
+    # the 35B's text weights: 34.66 B parameters, 139 GB in fp32 (the figure)
+    monkeypatch.setattr(numerics, "available_memory", lambda: 20 * 10**9)
+    spec = ModelSpec.from_file(CONFIGS_DIR / "qwen3.6-35b-a3b.json")
+    with pytest.raises(NinferError, match=r"^--numerics runs the fp32 reference on the CPU: needs ~139 GB, "
+                                          r"20 GB available$"):
+        numerics.check_memory(spec)
+    monkeypatch.setattr(numerics, "available_memory", lambda: None)  # unreadable: no check
+    numerics.check_memory(spec)
+
+    # through the CLI: refused before the tensor-by-tensor comparison and before any weight is loaded
+    monkeypatch.setattr(numerics, "available_memory", lambda: 1000)
+    monkeypatch.setattr(numerics, "checkpoint_weights", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr("ninfer_pack.verify.compare_tensor", lambda *a, **k: pytest.fail("compared first"))
+    src = builtins["dense"]
+    art = packer(src, "qwen3.6-27b")
+    code, _o, e = run(["verify", art, "--source", src, "--numerics"], capsys)
+    assert code == 1 and re.search(r"^error: --numerics runs the fp32 reference on the CPU: needs ~\S+ GB, "
+                                   r"1e-06 GB available$", error_line(e)), e
+    with pytest.raises(NinferError, match="needs"):
+        measure(art, str(src))

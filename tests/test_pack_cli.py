@@ -12,7 +12,13 @@ import pytest
 from cli_runner import error_line, run_main
 from ninfer_pack import cli
 from ninfer_pack.tiny import materialize_builtin
+from ninfer_pack.tiny_tokenizer import tiny_tokenizer_files
 from ninfer_rt.format import Artifact
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
 
 
 def run(args, capsys):
@@ -236,6 +242,8 @@ def test_other_on_disk_forms_quantize_and_verify(form, tmp_path, capsys):
     kw = dict(prefix="causal", experts="per_expert") if form == "causal_per_expert" else \
         dict(prefix="causal", experts="fused", fp8=True)
     src, _expected = checkpoints.write_checkpoint(tmp_path / "src", model, **kw)
+    for name, data in tiny_tokenizer_files().items():  # ninfer-rt needs a tokenizer; write_checkpoint has none
+        (src / name).write_bytes(data)
     out = tmp_path / "m.ninfer"
     code, _, e = run(["quantize", src, "--recipe", "tiny", "--out", out], capsys)
     assert code == 0, e
@@ -261,3 +269,263 @@ def test_bf16_recipe_is_lossless(tiny_moe, tmp_path):
                 np.testing.assert_array_equal(arr, ref, err_msg=part)  # bit-exact: bf16 and fp32 are stored as is
                 seen.add(part)
     assert seen == set(ckpt.names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks made before any work, and errors during it.
+
+def _write_recipe(path, rules):
+    """A recipe file from (pattern, format) pairs, tried in order."""
+    text = 'name = "t"\ndescription = "test"\n'
+    text += "".join(f"[[rules]]\npattern = '{p}'\nformat = \"{f}\"\n" for p, f in rules)
+    path.write_text(text)
+    return path
+
+
+def _edited_copy(src, dst, name, edit):
+    """A copy of checkpoint `src` in which tensor `name` is replaced by edit(tensor) in its shard."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(dst / shard))
+    tensors[name] = edit(tensors[name].clone())
+    save_file(tensors, str(dst / shard), metadata={"format": "pt"})
+    return dst
+
+
+O_PROJ = "model.language_model.layers.3.self_attn.o_proj.weight"  # layer 3 is a full-attention layer
+
+
+def _o_proj_recipe(path, fmt="q8g32"):
+    return _write_recipe(path, [(O_PROJ.replace(".", r"\."), fmt), (".*", "bf16")])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("out_is_dir", "is a directory"),
+    ("out_parent_missing", "output directory does not exist"),
+    ("no_importance_file", "no such importance file"),
+])
+def test_files_checked_before_the_checkpoint_is_opened(case, message, tmp_path, capsys):
+    out = {"out_is_dir": tmp_path, "out_parent_missing": tmp_path / "no" / "m.ninfer"}.get(case, tmp_path / "m")
+    # the source does not exist: these errors must come first, before any (Hub) download
+    code, _, e = run(["quantize", tmp_path / "nowhere", "--recipe", "tiny", "--out", out,
+                      "--importance", tmp_path / "imp.safetensors"], capsys)
+    assert code == 1 and message in error_line(e), e
+
+
+def test_checkpoint_without_tokenizer_is_refused(tiny_moe, tmp_path, capsys, monkeypatch):
+    import ninfer_pack.pipeline as pipeline
+
+    src = shutil.copytree(tiny_moe, tmp_path / "ck")
+    (src / "tokenizer.json").unlink()
+    monkeypatch.setattr(pipeline, "encode_tensor", lambda *a, **k: pytest.fail("encoded before the check"))
+    code, _, e = run(["quantize", src, "--recipe", "tiny", "--out", tmp_path / "m.ninfer"], capsys)
+    assert code == 1 and error_line(e) == (f"error: {src} has no tokenizer.json: ninfer-rt needs it to run "
+                                           "the model")
+    assert not (tmp_path / "m.ninfer").exists()
+
+
+def _importance(path, tensors):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown_entry", r"importance entry model\.language_model\.layers\.3\.self_attn\.nope\.weight is not a "
+                      r"tensor of the checkpoint"),
+    ("wrong_k", rf"importance for {re.escape(O_PROJ)} has {{k1}} channels, the tensor has {{k}} inputs"),
+    ("nan", rf"importance for {re.escape(O_PROJ)} has nan at channel 5; every value must be finite and >= 0"),
+    ("negative", rf"importance for {re.escape(O_PROJ)} has -1\.0 at channel 5"),
+    ("2d", rf"importance for {re.escape(O_PROJ)} must be 1-D"),
+])
+def test_bad_importance(case, message, tiny_moe, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import ninfer_pack.pipeline as pipeline
+    from ninfer_pack.source import Checkpoint
+
+    k = Checkpoint.open(str(tiny_moe)).shape(O_PROJ)[-1]  # o_proj is [H, nH * d]: K, its input size, is last
+    message = message.format(k=k, k1=k + 1)
+    good = torch.ones(k)
+    imp = {"unknown_entry": {O_PROJ: good, O_PROJ.replace("o_proj", "nope"): good.clone()},
+           "wrong_k": {O_PROJ: torch.ones(k + 1)},
+           "nan": {O_PROJ: torch.cat([good[:5], torch.tensor([float("nan")]), good[6:]])},
+           "negative": {O_PROJ: torch.cat([good[:5], torch.tensor([-1.0]), good[6:]])},
+           "2d": {O_PROJ: torch.ones(1, k)}}[case]
+    path = _importance(tmp_path / "imp.safetensors", imp)
+    monkeypatch.setattr(pipeline, "encode_tensor", lambda *a, **k: pytest.fail("encoded before the check"))
+    code, _, e = run(["quantize", tiny_moe, "--recipe", _o_proj_recipe(tmp_path / "r.toml"), "--out",
+                      tmp_path / "m.ninfer", "--importance", path], capsys)
+    line = error_line(e)
+    assert code == 1 and re.search(message, line) and str(path) in line, line
+
+
+def test_importance_reaches_its_tensor(tiny_moe, tmp_path, capsys):
+    """o_proj's codes and scales are those quant.quantize_rows gives with its importance, and not without it."""
+    import numpy as np
+    import torch
+
+    from ninfer_pack.quant import quantize_rows
+    from ninfer_pack.source import Checkpoint
+    from ninfer_rt.formats import get_format
+
+    w = Checkpoint.open(str(tiny_moe)).read(O_PROJ).float()  # identity layout: artifact rows are its rows
+    imp = torch.linspace(0.0, 4.0, w.shape[-1]) ** 4  # strongly uneven, so the chosen scales must move
+    path = _importance(tmp_path / "imp.safetensors", {O_PROJ: imp})
+    out = tmp_path / "m.ninfer"
+    code, _, e = run(["quantize", tiny_moe, "--recipe", _o_proj_recipe(tmp_path / "r.toml"), "--out", out,
+                      "--importance", path], capsys)
+    assert code == 0, e
+    fmt = get_format("q8g32")
+    with Artifact.open(out) as art:
+        assert art.header["recipe"]["importance"] == str(path)
+        q, s = fmt.unpack(art.raw(O_PROJ), tuple(art.tensors[O_PROJ].shape))
+    q_ref, s_ref = quantize_rows(w, 8, 32, importance=imp)
+    np.testing.assert_array_equal(s, s_ref.numpy())
+    np.testing.assert_array_equal(q, q_ref.numpy())
+    assert not np.array_equal(s, quantize_rows(w, 8, 32)[1].numpy())
+
+
+EMBED = "model.language_model.embed_tokens.weight"  # [500, 64], identity layout, the first quantized tensor
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "row 321 col 17 is nan: only finite values can be quantized"),
+    (float("inf"), "row 321 col 17 is inf"),
+    (1e9, "row 321: a group's scale overflows fp16"),  # even clipped to half, 1e9 / 127 > 65504 (fp16 max)
+])
+def test_unencodable_weight_names_tensor_and_row(value, message, tiny_moe, tmp_path, capsys, monkeypatch):
+    import ninfer_pack.pipeline as pipeline
+
+    def put(t):
+        t[321, 17] = value
+        return t
+
+    src = _edited_copy(tiny_moe, tmp_path / "ck", EMBED, put)
+    # 100 rows per chunk: row 321 lies in the fourth chunk, so a chunk-relative row number would read 21
+    monkeypatch.setattr(pipeline, "ROW_CHUNK_ELEMS", 100 * 64)
+    recipe = _write_recipe(tmp_path / "r.toml", [(EMBED.replace(".", r"\."), "q8g32"), (".*", "bf16")])
+    code, _, e = run(["quantize", src, "--recipe", recipe, "--out", tmp_path / "m.ninfer"], capsys)
+    assert code == 1 and error_line(e).startswith(f"error: tensor {EMBED}: {message}"), e
+    assert not (tmp_path / "m.ninfer").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# publish: refusals before any hashing or file change.
+
+@pytest.fixture
+def own_copy(packed, tmp_path):
+    """A private copy of the packed artifact, so a test that could destroy it cannot harm the others."""
+    return shutil.copyfile(packed, tmp_path / packed.name)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("own_folder", "would replace {art} itself"),
+    ("symlink_to_it", "would replace {art} itself"),
+    ("folder_is_file", "--dry-run {art} is an existing file"),
+    ("bad_repo", "--repo 'me/tiny..ninfer' is not a valid Hub repo id"),
+    ("three_parts", "--repo must be OWNER/NAME, got 'a/b/c'"),
+    ("bad_base_model", "--base-model 'Qwen/-x' is not a valid Hub repo id"),
+])
+def test_publish_refusals(case, message, own_copy, tmp_path, capsys, monkeypatch):
+    import ninfer_pack.publish as publish
+
+    before = own_copy.read_bytes()
+    repo, folder, base = "me/tiny-ninfer", tmp_path / "stage", "Qwen/Qwen3.6-35B-A3B"
+    if case == "own_folder":
+        folder = own_copy.parent
+    elif case == "symlink_to_it":
+        folder.mkdir()
+        (folder / own_copy.name).symlink_to(own_copy)
+    elif case == "folder_is_file":
+        folder = own_copy
+    elif case == "bad_repo":
+        repo = "me/tiny..ninfer"
+    elif case == "three_parts":
+        repo = "a/b/c"
+    else:
+        base = "Qwen/-x"
+    monkeypatch.setattr(publish, "file_sha256", lambda *a, **k: pytest.fail("hashed before the check"))
+    code, _, e = run(["publish", own_copy, "--repo", repo, "--dry-run", folder, "--base-model", base], capsys)
+    assert code == 1 and message.format(art=own_copy) in error_line(e), e
+    assert own_copy.read_bytes() == before
+
+
+def test_publish_builtin_source_needs_base_model(tiny_moe, tmp_path, capsys, monkeypatch):
+    """builtin: names no Hub model, so the card's base_model must come from --base-model."""
+    import ninfer_pack.tiny as tiny
+
+    monkeypatch.setattr(tiny, "materialize_builtin", lambda name, cache_dir=None: tiny_moe)  # no ~/.cache write
+    art = tmp_path / "b.ninfer"
+    code, _, e = run(["quantize", "builtin:tiny-moe", "--recipe", "bf16", "--out", art], capsys)
+    assert code == 0, e
+    code, _, e = run(["publish", art, "--repo", "me/b", "--dry-run", tmp_path / "s"], capsys)
+    assert code == 1 and error_line(e) == (f"error: {art} was packed from builtin:tiny-moe, not a Hub repo: "
+                                           "pass --base-model OWNER/NAME")
+    assert not (tmp_path / "s").exists()
+    code, _, e = run(["publish", art, "--repo", "me/b", "--dry-run", tmp_path / "s", "--base-model", "Qwen/X"],
+                     capsys)
+    assert code == 0 and "base_model: Qwen/X\n" in (tmp_path / "s" / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inspect: the plan from shapes and the artifact's own table agree; warnings reach --json.
+
+def test_inspect_plan_matches_artifact_and_reports_warnings(packed, tiny_moe, tmp_path, capsys):
+    code, o, e = run(["inspect", packed, "--json", "--tensors"], capsys)
+    assert code == 0, e
+    from_artifact = json.loads(o)
+    assert from_artifact["warnings"] == []
+    tiny = (cli.Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml").read_text()
+    recipe = tmp_path / "extra.toml"
+    recipe.write_text(tiny + "\n[[rules]]\npattern = 'never\\.matches'\nformat = \"bf16\"\nnote = \"unused\"\n")
+    code, o, e = run(["inspect", tiny_moe, "--recipe", recipe, "--json", "--tensors"], capsys)
+    assert code == 0, e
+    planned = json.loads(o)
+    n_rules = tiny.count("[[rules]]") + 1
+    assert planned["warnings"] == [f"recipe tiny: rule {n_rules} ('never\\\\.matches') matches no tensor"]
+    for key in ("classes", "total_params", "total_bytes"):
+        assert planned[key] == from_artifact[key], key
+    assert sorted(map(json.dumps, planned["tensors"])) == sorted(map(json.dumps, from_artifact["tensors"]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verify's per-tensor comparison: chunked, and no larger than decoding the tensor.
+
+def test_compare_tensor_is_chunked_and_exact(packed, tiny_moe, monkeypatch):
+    import tracemalloc
+
+    import numpy as np
+
+    import ninfer_pack.pipeline as pipeline
+    from ninfer_pack.source import Checkpoint
+    from ninfer_pack.verify import compare_tensor
+    from ninfer_rt.formats import bf16_bits_to_f32, get_format
+    from ninfer_rt.layout import apply_forward
+
+    chunk = 4096
+    monkeypatch.setattr(pipeline, "ROW_CHUNK_ELEMS", chunk)  # 64 rows of K = 64: several chunks per tensor
+    ckpt = Checkpoint.open(str(tiny_moe))
+    with Artifact.open(packed) as art:
+        for name, e in art.tensors.items():
+            src = apply_forward(e.plan(), pipeline.read_parts(ckpt, e.plan().parts))
+            fmt = get_format(e.format)
+            tracemalloc.start()
+            got = fmt.decode(art.raw(name), tuple(e.shape))
+            decode_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            tracemalloc.start()
+            check = compare_tensor(art, name, src)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            # beyond the decode itself, only a few float64 row chunks (ref, decoded, difference) and change
+            assert peak <= decode_peak + 4 * 8 * chunk + 4096, (name, peak, decode_peak)
+            assert check.ok, (name, check.detail)
+            ref = bf16_bits_to_f32(src) if src.dtype == np.uint16 else src
+            ref, got = ref.astype(np.float64), got.astype(np.float64)
+            want = np.sqrt(np.mean((got - ref) ** 2)) / (np.sqrt(np.mean(ref ** 2)) or 1.0)
+            # float64 sums in another order: agreement to ~1e-15 relative, 1e-12 leaves room
+            assert abs(check.rel_rmse - want) <= 1e-12 * max(want, 1e-300), (name, check.rel_rmse, want)

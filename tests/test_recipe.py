@@ -89,8 +89,11 @@ def test_unknown_format_names_rule(tmp_path):
     raises(r"rule 2: unknown format 'q3g64'", load_recipe, p)
 
 
-def test_bad_regex_names_rule(tmp_path):
-    p = write(tmp_path, HEAD + rule("a", "bf16") + rule("b", "bf16") + rule("(unclosed", "bf16"))
+@pytest.mark.parametrize("pattern", ["(unclosed", "a{4294967296}", "(" * 5000 + ")" * 5000],
+                         ids=["syntax", "repeat_overflow", "deep_nesting"])
+def test_bad_regex_names_rule(tmp_path, pattern):
+    # re.compile raises re.error, OverflowError (a repeat count beyond C's range) or RecursionError (nesting)
+    p = write(tmp_path, HEAD + rule("a", "bf16") + rule("b", "bf16") + rule(pattern, "bf16"))
     raises(r"rule 3: invalid regex", load_recipe, p)
 
 
@@ -158,8 +161,8 @@ def test_35b_recipe_choices():
         if n.startswith("model.visual."):
             linear = re.search(r"(attn\.(qkv|proj)|linear_fc[12])\.weight$", n)
             return "q8g32" if linear else "bf16"
-        if n.endswith(("A_log", "dt_bias")):
-            return "fp32"
+        if n.endswith(("A_log", "dt_bias", "linear_attn.norm.weight")):
+            return "fp32"  # stored fp32 in Qwen3.5-35B-A3B: fp32 keeps them exact
         if len(shapes[n]) == 1 or re.search(r"mlp\.(gate|shared_expert_gate)\.weight$|in_proj_[ab]\.|conv1d", n):
             return "bf16"
         if n.startswith("mtp."):
@@ -176,6 +179,18 @@ def test_35b_recipe_choices():
     wrong = {n: (f, want(n)) for n, f in fmts.items() if f != want(n)}
     assert not wrong, list(wrong.items())[:5]
     assert fmts["mtp.layers.0.mlp.experts.gate_up_proj"] == "q8g32" and fmts["mtp.fc.weight"] == "q8g32"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_recipes_keep_norms_exact(model):
+    """The recipes say norms are kept exact: fp32 where a checkpoint may store fp32 (the gated DeltaNet
+    norm, fp32 in Qwen3.5-35B-A3B), bf16 (exact for a bf16 checkpoint) for every other 1-D norm."""
+    _, shapes = exact_shapes(model)
+    fmts, _ = load_recipe(model).resolve(shapes)
+    norms = [n for n in shapes if re.search(r"norm(_embedding|_hidden)?\.weight$", n)]
+    gated = [n for n in norms if "linear_attn.norm" in n]
+    assert gated and all(fmts[n] == "fp32" for n in gated)
+    assert all(fmts[n] == "bf16" for n in norms if n not in gated)
 
 
 def test_27b_recipe_sizes():
