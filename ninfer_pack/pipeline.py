@@ -6,7 +6,6 @@ their 16-bit source form, then encoded in row chunks converted to float32 on the
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -67,11 +66,9 @@ def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | Non
     for r0 in range(0, R, step):  # encode and pack chunk by chunk straight into the final buffer
         w = torch.from_numpy(as_f32(rows[r0:r0 + step]))
         try:
-            q, scales = quantize_rows(w, fmt.bits, fmt.group, importance=importance)
+            q, scales = quantize_rows(w, fmt.bits, fmt.group, importance=importance, first_row=r0)
         except NinferError as e:
-            # quantize_rows counts rows from the chunk it was given: report them in the whole tensor
-            msg = re.sub(r"^weight row (\d+)", lambda m: f"row {r0 + int(m[1])}", str(e))
-            raise NinferError(f"tensor {name}: {msg}" if name else msg) from None
+            raise NinferError(f"tensor {name}: {e}" if name else str(e)) from None
         fmt.pack_rows(buf, R, r0, q.numpy(), scales.numpy())
     return buf
 

@@ -73,7 +73,7 @@ def _search(w: torch.Tensor, imp: torch.Tensor | None, qmin: int, qmax: int) -> 
 
 
 def quantize_rows(w: torch.Tensor, bits: int, group: int, importance: torch.Tensor | None = None,
-                  search: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  search: bool = True, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales for a [R, K] float matrix: (q int8 [R, Kp], scales float16 [R, Kp/G]).
 
     K is zero-padded to Kp = round_up(K, 128) first, so groups wholly in the padding get scale 0.
@@ -81,6 +81,7 @@ def quantize_rows(w: torch.Tensor, bits: int, group: int, importance: torch.Tens
     Σ_k importance_k (w_k - s q_k)^2 over clip factors CLIP_FACTORS of max-abs and of the scale that maps
     the largest-magnitude element to -2^(b-1), then one least-squares refinement. importance: [K], >= 0,
     default ones (e.g. mean squared activation per input channel). Rows are processed in chunks.
+    first_row: the index of w's first row in the whole tensor, so errors name the row a user can find.
     """
     if bits not in (4, 5, 6, 8) or group not in (32, 64, 128):
         raise ValueError(f"no format q{bits}g{group}: bits must be 4, 5, 6 or 8 and group 32, 64 or 128")
@@ -104,12 +105,12 @@ def quantize_rows(w: torch.Tensor, bits: int, group: int, importance: torch.Tens
         wc = wc.reshape(-1, kp // group, group)
         if not bool(torch.isfinite(wc).all()):
             r, c = (~torch.isfinite(wc.reshape(-1, kp))).nonzero()[0].tolist()
-            raise NinferError(f"weight row {r0 + r} col {c} is {wc.reshape(-1, kp)[r, c].item()}: "
+            raise NinferError(f"weight row {first_row + r0 + r} col {c} is {wc.reshape(-1, kp)[r, c].item()}: "
                               f"only finite values can be quantized")
         s = _search(wc, imp, qmin, qmax) if search else _fp16(wc.abs().amax(-1, keepdim=True) / qmax)
         if not bool(torch.isfinite(s).all()):
             r = int((~torch.isfinite(s)).reshape(s.shape[0], -1).any(-1).nonzero()[0])
-            raise NinferError(f"weight row {r0 + r}: a group's scale overflows fp16 (max 65504)")
+            raise NinferError(f"weight row {first_row + r0 + r}: a group's scale overflows fp16 (max 65504)")
         q_out[r0:r0 + step] = _codes(wc, s, qmin, qmax).reshape(-1, kp).to(torch.int8)
         s_out[r0:r0 + step] = s.reshape(-1, kp // group).to(torch.float16)
     return q_out, s_out

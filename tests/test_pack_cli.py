@@ -393,9 +393,9 @@ EMBED = "model.language_model.embed_tokens.weight"  # [500, 64], identity layout
 
 
 @pytest.mark.parametrize("value, message", [
-    (float("nan"), "row 321 col 17 is nan: only finite values can be quantized"),
-    (float("inf"), "row 321 col 17 is inf"),
-    (1e9, "row 321: a group's scale overflows fp16"),  # even clipped to half, 1e9 / 127 > 65504 (fp16 max)
+    (float("nan"), "weight row 321 col 17 is nan: only finite values can be quantized"),
+    (float("inf"), "weight row 321 col 17 is inf"),
+    (1e9, "weight row 321: a group's scale overflows fp16"),  # even clipped to half, 1e9 / 127 > 65504 (fp16 max)
 ])
 def test_unencodable_weight_names_tensor_and_row(value, message, tiny_moe, tmp_path, capsys, monkeypatch):
     import ninfer_pack.pipeline as pipeline
