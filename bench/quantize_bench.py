@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from ninfer_rt.config import ModelSpec  # noqa: E402
 from ninfer_pack.plan import builtin_config_path  # noqa: E402
+from ninfer_pack.tiny_tokenizer import tiny_tokenizer_files  # noqa: E402
 
 
 def synthetic_config(layers: int) -> dict:
@@ -75,6 +76,8 @@ def write_checkpoint(dest: Path, layers: int, shard_bytes: int, seed: int = 0) -
     flush()
     (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))
+    for name, data in tiny_tokenizer_files().items():  # any valid tokenizer: the bench measures the weights
+        (dest / name).write_bytes(data)
     return total, largest
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ninfer_rt.config_fields import Fields, token_ids
 from ninfer_rt.errors import ConfigError, SourceError
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -72,82 +73,6 @@ class VisionSpec:
         return self.hidden_size * self.spatial_merge_size ** 2
 
 
-class _Fields:
-    """Typed access to one JSON object of config.json; errors name the file and the dotted field path.
-
-    A null value counts as absent (the default applies); bools are not numbers (`type(x) is int`).
-    """
-
-    def __init__(self, obj: dict, source: str, prefix: str):
-        self.obj, self.source, self.prefix = obj, source, prefix
-
-    def error(self, key: str, what: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {self.prefix}{key} {what}")
-
-    def has(self, key: str) -> bool:
-        return self.obj.get(key) is not None
-
-    def _absent(self, key: str, what: str) -> ConfigError:
-        return self.error(key, "is missing" if key not in self.obj else f"must be {what}, got None")
-
-    def get_int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.obj.get(key)
-        if value is None:
-            if default is None:
-                raise self._absent(key, "an integer")
-            return default
-        if type(value) is not int:
-            raise self.error(key, f"must be an integer, got {value!r}")
-        if value < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {value}")
-        return value
-
-    def get_float(self, key: str, default: float | None = None, above: float | None = None,
-                  minimum: float | None = None) -> float:
-        value = self.obj.get(key)
-        if value is None:
-            if default is None:
-                raise self._absent(key, "a number")
-            return default
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise self.error(key, f"must be a finite number, got {value!r}")
-        if above is not None and not value > above:
-            raise self.error(key, f"must be > {above}, got {value}")
-        if minimum is not None and not value >= minimum:
-            raise self.error(key, f"must be >= {minimum}, got {value}")
-        return float(value)
-
-    def get_bool(self, key: str, default: bool | None = None) -> bool:
-        value = self.obj.get(key)
-        if value is None and default is not None:
-            return default
-        if type(value) is not bool:
-            raise self.error(key, f"must be true or false, got {value!r}")
-        return value
-
-    def get_dict(self, key: str) -> dict | None:
-        value = self.obj.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise self.error(key, f"must be an object, got {type(value).__name__}")
-        return value
-
-    def get_int_list(self, key: str) -> tuple[int, ...]:
-        value = self.obj.get(key)
-        if not (isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)):
-            raise self.error(key, f"must be a list of non-negative integers, got {value!r}")
-        return tuple(value)
-
-
-def _token_ids(value: Any, where: str) -> tuple[int, ...]:
-    """An `eos_token_id`-style value (null, an id, or a list of ids) as a tuple."""
-    if value is None:
-        return ()
-    items = value if isinstance(value, list) else [value]
-    if not all(type(i) is int and i >= 0 for i in items):
-        raise ConfigError(f"{where} must be a token id or a list of token ids, got {value!r}")
-    return tuple(items)
-
-
 @dataclass(frozen=True)
 class Yarn:
     """YaRN rope scaling (rope_type "yarn") with transformers' defaults filled in.
@@ -168,7 +93,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _rope_scaling(r: _Fields, max_position_embeddings: int) -> tuple[str, Yarn | None]:
+def _rope_scaling(r: Fields, max_position_embeddings: int) -> tuple[str, Yarn | None]:
     """The rope type of a rope_parameters object and, for "yarn", its parameters; errors name the key."""
     # "type" is the older spelling transformers still reads
     key = "type" if r.obj.get("rope_type") is None and r.has("type") else "rope_type"
@@ -252,13 +177,13 @@ class ModelSpec:
     @property
     def rope_type(self) -> str:
         """"default" (plain RoPE) or "yarn"."""
-        return _rope_scaling(_Fields(self.rope_parameters, "model spec", "rope_parameters."),
+        return _rope_scaling(Fields(self.rope_parameters, "model spec", "rope_parameters."),
                              self.max_position_embeddings)[0]
 
     @property
     def yarn(self) -> Yarn | None:
         """The YaRN parameters when rope_type is "yarn", else None."""
-        return _rope_scaling(_Fields(self.rope_parameters, "model spec", "rope_parameters."),
+        return _rope_scaling(Fields(self.rope_parameters, "model spec", "rope_parameters."),
                              self.max_position_embeddings)[1]
 
     @property
@@ -306,7 +231,7 @@ class ModelSpec:
         """Describe the model of a parsed config.json (VLM, text-only or FP8 form); `source` names it in errors."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
-        top = _Fields(cfg, source, "")
+        top = Fields(cfg, source, "")
         model_type = cfg.get("model_type")
         if model_type is None:
             raise top.error("model_type", "is missing")
@@ -315,7 +240,7 @@ class ModelSpec:
             text_cfg = top.get_dict("text_config")
             if text_cfg is None:
                 raise top.error("text_config", "is missing")
-            text = _Fields(text_cfg, source, "text_config.")
+            text = Fields(text_cfg, source, "text_config.")
             inner = text_cfg.get("model_type")
             if inner is not None and inner != family + "_text":
                 raise text.error("model_type", f"is {inner!r}, which does not match model_type {family!r}")
@@ -340,7 +265,7 @@ class ModelSpec:
 
         # Rope settings: rope_parameters (or the older rope_scaling) first, then text-config top level.
         rope = text.get_dict("rope_parameters") or text.get_dict("rope_scaling") or {}
-        rp = _Fields(rope, source, text.prefix + ("rope_parameters." if t.get("rope_parameters") else
+        rp = Fields(rope, source, text.prefix + ("rope_parameters." if t.get("rope_parameters") else
                                                   "rope_scaling." if t.get("rope_scaling") else ""))
         rope_theta = rp.get_float("rope_theta", text.get_float("rope_theta", 10000.0))
         partial = rp.get_float("partial_rotary_factor", text.get_float("partial_rotary_factor", 0.25))
@@ -391,11 +316,11 @@ class ModelSpec:
             mrope_interleaved=rp.get_bool("mrope_interleaved", True),
             rope_parameters=rope_params,
             max_position_embeddings=text.get_int("max_position_embeddings", default=32768),
-            tie_word_embeddings=_Fields({"tie_word_embeddings": tie}, source, text.prefix).get_bool(
+            tie_word_embeddings=Fields({"tie_word_embeddings": tie}, source, text.prefix).get_bool(
                 "tie_word_embeddings", False),
             mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0),
             bos_token_id=bos,
-            eos_token_ids=_token_ids(eos_raw, f"{source}: {text.prefix}eos_token_id"),
+            eos_token_ids=token_ids(eos_raw, f"{source}: {text.prefix}eos_token_id"),
             vision=_vision(vision_cfg, source) if vision_cfg is not None else None,
             quantization=copy.deepcopy(quant),
             raw=copy.deepcopy(cfg),
@@ -433,7 +358,7 @@ class ModelSpec:
             raise fail(f"{p}rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 1:
             raise fail(f"{rope_prefix}rope_theta must be > 1, got {self.rope_theta}")
-        _rope_scaling(_Fields(self.rope_parameters, source, rope_dict_prefix), self.max_position_embeddings)
+        _rope_scaling(Fields(self.rope_parameters, source, rope_dict_prefix), self.max_position_embeddings)
         rot = self.rotary_dim
         if rot <= 0 or rot % 2 or rot > self.head_dim:
             raise fail(f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {rot} "
@@ -585,7 +510,7 @@ class ModelSpec:
         for f in fields(cls):
             if f.name != "raw" and f.name not in d:
                 raise ConfigError(f"model spec: field {f.name} is missing")
-        r = _Fields(d, "model spec", "")
+        r = Fields(d, "model spec", "")
 
         def nullable(name: str, read):
             return None if d[name] is None else read(name)
@@ -612,7 +537,7 @@ class ModelSpec:
             rope_parameters=copy.deepcopy(r.get_dict("rope_parameters")),
             tie_word_embeddings=r.get_bool("tie_word_embeddings"),
             bos_token_id=nullable("bos_token_id", lambda k: r.get_int(k, minimum=0)),
-            eos_token_ids=_token_ids(d["eos_token_ids"], "model spec: eos_token_ids"),
+            eos_token_ids=token_ids(d["eos_token_ids"], "model spec: eos_token_ids"),
             vision=nullable("vision", lambda k: _vision(r.get_dict(k), "model spec", "vision.", strict=True)),
             quantization=copy.deepcopy(r.get_dict("quantization")),
         )
@@ -623,6 +548,6 @@ class ModelSpec:
 
 def _vision(cfg: dict, source: str, prefix: str = "vision_config.", strict: bool = False) -> VisionSpec:
     """Read vision_config (or a spec's `vision`); every size is required except in_channels (3, RGB) unless strict."""
-    r = _Fields(cfg, source, prefix)
+    r = Fields(cfg, source, prefix)
     return VisionSpec(**{k: r.get_int(k, default=3 if k == "in_channels" and not strict else None)
                          for k in _VISION_FIELDS})
