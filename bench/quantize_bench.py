@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,21 @@ sys.path.insert(0, str(ROOT))
 from ninfer_rt.config import ModelSpec  # noqa: E402
 from ninfer_pack.plan import builtin_config_path  # noqa: E402
 from ninfer_pack.tiny_tokenizer import tiny_tokenizer_files  # noqa: E402
+
+
+# The child reports its own VmHWM: getrusage(RUSAGE_CHILDREN) would count the parent's pages at fork (Linux
+# keeps the pre-exec high-water mark), and this parent holds the generated tensors' memory.
+CHILD = """
+import sys
+from ninfer_pack.cli import main
+peak_file = sys.argv[1]
+sys.argv = ["ninfer-pack", *sys.argv[2:]]
+try:
+    main()
+finally:
+    kib = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    open(peak_file, "w").write(str(kib * 1024))
+"""
 
 
 def synthetic_config(layers: int) -> dict:
@@ -98,10 +112,11 @@ def main() -> None:
         gen_s = time.perf_counter() - t0
         os.sync()
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "ninfer_pack.cli", "quantize", str(ckpt), "--recipe", args.recipe,
+        peak_file = Path(tmp) / "peak"
+        subprocess.run([sys.executable, "-c", CHILD, str(peak_file), "quantize", str(ckpt), "--recipe", args.recipe,
                         "--out", str(art)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+        peak = int(peak_file.read_text())
         out_bytes = art.stat().st_size
     limit = 4e9 + largest
     res = {"bench": "quantize", "recipe": args.recipe, "layers": args.layers, "source_bytes": total,
