@@ -1,4 +1,5 @@
-"""Shared test fixtures: tests/ on sys.path (hf_tiny, checkpoints, cli_runner), one torch thread per module."""
+"""Shared test fixtures: tests/ on sys.path (hf_tiny, checkpoints, cli_runner), one torch thread per module,
+the built-in tiny MoE checkpoint and its artifact (built once per session, read-only for tests)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """The built-in tiny MoE checkpoint directory, generated into a private cache."""
+    from ninfer_pack.tiny import materialize_builtin
+
+    return materialize_builtin("builtin:tiny-moe", cache_dir=tmp_path_factory.mktemp("builtin"))
+
+
+@pytest.fixture(scope="session")
+def packed(tiny_moe, tmp_path_factory):
+    """tiny_moe quantized with the tiny recipe (every format family), through the library."""
+    from ninfer_pack.pipeline import quantize
+
+    out = tmp_path_factory.mktemp("art") / "tiny.ninfer"
+    quantize(str(tiny_moe), "tiny", out)
+    return out

@@ -11,7 +11,6 @@ import pytest
 
 from cli_runner import error_line, run_main
 from ninfer_pack import cli
-from ninfer_pack.tiny import materialize_builtin
 from ninfer_pack.tiny_tokenizer import tiny_tokenizer_files
 from ninfer_rt.format import Artifact
 
@@ -24,21 +23,6 @@ def _one_thread(one_thread):
 def run(args, capsys):
     """`ninfer-pack ARGS` in-process; returns (exit code, stdout, stderr)."""
     return run_main(cli.main, "ninfer-pack", args, capsys)
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return materialize_builtin("builtin:tiny-moe", cache_dir=tmp_path_factory.mktemp("builtin"))
-
-
-@pytest.fixture(scope="module")
-def packed(tiny_moe, tmp_path_factory):
-    """The tiny MoE quantized with the tiny recipe (every format family), via the library."""
-    from ninfer_pack.pipeline import quantize
-
-    out = tmp_path_factory.mktemp("art") / "tiny.ninfer"
-    quantize(str(tiny_moe), "tiny", out)
-    return out
 
 
 def test_quantize_inspect_verify(tiny_moe, tmp_path, capsys):

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from ninfer_pack.tiny import materialize_builtin
 from cli_runner import error_line, run_main
 from ninfer_rt import cli
 from ninfer_rt.api import CUDA_NOT_BUILT
@@ -34,27 +33,13 @@ def prompt_tokens(err: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return materialize_builtin("builtin:tiny-moe", cache_dir=tmp_path_factory.mktemp("builtin"))
-
-
-@pytest.fixture(scope="module")
-def artifact(ckpt, tmp_path_factory):
-    from ninfer_pack.pipeline import quantize
-
-    out = tmp_path_factory.mktemp("art") / "tiny.ninfer"
-    quantize(str(ckpt), "tiny", out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def files(ckpt):
+def files(tiny_moe):
     """The checkpoint's tokenizer and template files: the oracle for how many tokens a prompt is."""
-    return {p.name: p.read_bytes() for p in ckpt.iterdir() if p.suffix in (".json", ".jinja")}
+    return {p.name: p.read_bytes() for p in tiny_moe.iterdir() if p.suffix in (".json", ".jinja")}
 
 
-def test_run_plain(artifact, files, capsys):
-    code, out, err = run(["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 12, "--seed", 1], capsys)
+def test_run_plain(packed, files, capsys):
+    code, out, err = run(["run", packed, "--prompt", PROMPT, "--max-new-tokens", 12, "--seed", 1], capsys)
     assert code == 0, err
     assert out.strip()
     assert prompt_tokens(err) == len(Tokenizer.from_resources(files).encode(PROMPT))
@@ -62,8 +47,8 @@ def test_run_plain(artifact, files, capsys):
 
 
 @pytest.mark.parametrize("no_think", [False, True], ids=["think", "no-think"])
-def test_run_chat(artifact, files, capsys, no_think):
-    args = ["run", artifact, "--prompt", PROMPT, "--chat", "--max-new-tokens", 8, "--seed", 2]
+def test_run_chat(packed, files, capsys, no_think):
+    args = ["run", packed, "--prompt", PROMPT, "--chat", "--max-new-tokens", 8, "--seed", 2]
     code, out, err = run(args + (["--no-think"] if no_think else []), capsys)
     assert code == 0, err
     assert out.strip() and "tok/s" in err
@@ -74,54 +59,54 @@ def test_run_chat(artifact, files, capsys, no_think):
     assert prompt_tokens(err) == len(Tokenizer.from_resources(files).encode(text))
 
 
-def test_greedy_and_seeded_runs_repeat(artifact, capsys):
-    greedy = ["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy"]
+def test_greedy_and_seeded_runs_repeat(packed, capsys):
+    greedy = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy"]
     first, second = run(greedy, capsys), run(greedy, capsys)
     assert first[0] == second[0] == 0 and first[1] == second[1] and first[1].strip()
     # the stream on stdout is exactly what the API generates for the same request
     from ninfer_rt import load
     from ninfer_rt.sampling import SamplingParams
 
-    with load(artifact) as m:
+    with load(packed) as m:
         expected = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
     assert first[1] == expected + "\n"
-    seeded = ["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 10, "--temperature", 1.3, "--seed"]
+    seeded = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--temperature", 1.3, "--seed"]
     a, b, c = run(seeded + [5], capsys), run(seeded + [5], capsys), run(seeded + [6], capsys)
     assert a[0] == b[0] == c[0] == 0 and a[1] == b[1] != c[1]
 
 
-def test_info(artifact, capsys):
-    code, out, err = run(["info", artifact], capsys)
+def test_info(packed, capsys):
+    code, out, err = run(["info", packed], capsys)
     assert code == 0, err
     for want in ("qwen3_5_moe", "8 (6 Gated DeltaNet, 2 attention)", "64", "8 routed, top-2", "500 (497 in the "
                  "tokenizer)", "4,096", "tiny", "MiB"):
         assert want in out, (want, out)
 
 
-def test_cuda_is_one_clear_line(artifact, capsys):
-    code, out, err = run(["run", artifact, "--prompt", PROMPT, "--device", "cuda"], capsys)
+def test_cuda_is_one_clear_line(packed, capsys):
+    code, out, err = run(["run", packed, "--prompt", PROMPT, "--device", "cuda"], capsys)
     assert code == 1 and out == "" and error_line(err) == "error: " + CUDA_NOT_BUILT
 
 
 @pytest.mark.parametrize("kind", ["missing", "foreign", "truncated"])
-def test_bad_files(artifact, tmp_path, capsys, kind):
+def test_bad_files(packed, tmp_path, capsys, kind):
     path = tmp_path / "bad.ninfer"
     if kind == "foreign":
         path.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 4)
     elif kind == "truncated":
-        path.write_bytes(artifact.read_bytes()[:100_000])
+        path.write_bytes(packed.read_bytes()[:100_000])
     want = {"missing": "no such file", "foreign": "not a ninfer artifact", "truncated": "truncated"}[kind]
     for args in (["run", path, "--prompt", PROMPT], ["info", path]):
         code, out, err = run(args, capsys)
         assert code == 1 and want in error_line(err)
 
 
-def test_bad_options(artifact, capsys):
-    code, _, err = run(["run", artifact, "--prompt", PROMPT, "--top-p", 2], capsys)
+def test_bad_options(packed, capsys):
+    code, _, err = run(["run", packed, "--prompt", PROMPT, "--top-p", 2], capsys)
     assert code == 1 and "top_p" in error_line(err)
-    code, _, err = run(["run", artifact, "--prompt", PROMPT, "--no-think"], capsys)
+    code, _, err = run(["run", packed, "--prompt", PROMPT, "--no-think"], capsys)
     assert code == 1 and "--chat" in error_line(err)
-    code, _, err = run(["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 0], capsys)
+    code, _, err = run(["run", packed, "--prompt", PROMPT, "--max-new-tokens", 0], capsys)
     assert code == 1 and "max_new_tokens" in error_line(err)
 
 
@@ -145,14 +130,14 @@ def test_only_sampling_options_turn_a_greedy_config_into_sampling():
     assert not params(repetition_penalty=1.3).is_greedy
 
 
-def test_greedy_run_with_a_penalty_is_the_penalised_argmax(artifact, capsys):
-    args = ["run", artifact, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy", "--repetition-penalty", 1.5]
+def test_greedy_run_with_a_penalty_is_the_penalised_argmax(packed, capsys):
+    args = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy", "--repetition-penalty", 1.5]
     code, out, err = run(args, capsys)
     assert code == 0, err
     from ninfer_rt import load
     from ninfer_rt.sampling import SamplingParams
 
-    with load(artifact) as m:
+    with load(packed) as m:
         want = "".join(m.generate(PROMPT, max_new_tokens=10,
                                   sampling=SamplingParams(greedy=True, repetition_penalty=1.5)))
         plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
