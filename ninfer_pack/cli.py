@@ -81,7 +81,7 @@ def _plan_source(source: str, revision: str | None):
     p = Path(source)
     if p.is_dir() or source.startswith("builtin:"):
         ckpt = Checkpoint.open(source, revision=revision)
-        return ckpt.spec, {n: tuple(ckpt.shape(n)) for n in ckpt.names}
+        return ckpt.spec, ckpt.shapes()
     if p.is_file() and p.suffix == ".json":
         spec = ModelSpec.from_file(p)
     elif builtin_config_path(source) is not None:

@@ -172,7 +172,7 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
     imp = load_importance(importance)
     ckpt = ckpt or Checkpoint.open(source, revision=revision)
     require_tokenizer(ckpt, source)
-    shapes = {n: tuple(ckpt.shape(n)) for n in ckpt.names}
+    shapes = ckpt.shapes()
     planned, warnings = plan_artifact(ckpt.spec, shapes, rec)
     order = {n: i for i, n in enumerate(ckpt.names)}
     planned.sort(key=lambda t: min(order[p] for p in t.plan.parts))  # stream the shards in order
@@ -186,10 +186,7 @@ def write_artifact(job: QuantizeJob, progress: Callable[[int, str], None] | None
     progress(n, name) is called after each tensor with the number of source bytes consumed.
     """
     ckpt, planned = job.ckpt, job.planned
-    entries = [TensorEntry(name=t.name, shape=list(t.plan.shape), format=t.format,
-                           parts=[{"name": n, "shape": list(s)} for n, s in zip(t.plan.parts, t.plan.part_shapes)],
-                           transform=t.plan.transform, params=dict(t.plan.params), group=t.group, nbytes=t.nbytes)
-               for t in planned]
+    entries = [TensorEntry.from_plan(t.plan, t.format, t.group, t.nbytes) for t in planned]
     meta = {
         "model": {"config": ckpt.config, "spec": ckpt.spec.to_dict(), "missing_groups": sorted(ckpt.missing_groups)},
         "recipe": {**job.recipe.to_dict(), "resolved": {t.name: t.format for t in planned},

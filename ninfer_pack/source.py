@@ -328,6 +328,10 @@ class Checkpoint:
         """Canonical shape."""
         return tuple(self._entry(name).shape)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{canonical name: shape} for every tensor, in read order: what planning needs."""
+        return {n: self.shape(n) for n in self.names}
+
     def source_dtype(self, name: str) -> str:
         """safetensors dtype as stored ("BF16", "F32", "F8_E4M3", ...)."""
         return self._entry(name).dtype

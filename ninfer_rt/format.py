@@ -66,8 +66,15 @@ class TensorEntry:
         except TypeError as e:
             raise FormatError(f"malformed tensor entry {d.get('name', '?')!r}: {e}") from None
 
+    @classmethod
+    def from_plan(cls, plan, format: str, group: str, nbytes: int) -> "TensorEntry":
+        """The table row for a layout plan (ninfer_rt.layout.TensorPlan); offset and checksum come at write."""
+        return cls(name=plan.name, shape=list(plan.shape), format=format,
+                   parts=[{"name": n, "shape": list(s)} for n, s in zip(plan.parts, plan.part_shapes)],
+                   transform=plan.transform, params=dict(plan.params), group=group, nbytes=nbytes)
+
     def plan(self):
-        """The layout plan (ninfer_rt.layout.TensorPlan) this entry records."""
+        """The layout plan (ninfer_rt.layout.TensorPlan) this entry records (inverse of from_plan)."""
         from ninfer_rt.layout import TensorPlan
 
         return TensorPlan(name=self.name, parts=tuple(p["name"] for p in self.parts),
