@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer_rt.config import ModelSpec  # noqa: E402
 from ninfer_pack.plan import builtin_config_path, plan_artifact  # noqa: E402
-from ninfer_pack.recipe import load_recipe  # noqa: E402
+from ninfer_rt.recipe import load_recipe  # noqa: E402
 
 
 def bytes_per_token(spec: ModelSpec, recipe: str, context: int, kv_bits: int = 8) -> dict:

@@ -103,7 +103,7 @@ def inspect(
 ):
     """Formats, sizes and bits per weight per tensor class and in total."""
     from ninfer_pack.plan import plan_artifact, planned_from_artifact, summarize
-    from ninfer_pack.recipe import load_recipe
+    from ninfer_rt.recipe import load_recipe
     from ninfer_rt.format import Artifact
 
     if recipe is not None:

@@ -20,7 +20,7 @@ from ninfer_rt.formats import bf16_bits_to_f32, get_format
 from ninfer_rt.layout import apply_forward
 from ninfer_pack.plan import PlannedTensor, plan_artifact
 from ninfer_pack.quant import quantize_rows
-from ninfer_pack.recipe import Recipe, load_recipe
+from ninfer_rt.recipe import Recipe, load_recipe
 from ninfer_pack.source import Checkpoint
 
 ROW_CHUNK_ELEMS = 1 << 24  # 16 M weights per encode chunk: ~64 MB of float32 plus search temporaries

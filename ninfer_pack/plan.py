@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ninfer_rt.formats import get_format
 from ninfer_rt.layout import TensorPlan, plan_tensors
-from ninfer_pack.recipe import Recipe, resolve_plans
+from ninfer_rt.recipe import Recipe, resolve_plans
 
 # Tensor classes for the size tables: first matching pattern wins (searched in the artifact tensor name).
 TENSOR_CLASSES: list[tuple[str, str]] = [

@@ -24,9 +24,7 @@ from ninfer_rt.errors import NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.sampling import Sampler, SamplingParams
 
-DEVICES = ("cpu", "cuda")
-CUDA_NOT_BUILT = ("--device cuda needs the GPU runtime (ninfer-rt's CUDA kernels), which is not built yet; "
-                  "use --device cpu")
+DEVICES = ("cpu", "cuda", "auto")
 
 
 @dataclass
@@ -72,9 +70,10 @@ class _ReferenceBackend:
         """Empty decode state for one sequence."""
         return self.model.new_cache()
 
-    def forward(self, ids: np.ndarray, cache) -> np.ndarray:
-        """ids int64 [T] -> logits float32 [T, V]; advances cache by T positions."""
-        return self.model.forward(ids, cache).numpy()
+    def forward(self, ids: np.ndarray, cache, last_only: bool = False) -> np.ndarray:
+        """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
+        logits = self.model.forward(ids, cache).numpy()
+        return logits[-1:] if last_only else logits
 
 
 class Model:
@@ -186,7 +185,7 @@ class Model:
 
         def step(new_ids: list[int]) -> int:
             """Forward new_ids through the cache and sample the next token from the last row."""
-            logits = self._backend.forward(np.asarray(new_ids, dtype=np.int64), cache)[-1]  # logits: [V]
+            logits = self._backend.forward(np.asarray(new_ids, dtype=np.int64), cache, last_only=True)[-1]  # [V]
             logits[real:] = -np.inf  # padded vocabulary rows are never sampled
             return sampler.sample(logits, history, len(ids))
 
@@ -249,7 +248,9 @@ class Model:
     # ------------------------------------------------------------------------------------------- lifetime
 
     def close(self) -> None:
-        """Release the artifact's mapping (the decoded weights live on in the backend until it is dropped)."""
+        """Release the artifact's mapping and, on the GPU, the device memory."""
+        if hasattr(self._backend, "close"):
+            self._backend.close()
         self.artifact.close()
 
     def __enter__(self) -> Model:
@@ -273,15 +274,38 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
-def load(path: str | PathLike, device: str = "cpu") -> Model:
-    """Open and validate the artifact at `path` and build a Model on `device` ("cpu": the fp32 reference)."""
+def gpu_available() -> bool:
+    """True when cuda-python imports and the driver reports at least one GPU."""
+    try:
+        from cuda.bindings import driver
+        err, = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, n = driver.cuDeviceGetCount()
+        return err == driver.CUresult.CUDA_SUCCESS and n > 0
+    except (ImportError, RuntimeError):
+        return False
+
+
+def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_dtype: str = "int8",
+         progress=None) -> Model:
+    """Open and validate the artifact at `path` and build a Model on `device`.
+
+    "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
+    kv_dtype int8 or bf16; progress(done, total) while weights load); "auto": cuda when a GPU is present.
+    """
     if device not in DEVICES:
-        raise NinferError(f"device {device!r}: choose cpu or cuda")
-    if device == "cuda":
-        raise NinferError(CUDA_NOT_BUILT)
+        raise NinferError(f"device {device!r}: choose cpu, cuda or auto")
+    if device == "auto":
+        device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)
     try:
-        return Model(artifact, _ReferenceBackend(artifact), device)
+        if device == "cuda":
+            from ninfer_rt.gpu.backend import GpuBackend
+            backend = GpuBackend(artifact, max_ctx=max_ctx, kv_dtype=kv_dtype, progress=progress)
+        else:
+            backend = _ReferenceBackend(artifact)
+        return Model(artifact, backend, device)
     except BaseException:
         artifact.close()
         raise

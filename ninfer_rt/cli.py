@@ -56,7 +56,10 @@ def run(
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="CTRL-style penalty "
                                                                                           "over prompt + output."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (same seed, same text)."),
-    device: str = typer.Option("cpu", "--device", help="cpu (the PyTorch reference) or cuda."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
+                                                       "or cpu (the PyTorch reference)."),
+    max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache to allocate (cuda)."),
+    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype on the GPU: int8 or bf16."),
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
@@ -64,7 +67,7 @@ def run(
     if no_think and not chat:
         raise NinferError("--no-think applies to the chat template: add --chat")
     t0 = time.perf_counter()
-    model = load(path, device=device)
+    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, progress=_loading_bar())
     load_s = time.perf_counter() - t0
     params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                            presence_penalty=presence_penalty,
@@ -118,6 +121,88 @@ def info(path: Path = typer.Argument(..., help="The .ninfer artifact.")):
     for name, value in rows:
         table.add_row(name, value)
     out.print(table)
+
+
+def _loading_bar():
+    """A progress(done, total) callback drawing a rich bar on stderr while weights load."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    state = {}
+
+    def progress(done: int, total: int) -> None:
+        if "bar" not in state:
+            state["bar"] = Progress("loading", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err,
+                                    transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task("load", total=total)
+        state["bar"].update(state["task"], completed=done)
+        if done >= total:
+            state.pop("bar").stop()
+
+    return progress
+
+
+@app.command("build-kernels")
+def build_kernels_cmd(
+    arch: Optional[list[str]] = typer.Option(None, "--arch", help="Target to build (repeatable): sm_120a, "
+                                                                   "sm_90a, sm_89, sm_86, sm_80. Default: all."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when the cache holds this build."),
+    jobs: int = typer.Option(2, "--jobs", help="Sources compiled in parallel (nvcc only)."),
+    nvrtc: bool = typer.Option(False, "--nvrtc", help="Compile with NVRTC (one --arch) even if nvcc is present."),
+):
+    """Compile kernels/*.cu into the kernel cache (nvcc for every target + PTX; NVRTC without nvcc)."""
+    from ninfer_rt.gpu.build import TARGETS, build_kernels
+
+    targets = tuple(arch) if arch else TARGETS
+    t0 = time.perf_counter()
+    res = build_kernels(targets, force=force, use_nvcc=False if nvrtc else None, jobs=jobs,
+                        progress=lambda name: err.print(f"compiling {name}", highlight=False))
+    table = Table(title=f"kernels for {', '.join(res.targets)} ({res.compiler})")
+    table.add_column("source")
+    table.add_column("image")
+    table.add_column("size", justify="right")
+    for stem, p in sorted(res.images.items()):
+        table.add_row(f"kernels/{stem}.cu", str(p), human_bytes(p.stat().st_size))
+    out.print(table)
+    err.print(f"{'cached' if res.cached else 'built'} in {time.perf_counter() - t0:.1f} s", highlight=False)
+
+
+@app.command()
+def bench(
+    path: Optional[Path] = typer.Argument(None, help="A .ninfer artifact (or use --synthetic)."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a shipped shape in GPU "
+                                                                      "memory: qwen3.6-35b-a3b or qwen3.6-27b."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe for --synthetic (default: the model's)."),
+    prefill: str = typer.Option("512,8192,65536", "--prefill", help="Prompt lengths to time, comma-separated."),
+    decode_context: str = typer.Option("0,8192,65536,262144", "--decode-context",
+                                       help="Contexts to time one-token decode at, comma-separated."),
+    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype: int8 or bf16."),
+    prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
+                                                                        "time exceeds this many seconds."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result as JSON here."),
+):
+    """Prefill and decode throughput, load time and GPU memory on this machine's GPU."""
+    from ninfer_rt.gpu.bench import run_bench, table, write_json
+
+    if (path is None) == (synthetic is None):
+        raise NinferError("give an artifact path or --synthetic NAME (one of them)")
+
+    def ints(s: str, what: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in s.split(",") if v.strip())
+        except ValueError:
+            raise NinferError(f"{what}: expected comma-separated integers, got {s!r}") from None
+        if any(v < 0 for v in vals):
+            raise NinferError(f"{what}: values must be >= 0")
+        return vals
+
+    res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
+                    prefill_sizes=ints(prefill, "--prefill"), decode_contexts=ints(decode_context, "--decode-context"),
+                    kv_dtype=kv_cache, prefill_budget_s=prefill_budget, progress=_loading_bar(),
+                    log=lambda line: err.print(line, highlight=False))
+    out.print(table(res))
+    if json_path:
+        write_json(res, json_path)
 
 
 def _tokenizer_vocab(art) -> int | None:

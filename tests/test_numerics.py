@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ninfer_pack.numerics import (DIVERGENCE_THRESHOLD, PROMPTS, first_divergent, largest_jump, layer_diffs,
                                   measure, run_reference, tokenize_prompts)
 from ninfer_pack.pipeline import quantize
-from ninfer_pack.recipe import parse_recipe
+from ninfer_rt.recipe import parse_recipe
 from ninfer_pack.source import Checkpoint
 from ninfer_pack.tiny import materialize_builtin
 from ninfer_rt.errors import ConfigError, SourceError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_pack.recipe import known_recipes, load_recipe, resolve_plans
+from ninfer_rt.recipe import known_recipes, load_recipe, resolve_plans
 from ninfer_rt.config import ModelSpec
 from ninfer_rt.errors import RecipeError
 from ninfer_rt.formats import get_format

@@ -19,7 +19,7 @@ from hf_tiny import assert_close_rel
 from ninfer_pack.pipeline import quantize
 from ninfer_pack.tiny_tokenizer import TINY_SPECIAL_IDS, tiny_tokenizer_files
 from ninfer_rt import load
-from ninfer_rt.api import CUDA_NOT_BUILT, Model
+from ninfer_rt.api import Model, gpu_available
 from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.sampling import Sampler, SamplingParams
 
@@ -125,8 +125,8 @@ def _boost_rows(model: Model, monkeypatch, rows: slice, amount: float, from_step
     """Wrap the backend so that, from forward call `from_step` on, logits of `rows` get +amount."""
     real, calls = model._backend.forward, {"n": 0}
 
-    def forward(ids, cache):
-        logits = real(ids, cache)
+    def forward(ids, cache, last_only=False):
+        logits = real(ids, cache, last_only)
         if calls["n"] >= from_step:
             logits[:, rows] += amount
         calls["n"] += 1
@@ -226,10 +226,11 @@ def test_bad_inputs(moe_model, tmp_path):
         m.generate("")
     with pytest.raises(NinferError, match="max_new_tokens"):
         m.generate("a", max_new_tokens=0)
-    with pytest.raises(NinferError) as e:
-        load(tmp_path / "whatever.ninfer", device="cuda")
-    assert str(e.value) == CUDA_NOT_BUILT and "\n" not in CUDA_NOT_BUILT
-    with pytest.raises(NinferError, match="choose cpu or cuda"):
+    if not gpu_available():  # without a GPU, --device cuda is one line naming what is missing
+        with pytest.raises(NinferError) as e:
+            load(m.artifact.path, device="cuda")
+        assert "\n" not in str(e.value) and ("CUDA" in str(e.value) or "cuda" in str(e.value))
+    with pytest.raises(NinferError, match="choose cpu, cuda or auto"):
         load(tmp_path / "x.ninfer", device="tpu")
     foreign = tmp_path / "foreign.bin"
     foreign.write_bytes(b"GGUF" + bytes(200))

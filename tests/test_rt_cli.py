@@ -9,7 +9,7 @@ import pytest
 
 from cli_runner import error_line, run_main
 from ninfer_rt import cli
-from ninfer_rt.api import CUDA_NOT_BUILT
+from ninfer_rt.api import gpu_available
 from ninfer_rt.chat import ChatTemplate
 from ninfer_rt.tokenizer import Tokenizer
 
@@ -83,9 +83,11 @@ def test_info(packed, capsys):
         assert want in out, (want, out)
 
 
-def test_cuda_is_one_clear_line(packed, capsys):
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_one_clear_line(packed, capsys):
     code, out, err = run(["run", packed, "--prompt", PROMPT, "--device", "cuda"], capsys)
-    assert code == 1 and out == "" and error_line(err) == "error: " + CUDA_NOT_BUILT
+    line = error_line(err)
+    assert code == 1 and out == "" and line.startswith("error: ") and "cuda" in line.lower()
 
 
 @pytest.mark.parametrize("kind", ["missing", "foreign", "truncated"])

@@ -1,0 +1,634 @@
+// attention.cu: gated full attention of Qwen3.5/3.6, from the fused q|k|v|gate projection to the input of o_proj
+// (ninfer_rt/reference/model.py GatedAttention.__call__ between `qg, k, v` and `@ o_proj`).
+//
+// attn_prepare_d{D}: for token t of sequence b (row m = b*T + t of M = B*T), position p = pos[b] + t:
+//     q_h = rope(rms_norm_zc(q_h, q_norm)), k_h = rope(rms_norm_zc(k_h, k_norm)), v_h as is
+//     (ops.rms_norm_zc, ops.rope_cos_sin + ops.apply_rope for text positions: NeoX rotate-half on the first rot dims,
+//     angle_j = float(p) * inv_freq[j] in fp32, cos/sin accurate (double-precision range reduction + series, not the
+//     fast intrinsics) times rope_scale). q -> q_out; k, v -> cache slot[b] at position p: bf16 round-to-nearest-even,
+//     or int8 codes rint(x / s) clamped to +-127 with s = max|x| / 127 per (position, kv head); a zero vector stores
+//     s = 0 and codes 0 (it dequantises to zeros).
+// attn_decode_{bf16,int8}_d{D} + attn_combine: ops.gated_attention per sequence. Query t of sequence b attends to
+//     cache positions 0 .. pos[b]+t of slot[b]; query head h reads kv head h / (nH/nKV); softmax in fp32 with scale
+//     D^-0.5; out = o * sigmoid(gate). Split-KV: one warp per (16 query rows, key split, sequence, kv head), the rows
+//     being (token, head-in-group) pairs r = t*G + j, so K/V are read once for all G heads and 16/G tokens; partial
+//     (max, sum, unnormalised o) go to scratch and attn_combine merges them and applies the gate.
+//     Tensor cores at fp32 accuracy: K/V are exact in bf16 (bf16 cache, or int8 codes with the scale applied
+//     outside the mma), and q and p are split into three bf16 terms (hi + mid + lo carries 24 bits), so every
+//     product is exact and only the fp32 accumulation rounds.
+//
+// Layouts (row-major):
+//   qkvg     fp32 [M, ld]: [q (nH*D) | k (nKV*D) | v (nKV*D) | gate (nH*D)]
+//   q_out    fp32 [M, nH, D]; gate rows of stride ld_gate; out fp32 [M, nH*D]
+//   cache    k, v [slots, max_ctx, nKV, D] bf16 bits or int8 codes; k_scale, v_scale fp32 [slots, max_ctx, nKV]
+//   scratch  acc fp32 [n_splits, M, nH, D] (unnormalised o), ml float2 [n_splits, M, nH] (max in log2 units, sum)
+// Split sp holds keys [sp*cs, sp*cs + cs). Row t of sequence b sees keys < n = min(pos[b]+t+1, max_ctx, n_splits*cs)
+// (0 for a slot outside [0, slots) or pos < 0); the combine reads the splits sp < ceil(n / cs), exactly those that
+// decode wrote for that row, so blocks beyond the real length exit at once.
+#include "common.cuh"
+
+namespace {
+
+constexpr float kMasked = -1e30f;          // score of a masked key (finite: no inf arithmetic under fast math)
+constexpr unsigned kFull = 0xffffffffu;
+
+// ------------------------------------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, zero-filled when !valid (src must still be a mapped address)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+// (x0, x1) = hi + mid + lo, each a packed bf16 pair (x0 in the low half); the residual is ~2^-27 relative
+__device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    float r0 = x0 - __low2float(h), r1 = x1 - __high2float(h);
+    const __nv_bfloat162 m = __floats2bfloat162_rn(r0, r1);
+    r0 -= __low2float(m);
+    r1 -= __high2float(m);
+    hi = bf162_bits(h);
+    mid = bf162_bits(m);
+    lo = bf162_bits(__floats2bfloat162_rn(r0, r1));
+}
+
+// Byte i of u (= 4 int8 codes ^ 0x80808080) as an exact float: the bits 0x4B0000uu are 2^23 + code + 128.
+__device__ __forceinline__ float i8_at(uint32_t u, int i) {
+    return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | i)) - 8388736.f;
+}
+// Two floats exactly representable in bf16 (small integers) -> packed bf16x2, lo in the low half.
+__device__ __forceinline__ uint32_t pack_exact(float lo, float hi) {
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
+}
+
+template <int BYTES>
+__device__ __forceinline__ void lds(uint32_t* w, const unsigned char* p) {
+    if constexpr (BYTES == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (BYTES == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        static_assert(BYTES == 4, "runs are 4, 8 or 16 bytes");
+        w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+}
+
+// cos/sin of an fp32 angle, correctly rounded to fp32 in practice: reduction by pi/2 in double (fdlibm's 33-bit
+// pio2_1 makes k*pio2_1 exact for |k| < 2^20, i.e. angles below ~1.6e6 rad), then Taylor series on |r| <= pi/4
+// (truncation < 1e-16). Written out because --use_fast_math turns sincosf into the inaccurate __sincosf, and the
+// library's double sincos drags in a local-memory slow path for huge arguments.
+__device__ __forceinline__ void accurate_cos_sin(float angle, float& c, float& s) {
+    const double a = (double)angle;
+    const double k = rint(a * 6.36619772367581382433e-01);
+    double r = fma(-k, 1.57079632673412561417e+00, a);
+    r = fma(-k, 6.07710050650619224932e-11, r);
+    const double r2 = r * r;
+    double sp = -1.0 / 1307674368000.0;   // -1/15!
+    sp = fma(sp, r2, 1.0 / 6227020800.0);
+    sp = fma(sp, r2, -1.0 / 39916800.0);
+    sp = fma(sp, r2, 1.0 / 362880.0);
+    sp = fma(sp, r2, -1.0 / 5040.0);
+    sp = fma(sp, r2, 1.0 / 120.0);
+    sp = fma(sp, r2, -1.0 / 6.0);
+    const double sr = fma(sp * r2, r, r);
+    double cp = 1.0 / 20922789888000.0;   // 1/16!
+    cp = fma(cp, r2, -1.0 / 87178291200.0);
+    cp = fma(cp, r2, 1.0 / 479001600.0);
+    cp = fma(cp, r2, -1.0 / 3628800.0);
+    cp = fma(cp, r2, 1.0 / 40320.0);
+    cp = fma(cp, r2, -1.0 / 720.0);
+    cp = fma(cp, r2, 1.0 / 24.0);
+    cp = fma(cp, r2, -0.5);
+    const double cr = fma(cp, r2, 1.0);
+    const int quad = (int)((long long)k & 3);
+    const double sv = quad == 0 ? sr : quad == 1 ? cr : quad == 2 ? -sr : -cr;
+    const double cv = quad == 0 ? cr : quad == 1 ? -sr : quad == 2 ? -cr : sr;
+    c = (float)cv;
+    s = (float)sv;
+}
+
+// ------------------------------------------------------------------------------------------------ prepare
+
+// grid (M, ceil((nH + 2 nKV) / 4)), block 128: warp w of block y handles head unit u = 4y + w of row m
+// (u < nH: q head u; u < nH + nKV: k head u - nH; else v head u - nH - nKV).
+template <int D>
+__device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int ld, const float* __restrict__ q_norm,
+                                             const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
+                                             float rope_scale, int rot, const int* __restrict__ pos,
+                                             const int* __restrict__ slot, int T, int nH, int nKV, float eps,
+                                             void* kc, void* vc, float* ks, float* vs, int slots, int max_ctx,
+                                             int int8, float* __restrict__ q_out) {
+    constexpr int PER = D / 32;
+    __shared__ float cos_s[D / 2], sin_s[D / 2];
+    __shared__ float x_s[4][D];
+    const int m = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b = m / T, t = m - b * T;
+    const int p = pos[b] + t, sl = slot[b];
+    const int half = rot / 2;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        float c, s;
+        accurate_cos_sin(__fmul_rn((float)p, inv_freq[j]), c, s);
+        cos_s[j] = __fmul_rn(c, rope_scale);
+        sin_s[j] = __fmul_rn(s, rope_scale);
+    }
+    __syncthreads();
+    const int u = blockIdx.y * 4 + warp;
+    if (u >= nH + 2 * nKV) return;
+
+    float x[PER];
+    const float* src = qkvg + (size_t)m * ld + (size_t)u * D;  // q, k, v columns are contiguous: unit u at u*D
+#pragma unroll
+    for (int i = 0; i < PER; ++i) x[i] = src[lane + 32 * i];
+
+    const bool is_v = u >= nH + nKV;
+    if (!is_v) {
+        const float* w = u < nH ? q_norm : k_norm;
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
+        ss = warp_sum(ss);
+        // same operation order as ops.rms_norm_zc: x * (1 / sqrt(mean + eps)), then * (1 + w)
+        const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+#pragma unroll
+        for (int i = 0; i < PER; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv), __fadd_rn(1.f, w[lane + 32 * i]));
+        if (half > 0) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) x_s[warp][lane + 32 * i] = x[i];
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const int e = lane + 32 * i;
+                if (e < rot) {
+                    const int j = e < half ? e : e - half;
+                    const float other = e < half ? -x_s[warp][e + half] : x_s[warp][e - half];
+                    x[i] = __fadd_rn(__fmul_rn(x[i], cos_s[j]), __fmul_rn(other, sin_s[j]));
+                }
+            }
+        }
+        if (u < nH) {
+            float* dst = q_out + ((size_t)m * nH + u) * D;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = x[i];
+            return;
+        }
+    }
+    // a key or value head: into the cache (nothing is written for an out-of-range slot or position)
+    if (sl < 0 || sl >= slots || p < 0 || p >= max_ctx) return;
+    const int h = is_v ? u - nH - nKV : u - nH;
+    const size_t row = ((size_t)sl * max_ctx + p) * nKV + h;
+    if (!int8) {
+        uint16_t* dst = static_cast<uint16_t*>(is_v ? vc : kc) + row * D;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = f32_to_bf16(x[i]);
+    } else {
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        amax = warp_max(amax);
+        const float scale = __fdiv_rn(amax, 127.f);
+        int8_t* dst = static_cast<int8_t*>(is_v ? vc : kc) + row * D;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            int code = 0;
+            if (scale > 0.f) code = max(-127, min(127, __float2int_rn(__fdiv_rn(x[i], scale))));
+            dst[lane + 32 * i] = (int8_t)code;
+        }
+        if (lane == 0) (is_v ? vs : ks)[row] = scale;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ decode
+
+// Fragment geometry (lane = 4g + t). mma m16n8k16: A reg0 = (row g, k 2t..2t+1), reg1 = (row g+8, same k),
+// reg2 = (row g, k 2t+8..2t+9), reg3 = (row g+8, k 2t+8..); B reg0 = (k 2t..2t+1, col g), reg1 = (k 2t+8.., col g);
+// C c0,c1 = (row g, col 2t, 2t+1), c2,c3 = (row g+8, same cols).
+// QK^T: k indices are permuted so each lane reads one contiguous run: in K group c (16*KS dims), k-step s, the
+//   lane's k slots {2t, 2t+1, 2t+8, 2t+9} are dims 16*KS*c + 4*KS*t + 4s + {0,1,2,3}, for q and k alike.
+//   n-tile j of a 16-key step holds keys sigma(j, n) = 4*(n/2) + 2j + n%2, so lane t's scores are keys 4t..4t+3.
+// PV: k slot {2t, 2t+1, 2t+8, 2t+9} = keys 4t + {0,1,2,3}, which makes P's A fragment the scores' C fragments;
+//   in V group a (8E dims) n-tile u, column n is dim 8E*a + E*n + u, so lane g reads one run of E dims per key row.
+template <int D, bool I8>
+struct Geo {
+    static constexpr int ES = I8 ? 1 : 2;                                 // bytes per cached element
+    static constexpr int RB = D * ES;                                     // bytes per cached row (key, kv head)
+    static constexpr int KS = I8 ? (D / 16 < 4 ? D / 16 : 4) : 2;         // k-steps per K run
+    static constexpr int KRUN = 4 * KS * ES;                              // bytes of a lane's K run
+    static constexpr int NKG = D / (16 * KS);                             // K groups
+    static constexpr int E = I8 ? (D / 8 < 16 ? D / 8 : 16) : (D / 8 < 8 ? D / 8 : 8);  // V dims per run
+    static constexpr int VRUN = E * ES;
+    static constexpr int NVG = D / (8 * E);                               // V groups
+    static constexpr int QSTRIDE = 2 * D + (KS == 4 ? 16 : 64);           // padded bf16 q row: conflict-free runs
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim");
+};
+
+// Offset of byte `byte` of row `row` in a 16-row K/V tile. Rows of >= 128 bytes are XOR-swizzled in 16-byte chunks
+// so that both the K reads (rows r, r^1 together) and the V reads (rows 4t+i for t = 0..3) are bank-conflict free.
+template <int RB>
+__device__ __forceinline__ int tile_off(int row, int byte) {
+    if constexpr (RB >= 128) {
+        const int sw = ((row & 1) << 2) ^ (((row >> 2) & 3) << 1);
+        return row * RB + ((((byte >> 4) ^ sw) << 4) | (byte & 15));
+    } else {
+        return row * RB + byte;
+    }
+}
+
+template <int D, bool I8>
+__device__ __forceinline__ void decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+                                            const unsigned char* __restrict__ vc, const float* __restrict__ ks,
+                                            const float* __restrict__ vs, const int* __restrict__ pos,
+                                            const int* __restrict__ slot, float* __restrict__ acc,
+                                            float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
+                                            int max_ctx, int cs, int n_splits, float sc) {
+    using C = Geo<D, I8>;
+    __shared__ __align__(16) unsigned char q_s[3 * 16 * C::QSTRIDE];  // [term][row][QSTRIDE] bf16
+    __shared__ __align__(16) unsigned char k_s[16 * C::RB];
+    __shared__ __align__(16) unsigned char v_s[16 * C::RB];
+    __shared__ __align__(16) float ksc_s[16], vsc_s[16];
+
+    const int lane = threadIdx.x, g = lane >> 2, t4 = lane & 3;
+    const int qt = blockIdx.x, sp = blockIdx.y, b = blockIdx.z / nKV, kvh = blockIdx.z - b * nKV;
+    const int G = nH / nKV, R = T * G, r0 = 16 * qt;
+    const int p0 = pos[b], sl = slot[b];
+    if (sl < 0 || sl >= slots || p0 < 0) return;
+    const int cap = min(max_ctx, n_splits * cs);
+    const int t_hi = (min(R, r0 + 16) - 1) / G;
+    const int k_begin = sp * cs;
+    const int k_end = min(k_begin + cs, min(p0 + t_hi + 1, cap));
+    if (k_begin >= k_end) return;  // beyond the real length (or the last token of this tile)
+
+    int lim[2];  // keys < lim[h] are visible to row g + 8h of the tile
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = r0 + g + 8 * h;
+        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
+    }
+
+    // cache rows of (slot, position p, kv head) sit at (sl*max_ctx + p)*nKV + kvh
+    const size_t row0 = (size_t)sl * max_ctx * nKV + kvh;
+    const unsigned char* kbase = kc + row0 * C::RB;
+    const unsigned char* vbase = vc + row0 * C::RB;
+    const float* ksbase = I8 ? ks + row0 : nullptr;
+    const float* vsbase = I8 ? vs + row0 : nullptr;
+    const size_t kstride = (size_t)nKV * C::RB;
+
+    // 16 keys from kb into a tile (keys >= k_end zero-filled), scales into sc_s; the caller commits the group
+    auto issue = [&](unsigned char* tile, float* sc_s, const unsigned char* base, const float* sbase, int kb) {
+#pragma unroll 1  // a runtime loop: unrolled, its 16 invariant addresses would be hoisted into registers
+        for (int i = 0; i < C::RB / 32; ++i) {
+            const int ci = lane + 32 * i, r = ci / (C::RB / 16), ch = ci - r * (C::RB / 16);
+            const bool valid = kb + r < k_end;
+            const unsigned char* src = base + (size_t)(valid ? kb + r : k_begin) * kstride + ch * 16;
+            cp_async16(smem_addr(tile + tile_off<C::RB>(r, ch * 16)), src, valid);
+        }
+        if constexpr (I8) {
+            if (lane < 16) {
+                const bool valid = kb + lane < k_end;
+                cp_async4(smem_addr(sc_s + lane), sbase + (size_t)(valid ? kb + lane : k_begin) * nKV, valid);
+            }
+        }
+    };
+
+    // Fragment runs in the tiles, as tile_off would place them, written as base + constant so that the compiler
+    // keeps two bases per tile instead of one register per (group, n-tile). K: row 4(g/2) + 2j + g%2, chunk 4c + t
+    // (whose XOR with the row's swizzle splits into 8(c/2) + ((4(c%2) + t) ^ sw)); V: row 4t + i, chunk 8a + g.
+    const int krow = 4 * (g >> 1) + (g & 1);
+    const unsigned char* kr[2];
+    const unsigned char* vr[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        if constexpr (C::RB >= 128) {
+            kr[x] = k_s + krow * C::RB + (((4 * x + t4) ^ (((g & 1) << 2) ^ (((g >> 1) & 3) << 1))) << 4);
+            vr[x] = v_s + 4 * t4 * C::RB + ((g ^ (x << 2) ^ (t4 << 1)) << 4);
+        } else {
+            kr[x] = k_s + krow * C::RB + 4 * C::KS * t4 * C::ES;
+            vr[x] = v_s + 4 * t4 * C::RB + C::E * g * C::ES;
+        }
+    }
+    auto k_run = [&](int c, int j) {
+        return C::RB >= 128 ? kr[c & 1] + 2 * j * C::RB + 128 * (c >> 1)
+                            : kr[0] + 2 * j * C::RB + 16 * C::KS * c * C::ES;
+    };
+    auto v_run = [&](int a, int i) {
+        return C::RB >= 128 ? vr[i & 1] + i * C::RB + 128 * a : vr[0] + i * C::RB + 8 * C::E * a * C::ES;
+    };
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_run[2] = {kMasked, kMasked}, l_run[2] = {0.f, 0.f};
+
+    issue(k_s, ksc_s, kbase, ksbase, k_begin);
+    cp_async_commit();
+    issue(v_s, vsc_s, vbase, vsbase, k_begin);
+    cp_async_commit();
+
+    // q of the 16 rows (zeros past R) -> three bf16 terms in shared memory, while the first tiles load
+#pragma unroll 4
+    for (int idx = lane; idx < 16 * (D / 4); idx += 32) {
+        const int r = idx / (D / 4), c4 = idx - r * (D / 4), rr = r0 + r;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (rr < R) {
+            const int tt = rr / G, j = rr - tt * G;
+            x = *reinterpret_cast<const float4*>(q + ((size_t)(b * T + tt) * nH + kvh * G + j) * D + 4 * c4);
+        }
+        uint32_t h01, m01, l01, h23, m23, l23;
+        split3(x.x, x.y, h01, m01, l01);
+        split3(x.z, x.w, h23, m23, l23);
+        unsigned char* dst = q_s + r * C::QSTRIDE + c4 * 8;
+        *reinterpret_cast<uint2*>(dst) = make_uint2(h01, h23);
+        *reinterpret_cast<uint2*>(dst + 16 * C::QSTRIDE) = make_uint2(m01, m23);
+        *reinterpret_cast<uint2*>(dst + 32 * C::QSTRIDE) = make_uint2(l01, l23);
+    }
+
+    for (int kb = k_begin; kb < k_end; kb += 16) {
+        cp_async_wait<1>();  // this step's K (its V may still be in flight)
+        __syncwarp();        // ... and every lane's copies (and q_s) visible to the warp
+
+        // ---- S = q k^T: two partial sums per n-tile (k-step parity) to shorten the mma dependency chains
+        float sacc[2][2][4];
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) sacc[x][j][0] = sacc[x][j][1] = sacc[x][j][2] = sacc[x][j][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < C::NKG; ++c) {
+            uint32_t kf[2][2 * C::KS];  // B fragments: [n-tile][2s + reg]
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                uint32_t w[C::KRUN / 4];
+                lds<C::KRUN>(w, k_run(c, j));
+                if constexpr (I8) {
+#pragma unroll
+                    for (int s = 0; s < C::KS; ++s) {
+                        const uint32_t u = w[s] ^ 0x80808080u;
+                        kf[j][2 * s] = pack_exact(i8_at(u, 0), i8_at(u, 1));
+                        kf[j][2 * s + 1] = pack_exact(i8_at(u, 2), i8_at(u, 3));
+                    }
+                } else {
+#pragma unroll
+                    for (int s = 0; s < 2 * C::KS; ++s) kf[j][s] = w[s];
+                }
+            }
+#pragma unroll
+            for (int term = 0; term < 3; ++term) {
+                uint32_t qa[2][2 * C::KS];  // runs of rows g, g+8: word 2s -> reg0/1, word 2s+1 -> reg2/3
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned char* src =
+                        q_s + (term * 16 + g + 8 * h) * C::QSTRIDE + (16 * C::KS * c + 4 * C::KS * t4) * 2;
+                    lds<16>(qa[h], src);
+                    if constexpr (C::KS == 4) lds<16>(qa[h] + 4, src + 16);
+                }
+#pragma unroll
+                for (int s = 0; s < C::KS; ++s) {
+                    const uint32_t a[4] = {qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]};
+                    mma_bf16(sacc[s & 1][0], a, kf[0][2 * s], kf[0][2 * s + 1]);
+                    mma_bf16(sacc[s & 1][1], a, kf[1][2 * s], kf[1][2 * s + 1]);
+                }
+            }
+        }
+        // scores in log2 units; s[j][c] is row g + 8*(c/2), key kb + 4t + 2j + c%2
+        float fac[4] = {sc, sc, sc, sc};
+        if constexpr (I8) {
+            const float4 f = *reinterpret_cast<const float4*>(ksc_s + 4 * t4);
+            fac[0] = f.x * sc, fac[1] = f.y * sc, fac[2] = f.z * sc, fac[3] = f.w * sc;
+        }
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int kk = 2 * j + (c & 1);
+                const float v = (sacc[0][j][c] + sacc[1][j][c]) * fac[kk];
+                s[j][c] = kb + 4 * t4 + kk < lim[c >> 1] ? v : kMasked;
+            }
+        __syncwarp();  // every lane is done with k_s / ksc_s
+        if (kb + 16 < k_end) issue(k_s, ksc_s, kbase, ksbase, kb + 16);
+        cp_async_commit();  // possibly empty: keeps one group per tile for the wait counts
+
+        // ---- online softmax over the 16 keys; a row's 16 scores sit in the 4 lanes of its quad
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+            const float m_new = fmaxf(m_run[h], mx);
+            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+            alpha[h] = exp2f(m_run[h] - base);
+            m_run[h] = m_new;
+            float ps = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pe = exp2f(s[j][2 * h + e] - base);
+                    s[j][2 * h + e] = pe;
+                    ps += pe;
+                }
+            l_run[h] = l_run[h] * alpha[h] + ps;  // lane-partial sum, reduced over the quad at the end
+        }
+        if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][0] *= alpha[0], o[n][1] *= alpha[0];
+                o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+            }
+        }
+
+        cp_async_wait<1>();  // this step's V (the next K may still be in flight)
+        __syncwarp();
+
+        // ---- o += p v, with p (times the value scale for int8) split into three bf16 terms
+        if constexpr (I8) {
+            const float4 f = *reinterpret_cast<const float4*>(vsc_s + 4 * t4);
+            const float vf[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[j][c] *= vf[2 * j + (c & 1)];
+        }
+        uint32_t pa[3][4];
+        split3(s[0][0], s[0][1], pa[0][0], pa[1][0], pa[2][0]);  // row g, keys 4t, 4t+1
+        split3(s[0][2], s[0][3], pa[0][1], pa[1][1], pa[2][1]);  // row g+8, keys 4t, 4t+1
+        split3(s[1][0], s[1][1], pa[0][2], pa[1][2], pa[2][2]);  // row g, keys 4t+2, 4t+3
+        split3(s[1][2], s[1][3], pa[0][3], pa[1][3], pa[2][3]);  // row g+8, keys 4t+2, 4t+3
+#pragma unroll
+        for (int a = 0; a < C::NVG; ++a) {
+            uint32_t vw[4][C::VRUN / 4];  // key rows 4t + i, dims 8E*a + E*g .. + E
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lds<C::VRUN>(vw[i], v_run(a, i));
+                if constexpr (I8) {
+#pragma unroll
+                    for (int w = 0; w < C::VRUN / 4; ++w) vw[i][w] ^= 0x80808080u;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < C::E; ++u) {
+                uint32_t b0, b1;
+                if constexpr (I8) {
+                    const int w = u >> 2, by = u & 3;
+                    b0 = pack_exact(i8_at(vw[0][w], by), i8_at(vw[1][w], by));
+                    b1 = pack_exact(i8_at(vw[2][w], by), i8_at(vw[3][w], by));
+                } else {
+                    const int w = u >> 1;
+                    const uint32_t sel = (u & 1) ? 0x7632u : 0x5410u;
+                    b0 = __byte_perm(vw[0][w], vw[1][w], sel);
+                    b1 = __byte_perm(vw[2][w], vw[3][w], sel);
+                }
+#pragma unroll
+                for (int term = 0; term < 3; ++term) mma_bf16(o[a * C::E + u], pa[term], b0, b1);
+            }
+        }
+        __syncwarp();  // every lane is done with v_s / vsc_s
+        if (kb + 16 < k_end) issue(v_s, vsc_s, vbase, vsbase, kb + 16);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+    // ---- partials: rows g, g+8; lane t holds dims 8E*a + 2E*t .. + 2E of each V group (c0 then c1 columns)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = r0 + g + 8 * h;
+        if (rr >= R) continue;
+        const int tt = rr / G, j = rr - tt * G;
+        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        float* dst = acc + idx * D;
+#pragma unroll
+        for (int a = 0; a < C::NVG; ++a) {
+#pragma unroll
+            for (int v4 = 0; v4 < 2 * C::E / 4; ++v4) {
+                float e[4];
+#pragma unroll
+                for (int z = 0; z < 4; ++z) {
+                    const int col = 4 * v4 + z;  // 0..E-1: column 2t of n-tile col; E..2E-1: column 2t+1
+                    e[z] = col < C::E ? o[a * C::E + col][2 * h] : o[a * C::E + col - C::E][2 * h + 1];
+                }
+                *reinterpret_cast<float4*>(dst + 8 * C::E * a + 2 * C::E * t4 + 4 * v4) =
+                    make_float4(e[0], e[1], e[2], e[3]);
+            }
+        }
+        if (t4 == 0) ml[idx] = make_float2(m_run[h], l_run[h]);
+    }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ entry points
+
+#define NINFER_PREPARE(D)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_prepare_d##D(                                         \
+        const float* qkvg, int ld, const float* q_norm, const float* k_norm, const float* inv_freq,              \
+        float rope_scale, int rot, const int* pos, const int* slot, int T, int nH, int nKV, float eps, void* kc,  \
+        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) {                         \
+        prepare_impl<D>(qkvg, ld, q_norm, k_norm, inv_freq, rope_scale, rot, pos, slot, T, nH, nKV, eps, kc, vc, \
+                        ks, vs, slots, max_ctx, int8, q_out);                                                     \
+    }
+
+#define NINFER_DECODE(NAME, D, I8)                                                                                \
+    extern "C" __global__ void __launch_bounds__(32) NAME(                                                       \
+        const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
+        const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
+        int max_ctx, int cs, int n_splits, float sc) {                                                            \
+        decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs, n_splits,   \
+                           sc);                                                                                   \
+    }
+
+NINFER_PREPARE(32)
+NINFER_PREPARE(64)
+NINFER_PREPARE(128)
+NINFER_PREPARE(256)
+NINFER_DECODE(attn_decode_bf16_d32, 32, false)
+NINFER_DECODE(attn_decode_bf16_d64, 64, false)
+NINFER_DECODE(attn_decode_bf16_d128, 128, false)
+NINFER_DECODE(attn_decode_bf16_d256, 256, false)
+NINFER_DECODE(attn_decode_int8_d32, 32, true)
+NINFER_DECODE(attn_decode_int8_d64, 64, true)
+NINFER_DECODE(attn_decode_int8_d128, 128, true)
+NINFER_DECODE(attn_decode_int8_d256, 256, true)
+
+// grid (M, nH, Z), block 8*SJ (SJ = 4..32 split lanes): column blocks zb = z, z+Z, ... (32 columns each) of
+// out[m, h*D + i] =
+// (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over the splits that
+// row m's keys reach (see the header); no keys -> 0. Thread (j, c) sums float4 column c over splits j, j+SJ, ...
+// so that hundreds of splits are read with many loads in flight.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_combine(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
+                 int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
+                 int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) {
+    __shared__ float red[32];
+    __shared__ float4 part[256];
+    __shared__ float lpart[32];
+    const int m = blockIdx.x, h = blockIdx.y, b = m / T, t = m - b * T;
+    const int c4 = threadIdx.x & 7, j = threadIdx.x >> 3, SJ = blockDim.x >> 3;
+    const int p0 = pos[b], sl = slot[b];
+    const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
+    const int ns = (keys + cs - 1) / cs;
+    const size_t row = (size_t)m * nH + h, per_split = (size_t)M * nH;
+    float mx = kMasked;
+    for (int sp = j; sp < ns; sp += SJ) mx = fmaxf(mx, ml[sp * per_split + row].x);
+    mx = block_max(mx, red);
+    for (int zb = blockIdx.z; zb < D / 32; zb += gridDim.z) {
+        const int col = 32 * zb + 4 * c4;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        float L = 0.f;
+#pragma unroll 4
+        for (int sp = j; sp < ns; sp += SJ) {
+            const float2 e = ml[sp * per_split + row];
+            const float w = exp2f(e.x - mx);
+            const float4 a = *reinterpret_cast<const float4*>(acc + (sp * per_split + row) * D + col);
+            L += e.y * w;
+            o.x += a.x * w, o.y += a.y * w, o.z += a.z * w, o.w += a.w * w;
+        }
+        part[threadIdx.x] = o;
+        if (c4 == 0) lpart[j] = L;
+        __syncthreads();
+        if (threadIdx.x < 8) {
+            float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+            float Ls = 0.f;
+            for (int jj = 0; jj < SJ; ++jj) {
+                const float4 a = part[8 * jj + c4];
+                s.x += a.x, s.y += a.y, s.z += a.z, s.w += a.w;
+                Ls += lpart[jj];
+            }
+            const float r[4] = {s.x, s.y, s.z, s.w};
+            const float* g = gate + (size_t)m * ld_gate + (size_t)h * D + col;
+            float* dst = out + row * D + col;
+#pragma unroll
+            for (int z = 0; z < 4; ++z) dst[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
+        }
+        __syncthreads();  // part / lpart are rewritten by the next column block
+    }
+}

@@ -1,0 +1,424 @@
+// gemm.cu: the prefill GEMM on tensor cores, for every weight format (q{4,5,6,8}g{32,64,128} and bf16).
+//
+//   dense (gemm_<fmt>):  y[m, n] (=, +=) s_m · Σ_k W[n, k] x[m, k]                       reference: x @ W.T
+//                        or, mode swiglu, y[m, j] = silu(gate_j · x_m) · (up_j · x_m)    (ops.swiglu_mlp)
+//   grouped MoE (moe_sort, moe_gemm_<fmt>): the same tile over expert banks, rows gathered by routed slot
+//                            (reference ops.moe: gate_up + SwiGLU, then down weighted by the routing weight)
+//
+// Layouts: x fp32 [rows, ldx] (K valid columns, never read beyond), y fp32 [rows, ldy]; W in the artifact layout
+// (quant.cuh): integer planes qs / qh / scales with rows of Kp = round_up(K, 128), or bf16 [N, K] unpadded.
+// Interleaved gate/up (docs/format.md): rows 32t..32t+15 are gate rows 16t.., rows 32t+16..32t+31 up rows 16t...
+//
+// Method: block tile 128 (N) × 128 (M) × 32 (K), 8 warps of 32 (N) × 64 (M), mma.sync m16n8k16 with A = W
+// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (4 stages; 3 for bf16)
+// copies the raw planes and the fp32 x tile into shared memory; each warp decodes its weight fragments straight
+// from the packed bytes and converts x to bf16 when it builds its B fragments.
+//   * Integer codes are exact in bf16; the fp16 group scale is applied in fp32 to each 32-wide partial sum
+//     (acc += s · Σ_32 q·x), so the only rounding besides fp32 accumulation is x → bf16 (relative ≤ 2^-8).
+//   * Each thread owns 8 consecutive k of a row per 32-wide chunk. The reduction does not care which logical
+//     k an element takes inside the mma, so the 8 are paired into bf16x2 registers in whatever order the
+//     format unpacks cheapest (PAIR_LO/PAIR_HI below), and x is paired the same way: A and B stay consistent.
+#include "common.cuh"
+#include "quant.cuh"
+
+namespace {
+
+constexpr int BN = 128, BM = 128, BK = 32, THREADS = 256;
+constexpr int WARPS_N = 4;                   // warps along N; 2 along M; warp tile 32 (N) × 64 (M)
+constexpr int XS_STRIDE = BK * 4 + 16;       // bytes per staged x row: 16 B pad makes fragment loads conflict-free
+constexpr int RID_BYTES = BM * 12;           // per block row: x element offset (int64) and row id (int32)
+
+// Two blocks per SM where shared memory holds two (H100/H200: 228 KB), so registers are capped at 128.
+// Elsewhere (A100 164 KB, sm_86/89/120 ~100 KB) one block fits anyway: let the compiler use more registers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define GEMM_MIN_BLOCKS 2
+#else
+#define GEMM_MIN_BLOCKS 1
+#endif
+
+enum Mode { MODE_STORE = 0, MODE_ADD = 1, MODE_SWIGLU = 2, MODE_ATOMIC_ADD = 3 };
+
+// Per format (BITS 4, 5, 6, 8; 16 = raw bf16): bytes of one row's 32-wide chunk in each plane, and the stages.
+// gemm.py mirrors SMEM (smem_bytes); the kernel traps if it is given less.
+template <int BITS>
+struct Traits {
+    static constexpr bool SCALED = BITS != 16;
+    static constexpr int QS = BITS == 16 ? 64 : (BITS == 8 ? 32 : 16);  // qs (or bf16 data) bytes per row chunk
+    static constexpr int QH = BITS == 5 ? 4 : (BITS == 6 ? 8 : 0);      // qh bytes per row chunk
+    static constexpr int STAGES = BITS == 16 ? 3 : 4;                     // fits 99 KB (sm_86/89/120 limit)
+    static constexpr int XS_BYTES = BM * XS_STRIDE;
+    static constexpr int QS_BYTES = BN * QS;
+    static constexpr int QH_BYTES = BN * QH;
+    static constexpr int SC_BYTES = SCALED ? BN * 4 : 0;  // fp32 scale of each row for this chunk
+    static constexpr int STAGE_BYTES = XS_BYTES + QS_BYTES + QH_BYTES + SC_BYTES;
+    static constexpr int SMEM = RID_BYTES + STAGES * STAGE_BYTES;
+    // bf16x2 register j of a thread's 8 consecutive k holds elements (PAIR_LO(j), PAIR_HI(j)) (low, high half)
+    static __device__ __forceinline__ constexpr int PAIR_LO(int j) {
+        return BITS == 16 ? 2 * j : (BITS == 8 ? (j & 1) + 4 * (j >> 1) : j);
+    }
+    static __device__ __forceinline__ constexpr int PAIR_HI(int j) {
+        return BITS == 16 ? 2 * j + 1 : (BITS == 8 ? (j & 1) + 4 * (j >> 1) + 2 : j + 4);
+    }
+};
+
+// ------------------------------------------------------------------------------------------------ PTX helpers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared; ok = false zero-fills without reading
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+template <int BYTES>  // 4 or 8
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES),
+                 "r"(ok ? BYTES : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// d = a * b + c on bf16x2 (sm_80+); exact whenever the true result is representable
+__device__ __forceinline__ uint32_t bf2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo, round to nearest even
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// D (16×8 fp32) += A (16×16 bf16, row-major) · B (16×8 bf16, col-major)
+__device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ------------------------------------------------------------------------------------------------ decoding
+
+// bf16 constants (x2): 0x4300 = 128.0; OR-ing an integer u < 128 into its mantissa gives exactly 128 + u.
+constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u, BF2_16 = 0x41804180u;
+constexpr uint32_t BF2_NEG2304 = 0xC510C510u;  // -(16·128 + 256): see decode_row<8>
+
+// The 4 bf16x2 pairs of one row's 8 consecutive k (8t..8t+7 of the 32-wide chunk at `row` of the stage),
+// as exact codes (integer formats) or the stored bf16 values. Pairing per Traits::PAIR_LO/PAIR_HI.
+template <int BITS>
+__device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh, int row, int t, uint32_t a[4]) {
+    if constexpr (BITS == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(wq + row * 64 + 16 * t);  // (e0,e1) (e2,e3) ...
+        a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+    } else if constexpr (BITS == 8) {
+        // u = q + 128 = q ^ 0x80 split in nibbles hi, lo: q = (16·(128+hi) - 2304) + (128+lo), each step exact
+        const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
+        const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {  // byte pair (b, b+2) of word h -> elements (4h+b, 4h+b+2)
+                const uint32_t lo = ((w[h] >> (8 * b)) & 0x000F000Fu) | BF2_MAGIC;
+                const uint32_t hi = ((w[h] >> (8 * b + 4)) & 0x000F000Fu) | BF2_MAGIC;
+                a[2 * h + b] = bf2_fma(lo, BF2_ONE, bf2_fma(hi, BF2_16, BF2_NEG2304));
+            }
+        }
+    } else {
+        // element 8t+e sits in bits 4e..4e+3 of w; (w >> 4j) & 0x000F000F holds elements j and j+4
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t);
+        uint32_t hh = 0;  // high bits, spread so that (hh >> s·j) & mask lands them at bits 4.. and 20..
+        if constexpr (BITS == 5) {
+            const uint32_t h = (*reinterpret_cast<const uint32_t*>(wh + row * 4) >> (8 * t)) & 0xFFu;
+            hh = (h << 4) | (h << 16);  // bit j -> bit 4 + j, bit j+4 -> bit 20 + j
+        } else if constexpr (BITS == 6) {
+            const uint32_t h =
+                (*reinterpret_cast<const uint32_t*>(wh + row * 8 + 4 * (t >> 1)) >> (16 * (t & 1))) & 0xFFFFu;
+            hh = (h << 4) | (h << 12);  // bits 2j,2j+1 -> 4+2j.., bits 2j+8.. -> 20+2j..
+        }
+        constexpr uint32_t NEG = BITS == 4 ? 0xC308C308u : (BITS == 5 ? 0xC310C310u : 0xC320C320u);  // -(128+off)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t u = ((w >> (4 * j)) & 0x000F000Fu) | BF2_MAGIC;
+            if constexpr (BITS == 5) u |= (hh >> j) & 0x00100010u;
+            if constexpr (BITS == 6) u |= (hh >> (2 * j)) & 0x00300030u;
+            a[j] = bf2_fma(u, BF2_ONE, NEG);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ the tile
+
+// One 128 × 128 output tile. W is rows w0 .. w0+N-1 of the planes (rows of kp elements); rows of the tile are
+// rid = rows[m0 + r] (or m0 + r when rows is null) for m0 + r < count; x row = rid / xdiv, y row = rid / ydiv,
+// row scale row_scale[rid]. Mode store/add/atomic-add write y[.., n] for n < N; swiglu writes y[.., j < N/2].
+template <int BITS, int GROUP>
+__device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
+                                          const __half* __restrict__ sc, int kp, long long w0, int N, int K,
+                                          int n0,
+                                          const float* __restrict__ x, int ldx, float* __restrict__ y, int ldy,
+                                          const float* __restrict__ row_scale, const int* __restrict__ rows,
+                                          int count, int m0, int xdiv, int ydiv, int mode) {
+    using T = Traits<BITS>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    {
+        uint32_t have;
+        asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
+        if (have < (uint32_t)T::SMEM) __trap();  // the launcher and Traits disagree: fail loudly
+    }
+    long long* xoff = reinterpret_cast<long long*>(smem);  // x row offset in elements, -1: no row
+    int* rid = reinterpret_cast<int*>(smem + BM * 8);      // row id, -1: no row
+    uint8_t* stages = smem + RID_BYTES;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int KT = K / BK;
+
+    if (tid < BM) {
+        const int m = m0 + tid, id = m < count ? (rows ? rows[m] : m) : -1;
+        rid[tid] = id;
+        xoff[tid] = id >= 0 ? (long long)(id / xdiv) * ldx : -1;
+    }
+    __syncthreads();
+
+    // ---- what this thread copies each k-tile
+    // x: 4 chunks of 16 B: row (tid >> 3) + 32 i, bytes 16 (tid & 7) of the row's 128 (row offsets read from
+    // shared memory each time: fewer live registers)
+    // qs (or bf16 data): BN rows × QS bytes = QS/16 chunks per row
+    constexpr int CPR = T::QS / 16, QS_CHUNKS = BN * CPR, QS_PER_THREAD = (QS_CHUNKS + THREADS - 1) / THREADS;
+    const size_t qs_row_bytes = (size_t)kp * (BITS == 16 ? 16 : (BITS == 8 ? 8 : 4)) / 8;
+    // qh (5, 6 bits): threads 128.. copy one row's QH bytes each; scales: threads < 128 load one row's fp16.
+    // Source addresses are recomputed from the kernel parameters each time, to keep registers for the tile.
+    const int hrow = tid - (THREADS - BN);
+    auto scale_of = [&](int kt) -> float {
+        if (!T::SCALED || tid >= BN || n0 + tid >= N) return 0.f;
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(sc) + (size_t)(w0 + n0 + tid) * (kp / GROUP);
+        return __half2float(__ushort_as_half(__ldg(p + (kt * BK) / GROUP)));
+    };
+
+    auto load_tile = [&](int kt, int stage) {
+        uint8_t* st = stages + stage * T::STAGE_BYTES;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = (tid >> 3) + 32 * i;
+            const long long off = xoff[r];
+            cp_async16(smem_addr(st + r * XS_STRIDE + 16 * (tid & 7)),
+                       x + (off >= 0 ? off + kt * BK + 4 * (tid & 7) : 0), off >= 0);
+        }
+#pragma unroll
+        for (int i = 0; i < QS_PER_THREAD; ++i) {
+            const int c = tid + THREADS * i, r = c / CPR;
+            const bool ok = n0 + r < N;
+            if (c < QS_CHUNKS)
+                cp_async16(smem_addr(st + T::XS_BYTES + r * T::QS + 16 * (c % CPR)),
+                           qs + (ok ? (size_t)(w0 + n0 + r) * qs_row_bytes + (size_t)kt * T::QS + 16 * (c % CPR) : 0),
+                           ok);
+        }
+        if constexpr (T::QH > 0) {
+            const bool ok = n0 + hrow < N;
+            if (hrow >= 0)
+                cp_async_small<T::QH>(
+                    smem_addr(st + T::XS_BYTES + T::QS_BYTES + hrow * T::QH),
+                    qh + (ok ? (size_t)(w0 + n0 + hrow) * ((size_t)kp * (BITS - 4) / 8) + (size_t)kt * T::QH : 0), ok);
+        }
+    };
+    auto store_scale = [&](int stage, float s) {
+        if (T::SCALED && tid < BN)
+            reinterpret_cast<float*>(stages + stage * T::STAGE_BYTES + T::XS_BYTES + T::QS_BYTES +
+                                     T::QH_BYTES)[tid] = s;
+    };
+
+    // ---- pipeline: tiles 0..STAGES-2 in flight before the loop; the scale of the tile copied in iteration kt
+    // is loaded into a register one iteration earlier and stored to shared memory with its planes.
+    constexpr int S = T::STAGES;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < KT) {
+            load_tile(s, s);
+            if constexpr (T::SCALED) store_scale(s, scale_of(s));
+        }
+        cp_async_commit();
+    }
+    float sc_next = 0.f;
+    if constexpr (T::SCALED) sc_next = S - 1 < KT ? scale_of(S - 1) : 0.f;
+
+    const int g = lane >> 2, t = lane & 3;
+    const int wrow = (warp % WARPS_N) * 32, wcol = (warp / WARPS_N) * 64;
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<S - 2>();  // this thread's copies of tile kt have landed
+        __syncthreads();         // everyone's have; and everyone is done with tile kt-1's stage
+        const int nt = kt + S - 1;
+        if (nt < KT) {
+            if constexpr (T::SCALED) store_scale(nt % S, sc_next);
+            load_tile(nt, nt % S);
+        }
+        cp_async_commit();
+        if constexpr (T::SCALED) {
+            if (nt + 1 < KT) sc_next = scale_of(nt + 1);
+        }
+
+        const uint8_t* st = stages + (kt % S) * T::STAGE_BYTES;
+        const uint8_t* wq = st + T::XS_BYTES;
+        const uint8_t* wh = wq + T::QS_BYTES;
+        const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
+        uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
+        float s[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wrow + 16 * i + 8 * h + g;
+                decode_row<BITS>(wq, wh, row, t, a[i][h]);
+                if constexpr (T::SCALED) s[i][h] = scs[row];
+            }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* xr = st + (wcol + 8 * j + g) * XS_STRIDE + 32 * t;  // x[m][8t .. 8t+7]
+            const float4 v0 = *reinterpret_cast<const float4*>(xr);
+            const float4 v1 = *reinterpret_cast<const float4*>(xr + 16);
+            const float f[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+            uint32_t b[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) b[p] = pack_bf16x2(f[T::PAIR_LO(p)], f[T::PAIR_HI(p)]);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
+                // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
+                if constexpr (T::SCALED) {
+                    float p[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma_bf16(p, a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                    mma_bf16(p, a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                    acc[i][j][0] = fmaf(s[i][0], p[0], acc[i][j][0]);
+                    acc[i][j][1] = fmaf(s[i][0], p[1], acc[i][j][1]);
+                    acc[i][j][2] = fmaf(s[i][1], p[2], acc[i][j][2]);
+                    acc[i][j][3] = fmaf(s[i][1], p[3], acc[i][j][3]);
+                } else {
+                    mma_bf16(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                    mma_bf16(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue: acc[i][j][c] is (n = n0 + wrow + 16i + g + 8(c>>1), local m = wcol + 8j + 2t + (c&1))
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int cm = 0; cm < 2; ++cm) {
+            const int id = rid[wcol + 8 * j + 2 * t + cm];
+            if (id < 0) continue;
+            float* yr = y + (size_t)(id / ydiv) * ldy;
+            if (mode == MODE_SWIGLU) {
+                const int nb = n0 + wrow;  // 32-row block: gate tile i = 0, up tile i = 1
+                if (nb >= N) continue;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float gate = acc[0][j][2 * h + cm], up = acc[1][j][2 * h + cm];
+                    yr[nb / 2 + g + 8 * h] = siluf_(gate) * up;
+                }
+                continue;
+            }
+            const float rs = row_scale ? row_scale[id] : 1.f;
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int n = n0 + wrow + 16 * i + 8 * h + g;
+                    if (n >= N) continue;
+                    const float v = rs * acc[i][j][2 * h + cm];
+                    if (mode == MODE_STORE) yr[n] = v;
+                    else if (mode == MODE_ADD) yr[n] += v;
+                    else atomicAdd(yr + n, v);
+                }
+        }
+}
+
+// Expert e of a grouped launch owns the block rows tile_start[e] .. tile_start[e+1]-1 (upper-bound search).
+__device__ __forceinline__ int expert_of_tile(const int* __restrict__ tile_start, int E, int ty) {
+    int lo = 0, hi = E;  // tile_start[lo] <= ty < tile_start[hi]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(tile_start + mid) <= ty) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ entry points
+
+// Dense: grid (ceil(N / 128), ceil(M / 128)), block 256, dynamic smem Traits<BITS>::SMEM.
+// mode 0 store, 1 add, 2 swiglu (N % 32 == 0, writes N/2 columns); row_scale may be null.
+#define NINFER_GEMM_DENSE(name, BITS, GROUP)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
+        gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K, const float* x, \
+                    int ldx, float* y, int ldy, const float* row_scale, int M, int mode) {                      \
+        gemm_tile<BITS, GROUP>(qs, qh, sc, kp, 0, N, K, blockIdx.x * BN, x, ldx, y, ldy, row_scale, nullptr, M,  \
+                               blockIdx.y * BM, 1, 1, mode);                                                    \
+    }
+
+// Grouped over an expert bank of E matrices of N rows (bank rows e·N ..): grid (ceil(N / 128),
+// ceil(slots / 128) + E); block row ty belongs to expert e with tile_start[e] <= ty < tile_start[e+1] (blocks past
+// tile_start[E] exit). The expert's rows are the slots order[offsets[e] .. offsets[e+1]); a slot reads x row
+// slot / xdiv, writes y row slot / ydiv, and is scaled by row_scale[slot].
+#define NINFER_GEMM_MOE(name, BITS, GROUP)                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
+        moe_gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,          \
+                        const float* x, int ldx, float* y, int ldy, const float* row_scale, const int* order,   \
+                        const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) {       \
+        const int ty = blockIdx.y;                                                                              \
+        if (ty >= __ldg(tile_start + E)) return;                                                                \
+        const int e = expert_of_tile(tile_start, E, ty), first = __ldg(offsets + e);                           \
+        gemm_tile<BITS, GROUP>(qs, qh, sc, kp, (long long)e * N, N, K, blockIdx.x * BN, x, ldx, y, ldy,        \
+                               row_scale, order + first, __ldg(offsets + e + 1) - first,                       \
+                               (ty - __ldg(tile_start + e)) * BM, xdiv, ydiv, mode);                            \
+    }
+
+NINFER_QFORMATS(NINFER_GEMM_DENSE)
+NINFER_GEMM_DENSE(bf16, 16, 32)
+NINFER_QFORMATS(NINFER_GEMM_MOE)
+NINFER_GEMM_MOE(bf16, 16, 32)
+
+// Slots s = m·top_k + j (ids int32 [M, top_k] flattened, `slots` = M·top_k) grouped by expert: counts, then
+// offsets [E+1] (exclusive prefix), tile_start [E+1] (prefix of ceil(count / 128)), order [slots] (each expert's
+// slots contiguous; their order inside an expert is arbitrary, which no result depends on). Ids outside
+// [0, E) are dropped. One block of 1024 threads; dynamic smem 2·E ints.
+extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int slots, int E,
+                                                            int* __restrict__ order, int* __restrict__ offsets,
+                                                            int* __restrict__ tile_start) {
+    extern __shared__ int cnt[];  // [E] counts, then [E] cursors
+    int* cur = cnt + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int e = ids[s];
+        if (e >= 0 && e < E) atomicAdd(cnt + e, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // E is a few hundred: a serial scan is cheaper than a sync-heavy parallel one
+        int off = 0, tiles = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = off, tile_start[e] = tiles, cur[e] = off;
+            off += cnt[e], tiles += (cnt[e] + BM - 1) / BM;
+        }
+        offsets[E] = off, tile_start[E] = tiles;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int e = ids[s];
+        if (e >= 0 && e < E) order[atomicAdd(cur + e, 1)] = s;
+    }
+}

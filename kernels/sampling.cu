@@ -1,0 +1,452 @@
+// sampling.cu: arg-max and on-device sampling over rows of fp32 logits.
+//
+// Layouts: logits [M, ld] fp32, the first V entries of each row are the vocabulary; outputs int32 [M] token ids,
+// or fp32 [M, V] final probabilities (sample_rows with `probs`). NaN logits rank as -inf everywhere.
+//
+// argmax_rows / argmax_finish: torch.argmax over logits[m, :V] (ties -> the lowest index). A row is split over
+//   gridDim.x blocks of `chunk` entries each (16-byte loads when aligned); each block leaves its best
+//   (value, index) in part_v/part_i and argmax_finish reduces them. With one block per row it writes out directly.
+//
+// sample_hist / sample_rows: the distribution of ninfer_rt/sampling.py's Sampler.distribution (HF order:
+//   temperature -> top-k -> top-p -> min-p), then one draw. Candidates are capped at SAMPLE_CAND = 1024: with
+//   top_k = 0 or top_k > 1024 the sampler behaves as top_k = 1024 (vLLM / llama.cpp practice). The K-th largest
+//   key t is found by a radix select (11 + 11 + 10 bits; sample_hist builds the first-digit histogram over many
+//   blocks, sample_rows refines it); candidates are every key > t and the keys == t in index order, at most 1024
+//   in all (HF keeps all ties with the k-th value; only ties that overflow the cap are dropped). They are sorted
+//   by (logit desc, index asc); probabilities, top-p and min-p are computed in fp64 as the reference does.
+//   The draw: u in [0, 1) from Philox4x32-10 with key = seed and counter = (step, 0), so a request draws the same
+//   numbers whatever row it occupies; the token is the inverse CDF of u over the kept tokens in sorted order.
+//   temperature <= 0 (or NaN) is greedy: the arg-max, lowest index on ties, with probability 1.
+#include <limits.h>
+#include "common.cuh"
+
+#define SAMPLE_THREADS 1024  // sample_rows: one block per row, one candidate per thread
+#define SAMPLE_CAND 1024     // candidate cap
+#define HIST_BINS 2048       // first radix digit: key bits 31..21
+
+struct SampleParams {  // numpy twin: ninfer_rt.gpu.misc.SAMPLE_PARAMS
+    float temperature;
+    int top_k;
+    float top_p;
+    float min_p;
+    unsigned long long seed;
+    unsigned long long step;
+};
+static_assert(sizeof(SampleParams) == 32, "SampleParams must match misc.SAMPLE_PARAMS");
+
+// ------------------------------------------------------------------------------------------ arg-max
+
+__device__ __forceinline__ bool is_nan_bits(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
+
+// Keep (v, i) if it beats the best so far: larger value, or equal value at a lower index. v is never NaN.
+__device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i)
+{
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        arg_take(bv, bi, ov, oi);
+    }
+}
+
+// Block-wide best; the result is valid in warp 0. sv/si: shared scratch of 32 entries each.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi, float* sv, int* si)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    warp_argmax(bv, bi);
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : INT_MAX;
+        warp_argmax(bv, bi);
+    }
+}
+
+// grid (nsplit, M): block b scans logits[m, b*chunk : min(V, (b+1)*chunk)); chunk is a multiple of 4 when
+// nsplit > 1. nsplit == 1: out[m] is written here and part_v/part_i are unused.
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* logits, long long ld, int V, int chunk,
+                                                               float* part_v, int* part_i, int* out)
+{
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int m = blockIdx.y;
+    const float* row = logits + static_cast<long long>(m) * ld;
+    const int c0 = blockIdx.x * chunk, c1 = min(V, c0 + chunk);
+    const bool vec = (reinterpret_cast<uintptr_t>(logits) & 15) == 0 && (ld & 3) == 0;
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    if (vec) {
+        // c0 is a multiple of 4: float4 groups [c0/4, c1/4), then a scalar tail of c1 % 4 entries
+        const int g0 = c0 >> 2, g1 = c1 >> 2;
+        const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 4
+        for (int g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
+            const float4 t = r4[g];
+            const int i = g << 2;
+            arg_take(bv, bi, is_nan_bits(t.x) ? -INFINITY : t.x, i);
+            arg_take(bv, bi, is_nan_bits(t.y) ? -INFINITY : t.y, i + 1);
+            arg_take(bv, bi, is_nan_bits(t.z) ? -INFINITY : t.z, i + 2);
+            arg_take(bv, bi, is_nan_bits(t.w) ? -INFINITY : t.w, i + 3);
+        }
+        for (int i = (g1 << 2) + threadIdx.x; i < c1; i += blockDim.x) {
+            const float v = row[i];
+            arg_take(bv, bi, is_nan_bits(v) ? -INFINITY : v, i);
+        }
+    } else {
+        for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+            const float v = row[i];
+            arg_take(bv, bi, is_nan_bits(v) ? -INFINITY : v, i);
+        }
+    }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        if (gridDim.x == 1) {
+            out[m] = bi;
+        } else {
+            part_v[static_cast<long long>(m) * gridDim.x + blockIdx.x] = bv;
+            part_i[static_cast<long long>(m) * gridDim.x + blockIdx.x] = bi;
+        }
+    }
+}
+
+// grid M, block 32: out[m] = the best of argmax_rows' nsplit partial results of row m.
+extern "C" __global__ void argmax_finish(const float* part_v, const int* part_i, int nsplit, int* out)
+{
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const long long base = static_cast<long long>(blockIdx.x) * nsplit;
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int j = threadIdx.x; j < nsplit; j += blockDim.x) arg_take(bv, bi, part_v[base + j], part_i[base + j]);
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+
+// ------------------------------------------------------------------------------------------ sampling helpers
+
+// Order-preserving uint32 of a logit: a > b as floats <=> key(a) > key(b). NaN maps to -inf; -0 to +0.
+__device__ __forceinline__ uint32_t order_key(float x)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u;
+    if (u == 0x80000000u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t k)
+{
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The 4 logits of float4 group g (entries 4g .. 4g+3); entries at or past V, and groups at or past gend, read 0.
+__device__ __forceinline__ void load_group(const float* row, int V, bool vec, int g, int gend, float (&v)[4])
+{
+    const int i0 = g << 2;
+    if (g < gend && vec && i0 + 4 <= V) {
+        const float4 t = *reinterpret_cast<const float4*>(row + i0);
+        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = (g < gend && i0 + q < V) ? row[i0 + q] : 0.f;
+    }
+}
+
+// h[bin] += 1 for every lane whose bin >= 0, one shared atomic per distinct bin in the warp (logits crowd into
+// a few bins, and same-address atomics serialise). The whole warp must call it.
+__device__ __forceinline__ void hist_add(int* h, int bin)
+{
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    if (bin >= 0 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], __popc(peers));
+}
+
+// Histogram of the keys of groups [gbeg, gend) with (key & mmask) == mval, binned by (key >> shift) & bmask.
+// Loop bounds are block-uniform so every lane reaches hist_add.
+template <int U>
+__device__ __forceinline__ void hist_pass(const float* row, int V, bool vec, int gbeg, int gend, int* h,
+                                          uint32_t mmask, uint32_t mval, int shift, uint32_t bmask)
+{
+    for (int g0 = gbeg; g0 < gend; g0 += U * blockDim.x) {
+        float v[U][4];
+#pragma unroll
+        for (int r = 0; r < U; ++r) load_group(row, V, vec, g0 + r * blockDim.x + threadIdx.x, gend, v[r]);
+#pragma unroll
+        for (int r = 0; r < U; ++r) {
+            const int g = g0 + r * blockDim.x + threadIdx.x;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint32_t key = order_key(v[r][q]);
+                const bool ok = g < gend && (g << 2) + q < V && (key & mmask) == mval;
+                hist_add(h, ok ? static_cast<int>((key >> shift) & bmask) : -1);
+            }
+        }
+    }
+}
+
+// Inclusive prefix sum over the block (blockDim.x a multiple of 32); total gets the block's sum.
+// red: shared scratch of 33 entries.
+template <typename T>
+__device__ __forceinline__ T block_incl_scan(T v, T* red, T& total)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    T inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    __syncthreads();  // red may still be read by an earlier call
+    if (lane == 31) red[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        T s = lane < nw ? red[lane] : T(0);
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const T n = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += n;
+        }
+        const T ex = __shfl_up_sync(0xffffffffu, s, 1);
+        if (lane < nw) red[lane] = lane ? ex : T(0);
+        if (lane == 31) red[32] = s;
+    }
+    __syncthreads();
+    total = red[32];
+    return red[warp] + inc;
+}
+
+__device__ __forceinline__ int block_min_int(int v, int* red)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    int t = lane < nw ? red[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t = min(t, __shfl_xor_sync(0xffffffffu, t, o));
+    return t;
+}
+
+// The bin holding the rank-th largest counted key (rank from 1): above(b) < rank <= above(b) + h[b], where
+// above(b) counts the keys in bins > b. sel[0] = b, sel[1] = above(b). nb is a multiple of blockDim.x.
+__device__ __forceinline__ void select_bin(const int* h, int nb, int rank, int* sel, int* red)
+{
+    const int per = nb / blockDim.x;
+    const int top = nb - 1 - threadIdx.x * per;  // this thread owns bins top, top-1, ..., top-per+1
+    int local = 0;
+    for (int q = 0; q < per; ++q) local += h[top - q];
+    int total;
+    int above = block_incl_scan(local, red, total) - local;
+    for (int q = 0; q < per; ++q) {
+        const int c = h[top - q];
+        if (above < rank && rank <= above + c) {
+            sel[0] = top - q;
+            sel[1] = above;
+        }
+        above += c;
+    }
+    __syncthreads();
+}
+
+// Philox4x32-10 (Salmon et al. 2011) of counter (step, 0) under key seed; 53 of its bits as u in [0, 1).
+// Host twin: ninfer_rt.gpu.misc.sample_uniform.
+__device__ __forceinline__ double philox_uniform(unsigned long long seed, unsigned long long step)
+{
+    uint32_t c0 = static_cast<uint32_t>(step), c1 = static_cast<uint32_t>(step >> 32), c2 = 0u, c3 = 0u;
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+        const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+        const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    const unsigned long long bits = (static_cast<unsigned long long>(c0) << 21) | (c1 >> 11);
+    return static_cast<double>(bits) * 0x1.0p-53;
+}
+
+// ------------------------------------------------------------------------------------------ sampling kernels
+
+// grid (nsplit, M), block 512: hist[m, b] += count of keys of logits[m, chunk slice] whose top 11 bits are b.
+// hist [M, 2048] int32 must be zero beforehand (the wrapper memsets it); chunk is a multiple of 4.
+extern "C" __global__ void __launch_bounds__(512) sample_hist(const float* logits, long long ld, int V, int chunk,
+                                                              int* hist)
+{
+    __shared__ int h[HIST_BINS];
+    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) h[i] = 0;
+    __syncthreads();
+    const int m = blockIdx.y;
+    const float* row = logits + static_cast<long long>(m) * ld;
+    const bool vec = (reinterpret_cast<uintptr_t>(logits) & 15) == 0 && (ld & 3) == 0;
+    const int c0 = blockIdx.x * chunk, c1 = min(V, c0 + chunk);
+    hist_pass<4>(row, V, vec, c0 >> 2, (c1 + 3) >> 2, h, 0u, 0u, 21, HIST_BINS - 1);
+    __syncthreads();
+    int* out = hist + static_cast<long long>(m) * HIST_BINS;
+    for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x)
+        if (h[i]) atomicAdd(&out[i], h[i]);
+}
+
+// grid M, block SAMPLE_THREADS. hist: sample_hist's output. tokens int32 [M] (or null): the drawn ids.
+// probs fp32 [M, V] (or null): the final kept probabilities, zero for every dropped token.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
+sample_rows(const float* logits, long long ld, int V, const SampleParams* params, const int* hist, int* tokens,
+            float* probs)
+{
+    __shared__ int h[HIST_BINS];
+    __shared__ unsigned long long cand[SAMPLE_CAND];  // (~key << 32) | index: ascending = logit desc, index asc
+    __shared__ double cdf[SAMPLE_CAND];
+    __shared__ double redd[33];
+    __shared__ int redi[33];
+    __shared__ int sel[2];
+    const int m = blockIdx.x, tid = threadIdx.x;
+    const float* row = logits + static_cast<long long>(m) * ld;
+    const bool vec = (reinterpret_cast<uintptr_t>(logits) & 15) == 0 && (ld & 3) == 0;
+    const int n4 = (V + 3) >> 2;
+    const SampleParams p = params[m];
+    const bool greedy = !(p.temperature > 0.f);
+    int K = (p.top_k >= 1 && p.top_k <= SAMPLE_CAND) ? p.top_k : SAMPLE_CAND;
+    K = min(greedy ? 1 : K, V);
+
+    // Radix select of the K-th largest key t. Digit 1 (bits 31..21) from sample_hist.
+    for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = hist[static_cast<long long>(m) * HIST_BINS + i];
+    __syncthreads();
+    select_bin(h, HIST_BINS, K, sel, redi);
+    const uint32_t b1 = sel[0];
+    int G = sel[1];  // keys above the current prefix: count of keys > t once all digits are fixed
+    int rank = K - sel[1];
+    // Digit 2 (bits 20..10) among keys whose digit 1 is b1.
+    for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
+    __syncthreads();
+    hist_pass<4>(row, V, vec, 0, n4, h, 0xffe00000u, b1 << 21, 10, 2047u);
+    __syncthreads();
+    select_bin(h, HIST_BINS, rank, sel, redi);
+    const uint32_t b2 = sel[0];
+    G += sel[1];
+    rank -= sel[1];
+    // Digit 3 (bits 9..0) among keys whose digits 1-2 are b1, b2.
+    for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
+    __syncthreads();
+    const uint32_t pre = (b1 << 21) | (b2 << 10);
+    hist_pass<4>(row, V, vec, 0, n4, h, 0xfffffc00u, pre, 0, 1023u);
+    __syncthreads();
+    select_bin(h, 1024, rank, sel, redi);
+    const uint32_t t = pre | static_cast<uint32_t>(sel[0]);
+    G += sel[1];                              // G < K <= SAMPLE_CAND keys are > t
+    const int N = min(G + h[sel[0]], SAMPLE_CAND);  // candidates: those, then ties with t in index order
+
+    // Gather, in index order: keys > t to slots [0, G), ties to slots [G, N). Per step of 4096 entries one
+    // block scan gives each thread its offsets; both counts (<= 4096 each) travel packed in one int.
+    for (int i = tid; i < SAMPLE_CAND; i += SAMPLE_THREADS) cand[i] = ~0ull;
+    int base_gt = 0, base_eq = 0;
+    for (int g0 = 0; g0 < n4; g0 += 2 * SAMPLE_THREADS) {
+        float v[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) load_group(row, V, vec, g0 + r * SAMPLE_THREADS + tid, n4, v[r]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int g = g0 + r * SAMPLE_THREADS + tid;
+            uint32_t key[4];
+            int ngt = 0, neq = 0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                key[q] = order_key(v[r][q]);
+                const bool ok = g < n4 && (g << 2) + q < V;
+                ngt += ok && key[q] > t;
+                neq += ok && key[q] == t;
+            }
+            const int packed = ngt | (neq << 16);
+            int tot;
+            const int ex = block_incl_scan(packed, redi, tot) - packed;
+            int pg = base_gt + (ex & 0xffff), pe = G + base_eq + (ex >> 16);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = (g << 2) + q;
+                if (g < n4 && i < V) {
+                    const unsigned long long c =
+                        (static_cast<unsigned long long>(~key[q]) << 32) | static_cast<uint32_t>(i);
+                    if (key[q] > t) {
+                        if (pg < SAMPLE_CAND) cand[pg] = c;
+                        ++pg;
+                    } else if (key[q] == t) {
+                        if (pe < SAMPLE_CAND) cand[pe] = c;
+                        ++pe;
+                    }
+                }
+            }
+            base_gt += tot & 0xffff;
+            base_eq += tot >> 16;
+        }
+        if (base_gt >= G && G + base_eq >= N) break;  // block-uniform: every candidate is placed
+    }
+    __syncthreads();
+
+    // Bitonic sort of the 1024 slots, ascending; empty slots (~0) sort last.
+    for (int k = 2; k <= SAMPLE_CAND; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            const int l = tid ^ j;
+            if (l > tid) {
+                const unsigned long long a = cand[tid], b = cand[l];
+                if ((a > b) == ((tid & k) == 0)) {
+                    cand[tid] = b;
+                    cand[l] = a;
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    // Thread j holds the j-th candidate. Probabilities in fp64 like the reference: e_j = exp((x_j - x_0) / T).
+    const unsigned long long c = cand[tid];
+    const bool valid = tid < N;
+    const int idx = static_cast<int>(static_cast<uint32_t>(c));
+    const float x = key_value(~static_cast<uint32_t>(c >> 32));
+    const float x0 = key_value(~static_cast<uint32_t>(cand[0] >> 32));
+    // An infinite top logit (+inf, or a row of -inf/NaN) has no softmax: take the first candidate.
+    const bool single = greedy || (__float_as_uint(x0) & 0x7fffffffu) == 0x7f800000u;
+    double e = 0.0;
+    if (valid) e = single ? (tid == 0 ? 1.0 : 0.0) : exp((static_cast<double>(x) - x0) / p.temperature);
+    double S;
+    block_incl_scan(e, redd, S);
+    const double pr = e / S;
+    double total;
+    const double C = block_incl_scan(pr, redd, total);  // C_j - pr_j: the mass above token j (top-p)
+    cdf[tid] = C;
+    const bool keep = valid && e > 0.0 && (p.top_p >= 1.f || C - pr < static_cast<double>(p.top_p)) &&
+                      (p.min_p <= 0.f || e >= static_cast<double>(p.min_p));
+    // Kept tokens form a prefix (top-p and min-p each keep a head of the sorted list): its length L.
+    int L = block_min_int(keep ? SAMPLE_CAND : tid, redi);
+    L = single ? 1 : max(L, 1);
+    const double W = cdf[L - 1];
+
+    if (tokens) {
+        const double r = philox_uniform(p.seed, p.step) * W;
+        int win = block_min_int((tid < L && C > r) ? tid : SAMPLE_CAND, redi);
+        if (win >= L) win = L - 1;  // r rounded up to W
+        if (tid == 0) tokens[m] = static_cast<int>(static_cast<uint32_t>(cand[win]));
+    }
+    if (probs) {
+        float* out = probs + static_cast<long long>(m) * V;
+        for (int i = tid; i < V; i += SAMPLE_THREADS) out[i] = 0.f;
+        __syncthreads();
+        if (tid < L) out[idx] = static_cast<float>(pr / W);
+    }
+}

@@ -1,0 +1,217 @@
+"""Launch wrappers for the gated full-attention kernels (kernels/attention.cu): KV cache, prepare, decode, prefill.
+
+What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/reference/model.py GatedAttention):
+  prepare  q/k RMSNorm (zero-centred) + partial NeoX RoPE; q -> fp32 buffer, k/v -> the KV cache (bf16 or int8)
+  decode   causal GQA attention of B sequences × T new tokens against their cache slots, times sigmoid(gate)
+  prefill  the same for one sequence and a long T (for now it runs decode's kernels, which loop over query tiles)
+
+Decode is split-KV (flash decoding): one warp per (16 query rows, key split, sequence, kv head), where the rows are
+the (token, head-in-group) pairs of one kv head, so K/V are read once for all its query heads; partials go to
+`scratch` and a second kernel merges them and applies the gate. The split length depends only on (M, ctx_bucket),
+so a graph captured for a bucket replays at any context below it (blocks past the real length exit at once).
+Results match ops.gated_attention to fp32 accuracy: the mma operands are split into three bf16 terms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+
+HEAD_DIMS = (32, 64, 128, 256)   # head dims the kernels are built for
+_ALIGN = 256                     # each part of a cache / scratch allocation starts on this boundary
+_MIN_SPLIT = 64                  # keys per split, at least (a power of two times this)
+_MAX_SPLITS = 512                # splits per sequence, at most
+_SPLIT_ROWS = 4096               # n_splits · M stays below max(this, M): bounds the scratch
+_Q_ROWS = 16                     # query rows (token, head) pairs per decode warp
+
+
+def _round_up(n: int, m: int = _ALIGN) -> int:
+    return (n + m - 1) // m * m
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise GpuError(what)
+
+
+_ELEM = {"bf16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """One full-attention layer's KV cache on the device.
+
+    k, v: [slots, max_ctx, nKV, d] bf16 bits (uint16) or int8 codes; k_scale, v_scale: fp32 [slots, max_ctx, nKV]
+    (value = code · scale) for int8, 0 for bf16. A sequence owns one slot; position p of it holds token p.
+    """
+
+    k: int
+    v: int
+    k_scale: int
+    v_scale: int
+    slots: int
+    max_ctx: int
+    nKV: int
+    d: int
+    dtype: str
+
+    @staticmethod
+    def _parts(slots: int, max_ctx: int, nKV: int, d: int, dtype: str) -> tuple[int, int]:
+        _need(dtype in _ELEM, f"KVCache: dtype {dtype!r} is not one of {', '.join(_ELEM)}")
+        _need(slots >= 1 and max_ctx >= 1 and nKV >= 1 and d >= 1,
+              f"KVCache: slots={slots}, max_ctx={max_ctx}, nKV={nKV}, d={d} must all be >= 1")
+        rows = slots * max_ctx * nKV
+        return _round_up(rows * d * _ELEM[dtype]), (_round_up(rows * 4) if dtype == "int8" else 0)
+
+    @staticmethod
+    def nbytes(slots: int, max_ctx: int, nKV: int, d: int, dtype: str) -> int:
+        """Bytes of k, v (and k_scale, v_scale for int8), each part rounded up to 256 bytes."""
+        data, scale = KVCache._parts(slots, max_ctx, nKV, d, dtype)
+        return 2 * data + 2 * scale
+
+    @classmethod
+    def at(cls, base: int, slots: int, max_ctx: int, nKV: int, d: int, dtype: str) -> "KVCache":
+        """The cache laid out from device address `base` (256-byte aligned): k, v, then k_scale, v_scale."""
+        _need(base % _ALIGN == 0, f"KVCache: base address {base:#x} is not {_ALIGN}-byte aligned")
+        data, scale = cls._parts(slots, max_ctx, nKV, d, dtype)
+        k_scale = base + 2 * data if scale else 0
+        v_scale = base + 2 * data + scale if scale else 0
+        return cls(base, base + data, k_scale, v_scale, slots, max_ctx, nKV, d, dtype)
+
+
+def _check_heads(name: str, nH: int, cache: KVCache) -> None:
+    _need(cache.d in HEAD_DIMS, f"{name}: head dim {cache.d} is not one of {HEAD_DIMS}")
+    _need(cache.dtype in _ELEM, f"{name}: cache dtype {cache.dtype!r} is not one of {', '.join(_ELEM)}")
+    _need(nH >= 1 and nH % cache.nKV == 0, f"{name}: nH={nH} is not a positive multiple of nKV={cache.nKV}")
+
+
+def _check_batch(name: str, B: int, T: int) -> None:
+    _need(B >= 1 and T >= 1, f"{name}: B={B} and T={T} must be >= 1")
+    _need(B * T < 2 ** 31, f"{name}: B·T={B * T} is out of range")
+
+
+def _check_ptrs(name: str, **ptrs: int) -> None:
+    for k, p in ptrs.items():
+        _need(bool(p), f"{name}: {k} is a null pointer")
+
+
+# ------------------------------------------------------------------------------------------ prepare
+
+def prepare(k, *, qkvg: int, ld: int, q_norm: int, k_norm: int, inv_freq: int, rope_scale: float, rot: int,
+            pos: int, slot: int, B: int, T: int, nH: int, eps: float, cache: KVCache, q_out: int,
+            stream=None) -> None:
+    """Norm + RoPE q and k of M = B·T tokens, write q to q_out and this step's k, v into the cache.
+
+    qkvg fp32 [M, ld], row b·T + t = token t of sequence b, columns [q (nH·d) | k (nKV·d) | v (nKV·d) | gate].
+    q_norm, k_norm fp32 [d] (zero-centred: gain 1 + w); inv_freq fp32 [rot/2] (ops.rope_inv_freq, YaRN included);
+    pos, slot int32 [B] device arrays: token t of sequence b sits at position pos[b] + t of cache slot slot[b].
+    q_out fp32 [M, nH, d] = rope(rms_norm_zc(q)); the cache gets rope(rms_norm_zc(k)) and v at those positions
+    (bf16 round-to-nearest-even, or int8 with scale max|x|/127 per (position, kv head); a zero vector stores
+    scale 0). RoPE: angle_j = float(pos) · inv_freq[j], cos/sin times rope_scale, rotate-half on the first rot dims.
+    A slot outside [0, slots) or a position >= max_ctx writes nothing to the cache (q_out is still written).
+    """
+    name = "attention.prepare"
+    _check_heads(name, nH, cache)
+    _check_batch(name, B, T)
+    d, nKV = cache.d, cache.nKV
+    _need(rot % 2 == 0 and 0 <= rot <= d, f"{name}: rot={rot} must be even and in [0, d={d}]")
+    _need(ld >= (2 * nH + 2 * nKV) * d, f"{name}: ld={ld} is smaller than the q|k|v|gate width "
+                                        f"{(2 * nH + 2 * nKV) * d}")
+    _check_ptrs(name, qkvg=qkvg, q_norm=q_norm, k_norm=k_norm, pos=pos, slot=slot, q_out=q_out,
+                k_cache=cache.k, v_cache=cache.v)
+    _need(rot == 0 or bool(inv_freq), f"{name}: inv_freq is a null pointer")
+    int8 = cache.dtype == "int8"
+    _need(not int8 or (cache.k_scale and cache.v_scale), f"{name}: int8 cache without scale arrays")
+    M, units = B * T, nH + 2 * nKV
+    args = [ptr(qkvg), i32(ld), ptr(q_norm), ptr(k_norm), ptr(inv_freq), f32(rope_scale), i32(rot), ptr(pos),
+            ptr(slot), i32(T), i32(nH), i32(nKV), f32(eps), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale),
+            ptr(cache.v_scale), i32(cache.slots), i32(cache.max_ctx), i32(int(int8)), ptr(q_out)]
+    k.launch(f"attn_prepare_d{d}", (M, (units + 3) // 4), 128, args, stream=stream)
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+def decode_split(M: int, ctx_bucket: int) -> tuple[int, int]:
+    """(keys per split, number of splits) that decode uses for M rows and a context bucket.
+
+    The split is the smallest power-of-two multiple of 64 keys that needs at most
+    min(512, max(1, 4096 // M)) splits to cover ctx_bucket.
+    """
+    _need(M >= 1 and ctx_bucket >= 1, f"attention: M={M} and ctx_bucket={ctx_bucket} must be >= 1")
+    max_splits = max(1, min(_MAX_SPLITS, _SPLIT_ROWS // M))
+    cs = _MIN_SPLIT
+    while -(-ctx_bucket // cs) > max_splits:
+        cs *= 2
+    return cs, -(-ctx_bucket // cs)
+
+
+def decode_scratch_bytes(M: int, nH: int, d: int, ctx_bucket: int) -> int:
+    """Scratch bytes decode needs for up to M rows and any ctx_bucket up to this one.
+
+    Layout (per call): acc fp32 [n_splits, M, nH, d], then (256-aligned) ml float2 [n_splits, M, nH]. The bound
+    n_splits · M <= min(ceil(ctx_bucket / 64) · M, 512 · M, max(4096, M)) grows with both M and ctx_bucket.
+    """
+    _need(M >= 1 and nH >= 1 and d >= 1 and ctx_bucket >= 1,
+          f"attention: M={M}, nH={nH}, d={d}, ctx_bucket={ctx_bucket} must be >= 1")
+    rows = min(-(-ctx_bucket // _MIN_SPLIT) * M, _MAX_SPLITS * M, max(_SPLIT_ROWS, M))
+    return _round_up(rows * nH * d * 4) + _round_up(rows * nH * 8)
+
+
+def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int, cache: KVCache,
+           out: int, scratch: int, ctx_bucket: int, stream=None) -> None:
+    """Gated causal attention of M = B·T query tokens against their cache slots (keys written by prepare).
+
+    q fp32 [M, nH, d] (prepare's q_out); gate fp32 rows of stride ld_gate (the gate columns of qkvg);
+    pos, slot int32 [B] device arrays as in prepare. out fp32 [M, nH·d] = ops.gated_attention per sequence:
+    query t of sequence b attends to positions 0 .. pos[b] + t of slot[b], head h reads kv head h // (nH/nKV),
+    softmax fp32 with scale d^-0.5, times sigmoid(gate). ctx_bucket >= max_b(pos[b] + T) fixes the launch
+    (clamped to max_ctx); keys at or past it are never read. scratch: decode_scratch_bytes(M, nH, d, ctx_bucket)
+    bytes (or a bound for a larger M / bucket). Rows of a sequence with an invalid slot come out 0.
+    """
+    name = "attention.decode"
+    _check_heads(name, nH, cache)
+    _check_batch(name, B, T)
+    d, nKV = cache.d, cache.nKV
+    _need(ld_gate >= nH * d, f"{name}: ld_gate={ld_gate} is smaller than nH·d={nH * d}")
+    _need(ctx_bucket >= 1, f"{name}: ctx_bucket={ctx_bucket} must be >= 1")
+    _check_ptrs(name, q=q, gate=gate, pos=pos, slot=slot, out=out, scratch=scratch, k_cache=cache.k,
+                v_cache=cache.v)
+    int8 = cache.dtype == "int8"
+    _need(not int8 or (cache.k_scale and cache.v_scale), f"{name}: int8 cache without scale arrays")
+    M, G = B * T, nH // nKV
+    cs, ns = decode_split(M, min(ctx_bucket, cache.max_ctx))
+    acc = scratch
+    ml = scratch + _round_up(ns * M * nH * d * 4)
+    n_qt = -(-(T * G) // _Q_ROWS)
+    _need(B * nKV <= 65535 and nH <= 65535, f"{name}: B={B}, nKV={nKV}, nH={nH} give too large a grid")
+    sc = d ** -0.5 * math.log2(math.e)  # softmax in base 2
+    args = [ptr(q), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale), ptr(cache.v_scale), ptr(pos), ptr(slot),
+            ptr(acc), ptr(ml), i32(T), i32(nH), i32(nKV), i32(M), i32(cache.slots), i32(cache.max_ctx), i32(cs),
+            i32(ns), f32(sc)]
+    k.launch(f"attn_decode_{cache.dtype}_d{d}", (n_qt, ns, B * nKV), 32, args, stream=stream)
+    args = [ptr(acc), ptr(ml), ptr(gate), i32(ld_gate), ptr(pos), ptr(slot), ptr(out), i32(T), i32(M), i32(nH),
+            i32(d), i32(cache.slots), i32(cache.max_ctx), i32(cs), i32(ns)]
+    # combine: 4..32 splits read side by side per block; with few splits one block covers all d columns
+    lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
+    k.launch("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, args, stream=stream)
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+def prefill_scratch_bytes(T: int, nH: int, d: int, ctx_bucket: int) -> int:
+    """Scratch bytes prefill needs for T tokens of one sequence (see decode_scratch_bytes)."""
+    return decode_scratch_bytes(T, nH, d, ctx_bucket)
+
+
+def prefill(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, T: int, nH: int, cache: KVCache,
+            out: int, scratch: int, ctx_bucket: int, stream=None) -> None:
+    """decode() for one sequence (B = 1) of T tokens, e.g. a prompt chunk: same arguments and result.
+
+    No separate flash-attention kernel yet: decode's kernels already tile the T·(nH/nKV) query rows over the
+    grid and skip keys past each tile's last position, at fp32 accuracy (about 3x the tensor work a bf16
+    flash kernel would do).
+    """
+    decode(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=1, T=T, nH=nH, cache=cache, out=out,
+           scratch=scratch, ctx_bucket=ctx_bucket, stream=stream)

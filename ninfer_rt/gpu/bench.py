@@ -1,0 +1,220 @@
+"""`ninfer-rt bench`: prefill and decode throughput, load time and GPU memory, on an artifact or synthetic weights.
+
+Decode is timed as replays of the captured step graph at a fixed context (the KV cache filled with valid
+random values up to that length), one sequence, no speculation: events around many replays, median of
+several rounds. Prefill is timed end to end on a random prompt. Bytes per decoded token count every
+weight byte the step reads (routed experts at top_k / E of their banks), the KV cache up to the context
+and the DeltaNet states read and written; divided by the step time and the copy bandwidth measured on the
+same GPU at the start, they give the fraction of the bandwidth ceiling reached.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.gpu.driver import Event, Gpu
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    recipe: str
+    kv_dtype: str
+    copy_bandwidth_gbs: float
+    weight_bytes: int
+    load_s: float
+    peak_gpu_bytes: int
+    prefill: list[dict] = field(default_factory=list)   # {tokens, seconds, tok_s} or {tokens, skipped}
+    decode: list[dict] = field(default_factory=list)    # {context, ms_per_token, tok_s, bytes_per_token, ...}
+
+
+def builtin_spec(name: str):
+    """ModelSpec of a shipped config (ninfer_rt/configs/NAME.json)."""
+    from ninfer_rt.config import ModelSpec
+
+    path = CONFIGS / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
+        raise NinferError(f"--synthetic {name}: unknown model shape (known: {known})")
+    return ModelSpec.from_config(json.loads(path.read_text()), str(path))
+
+
+def copy_bandwidth(gpu: Gpu, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median)."""
+    a, b = gpu.alloc(nbytes), gpu.alloc(nbytes)
+    try:
+        gpu.memset(a, 0x5A, nbytes)
+        start, stop = Event(), Event()
+        times = []
+        for i in range(reps + 2):
+            start.record(gpu.stream)
+            gpu.copy(b, a, nbytes)
+            stop.record(gpu.stream)
+            stop.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_ms(stop) / 1e3)
+        return 2 * nbytes / statistics.median(times)
+    finally:
+        gpu.free(a)
+        gpu.free(b)
+
+
+def decode_bytes(spec, weights, ctx: int, kv_dtype: str) -> int:
+    """Bytes one decode step of one token reads or writes at context `ctx` (weights, KV cache, states)."""
+    total = 0
+    E, k = max(spec.num_experts, 1), spec.num_experts_per_tok
+    for name, w in weights.matrices.items():
+        if name.endswith("embed_tokens.weight"):
+            total += w.nbytes // w.shape[0]  # one gathered row
+        elif ".mlp.experts." in name:
+            total += w.nbytes * k // E
+        else:
+            total += w.nbytes
+    if "lm_head.weight" not in weights.matrices:  # tied: the embedding is read whole as the lm_head
+        total += weights.matrix("model.language_model.embed_tokens.weight").nbytes
+    n_attn = len(spec.full_attention_layers)
+    per_pos = spec.num_key_value_heads * spec.head_dim * (1 if kv_dtype == "int8" else 2) + \
+        (spec.num_key_value_heads * 4 if kv_dtype == "int8" else 0)
+    total += n_attn * 2 * (ctx + 1) * per_pos
+    state = (spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim +
+             (spec.linear_conv_kernel_dim - 1) * spec.conv_dim) * 4
+    total += len(spec.linear_attention_layers) * 2 * state
+    return total
+
+
+def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
+    """Median seconds per decode step (graph replay) at context ctx."""
+    from ninfer_rt.gpu.engine import context_bucket
+
+    tok = np.array([17], np.int32)
+    model.decode(tok, [ctx], [0])  # captures the bucket's graph
+    model.gpu.synchronize()
+    start, stop = Event(), Event()
+    graph = model.graphs[(1, 1, min(model.max_ctx, context_bucket(ctx + 1)))]
+    times = []
+    for _ in range(rounds):
+        start.record(model.gpu.stream)
+        for _ in range(reps):
+            graph.launch(model.gpu.stream)
+        stop.record(model.gpu.stream)
+        stop.synchronize()
+        times.append(start.elapsed_ms(stop) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
+              prefill_sizes=(512, 8192, 65536), decode_contexts=(0, 8192, 65536, 262144),
+              kv_dtype: str = "int8", prefill_budget_s: float = 60.0, progress=None, log=print) -> BenchResult:
+    """Run the benchmark; `log` receives one line per measurement as it lands."""
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.kernels import Kernels
+    from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
+
+    if synthetic:
+        builtin_spec(synthetic)  # an unknown name fails before the GPU is touched
+    gpu = Gpu(0)
+    kernels = Kernels(gpu)
+    bw = copy_bandwidth(gpu)
+    log(f"{gpu.info.name}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    if synthetic:
+        from ninfer_rt.recipe import load_recipe
+
+        spec = builtin_spec(synthetic)
+        rec = load_recipe(recipe or synthetic)
+        weights = synthetic_weights(gpu, spec, rec, progress=progress)
+        model_name, recipe_name = synthetic, rec.name
+    else:
+        from ninfer_rt.format import Artifact
+
+        art = Artifact.open(artifact_path)
+        spec = art.spec
+        weights = load_artifact(gpu, art, progress=progress)
+        model_name, recipe_name = str(artifact_path), art.header["recipe"].get("name", "?")
+    log(f"weights: {weights.arena_bytes / 2**30:.2f} GiB in {weights.load_s:.1f} s")
+    max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
+    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype)
+    for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros
+        fill_random(gpu, kv.k, model.kv[i].slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2),
+                    "bytes" if kv_dtype == "int8" else "bf16", seed=i)
+        fill_random(gpu, kv.v, kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2),
+                    "bytes" if kv_dtype == "int8" else "bf16", seed=i + 100)
+        if kv_dtype == "int8":
+            fill_random(gpu, kv.k_scale, kv.slots * kv.max_ctx * kv.nKV * 4, "f32", seed=i + 200)
+            fill_random(gpu, kv.v_scale, kv.slots * kv.max_ctx * kv.nKV * 4, "f32", seed=i + 300)
+    res = BenchResult(model_name, gpu.info.name, recipe_name, kv_dtype, bw / 1e9, weights.arena_bytes,
+                      weights.load_s, 0)
+    rng = np.random.default_rng(0)
+    per_token = None
+    for n in prefill_sizes:
+        if n > max_ctx:
+            continue
+        if per_token is not None and per_token * n > prefill_budget_s:
+            res.prefill.append({"tokens": n, "skipped": f"estimated {per_token * n:.0f} s > budget"})
+            log(f"prefill {n}: skipped (estimated {per_token * n:.0f} s)")
+            continue
+        model.reset_slot(0)
+        ids = rng.integers(0, spec.vocab_size, n).astype(np.int32)
+        gpu.synchronize()
+        t0 = time.perf_counter()
+        model.prefill(ids, 0)
+        gpu.synchronize()
+        dt = time.perf_counter() - t0
+        per_token = dt / n
+        res.prefill.append({"tokens": n, "seconds": dt, "tok_s": n / dt})
+        log(f"prefill {n}: {n / dt:,.0f} tok/s ({dt:.2f} s)")
+    for ctx in decode_contexts:
+        if ctx + 1 > max_ctx:
+            continue
+        step = _time_decode(model, ctx)
+        nbytes = decode_bytes(spec, weights, ctx, kv_dtype)
+        row = {"context": ctx, "ms_per_token": step * 1e3, "tok_s": 1 / step, "bytes_per_token": nbytes,
+               "achieved_gbs": nbytes / step / 1e9, "fraction_of_copy_bw": nbytes / step / bw,
+               "ceiling_tok_s": bw / nbytes}
+        res.decode.append(row)
+        log(f"decode @ {ctx}: {1 / step:,.1f} tok/s, {nbytes / 1e9:.2f} GB/token, "
+            f"{100 * nbytes / step / bw:.0f}% of copy bandwidth (ceiling {bw / nbytes:,.0f} tok/s)")
+    free, total = gpu.mem_info()
+    res.peak_gpu_bytes = total - free
+    model.free()
+    weights.free(gpu)
+    return res
+
+
+def write_json(res: BenchResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(asdict(res), indent=1))
+    tmp.replace(path)
+
+
+def table(res: BenchResult):
+    """A rich table of the result."""
+    from rich.table import Table
+
+    t = Table(title=f"{res.model} on {res.device} ({res.recipe}, KV {res.kv_dtype})")
+    for c in ("measure", "value", "detail"):
+        t.add_column(c)
+    t.add_row("copy bandwidth", f"{res.copy_bandwidth_gbs:,.0f} GB/s", "device-to-device, read + write")
+    t.add_row("weights", f"{res.weight_bytes / 2**30:.2f} GiB", f"loaded in {res.load_s:.1f} s")
+    t.add_row("GPU memory in use", f"{res.peak_gpu_bytes / 2**30:.2f} GiB", "at the end, whole device")
+    for p in res.prefill:
+        if "skipped" in p:
+            t.add_row(f"prefill {p['tokens']:,}", "skipped", p["skipped"])
+        else:
+            t.add_row(f"prefill {p['tokens']:,}", f"{p['tok_s']:,.0f} tok/s", f"{p['seconds']:.2f} s")
+    for d in res.decode:
+        t.add_row(f"decode @ {d['context']:,}", f"{d['tok_s']:,.1f} tok/s",
+                  f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
+                  f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
+    return t
+

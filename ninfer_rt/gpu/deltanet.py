@@ -1,0 +1,115 @@
+"""Launch wrappers of kernels/deltanet.cu: the Gated DeltaNet mixer between its projections.
+
+`decode` runs, for B sequences of T tokens each, exactly ninfer_rt.reference.model.GatedDeltaNet.__call__ from
+the projection outputs (mixed, z, b, a) to the gated-norm output y (before out_proj): causal conv + SiLU,
+L2-normalised q/k, the gated delta rule on the fp32 state, and the SiLU-gated RMSNorm. Both states are
+updated in place. Layouts are in the header of kernels/deltanet.cu.
+"""
+
+from __future__ import annotations
+
+from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+
+DK_SUPPORTED = (16, 32, 64, 128)  # one recurrent kernel instantiation each (state rows in registers)
+KC_MAX = 8                        # DN_KMAX in deltanet.cu
+CONV_TOKENS = 8                   # DN_CONV_TOKENS in deltanet.cu: tokens per conv thread
+CONV_THREADS = 256
+NORM_WARPS = 4
+
+
+def conv_dim_of(nk: int, nv: int, dk: int, dv: int) -> int:
+    """Channels that go through the conv: [q (nk·dk) | k (nk·dk) | v (nv·dv)]."""
+    return 2 * nk * dk + nv * dv
+
+
+def decode_scratch_bytes(M: int, conv_dim: int) -> int:
+    """Device scratch `decode` needs for M = B·T rows: the conv output, fp32 [M, conv_dim]."""
+    return int(M) * int(conv_dim) * 4
+
+
+def _recurrent_warps(dv: int) -> int:
+    """Warps per recurrent block (8 columns of S each): as many as divide dv/8, at most 4."""
+    for w in (4, 2, 1):
+        if (dv // 8) % w == 0:
+            return w
+    return 1
+
+
+def _check(*, mixed, ld_mixed, ba, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state, slot, B, T, nk, nv,
+           dk, dv, Kc, out, scratch) -> int:
+    """Validate a decode/prefill call; returns conv_dim."""
+    ptrs = dict(mixed=mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
+                conv_state=conv_state, ssm_state=ssm_state, slot=slot, out=out, scratch=scratch)
+    for name, p in ptrs.items():
+        if not p:
+            raise GpuError(f"deltanet: {name} is a null pointer")
+    if B < 1 or T < 1:
+        raise GpuError(f"deltanet: B={B} and T={T} must be >= 1")
+    if B > 65535:
+        raise GpuError(f"deltanet: B={B} exceeds the grid limit 65535")
+    if nk < 1 or nv < 1 or nv % nk:
+        raise GpuError(f"deltanet: nv={nv} must be a positive multiple of nk={nk}")
+    if dk not in DK_SUPPORTED:
+        raise GpuError(f"deltanet: dk={dk} unsupported (one of {DK_SUPPORTED})")
+    if dv < 8 or dv % 8:
+        raise GpuError(f"deltanet: dv={dv} must be a positive multiple of 8")
+    if not 2 <= Kc <= KC_MAX:
+        raise GpuError(f"deltanet: conv width Kc={Kc} must be in [2, {KC_MAX}]")
+    conv_dim = conv_dim_of(nk, nv, dk, dv)
+    if ld_mixed < conv_dim + nv * dv:
+        raise GpuError(f"deltanet: ld_mixed={ld_mixed} < conv_dim + nv*dv = {conv_dim + nv * dv}")
+    if -(-T // CONV_TOKENS) > 65535:
+        raise GpuError(f"deltanet: T={T} exceeds the conv grid limit {65535 * CONV_TOKENS}")
+    if B * T * nv >= 2**31:  # the gated-norm grid counts (row, head) pairs in int32
+        raise GpuError(f"deltanet: B*T*nv={B * T * nv} is too many for one launch")
+    return conv_dim
+
+
+def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
+           conv_state: int, ssm_state: int, slot: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
+           Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
+    """The DeltaNet mixer for B sequences × T tokens (any T; fast for T = 1..8), token by token in order.
+
+    mixed fp32 [B·T, ld_mixed]: [q | k | v | z] (the fused in_proj_qkv|in_proj_z output; row b·T + t);
+    ba fp32 [B·T, 2·nv]: [b | a]; conv_w fp32 [Kc, conv_dim] tap-major; A_log, dt_bias fp32 [nv];
+    norm_w fp32 [dv] (applied as w, not 1 + w); conv_state fp32 [slots, Kc-1, conv_dim] (row 0 oldest);
+    ssm_state fp32 [slots, nv, dk, dv]; slot int32 [B]. Both states are updated in place.
+    out fp32 [B·T, nv·dv] = gated_rms_norm(o, z, norm_w, eps); scratch: decode_scratch_bytes(B·T, conv_dim).
+    Three launches on `stream`: conv, recurrent delta rule, gated norm.
+    """
+    conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
+                      norm_w=norm_w, conv_state=conv_state, ssm_state=ssm_state, slot=slot, B=B, T=T, nk=nk,
+                      nv=nv, dk=dk, dv=dv, Kc=Kc, out=out, scratch=scratch)
+    M = B * T
+    conv_grid = ((conv_dim + CONV_THREADS - 1) // CONV_THREADS, B, -(-T // CONV_TOKENS))
+    k.launch("deltanet_conv", conv_grid, CONV_THREADS,
+             [ptr(mixed), i32(ld_mixed), ptr(conv_w), ptr(conv_state), ptr(slot), ptr(scratch), i32(T),
+              i32(conv_dim), i32(Kc)], 0, stream)
+    warps = _recurrent_warps(dv)
+    k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps,
+             [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
+              i32(nk), i32(nv), i32(dv)], 0, stream)
+    k.launch("deltanet_gated_norm", ((M * nv + NORM_WARPS - 1) // NORM_WARPS,), 32 * NORM_WARPS,
+             [ptr(out), ptr(mixed), i32(ld_mixed), i32(conv_dim), ptr(norm_w), i32(M), i32(nv), i32(dv),
+              f32(eps)], 0, stream)
+
+
+def prefill_scratch_bytes(T: int, conv_dim: int) -> int:
+    """Device scratch `prefill` needs for one sequence of T tokens (same as decode for B = 1)."""
+    return decode_scratch_bytes(T, conv_dim)
+
+
+def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
+            conv_state: int, ssm_state: int, slot: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
+            Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
+    """Prefill of one sequence (B = 1, long T); same arguments and result as `decode`.
+
+    For now this runs the decode kernels: the conv and the norm are parallel over tokens, but the delta rule
+    steps through the T tokens one after another (the next 16 tokens' inputs are prefetched while a pass
+    runs), so it is latency-bound; the chunked form (ops.gated_delta_rule_chunked) is not written yet.
+    """
+    if B != 1:
+        raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")
+    decode(k, mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
+           conv_state=conv_state, ssm_state=ssm_state, slot=slot, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
+           eps=eps, out=out, scratch=scratch, stream=stream)

@@ -1,0 +1,303 @@
+"""The one module of ninfer-rt that talks to the CUDA driver (through cuda-python's `cuda.bindings.driver`).
+
+Everything the GPU path needs from the driver lives here: the context, device memory, pinned host memory,
+copies, streams, events, module loading, kernel launches and CUDA graph capture. The rest of ninfer_rt
+handles plain ints for device pointers and calls these wrappers; no torch anywhere on this path.
+
+Errors: a missing driver, missing cuda-python or no GPU is a GpuError with one line naming what is missing;
+a failing driver call is a GpuError naming the call and the CUDA error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ninfer_rt.errors import NinferError
+
+
+class GpuError(NinferError):
+    """A CUDA driver call failed, or no usable GPU/driver/cuda-python is present."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise GpuError("cuda-python is not installed (pip install 'ninfer[gpu]' or cuda-python)") from None
+    return driver
+
+
+def _check(result, what: str):
+    """cuda-python returns (CUresult, *values): raise on an error, else return the values (None, one, or a tuple)."""
+    d = _driver()
+    err, *vals = result if isinstance(result, tuple) else (result,)
+    if err != d.CUresult.CUDA_SUCCESS:
+        _, name = d.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        raise GpuError(f"{what} failed: {name}")
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+# ------------------------------------------------------------------------------------------ kernel arguments
+
+class KernelArgs:
+    """Kernel parameters packed for cuLaunchKernel: an array of pointers to ctypes values.
+
+    Arguments are given as ctypes instances (ptr(), i32(), f32(), i64()); the instances and the pointer array
+    live as long as this object, and the driver copies them at launch (and at graph capture).
+    """
+
+    def __init__(self, values):
+        self.values = list(values)
+        self.array = (ctypes.c_void_p * max(1, len(self.values)))(
+            *[ctypes.addressof(v) for v in self.values])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def ptr(p: int) -> ctypes.c_uint64:
+    """A device pointer argument (0 for a null pointer)."""
+    return ctypes.c_uint64(int(p))
+
+
+def i32(v: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def i64(v: int) -> ctypes.c_int64:
+    return ctypes.c_int64(int(v))
+
+
+def f32(v: float) -> ctypes.c_float:
+    return ctypes.c_float(float(v))
+
+
+# ------------------------------------------------------------------------------------------ objects
+
+@dataclass
+class DeviceInfo:
+    name: str
+    major: int
+    minor: int
+    sm_count: int
+    total_memory: int
+    l2_bytes: int
+    max_smem_per_block_optin: int
+
+    @property
+    def arch(self) -> str:
+        """The cubin target of this device: sm_90a for Hopper, sm_120a for Blackwell consumer, else sm_XY."""
+        cc = self.major * 10 + self.minor
+        return f"sm_{cc}a" if cc in (90, 100, 120) else f"sm_{cc}"
+
+
+class Stream:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def synchronize(self) -> None:
+        _check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+
+class Event:
+    def __init__(self):
+        d = _driver()
+        self.handle = _check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        _check(_driver().cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        _check(_driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def elapsed_ms(self, later: "Event") -> float:
+        """Milliseconds from this event to `later` (both recorded and complete)."""
+        return float(_check(_driver().cuEventElapsedTime(self.handle, later.handle), "cuEventElapsedTime"))
+
+
+class Module:
+    """A loaded cubin/fatbin/PTX image; functions are looked up by their extern "C" name and cached."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+        self._functions: dict[str, object] = {}
+
+    def function(self, name: str):
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = _check(_driver().cuModuleGetFunction(self.handle, name.encode()),
+                        f"cuModuleGetFunction({self.name}:{name})")
+            self._functions[name] = fn
+        return fn
+
+
+class Graph:
+    """An instantiated CUDA graph: replay with launch()."""
+
+    def __init__(self, graph, exec_):
+        self.graph, self.exec = graph, exec_
+
+    def launch(self, stream: Stream) -> None:
+        _check(_driver().cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        d = _driver()
+        if self.exec is not None:
+            d.cuGraphExecDestroy(self.exec)
+            d.cuGraphDestroy(self.graph)
+            self.exec = self.graph = None
+
+
+class PinnedBuffer:
+    """Page-locked host memory, viewed as a numpy uint8 array (`.array`)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.address = int(_check(_driver().cuMemHostAlloc(nbytes, 0), f"cuMemHostAlloc({nbytes})"))
+        self.array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.address), dtype=np.uint8)
+
+    def free(self) -> None:
+        if self.address:
+            self.array = None
+            _check(_driver().cuMemFreeHost(self.address), "cuMemFreeHost")
+            self.address = 0
+
+
+# ------------------------------------------------------------------------------------------ the context
+
+class Gpu:
+    """One device's primary context, with a default stream and tracked allocations."""
+
+    def __init__(self, index: int = 0):
+        d = _driver()
+        try:
+            _check(d.cuInit(0), "cuInit")
+        except RuntimeError as e:  # cuda-python raises this when libcuda.so cannot be loaded
+            raise GpuError(f"no CUDA driver on this machine ({e})") from None
+        count = _check(d.cuDeviceGetCount(), "cuDeviceGetCount")
+        if index >= count:
+            raise GpuError(f"GPU {index} requested but {count} CUDA device(s) present")
+        self.device = _check(d.cuDeviceGet(index), "cuDeviceGet")
+        self.context = _check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+        self.info = self._info()
+        self.stream = Stream(_check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+        self.allocated = 0
+        self.peak_allocated = 0
+        self._buffers: dict[int, int] = {}
+
+    def make_current(self) -> None:
+        _check(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def _info(self) -> DeviceInfo:
+        d = _driver()
+        A = d.CUdevice_attribute
+
+        def attr(a):
+            return int(_check(d.cuDeviceGetAttribute(a, self.device), "cuDeviceGetAttribute"))
+
+        name = _check(d.cuDeviceGetName(256, self.device), "cuDeviceGetName")
+        name = name.split(b"\0", 1)[0].decode(errors="replace")
+        return DeviceInfo(
+            name=name,
+            major=attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            minor=attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            sm_count=attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            total_memory=int(_check(d.cuDeviceTotalMem(self.device), "cuDeviceTotalMem")),
+            l2_bytes=attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+            max_smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )
+
+    # --- memory
+    def alloc(self, nbytes: int) -> int:
+        """A device allocation of nbytes (at least 1); returns its address. Freed with free()."""
+        nbytes = max(int(nbytes), 1)
+        p = int(_check(_driver().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes} bytes)"))
+        self._buffers[p] = nbytes
+        self.allocated += nbytes
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return p
+
+    def free(self, p: int) -> None:
+        n = self._buffers.pop(int(p), None)
+        if n is not None:
+            _check(_driver().cuMemFree(int(p)), "cuMemFree")
+            self.allocated -= n
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory as the driver reports them."""
+        free, total = _check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def upload(self, dst: int, array: np.ndarray, stream: Stream | None = None) -> None:
+        """Copy a host array into device memory at dst, ordered on `stream` (default: the context's stream).
+
+        From pageable memory the driver stages the bytes before returning, so the array may be reused at once;
+        from pinned memory the copy is asynchronous and the caller keeps the buffer until an event says done.
+        """
+        a = np.ascontiguousarray(array)
+        if a.nbytes == 0:
+            return
+        s = stream or self.stream
+        _check(_driver().cuMemcpyHtoDAsync(int(dst), a.ctypes.data, a.nbytes, s.handle), "cuMemcpyHtoDAsync")
+
+    def download(self, src: int, shape, dtype) -> np.ndarray:
+        """A new host array of shape/dtype copied from device memory at src (synchronous)."""
+        out = np.empty(shape, dtype=dtype)
+        if out.nbytes:
+            self.stream.synchronize()
+            _check(_driver().cuMemcpyDtoH(out.ctypes.data, int(src), out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
+        """Device-to-device copy on a stream (the default stream if none)."""
+        s = stream or self.stream
+        _check(_driver().cuMemcpyDtoDAsync(int(dst), int(src), int(nbytes), s.handle), "cuMemcpyDtoDAsync")
+
+    def memset(self, dst: int, byte: int, nbytes: int, stream: Stream | None = None) -> None:
+        s = stream or self.stream
+        _check(_driver().cuMemsetD8Async(int(dst), int(byte) & 0xFF, int(nbytes), s.handle), "cuMemsetD8Async")
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # --- code
+    def load_module(self, image: bytes, name: str = "module") -> Module:
+        """Load a cubin, fatbin or NUL-terminated PTX image."""
+        h = _check(_driver().cuModuleLoadData(image), f"cuModuleLoadData({name})")
+        return Module(h, name)
+
+    def set_max_dynamic_smem(self, fn, nbytes: int) -> None:
+        d = _driver()
+        attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(d.cuFuncSetAttribute(fn, attr, int(nbytes)), "cuFuncSetAttribute")
+
+    def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None) -> None:
+        """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream."""
+        g = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
+        b = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
+        if min(g) < 1:
+            return  # an empty problem: nothing to launch
+        packed = KernelArgs(args)
+        s = stream or self.stream
+        _check(_driver().cuLaunchKernel(fn, *map(int, g), *map(int, b), int(smem), s.handle, packed.address, 0),
+               "cuLaunchKernel")
+
+    # --- graphs
+    def begin_capture(self, stream: Stream | None = None) -> None:
+        d = _driver()
+        mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _check(d.cuStreamBeginCapture((stream or self.stream).handle, mode), "cuStreamBeginCapture")
+
+    def end_capture(self, stream: Stream | None = None) -> Graph:
+        d = _driver()
+        graph = _check(d.cuStreamEndCapture((stream or self.stream).handle), "cuStreamEndCapture")
+        exec_ = _check(d.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        return Graph(graph, exec_)

@@ -1,0 +1,378 @@
+"""The model on the GPU: buffers, caches and the forward step as a sequence of our kernels.
+
+One step runs B sequences × T new tokens (M = B·T rows, row b·T + t) through every layer:
+
+    x = embed(ids)                                                       # x: [M, H] fp32 residual stream
+    per layer:  h = rmsnorm(x)
+                DeltaNet:  [qkv|z] = W h; [b|a] = W h; o = deltanet(…); x += W_out o
+                Attention: [q|k|v|gate] = W h; q = prepare(…) (writes K/V); o = attend(…); x += W_o o
+                h = rmsnorm(x)
+                MoE:  route(W_r h); act = SwiGLU_e(h); x += Σ w_e W_down,e act; x += σ(g)·shared(h)
+                MLP:  x += W_down SwiGLU(h)
+    logits = lm_head(rmsnorm(x[rows]))
+
+Decode steps (T ≤ 8) are captured as CUDA graphs, one per (B, T, context bucket): the kernels read ids, pos
+and slot from device arrays, so a graph replays for every token until the context passes its bucket.
+Prefill runs the same step on chunks of the prompt (tensor-core GEMM for the projections when there are
+more than 8 rows). Weights are read from the artifact layout in place (ninfer_rt.gpu.loader).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.formats import round_up
+from ninfer_rt.gpu import attention, deltanet, gemm, linear, misc, moe
+from ninfer_rt.gpu.driver import Gpu, GpuError
+from ninfer_rt.gpu.kernels import Kernels
+from ninfer_rt.gpu.loader import DeviceWeights
+from ninfer_rt.gpu.weights import DeviceWeight
+
+LM = "model.language_model."
+GEMV_MAX_ROWS = 8        # the GEMV reads weights once for up to 8 rows; more rows go to the tensor-core GEMM
+MIN_BUCKET = 1024        # smallest context bucket of a decode graph
+
+
+def rope_inv_freq(spec) -> tuple[np.ndarray, float]:
+    """numpy twin of ops.rope_inv_freq (plain or YaRN), fp32 with the same operation order (tested equal)."""
+    rot, theta, yarn = spec.rotary_dim, spec.rope_theta, spec.yarn
+    powers = np.float32(theta) ** (np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot))
+    if yarn is None:
+        return (np.float32(1.0) / powers).astype(np.float32), 1.0
+
+    def ramp_point(rotations: float) -> float:
+        L = yarn.original_max_position_embeddings
+        return (rot * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = ramp_point(yarn.beta_fast), ramp_point(yarn.beta_slow)
+    if yarn.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(rot // 2, dtype=np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
+    keep = np.float32(1) - ramp
+    inv = np.float32(1.0) / (np.float32(yarn.factor) * powers) * (np.float32(1) - keep) + \
+        np.float32(1.0) / powers * keep
+    return inv.astype(np.float32), float(yarn.attention_factor)
+
+
+def k_view(w: DeviceWeight) -> DeviceWeight:
+    """A quantized [N, K] weight seen as [N, round_up(K, 32)]: the same bytes (rows are stored padded to 128 with
+    zero codes), so kernels that step K in 32s can read it; the input rows must be zero in [K, round_up(K, 32))."""
+    if w.k % 32 == 0 or not w.quantized or len(w.shape) != 2:
+        return w
+    return DeviceWeight(w.name, w.fmt, (w.shape[0], round_up(w.k, 32)), w.base)
+
+
+def context_bucket(n: int) -> int:
+    """The decode-graph bucket holding contexts up to n: a power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass
+class Buffers:
+    """Activation buffers for up to `rows` rows (device addresses)."""
+
+    rows: int
+    x: int = 0
+    h: int = 0
+    mixed: int = 0
+    ba: int = 0
+    q: int = 0
+    o: int = 0
+    router: int = 0
+    ids: int = 0
+    wts: int = 0
+    sscale: int = 0
+    act: int = 0
+    act_s: int = 0
+    tokens: int = 0
+    logits: int = 0
+    argmax: int = 0
+    scratch: int = 0
+
+
+class GpuModel:
+    """The text model of `spec` on `gpu`, with `slots` sequences of up to `max_ctx` positions each."""
+
+    def __init__(self, gpu: Gpu, kernels: Kernels, spec, weights: DeviceWeights, *, slots: int = 1,
+                 max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int = 512,
+                 sample_vocab: int | None = None, logit_rows: int | None = None):
+        if kv_dtype not in ("int8", "bf16"):
+            raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
+        if max_ctx > spec.max_position_embeddings:
+            raise NinferError(f"context {max_ctx} is longer than the model's {spec.max_position_embeddings}")
+        self.gpu, self.k, self.spec, self.w = gpu, kernels, spec, weights
+        self.slots, self.max_ctx, self.kv_dtype = slots, max_ctx, kv_dtype
+        self.rows = max(prefill_chunk, slots * GEMV_MAX_ROWS)
+        self.prefill_chunk = prefill_chunk
+        s = spec
+        self.H, self.V = s.hidden_size, s.vocab_size
+        # ids the device argmax may pick: the tokenizer's, not the padded rows of the embedding
+        self.sample_vocab = min(sample_vocab or s.vocab_size, s.vocab_size)
+        self.qkvg_cols = (2 * s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
+        self.mixed_cols = max(self.qkvg_cols, s.conv_dim + s.value_dim)
+        self.lm_head = weights.matrices.get("lm_head.weight") or weights.matrix(LM + "embed_tokens.weight")
+        self.logit_rows_wanted = logit_rows  # rows of logits one step can produce (prefill with all_logits)
+        inv_freq, self.rope_scale = rope_inv_freq(s)
+        self._allocs: list[int] = []
+        self.inv_freq = self._alloc(inv_freq.nbytes)
+        gpu.upload(self.inv_freq, inv_freq)
+        self._alloc_state()
+        self.buf = self._alloc_buffers(self.rows)
+        self.pos = self._alloc(4 * slots)
+        self.slot = self._alloc(4 * slots)
+        self.graphs: dict[tuple[int, int, int], object] = {}
+
+    # ------------------------------------------------------------------------------------------- memory
+
+    def _alloc(self, nbytes: int) -> int:
+        p = self.gpu.alloc(round_up(max(int(nbytes), 1), 256))
+        self._allocs.append(p)
+        return p
+
+    def _alloc_state(self) -> None:
+        s, g = self.spec, self.gpu
+        self.kv: dict[int, attention.KVCache] = {}
+        self.conv_state: dict[int, int] = {}
+        self.ssm_state: dict[int, int] = {}
+        for i, kind in enumerate(s.layer_types):
+            if kind == "full_attention":
+                n = attention.KVCache.nbytes(self.slots, self.max_ctx, s.num_key_value_heads, s.head_dim,
+                                             self.kv_dtype)
+                base = self._alloc(n)
+                g.memset(base, 0, n)
+                self.kv[i] = attention.KVCache.at(base, self.slots, self.max_ctx, s.num_key_value_heads,
+                                                  s.head_dim, self.kv_dtype)
+            else:
+                conv = self.slots * (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
+                ssm = self.slots * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
+                self.conv_state[i], self.ssm_state[i] = self._alloc(conv), self._alloc(ssm)
+                g.memset(self.conv_state[i], 0, conv)
+                g.memset(self.ssm_state[i], 0, ssm)
+
+    def state_bytes(self) -> int:
+        """Bytes of KV caches and DeltaNet states over all slots."""
+        s = self.spec
+        kv = sum(attention.KVCache.nbytes(self.slots, self.max_ctx, s.num_key_value_heads, s.head_dim,
+                                          self.kv_dtype) for _ in self.kv)
+        per = ((s.linear_conv_kernel_dim - 1) * s.conv_dim
+               + s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim) * 4
+        return kv + len(self.conv_state) * self.slots * per
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a sequence: zero its DeltaNet states (its KV entries are overwritten as positions refill)."""
+        s = self.spec
+        conv = (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
+        ssm = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
+        for i in self.conv_state:
+            self.gpu.memset(self.conv_state[i] + slot * conv, 0, conv)
+            self.gpu.memset(self.ssm_state[i] + slot * ssm, 0, ssm)
+
+    def _alloc_buffers(self, rows: int) -> Buffers:
+        s = self.spec
+        b = Buffers(rows)
+        f = 4
+        b.x, b.h = self._alloc(rows * self.H * f), self._alloc(rows * self.H * f)
+        b.mixed = self._alloc(rows * self.mixed_cols * f)
+        b.ba = self._alloc(rows * 2 * max(s.linear_num_value_heads, 1) * f)
+        b.q = self._alloc(rows * s.num_attention_heads * s.head_dim * f)
+        b.o = self._alloc(rows * max(s.num_attention_heads * s.head_dim, s.value_dim) * f)
+        if s.is_moe:
+            E, k = s.num_experts, s.num_experts_per_tok
+            b.router = self._alloc(rows * (E + 1) * f)
+            b.ids, b.wts, b.sscale = self._alloc(rows * k * 4), self._alloc(rows * k * f), self._alloc(rows * f)
+            b.act = self._alloc(rows * k * s.moe_intermediate_size * f)
+            self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
+        else:
+            self.ffn_cols = round_up(s.intermediate_size, 32)
+        # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
+        b.act_s = self._alloc(rows * self.ffn_cols * f)
+        self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
+        b.tokens = self._alloc(rows * 4)
+        self.logit_rows = max(self.logit_rows_wanted or self.slots * GEMV_MAX_ROWS, self.slots)
+        b.logits = self._alloc(self.logit_rows * self.V * f)
+        b.argmax = self._alloc(self.logit_rows * 4)
+        scratch = max(
+            attention.decode_scratch_bytes(rows, s.num_attention_heads, s.head_dim, self.max_ctx),
+            deltanet.decode_scratch_bytes(rows, s.conv_dim),
+            misc.argmax_scratch_bytes(self.logit_rows),
+            gemm.moe_scratch_bytes(rows, s.num_experts_per_tok, s.num_experts) if s.is_moe else 0)
+        b.scratch = self._alloc(scratch)
+        return b
+
+    def free(self) -> None:
+        for g in self.graphs.values():
+            g.destroy()
+        self.graphs.clear()
+        for p in self._allocs:
+            self.gpu.free(p)
+        self._allocs.clear()
+
+    # ------------------------------------------------------------------------------------------- the step
+
+    def _linear(self, w, *, x: int, M: int, y: int, mode: str = "store", ldy: int | None = None,
+                row_scale: int = 0) -> None:
+        w = k_view(w)
+        if M > GEMV_MAX_ROWS:
+            gemm.gemm(self.k, w, x=x, M=M, y=y, ldy=ldy, mode=mode, row_scale=row_scale)
+        else:
+            linear.gemv(self.k, w, x=x, M=M, y=y, ldy=ldy, mode=mode, row_scale=row_scale)
+
+    def _layer(self, i: int, B: int, T: int, ctx_bucket: int) -> None:
+        s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
+        M, p = B * T, f"{LM}layers.{i}."
+        misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "input_layernorm.weight"), eps=s.rms_norm_eps)
+        if s.layer_types[i] == "full_attention":
+            a = p + "self_attn."
+            self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=b.h, M=M, y=b.mixed, ldy=self.qkvg_cols)
+            attention.prepare(self.k, qkvg=b.mixed, ld=self.qkvg_cols, q_norm=P(a + "q_norm.weight"),
+                              k_norm=P(a + "k_norm.weight"), inv_freq=self.inv_freq, rope_scale=self.rope_scale,
+                              rot=s.rotary_dim, pos=self.pos, slot=self.slot, B=B, T=T,
+                              nH=s.num_attention_heads, eps=s.rms_norm_eps, cache=self.kv[i], q_out=b.q)
+            gate = b.mixed + 4 * (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
+            attention.decode(self.k, q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot,
+                             B=B, T=T, nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
+                             ctx_bucket=ctx_bucket)
+            self._linear(W(a + "o_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
+        else:
+            d = p + "linear_attn."
+            cols = s.conv_dim + s.value_dim
+            self._linear(W(d + "{in_proj_qkv,in_proj_z}.weight"), x=b.h, M=M, y=b.mixed, ldy=cols)
+            self._linear(W(d + "{in_proj_b,in_proj_a}.weight"), x=b.h, M=M, y=b.ba)
+            deltanet.decode(self.k, mixed=b.mixed, ld_mixed=cols, ba=b.ba, conv_w=P(d + "conv1d.weight"),
+                            A_log=P(d + "A_log"), dt_bias=P(d + "dt_bias"), norm_w=P(d + "norm.weight"),
+                            conv_state=self.conv_state[i], ssm_state=self.ssm_state[i], slot=self.slot, B=B, T=T,
+                            nk=s.linear_num_key_heads, nv=s.linear_num_value_heads, dk=s.linear_key_head_dim,
+                            dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim, eps=s.rms_norm_eps,
+                            out=b.o, scratch=b.scratch)
+            self._linear(W(d + "out_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
+        misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "post_attention_layernorm.weight"),
+                      eps=s.rms_norm_eps)
+        m = p + "mlp."
+        if s.is_moe:
+            E, k = s.num_experts, s.num_experts_per_tok
+            self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=b.h, M=M, y=b.router)
+            moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, ids=b.ids, weights=b.wts,
+                      shared_scale=b.sscale)
+            if M > GEMV_MAX_ROWS:  # prefill: tokens grouped by expert, each expert's weights read once per tile
+                gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=b.h, M=M,
+                                 ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
+            else:
+                moe.gate_up(self.k, W(m + "experts.gate_up_proj"), x=b.h, M=M, ids=b.ids, top_k=k, act=b.act)
+                moe.down(self.k, W(m + "experts.down_proj"), act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k,
+                         y=b.x)
+            self._linear(W(m + "shared_expert.{gate_proj,up_proj}.weight"), x=b.h, M=M, y=b.act_s, mode="swiglu",
+                         ldy=self.ffn_cols)
+            self._linear(W(m + "shared_expert.down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add",
+                         row_scale=b.sscale)
+        else:
+            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=b.h, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols)
+            self._linear(W(m + "down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add")
+
+    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str) -> None:
+        """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
+
+        logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
+        "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last).
+        """
+        b, s, M = self.buf, self.spec, B * T
+        linear.embed(self.k, self.w.matrix(LM + "embed_tokens.weight"), ids=b.tokens, M=M, out=b.x)
+        for i in range(s.num_hidden_layers):
+            self._layer(i, B, T, ctx_bucket)
+        if logit_rows == "none":
+            return
+        norm = self.w.param(LM + "norm.weight")
+        if logit_rows == "all":
+            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps)
+            self._linear(self.lm_head, x=b.h, M=M, y=b.logits)
+            rows = M
+        else:  # row b·T + T-1 of each sequence: a strided view of x with stride T rows
+            misc.rms_norm(self.k, x=b.x + 4 * (T - 1) * self.H, y=b.h, M=B, D=self.H, w=norm,
+                          eps=s.rms_norm_eps, ldx=T * self.H)
+            self._linear(self.lm_head, x=b.h, M=B, y=b.logits)
+            rows = B
+        misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
+                    scratch=b.scratch)
+
+    # ------------------------------------------------------------------------------------------- host API
+
+    def _set_batch(self, tokens: np.ndarray, pos: list[int], slots: list[int]) -> None:
+        self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
+        self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
+        self.gpu.upload(self.slot, np.asarray(slots, np.int32), stream=self.gpu.stream)
+
+    def _check(self, pos: list[int], T: int, slots: list[int]) -> None:
+        if any(not 0 <= sl < self.slots for sl in slots):
+            raise NinferError(f"slot out of range [0, {self.slots})")
+        if max(pos) + T > self.max_ctx:
+            raise NinferError(f"context {max(pos) + T} exceeds the cache's {self.max_ctx} positions")
+
+    def decode(self, tokens: np.ndarray, pos: list[int], slots: list[int], *, graph: bool = True) -> None:
+        """One decode step for B = len(pos) sequences of T = tokens.size // B new tokens each (T ≤ 8).
+
+        Leaves logits of each sequence's last token in the logits buffer (rows 0..B-1) and their argmax.
+        """
+        B = len(pos)
+        T = tokens.size // B
+        if not 1 <= T <= GEMV_MAX_ROWS or T * B != tokens.size or B > self.slots:
+            raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")
+        self._check(pos, T, slots)
+        bucket = min(context_bucket(max(pos) + T), self.max_ctx)
+        self._set_batch(tokens, pos, slots)
+        if not graph:
+            self._step(B, T, bucket, "last")
+            return
+        key = (B, T, bucket)
+        g = self.graphs.get(key)
+        if g is None:
+            self.gpu.begin_capture()
+            try:
+                self._step(B, T, bucket, "last")
+            finally:
+                g = self.gpu.end_capture()
+            self.graphs[key] = g
+        g.launch(self.gpu.stream)
+
+    def prefill(self, tokens: np.ndarray, slot: int, start: int = 0, all_logits: bool = False):
+        """Run a prompt through one sequence's slot from position `start`, in chunks.
+
+        Returns the logits of every position (float32 [T, V]) when all_logits, else None: the last token's
+        logits are left in logits row 0 (and argmax row 0).
+        """
+        tokens = np.asarray(tokens, np.int32)
+        n = tokens.size
+        self._check([start], n, [slot])
+        chunk = min(self.prefill_chunk, self.logit_rows) if all_logits else self.prefill_chunk
+        out = []
+        for c0 in range(0, n, chunk):
+            piece = tokens[c0:c0 + chunk]
+            T = piece.size
+            self._set_batch(piece, [start + c0], [slot])
+            last = c0 + T == n
+            self._step(1, T, min(context_bucket(start + c0 + T), self.max_ctx),
+                       "all" if all_logits else ("last" if last else "none"))
+            if all_logits:
+                out.append(self.gpu.download(self.buf.logits, (T, self.V), np.float32))
+        return np.concatenate(out) if all_logits else None
+
+    def logits(self, rows: int) -> np.ndarray:
+        """The logits buffer's first `rows` rows (float32 [rows, V]), after the stream finishes."""
+        return self.gpu.download(self.buf.logits, (rows, self.V), np.float32)
+
+    def argmax(self, rows: int) -> np.ndarray:
+        return self.gpu.download(self.buf.argmax, (rows,), np.int32)
+
+
+def check_engine_kernels(k: Kernels) -> None:
+    """Fail with one line if the built kernels lack an entry point the engine needs."""
+    for name in ("gemv_q8g32", "gemv_bf16", "rms_norm"):
+        try:
+            k.fn(name)
+        except GpuError as e:
+            raise GpuError(f"the kernel build is incomplete: {e}") from None

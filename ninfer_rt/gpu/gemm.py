@@ -1,0 +1,193 @@
+"""Launch wrappers of kernels/gemm.cu: the tensor-core GEMM for prefill (many rows), every weight format.
+
+`gemm` has the semantics of `linear.gemv` (the decode path, M <= 8), so the engine switches between them by M:
+
+    store   y[m, n]  = s_m · Σ_k W[n, k] x[m, k]
+    add     y[m, n] += s_m · Σ_k W[n, k] x[m, k]
+    swiglu  y[m, j]  = silu(gate_j · x_m) · (up_j · x_m),  j < N/2, on W's rows interleaved in tiles of 16
+            (rows 32t..32t+15 gate rows 16t.., rows 32t+16..32t+31 up rows 16t..; row_scale ignored)
+
+with s_m = row_scale[m] (fp32 [M]) when given, else 1. W is a DeviceWeight [N, K] in one of the 12 integer
+formats or bf16; x fp32 [M, ldx] (only its first K columns are read), y fp32 [M, ldy].
+
+Numerics: x is rounded to bf16 (relative 2^-9) when staged; integer codes are exact in bf16 and each fp16 group
+scale multiplies, in fp32, the partial sum of its 32-wide chunk, so besides fp32 accumulation nothing else
+rounds. `moe_grouped` runs the same tiles over expert banks for prefill MoE (below).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ninfer_rt.formats import FORMATS
+from ninfer_rt.gpu.driver import GpuError, i32, ptr
+
+# tile constants of kernels/gemm.cu (BN, BM, BK, XS_STRIDE, RID_BYTES, Traits): keep in step
+BN = BM = 128
+BK = 32
+THREADS = 256
+XS_STRIDE = BK * 4 + 16
+RID_BYTES = BM * 12
+MODES = {"store": 0, "add": 1, "swiglu": 2}
+MODE_ATOMIC_ADD = 3
+GRID_Y_MAX = 65535
+SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
+
+_smem_set: "weakref.WeakKeyDictionary[object, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _bits(fmt: str) -> int:
+    return 16 if fmt == "bf16" else FORMATS[fmt].bits
+
+
+def smem_bytes(fmt: str) -> int:
+    """Dynamic shared memory of gemm_<fmt> / moe_gemm_<fmt> (gemm.cu Traits<BITS>::SMEM)."""
+    bits = _bits(fmt)
+    qs = 64 if bits == 16 else (32 if bits == 8 else 16)   # bytes of a row's 32-wide chunk
+    qh = {5: 4, 6: 8}.get(bits, 0)
+    scales = 0 if bits == 16 else BN * 4
+    stages = 3 if bits == 16 else 4
+    return RID_BYTES + stages * (BM * XS_STRIDE + BN * qs + BN * qh + scales)
+
+
+def _check_weight(w, what: str) -> None:
+    if w.fmt not in SUPPORTED:
+        raise GpuError(f"{what}: weight {w.name!r} is {w.fmt}; the GEMM reads {', '.join(SUPPORTED)}")
+    if w.k < BK or w.k % BK:
+        raise GpuError(f"{what}: weight {w.name!r} has K={w.k}; the GEMM needs a positive multiple of {BK}")
+    if not w.base or w.base % 16:
+        raise GpuError(f"{what}: weight {w.name!r} base {w.base:#x} is not 16-byte aligned")
+
+
+def _check_x(x: int, ldx: int, K: int, what: str) -> None:
+    if not x or x % 16:
+        raise GpuError(f"{what}: x={x:#x} must be a 16-byte aligned device pointer")
+    if ldx < K or ldx % 4:
+        raise GpuError(f"{what}: ldx={ldx} must be >= K={K} and a multiple of 4 (16-byte rows)")
+
+
+def _prepare(k, name: str, fmt: str) -> int:
+    """The kernel's dynamic smem, with its opt-in attribute set once per Kernels object."""
+    smem = smem_bytes(fmt)
+    done = _smem_set.setdefault(k, set())
+    if name not in done:
+        limit = k.gpu.info.max_smem_per_block_optin
+        if smem > limit:
+            raise GpuError(f"{name} needs {smem} bytes of shared memory; this GPU allows {limit}")
+        k.gpu.set_max_dynamic_smem(k.fn(name), smem)
+        done.add(name)
+    return smem
+
+
+def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
+         mode: str = "store", row_scale: int = 0, stream=None) -> None:
+    """y (=, +=, swiglu) W·x for M rows of x; see the module docstring. Sizes are checked (GpuError).
+
+    Pointers are device addresses: x 16-byte aligned with ldx a multiple of 4; row_scale 0 for none.
+    ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0).
+    """
+    what = f"gemm({w.name})"
+    _check_weight(w, what)
+    if len(w.shape) != 2:
+        raise GpuError(f"{what}: weight shape {w.shape} is not 2-D [N, K]")
+    if mode not in MODES:
+        raise GpuError(f"{what}: mode {mode!r} is not one of {', '.join(MODES)}")
+    N, K = w.shape
+    M = int(M)
+    if M < 0:
+        raise GpuError(f"{what}: M={M} < 0")
+    if mode == "swiglu" and N % 32:
+        raise GpuError(f"{what}: swiglu needs N % 32 == 0 (interleaved gate/up tiles of 16), N={N}")
+    out_cols = N // 2 if mode == "swiglu" else N
+    ldx = K if ldx is None else int(ldx)
+    ldy = out_cols if ldy is None else int(ldy)
+    _check_x(x, ldx, K, what)
+    if not y:
+        raise GpuError(f"{what}: y is a null pointer")
+    if ldy < out_cols:
+        raise GpuError(f"{what}: ldy={ldy} < {out_cols} output columns")
+    grid = (-(-N // BN), -(-M // BM))
+    if grid[1] > GRID_Y_MAX:
+        raise GpuError(f"{what}: M={M} exceeds {GRID_Y_MAX * BM} rows per launch")
+    if M == 0:
+        return
+    name = f"gemm_{w.fmt}"
+    smem = _prepare(k, name, w.fmt)
+    qs, qh, sc = w.planes()
+    k.launch(name, grid, THREADS,
+             [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(x), i32(ldx), ptr(y), i32(ldy),
+              ptr(row_scale), i32(M), i32(MODES[mode])], smem, stream)
+
+
+# ------------------------------------------------------------------------------------------------ grouped MoE
+
+SORT_THREADS = 1024
+
+
+def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
+    """Bytes of the int32 workspace `moe_grouped` needs: order [M·top_k], offsets [E+1], tile_start [E+1]."""
+    return 4 * (int(M) * int(top_k) + 2 * (int(E) + 1))
+
+
+def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top_k: int, act: int, y: int,
+                scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+    """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
+
+    gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
+    down: bank [E, H, I]. x fp32 [M, ldx >= H]; ids int32 [M, top_k] (ids outside [0, E) are skipped);
+    weights fp32 [M, top_k]; y fp32 [M, ldy >= H], added into. act fp32 [M·top_k, I] receives the SwiGLU
+    activation of each slot s = m·top_k + j; scratch is an int32 workspace of moe_scratch_bytes(M, top_k, E).
+
+    Three launches: moe_sort groups the slots by expert; moe_gemm (swiglu) fills act; moe_gemm (down) adds
+    into y with float atomics, so y's last bits may differ from run to run (the top_k terms of a row are
+    summed in whatever order the blocks finish).
+    """
+    what = f"moe_grouped({gate_up.name}, {down.name})"
+    for w in (gate_up, down):
+        _check_weight(w, what)
+        if len(w.shape) != 3:
+            raise GpuError(f"{what}: bank {w.name!r} shape {w.shape} is not 3-D [E, N, K]")
+    E, I2, H = gate_up.shape
+    if down.shape != (E, H, I2 // 2):
+        raise GpuError(f"{what}: down shape {down.shape} does not match gate_up {gate_up.shape} "
+                       f"(expected {(E, H, I2 // 2)})")
+    I = I2 // 2
+    if I2 % 32:
+        raise GpuError(f"{what}: 2I={I2} must be a multiple of 32 (interleaved tiles of 16)")
+    M, top_k = int(M), int(top_k)
+    if M < 0 or top_k < 1:
+        raise GpuError(f"{what}: M={M} must be >= 0 and top_k={top_k} >= 1")
+    ldx = H if ldx is None else int(ldx)
+    ldy = H if ldy is None else int(ldy)
+    _check_x(x, ldx, H, what)
+    _check_x(act, I, I, what + " act")
+    for nm, p in (("ids", ids), ("weights", weights), ("y", y), ("scratch", scratch)):
+        if not p:
+            raise GpuError(f"{what}: {nm} is a null pointer")
+    if ldy < H:
+        raise GpuError(f"{what}: ldy={ldy} < H={H}")
+    slots = M * top_k
+    grid_y = -(-slots // BM) + E
+    if grid_y > GRID_Y_MAX or slots >= 2**31:
+        raise GpuError(f"{what}: M·top_k={slots} is too many slots for one launch")
+    if 8 * E > 48 * 1024:
+        raise GpuError(f"{what}: E={E} experts exceed the sort's shared memory")
+    if M == 0:
+        return
+    order = scratch
+    offsets = scratch + 4 * slots
+    tile_start = offsets + 4 * (E + 1)
+    k.launch("moe_sort", 1, SORT_THREADS,
+             [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start)], 8 * E, stream)
+
+    def run(w, N, K, xp, ldx_, yp, ldy_, row_scale, xdiv, ydiv, mode):
+        name = f"moe_gemm_{w.fmt}"
+        smem = _prepare(k, name, w.fmt)
+        qs, qh, sc = w.planes()
+        k.launch(name, (-(-N // BN), grid_y), THREADS,
+                 [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
+                  ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv),
+                  i32(mode)], smem, stream)
+
+    run(gate_up, I2, H, x, ldx, act, I, 0, top_k, 1, MODES["swiglu"])
+    run(down, H, I, act, I, y, ldy, weights, 1, top_k, MODE_ATOMIC_ADD)

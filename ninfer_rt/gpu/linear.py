@@ -1,0 +1,173 @@
+"""Decode GEMV and embedding gather (kernels/gemv.cu): launch shapes, argument checks, the M > 8 chunk loop.
+
+`gemv` computes y = W x̂ for up to 8 activation rows per launch, reading the weights once for all rows, with an
+optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. `embed`
+gathers decoded weight rows. Weights stay in the artifact's byte layout (a DeviceWeight); activations are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+from ninfer_rt.gpu.weights import DeviceWeight
+
+MODES = {"store": 0, "add": 1, "swiglu": 2}
+MAX_M = 8  # activation rows per launch; more are done in chunks of 8
+
+_THREADS = 256  # 8 warps per block
+_WARPS = 8
+_ROWS = 4  # weight rows per warp
+_X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
+_BLOCKS_PER_SM = {1: 4, 2: 3}  # the kernels' launch bounds (registers); 2 for M >= 3
+_EMBED_THREADS = 128
+_MAX_GRID_Y = 65535
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """One launch of a gemv kernel: entry point, grid, K split across warps, x̂ slab and its shared memory."""
+
+    name: str
+    grid: int
+    kw_log2: int  # 1 << kw_log2 warps of a block share one group of 4 rows, splitting K
+    ks: int  # x̂ slab length (elements of K per shared-memory stage)
+    smem: int  # dynamic shared memory bytes
+    gshift: int  # log2 of the quantization group (5 for bf16, unused)
+
+
+def _code(w: DeviceWeight) -> tuple[str, int, int]:
+    """(entry prefix, bits, elements per 16-byte unit) of a weight the GEMV kernels read."""
+    if w.fmt == "bf16":
+        return "bf16", 16, 8
+    if w.quantized and w.bits in (4, 5, 6, 8):
+        return f"q{w.bits}", w.bits, 16 if w.bits == 8 else 32
+    raise GpuError(f"{w.name}: format {w.fmt} has no GEMV kernel (quantized q*g* or bf16 only)")
+
+
+def _chunk_stride(m: int) -> int:
+    """Floats per 32-element chunk of the staged x̂ for m rows (kernels/gemv.cu chunk_stride)."""
+    return 36 * m + (4 if m % 2 == 0 else 0)
+
+
+def _check_matrix(w: DeviceWeight, what: str) -> tuple[int, int]:
+    if not isinstance(w, DeviceWeight):
+        raise GpuError(f"{what}: expected a DeviceWeight, got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise GpuError(f"{w.name}: {what} needs a 2-D weight [N, K], got shape {list(w.shape)}")
+    n, k = w.shape
+    if n < 1 or k < 32 or k % 32:
+        raise GpuError(f"{w.name}: {what} needs N >= 1 and K a multiple of 32, got [{n}, {k}]")
+    return n, k
+
+
+def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = None,
+              ks: int | None = None) -> GemvPlan:
+    """The launch for M = m (1..8) rows: rows in groups of 4 per warp, warps per group (KW) chosen so the grid
+    fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
+    length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split)."""
+    prefix, bits, eu = _code(w)
+    n, k = w.shape
+    if not 1 <= m <= MAX_M:
+        raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
+    cs4 = _chunk_stride(m) * 4
+    ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
+    if ks is None:
+        ks = k
+        if k > ks_max:
+            want = math.ceil(k / math.ceil(k / ks_max))  # equal slabs
+            sweep = 32 * eu  # elements one warp covers per step
+            ks = _round_up(want, sweep) if _round_up(want, sweep) <= ks_max else _round_up(want, 256)
+    elif ks % 32 or not 32 <= ks <= ks_max:
+        raise GpuError(f"gemv slab length must be a multiple of 32 in [32, {ks_max}] at M = {m}, got {ks}")
+    ks = min(ks, k)
+    groups = math.ceil(n / _ROWS)
+    if kw_log2 is None:
+        units = k // eu  # 16-byte units along one row
+        slots = max(1, sm_count) * _BLOCKS_PER_SM.get(m, 2)
+        kw = 1
+        while kw < _WARPS and math.ceil(groups * kw / _WARPS) < slots and units >= 32 * 2 * kw:
+            kw *= 2
+        kw_log2 = kw.bit_length() - 1
+    elif not 0 <= kw_log2 <= 3:
+        raise GpuError(f"gemv kw_log2 must be 0..3, got {kw_log2}")
+    return GemvPlan(name=f"gemv_{prefix}_m{m}", grid=math.ceil(groups * (1 << kw_log2) / _WARPS), kw_log2=kw_log2,
+                    ks=ks, smem=(ks // 32) * cs4, gshift=int(math.log2(w.group)) if w.quantized else 5)
+
+
+def _round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
+         mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None) -> None:
+    """y = s_m · W x̂ for M activation rows (device pointers; fp32 row-major).
+
+    w: [N, K] weight, q{4,5,6,8}g{32,64,128} or bf16, K % 32 == 0. x: fp32 [M, ldx] (K columns read; ldx
+    defaults to K). norm_w != 0 (fp32 [K]) applies x̂ = x · rsqrt(mean(x²) + norm_eps) · (1 + norm_w), else x̂ = x.
+    row_scale != 0 (fp32 [M]) scales output row m by row_scale[m]. mode "store": y[m, :N] = ...; "add":
+    y[m, :N] += ...; "swiglu": W's rows are gate/up tiles of 16 and y[m, j] = silu(gate_j·x̂)·(up_j·x̂) for
+    j < N/2 (row_scale ignored). ldy defaults to N (N/2 for swiglu). y must not overlap x. M > 8 runs in chunks
+    of 8 rows (weights re-read per chunk).
+    """
+    n, kk = _check_matrix(w, "gemv")
+    eu = _code(w)[2]  # the format has a kernel
+    if mode not in MODES:
+        raise GpuError(f"{w.name}: gemv mode must be one of {', '.join(MODES)}, got {mode!r}")
+    n_out = n // 2 if mode == "swiglu" else n
+    if mode == "swiglu" and n % 32:
+        raise GpuError(f"{w.name}: swiglu needs gate/up tiles of 16 (N % 32 == 0), got N = {n}")
+    ldx = kk if ldx is None else int(ldx)
+    ldy = n_out if ldy is None else int(ldy)
+    M = int(M)
+    if M < 0:
+        raise GpuError(f"{w.name}: gemv needs M >= 0, got {M}")
+    if ldx < kk or ldy < n_out:
+        raise GpuError(f"{w.name}: gemv needs ldx >= K = {kk} and ldy >= {n_out}, got ldx {ldx}, ldy {ldy}")
+    if ldx >= 2**31 or ldy >= 2**31:
+        raise GpuError(f"{w.name}: gemv row strides must be < 2^31 elements, got ldx {ldx}, ldy {ldy}")
+    if not x or not y:
+        raise GpuError(f"{w.name}: gemv needs device pointers x and y, got x={x:#x}, y={y:#x}")
+    if n * (w.kp // eu) >= 2**31:
+        raise GpuError(f"{w.name}: {n} rows of {w.kp} are too many for the kernel's 32-bit unit offsets")
+    if M == 0:
+        return
+    sm_count = k.gpu.info.sm_count
+    for m0 in range(0, M, MAX_M):
+        mc = min(MAX_M, M - m0)
+        _launch_gemv(k, w, plan_gemv(w, mc, sm_count), x=x + 4 * m0 * ldx, y=y + 4 * m0 * ldy, ldx=ldx,
+                     ldy=ldy, mode=mode, norm_w=norm_w, norm_eps=norm_eps,
+                     row_scale=row_scale + 4 * m0 if row_scale else 0, stream=stream)
+
+
+def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
+                 norm_w: int, norm_eps: float, row_scale: int, stream=None) -> None:
+    """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split)."""
+    n, kk = w.shape
+    qs, qh, sc = w.planes()
+    # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
+    xvec = x % 16 == 0 and ldx % 4 == 0 and norm_w % 16 == 0
+    args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
+            i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
+            i32(plan.ks), i32(1 if xvec else 0)]
+    k.launch(plan.name, (plan.grid,), (_THREADS,), args, plan.smem, stream)
+
+
+def embed(k, w: DeviceWeight, *, ids: int, M: int, out: int, stream=None) -> None:
+    """out[m, :] = row ids[m] of w [V, K], decoded exactly to fp32 (ids: int32 [M] device array; out: fp32
+    [M, K]). Any quantized format or bf16, K % 32 == 0. An id outside [0, V) gives a row of NaN."""
+    v, kk = _check_matrix(w, "embed")
+    if not (w.fmt == "bf16" or (w.quantized and w.bits in (4, 5, 6, 8))):
+        raise GpuError(f"{w.name}: format {w.fmt} has no embed kernel (quantized q*g* or bf16 only)")
+    M = int(M)
+    if M < 0:
+        raise GpuError(f"{w.name}: embed needs M >= 0, got {M}")
+    if not ids or not out:
+        raise GpuError(f"{w.name}: embed needs device pointers ids and out, got ids={ids:#x}, out={out:#x}")
+    qs, qh, sc = w.planes()
+    gx = math.ceil(kk // 32 / _EMBED_THREADS)
+    for m0 in range(0, M, _MAX_GRID_Y):
+        mc = min(_MAX_GRID_Y, M - m0)
+        args = [ptr(qs), ptr(qh), ptr(sc), ptr(ids + 4 * m0), ptr(out + 4 * m0 * kk), i32(v), i32(kk), i32(w.kp)]
+        k.launch(f"embed_{w.fmt}", (gx, mc), (_EMBED_THREADS,), args, 0, stream)

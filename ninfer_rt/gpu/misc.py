@@ -1,0 +1,184 @@
+"""Launch wrappers for the small op families: RMSNorm (kernels/norm.cu), arg-max and sampling (kernels/sampling.cu).
+
+Each wrapper takes the loaded Kernels first, then device pointers (ints) and sizes by keyword, validates the
+sizes (GpuError, one line), computes the launch shape and launches on `stream` (the context's stream if None).
+
+Sampling semantics (kernels/sampling.cu says how): the distribution of ninfer_rt.sampling.Sampler.distribution
+without penalties (temperature -> top-k -> top-p -> min-p), except that candidates are capped at
+SAMPLE_MAX_CANDIDATES = 1024: top_k = 0 or top_k > 1024 behaves as top_k = 1024. Ties with the k-th logit are
+kept, as HF does, unless they overflow the cap (then the lowest indices win). Temperature <= 0 is greedy.
+The draw is u = sample_uniform(seed, step) (Philox4x32-10), mapped through the inverse CDF of the kept tokens
+ordered by (logit desc, index asc). The row does not enter the RNG, so a request's tokens do not depend on
+which batch row it sits in; give each request its own seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer_rt.gpu.driver import GpuError, f32, i32, i64, ptr
+
+SAMPLE_MAX_CANDIDATES = 1024
+ARGMAX_MAX_SPLIT = 256      # partial results per row in the argmax scratch
+_ARGMAX_CHUNK = 2048        # entries per argmax block (256 threads × 2 float4)
+_HIST_BINS = 2048           # first radix digit of the sampler's select
+_HIST_CHUNK = 8192          # entries per sample_hist block (512 threads × 4 float4)
+_MAX_V = 1 << 30            # keeps 4 × (float4 group index) inside int32 in the kernels
+
+# One record per row of `sample`'s params array; layout = struct SampleParams in kernels/sampling.cu.
+SAMPLE_PARAMS = np.dtype({
+    "names": ["temperature", "top_k", "top_p", "min_p", "seed", "step"],
+    "formats": [np.float32, np.int32, np.float32, np.float32, np.uint64, np.uint64],
+    "offsets": [0, 4, 8, 12, 16, 24],
+    "itemsize": 32,
+})
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise GpuError(what)
+
+
+def _rows(name: str, M: int, V: int, ld: int) -> None:
+    _need(0 <= M <= 65535, f"{name}: M={M} must be in [0, 65535]")
+    _need(1 <= V <= _MAX_V, f"{name}: V={V} must be in [1, 2^30]")
+    _need(ld >= V, f"{name}: row stride ld={ld} is smaller than V={V}")
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+
+def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
+             ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+    """y[m] = x[m] · rsqrt(mean(x[m]²) + eps) · (1 + w) for m < M (ops.rms_norm_zc in fp32).
+
+    x [M, D] fp32 with row stride ldx (default D), y [M, D] fp32 with row stride ldy (default D), w [D] fp32.
+    y may be x (in place) when the strides are equal.
+    """
+    ldx = D if ldx is None else ldx
+    ldy = D if ldy is None else ldy
+    _need(M >= 0 and 1 <= D < 2**31, f"rms_norm: bad size M={M}, D={D}")
+    _need(ldx >= D and ldy >= D, f"rms_norm: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
+    _need(bool(x and y and w), "rms_norm: x, y and w must be device pointers")
+    _need(x != y or ldx == ldy, f"rms_norm: in place needs ldx == ldy (got {ldx}, {ldy})")
+    if M == 0:
+        return
+    block = min(1024, _round_up((D + 3) // 4, 32))
+    k.launch("rms_norm", M, block, [ptr(x), ptr(y), ptr(w), i32(D), i64(ldx), i64(ldy), f32(eps)], 0, stream)
+
+
+# ------------------------------------------------------------------------------------------ arg-max
+
+def argmax_scratch_bytes(M: int) -> int:
+    """Bytes of device scratch `argmax` needs for M rows (a best value and index per row slice)."""
+    return max(1, M) * ARGMAX_MAX_SPLIT * 8
+
+
+def _argmax_split(V: int) -> tuple[int, int]:
+    """(chunk, nsplit): row slices of `chunk` entries (a multiple of 4), at most ARGMAX_MAX_SPLIT of them."""
+    nsplit = min(ARGMAX_MAX_SPLIT, -(-V // _ARGMAX_CHUNK))
+    chunk = _round_up(-(-V // nsplit), 4)
+    return chunk, -(-V // chunk)
+
+
+def argmax(k, *, logits: int, ld: int, M: int, V: int, out: int, scratch: int = 0, stream=None) -> None:
+    """out int32 [M] = index of the largest of logits[m, :V] (fp32, row stride ld).
+
+    Ties go to the lowest index (torch.argmax); NaN ranks as -inf, so it never wins over a number (a row of
+    NaN/-inf only gives 0). With scratch (argmax_scratch_bytes(M) bytes) each row is split over many blocks and
+    a second launch reduces the slices; without it one block scans each row.
+    """
+    _rows("argmax", M, V, ld)
+    _need(bool(logits and out), "argmax: logits and out must be device pointers")
+    if M == 0:
+        return
+    if scratch:
+        chunk, nsplit = _argmax_split(V)
+    else:
+        chunk, nsplit = V, 1
+    part_v = scratch
+    part_i = scratch + M * ARGMAX_MAX_SPLIT * 4 if scratch else 0
+    block = 256 if nsplit > 1 else min(1024, _round_up((V + 3) // 4, 32))
+    k.launch("argmax_rows", (nsplit, M), block,
+             [ptr(logits), i64(ld), i32(V), i32(chunk), ptr(part_v), ptr(part_i), ptr(out)], 0, stream)
+    if nsplit > 1:
+        k.launch("argmax_finish", M, 32, [ptr(part_v), ptr(part_i), i32(nsplit), ptr(out)], 0, stream)
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def sample_params(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                  seed: int = 0, step: int = 0) -> np.ndarray:
+    """One SAMPLE_PARAMS record (np.concatenate one per row, then upload).
+
+    temperature >= 0 (0 = greedy), top_k >= 0 (0 = off, capped at 1024), top_p in (0, 1] (1 = off),
+    min_p in [0, 1] (0 = off), seed and step in [0, 2^64): step is the token's index, so each step draws anew.
+    """
+    _need(np.isfinite(temperature) and temperature >= 0, f"sample_params: temperature={temperature} must be >= 0")
+    _need(int(top_k) == top_k and top_k >= 0, f"sample_params: top_k={top_k} must be an integer >= 0")
+    _need(0 < top_p <= 1, f"sample_params: top_p={top_p} must be in (0, 1]")
+    _need(0 <= min_p <= 1, f"sample_params: min_p={min_p} must be in [0, 1]")
+    _need(0 <= seed < 2**64 and 0 <= step < 2**64, f"sample_params: seed={seed}, step={step} must be in [0, 2^64)")
+    rec = np.zeros(1, SAMPLE_PARAMS)
+    rec[0] = (temperature, min(int(top_k), 2**31 - 1), top_p, min_p, seed, step)
+    return rec
+
+
+def sample_scratch_bytes(M: int) -> int:
+    """Bytes of device scratch `sample` / `sample_probs` need for M rows (a 2048-bin histogram per row)."""
+    return max(1, M) * _HIST_BINS * 4
+
+
+def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scratch: int,
+            tokens: int, probs: int, stream) -> None:
+    _rows(name, M, V, ld)
+    _need(bool(logits and params and scratch), f"{name}: logits, params and scratch must be device pointers")
+    if M == 0:
+        return
+    k.gpu.memset(scratch, 0, M * _HIST_BINS * 4, stream)  # sample_hist accumulates into it
+    nsplit = -(-V // _HIST_CHUNK)
+    k.launch("sample_hist", (nsplit, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(scratch)],
+             0, stream)
+    k.launch("sample_rows", M, 1024,
+             [ptr(logits), i64(ld), i32(V), ptr(params), ptr(scratch), ptr(tokens), ptr(probs)], 0, stream)
+
+
+def sample(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, scratch: int, stream=None) -> None:
+    """out int32 [M]: one token per row drawn from logits[m, :V] (fp32, row stride ld) under params[m]
+    (a device array of M SAMPLE_PARAMS records). scratch: sample_scratch_bytes(M) bytes."""
+    _need(bool(out), "sample: out must be a device pointer")
+    _sample("sample", k, logits, ld, M, V, params, scratch, out, 0, stream)
+
+
+def sample_probs(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, scratch: int,
+                 stream=None) -> None:
+    """out fp32 [M, V] (row stride V): the final probabilities `sample` draws from, 0 for dropped tokens."""
+    _need(bool(out), "sample_probs: out must be a device pointer")
+    _sample("sample_probs", k, logits, ld, M, V, params, scratch, 0, out, stream)
+
+
+# ------------------------------------------------------------------------------------------ the RNG's host twin
+
+_M32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Philox4x32-10 (Salmon et al., SC 2011; Random123's philox4x32 with 10 rounds) on Python ints."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _M32, (p0 >> 32) ^ c3 ^ k1, p0 & _M32
+    return c0, c1, c2, c3
+
+
+def sample_uniform(seed: int, step: int) -> float:
+    """The u in [0, 1) the sampling kernel draws for (seed, step): 53 bits of Philox4x32-10, counter (step, 0),
+    key seed."""
+    o = philox4x32_10((step & _M32, step >> 32, 0, 0), (seed & _M32, seed >> 32))
+    return ((o[0] << 21) | (o[1] >> 11)) * 2.0**-53

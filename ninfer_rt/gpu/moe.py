@@ -1,0 +1,129 @@
+"""Launch wrappers of kernels/moe.cu: the routed part of the sparse MoE block at decode.
+
+One decode step has M = B*T rows of fp32 activations. The router logits (and the shared-expert gate logit in
+column E) come from the plain GEMV over the fused [E+1, H] router; then
+
+    route    -> ids [M, k], weights [M, k], shared_scale [M]
+    gate_up  -> act [M, k, I] = SwiGLU of each chosen expert
+    down     -> y [M, H] += Σ_j weights · down_j(act_j)      (y is the residual stream)
+
+The shared expert is computed apart with the plain GEMV. Reference: ninfer_rt.reference.ops.moe.
+"""
+
+from __future__ import annotations
+
+from ninfer_rt.gpu.driver import GpuError, i32, ptr
+from ninfer_rt.gpu.weights import DeviceWeight
+
+MAX_EXPERTS = 512  # route keeps one row's logits in shared memory
+MAX_TOP_K = 16
+ROUTE_WARPS = 4  # rows per route block (one warp each)
+THREADS = 256  # gate_up and down blocks
+GATE_UP_TILE = 32  # bank rows per gate_up block: 16 gate + 16 up (the interleave tile of 16)
+DOWN_ROWS = 8  # rows of y per down block
+XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
+SMEM_DEFAULT = 48 * 1024  # dynamic shared memory every launch may use without opting in
+SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
+
+
+def _check_ptrs(op: str, **ptrs: int) -> None:
+    for name, p in ptrs.items():
+        if not p:
+            raise GpuError(f"moe.{op}: {name} is a null pointer")
+
+
+def _kernel_name(op: str, w: DeviceWeight) -> str:
+    if not (w.quantized or w.fmt == "bf16"):
+        raise GpuError(f"moe.{op}: weight {w.name} is {w.fmt}; the MoE kernels read q{{4,5,6,8}}g{{32,64,128}} "
+                       "or bf16")
+    return f"moe_{op}_{w.fmt}"
+
+
+def _bank(op: str, w: DeviceWeight) -> tuple[int, int, int]:
+    """(E, N, K) of a [E, N, K] expert bank."""
+    if len(w.shape) != 3:
+        raise GpuError(f"moe.{op}: weight {w.name} must be an expert bank [E, N, K], got shape {list(w.shape)}")
+    return w.shape
+
+
+def _check_rows(op: str, M: int, top_k: int) -> None:
+    if M < 0:
+        raise GpuError(f"moe.{op}: M={M} must be >= 0")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise GpuError(f"moe.{op}: top_k={top_k} outside 1..{MAX_TOP_K}")
+
+
+def _smem(k, op: str, name: str, nbytes: int) -> int:
+    """Dynamic shared memory of one launch; opts the kernel in above the 48 KiB default when the GPU allows."""
+    if nbytes > SMEM_DEFAULT - SMEM_STATIC:
+        limit = k.gpu.info.max_smem_per_block_optin - SMEM_STATIC
+        if nbytes > limit:
+            raise GpuError(f"moe.{op}: needs {nbytes} bytes of shared memory, this GPU allows {limit}")
+        k.gpu.set_max_dynamic_smem(k.fn(name), nbytes)
+    return nbytes
+
+
+def route(k, *, logits: int, ld: int, M: int, E: int, top_k: int, ids: int, weights: int, shared_scale: int,
+          stream=None) -> None:
+    """Top-k softmax routing of M rows, plus the shared-expert gate.
+
+    logits fp32 [M, ld]: columns 0..E-1 router logits, column E the shared-expert-gate logit.
+    p = softmax(logits[m, :E]) in fp32; (w, e) = the top_k largest p, descending, equal p by lower index;
+    ids int32 [M, top_k] = e; weights fp32 [M, top_k] = w / Σw; shared_scale fp32 [M] = sigmoid(logits[m, E]).
+    """
+    _check_rows("route", M, top_k)
+    if not 1 <= E <= MAX_EXPERTS:
+        raise GpuError(f"moe.route: E={E} outside 1..{MAX_EXPERTS}")
+    if top_k > E:
+        raise GpuError(f"moe.route: top_k={top_k} exceeds E={E}")
+    if ld < E + 1:
+        raise GpuError(f"moe.route: ld={ld} must be >= E + 1 = {E + 1} (column E is the shared-expert gate)")
+    _check_ptrs("route", logits=logits, ids=ids, weights=weights, shared_scale=shared_scale)
+    grid = (M + ROUTE_WARPS - 1) // ROUTE_WARPS
+    args = [ptr(logits), i32(ld), i32(M), i32(E), i32(top_k), ptr(ids), ptr(weights), ptr(shared_scale)]
+    k.launch("moe_route", grid, 32 * ROUTE_WARPS, args, 0, stream)
+
+
+def gate_up(k, w: DeviceWeight, *, x: int, M: int, ids: int, top_k: int, act: int, stream=None) -> None:
+    """SwiGLU of each row's chosen experts: act[m, j, i] = silu(g_i · x_m) · (u_i · x_m), expert ids[m, j].
+
+    w: the routed gate/up bank [E, 2I, H], rows interleaved in tiles of 16 (layout.interleave_gate_up).
+    x fp32 [M, H]; ids int32 [M, top_k] (an id outside [0, E) gives NaN); act fp32 [M, top_k, I].
+    Grid (M·top_k, 2I/32): each block reads 32 bank rows of one expert for one row of x.
+    """
+    name = _kernel_name("gate_up", w)
+    E, two_i, H = _bank("gate_up", w)
+    _check_rows("gate_up", M, top_k)
+    if two_i % 64 or H % 32:
+        raise GpuError(f"moe.gate_up: bank {w.name} {list(w.shape)}: I and H must be multiples of 32")
+    if two_i // GATE_UP_TILE > 65535:
+        raise GpuError(f"moe.gate_up: I={two_i // 2} is too large for the grid (at most {65535 * 16})")
+    _check_ptrs("gate_up", x=x, ids=ids, act=act)
+    I = two_i // 2
+    smem = _smem(k, "gate_up", name, H // 32 * XPAD * 4)
+    qs, qh, sc = w.planes()
+    args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(ids), i32(top_k), ptr(act)]
+    k.launch(name, (M * top_k, two_i // GATE_UP_TILE), THREADS, args, smem, stream)
+
+
+def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k: int, y: int, stream=None) -> None:
+    """Down projections of the chosen experts, weighted and added to the residual stream.
+
+    y[m, n] += Σ_j weights[m, j] · (W_{ids[m, j]}[n, :] · act[m, j, :]), the k terms summed in order
+    j = 0..k-1 by one thread per element (deterministic, no atomics). w: the down bank [E, H, I];
+    act fp32 [M, top_k, I]; ids int32 / weights fp32 [M, top_k]; y fp32 [M, H].
+    Grid (M, H/8): each block reads 8 rows of each of the row's top_k experts.
+    """
+    name = _kernel_name("down", w)
+    E, H, I = _bank("down", w)
+    _check_rows("down", M, top_k)
+    if I % 32 or H % 32:
+        raise GpuError(f"moe.down: bank {w.name} {list(w.shape)}: I and H must be multiples of 32")
+    if H // DOWN_ROWS > 65535:
+        raise GpuError(f"moe.down: H={H} is too large for the grid (at most {65535 * DOWN_ROWS})")
+    _check_ptrs("down", act=act, ids=ids, weights=weights, y=y)
+    smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
+    qs, qh, sc = w.planes()
+    args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(act), ptr(ids), ptr(weights),
+            i32(top_k), ptr(y)]
+    k.launch(name, (M, H // DOWN_ROWS), THREADS, args, smem, stream)

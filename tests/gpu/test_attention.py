@@ -1,0 +1,437 @@
+"""GPU tests of kernels/attention.cu through ninfer_rt.gpu.attention: prepare (q/k norm + RoPE, KV cache write),
+decode (split-KV gated attention) and prefill.
+
+Oracles (torch fp32 on the CPU, same inputs): ops.rms_norm_zc, ops.rope_inv_freq / rope_cos_sin / apply_rope and
+ops.gated_attention. Cache rows are checked element by element: bf16 against f32_to_bf16_bits of the oracle's
+values (v exact; k within one bf16 ulp, since the kernel's fp32 norm and rope round differently from torch's, and
+>= 99% bit-exact), int8 codes and scales against the numpy formula on the same values (v exact; k within one code,
+scale to 1e-6). Decode is checked against gated_attention on what the cache actually holds (dequantised); history
+is written directly, positions past each sequence's end are poisoned (NaN bf16 / NaN int8 scales), outputs and
+scratch start as NaN bytes, and gate rows carry NaN padding, so any read out of bounds shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer_rt.config import Yarn
+from ninfer_rt.formats import bf16_bits_to_f32, f32_to_bf16_bits
+from ninfer_rt.reference import ops
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-6
+DIMS = {  # nH, nKV, d, rot, theta, mRoPE section (irrelevant for text positions, but must fit rot)
+    "35b": (16, 2, 256, 64, 1e7, (11, 11, 10)),
+    "27b": (24, 4, 256, 64, 1e7, (11, 11, 10)),   # 6 query heads per kv head: tiles mix tokens unevenly
+    "tiny": (4, 2, 32, 8, 1e4, (2, 1, 1)),
+}
+
+
+def _yarn() -> Yarn:
+    """The 1M-context YaRN setting of the Qwen3.6 model card."""
+    return Yarn(factor=4.0, original_max_position_embeddings=262144, attention_factor=0.1 * math.log(4.0) + 1.0,
+                beta_fast=32.0, beta_slow=1.0, truncate=True)
+
+
+def _where(bad: np.ndarray) -> str:
+    idx = np.argwhere(bad)[:5]
+    return ", ".join(str(tuple(int(v) for v in i)) for i in idx)
+
+
+def _new_cache(dev, slots, max_ctx, nKV, d, dtype):
+    from ninfer_rt.gpu import attention
+    n = attention.KVCache.nbytes(slots, max_ctx, nKV, d, dtype)
+    return attention.KVCache.at(dev.empty(n), slots, max_ctx, nKV, d, dtype)  # 0xFF: NaN bf16 / NaN scales
+
+
+def _fill_cache(gpu, rng, cache, slot, ends):
+    """Random valid history at positions [0, ends[b]) of slot[b]; every other position poisoned.
+    Returns the dequantised float32 cache [slots, max_ctx, nKV, d] for k and v."""
+    shape = (cache.slots, cache.max_ctx, cache.nKV, cache.d)
+    out = []
+    for dst, sdst in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        if cache.dtype == "bf16":
+            bits = np.full(shape, 0xFFFF, np.uint16)
+            for s, e in zip(slot, ends):
+                bits[s, :e] = f32_to_bf16_bits(rng.standard_normal((e,) + shape[2:], dtype=np.float32))
+            gpu.upload(dst, bits)
+            out.append(bf16_bits_to_f32(bits))
+        else:
+            codes = np.full(shape, -1, np.int8)
+            scales = np.full(shape[:3], np.nan, np.float32)
+            for s, e in zip(slot, ends):
+                codes[s, :e] = rng.integers(-127, 128, size=(e,) + shape[2:], dtype=np.int8)
+                scales[s, :e] = rng.uniform(0.004, 0.02, size=(e,) + shape[2:3])
+            gpu.upload(dst, codes)
+            gpu.upload(sdst, scales)
+            out.append(codes.astype(np.float32) * scales[..., None])
+    return out
+
+
+def _quant_int8(x: np.ndarray):
+    """The int8 cache formula: scale = max|x| / 127 per vector, code = rint(x / scale) clamped to +-127."""
+    x = x.astype(np.float32)
+    scale = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(scale[..., None] > 0, np.rint(x / scale[..., None]), 0)
+    return np.clip(codes, -127, 127).astype(np.int8), scale
+
+
+def _oracle_attention(q, gate, K, V, pos, slot, T):
+    """ops.gated_attention per sequence on the dequantised cache, and the error scale sigmoid(g)·sum_j p_j|v_j|
+    (fp64) that bounds what fp32 rounding can do to each output element."""
+    M, nH, d = q.shape
+    ref, scale = np.empty((M, nH * d), np.float32), np.empty((M, nH * d))
+    for b, (p0, s) in enumerate(zip(pos, slot)):
+        S, rows = p0 + T, slice(b * T, (b + 1) * T)
+        k, v = K[s, :S], V[s, :S]                                            # [S, nKV, d]
+        g = gate[rows]
+        ref[rows] = ops.gated_attention(torch.from_numpy(q[rows]), torch.from_numpy(g), torch.from_numpy(k),
+                                        torch.from_numpy(v)).numpy()
+        G = nH // k.shape[1]
+        future = np.triu(np.ones((T, S), bool), S - T + 1)
+        mag = np.empty((T, nH, d))
+        for h in range(k.shape[1]):                                          # the G query heads of kv head h
+            qh = q[rows, h * G:(h + 1) * G].astype(np.float64)               # [T, G, d]
+            sc = (qh.reshape(T * G, d) @ k[:, h].T.astype(np.float64)).reshape(T, G, S) * d ** -0.5
+            sc[np.broadcast_to(future[:, None, :], sc.shape)] = -np.inf
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            mag[:, h * G:(h + 1) * G] = p @ np.abs(v[:, h].astype(np.float64))
+        scale[rows] = mag.reshape(T, nH * d) / (1 + np.exp(-g.astype(np.float64)))
+    return ref, scale
+
+
+def _check_attention(got, ref, scale, what):
+    """Tolerance: the kernel's products are exact (bf16 K/V times q and p split into three bf16 terms, which
+    carry 24 bits) and it rounds only in fp32 accumulation (16-key mma steps, per-split running sums, the merge),
+    like the fp32 oracle: both sit near 1e-7·scale. 1e-5·scale (+1e-6 of the row's largest scale) keeps a wide
+    margin while a missing or extra key (weight >= 1/S of the row) would still show."""
+    tol = 1e-5 * scale + 1e-6 * scale.max(-1, keepdims=True)
+    bad = ~(np.abs(got.astype(np.float64) - ref) <= tol)
+    if bad.any():
+        i = tuple(np.argwhere(bad)[0])
+        pytest.fail(f"{what}: {bad.sum()} bad elements (row, col) e.g. {_where(bad)}; first: got {got[i]!r} "
+                    f"ref {ref[i]!r} tol {tol[i]:.3g}")
+
+
+def _run_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, buckets, max_ctx, fn="decode"):
+    """Random history for sequences at `pos` (distinct slots), then decode (or prefill) once per bucket."""
+    from ninfer_rt.gpu import attention
+    nH, nKV, d = DIMS[dims][:3]
+    B, M = len(pos), len(pos) * T
+    slots = B + 1
+    slot = [int(s) for s in rng.permutation(slots)[:B]]
+    cache = _new_cache(dev, slots, max_ctx, nKV, d, dtype)
+    K, V = _fill_cache(gpu, rng, cache, slot, [p + T for p in pos])
+    q = (rng.standard_normal((M, nH, d)) * 1.5).astype(np.float32)
+    ld_gate = nH * d + 24
+    gate = np.full((M, ld_gate), np.nan, np.float32)                        # NaN padding past nH·d
+    gate[:, :nH * d] = rng.standard_normal((M, nH * d))
+    qp, gp = dev.put(q), dev.put(gate)
+    pp, sp = dev.put(np.array(pos, np.int32)), dev.put(np.array(slot, np.int32))
+    ref, scale = _oracle_attention(q, gate[:, :nH * d], K, V, pos, slot, T)
+    for bucket in buckets:
+        out = dev.empty(M * nH * d * 4)
+        scratch = dev.empty(attention.decode_scratch_bytes(M, nH, d, bucket))  # fresh NaNs: no stale partials
+        kw = dict(q=qp, gate=gp, ld_gate=ld_gate, pos=pp, slot=sp, T=T, nH=nH, cache=cache, out=out,
+                  scratch=scratch, ctx_bucket=bucket)
+        if fn == "decode":
+            attention.decode(kernels, B=B, **kw)
+        else:
+            attention.prefill(kernels, **kw)
+        got = dev.get(out, (M, nH * d))
+        cs, ns = attention.decode_split(M, min(bucket, max_ctx))
+        _check_attention(got, ref, scale, f"{fn} {dims} {dtype} pos={pos} T={T} bucket={bucket} "
+                                          f"(split {cs} x {ns})")
+
+
+# ------------------------------------------------------------------------------------------ prepare
+
+def _oracle_prepare(qkvg, qn, kn, pos, T, dims, yarn):
+    """q, k (normed + roped, fp32) and v of every row, from the reference ops."""
+    nH, nKV, d, rot, theta, section = DIMS[dims]
+    M = qkvg.shape[0]
+    x = torch.from_numpy(qkvg)
+    q = x[:, :nH * d].reshape(M, nH, d)
+    k = x[:, nH * d:(nH + nKV) * d].reshape(M, nKV, d)
+    v = x[:, (nH + nKV) * d:(nH + 2 * nKV) * d].reshape(M, nKV, d)
+    qs, ks = [], []
+    for b, p0 in enumerate(pos):
+        rows = slice(b * T, (b + 1) * T)
+        cos, sin = ops.rope_cos_sin(torch.arange(p0, p0 + T), rot, theta, section, torch.float32, yarn)
+        qs.append(ops.apply_rope(ops.rms_norm_zc(q[rows], torch.from_numpy(qn), EPS), cos, sin))
+        ks.append(ops.apply_rope(ops.rms_norm_zc(k[rows], torch.from_numpy(kn), EPS), cos, sin))
+    return torch.cat(qs).numpy(), torch.cat(ks).numpy(), v.numpy().copy()
+
+
+def _prepare(kernels, dev, rng, dims, dtype, pos, T, max_ctx, slots):
+    """Run prepare on random qkvg; returns (cache, slot, q_out, oracle q, k, v, qkvg)."""
+    from ninfer_rt.gpu import attention
+    nH, nKV, d, rot, theta, section = DIMS[dims]
+    B, M = len(pos), len(pos) * T
+    yarn = _yarn() if dims == "35b" else None
+    inv_freq, rope_scale = ops.rope_inv_freq(rot, theta, yarn)
+    ld = (2 * nH + 2 * nKV) * d + 8
+    qkvg = np.full((M, ld), np.nan, np.float32)                             # gate columns and padding unread
+    qkvg[:, :(nH + 2 * nKV) * d] = rng.standard_normal((M, (nH + 2 * nKV) * d)) * rng.uniform(0.2, 5, (M, 1))
+    qn, kn = (rng.standard_normal(d) * 0.3).astype(np.float32), (rng.standard_normal(d) * 0.3).astype(np.float32)
+    slot = [int(s) for s in rng.permutation(slots)[:B]]
+    cache = _new_cache(dev, slots, max_ctx, nKV, d, dtype)
+    q_out = dev.empty(M * nH * d * 4)
+    attention.prepare(kernels, qkvg=dev.put(qkvg), ld=ld, q_norm=dev.put(qn), k_norm=dev.put(kn),
+                      inv_freq=dev.put(inv_freq.numpy()), rope_scale=rope_scale, rot=rot,
+                      pos=dev.put(np.array(pos, np.int32)), slot=dev.put(np.array(slot, np.int32)), B=B, T=T,
+                      nH=nH, eps=EPS, cache=cache, q_out=q_out)
+    q_ref, k_ref, v_ref = _oracle_prepare(qkvg, qn, kn, pos, T, dims, yarn)
+    return cache, slot, dev.get(q_out, (M, nH, d)), q_ref, k_ref, v_ref, qkvg
+
+
+def _read_rows(dev, cache, s, p0, T):
+    """Cache rows [p0, p0 + T) of slot s: (k, v, k_scale, v_scale) raw, scales None for bf16."""
+    esize = 2 if cache.dtype == "bf16" else 1
+    dt = np.uint16 if cache.dtype == "bf16" else np.int8
+    row = (s * cache.max_ctx + p0) * cache.nKV
+    shape = (T, cache.nKV, cache.d)
+    k = dev.get(cache.k + row * cache.d * esize, shape, dt)
+    v = dev.get(cache.v + row * cache.d * esize, shape, dt)
+    if cache.dtype == "bf16":
+        return k, v, None, None
+    return k, v, dev.get(cache.k_scale + row * 4, shape[:2]), dev.get(cache.v_scale + row * 4, shape[:2])
+
+
+def _check_bf16(got, want, what):
+    """<= 1 bf16 ulp apart, and at least 99% bit-exact (a systematic rounding error would miss most)."""
+    g, w = bf16_bits_to_f32(got).astype(np.float64), bf16_bits_to_f32(want).astype(np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(g), np.abs(w)) + 1e-38)) - 7)
+    bad = ~(np.abs(g - w) <= ulp)
+    assert not bad.any(), f"{what}: {bad.sum()} values off by > 1 bf16 ulp at {_where(bad)}"
+    exact = (got == want).mean()
+    assert exact >= 0.99, f"{what}: only {exact:.3f} of the values are bit-exact"
+
+
+def _check_prepare(dev, cache, slot, pos, T, q_got, q_ref, k_ref, v_ref):
+    # q: fp32 norm + rope, a few roundings from torch's: 2e-6 of the head's largest value
+    tol = 2e-6 * np.abs(q_ref).max(-1, keepdims=True)
+    bad = ~(np.abs(q_got - q_ref) <= tol)
+    assert not bad.any(), f"q_out: {bad.sum()} bad at {_where(bad)}"
+    for b, (s, p0) in enumerate(zip(slot, pos)):
+        rows = slice(b * T, (b + 1) * T)
+        k, v, ks, vs = _read_rows(dev, cache, s, p0, T)
+        if cache.dtype == "bf16":
+            _check_bf16(k, f32_to_bf16_bits(k_ref[rows]), f"k cache of sequence {b}")
+            assert np.array_equal(v, f32_to_bf16_bits(v_ref[rows])), f"v cache of sequence {b} not exact"
+        else:
+            vc, vsc = _quant_int8(v_ref[rows])
+            assert np.array_equal(v, vc) and np.array_equal(vs, vsc), f"int8 v cache of sequence {b} not exact"
+            kc, ksc = _quant_int8(k_ref[rows])
+            assert np.allclose(ks, ksc, rtol=1e-6, atol=0), f"k scales of sequence {b}: {ks} vs {ksc}"
+            diff = np.abs(k.astype(np.int32) - kc)
+            assert diff.max() <= 1 and (diff == 0).mean() >= 0.99, \
+                f"int8 k codes of sequence {b}: max diff {diff.max()}, exact {(diff == 0).mean():.3f}"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dims,pos,T", [("35b", (0,), 1), ("35b", (5, 0, 1000), 8), ("27b", (9, 2), 2),
+                                        ("tiny", (3, 17, 0), 3), ("tiny", (40,), 70)])
+def test_prepare(kernels, dev, rng, dims, pos, T, dtype):
+    """q_out and the cache rows written; every other byte of the cache is left as it was."""
+    nKV, d = DIMS[dims][1], DIMS[dims][2]
+    max_ctx, slots = max(pos) + T + 3, len(pos) + 1
+    cache, slot, q_got, q_ref, k_ref, v_ref, _ = _prepare(kernels, dev, rng, dims, dtype, pos, T, max_ctx, slots)
+    _check_prepare(dev, cache, slot, pos, T, q_got, q_ref, k_ref, v_ref)
+    written = np.zeros((slots, max_ctx), bool)
+    for s, p0 in zip(slot, pos):
+        written[s, p0:p0 + T] = True
+    esize = 2 if dtype == "bf16" else 1
+    for name, base, per in (("k", cache.k, d * esize), ("v", cache.v, d * esize), ("k_scale", cache.k_scale, 4),
+                            ("v_scale", cache.v_scale, 4)):
+        if base:
+            raw = dev.get(base, (slots, max_ctx, nKV * per), np.uint8)
+            assert (raw[~written] == 0xFF).all(), f"{name}: bytes outside the written rows changed"
+
+
+def test_prepare_far_positions(kernels, dev, rng):
+    """Positions near 262144 with YaRN (angles up to ~2.6e5 rad): accurate cos/sin, cache rows at the end."""
+    for dtype in ("bf16", "int8"):
+        pos, T = (262140, 261000), 4
+        cache, slot, q_got, q_ref, k_ref, v_ref, _ = _prepare(kernels, dev, rng, "35b", dtype, pos, T, 262144, 2)
+        _check_prepare(dev, cache, slot, pos, T, q_got, q_ref, k_ref, v_ref)
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+DECODE_CASES = [  # dims, dtype, pos per sequence, T, extra context in the buckets (1e6: past max_ctx, clamped)
+    ("tiny", "bf16", (0,), 1, (0, 5)),
+    ("tiny", "int8", (0,), 1, (0,)),
+    ("tiny", "bf16", (1, 1000, 0), 3, (0, 100)),
+    ("tiny", "int8", (5000, 17, 62), 8, (0, 3, 10 ** 6)),
+    ("tiny", "bf16", (30, 500), 70, (0,)),
+    ("35b", "bf16", (0,), 1, (0, 1)),
+    ("35b", "int8", (1,), 1, (0,)),
+    ("35b", "bf16", (1000, 5000, 1), 1, (0, 3000)),
+    ("35b", "int8", (1000, 5000, 1), 1, (0, 3000, 10 ** 6)),
+    ("35b", "bf16", (1, 1000, 0), 3, (0,)),
+    ("35b", "int8", (0, 5000, 999), 3, (7,)),
+    ("35b", "bf16", (5000,), 8, (0, 200)),
+    ("35b", "int8", (62, 127, 4090), 8, (1,)),
+    ("35b", "bf16", (100,), 70, (0,)),
+    ("35b", "int8", (0,), 70, (5,)),
+    ("27b", "bf16", (3, 300), 3, (0, 64)),
+    ("27b", "int8", (150,), 8, (0,)),
+]
+
+
+@pytest.mark.parametrize("dims,dtype,pos,T,extras", DECODE_CASES,
+                         ids=[f"{c[0]}-{c[1]}-B{len(c[2])}-T{c[3]}-ctx{max(c[2])}" for c in DECODE_CASES])
+def test_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, extras):
+    end = max(pos) + T
+    max_ctx = end + max(e for e in extras if e < 10 ** 6) + 3
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, list(pos), T, [end + e for e in extras], max_ctx)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dims", ["35b", "tiny"])
+def test_decode_split_boundary(kernels, gpu, dev, rng, dims, dtype):
+    """Causal limits that land exactly on split boundaries: 64-key splits (M = 8, bucket 4096), where the last
+    token of one sequence alone sees split 1 and another sequence's first token ends exactly at a split's end,
+    then 128-key splits (M = 1, bucket 32800) with the context ending at a split's end."""
+    from ninfer_rt.gpu import attention
+    assert attention.decode_split(8, 4096)[0] == 64 and attention.decode_split(1, 32800)[0] == 128
+    T = 4
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, [64 - T + 1, 127], T, [4096], 4096)
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, [128 * 5 - 1], 1, [32800], 32800)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dims", ["35b", "tiny"])
+def test_prefill(kernels, gpu, dev, rng, dims, dtype):
+    """prefill (one sequence, long T) after a history, through the same kernels as decode."""
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, [37], 90, [127, 300], 300, fn="prefill")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_prepare_then_decode(kernels, gpu, dev, rng, dtype):
+    """The layer path: prepare writes this step's rows after a history, decode attends over all of it; the
+    oracle uses the reference q (not the kernel's) and the cache as read back."""
+    from ninfer_rt.gpu import attention
+    dims, pos, T = "35b", [0, 700, 33], 3
+    nH, nKV, d = DIMS[dims][:3]
+    B, M, max_ctx = len(pos), len(pos) * T, 800
+    cache, slot, q_got, q_ref, k_ref, v_ref, qkvg = _prepare(kernels, dev, rng, dims, dtype, pos, T, max_ctx, B)
+    # history before pos: write it now, leaving prepare's rows alone
+    for b, (s, p0) in enumerate(zip(slot, pos)):
+        if p0 == 0:
+            continue
+        hist = (rng.standard_normal((2, p0, nKV, d)) * 1.3).astype(np.float32)
+        for j, (dst, sdst) in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
+            row = s * max_ctx * nKV
+            if dtype == "bf16":
+                gpu.upload(dst + row * d * 2, f32_to_bf16_bits(hist[j]))
+            else:
+                codes, scales = _quant_int8(hist[j])
+                gpu.upload(dst + row * d, codes)
+                gpu.upload(sdst + row * 4, scales)
+    K, V = [], []
+    for b, (s, p0) in enumerate(zip(slot, pos)):
+        k, v, ks, vs = _read_rows(dev, cache, s, 0, p0 + T)
+        if dtype == "bf16":
+            K.append(bf16_bits_to_f32(k)), V.append(bf16_bits_to_f32(v))
+        else:
+            K.append(k.astype(np.float32) * ks[..., None]), V.append(v.astype(np.float32) * vs[..., None])
+    Kc = np.zeros((B, max_ctx, nKV, d), np.float32)
+    Vc = np.zeros_like(Kc)
+    for b in range(B):
+        Kc[b, :pos[b] + T], Vc[b, :pos[b] + T] = K[b], V[b]
+    gate = qkvg[:, (nH + 2 * nKV) * d:(2 * nH + 2 * nKV) * d]
+    gate[:] = rng.standard_normal(gate.shape)
+    ld = qkvg.shape[1]
+    gp = dev.put(qkvg) + (nH + 2 * nKV) * d * 4
+    out = dev.empty(M * nH * d * 4)
+    scratch = dev.empty(attention.decode_scratch_bytes(M, nH, d, max_ctx))
+    attention.decode(kernels, q=dev.put(q_got), gate=gp, ld_gate=ld, pos=dev.put(np.array(pos, np.int32)),
+                     slot=dev.put(np.array(slot, np.int32)), B=B, T=T, nH=nH, cache=cache, out=out,
+                     scratch=scratch, ctx_bucket=1024)
+    ref, scale = _oracle_attention(q_ref, np.ascontiguousarray(gate), Kc, Vc, pos, list(range(B)), T)
+    _check_attention(dev.get(out, (M, nH * d)), ref, scale, f"prepare + decode {dtype}")
+
+
+def test_bad_arguments(kernels):
+    from ninfer_rt.gpu import attention
+    from ninfer_rt.gpu.driver import GpuError
+    cache = attention.KVCache(k=256, v=512, k_scale=0, v_scale=0, slots=2, max_ctx=64, nKV=2, d=32, dtype="bf16")
+    prep = dict(qkvg=1, ld=(2 * 4 + 2 * 2) * 32, q_norm=1, k_norm=1, inv_freq=1, rope_scale=1.0, rot=8, pos=1,
+                slot=1, B=1, T=1, nH=4, eps=EPS, cache=cache, q_out=1)
+    for change in (dict(rot=7), dict(rot=34), dict(ld=prep["ld"] - 1), dict(nH=3), dict(B=0), dict(T=0),
+                   dict(q_out=0), dict(cache=cache.__class__(**{**cache.__dict__, "d": 48})),
+                   dict(cache=cache.__class__(**{**cache.__dict__, "dtype": "int8"}))):
+        with pytest.raises(GpuError):
+            attention.prepare(kernels, **{**prep, **change})
+    dec = dict(q=1, gate=1, ld_gate=4 * 32, pos=1, slot=1, B=1, T=1, nH=4, cache=cache, out=1, scratch=1,
+               ctx_bucket=64)
+    for change in (dict(ld_gate=4 * 32 - 1), dict(ctx_bucket=0), dict(nH=5), dict(scratch=0), dict(T=0)):
+        with pytest.raises(GpuError):
+            attention.decode(kernels, **{**dec, **change})
+    with pytest.raises(GpuError):
+        attention.KVCache.nbytes(1, 8, 2, 32, "fp8")
+    with pytest.raises(GpuError):
+        attention.KVCache.at(256 + 16, 1, 8, 2, 32, "bf16")
+
+
+def test_cache_layout(gpu):
+    """nbytes/at: parts in order k, v, k_scale, v_scale, each 256-aligned and large enough."""
+    from ninfer_rt.gpu import attention
+    for dtype, esize in (("bf16", 2), ("int8", 1)):
+        slots, ctx, nKV, d = 3, 1001, 2, 256
+        n = attention.KVCache.nbytes(slots, ctx, nKV, d, dtype)
+        c = attention.KVCache.at(1 << 20, slots, ctx, nKV, d, dtype)
+        data, rows = slots * ctx * nKV * d * esize, slots * ctx * nKV
+        assert c.v - c.k >= data and c.v % 256 == 0
+        if dtype == "int8":
+            assert c.k_scale - c.v >= data and c.v_scale - c.k_scale >= 4 * rows and c.v_scale % 256 == 0
+            assert c.v_scale + 4 * rows <= c.k + n
+        else:
+            assert c.k_scale == c.v_scale == 0 and c.v + data <= c.k + n
+
+
+def test_speed(kernels, gpu, dev):
+    """Decode timings at 35B dims (B=1, T=1 and 8), the cache filled with a constant valid byte; prints the
+    effective KV bandwidth, and only catches a pathology (10x slower than 1 TB/s)."""
+    from ninfer_rt.gpu import attention
+    from ninfer_rt.gpu.driver import Event
+    nH, nKV, d = DIMS["35b"][:3]
+    lines = []
+    for dtype in ("bf16", "int8"):
+        S = 262144
+        n = attention.KVCache.nbytes(1, S, nKV, d, dtype)
+        base = dev.empty(n, poison=False)
+        gpu.memset(base, 0x3F, n)  # bf16 0x3F3F = 0.746, int8 code 63, scale 0x3F3F3F3F = 0.747
+        cache = attention.KVCache.at(base, 1, S, nKV, d, dtype)
+        for T in (1, 8):
+            M = T
+            q, gate, out = dev.empty(M * nH * d * 4, False), dev.empty(M * nH * d * 4, False), dev.empty(M * nH * d * 4)
+            scratch = dev.empty(attention.decode_scratch_bytes(M, nH, d, S))
+            slot = dev.put(np.zeros(1, np.int32))
+            for ctx in (8192, 65536, 262144):
+                pos = dev.put(np.array([ctx - T], np.int32))
+                run = lambda: attention.decode(kernels, q=q, gate=gate, ld_gate=nH * d, pos=pos, slot=slot, B=1,
+                                               T=T, nH=nH, cache=cache, out=out, scratch=scratch, ctx_bucket=ctx)
+                run()
+                a, b = Event(), Event()
+                a.record(gpu.stream)
+                for _ in range(10):
+                    run()
+                b.record(gpu.stream)
+                b.synchronize()
+                us = a.elapsed_ms(b) * 100
+                kv = ctx * nKV * (2 * d * (2 if dtype == "bf16" else 1) + (8 if dtype == "int8" else 0))
+                lines.append(f"{dtype} T={T} ctx={ctx}: {us:.1f} us, {kv / us / 1e6:.2f} TB/s")
+                assert us < 10 * (kv / 1e12 * 1e6) + 200, lines[-1]
+        gpu.free(base)
+        dev.ptrs.remove(base)
+    print("\n".join(lines))

@@ -1,0 +1,157 @@
+"""End to end on the GPU: the tiny built-in checkpoints packed with the tiny recipe (every format family) and
+the lossless bf16 recipe, our kernels against the PyTorch reference on the same artifact.
+
+Bounds: mean KL(reference || GPU) ≤ 1e-3 nats over an 80-token prompt (the issue's bound; fp32 activations
+with a bf16 or int8 KV cache land far below it), greedy tokens equal over 64 steps with the bf16 KV cache,
+and batching (B sequences, T tokens each) changes nothing beyond fp32 reassociation (rel ≤ 1e-4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = 80      # crosses the 64-token DeltaNet chunk and several prefill chunks
+STEPS = 64
+
+
+def kld(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """KL(softmax(ref) || softmax(got)) per row, in float64."""
+    def logsoftmax(z):
+        z = z.astype(np.float64)
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    lp, lq = logsoftmax(ref), logsoftmax(got)
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+@pytest.fixture(scope="module", params=["tiny-moe", "tiny-dense"])
+def artifact(request, tmp_path_factory):
+    from ninfer_pack.pipeline import quantize
+    from ninfer_pack.tiny import materialize_builtin
+
+    src = materialize_builtin(f"builtin:{request.param}", cache_dir=tmp_path_factory.mktemp("builtin"))
+    out = tmp_path_factory.mktemp("art") / f"{request.param}.ninfer"
+    quantize(str(src), "tiny", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(artifact):
+    from ninfer_rt.api import load
+    m = load(artifact, device="cpu")
+    yield m
+    m.close()
+
+
+def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_vocab=None, logit_rows=None):
+    from ninfer_rt.format import Artifact
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import load_artifact
+
+    art = Artifact.open(path)
+    weights = load_artifact(gpu, art)
+    return GpuModel(gpu, kernels, art.spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype=kv,
+                    sample_vocab=sample_vocab, logit_rows=logit_rows), weights
+
+
+def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+@pytest.mark.parametrize("chunk", [8, PROMPT], ids=["gemv", "gemm"])
+def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk):
+    """chunk 8: the decode kernels (fp32 GEMV, per-token MoE); chunk 80: the prefill kernels (tensor-core GEMM
+    with bf16 activations, grouped MoE, long-T attention and DeltaNet)."""
+    ids = prompt(PROMPT, 1)
+    want = reference.logits(ids.tolist())
+    model, weights = gpu_model(gpu, kernels, artifact, kv=kv, logit_rows=chunk)
+    try:
+        got = model.prefill(ids, 0, all_logits=True)
+    finally:
+        model.free()
+        weights.free(gpu)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    d = kld(want, got)
+    print(f"KLD mean {d.mean():.2e} max {d.max():.2e} (kv {kv})")
+    assert d.mean() <= 1e-3
+
+
+def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference):
+    """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device."""
+    from ninfer_rt.sampling import SamplingParams
+
+    ids = prompt(24, 2)
+    want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS, sampling=SamplingParams(greedy=True)))
+    model, weights = gpu_model(gpu, kernels, artifact, sample_vocab=reference.real_vocab_size)
+    try:
+        model.prefill(ids, 0)
+        out = [int(model.argmax(1)[0])]
+        pos = ids.size
+        while len(out) < len(want):
+            model.decode(np.array([out[-1]], np.int32), [pos], [0])
+            pos += 1
+            out.append(int(model.argmax(1)[0]))
+        got_logits = model.logits(1)[0]
+    finally:
+        model.free()
+        weights.free(gpu)
+    if out != want:
+        i = next(j for j, (a, b) in enumerate(zip(out, want)) if a != b)
+        ref = reference.logits(ids.tolist() + want[:i])[-1]
+        top = np.sort(ref[:reference.real_vocab_size])[::-1]
+        pytest.fail(f"step {i}: GPU {out[i]} vs reference {want[i]}; reference logits {ref[out[i]]:.6f} vs "
+                    f"{ref[want[i]]:.6f}, top-2 gap {top[0] - top[1]:.2e}")
+    assert len(out) == len(want) == STEPS and np.isfinite(got_logits).all()
+
+
+@pytest.mark.parametrize("T2", [2, 4])
+def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, artifact, T2):
+    """B = 3 sequences in slots 2, 0, 1, each decoding T = 1 then T = T2 tokens (the MTP-verify shape), equal
+    the same tokens run one sequence at a time; graph replay equals direct launches.
+
+    Up to 8 rows a step runs the fp32 GEMV for every row, so batching changes only reassociation (≤ 1e-4).
+    With T2 = 4 the batched step has 12 rows and takes the tensor-core GEMM, whose bf16 activations (relative
+    rounding 2^-9 per projection input, a few dozen projections deep) bound the difference at 2e-2.
+    """
+    model, weights = gpu_model(gpu, kernels, artifact, slots=3)
+    tol = 1e-4 if 3 * T2 <= 8 else 2e-2
+    try:
+        prompts = [prompt(n, 10 + n) for n in (5, 17, 33)]
+        slots = [2, 0, 1]
+        steps = [prompt(1, 3 + b) for b in range(3)], [prompt(T2, 7 + b) for b in range(3)]
+
+        def run(batched: bool, graph: bool):
+            for s in slots:
+                model.reset_slot(s)
+            for p, s in zip(prompts, slots):
+                model.prefill(p, s)
+            pos = [p.size for p in prompts]
+            outs = []
+            for new in steps:
+                T = new[0].size
+                if batched:
+                    model.decode(np.concatenate(new), pos, slots, graph=graph)
+                    outs.append(model.logits(3))
+                else:
+                    rows = []
+                    for b in range(3):
+                        model.decode(new[b], [pos[b]], [slots[b]], graph=graph)
+                        rows.append(model.logits(1)[0])
+                    outs.append(np.stack(rows))
+                pos = [q + T for q in pos]
+            return outs
+
+        alone = run(False, False)
+        direct = run(True, False)
+        replay = run(True, True)
+    finally:
+        model.free()
+        weights.free(gpu)
+    for a, d, r in zip(alone, direct, replay):
+        assert np.isfinite(d).all()
+        assert np.array_equal(d, r)  # a graph replays the very same kernels
+        assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)

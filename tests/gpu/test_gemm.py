@@ -1,0 +1,228 @@
+"""kernels/gemm.cu (gemm.gemm, gemm.moe_grouped) against float64 numpy on the exact decoded weights.
+
+Oracle: y = x @ W.T in float64 with W the exact values of the stored weight (Dev.weight), then the mode's
+epilogue (row scale, add, SwiGLU on the interleaved gate/up rows). Two checks on every output:
+  * against the oracle on the exact x: the kernel rounds x to bf16, which has unit roundoff 2^-8; with the
+    mantissa spread of random data the rms relative error of x is ~1.6e-3, and so is the relative norm error
+    of y (measured 1.7e-3, worst 2.7e-3 at M = 1 over 200 draws). Bound 4e-3. SwiGLU multiplies two such
+    results (measured 2.3e-3, worst 3.3e-3 at M = 17): 6e-3. MoE rounds x, then the activation, to bf16
+    (measured 2.9e-3, worst 3.7e-3): 8e-3.
+  * against the oracle on bf16-rounded x (and, for the MoE down projection, on the kernel's own activation
+    rounded to bf16): codes are exact in bf16 and scales are applied in fp32, so only fp32 accumulation
+    differs (~1e-6). Bound 1e-4: a wrong scale, code, pairing or tile shows up here at the 1e-2 level.
+Outputs start poisoned (NaN bytes), so an unwritten element fails as non-finite; elements outside y[:M, :cols]
+(extra rows, columns up to ldy) must keep their bytes; x columns beyond K hold NaN and must not be read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer_rt.gpu import gemm
+from ninfer_rt.gpu.driver import GpuError
+from ninfer_rt.gpu.weights import DeviceWeight
+from .conftest import bf16_round
+
+pytestmark = pytest.mark.gpu
+
+QFORMATS = [f"q{b}g{g}" for b in (4, 5, 6, 8) for g in (32, 64, 128)]
+TOL_EXACT = {"store": 4e-3, "add": 4e-3, "swiglu": 6e-3}
+TOL_MOE = 8e-3
+TOL_BF16X = 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def silu(z):
+    return z / (1.0 + np.exp(-z))
+
+
+def swiglu_rows(n: int):
+    """Row indices of the gate and up halves in the interleaved layout (tiles of 16 in 32-row blocks)."""
+    idx = np.arange(n).reshape(-1, 32)
+    return idx[:, :16].ravel(), idx[:, 16:].ravel()
+
+
+def reference(w, x, mode="store", rs=None):
+    """float64 y = epilogue(x @ w.T); w [N, K] exact values, x [M, K]."""
+    o = x.astype(np.float64) @ w.astype(np.float64).T
+    if mode == "swiglu":
+        gi, ui = swiglu_rows(w.shape[0])
+        return silu(o[:, gi]) * o[:, ui]
+    return o if rs is None else o * rs.astype(np.float64)[:, None]
+
+
+def assert_close(got, want, tol, what):
+    """Relative norm error <= tol; on failure, name the worst element and the first bad rows / columns."""
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    bad = ~np.isfinite(got)
+    if bad.any():
+        m, n = np.argwhere(bad)[0]
+        raise AssertionError(f"{what}: {bad.sum()} of {got.size} outputs non-finite (unwritten?), first [{m}, {n}]")
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    if err > tol:
+        d = np.abs(got - want)
+        m, n = np.unravel_index(np.argmax(d), d.shape)
+        scale = 10 * tol * np.sqrt(np.mean(want ** 2))
+        rows = np.flatnonzero(d.max(axis=1) > scale)[:8].tolist()
+        cols = np.flatnonzero(d.max(axis=0) > scale)[:8].tolist()
+        raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.0e}; worst [{m}, {n}] got {got[m, n]:.6g} "
+                             f"want {want[m, n]:.6g}; rows off {rows}, cols off {cols}")
+
+
+def untouched(got, before, M, cols, what):
+    """Every element outside [:M, :cols] still has its initial bytes."""
+    outside = np.ones(got.shape, bool)
+    outside[:M, :cols] = False
+    changed = np.argwhere(outside & (got.view(np.uint32) != before.view(np.uint32)))
+    assert not len(changed), f"{what}: wrote {len(changed)} elements outside y[:{M}, :{cols}], first {changed[0]}"
+
+
+def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=None, row_scale=False, pad_rows=2):
+    """One gemm.gemm call on fresh random data; returns (result rows [M, cols] minus y0 for add, w, x, rs)."""
+    w, wv = dev.weight(fmt, (N, K), rng)
+    lx = K if ldx is None else ldx
+    x = np.full((M, lx), np.nan, np.float32)
+    x[:, :K] = rng.standard_normal((M, K))
+    cols = N // 2 if mode == "swiglu" else N
+    ly = cols if ldy is None else ldy
+    if mode == "add":
+        y0 = rng.standard_normal((M + pad_rows, ly)).astype(np.float32)
+        yp = dev.put(y0)
+    else:
+        y0 = np.full((M + pad_rows, ly), np.nan, np.float32)
+        y0.view(np.uint32)[:] = 0xFFFFFFFF  # the poison dev.empty writes
+        yp = dev.empty(y0.nbytes)
+    rs = rng.uniform(-2, 2, M).astype(np.float32) if row_scale else None
+    gemm.gemm(kernels, w, x=dev.put(x), M=M, y=yp, ldx=ldx, ldy=ldy, mode=mode,
+              row_scale=dev.put(rs) if rs is not None else 0)
+    got = dev.get(yp, y0.shape)
+    what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''}"
+    untouched(got, y0, M, cols, what)
+    res = got[:M, :cols].astype(np.float64)
+    if mode == "add":
+        res -= y0[:M, :cols]
+    return res, wv, x[:, :K], rs, what
+
+
+def check_gemm(kernels, dev, rng, fmt, N, K, M, **kw):
+    res, wv, x, rs, what = run_gemm(kernels, dev, rng, fmt, N, K, M, **kw)
+    mode = kw.get("mode", "store")
+    assert_close(res, reference(wv, x, mode, rs), TOL_EXACT[mode], what + " vs exact x")
+    assert_close(res, reference(wv, bf16_round(x), mode, rs), TOL_BF16X, what + " vs bf16 x")
+
+
+# ------------------------------------------------------------------------------------------------ dense
+
+@pytest.mark.parametrize("M", [1, 17, 128, 300])
+@pytest.mark.parametrize("fmt", QFORMATS + ["bf16"])
+def test_every_format(kernels, dev, rng, fmt, M):
+    """N = 160: a full and a 32-row N tile; K = 224: 7 k-tiles, Kp = 256 (the last group straddles K)."""
+    check_gemm(kernels, dev, rng, fmt, 160, 224, M)
+
+
+@pytest.mark.parametrize("K", [32, 64, 96, 128])
+@pytest.mark.parametrize("fmt", ["q5g32", "q8g128", "bf16"])
+def test_short_k(kernels, dev, rng, fmt, K):
+    """Fewer k-tiles than pipeline stages (4; 3 for bf16), exactly as many, and one more."""
+    check_gemm(kernels, dev, rng, fmt, 128, K, 17)
+
+
+@pytest.mark.parametrize("fmt", ["q4g32", "q6g128", "q8g32", "bf16"])
+def test_odd_n(kernels, dev, rng, fmt):
+    """N = 257 (the MoE router + shared gate): a tile with one valid row; M = 130: an M tile of 2 rows."""
+    check_gemm(kernels, dev, rng, fmt, 257, 64, 130)
+
+
+@pytest.mark.parametrize("shape", [(9216, 2048), (2048, 4096)], ids=["qkvg", "down"])
+@pytest.mark.parametrize("fmt", ["q8g32", "q4g64", "q5g64", "q6g64"])
+def test_35b_shapes(kernels, dev, rng, fmt, shape):
+    """Qwen3.6-35B-A3B attention [q|k|v|gate] and a 4096-wide K, at a prefill chunk of 512 rows."""
+    check_gemm(kernels, dev, rng, fmt, shape[0], shape[1], 512)
+
+
+@pytest.mark.parametrize("variant", ["store_rs", "add", "add_rs", "swiglu"])
+@pytest.mark.parametrize("fmt", ["q4g32", "q5g128", "q6g64", "q8g64", "bf16"])
+def test_modes(kernels, dev, rng, fmt, variant):
+    """Every epilogue with ldx > K (NaN beyond K), ldy > cols, partial M and N tiles."""
+    mode = variant.split("_")[0]
+    N, K, M = 192, 256, 300
+    cols = N // 2 if mode == "swiglu" else N
+    check_gemm(kernels, dev, rng, fmt, N, K, M, mode=mode, ldx=K + 36, ldy=cols + 5,
+               row_scale=variant.endswith("_rs"))
+
+
+def test_swiglu_35b(kernels, dev, rng):
+    """The 35B shared-expert gate/up shape [1024, 2048] (I = 512), 300 rows."""
+    check_gemm(kernels, dev, rng, "q6g64", 1024, 2048, 300, mode="swiglu")
+
+
+def test_rejects_bad_calls(kernels):
+    """Sizes and pointers are checked before anything is launched."""
+    w = DeviceWeight("w", "q4g64", (64, 128), 1 << 20)
+    x, y = 1 << 21, 1 << 22
+    cases = [
+        (dict(w=DeviceWeight("w", "bf16", (64, 48), 1 << 20)), "K=48"),
+        (dict(w=DeviceWeight("w", "fp32", (64, 64), 1 << 20)), "fp32"),
+        (dict(w=DeviceWeight("w", "q4g64", (2, 64, 128), 1 << 20)), "2-D"),
+        (dict(w=DeviceWeight("w", "q4g64", (48, 128), 1 << 20), mode="swiglu"), "N % 32"),
+        (dict(mode="gelu"), "mode"),
+        (dict(ldx=124), "ldx"),
+        (dict(ldx=130), "ldx"),
+        (dict(x=x + 4), "aligned"),
+        (dict(ldy=63), "ldy"),
+        (dict(M=-1), "M=-1"),
+    ]
+    for over, match in cases:
+        args = dict(w=w, x=x, M=4, y=y) | over
+        with pytest.raises(GpuError, match=match):
+            gemm.gemm(kernels, args.pop("w"), **args)
+
+
+# ------------------------------------------------------------------------------------------------ grouped MoE
+
+def moe_reference(gu, dn, x, ids, wts, act_in=None):
+    """float64 (act [M·top_k, I], y [M, H]); the down projection reads act_in when given, else act."""
+    M, top_k = ids.shape
+    I = dn.shape[2]
+    gi, ui = swiglu_rows(2 * I)
+    act = np.zeros((M * top_k, I))
+    for s in range(M * top_k):
+        o = gu[ids.flat[s]].astype(np.float64) @ x[s // top_k].astype(np.float64)
+        act[s] = silu(o[gi]) * o[ui]
+    a = act if act_in is None else act_in.astype(np.float64)
+    y = np.zeros((M, dn.shape[1]))
+    for s in range(M * top_k):
+        y[s // top_k] += wts.flat[s] * (dn[ids.flat[s]].astype(np.float64) @ a[s])
+    return act, y
+
+
+@pytest.mark.parametrize("M", [1, 300])
+@pytest.mark.parametrize("fmts", [("q4g64", "q6g64"), ("q8g32", "bf16"), ("q5g128", "q4g32")],
+                         ids=lambda f: "-".join(f))
+def test_moe_grouped(kernels, dev, rng, fmts, M):
+    """E = 8 experts (expert 3 gets no token), top_k = 4, I = 96 (2I = 192: a partial N tile, down K = 3 tiles),
+    H = 160 (Kp = 256, down N = a full and a partial tile); M = 300 gives experts 1-2 M tiles, the last partial."""
+    E, I, H, top_k = 8, 96, 160, 4
+    gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
+    dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    choices = np.array([e for e in range(E) if e != 3])
+    ids = np.stack([rng.permutation(choices)[:top_k] for _ in range(M)]).astype(np.int32)
+    wts = rng.uniform(0, 1, (M, top_k)).astype(np.float32)
+    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    act_p = dev.empty(M * top_k * I * 4)
+    y_p = dev.put(y0)
+    gemm.moe_grouped(kernels, gu, dn, x=dev.put(x), M=M, ids=dev.put(ids), weights=dev.put(wts), top_k=top_k,
+                     act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)))
+    act = dev.get(act_p, (M * top_k, I))
+    y = dev.get(y_p, (M, H)).astype(np.float64) - y0
+    what = f"moe {fmts[0]}/{fmts[1]} M={M}"
+    act_x, y_x = moe_reference(guv, dnv, x, ids, wts)
+    act_b, _ = moe_reference(guv, dnv, bf16_round(x), ids, wts)
+    _, y_b = moe_reference(guv, dnv, x, ids, wts, act_in=bf16_round(act))
+    assert_close(act, act_x, TOL_EXACT["swiglu"], what + " act vs exact x")
+    assert_close(act, act_b, TOL_BF16X, what + " act vs bf16 x")
+    assert_close(y, y_x, TOL_MOE, what + " y vs exact")
+    assert_close(y, y_b, TOL_BF16X, what + " y vs the kernel's own act in bf16")

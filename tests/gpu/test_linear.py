@@ -1,0 +1,259 @@
+"""linear.gemv / linear.embed (kernels/gemv.cu) against float64 numpy on the exact decoded weights.
+
+Oracle: W from Dev.weight (the packer's exact values), x̂ from ninfer_rt.reference.ops.rms_norm_zc, the product in
+float64, SwiGLU with torch.nn.functional.silu in float64.
+
+Tolerance (GEMV): relative norm error ‖y - y_ref‖ / ‖y_ref‖ <= 1e-5. The kernel sums in fp32 (unit roundoff
+u = 6e-8): per output, 32-term partial sums per 16-byte unit, a K/1024-term running sum per lane, a 5-level
+shuffle tree and up to 8 warp partials, so with K <= 17408 each output carries ~sqrt(60) u ~ 5e-7 relative
+error; the nibble formats' offset decode (kernels/gemv.cu header) cancels ~2-3 bits more (measured ~1e-6);
+fast-math rsqrtf/__expf add ~1e-7. 1e-5 leaves a 10x margin and still catches any wrong element, scale or
+index (each is an O(1) relative error on its output). Embedding rows must be bit-exact (no arithmetic besides
+an exact fp16-scale x code product).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ninfer_rt.gpu import linear
+from ninfer_rt.gpu.driver import GpuError
+from ninfer_rt.gpu.weights import DeviceWeight
+
+pytestmark = pytest.mark.gpu
+
+QFORMATS = [f"q{b}g{g}" for b in (4, 5, 6, 8) for g in (32, 64, 128)]
+FORMATS = QFORMATS + ["bf16"]
+TOL = 1e-5
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ oracle
+
+def swiglu_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices of gate_j and up_j in a [2I, K] weight interleaved in tiles of 16 (docs/format.md)."""
+    j = np.arange(n // 2)
+    gate = 32 * (j // 16) + j % 16
+    return gate, gate + 16
+
+
+def reference(wv: np.ndarray, x: np.ndarray, *, mode: str, norm_w, row_scale, y0) -> np.ndarray:
+    """Float64 y for x [M, K] (fp32) and the exact weight values wv [N, K]."""
+    import torch
+    import torch.nn.functional as F
+
+    from ninfer_rt.reference.ops import rms_norm_zc
+
+    xh = x if norm_w is None else rms_norm_zc(torch.from_numpy(x), torch.from_numpy(norm_w), EPS).numpy()
+    z = xh.astype(np.float64) @ wv.astype(np.float64).T  # [M, N]
+    if mode == "swiglu":
+        g, u = swiglu_rows(wv.shape[0])
+        return (F.silu(torch.from_numpy(z[:, g])) * torch.from_numpy(z[:, u])).numpy()
+    if row_scale is not None:
+        z = z * row_scale.astype(np.float64)[:, None]
+    return z + y0 if mode == "add" else z
+
+
+def check_close(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """Relative norm error <= TOL; a failure names the worst element, its index and both values."""
+    bad = ~np.isfinite(got)
+    if bad.any():
+        i = np.unravel_index(np.argmax(bad), got.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())} non-finite outputs (unwritten?), first at {i}: "
+                             f"got {got[i]}, want {ref[i]:.6g}")
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    if err > TOL:
+        i = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)
+        raise AssertionError(f"{what}: relative error {err:.3e} > {TOL:g}; worst at {i}: got {got[i]:.6g}, "
+                             f"want {ref[i]:.6g}")
+
+
+# ------------------------------------------------------------------------------------------------ one case
+
+def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: bool, ldx_pad: int = 0,
+             ldy_pad: int = 0, plan: dict | None = None, what: str = "") -> None:
+    """Launch one gemv (or, with plan overrides, one forced _launch_gemv) and compare with the oracle, including
+    that no byte outside y[:, :N_out] is touched and x's columns past K are never read (they hold NaN)."""
+    n, k = w.shape
+    n_out = n // 2 if mode == "swiglu" else n
+    ldx, ldy = k + ldx_pad, n_out + ldy_pad
+    x = rng.standard_normal((M, ldx)).astype(np.float32)
+    x[:, k:] = np.nan
+    norm_w = (rng.standard_normal(k) * 0.2).astype(np.float32) if norm else None
+    rs = rng.uniform(0.5, 2.0, M).astype(np.float32) if scale else None
+    y0 = rng.standard_normal((M, ldy)).astype(np.float32)
+    xp = dev.put(x)
+    yp = dev.put(y0) if mode == "add" else dev.empty(M * ldy * 4)
+    nwp = dev.put(norm_w) if norm else 0
+    rsp = dev.put(rs) if scale else 0
+    if plan is None:
+        linear.gemv(kernels, w, x=xp, M=M, y=yp, ldx=ldx, ldy=ldy, mode=mode, norm_w=nwp, norm_eps=EPS,
+                    row_scale=rsp)
+    else:
+        p = linear.plan_gemv(w, M, kernels.gpu.info.sm_count, **plan)
+        linear._launch_gemv(kernels, w, p, x=xp, y=yp, ldx=ldx, ldy=ldy, mode=mode, norm_w=nwp, norm_eps=EPS,
+                            row_scale=rsp)
+    got = dev.get(yp, (M, ldy))
+    label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
+             f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}")
+    ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out])
+    check_close(got[:, :n_out], ref, label)
+    pad = got[:, n_out:]
+    if mode == "add":
+        assert np.array_equal(pad, y0[:, n_out:]), f"{label}: columns past N changed"
+    else:
+        assert (pad.view(np.uint32) == 0xFFFFFFFF).all(), f"{label}: columns past N written"
+
+
+# ------------------------------------------------------------------------------------------------ gemv
+
+# (norm, row_scale) per M, so every (format, mode) sees all four combinations; ldx padding picks the float4
+# (ldx % 4 == 0) or the scalar staging path
+CASES = {1: (True, True, 4), 3: (False, False, 5), 8: (True, False, 4), 11: (False, True, 1)}
+
+
+@pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_formats(kernels, dev, rng, fmt, mode):
+    """Every format and mode at a small shape: N not a multiple of 4 or of a block's rows, K = 352 (Kp = 384:
+    a padded last group), M in {1, 3, 8, 11 (chunk loop)}, ldx > K, ldy > N."""
+    n = 96 if mode == "swiglu" else 203
+    w, wv = dev.weight(fmt, (n, 352), rng)
+    for M, (norm, scale, ldx_pad) in CASES.items():
+        run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad, ldy_pad=3)
+
+
+@pytest.mark.parametrize("fmt", ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"])
+def test_gemv_k_split_and_slabs(kernels, dev, rng, fmt):
+    """Every K split (1, 2, 4, 8 warps per row group) and multi-slab staging (ks = 1024 over K = 2080: slabs
+    of 1024, 1024 and 32), at M = 1 and 5, store and swiglu, with the norm (its Σx² spans the slabs)."""
+    w, wv = dev.weight(fmt, (96, 2080), rng)
+    for kw_log2 in range(4):
+        for M in (1, 5):
+            for mode in ("store", "swiglu"):
+                run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=True, scale=mode == "store",
+                         plan={"kw_log2": kw_log2, "ks": 1024})
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+def test_gemv_long_k(kernels, dev, rng, M):
+    """The 27B's down_proj K = 17408 (q5g64): several slabs at every M, default plan."""
+    w, wv = dev.weight("q5g64", (256, 17408), rng)
+    run_gemv(kernels, dev, rng, w, wv, M=M, mode="add", norm=False, scale=True)
+
+
+SHAPES = [
+    ("q8g32", (12288, 2048), "store", True),  # DeltaNet in_proj_qkv|z, fused input norm
+    ("q8g32", (2048, 4096), "add", False),  # out_proj / o_proj + residual
+    ("q8g32", (9216, 2048), "store", True),  # attention q|k|v|gate
+    ("q8g32", (1024, 2048), "swiglu", True),  # shared expert gate|up
+    ("q6g64", (16384, 2048), "store", True),  # lm_head rows (a slice of 248320)
+    ("q4g64", (4096, 5120), "swiglu", True),  # 27B gate|up rows (a slice of 34816)
+    ("q5g64", (5120, 17408), "add", False),  # 27B down_proj
+]
+
+
+@pytest.mark.parametrize("fmt,shape,mode,norm", SHAPES, ids=[f"{s[0]}-{s[1][0]}x{s[1][1]}-{s[2]}" for s in SHAPES])
+def test_gemv_model_shapes(kernels, dev, rng, fmt, shape, mode, norm):
+    """The 35B-A3B / 27B decode shapes (default plans) at M = 1 and 8."""
+    w, wv = dev.weight(fmt, shape, rng)
+    for M in (1, 8):
+        run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=False)
+
+
+# ------------------------------------------------------------------------------------------------ embed
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embed(kernels, dev, rng, fmt):
+    """Rows ids[m] bit-exact (first and last row included, a repeat, an aligned and a 4-byte-offset output);
+    an id outside [0, V) gives a NaN row."""
+    v, k = 300, 352
+    w, wv = dev.weight(fmt, (v, k), rng)
+    ids = np.concatenate([[0, v - 1, 7, 0], rng.integers(0, v, 7)]).astype(np.int32)
+    m = len(ids)
+    idp = dev.put(ids)
+    for offset in (0, 4):
+        base = dev.empty(m * k * 4 + 16)
+        linear.embed(kernels, w, ids=idp, M=m, out=base + offset)
+        got = dev.get(base + offset, (m, k))
+        want = wv[ids]
+        if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+            r, c = np.argwhere(got.view(np.uint32) != want.view(np.uint32))[0]
+            raise AssertionError(f"embed {fmt} out+{offset}: row {r} (id {ids[r]}) col {c}: got {got[r, c]!r}, "
+                                 f"want {want[r, c]!r}")
+    bad = dev.put(np.array([v, -1], np.int32))
+    out = dev.empty(2 * k * 4)
+    linear.embed(kernels, w, ids=bad, M=2, out=out)
+    assert np.isnan(dev.get(out, (2, k))).all(), f"embed {fmt}: out-of-range ids must give NaN rows"
+
+
+# ------------------------------------------------------------------------------------------------ checks (no GPU)
+
+class FakeKernels:
+    """Records launches instead of running them: the argument checks and the chunk loop need no GPU."""
+
+    def __init__(self):
+        self.gpu = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+        self.calls = []
+
+    def launch(self, name, grid, block, args, smem=0, stream=None):
+        self.calls.append((name, grid, block, [a.value for a in args], smem))
+
+
+def test_gemv_argument_errors():
+    k = FakeKernels()
+    w = DeviceWeight("w", "q4g64", (64, 256), 1 << 20)
+    ok = dict(x=4096, M=1, y=8192)
+    for bad, msg in [
+        (dict(w=DeviceWeight("w", "q4g64", (64, 100), 1 << 20)), "multiple of 32"),
+        (dict(w=DeviceWeight("w", "q4g64", (2, 64, 256), 1 << 20)), "2-D"),
+        (dict(w=DeviceWeight("w", "fp32", (64, 256), 1 << 20)), "no GEMV kernel"),
+        (dict(mode="mul"), "mode"),
+        (dict(w=DeviceWeight("w", "q4g64", (48, 256), 1 << 20), mode="swiglu"), "N % 32"),
+        (dict(ldx=255), "ldx"),
+        (dict(ldy=63), "ldy"),
+        (dict(M=-1), "M >= 0"),
+        (dict(x=0), "device pointers"),
+    ]:
+        kw = {**ok, **bad}
+        ww = kw.pop("w", w)
+        with pytest.raises(GpuError, match=msg):
+            linear.gemv(k, ww, **kw)
+    assert not k.calls
+    linear.gemv(k, w, x=4096, M=0, y=8192)
+    assert not k.calls
+
+
+def test_gemv_chunk_loop_offsets():
+    """M = 19 runs as 8 + 8 + 3 rows with x, y and row_scale advanced by whole rows."""
+    k = FakeKernels()
+    w = DeviceWeight("w", "q8g32", (64, 256), 1 << 20)
+    linear.gemv(k, w, x=1 << 24, M=19, y=1 << 26, ldx=260, ldy=70, row_scale=1 << 28, mode="add")
+    assert [c[0] for c in k.calls] == ["gemv_q8_m8", "gemv_q8_m8", "gemv_q8_m3"]
+    for i, (name, grid, block, a, smem) in enumerate(k.calls):
+        assert a[3] == (1 << 24) + 4 * 8 * i * 260 and a[4] == (1 << 26) + 4 * 8 * i * 70
+        assert a[6] == (1 << 28) + 4 * 8 * i and a[13] == 1 and block == (256,) and smem <= 46 * 1024
+
+
+def test_embed_argument_errors():
+    k = FakeKernels()
+    with pytest.raises(GpuError, match="multiple of 32"):
+        linear.embed(k, DeviceWeight("e", "q8g32", (10, 40), 1 << 20), ids=64, M=1, out=128)
+    with pytest.raises(GpuError, match="no embed kernel"):
+        linear.embed(k, DeviceWeight("e", "f16", (10, 64), 1 << 20), ids=64, M=1, out=128)
+    linear.embed(k, DeviceWeight("e", "q6g64", (10, 64), 1 << 20), ids=64, M=3, out=128)
+    assert k.calls[0][0] == "embed_q6g64" and k.calls[0][1] == (1, 3)
+
+
+def test_plan_fits_shared_memory():
+    """Every M's x̂ slab stays under the 48 KB default with the kernel's 1.25 KB of static shared memory."""
+    for fmt in ("q4g32", "q8g64", "bf16"):
+        for k_ in (256, 2048, 5120, 17408):
+            w = DeviceWeight("w", fmt, (4096, k_), 0)
+            for m in range(1, 9):
+                p = linear.plan_gemv(w, m, 132)
+                assert p.smem + 1280 <= 48 * 1024 and p.ks % 32 == 0 and p.ks <= k_
+                assert p.grid * (8 >> p.kw_log2) * 4 >= 4096  # every row has a warp

@@ -1,0 +1,303 @@
+"""kernels/moe.cu (ninfer_rt.gpu.moe) against ninfer_rt.reference.ops.moe, the routed part only.
+
+Oracle: ops.moe with the shared expert's weights zero (so it returns the routed sum), torch fp32 on the CPU, on
+the exact decoded values of random banks. The router logits fed to the device are computed by the same torch
+expression ops.moe uses, so route ranks exactly the logits the oracle ranks. Each stage is also checked alone:
+  route    ids equal torch.topk's exactly (inputs drawn without near-ties); weights and shared_scale within
+           1e-6 relative: both sides are fp32 with exp to ~2 ulp, a division and short sums (< 8 ulp ~ 5e-7)
+  gate_up  act against silu(x·g)·(x·u) in torch fp32, g/u from the de-interleaved bank
+  down     y_after - y_before against Σ_j w_j · (W_j act_j) in float64 from the kernel's own act and weights;
+           a second run from the same y must give the same bits (fixed summation order, no atomics)
+  chain    y_after - y_before against ops.moe
+Tolerance of a length-n dot product: two fp32 summation orders differ by ~sqrt(n)·u·Σ|w·x| in practice (45u at
+n = 2048, u = 2^-24). We allow DOT·Σ|w·x| with DOT = 2^-15 (512u); one wrong element alone moves a dot by about
+Σ|w·x|/n >= 2^-11·Σ|w·x|, 16x more. These bounds are propagated through SwiGLU and the down projection in
+float64 (act_bound, the chain bound). Experts not routed to hold 0xFF bytes (NaN scales), so reading the wrong
+expert shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer_rt.formats import K_ALIGN, get_format, round_up
+from ninfer_rt.gpu.weights import DeviceWeight
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+U = 2.0 ** -24  # fp32 unit roundoff
+DOT = 2.0 ** -15  # relative to Σ|w·x|, see the module docstring
+SILU = 2.0 ** -17  # relative error of fast-math silu: __expf (<= 2 + 1.2|x| ulp for |x| < 40) and a division
+ROUTE_REL = 1e-6
+QFORMATS = [f"q{b}g{g}" for b in (4, 5, 6, 8) for g in (32, 64, 128)]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def put(dev, a: np.ndarray) -> int:
+    """Upload on the test stream (ordered with the launches; dev.put's synchronous copy is not)."""
+    a = np.ascontiguousarray(a)
+    p = dev.empty(a.nbytes, poison=False)
+    dev.gpu.upload(p, a, stream=dev.gpu.stream)
+    return p
+
+
+def bank(dev, fmt: str, E: int, N: int, K: int, experts, rng) -> tuple[DeviceWeight, dict[int, np.ndarray]]:
+    """An [E, N, K] bank in `fmt` whose experts `experts` hold random values; every other expert's bytes are
+    0xFF (NaN scales / NaN bf16). Returns the DeviceWeight and {e: exact float32 values [N, K]}."""
+    f = get_format(fmt)
+    experts = sorted(set(int(e) for e in experts))
+    rows = len(experts) * N
+    if f.is_quantized:
+        kp = round_up(K, K_ALIGN)
+        q = np.zeros((rows, kp), np.int8)
+        q[:, :K] = rng.integers(f.qmin, f.qmax + 1, size=(rows, K), dtype=np.int8)
+        sc = rng.uniform(0.5, 1.5, size=(rows, kp // f.group)) * rng.choice([-1.0, 1.0], size=(rows, kp // f.group))
+        sc = (sc / f.offset).astype(np.float16)
+        sc[:, (K + f.group - 1) // f.group:] = 0  # groups wholly in the padding
+        buf = f.pack(q, sc)
+    else:
+        buf = f.encode((rng.standard_normal((rows, K)) * 0.5).astype(np.float32))
+    vals = f.decode(buf, (rows, K))
+    full = (E, N, K)
+    base = dev.empty(f.nbytes(full))  # poisoned, on the same stream as the uploads below
+    for ps, pf in zip(f.planes((rows, K)), f.planes(full)):
+        assert ps.name == pf.name
+        row_bytes = ps.nbytes // rows
+        src = buf[ps.offset:ps.offset + ps.nbytes].reshape(rows, row_bytes)
+        for i, e in enumerate(experts):
+            dev.gpu.upload(base + pf.offset + e * N * row_bytes, src[i * N:(i + 1) * N], stream=dev.gpu.stream)
+    return DeviceWeight(f"bank{list(full)}", fmt, full, base), {e: vals[i * N:(i + 1) * N] for i, e in
+                                                                 enumerate(experts)}
+
+
+def assert_close(what: str, got, want, tol) -> None:
+    """|got - want| <= tol elementwise (NaN fails); the message names the worst element and how many failed."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    tol = np.broadcast_to(np.asarray(tol, np.float64), got.shape)
+    err = np.abs(got - want)
+    bad = ~(err <= tol)
+    if bad.any():
+        score = np.where(np.isnan(err), np.inf, err / np.maximum(tol, 1e-300))
+        i = tuple(int(v) for v in np.unravel_index(int(np.argmax(score)), got.shape))
+        pytest.fail(f"{what}: {int(bad.sum())} of {bad.size} elements out of tolerance "
+                    f"({int(np.isnan(got).sum())} NaN); worst at {list(i)}: got {float(got[i]):.8g}, "
+                    f"want {float(want[i]):.8g}, |diff| {float(err[i]):.3g} > tol {float(tol[i]):.3g}")
+
+
+def ref_routing(logits: "torch.Tensor", top_k: int):
+    """ops.moe's routing on fp32 logits [M, E]: (ids [M, k] int64, weights [M, k] float32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, e = torch.topk(probs, top_k, dim=-1)
+    return e.numpy(), (w / w.sum(-1, keepdim=True)).numpy()
+
+
+def well_separated(logits: np.ndarray, top_k: int, rel: float = 1e-4) -> bool:
+    """True when the top k+1 softmax probabilities of every row differ pairwise by more than `rel`, so the
+    device's and torch's rounding cannot order them differently."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    s = -np.sort(-p, axis=-1)[:, :min(top_k + 1, p.shape[1])]
+    return bool(np.all(s[:, :-1] - s[:, 1:] > rel * s[:, :-1]))
+
+
+def act_bound(x, g, u):
+    """float64 bound on |act_device - act_ref| for act = silu(g·x)·(u·x), g, u [I, H], x [H]."""
+    gx, ux = g.astype(np.float64) @ x, u.astype(np.float64) @ x
+    dg, du = DOT * (np.abs(g) @ np.abs(x)), DOT * (np.abs(u) @ np.abs(x))
+    sg = gx / (1 + np.exp(-gx))
+    # |silu'| <= 1.1 everywhere
+    return 1.1 * np.abs(ux) * dg + np.abs(sg) * du + SILU * np.abs(sg * ux) + dg * du
+
+
+# ------------------------------------------------------------------------------------------ route
+
+ROUTE_CASES = [(8, 2, 1), (16, 4, 13), (256, 8, 1), (256, 8, 64), (512, 16, 5), (512, 1, 3), (3, 3, 2)]
+
+
+@pytest.mark.parametrize("E,top_k,M", ROUTE_CASES)
+def test_route(kernels, dev, rng, E, top_k, M):
+    from ninfer_rt.gpu import moe
+    pad = 3
+    ld = E + 1 + pad
+    logits = np.empty((M, ld), np.float32)
+    # distinct logits 0.05 apart (no near-ties), shifted per row to exercise the max subtraction
+    logits[:, :E] = np.stack([rng.permutation(E) * 0.05 + rng.uniform(-20, 20) for _ in range(M)])
+    row_max = logits[:, :E].max(-1)
+    # shared gate above every router logit on even rows: a kernel that ranked column E would pick it
+    logits[:, E] = np.where(np.arange(M) % 2 == 0, row_max + rng.uniform(0.5, 3, M), rng.uniform(-8, 8, M))
+    logits[:, E + 1:] = 1e30  # padding columns: must never be read as logits
+    ids, w, ss = dev.empty(M * top_k * 4), dev.empty(M * top_k * 4), dev.empty(M * 4)
+    moe.route(kernels, logits=put(dev, logits), ld=ld, M=M, E=E, top_k=top_k, ids=ids, weights=w, shared_scale=ss)
+    want_ids, want_w = ref_routing(torch.from_numpy(logits[:, :E]), top_k)
+    got_ids = dev.get(ids, (M, top_k), np.int32)
+    np.testing.assert_array_equal(got_ids, want_ids, err_msg="route ids differ from torch.topk")
+    assert_close("route weights", dev.get(w, (M, top_k)), want_w, ROUTE_REL * np.abs(want_w))
+    want_ss = torch.sigmoid(torch.from_numpy(logits[:, E])).numpy()
+    assert_close("shared_scale", dev.get(ss, (M,)), want_ss, ROUTE_REL * np.abs(want_ss))
+
+
+def test_route_ties(kernels, dev, rng):
+    """Equal logits: larger first, then lower index; weights = softmax over the chosen ones."""
+    from ninfer_rt.gpu import moe
+    E, top_k = 64, 8
+    logits = np.zeros((4, E + 1), np.float32)
+    logits[1, :E] = rng.integers(0, 3, E)  # many exact ties
+    logits[2, :E] = 50.0
+    logits[3, :E] = rng.integers(-2, 2, E) * 0.5 - 30.0
+    M = logits.shape[0]
+    ids, w, ss = dev.empty(M * top_k * 4), dev.empty(M * top_k * 4), dev.empty(M * 4)
+    moe.route(kernels, logits=put(dev, logits), ld=E + 1, M=M, E=E, top_k=top_k, ids=ids, weights=w, shared_scale=ss)
+    want_ids = np.stack([np.argsort(-row[:E], kind="stable")[:top_k] for row in logits])
+    sel = np.take_along_axis(logits[:, :E].astype(np.float64), want_ids, -1)
+    want_w = np.exp(sel - sel[:, :1])
+    want_w /= want_w.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(dev.get(ids, (M, top_k), np.int32), want_ids, err_msg="tie order")
+    assert_close("route weights (ties)", dev.get(w, (M, top_k)), want_w, ROUTE_REL * want_w)
+    assert_close("shared_scale sigmoid(0)", dev.get(ss, (M,)), 0.5, 0.5 * ROUTE_REL)
+
+
+# ------------------------------------------------------------------------------------------ the whole routed MoE
+
+DIMS = {  # E, top_k, I, H
+    "35b": (256, 8, 512, 2048),
+    "tiny": (8, 2, 32, 64),
+    "tiny4": (16, 4, 64, 64),
+    "odd": (12, 3, 96, 160),  # 3 and 5 chunks of 32: lane groups of 4 and 8 with idle lanes
+}
+CASES = ([("35b", 1, "q4g64", "q5g64"), ("35b", 4, "q4g64", "q6g64"), ("35b", 4, "q4g32", "q5g64"),
+          ("35b", 1, "q8g32", "q8g32")]
+         + [(dims, M, fmt, fmt) for fmt in QFORMATS + ["bf16"]
+            for dims, M in (("tiny", 1), ("tiny4", 8), ("odd", 13))])
+
+
+@pytest.mark.parametrize("dims,M,fmt_gu,fmt_down", CASES)
+def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
+    from ninfer_rt import layout
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.reference import ops
+    E, k, I, H = DIMS[dims]
+    router_w = torch.from_numpy(rng.standard_normal((E, H)).astype(np.float32))
+    sg_w = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
+    for _ in range(50):  # redraw until no two of the top k+1 probabilities nearly tie
+        h = torch.from_numpy((rng.standard_normal((M, H)) * (2 / np.sqrt(H))).astype(np.float32))
+        logits = h @ router_w.T  # the expression ops.moe evaluates: identical fp32 logits
+        if well_separated(logits.numpy(), k):
+            break
+    else:
+        pytest.fail("could not draw router inputs without near-ties")
+    want_ids, want_w = ref_routing(logits, k)
+    gu, gu_vals = bank(dev, fmt_gu, E, 2 * I, H, want_ids.ravel(), rng)
+    dn, dn_vals = bank(dev, fmt_down, E, H, I, want_ids.ravel(), rng)
+    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}  # [2I, H]: gate, up
+
+    # route
+    fused = np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1)  # [M, E+1]
+    ids, w, ss = dev.empty(M * k * 4), dev.empty(M * k * 4), dev.empty(M * 4)
+    moe.route(kernels, logits=put(dev, fused), ld=E + 1, M=M, E=E, top_k=k, ids=ids, weights=w, shared_scale=ss)
+    got_ids = dev.get(ids, (M, k), np.int32)
+    np.testing.assert_array_equal(got_ids, want_ids, err_msg="route ids differ from torch.topk")
+    got_w = dev.get(w, (M, k))
+    assert_close("route weights", got_w, want_w, ROUTE_REL * np.abs(want_w))
+    want_ss = torch.sigmoid(h @ sg_w.T).numpy()[:, 0]
+    assert_close("shared_scale", dev.get(ss, (M,)), want_ss, ROUTE_REL * np.abs(want_ss))
+
+    # gate_up
+    x = h.numpy()
+    act = dev.empty(M * k * I * 4)
+    moe.gate_up(kernels, gu, x=put(dev, x), M=M, ids=ids, top_k=k, act=act)
+    got_act = dev.get(act, (M, k, I))
+    want_act = np.empty((M, k, I), np.float32)
+    tol_act = np.empty((M, k, I))
+    for m in range(M):
+        for j in range(k):
+            g, u = gate[int(want_ids[m, j])][:I], gate[int(want_ids[m, j])][I:]
+            gt, ut = torch.from_numpy(g), torch.from_numpy(u)
+            want_act[m, j] = (torch.nn.functional.silu(h[m:m + 1] @ gt.T) * (h[m:m + 1] @ ut.T))[0].numpy()
+            tol_act[m, j] = act_bound(x[m].astype(np.float64), g, u)
+    assert_close(f"gate_up act [M, k, I] ({fmt_gu})", got_act, want_act, tol_act)
+
+    # down: on the kernel's own act and weights, then the chain against ops.moe
+    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    y = put(dev, y0)
+    moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y)
+    y1 = dev.get(y, (M, H))
+    diff = y1.astype(np.float64) - y0  # exact in float64
+    want_down = np.zeros((M, H))
+    scale_down = np.zeros((M, H))
+    for m in range(M):
+        for j in range(k):
+            D = dn_vals[int(want_ids[m, j])].astype(np.float64)
+            a = got_act[m, j].astype(np.float64)
+            want_down[m] += got_w[m, j] * (D @ a)
+            scale_down[m] += abs(got_w[m, j]) * (np.abs(D) @ np.abs(a))
+    # one fp32 rounding of y += total, |δ| <= u·|y_after|
+    assert_close(f"down y_after - y_before ({fmt_down})", diff, want_down, DOT * scale_down + 2 * U * np.abs(y1))
+
+    y_again = put(dev, y0)
+    moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y_again)
+    np.testing.assert_array_equal(dev.get(y_again, (M, H)), y1, err_msg="down is not deterministic")
+
+    # ops.moe reads only the experts it routes to (checked equal to ours above); torch.empty leaves the pages
+    # of the others untouched instead of writing 3 GB of zeros at E = 256
+    gate_up_full = torch.empty(E, 2 * I, H)
+    down_full = torch.empty(E, H, I)
+    for e in gate:
+        gate_up_full[e] = torch.from_numpy(gate[e])
+        down_full[e] = torch.from_numpy(dn_vals[e])
+    Is = 32
+    routed = ops.moe(h, router_w, gate_up_full, down_full, k, torch.zeros(Is, H), torch.zeros(Is, H),
+                     torch.zeros(H, Is), sg_w).numpy()
+    del gate_up_full, down_full
+    # the act error propagated through |W|, the down dots' own error, the weights' 1e-6 and the y rounding
+    tol = 2 * U * np.abs(y1)
+    for m in range(M):
+        for j in range(k):
+            D = dn_vals[int(want_ids[m, j])].astype(np.float64)
+            a = want_act[m, j].astype(np.float64)
+            wj = abs(float(want_w[m, j]))
+            tol[m] += wj * (DOT * (np.abs(D) @ np.abs(a)) + np.abs(D) @ tol_act[m, j]
+                            + 2 * ROUTE_REL * np.abs(D @ a))
+    assert_close(f"routed MoE vs ops.moe ({fmt_gu}/{fmt_down})", diff, routed, tol)
+
+
+# ------------------------------------------------------------------------------------------ misuse
+
+def test_bad_ids_give_nan(kernels, dev, rng):
+    """An expert id outside [0, E) poisons exactly its outputs instead of reading out of bounds."""
+    from ninfer_rt.gpu import moe
+    E, k, I, H, M = 8, 2, 32, 64, 3
+    gu, _ = bank(dev, "q4g32", E, 2 * I, H, range(4), rng)
+    dn, _ = bank(dev, "q5g64", E, H, I, range(4), rng)
+    ids = put(dev, np.array([[0, 1], [-1, 2], [3, E]], np.int32))
+    act = dev.empty(M * k * I * 4)
+    moe.gate_up(kernels, gu, x=put(dev, rng.standard_normal((M, H)).astype(np.float32)), M=M, ids=ids, top_k=k,
+                act=act)
+    a = dev.get(act, (M, k, I))
+    bad = np.array([[False, False], [True, False], [False, True]])
+    assert np.isnan(a[bad]).all() and np.isfinite(a[~bad]).all()
+    y = put(dev, np.zeros((M, H), np.float32))
+    moe.down(kernels, dn, act=act, ids=ids, weights=put(dev, np.full((M, k), 0.5, np.float32)), M=M, top_k=k, y=y)
+    got = dev.get(y, (M, H))
+    assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
+
+
+def test_misuse_raises(kernels):
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.driver import GpuError
+    bank3 = DeviceWeight("b", "q4g64", (8, 64, 64), 1)
+    with pytest.raises(GpuError, match="expert bank"):
+        moe.gate_up(kernels, DeviceWeight("b", "q4g64", (64, 64), 1), x=1, M=1, ids=1, top_k=2, act=1)
+    with pytest.raises(GpuError, match="top_k"):
+        moe.gate_up(kernels, bank3, x=1, M=1, ids=1, top_k=17, act=1)
+    with pytest.raises(GpuError, match="fp32"):
+        moe.down(kernels, DeviceWeight("b", "fp32", (8, 64, 64), 1), act=1, ids=1, weights=1, M=1, top_k=2, y=1)
+    with pytest.raises(GpuError, match="multiples of 32"):
+        moe.down(kernels, DeviceWeight("b", "q4g64", (8, 64, 48), 1), act=1, ids=1, weights=1, M=1, top_k=2, y=1)
+    with pytest.raises(GpuError, match="ld"):
+        moe.route(kernels, logits=1, ld=8, M=1, E=8, top_k=2, ids=1, weights=1, shared_scale=1)
+    with pytest.raises(GpuError, match="null"):
+        moe.route(kernels, logits=0, ld=9, M=1, E=8, top_k=2, ids=1, weights=1, shared_scale=1)

@@ -1,0 +1,111 @@
+"""The GPU runtime's host side, on any machine: kernel builds for every target, launch-argument packing,
+the numpy RoPE twin, synthetic weight tables, and one-line errors without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from ninfer_rt.api import gpu_available
+from ninfer_rt.gpu.build import TARGETS, build_kernels, sources
+from ninfer_rt.gpu.driver import KernelArgs, f32, i32, i64, ptr
+from ninfer_rt.gpu.engine import context_bucket, rope_inv_freq
+from tests.cli_runner import error_line, run_main
+
+
+def elf_sms(image: bytes) -> list[int]:
+    """SM numbers of the ELF cubins inside a fatbin: e_flags bits 8..15 hold the target (80, 86, ..., 120)."""
+    found, i = [], 0
+    while (i := image.find(b"\x7fELF", i)) >= 0:
+        found.append((struct.unpack_from("<I", image, i + 0x30)[0] >> 8) & 0xFF)
+        i += 4
+    return found
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_every_kernel_compiles_for_every_target(tmp_path):
+    res = build_kernels(TARGETS, cache=tmp_path, jobs=2)
+    assert not res.cached and set(res.images) == {s.stem for s in sources()}
+    want = sorted(int(t[3:].rstrip("a")) for t in TARGETS)
+    for stem, path in res.images.items():
+        assert sorted(elf_sms(path.read_bytes())) == want, stem
+    again = build_kernels(TARGETS, cache=tmp_path)  # same sources and compiler: the cache answers
+    assert again.cached and again.directory == res.directory
+
+
+def test_unknown_target_is_one_line(tmp_path):
+    from ninfer_rt.gpu.driver import GpuError
+    with pytest.raises(GpuError, match="unknown kernel target 'sm_99'"):
+        build_kernels(("sm_99",), cache=tmp_path)
+
+
+def test_kernel_args_point_at_their_values():
+    args = KernelArgs([ptr(0xDEADBEEF00), i32(-3), f32(1.5), i64(1 << 40)])
+    arr = (ctypes.c_void_p * 4).from_address(args.address)
+    assert ctypes.c_uint64.from_address(arr[0]).value == 0xDEADBEEF00
+    assert ctypes.c_int32.from_address(arr[1]).value == -3
+    assert ctypes.c_float.from_address(arr[2]).value == 1.5
+    assert ctypes.c_int64.from_address(arr[3]).value == 1 << 40
+
+
+def test_context_buckets_are_powers_of_two():
+    assert [context_bucket(n) for n in (1, 1024, 1025, 8193, 262144)] == [1024, 1024, 2048, 16384, 262144]
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+def test_numpy_rope_frequencies_equal_the_reference(yarn):
+    """The GPU path's numpy inv_freq is bit-identical to ops.rope_inv_freq (plain and YaRN)."""
+    import json
+    from ninfer_rt.config import ModelSpec
+    from ninfer_rt.gpu.bench import CONFIGS
+    from ninfer_rt.reference import ops
+
+    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    if yarn:
+        cfg["text_config"]["rope_parameters"].update(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=262144)
+    spec = ModelSpec.from_config(cfg)
+    got, scale = rope_inv_freq(spec)
+    want, want_scale = ops.rope_inv_freq(spec.rotary_dim, spec.rope_theta, spec.yarn)
+    assert got.dtype == np.float32 and np.array_equal(got, want.numpy()) and scale == pytest.approx(want_scale)
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.6-27b"])
+def test_synthetic_table_is_the_packers_plan(name):
+    """Synthetic bench weights have exactly the names, shapes, formats and sizes quantize would write."""
+    from ninfer_pack.plan import plan_artifact
+    from ninfer_rt.formats import get_format
+    from ninfer_rt.gpu.bench import builtin_spec
+    from ninfer_rt.gpu.loader import synthetic_table
+    from ninfer_rt.recipe import load_recipe
+
+    spec, recipe = builtin_spec(name), load_recipe(name)
+    table = synthetic_table(spec, recipe)
+    shapes = {n: tuple(i.shape) for n, i in spec.tensor_shapes().items()}
+    planned, _ = plan_artifact(spec, shapes, recipe)
+    want = {t.name: (tuple(t.plan.shape), t.format, t.nbytes) for t in planned if t.group == "text"}
+    got = {n: (s, f, get_format(f).nbytes(s)) for n, s, f in table}
+    assert got == want
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["bench"], "give an artifact path or --synthetic"),
+    (["bench", "--synthetic", "qwen9"], "unknown model shape"),
+    (["build-kernels", "--arch", "sm_99"], "unknown kernel target"),
+])
+def test_cli_misuse_is_one_line(argv, what, capsys):
+    from ninfer_rt.cli import main
+    code, out, err = run_main(main, "ninfer-rt", argv, capsys)
+    assert code == 1 and what in error_line(err)
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_bench_without_a_gpu_is_one_line(capsys):
+    from ninfer_rt.cli import main
+    code, out, err = run_main(main, "ninfer-rt", ["bench", "--synthetic", "qwen3.6-35b-a3b"], capsys)
+    line = error_line(err)
+    assert code == 1 and ("cuda" in line.lower() or "gpu" in line.lower())
