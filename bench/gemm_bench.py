@@ -1,10 +1,17 @@
 """Prefill GEMM throughput (ninfer_rt.gpu.gemm.gemm) on the Qwen3.6-35B-A3B shapes, timed with driver events.
 
     python bench/gemm_bench.py [--json PATH] [--formats q8g32,q4g64] [--M 512,2048,8192] [--reps 20]
+                               [--moe-M 512,2048] [--no-dense]
 
 For each format, weight shape [N, K] and M rows: `reps` back-to-back launches between two events, after a
 warm-up, median of 3 rounds; TFLOP/s = 2·M·N·K / time. Weights are random valid codes and scales. Prints a
 table (and writes JSON with --json); without a GPU it exits with one line.
+
+MoE: gemm.moe_grouped at the 35B expert shapes (E = 256, top_k = 8, I = 512, H = 2048, gate_up q4g64, down
+q5g64) for each --moe-M, random routing (8 distinct experts per token), both paths ("small": moe_small, tiles
+of 32 slots; "large": moe_gemm, tiles of 128). One call (sort + 2 GEMMs) is captured in a CUDA graph and replayed
+`reps` times between events (no host overhead); GB/s counts the bytes of the touched experts' weights once.
+Weight bytes are random (scales may be NaN: timing does not depend on values).
 """
 
 from __future__ import annotations
@@ -66,12 +73,93 @@ def time_gemm(gpu, k, w, M: int, reps: int) -> float:
         gpu.free(y)
 
 
+MOE = dict(E=256, top_k=8, I=512, H=2048, gate_up="q4g64", down="q5g64")
+
+
+def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, int]:
+    """(ms per moe_grouped call by graph replay, bytes of the touched experts' weights) for M random tokens."""
+    from ninfer_rt.gpu import gemm
+
+    E, top_k, I, H = MOE["E"], MOE["top_k"], MOE["I"], MOE["H"]
+    ids = np.argsort(rng.random((M, E)), axis=1)[:, :top_k].astype(np.int32)
+    wts = rng.uniform(0, 1, (M, top_k)).astype(np.float32)
+    x = rng.standard_normal((M, H), dtype=np.float32)
+    bufs = [gpu.alloc(n) for n in (x.nbytes, ids.nbytes, wts.nbytes, M * top_k * I * 4, M * H * 4,
+                                   gemm.moe_scratch_bytes(M, top_k, E))]
+    xp, ip, wp, ap, yp, sp = bufs
+    graph = None
+    try:
+        gpu.upload(xp, x)
+        gpu.upload(ip, ids)
+        gpu.upload(wp, wts)
+        gpu.memset(yp, 0, M * H * 4)
+
+        def call():
+            gemm.moe_grouped(k, gu, dn, x=xp, M=M, ids=ip, weights=wp, top_k=top_k, act=ap, y=yp, scratch=sp,
+                             path=path)
+
+        call()  # warm-up, and sets the smem attributes outside the capture
+        gpu.synchronize()
+        gpu.begin_capture()
+        call()
+        graph = gpu.end_capture()
+        for _ in range(3):
+            graph.launch(gpu.stream)
+        start, stop = Event(), Event()
+        rounds = []
+        for _ in range(3):
+            start.record(gpu.stream)
+            for _ in range(reps):
+                graph.launch(gpu.stream)
+            stop.record(gpu.stream)
+            stop.synchronize()
+            rounds.append(start.elapsed_ms(stop) / reps)
+        touched = len(np.unique(ids))
+        per_expert = (get_format(MOE["gate_up"]).nbytes((2 * I, H)) + get_format(MOE["down"]).nbytes((H, I)))
+        return statistics.median(rounds), touched * per_expert
+    finally:
+        if graph is not None:
+            graph.destroy()
+        for b in bufs:
+            gpu.free(b)
+
+
+def bench_moe(gpu, k, Ms, reps: int, rows: list) -> None:
+    from ninfer_rt.gpu.weights import DeviceWeight
+
+    E, I, H = MOE["E"], MOE["I"], MOE["H"]
+    shapes = {"gate_up": (MOE["gate_up"], (E, 2 * I, H)), "down": (MOE["down"], (E, H, I))}
+    rng = np.random.default_rng(2)
+    bases, ws = [], {}
+    try:
+        for name, (fmt, shape) in shapes.items():
+            n = get_format(fmt).nbytes(shape)
+            bases.append(gpu.alloc(n))
+            gpu.upload(bases[-1], rng.integers(0, 256, n, dtype=np.uint8))
+            ws[name] = DeviceWeight(name, fmt, shape, bases[-1])
+        table = Table(title=f"gemm.moe_grouped on {gpu.info.name}: E={E} top_k={MOE['top_k']} I={I} H={H}, "
+                            f"{MOE['gate_up']}/{MOE['down']} (graph replay)")
+        for col in ("M", "path", "ms", "weight GB/s"):
+            table.add_column(col, justify="right")
+        for M in Ms:
+            for path in ("small", "large"):
+                ms, nbytes = time_moe(gpu, k, ws["gate_up"], ws["down"], M, reps, path, rng)
+                rows.append(dict(moe=True, M=M, path=path, ms=round(ms, 4), weight_gbs=round(nbytes / ms / 1e6, 1)))
+                table.add_row(str(M), path, f"{ms:.3f}", f"{nbytes / ms / 1e6:.0f}")
+        Console().print(table)
+    finally:
+        for b in bases:
+            gpu.free(b)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--M", default="512,2048,8192", help="rows (tokens), comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--moe-M", default="512,2048", help="tokens for the MoE bench, comma-separated ('' skips)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense gemm table")
     args = ap.parse_args()
     try:
         gpu = Gpu(0)
@@ -87,7 +175,7 @@ def main() -> None:
     table = Table(title=f"gemm.gemm on {gpu.info.name} (fp32 x/y, bf16 mma.sync)")
     for col in ("format", "shape", "M", "ms", "TFLOP/s"):
         table.add_column(col, justify="left" if col in ("format", "shape") else "right")
-    for fmt in args.formats.split(","):
+    for fmt in ([] if args.no_dense else args.formats.split(",")):
         for label, shape in SHAPES.items():
             buf = random_weight(fmt, shape, rng)
             base = gpu.alloc(buf.nbytes)
@@ -102,7 +190,10 @@ def main() -> None:
                     table.add_row(fmt, label, str(M), f"{ms:.3f}", f"{tflops:.1f}")
             finally:
                 gpu.free(base)
-    Console().print(table)
+    if not args.no_dense:
+        Console().print(table)
+    if args.moe_M:
+        bench_moe(gpu, k, [int(m) for m in args.moe_M.split(",")], args.reps, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": gpu.info.name, "results": rows}, indent=1) + "\n")

@@ -1,11 +1,15 @@
-"""Decode GEMV bandwidth on the model shapes: linear.gemv timed with CUDA events, against a peak read bandwidth.
+"""Decode GEMV bandwidth on the model shapes: linear.gemv timed by CUDA-graph replay, against a peak read bandwidth.
 
-    python bench/gemv_bench.py [--json PATH] [--peak 4.3e12] [--batches 30] [--m 1 8]
+    python bench/gemv_bench.py [--json PATH] [--peak 4.3e12] [--replays 30] [--m 1 8] [--sweep] [--only TEXT]
 
-Each shape gets several weight buffers (enough that they overflow L2 several times) launched in turn, so no
-launch finds its weights in L2; a batch times one launch per buffer between two events, and the table reports
-the median per-launch time over the batches, after warm-up. GB/s counts the weight bytes (the dominant
-traffic; x and y are < 0.1% here). Exits with a one-line message when there is no GPU.
+Each shape gets several weight buffers (enough that they overflow L2 several times). One CUDA graph holds one
+launch per buffer in turn (at least 20 launches), so no launch finds its weights in L2 and the per-launch host
+overhead of cuda-python (tens of µs) is not timed; a replay of the graph runs between two events, and the table
+reports the median per-launch time over the replays, after warm-up replays. GB/s counts the weight bytes (the
+dominant traffic; x and y are < 0.1% here). The graph's launch gaps are timed too (as in the engine's graphs),
+so a small kernel reads a little slower here than in ncu. --sweep also times, at M = 1, the other plans of the
+stream kernel (L2 prefetch distance, d, KW, blocks) and the block kernel, one row each, to tune plan_stream.
+Exits with a one-line message when there is no GPU.
 """
 
 from __future__ import annotations
@@ -34,62 +38,123 @@ SHAPES = [
     ("35B DeltaNet in_proj qkv|z", "q8g32", (12288, 2048), "store", True),
     ("35B DeltaNet out_proj +res", "q8g32", (2048, 4096), "add", False),
     ("35B shared expert gate|up", "q8g32", (1024, 2048), "swiglu", True),
+    ("35B shared expert down +res", "q8g32", (2048, 512), "add", False),
+    ("35B router|shared gate", "bf16", (257, 2048), "store", False),
+    ("35B DeltaNet in_proj b|a", "bf16", (64, 2048), "store", True),
     ("35B lm_head", "q6g64", (248320, 2048), "store", True),
     ("27B mlp gate|up", "q4g64", (34816, 5120), "swiglu", True),
     ("27B mlp down +res", "q5g64", (5120, 17408), "add", False),
 ]
 
 
-def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, batches, rng, budget_bytes):
-    """Median per-launch microseconds for each M in ms."""
+def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
+    """(label, plan overrides) for M = 1: the default, the block kernel, and stream plans around the default."""
+    plans = [("auto", {})]
+    default = linear.plan_gemv(w, 1, sm_count)
+    if not default.stream:
+        return plans
+    plans.append(("block", {"stream": False}))
+    for pf in (0, 1, 4):  # L2 prefetch distance on the default plan
+        if pf != default.pf:
+            plans.append((f"auto pf{pf}", {"stream": True, "d": default.d, "kw_log2": default.kw_log2,
+                                           "blocks": default.blocks, "pf": pf}))
+    dmax = linear._STREAM_DEPTH[w.bits]
+    seen = {(default.d, default.kw_log2, default.blocks)}
+    for d in sorted({1, dmax}, reverse=True):
+        for kl in range(4):
+            if kl and 32 * d * (1 << kl) > w.k // linear._code(w)[2]:
+                continue
+            for per_sm in (1, 2):
+                p = linear.plan_gemv(w, 1, sm_count, stream=True, d=d, kw_log2=kl, blocks=per_sm * sm_count)
+                key = (p.d, p.kw_log2, p.blocks)
+                if key not in seen:
+                    seen.add(key)
+                    plans.append((f"s d{d} kw{1 << kl} b{p.blocks}",
+                                  {"stream": True, "d": d, "kw_log2": kl, "blocks": per_sm * sm_count}))
+    return plans
+
+
+def time_graph(gpu, capture, replays: int, launches: int) -> list[float]:
+    """Per-launch µs of each timed replay of a graph of `launches` launches that capture() records."""
     from ninfer_rt.gpu.driver import Event
 
+    capture()  # once outside the capture: kernel lookups, first-launch costs
+    gpu.synchronize()
+    gpu.begin_capture(gpu.stream)
+    try:
+        capture()
+    finally:
+        graph = gpu.end_capture(gpu.stream)
+    try:
+        for _ in range(3):  # warm-up: clocks up, every buffer touched
+            graph.launch(gpu.stream)
+        gpu.synchronize()
+        start, stop = Event(), Event()
+        times = []
+        for _ in range(replays):
+            start.record(gpu.stream)
+            graph.launch(gpu.stream)
+            stop.record(gpu.stream)
+            stop.synchronize()
+            times.append(start.elapsed_ms(stop) * 1e3 / launches)
+        return times
+    finally:
+        graph.destroy()
+
+
+def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, replays, rng, budget_bytes, sweep):
+    """Median per-launch microseconds for each M in ms (and, with sweep, each M = 1 plan)."""
     f = get_format(fmt)
     nbytes = f.nbytes(shape)
     n, kk = shape
     l2 = gpu.info.l2_bytes or 50 << 20
     copies = max(2, min(math.ceil(4 * l2 / nbytes), budget_bytes // nbytes))
+    launches = max(20, copies)  # one graph: every copy in turn, at least 20 launches
     host = rng.integers(0, 256, size=nbytes, dtype=np.uint8)  # contents do not change the timing
     if fmt.startswith("q"):  # finite scales (random fp16 bits could be NaN; harmless, but keep numbers sane)
         sc = next(p for p in f.planes(shape) if p.name == "scales")
         host[sc.offset:sc.offset + sc.nbytes].view(np.float16)[:] = np.float16(0.01)
     bufs = []
-    for i in range(copies):
-        p = gpu.alloc(nbytes)
-        gpu.upload(p, host)
-        bufs.append(DeviceWeight(f"{what}#{i}", fmt, shape, p))
     mmax = max(ms)
     n_out = n // 2 if mode == "swiglu" else n
-    x = gpu.alloc(mmax * kk * 4)
-    gpu.upload(x, rng.standard_normal((mmax, kk)).astype(np.float32))
-    y = gpu.alloc(mmax * n_out * 4)
-    gpu.memset(y, 0, mmax * n_out * 4)
-    nw = 0
-    if norm:
-        nw = gpu.alloc(kk * 4)
-        gpu.upload(nw, (rng.standard_normal(kk) * 0.1).astype(np.float32))
+    x = y = nw = 0
     rows = []
     try:
+        for i in range(copies):
+            p = gpu.alloc(nbytes)
+            bufs.append(DeviceWeight(f"{what}#{i}", fmt, shape, p))
+            gpu.upload(p, host)
+        x = gpu.alloc(mmax * kk * 4)
+        gpu.upload(x, rng.standard_normal((mmax, kk)).astype(np.float32))
+        y = gpu.alloc(mmax * n_out * 4)
+        gpu.memset(y, 0, mmax * n_out * 4)
+        if norm:
+            nw = gpu.alloc(kk * 4)
+            gpu.upload(nw, (rng.standard_normal(kk) * 0.1).astype(np.float32))
+        gpu.synchronize()
         for m in ms:
-            def launch(w):
-                linear.gemv(k, w, x=x, M=m, y=y, mode=mode, norm_w=nw, stream=gpu.stream)
-            for w in bufs * 2:  # warm-up: every buffer touched, clocks up
-                launch(w)
-            gpu.synchronize()
-            start, stop = Event(), Event()
-            times = []
-            for _ in range(batches):
-                start.record(gpu.stream)
-                for w in bufs:
-                    launch(w)
-                stop.record(gpu.stream)
-                stop.synchronize()
-                times.append(start.elapsed_ms(stop) * 1e3 / len(bufs))
-            us = statistics.median(times)
-            plan = linear.plan_gemv(bufs[0], m, gpu.info.sm_count)
-            rows.append({"what": what, "format": fmt, "shape": list(shape), "mode": mode, "norm": norm, "M": m,
-                         "us": us, "us_min": min(times), "weight_bytes": nbytes, "gbps": nbytes / us / 1e3,
-                         "copies": copies, "grid": plan.grid, "kw": 1 << plan.kw_log2, "ks": plan.ks})
+            variants = sweep_plans(bufs[0], gpu.info.sm_count) if (sweep and m == 1) else [("auto", {})]
+            for label, over in variants:
+                plan = linear.plan_gemv(bufs[0], m, gpu.info.sm_count, **over)
+
+                def capture():
+                    for i in range(launches):
+                        w = bufs[i % copies]
+                        if over:
+                            linear._launch_gemv(k, w, plan, x=x, y=y, ldx=kk, ldy=n_out, mode=mode, norm_w=nw,
+                                                norm_eps=1e-6, row_scale=0, stream=gpu.stream)
+                        else:
+                            linear.gemv(k, w, x=x, M=m, y=y, mode=mode, norm_w=nw, stream=gpu.stream)
+
+                times = time_graph(gpu, capture, replays, launches)
+                us = statistics.median(times)
+                kind = (f"s1 d{plan.d} kw{1 << plan.kw_log2} ×{plan.blocks} pf{plan.pf}" if plan.stream
+                        else f"m{m} kw{1 << plan.kw_log2} ×{plan.grid}")
+                rows.append({"what": what, "format": fmt, "shape": list(shape), "mode": mode, "norm": norm, "M": m,
+                             "plan": label, "kernel": kind, "us": us, "us_min": min(times), "weight_bytes": nbytes,
+                             "gbps": nbytes / us / 1e3, "copies": copies, "launches": launches, "grid": plan.grid,
+                             "blocks": plan.launch_blocks, "kw": 1 << plan.kw_log2, "d": plan.d, "pf": plan.pf,
+                             "ks": plan.ks})
     finally:
         for w in bufs:
             gpu.free(w.base)
@@ -103,9 +168,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--peak", type=float, default=4.3e12, help="reference read bandwidth, bytes/s (H200: 4.3e12)")
-    ap.add_argument("--batches", type=int, default=30, help="timed batches per shape and M (median reported)")
+    ap.add_argument("--replays", "--batches", type=int, default=30, help="timed graph replays (median reported)")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8], help="activation rows per launch")
     ap.add_argument("--budget-gb", type=float, default=8.0, help="device memory for weight copies, per shape")
+    ap.add_argument("--sweep", action="store_true", help="at M = 1 also time the other plans (tuning)")
+    ap.add_argument("--only", help="only the shapes whose name contains this text")
     args = ap.parse_args()
 
     try:
@@ -126,13 +193,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for what, fmt, shape, mode, norm in SHAPES:
-        rows += bench_shape(gpu, k, what, fmt, shape, mode, norm, args.m, args.batches, rng,
-                            int(args.budget_gb * 2**30))
+        if args.only and args.only not in what:
+            continue
+        rows += bench_shape(gpu, k, what, fmt, shape, mode, norm, args.m, args.replays, rng,
+                            int(args.budget_gb * 2**30), args.sweep)
 
-    table = Table(title=f"linear.gemv, median of {args.batches} batches; % of {args.peak / 1e12:.2f} TB/s")
+    table = Table(title=f"linear.gemv in CUDA graphs, median of {args.replays} replays; % of "
+                        f"{args.peak / 1e12:.2f} TB/s")
     for col, just in [("tensor", "left"), ("format", "left"), ("[N, K]", "right"), ("mode", "left"),
                       ("M", "right"), ("MB", "right"), ("µs", "right"), ("ideal µs", "right"), ("GB/s", "right"),
-                      ("% peak", "right"), ("grid×KW", "right")]:
+                      ("% peak", "right"), ("plan", "left"), ("kernel", "left")]:
         table.add_column(col, justify=just)
     for r in rows:
         pct = 100 * r["gbps"] * 1e9 / args.peak
@@ -140,12 +210,13 @@ def main() -> None:
         table.add_row(r["what"], r["format"], f"{r['shape'][0]}×{r['shape'][1]}",
                       r["mode"] + ("+norm" if r["norm"] else ""), str(r["M"]), f"{r['weight_bytes'] / 1e6:.1f}",
                       f"{r['us']:.1f}", f"{r['weight_bytes'] / args.peak * 1e6:.1f}", f"{r['gbps']:.0f}",
-                      f"[{style}]{pct:.0f}%[/]", f"{r['grid']}×{r['kw']}")
+                      f"[{style}]{pct:.0f}%[/]", r["plan"], r["kernel"])
     console.print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": gpu.info.name, "arch": gpu.info.arch, "peak": args.peak,
-                                         "batches": args.batches, "rows": rows}, indent=1))
+                                         "replays": args.replays, "timing": "cuda-graph replay",
+                                         "rows": rows}, indent=1))
         console.print(f"wrote {args.json}")
 
 

@@ -15,7 +15,8 @@
 //     (max, sum, unnormalised o) go to scratch and attn_combine merges them and applies the gate.
 //     Tensor cores at fp32 accuracy: K/V are exact in bf16 (bf16 cache, or int8 codes with the scale applied
 //     outside the mma), and q and p are split into three bf16 terms (hi + mid + lo carries 24 bits), so every
-//     product is exact and only the fp32 accumulation rounds.
+//     product is exact and only the fp32 accumulation rounds. For few query rows per kv head (decode, MTP verify)
+//     ninfer_rt/gpu/attention.py takes attention_decode.cu's CUDA-core kernels instead (same scratch layout).
 //
 // Layouts (row-major):
 //   qkvg     fp32 [M, ld]: [q (nH*D) | k (nKV*D) | v (nKV*D) | gate (nH*D)]
@@ -25,29 +26,11 @@
 // Split sp holds keys [sp*cs, sp*cs + cs). Row t of sequence b sees keys < n = min(pos[b]+t+1, max_ctx, n_splits*cs)
 // (0 for a slot outside [0, slots) or pos < 0); the combine reads the splits sp < ceil(n / cs), exactly those that
 // decode wrote for that row, so blocks beyond the real length exit at once.
-#include "common.cuh"
+#include "attention.cuh"  // kMasked, kFull, cp.async wrappers, i8_at, lds (and common.cuh)
 
 namespace {
 
-constexpr float kMasked = -1e30f;          // score of a masked key (finite: no inf arithmetic under fast math)
-constexpr unsigned kFull = 0xffffffffu;
-
 // ------------------------------------------------------------------------------------------------ device helpers
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, zero-filled when !valid (src must still be a mapped address)
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -75,27 +58,9 @@ __device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_
     lo = bf162_bits(__floats2bfloat162_rn(r0, r1));
 }
 
-// Byte i of u (= 4 int8 codes ^ 0x80808080) as an exact float: the bits 0x4B0000uu are 2^23 + code + 128.
-__device__ __forceinline__ float i8_at(uint32_t u, int i) {
-    return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | i)) - 8388736.f;
-}
 // Two floats exactly representable in bf16 (small integers) -> packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_exact(float lo, float hi) {
     return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
-}
-
-template <int BYTES>
-__device__ __forceinline__ void lds(uint32_t* w, const unsigned char* p) {
-    if constexpr (BYTES == 16) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else if constexpr (BYTES == 8) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x, w[1] = v.y;
-    } else {
-        static_assert(BYTES == 4, "runs are 4, 8 or 16 bytes");
-        w[0] = *reinterpret_cast<const uint32_t*>(p);
-    }
 }
 
 // cos/sin of an fp32 angle, correctly rounded to fp32 in practice: reduction by pi/2 in double (fdlibm's 33-bit

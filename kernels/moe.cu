@@ -39,41 +39,65 @@ __device__ __forceinline__ float exp_accurate(float x) {
 
 // Softmax is monotone, so the top-k of p is the top-k of the logits (selected exactly, no rounding ties), and
 // the renormalised weights p_j / Σ p are the softmax over the k chosen logits (the denominator cancels).
-// Order: larger logit first, equal logits by lower index.
+// Order: larger logit first, equal logits by lower index; ±0 and subnormals compare equal (the build flushes
+// them: --use_fast_math), so they tie and go by index; NaN is never picked, -inf is (last); when no candidate
+// is left a round yields (id 0x7fffffff, logit -inf).
+// One warp per row: lane holds logits lane + 32s (s < 16) in registers as order-preserving uint32 keys (0 =
+// not a candidate); a round takes each lane's best by a slot tree (lower slot wins ties), the warp max key by
+// one redux, the lowest index holding it by a second, and the owner lane marks that slot taken.
+#define ROUTE_SLOTS (MOE_MAX_E / 32)
+
+__device__ __forceinline__ uint32_t route_key(float v) {
+    uint32_t u = __float_as_uint(v);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return 0u;      // NaN
+    if (a < 0x00800000u) u = 0u;        // ±0, subnormals: one key
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -inf -> 0x007FFFFF > 0
+}
+
+__device__ __forceinline__ float route_val(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
 moe_route(const float* __restrict__ logits, int ld, int M, int E, int top_k, int* __restrict__ ids,
           float* __restrict__ weights, float* __restrict__ shared_scale) {
-    __shared__ float s_l[ROUTE_WARPS][MOE_MAX_E];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m = blockIdx.x * ROUTE_WARPS + warp;
     if (m >= M) return;  // whole warp; no block-wide sync below
     const float* l = logits + (long long)m * ld;
-    float* s = s_l[warp];
-    for (int i = lane; i < E; i += 32) s[i] = l[i];
-    __syncwarp();
-
-    float pv = INFINITY;  // previous pick (value, index): round j takes the best element after it in the order
-    int pi = -1;
+    const float g = __ldg(l + E);
+    uint32_t key[ROUTE_SLOTS];
+#pragma unroll
+    for (int s = 0; s < ROUTE_SLOTS; ++s) {  // every load issued before any is used
+        const int i = lane + 32 * s;
+        key[s] = i < E ? route_key(__ldg(l + i)) : 0u;
+    }
+    uint32_t taken = 0;  // bit s: slot s already picked
     float top = 0.f, w = 0.f;
     int id = 0;
     for (int j = 0; j < top_k; ++j) {
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int i = lane; i < E; i += 32) {
-            const float v = s[i];
-            const bool after = v < pv || (v == pv && i > pi);
-            if (after && (v > bv || (v == bv && i < bi))) { bv = v; bi = i; }
+        uint32_t k2[ROUTE_SLOTS];
+        int s2[ROUTE_SLOTS];
+#pragma unroll
+        for (int s = 0; s < ROUTE_SLOTS; ++s) {
+            k2[s] = ((taken >> s) & 1u) ? 0u : key[s];
+            s2[s] = s;
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {  // (value desc, index asc) is a total order: all lanes agree
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        for (int st = 1; st < ROUTE_SLOTS; st <<= 1) {
+#pragma unroll
+            for (int s = 0; s < ROUTE_SLOTS; s += 2 * st) {
+                if (k2[s + st] > k2[s]) { k2[s] = k2[s + st]; s2[s] = s2[s + st]; }
+            }
         }
+        const uint32_t K = __reduce_max_sync(0xffffffffu, k2[0]);
+        const uint32_t cand = (K != 0u && k2[0] == K) ? (uint32_t)(lane + 32 * s2[0]) : 0x7fffffffu;
+        const int bi = (int)__reduce_min_sync(0xffffffffu, cand);
+        const float bv = K != 0u ? route_val(K) : -INFINITY;
+        if (K != 0u && lane == (bi & 31)) taken |= 1u << (bi >> 5);
         if (j == 0) top = bv;
         if (lane == j) { id = bi; w = exp_accurate(bv - top); }
-        pv = bv;
-        pi = bi;
     }
     const float total = warp_sum(lane < top_k ? w : 0.f);
     if (lane < top_k) {
@@ -81,7 +105,6 @@ moe_route(const float* __restrict__ logits, int ld, int M, int E, int top_k, int
         weights[(long long)m * top_k + lane] = __fdiv_rn(w, total);
     }
     if (lane == 0) {  // sigmoid without overflow in exp: the exponent is always <= 0
-        const float g = l[E];
         const float e = exp_accurate(-fabsf(g));
         shared_scale[m] = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
     }
@@ -246,6 +269,188 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
     }
 }
 
+// ------------------------------------------------------------------------------------------------ fast paths
+// Decode shapes of q{4,5,6,8} banks (moe.py picks them: gate_up H = 1024·T, down I = 512·T, T = 1, 2, x / act
+// 16-byte aligned). Same blocks, grids and results as gate_up_impl / down_impl (sums in a fixed order), but
+// every thread issues all of its weight loads into registers at once, right after its expert id arrives, and
+// the activations are loaded alongside (not before): one DRAM round trip for the ids, one for the weights.
+
+// The raw bytes of one 32-element chunk of one row, as loaded (decoded later by qchunk_dot).
+template <int BITS>
+struct QChunk {
+    int4 a;                // codes (BITS 8: first 16 of 32 bytes)
+    int4 b;                // BITS 8: last 16 bytes
+    unsigned long long h;  // BITS 5: 32 high bits, BITS 6: 64
+    unsigned short s;      // fp16 scale bits
+};
+
+template <int BITS, int GROUP>
+__device__ __forceinline__ void qchunk_load(QChunk<BITS>& q, const uint8_t* qs, const uint8_t* qh, const __half* sc,
+                                            long long row, int kp, int c) {
+    const QRow r = q_row<BITS>(qs, qh, sc, row, kp, GROUP);
+    if constexpr (BITS == 8) {
+        const int4* p = reinterpret_cast<const int4*>(r.qs + 32LL * c);
+        q.a = __ldg(p);
+        q.b = __ldg(p + 1);
+    } else {
+        q.a = __ldg(reinterpret_cast<const int4*>(r.qs + 16LL * c));
+    }
+    if constexpr (BITS == 5) q.h = __ldg(reinterpret_cast<const uint32_t*>(r.qh) + c);
+    if constexpr (BITS == 6) q.h = __ldg(reinterpret_cast<const unsigned long long*>(r.qh) + c);
+    q.s = __ldg(reinterpret_cast<const unsigned short*>(r.sc) + (32 * c) / GROUP);
+}
+
+__device__ __forceinline__ float f4_at(const float4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Scaled dot of one loaded chunk with its 32 activations x (8 float4); decode and order as chunk_dot.
+template <int BITS>
+__device__ __forceinline__ float qchunk_dot(const QChunk<BITS>& q, const float4 (&x)[8]) {
+    float w[32];
+    if constexpr (BITS == 8) {
+        const int v[8] = {q.a.x, q.a.y, q.a.z, q.a.w, q.b.x, q.b.y, q.b.z, q.b.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w[4 * i + j] = (float)(int8_t)((v[i] >> (8 * j)) & 0xFF);
+        }
+    } else {
+        const uint32_t v[4] = {(uint32_t)q.a.x, (uint32_t)q.a.y, (uint32_t)q.a.z, (uint32_t)q.a.w};
+        constexpr int OFF = 1 << (BITS - 1);
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            int u = (v[e >> 3] >> (4 * (e & 7))) & 0xF;
+            if constexpr (BITS == 5) u |= (int)((q.h >> e) & 1u) << 4;
+            if constexpr (BITS == 6) u |= (int)((q.h >> (2 * e)) & 3u) << 4;
+            w[e] = (float)(u - OFF);
+        }
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc = fmaf(w[e], f4_at(x[e >> 2], e & 3), acc);
+    return acc * __half2float(__ushort_as_half(q.s));
+}
+
+#define XPAD4 9  // float4 per 32-activation chunk in smem (36 floats: 16-byte reads of 8 lanes hit 8 bank quads)
+
+// Block (pair, tile) as gate_up_impl, 256 threads: warp w takes bank rows 32·tile + 4w .. +4, lane the chunks
+// lane + 32t (t < T), all 4·T chunk loads in flight together. Dynamic smem: x_m as H/32 chunks of XPAD4 float4.
+template <int BITS, int GROUP, int T>
+__device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
+                                             int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
+                                             int top_k, float* __restrict__ act) {
+    extern __shared__ float4 s_x4[];
+    __shared__ float s_out[32];
+    const int pair = blockIdx.x, tile = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int m = pair / top_k;
+    const float4* xm = reinterpret_cast<const float4*>(x + (long long)m * H);  // H / 4 = 256·T float4
+    float4 xr[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xr[t] = __ldg(xm + tid + MOE_THREADS * t);
+    const int e = __ldg(ids + pair);
+    float* out = act + (long long)pair * I + tile * 16;
+    if (e < 0 || e >= E) {  // uniform over the block, before any sync
+        if (tid < 16) out[tid] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
+    QChunk<BITS> q[4][T];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[r][t], qs, qh, sc, row0 + r, kp, lane + 32 * t);
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const int i4 = tid + MOE_THREADS * t;  // float4 i4 of x_m: chunk i4 / 8, slot i4 % 8
+        s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = xr[t];
+    }
+    __syncthreads();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const float4* p = s_x4 + XPAD4 * (lane + 32 * t);
+        float4 xv[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xv[i] = p[i];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[r] += qchunk_dot<BITS>(q[r][t], xv);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r];
+    }
+    __syncthreads();
+    if (tid < 16) out[tid] = siluf_(s_out[tid]) * s_out[16 + tid];
+}
+
+// Block (m, row tile) as down_impl, 256 threads: warp w takes experts j = w, w + 8, ..; in a warp, half h = lane/16
+// takes rows n0 + 4h .. +4 and lane the chunks lane % 16 + 16t (t < T). Its act chunks (straight from global),
+// its id, then its 4·T weight chunks are all in flight together; the y element is read at the start.
+template <int BITS, int GROUP, int T>
+__device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
+                                          int H, int I, const float* __restrict__ act, const int* __restrict__ ids,
+                                          const float* __restrict__ weights, int top_k, float* __restrict__ y) {
+    __shared__ int s_e[MOE_MAX_K];
+    __shared__ float s_w[MOE_MAX_K];
+    __shared__ float s_part[MOE_MAX_K * MOE_DOWN_ROWS];
+    const int m = blockIdx.x;
+    const int n0 = blockIdx.y * MOE_DOWN_ROWS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int half = lane >> 4, cl = lane & 15;
+    float* yp = y + (long long)m * H + n0 + tid;
+    const float y0 = tid < MOE_DOWN_ROWS ? *yp : 0.f;
+    if (tid < top_k) {
+        const int e = __ldg(ids + (long long)m * top_k + tid);
+        s_e[tid] = (e >= 0 && e < E) ? e : -1;
+        s_w[tid] = __ldg(weights + (long long)m * top_k + tid);
+    }
+    for (int j = warp; j < top_k; j += MOE_THREADS / 32) {  // uniform over the warp
+        const float4* aj = reinterpret_cast<const float4*>(act + ((long long)m * top_k + j) * I);
+        float4 xv[T][8];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xv[t][i] = __ldg(aj + 8 * (cl + 16 * t) + i);
+        }
+        const int e = __ldg(ids + (long long)m * top_k + j);
+        if (e < 0 || e >= E) continue;  // the sum below turns NaN
+        const long long row0 = (long long)e * H + n0 + 4 * half;
+        QChunk<BITS> q[4][T];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[r][t], qs, qh, sc, row0 + r, kp, cl + 16 * t);
+        }
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[r] += qchunk_dot<BITS>(q[r][t], xv[t]);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // within a half
+        }
+        if (cl == 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r];
+        }
+    }
+    __syncthreads();
+    if (tid < MOE_DOWN_ROWS) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j)
+            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + tid], total);
+        *yp = y0 + total;
+    }
+}
+
 // ------------------------------------------------------------------------------------------------ entry points
 
 #define MOE_ENTRY(name, BITS, GROUP)                                                                          \
@@ -262,3 +467,22 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
 
 NINFER_QFORMATS(MOE_ENTRY)
 MOE_ENTRY(bf16, 16, 32)
+
+// Fast paths: moe_gate_up_t{1,2}_<f> (H = 1024·T), moe_down_t{1,2}_<f> (I = 512·T), q formats only. Two blocks
+// per SM (<= 128 registers) except q8 at T = 2, whose 8 chunks of 32 bytes per thread would spill there.
+#define MOE_FAST_MINB(BITS, T) (((BITS) == 8 && (T) == 2) ? 1 : 2)
+#define MOE_FAST_ENTRY_T(name, BITS, GROUP, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
+    moe_gate_up_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,    \
+                              int I, const float* x, const int* ids, int top_k, float* act) {                 \
+        gate_up_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act);                            \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
+    moe_down_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,       \
+                           int I, const float* act, const int* ids, const float* weights, int top_k,          \
+                           float* y) {                                                                        \
+        down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                      \
+    }
+#define MOE_FAST_ENTRY(name, BITS, GROUP) MOE_FAST_ENTRY_T(name, BITS, GROUP, 1) MOE_FAST_ENTRY_T(name, BITS, GROUP, 2)
+
+NINFER_QFORMATS(MOE_FAST_ENTRY)

@@ -5,16 +5,22 @@ What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/referenc
   decode   causal GQA attention of B sequences × T new tokens against their cache slots, times sigmoid(gate)
   prefill  the same for one sequence and a long T (for now it runs decode's kernels, which loop over query tiles)
 
-Decode is split-KV (flash decoding): one warp per (16 query rows, key split, sequence, kv head), where the rows are
-the (token, head-in-group) pairs of one kv head, so K/V are read once for all its query heads; partials go to
-`scratch` and a second kernel merges them and applies the gate. The split length depends only on (M, ctx_bucket),
-so a graph captured for a bucket replays at any context below it (blocks past the real length exit at once).
-Results match ops.gated_attention to fp32 accuracy: the mma operands are split into three bf16 terms.
+Decode is split-KV (flash decoding) over the rows of one kv head, the (token, head-in-group) pairs, so K/V are read
+once for all its query heads; partials go to `scratch` and a second kernel merges them and applies the gate. The
+split length depends only on (M, ctx_bucket), so a graph captured for a bucket replays at any context below it
+(blocks past the real length exit at once). Two kernel families compute the partials:
+  few rows (T·(nH/nKV) <= _FAST_MAX_ROWS: decode, MTP verify)  kernels/attention_decode.cu, memory-bound: one block
+      of 4 warps per (8 rows, split, sequence, kv head), each warp streaming its keys through a cp.async ring, plain
+      fp32 FMAs on CUDA cores; merged by attn_combine_fast.
+  more rows (prefill), or a GPU without the shared memory it needs  kernels/attention.cu: one warp per (16 rows,
+      split, sequence, kv head) on tensor cores, operands split into three bf16 terms; merged by attn_combine.
+Both match ops.gated_attention to fp32 accuracy and write the same scratch layout.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
@@ -25,6 +31,9 @@ _MIN_SPLIT = 64                  # keys per split, at least (a power of two time
 _MAX_SPLITS = 512                # splits per sequence, at most
 _SPLIT_ROWS = 4096               # n_splits · M stays below max(this, M): bounds the scratch
 _Q_ROWS = 16                     # query rows (token, head) pairs per decode warp
+_FAST_ROWS = 8                   # query rows per block of the CUDA-core decode (attention_decode.cu kFastRows)
+_FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
+_FAST_MAX_ROWS = 64              # T·(nH/nKV) up to this takes the CUDA-core decode; 0 forces the tensor-core one
 
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
@@ -170,6 +179,16 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     (clamped to max_ctx); keys at or past it are never read. scratch: decode_scratch_bytes(M, nH, d, ctx_bucket)
     bytes (or a bound for a larger M / bucket). Rows of a sequence with an invalid slot come out 0.
     """
+    for fn, grid, block, args, smem in _decode_launches(
+            k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH, cache=cache, out=out,
+            scratch=scratch, ctx_bucket=ctx_bucket):
+        k.launch(fn, grid, block, args, smem=smem, stream=stream)
+
+
+def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int,
+                     cache: KVCache, out: int, scratch: int, ctx_bucket: int) -> list[tuple]:
+    """decode()'s two launches, checked, as (entry point, grid, block, args, dynamic smem): the partials, then
+    their merge (bench/attention_bench.py times them apart)."""
     name = "attention.decode"
     _check_heads(name, nH, cache)
     _check_batch(name, B, T)
@@ -184,18 +203,54 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     cs, ns = decode_split(M, min(ctx_bucket, cache.max_ctx))
     acc = scratch
     ml = scratch + _round_up(ns * M * nH * d * 4)
-    n_qt = -(-(T * G) // _Q_ROWS)
     _need(B * nKV <= 65535 and nH <= 65535, f"{name}: B={B}, nKV={nKV}, nH={nH} give too large a grid")
     sc = d ** -0.5 * math.log2(math.e)  # softmax in base 2
     args = [ptr(q), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale), ptr(cache.v_scale), ptr(pos), ptr(slot),
             ptr(acc), ptr(ml), i32(T), i32(nH), i32(nKV), i32(M), i32(cache.slots), i32(cache.max_ctx), i32(cs),
             i32(ns), f32(sc)]
-    k.launch(f"attn_decode_{cache.dtype}_d{d}", (n_qt, ns, B * nKV), 32, args, stream=stream)
-    args = [ptr(acc), ptr(ml), ptr(gate), i32(ld_gate), ptr(pos), ptr(slot), ptr(out), i32(T), i32(M), i32(nH),
+    comb = [ptr(acc), ptr(ml), ptr(gate), i32(ld_gate), ptr(pos), ptr(slot), ptr(out), i32(T), i32(M), i32(nH),
             i32(d), i32(cache.slots), i32(cache.max_ctx), i32(cs), i32(ns)]
-    # combine: 4..32 splits read side by side per block; with few splits one block covers all d columns
+    # combine: 4..32 splits read side by side per block
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
-    k.launch("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, args, stream=stream)
+    smem = _fast_path(k, T * G, d, cache.dtype)
+    if smem:
+        return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
+                 args, smem),
+                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb, 0)]
+    n_qt = -(-(T * G) // _Q_ROWS)
+    # with few splits one combine block covers all d columns
+    return [(f"attn_decode_{cache.dtype}_d{d}", (n_qt, ns, B * nKV), 32, args, 0),
+            ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)]
+
+
+def _fast_smem(d: int, dtype: str) -> int:
+    """Dynamic shared memory of attn_decode_fast_{dtype}_d{d}: FastGeo<d, int8>::SMEM of attention_decode.cu.
+
+    q (8 rows fp32) | 4 warps x NS stages x (8 K rows + 8 V rows) | p (4 x 8 x 8 fp32) | scales (4 x NS x 16 fp32)
+    | (max, sum) (4 x 8 float2), NS = clamp(16384 // (16 · row bytes), 2, 4).
+    """
+    rb = d * _ELEM[dtype]
+    ns = min(4, max(2, 16384 // (16 * rb)))
+    return 8 * d * 4 + 4 * ns * 16 * rb + 4 * 8 * 8 * 4 + 4 * ns * 16 * 4 + 4 * 8 * 8
+
+
+_fast_opted: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+
+
+def _fast_path(k, rows: int, d: int, dtype: str) -> int:
+    """The CUDA-core decode's dynamic shared memory when it takes these `rows` query rows per kv head (opting its
+    kernel in above 48 KiB once per Kernels object), or 0 for the tensor-core path."""
+    if rows > _FAST_MAX_ROWS:
+        return 0
+    smem = _fast_smem(d, dtype)
+    if smem > k.gpu.info.max_smem_per_block_optin:
+        return 0
+    name = f"attn_decode_fast_{dtype}_d{d}"
+    done = _fast_opted.setdefault(k, set())
+    if name not in done:
+        k.gpu.set_max_dynamic_smem(k.fn(name), smem)
+        done.add(name)
+    return smem
 
 
 # ------------------------------------------------------------------------------------------ prefill

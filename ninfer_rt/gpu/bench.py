@@ -100,7 +100,7 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
     model.decode(tok, [ctx], [0])  # captures the bucket's graph
     model.gpu.synchronize()
     start, stop = Event(), Event()
-    graph = model.graphs[(1, 1, min(model.max_ctx, context_bucket(ctx + 1)))]
+    graph = model.graphs[(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last")]
     times = []
     for _ in range(rounds):
         start.record(model.gpu.stream)
@@ -141,6 +141,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
         weights = load_artifact(gpu, art, progress=progress)
         model_name, recipe_name = str(artifact_path), art.header["recipe"].get("name", "?")
     log(f"weights: {weights.arena_bytes / 2**30:.2f} GiB in {weights.load_s:.1f} s")
+    # the longest context decodes its last position: 262144 means 262143 cached tokens plus the new one
+    decode_contexts = [min(c, spec.max_position_embeddings - 1) for c in decode_contexts]
     max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
     model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype)
     for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros

@@ -27,7 +27,7 @@ import numpy as np
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
 from ninfer_rt.gpu import attention, deltanet, gemm, linear, misc, moe
-from ninfer_rt.gpu.driver import Gpu, GpuError
+from ninfer_rt.gpu.driver import Gpu
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import DeviceWeights
 from ninfer_rt.gpu.weights import DeviceWeight
@@ -127,7 +127,7 @@ class GpuModel:
         self.buf = self._alloc_buffers(self.rows)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
-        self.graphs: dict[tuple[int, int, int], object] = {}
+        self.graphs: dict[tuple[int, int, int, str], object] = {}
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -216,21 +216,32 @@ class GpuModel:
 
     # ------------------------------------------------------------------------------------------- the step
 
-    def _linear(self, w, *, x: int, M: int, y: int, mode: str = "store", ldy: int | None = None,
-                row_scale: int = 0) -> None:
+    def _linear(self, w, *, x: int, M: int, y: int, mode: str = "store", ldx: int | None = None,
+                ldy: int | None = None, row_scale: int = 0, norm_w: int = 0) -> None:
+        """y (op)= W x: the fp32 GEMV for up to 8 rows (with the RMSNorm of x fused when norm_w is given), the
+        tensor-core GEMM above that (x must then be normalised already)."""
         w = k_view(w)
         if M > GEMV_MAX_ROWS:
-            gemm.gemm(self.k, w, x=x, M=M, y=y, ldy=ldy, mode=mode, row_scale=row_scale)
+            assert not norm_w, "the GEMM path takes normalised input"
+            gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale)
         else:
-            linear.gemv(self.k, w, x=x, M=M, y=y, ldy=ldy, mode=mode, row_scale=row_scale)
+            linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
+                        norm_eps=self.spec.rms_norm_eps)
 
     def _layer(self, i: int, B: int, T: int, ctx_bucket: int) -> None:
         s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
         M, p = B * T, f"{LM}layers.{i}."
-        misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "input_layernorm.weight"), eps=s.rms_norm_eps)
+        # decode fuses the input norm into the projections (the GEMV normalises as it stages x)
+        if M <= GEMV_MAX_ROWS:
+            src, nw = b.x, P(p + "input_layernorm.weight")
+        else:
+            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "input_layernorm.weight"),
+                          eps=s.rms_norm_eps)
+            src, nw = b.h, 0
         if s.layer_types[i] == "full_attention":
             a = p + "self_attn."
-            self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=b.h, M=M, y=b.mixed, ldy=self.qkvg_cols)
+            self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=src, M=M, y=b.mixed, ldy=self.qkvg_cols,
+                         norm_w=nw)
             attention.prepare(self.k, qkvg=b.mixed, ld=self.qkvg_cols, q_norm=P(a + "q_norm.weight"),
                               k_norm=P(a + "k_norm.weight"), inv_freq=self.inv_freq, rope_scale=self.rope_scale,
                               rot=s.rotary_dim, pos=self.pos, slot=self.slot, B=B, T=T,
@@ -243,8 +254,8 @@ class GpuModel:
         else:
             d = p + "linear_attn."
             cols = s.conv_dim + s.value_dim
-            self._linear(W(d + "{in_proj_qkv,in_proj_z}.weight"), x=b.h, M=M, y=b.mixed, ldy=cols)
-            self._linear(W(d + "{in_proj_b,in_proj_a}.weight"), x=b.h, M=M, y=b.ba)
+            self._linear(W(d + "{in_proj_qkv,in_proj_z}.weight"), x=src, M=M, y=b.mixed, ldy=cols, norm_w=nw)
+            self._linear(W(d + "{in_proj_b,in_proj_a}.weight"), x=src, M=M, y=b.ba, norm_w=nw)
             deltanet.decode(self.k, mixed=b.mixed, ld_mixed=cols, ba=b.ba, conv_w=P(d + "conv1d.weight"),
                             A_log=P(d + "A_log"), dt_bias=P(d + "dt_bias"), norm_w=P(d + "norm.weight"),
                             conv_state=self.conv_state[i], ssm_state=self.ssm_state[i], slot=self.slot, B=B, T=T,
@@ -292,10 +303,13 @@ class GpuModel:
             misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps)
             self._linear(self.lm_head, x=b.h, M=M, y=b.logits)
             rows = M
-        else:  # row b·T + T-1 of each sequence: a strided view of x with stride T rows
-            misc.rms_norm(self.k, x=b.x + 4 * (T - 1) * self.H, y=b.h, M=B, D=self.H, w=norm,
-                          eps=s.rms_norm_eps, ldx=T * self.H)
-            self._linear(self.lm_head, x=b.h, M=B, y=b.logits)
+        else:  # row b·T + T-1 of each sequence: a strided view of x
+            last, ld = b.x + 4 * (T - 1) * self.H, T * self.H
+            if B <= GEMV_MAX_ROWS:  # the final norm fused into the lm_head GEMV
+                self._linear(self.lm_head, x=last, M=B, y=b.logits, ldx=ld, norm_w=norm)
+            else:
+                misc.rms_norm(self.k, x=last, y=b.h, M=B, D=self.H, w=norm, eps=s.rms_norm_eps, ldx=ld)
+                self._linear(self.lm_head, x=b.h, M=B, y=b.logits)
             rows = B
         misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
                     scratch=b.scratch)
@@ -325,15 +339,19 @@ class GpuModel:
         self._check(pos, T, slots)
         bucket = min(context_bucket(max(pos) + T), self.max_ctx)
         self._set_batch(tokens, pos, slots)
+        self._run(B, T, bucket, "last", graph)
+
+    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool) -> None:
+        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows)."""
         if not graph:
-            self._step(B, T, bucket, "last")
+            self._step(B, T, bucket, logit_rows)
             return
-        key = (B, T, bucket)
+        key = (B, T, bucket, logit_rows)
         g = self.graphs.get(key)
         if g is None:
             self.gpu.begin_capture()
             try:
-                self._step(B, T, bucket, "last")
+                self._step(B, T, bucket, logit_rows)
             finally:
                 g = self.gpu.end_capture()
             self.graphs[key] = g
@@ -355,8 +373,9 @@ class GpuModel:
             T = piece.size
             self._set_batch(piece, [start + c0], [slot])
             last = c0 + T == n
-            self._step(1, T, min(context_bucket(start + c0 + T), self.max_ctx),
-                       "all" if all_logits else ("last" if last else "none"))
+            # full chunks replay a captured graph (host launch cost is ~500 launches per chunk otherwise)
+            self._run(1, T, min(context_bucket(start + c0 + T), self.max_ctx),
+                      "all" if all_logits else ("last" if last else "none"), graph=T == chunk and not all_logits)
             if all_logits:
                 out.append(self.gpu.download(self.buf.logits, (T, self.V), np.float32))
         return np.concatenate(out) if all_logits else None
@@ -368,11 +387,3 @@ class GpuModel:
     def argmax(self, rows: int) -> np.ndarray:
         return self.gpu.download(self.buf.argmax, (rows,), np.int32)
 
-
-def check_engine_kernels(k: Kernels) -> None:
-    """Fail with one line if the built kernels lack an entry point the engine needs."""
-    for name in ("gemv_q8g32", "gemv_bf16", "rms_norm"):
-        try:
-            k.fn(name)
-        except GpuError as e:
-            raise GpuError(f"the kernel build is incomplete: {e}") from None

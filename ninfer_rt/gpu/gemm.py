@@ -12,7 +12,8 @@ formats or bf16; x fp32 [M, ldx] (only its first K columns are read), y fp32 [M,
 
 Numerics: x is rounded to bf16 (relative 2^-9) when staged; integer codes are exact in bf16 and each fp16 group
 scale multiplies, in fp32, the partial sum of its 32-wide chunk, so besides fp32 accumulation nothing else
-rounds. `moe_grouped` runs the same tiles over expert banks for prefill MoE (below).
+rounds. `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per
+expert, kernels/moe_gemm.cu's tiles of 32 slots.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def _check_x(x: int, ldx: int, K: int, what: str) -> None:
         raise GpuError(f"{what}: ldx={ldx} must be >= K={K} and a multiple of 4 (16-byte rows)")
 
 
-def _prepare(k, name: str, fmt: str) -> int:
-    """The kernel's dynamic smem, with its opt-in attribute set once per Kernels object."""
-    smem = smem_bytes(fmt)
+def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
+    """The kernel's dynamic smem (smem_bytes(fmt) unless given), with its opt-in attribute set once per Kernels."""
+    smem = smem_bytes(fmt) if smem is None else smem
     done = _smem_set.setdefault(k, set())
     if name not in done:
         limit = k.gpu.info.max_smem_per_block_optin
@@ -123,6 +124,28 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
 
 SORT_THREADS = 1024
 
+# moe_small_<fmt> (kernels/moe_gemm.cu): tile SMALL_BN weight rows × SMALL_TM routed slots, k stages of 128
+SMALL_BN, SMALL_TM, SMALL_STAGES = 128, 32, 3
+# moe_grouped runs moe_small when the average routed slots per expert, M·top_k / E, is at most this
+MOE_SMALL_MAX_AVG = 96
+MOE_PATHS = ("auto", "small", "large")
+
+
+def small_smem_bytes(fmt: str) -> int:
+    """Dynamic shared memory of moe_small_<fmt> (moe_gemm.cu STraits<BITS>::SMEM); integer formats only."""
+    bits = _bits(fmt)
+    qs = 32 if bits == 8 else 16
+    qh = {5: 4, 6: 8}.get(bits, 0)
+    stage = 4 * SMALL_TM * XS_STRIDE + 4 * SMALL_BN * (qs + qh + 4)
+    red = 4 * SMALL_TM * (SMALL_BN + 4) * 4
+    return SMALL_TM * 12 + max(SMALL_STAGES * stage, red)
+
+
+def _small_ok(k, *ws) -> bool:
+    """moe_small handles every bank in ws: integer formats whose tile fits this GPU's shared memory."""
+    limit = k.gpu.info.max_smem_per_block_optin
+    return all(w.fmt != "bf16" and small_smem_bytes(w.fmt) <= limit for w in ws)
+
 
 def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
     """Bytes of the int32 workspace `moe_grouped` needs: order [M·top_k], offsets [E+1], tile_start [E+1]."""
@@ -130,7 +153,8 @@ def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
 
 
 def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top_k: int, act: int, y: int,
-                scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+                scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None,
+                path: str = "auto") -> None:
     """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
 
     gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
@@ -141,6 +165,10 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     Three launches: moe_sort groups the slots by expert; moe_gemm (swiglu) fills act; moe_gemm (down) adds
     into y with float atomics, so y's last bits may differ from run to run (the top_k terms of a row are
     summed in whatever order the blocks finish).
+
+    path: "large" runs moe_gemm_<fmt> (tiles of 128 slots per expert); "small" runs moe_small_<fmt>
+    (kernels/moe_gemm.cu: tiles of 32 slots, integer formats only, GpuError otherwise); "auto" (default) takes
+    small when M·top_k / E <= MOE_SMALL_MAX_AVG and both banks allow it. Same results up to fp32 summation order.
     """
     what = f"moe_grouped({gate_up.name}, {down.name})"
     for w in (gate_up, down):
@@ -172,19 +200,39 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
         raise GpuError(f"{what}: M·top_k={slots} is too many slots for one launch")
     if 8 * E > 48 * 1024:
         raise GpuError(f"{what}: E={E} experts exceed the sort's shared memory")
+    if path not in MOE_PATHS:
+        raise GpuError(f"{what}: path {path!r} is not one of {', '.join(MOE_PATHS)}")
     if M == 0:
         return
+    if path == "small" and not _small_ok(k, gate_up, down):
+        raise GpuError(f"{what}: path 'small' needs integer formats that fit shared memory "
+                       f"({gate_up.fmt}, {down.fmt})")
+    small = path == "small" or (path == "auto" and slots <= MOE_SMALL_MAX_AVG * E and _small_ok(k, gate_up, down))
     order = scratch
     offsets = scratch + 4 * slots
     tile_start = offsets + 4 * (E + 1)
-    k.launch("moe_sort", 1, SORT_THREADS,
-             [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start)], 8 * E, stream)
+    if small:
+        k.launch("moe_sort_bm", 1, SORT_THREADS,
+                 [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start), i32(SMALL_TM)], 8 * E,
+                 stream)
+    else:
+        k.launch("moe_sort", 1, SORT_THREADS,
+                 [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start)], 8 * E, stream)
+    # small: token tiles (<= slots, and <= ceil(slots / TM) + E) along x, fastest, so the tiles of one expert
+    # run together and share its weight tile through L2; surplus blocks exit
+    small_tiles = min(slots, -(-slots // SMALL_TM) + E)
 
     def run(w, N, K, xp, ldx_, yp, ldy_, row_scale, xdiv, ydiv, mode):
-        name = f"moe_gemm_{w.fmt}"
-        smem = _prepare(k, name, w.fmt)
         qs, qh, sc = w.planes()
-        k.launch(name, (-(-N // BN), grid_y), THREADS,
+        if small:
+            name = f"moe_small_{w.fmt}"
+            smem = _prepare(k, name, w.fmt, small_smem_bytes(w.fmt))
+            grid = (small_tiles, -(-N // SMALL_BN))
+        else:
+            name = f"moe_gemm_{w.fmt}"
+            smem = _prepare(k, name, w.fmt)
+            grid = (-(-N // BN), grid_y)
+        k.launch(name, grid, THREADS,
                  [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
                   ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv),
                   i32(mode)], smem, stream)

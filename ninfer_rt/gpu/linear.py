@@ -1,8 +1,10 @@
 """Decode GEMV and embedding gather (kernels/gemv.cu): launch shapes, argument checks, the M > 8 chunk loop.
 
 `gemv` computes y = W x̂ for up to 8 activation rows per launch, reading the weights once for all rows, with an
-optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. `embed`
-gathers decoded weight rows. Weights stay in the artifact's byte layout (a DeviceWeight); activations are fp32.
+optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. One row
+(M = 1, the decode of one sequence) with K <= 10240 runs the persistent stream kernels (plan_stream), everything
+else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
+layout (a DeviceWeight); activations are fp32.
 """
 
 from __future__ import annotations
@@ -21,20 +23,38 @@ _WARPS = 8
 _ROWS = 4  # weight rows per warp
 _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
 _BLOCKS_PER_SM = {1: 4, 2: 3}  # the kernels' launch bounds (registers); 2 for M >= 3
+_STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
+_STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
+_STREAM_PREFETCH = 2  # register tiles L2 is asked for ahead of the two in registers (0: no L2 prefetch)
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """One launch of a gemv kernel: entry point, grid, K split across warps, x̂ slab and its shared memory."""
+    """One launch of a gemv kernel: entry point, grid, K split across warps, x̂ slab and its shared memory.
+
+    The block kernels gemv_*_m{M} launch `grid` blocks, one per block tile (8 >> kw_log2 groups of 4 rows).
+    The M = 1 stream kernels gemv_*_s1 (d > 0) launch `blocks` <= grid persistent blocks that loop over the
+    `grid` block tiles, streaming d units per lane and row per register tile."""
 
     name: str
-    grid: int
+    grid: int  # block tiles: every row is in one (8 >> kw_log2 row groups of 4 rows each)
     kw_log2: int  # 1 << kw_log2 warps of a block share one group of 4 rows, splitting K
     ks: int  # x̂ slab length (elements of K per shared-memory stage)
     smem: int  # dynamic shared memory bytes
     gshift: int  # log2 of the quantization group (5 for bf16, unused)
+    d: int = 0  # stream kernel: 16-byte units per lane and row in one register tile; 0: a block kernel
+    blocks: int = 0  # blocks launched: `grid` for a block kernel, at most `grid` for a stream kernel
+    pf: int = 0  # stream kernel: tiles ahead of the register tiles that L2 is asked for (0: none)
+
+    @property
+    def stream(self) -> bool:
+        return self.d > 0
+
+    @property
+    def launch_blocks(self) -> int:
+        return self.blocks or self.grid
 
 
 def _code(w: DeviceWeight) -> tuple[str, int, int]:
@@ -63,14 +83,28 @@ def _check_matrix(w: DeviceWeight, what: str) -> tuple[int, int]:
 
 
 def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = None,
-              ks: int | None = None) -> GemvPlan:
+              ks: int | None = None, stream: bool | None = None, d: int | None = None,
+              blocks: int | None = None, pf: int | None = None) -> GemvPlan:
     """The launch for M = m (1..8) rows: rows in groups of 4 per warp, warps per group (KW) chosen so the grid
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
-    length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split)."""
+    length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
+
+    At m = 1 with all of x̂ in one slab (K <= 10240) and no ks given, the plan is a stream kernel's instead
+    (plan_stream); stream=False keeps the block kernel, stream=True insists on the stream kernel; d, blocks and
+    pf override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
+    if stream is None:
+        stream = m == 1 and ks is None and k <= _stream_k_max()
+    if stream:
+        if m != 1 or ks is not None or k > _stream_k_max():
+            raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab override and K <= "
+                           f"{_stream_k_max()}, got M = {m}, K = {k}, ks = {ks}")
+        return plan_stream(w, sm_count, kw_log2=kw_log2, d=d, blocks=blocks, pf=pf)
+    if d is not None or blocks is not None or pf is not None:
+        raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_max()})")
     cs4 = _chunk_stride(m) * 4
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
@@ -98,6 +132,71 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
 
 def _round_up(a: int, b: int) -> int:
     return (a + b - 1) // b * b
+
+
+def _stream_k_max() -> int:
+    """The longest K whose whole x̂ (one row, chunks of 32 padded to 36 floats) fits the 46 KB slab: 10240."""
+    return (_X_SMEM // (_chunk_stride(1) * 4)) * 32 // 256 * 256
+
+
+def _busiest_sm_tiles(tiles: int, blocks: int, sm_count: int) -> int:
+    """Block tiles on the busiest SM when `blocks` persistent blocks take tiles b, b + blocks, ... and block b
+    sits on SM b mod sm_count (the order the hardware fills a first wave in, near enough): SM 0 holds the most
+    blocks and the most of the blocks with one tile more."""
+    q, r = divmod(tiles, blocks)
+    return -(-blocks // sm_count) * q + -(-r // sm_count)
+
+
+def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d: int | None = None,
+                blocks: int | None = None, pf: int | None = None) -> GemvPlan:
+    """The M = 1 stream kernel's launch (kernels/gemv.cu gemv_*_s1). Candidates: d in {most, 1} units per lane
+    and row per register tile, KW = 1..8 warps per row group, where each of the KW warps has a whole first tile
+    (32·d·KW <= units per row; KW = 1 always qualifies); blocks = min(block tiles, 2 per SM). The pick has the
+    fewest row groups on the busiest SM (the kernel streams at the rate of its busiest SM), then the most blocks
+    (more warps to decode the last tiles to arrive), then the larger d (more bytes in flight per warp), then the
+    smaller KW (fewer partial sums meeting in shared memory); d = 1 against a deeper tile counts 10% more, so it
+    wins only by spreading clearly better. pf (default _STREAM_PREFETCH) tiles beyond the two register tiles
+    are asked of L2 ahead of their loads."""
+    prefix, bits, eu = _code(w)
+    n, k = w.shape
+    if k > _stream_k_max():
+        raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_max()}")
+    nu = k // eu  # 16-byte units along a row that hold the K elements
+    groups = math.ceil(n / _ROWS)
+    sms = max(1, sm_count)
+    slots = sms * _STREAM_BLOCKS_PER_SM
+    dmax = _STREAM_DEPTH[bits]
+    if d is not None and not 1 <= d <= dmax:
+        raise GpuError(f"{w.name}: stream gemv d must be 1..{dmax} for {w.fmt}, got {d}")
+    if kw_log2 is not None and not 0 <= kw_log2 <= 3:
+        raise GpuError(f"gemv kw_log2 must be 0..3, got {kw_log2}")
+    if blocks is not None and blocks < 1:
+        raise GpuError(f"stream gemv blocks must be >= 1, got {blocks}")
+    pf = _STREAM_PREFETCH if pf is None else pf
+    if not 0 <= pf <= 8:
+        raise GpuError(f"stream gemv pf must be 0..8, got {pf}")
+    best = None
+    for dd in sorted({dmax, 1}, reverse=True):
+        if d is not None and dd != d:
+            continue
+        for kl in range(4):
+            if kw_log2 is not None and kl != kw_log2:
+                continue
+            if kw_log2 is None and kl > 0 and 32 * dd * (1 << kl) > nu:
+                continue  # some warp of a row group would have no whole tile
+            if d is None and dd > 1 and 32 * dd > nu:
+                continue  # the deeper tile would be partly empty on every lane
+            tiles = math.ceil(groups / (_WARPS >> kl))
+            nb = min(tiles, blocks or slots)
+            cost = _busiest_sm_tiles(tiles, nb, sms) * (_WARPS >> kl) * (1.1 if dd < dmax else 1.0)
+            key = (cost, -nb, -dd, kl)
+            if best is None or key < best[0]:
+                best = (key, dd, kl, tiles, nb)
+    if best is None:  # only when overrides exclude every candidate (cannot happen: d=1, KW=1 always qualifies)
+        raise GpuError(f"{w.name}: no stream gemv plan for d={d}, kw_log2={kw_log2}")
+    _, dd, kl, tiles, nb = best
+    return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k, smem=(k // 32) * _chunk_stride(1) * 4,
+                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=dd, blocks=nb, pf=pf)
 
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
@@ -151,7 +250,9 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
             i32(plan.ks), i32(1 if xvec else 0)]
-    k.launch(plan.name, (plan.grid,), (_THREADS,), args, plan.smem, stream)
+    if plan.stream:
+        args += [i32(plan.d), i32(plan.pf)]
+    k.launch(plan.name, (plan.launch_blocks,), (_THREADS,), args, plan.smem, stream)
 
 
 def embed(k, w: DeviceWeight, *, ids: int, M: int, out: int, stream=None) -> None:

@@ -22,6 +22,8 @@ THREADS = 256  # gate_up and down blocks
 GATE_UP_TILE = 32  # bank rows per gate_up block: 16 gate + 16 up (the interleave tile of 16)
 DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
+XPAD_FAST = 36  # the same in the fast gate_up (16-byte reads)
+FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory every launch may use without opting in
 SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
 
@@ -100,7 +102,12 @@ def gate_up(k, w: DeviceWeight, *, x: int, M: int, ids: int, top_k: int, act: in
         raise GpuError(f"moe.gate_up: I={two_i // 2} is too large for the grid (at most {65535 * 16})")
     _check_ptrs("gate_up", x=x, ids=ids, act=act)
     I = two_i // 2
-    smem = _smem(k, "gate_up", name, H // 32 * XPAD * 4)
+    t = H // 1024
+    if w.quantized and H == 1024 * t and t in FAST_T and x % 16 == 0:
+        name = f"moe_gate_up_t{t}_{w.fmt}"
+        smem = _smem(k, "gate_up", name, H // 32 * XPAD_FAST * 4)
+    else:
+        smem = _smem(k, "gate_up", name, H // 32 * XPAD * 4)
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(ids), i32(top_k), ptr(act)]
     k.launch(name, (M * top_k, two_i // GATE_UP_TILE), THREADS, args, smem, stream)
@@ -122,7 +129,11 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     if H // DOWN_ROWS > 65535:
         raise GpuError(f"moe.down: H={H} is too large for the grid (at most {65535 * DOWN_ROWS})")
     _check_ptrs("down", act=act, ids=ids, weights=weights, y=y)
-    smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
+    t = I // 512
+    if w.quantized and I == 512 * t and t in FAST_T and act % 16 == 0:
+        name, smem = f"moe_down_t{t}_{w.fmt}", 0  # act read straight from global
+    else:
+        smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(act), ptr(ids), ptr(weights),
             i32(top_k), ptr(y)]

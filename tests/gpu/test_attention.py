@@ -1,5 +1,6 @@
-"""GPU tests of kernels/attention.cu through ninfer_rt.gpu.attention: prepare (q/k norm + RoPE, KV cache write),
-decode (split-KV gated attention) and prefill.
+"""GPU tests of kernels/attention.cu and kernels/attention_decode.cu through ninfer_rt.gpu.attention: prepare (q/k
+norm + RoPE, KV cache write), decode (split-KV gated attention: the CUDA-core path for few rows per kv head and the
+tensor-core path, each forced where the other would run) and prefill.
 
 Oracles (torch fp32 on the CPU, same inputs): ops.rms_norm_zc, ops.rope_inv_freq / rope_cos_sin / apply_rope and
 ops.gated_attention. Cache rows are checked element by element: bf16 against f32_to_bf16_bits of the oracle's
@@ -29,6 +30,8 @@ DIMS = {  # nH, nKV, d, rot, theta, mRoPE section (irrelevant for text positions
     "35b": (16, 2, 256, 64, 1e7, (11, 11, 10)),
     "27b": (24, 4, 256, 64, 1e7, (11, 11, 10)),   # 6 query heads per kv head: tiles mix tokens unevenly
     "tiny": (4, 2, 32, 8, 1e4, (2, 1, 1)),
+    "d128": (8, 2, 128, 32, 1e6, (6, 5, 5)),      # the other head dims the kernels are built for
+    "d64": (6, 1, 64, 16, 1e4, (4, 2, 2)),
 }
 
 
@@ -399,39 +402,128 @@ def test_cache_layout(gpu):
             assert c.k_scale == c.v_scale == 0 and c.v + data <= c.k + n
 
 
-def test_speed(kernels, gpu, dev):
-    """Decode timings at 35B dims (B=1, T=1 and 8), the cache filled with a constant valid byte; prints the
-    effective KV bandwidth, and only catches a pathology (10x slower than 1 TB/s)."""
+
+# ------------------------------------------------------------------------------------------ decode paths
+
+def _rows(dims: str, T: int) -> int:
+    nH, nKV = DIMS[dims][:2]
+    return T * (nH // nKV)
+
+
+class _Recorder:
+    """A Kernels stand-in that records the entry points launched through it."""
+
+    def __init__(self, kernels):
+        self.k, self.gpu, self.names = kernels, kernels.gpu, []
+
+    def fn(self, name):
+        return self.k.fn(name)
+
+    def launch(self, name, *args, **kw):
+        self.names.append(name)
+        self.k.launch(name, *args, **kw)
+
+
+def test_decode_path_choice(kernels, gpu, dev, rng, monkeypatch):
+    """T·(nH/nKV) <= _FAST_MAX_ROWS runs attention_decode.cu's kernels, more rows (or _FAST_MAX_ROWS = 0) the
+    tensor-core ones of attention.cu; both give the oracle's result."""
     from ninfer_rt.gpu import attention
-    from ninfer_rt.gpu.driver import Event
+    rec = _Recorder(kernels)
+    _run_decode(rec, gpu, dev, rng, "tiny", "int8", [5, 40], 8, [64], 64)
+    assert rec.names == ["attn_decode_fast_int8_d32", "attn_combine_fast"], rec.names
+    rec.names.clear()
+    _run_decode(rec, gpu, dev, rng, "tiny", "bf16", [5], 33, [64], 64)               # 66 rows per kv head
+    assert rec.names == ["attn_decode_bf16_d32", "attn_combine"], rec.names
+    rec.names.clear()
+    monkeypatch.setattr(attention, "_FAST_MAX_ROWS", 0)
+    _run_decode(rec, gpu, dev, rng, "35b", "bf16", [30], 1, [64], 64)
+    assert rec.names == ["attn_decode_bf16_d256", "attn_combine"], rec.names
+
+
+MMA_CASES = [c for c in DECODE_CASES if _rows(c[0], c[3]) <= 64]
+
+
+@pytest.mark.parametrize("dims,dtype,pos,T,extras", MMA_CASES,
+                         ids=[f"{c[0]}-{c[1]}-B{len(c[2])}-T{c[3]}-ctx{max(c[2])}" for c in MMA_CASES])
+def test_decode_tensor_core_path(kernels, gpu, dev, rng, monkeypatch, dims, dtype, pos, T, extras):
+    """The decode cases that take the CUDA-core path, forced through the tensor-core kernels (the fallback)."""
+    from ninfer_rt.gpu import attention
+    monkeypatch.setattr(attention, "_FAST_MAX_ROWS", 0)
+    end = max(pos) + T
+    max_ctx = end + max(e for e in extras if e < 10 ** 6) + 3
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, list(pos), T, [end + e for e in extras], max_ctx)
+
+
+FAST_CASES = [  # the CUDA-core path at every head dim, with rows that fill 1..8 row groups unevenly
+    ("d128", "bf16", (0, 300), 1, (0, 70)),
+    ("d128", "int8", (77, 2000), 4, (0,)),
+    ("d128", "int8", (1,), 8, (5, 10 ** 6)),
+    ("d64", "bf16", (5, 1234), 8, (0, 9)),
+    ("d64", "int8", (100,), 3, (0,)),
+    ("d64", "int8", (0, 31, 32), 1, (0,)),
+    ("27b", "bf16", (700,), 1, (0,)),
+    ("27b", "int8", (33, 4100), 5, (0, 1)),
+    ("tiny", "bf16", (0, 7, 8, 9), 2, (0,)),
+]
+
+
+@pytest.mark.parametrize("dims,dtype,pos,T,extras", FAST_CASES,
+                         ids=[f"{c[0]}-{c[1]}-B{len(c[2])}-T{c[3]}-ctx{max(c[2])}" for c in FAST_CASES])
+def test_decode_fast(kernels, gpu, dev, rng, dims, dtype, pos, T, extras):
+    assert _rows(dims, T) <= 64
+    end = max(pos) + T
+    max_ctx = end + max(e for e in extras if e < 10 ** 6) + 3
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, list(pos), T, [end + e for e in extras], max_ctx)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_decode_long_splits(kernels, gpu, dev, rng, dtype):
+    """Splits of 256 keys: each warp of the CUDA-core decode walks 8 steps, so its cp.async ring (4 int8 / 2 bf16
+    stages) wraps around; once with one query row group at ~70K context, once with 8 row groups over 4 sequences."""
+    from ninfer_rt.gpu import attention
+    assert attention.decode_split(2, 70003)[0] == 256 and attention.decode_split(32, 32768)[0] == 256
+    _run_decode(kernels, gpu, dev, rng, "35b", dtype, [70001], 2, [70003], 70006)
+    _run_decode(kernels, gpu, dev, rng, "35b", dtype, [20000, 3, 9000, 32700], 8, [32768], 32768)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_decode_invalid_slot(kernels, gpu, dev, rng, monkeypatch, fast):
+    """A sequence whose slot is outside [0, slots) reads no cache and comes out 0; the others are unaffected."""
+    from ninfer_rt.gpu import attention
+    if not fast:
+        monkeypatch.setattr(attention, "_FAST_MAX_ROWS", 0)
     nH, nKV, d = DIMS["35b"][:3]
-    lines = []
-    for dtype in ("bf16", "int8"):
-        S = 262144
-        n = attention.KVCache.nbytes(1, S, nKV, d, dtype)
-        base = dev.empty(n, poison=False)
-        gpu.memset(base, 0x3F, n)  # bf16 0x3F3F = 0.746, int8 code 63, scale 0x3F3F3F3F = 0.747
-        cache = attention.KVCache.at(base, 1, S, nKV, d, dtype)
-        for T in (1, 8):
-            M = T
-            q, gate, out = dev.empty(M * nH * d * 4, False), dev.empty(M * nH * d * 4, False), dev.empty(M * nH * d * 4)
-            scratch = dev.empty(attention.decode_scratch_bytes(M, nH, d, S))
-            slot = dev.put(np.zeros(1, np.int32))
-            for ctx in (8192, 65536, 262144):
-                pos = dev.put(np.array([ctx - T], np.int32))
-                run = lambda: attention.decode(kernels, q=q, gate=gate, ld_gate=nH * d, pos=pos, slot=slot, B=1,
-                                               T=T, nH=nH, cache=cache, out=out, scratch=scratch, ctx_bucket=ctx)
-                run()
-                a, b = Event(), Event()
-                a.record(gpu.stream)
-                for _ in range(10):
-                    run()
-                b.record(gpu.stream)
-                b.synchronize()
-                us = a.elapsed_ms(b) * 100
-                kv = ctx * nKV * (2 * d * (2 if dtype == "bf16" else 1) + (8 if dtype == "int8" else 0))
-                lines.append(f"{dtype} T={T} ctx={ctx}: {us:.1f} us, {kv / us / 1e6:.2f} TB/s")
-                assert us < 10 * (kv / 1e12 * 1e6) + 200, lines[-1]
-        gpu.free(base)
-        dev.ptrs.remove(base)
-    print("\n".join(lines))
+    pos, T, max_ctx = [300, 40, 700], 2, 710
+    B, M = len(pos), len(pos) * T
+    cache = _new_cache(dev, 2, max_ctx, nKV, d, "int8")
+    slot = [1, -1, 2]                                                         # 2 == slots: out of range too
+    K, V = _fill_cache(gpu, rng, cache, [1], [pos[0] + T])
+    q = (rng.standard_normal((M, nH, d)) * 1.5).astype(np.float32)
+    gate = rng.standard_normal((M, nH * d)).astype(np.float32)
+    out = dev.empty(M * nH * d * 4)
+    attention.decode(kernels, q=dev.put(q), gate=dev.put(gate), ld_gate=nH * d, pos=dev.put(np.array(pos, np.int32)),
+                     slot=dev.put(np.array(slot, np.int32)), B=B, T=T, nH=nH, cache=cache, out=out,
+                     scratch=dev.empty(attention.decode_scratch_bytes(M, nH, d, 1024)), ctx_bucket=1024)
+    got = dev.get(out, (M, nH * d))
+    assert (got[T:] == 0).all(), "rows of sequences with an invalid slot are not 0"
+    ref, scale = _oracle_attention(q[:T], gate[:T], K, V, pos[:1], [1], T)
+    _check_attention(got[:T], ref, scale, f"decode next to invalid slots (fast={fast})")
+
+
+def test_decode_scratch_bound():
+    """decode_scratch_bytes(rows, nH, d, max_ctx) covers every call with M <= rows and a bucket <= max_ctx (the
+    engine allocates it once), and stays bounded at the engine's largest setting."""
+    from ninfer_rt.gpu import attention
+    nH, d = 16, 256
+    for rows in (1, 2, 3, 8, 24, 64, 100, 512):
+        for max_ctx in (1, 100, 1024, 8192, 65536, 262160):
+            bound = attention.decode_scratch_bytes(rows, nH, d, max_ctx)
+            for M in sorted({1, 2, 3, 8, 24, 64, 100, 512, rows} & set(range(1, rows + 1))):
+                for bucket in sorted({1, 63, 64, 65, 1024, 5000, 8192, 65536, 262144, max_ctx}):
+                    if bucket > max_ctx:
+                        continue
+                    cs, ns = attention.decode_split(M, bucket)
+                    assert ns * cs >= bucket and cs % 64 == 0
+                    need = attention._round_up(ns * M * nH * d * 4) + attention._round_up(ns * M * nH * 8)
+                    assert need <= bound, (rows, max_ctx, M, bucket, need, bound)
+    assert attention.decode_scratch_bytes(512, nH, d, 262160) <= 100 * 2 ** 20

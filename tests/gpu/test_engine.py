@@ -46,7 +46,8 @@ def reference(artifact):
     m.close()
 
 
-def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_vocab=None, logit_rows=None):
+def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_vocab=None, logit_rows=None,
+              prefill_chunk=512):
     from ninfer_rt.format import Artifact
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import load_artifact
@@ -54,7 +55,7 @@ def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_voc
     art = Artifact.open(path)
     weights = load_artifact(gpu, art)
     return GpuModel(gpu, kernels, art.spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype=kv,
-                    sample_vocab=sample_vocab, logit_rows=logit_rows), weights
+                    sample_vocab=sample_vocab, logit_rows=logit_rows, prefill_chunk=prefill_chunk), weights
 
 
 def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
@@ -80,13 +81,38 @@ def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, k
     assert d.mean() <= 1e-3
 
 
+def test_decode_logits_match_the_reference(gpu, kernels, artifact, reference):
+    """Teacher-forced decode: 40 single-token graph steps after a 24-token prompt; every step's logits against
+    the reference's full forward over the same tokens (mean KL ≤ 1e-3 per step, as for prefill)."""
+    ids = prompt(64, 3)
+    want = reference.logits(ids.tolist())[23:]  # row 23: the prefill's last token; row 24 + j: decode step j
+    model, weights = gpu_model(gpu, kernels, artifact)
+    got = []
+    try:
+        model.prefill(ids[:24], 0)
+        got.append(model.logits(1)[0])
+        for p in range(24, 63):
+            model.decode(ids[p:p + 1], [p], [0])
+            got.append(model.logits(1)[0])
+    finally:
+        model.free()
+        weights.free(gpu)
+    d = kld(want[:len(got)], np.stack(got))
+    print("per-step KLD", " ".join(f"{x:.1e}" for x in d))
+    assert np.isfinite(d).all() and d.max() <= 1e-3, " ".join(f"{x:.1e}" for x in d)
+
+
 def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference):
-    """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device."""
+    """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device.
+
+    The prompt is prefilled 8 tokens at a time, so every step runs the fp32 decode kernels: the bf16-activation
+    GEMM path (bounded by the KLD test above) can flip the tiny MoE's near-tied router choices, and a greedy
+    path diverges for good after one different token."""
     from ninfer_rt.sampling import SamplingParams
 
     ids = prompt(24, 2)
     want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS, sampling=SamplingParams(greedy=True)))
-    model, weights = gpu_model(gpu, kernels, artifact, sample_vocab=reference.real_vocab_size)
+    model, weights = gpu_model(gpu, kernels, artifact, sample_vocab=reference.real_vocab_size, prefill_chunk=8)
     try:
         model.prefill(ids, 0)
         out = [int(model.argmax(1)[0])]
@@ -153,5 +179,8 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
         weights.free(gpu)
     for a, d, r in zip(alone, direct, replay):
         assert np.isfinite(d).all()
-        assert np.array_equal(d, r)  # a graph replays the very same kernels
+        if 3 * T2 <= 8:
+            assert np.array_equal(d, r)  # a graph replays the very same kernels
+        else:  # grouped-MoE atomics vary the last bits, which bf16 rounding of later layers' inputs amplifies
+            assert np.linalg.norm(d - r) <= tol * np.linalg.norm(r)
         assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)

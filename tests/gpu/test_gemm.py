@@ -203,22 +203,58 @@ def moe_reference(gu, dn, x, ids, wts, act_in=None):
                          ids=lambda f: "-".join(f))
 def test_moe_grouped(kernels, dev, rng, fmts, M):
     """E = 8 experts (expert 3 gets no token), top_k = 4, I = 96 (2I = 192: a partial N tile, down K = 3 tiles),
-    H = 160 (Kp = 256, down N = a full and a partial tile); M = 300 gives experts 1-2 M tiles, the last partial."""
-    E, I, H, top_k = 8, 96, 160, 4
+    H = 160 (Kp = 256, down N = a full and a partial tile); M = 300 gives experts 1-2 M tiles, the last partial.
+    Default path: M = 1 takes moe_small for integer banks, M = 300 (150 slots per expert) moe_gemm."""
+    check_moe(kernels, dev, rng, fmts, M)
+
+
+@pytest.mark.parametrize("path", ["small", "large"])
+@pytest.mark.parametrize("M", [1, 7, 37, 300])
+@pytest.mark.parametrize("fmts", [("q4g64", "q5g64"), ("q6g32", "q8g128"), ("q8g64", "q4g128"),
+                                  ("q5g32", "q6g128")], ids=lambda f: "-".join(f))
+def test_moe_paths(kernels, dev, rng, fmts, M, path):
+    """Both paths forced on every integer width: moe_small's token tiles of 32 (M = 37: experts get ~18 slots,
+    M = 300 several full tiles and a partial one), its K split over 4 chunks of a 128-wide stage (H = 160: the
+    second stage has one valid chunk; I = 96: one chunk idle) and ldx / ldy beyond H."""
+    check_moe(kernels, dev, rng, fmts, M, path=path, ldx=160 + 12, ldy=160 + 3)
+
+
+def test_moe_small_35b(kernels, dev, rng):
+    """The 35B expert shapes (2I = 1024, H = 2048, q4g64 / q5g64) on E = 16 experts, top_k = 8, M = 64:
+    ~32 slots per expert (one or two token tiles), 8 N tiles of gate_up, 16 of down, 16 / 4 k stages."""
+    check_moe(kernels, dev, rng, ("q4g64", "q5g64"), 64, E=16, I=512, H=2048, top_k=8, path="small")
+
+
+def test_moe_rejects_path(kernels, dev, rng):
+    """An unknown path, and 'small' on a bf16 bank, raise before anything is launched."""
+    with pytest.raises(GpuError, match="path"):
+        check_moe(kernels, dev, rng, ("q4g64", "q5g64"), 3, path="tiny")
+    with pytest.raises(GpuError, match="small"):
+        check_moe(kernels, dev, rng, ("q8g32", "bf16"), 3, path="small")
+
+
+def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None):
+    """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle."""
     gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
     dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
-    x = rng.standard_normal((M, H)).astype(np.float32)
+    lx, ly = ldx or H, ldy or H
+    xf = np.full((M, lx), np.nan, np.float32)
+    xf[:, :H] = rng.standard_normal((M, H))
+    x = xf[:, :H]
     choices = np.array([e for e in range(E) if e != 3])
     ids = np.stack([rng.permutation(choices)[:top_k] for _ in range(M)]).astype(np.int32)
     wts = rng.uniform(0, 1, (M, top_k)).astype(np.float32)
-    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    y0 = rng.standard_normal((M, ly)).astype(np.float32)
     act_p = dev.empty(M * top_k * I * 4)
     y_p = dev.put(y0)
-    gemm.moe_grouped(kernels, gu, dn, x=dev.put(x), M=M, ids=dev.put(ids), weights=dev.put(wts), top_k=top_k,
-                     act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)))
+    gemm.moe_grouped(kernels, gu, dn, x=dev.put(xf), M=M, ids=dev.put(ids), weights=dev.put(wts), top_k=top_k,
+                     act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx, ldy=ldy,
+                     path=path)
     act = dev.get(act_p, (M * top_k, I))
-    y = dev.get(y_p, (M, H)).astype(np.float64) - y0
-    what = f"moe {fmts[0]}/{fmts[1]} M={M}"
+    yall = dev.get(y_p, (M, ly))
+    assert (yall[:, H:].view(np.uint32) == y0[:, H:].view(np.uint32)).all(), "moe wrote y beyond H"
+    y = yall[:, :H].astype(np.float64) - y0[:, :H]
+    what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path}"
     act_x, y_x = moe_reference(guv, dnv, x, ids, wts)
     act_b, _ = moe_reference(guv, dnv, bf16_round(x), ids, wts)
     _, y_b = moe_reference(guv, dnv, x, ids, wts, act_in=bf16_round(act))

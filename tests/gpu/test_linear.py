@@ -164,6 +164,39 @@ def test_gemv_model_shapes(kernels, dev, rng, fmt, shape, mode, norm):
         run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=False)
 
 
+STREAM_FORMATS = ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"]  # one per stream kernel (code width)
+
+
+@pytest.mark.parametrize("fmt", STREAM_FORMATS)
+def test_gemv_stream_plans(kernels, dev, rng, fmt):
+    """The M = 1 stream kernel under every forced plan: d in {1, most}, KW = 1, 2, 4, 8 (with K = 2080 the last
+    tile is ragged and at large KW whole warps get no unit), 2 persistent blocks (every block loops over several
+    block tiles, both register tiles and both partial-sum buffers in turn) and the full grid, L2 prefetch off
+    and on, in every mode, with the float4 and the scalar staging of x."""
+    ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
+    dmax = linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
+    for d in sorted({1, dmax}):
+        for kw_log2 in range(4):
+            for blocks, pf, mode, norm, scale, ldx_pad in [(2, 0, "store", True, True, 4),
+                                                           (2, 3, "add", False, True, 1),
+                                                           (2, 1, "swiglu", True, False, 4),
+                                                           (None, None, "add", True, False, 0)]:
+                w, wv = ws["swiglu" if mode == "swiglu" else "store"]
+                run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
+                         ldy_pad=2, what="stream",
+                         plan={"stream": True, "d": d, "kw_log2": kw_log2, "blocks": blocks, "pf": pf})
+
+
+@pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
+def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
+    """The stream kernel's x̂ staging over more than one pass of 4096 elements, up to the longest K it takes
+    (10240), with the norm (its Σx² and the nibble formats' chunk sums span the passes), default plans."""
+    w, wv = dev.weight(fmt, shape, rng)
+    assert linear.plan_gemv(w, 1, kernels.gpu.info.sm_count).stream
+    for mode, ldx_pad in [("store", 0), ("add", 1)]:
+        run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, ldx_pad=ldx_pad)
+
+
 # ------------------------------------------------------------------------------------------------ embed
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -257,3 +290,57 @@ def test_plan_fits_shared_memory():
                 p = linear.plan_gemv(w, m, 132)
                 assert p.smem + 1280 <= 48 * 1024 and p.ks % 32 == 0 and p.ks <= k_
                 assert p.grid * (8 >> p.kw_log2) * 4 >= 4096  # every row has a warp
+
+
+def test_stream_plans():
+    """M = 1 with all of K in one slab takes the stream kernel: at most 2 blocks per SM and no more than block
+    tiles, every row in a block tile, d within the format's register tile, KW warps of a row group each with a
+    whole first tile; M = 2, a slab override or K > 10240 keeps the block kernel."""
+    for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
+        bits = 16 if fmt == "bf16" else int(fmt[1])
+        eu = {16: 8, 8: 16}.get(bits, 32)
+        for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 248320):
+            for k_ in (32, 352, 512, 2048, 4096, 10240):
+                w = DeviceWeight("w", fmt, (n, k_), 0)
+                p = linear.plan_gemv(w, 1, 132)
+                assert p.stream and p.name == f"gemv_{fmt[:2] if bits != 16 else 'bf16'}_s1"
+                assert 1 <= p.blocks <= min(p.grid, 2 * 132) and p.launch_blocks == p.blocks
+                assert p.grid * (8 >> p.kw_log2) * 4 >= n and (p.grid - 1) * (8 >> p.kw_log2) * 4 < n
+                assert 1 <= p.d <= linear._STREAM_DEPTH[bits] and p.ks == k_
+                assert p.smem == k_ // 32 * 36 * 4 and p.smem + 1280 <= 48 * 1024
+                assert p.kw_log2 == 0 or 32 * p.d * (1 << p.kw_log2) <= k_ // eu
+        w = DeviceWeight("w", fmt, (4096, 2048), 0)
+        assert not linear.plan_gemv(w, 2, 132).stream
+        assert not linear.plan_gemv(w, 1, 132, ks=1024).stream
+        assert not linear.plan_gemv(w, 1, 132, stream=False).stream
+        assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, 10496), 0), 1, 132).stream
+        for bad in (dict(stream=True, ks=1024), dict(d=3), dict(d=0), dict(blocks=0), dict(stream=False, d=1),
+                    dict(pf=-1), dict(pf=9), dict(ks=1024, pf=0)):
+            with pytest.raises(GpuError):
+                linear.plan_gemv(w, 1, 132, **bad)
+        with pytest.raises(GpuError, match="K <="):
+            linear.plan_gemv(DeviceWeight("w", fmt, (64, 10496), 0), 1, 132, stream=True)
+        p = linear.plan_gemv(w, 1, 132, stream=True, d=1, kw_log2=3, blocks=5, pf=4)
+        assert (p.d, p.kw_log2, p.blocks, p.grid, p.pf) == (1, 3, 5, 1024, 4)
+
+
+def test_busiest_sm_tiles():
+    """The closed form against a count over blocks."""
+    for sms in (1, 3, 132):
+        for blocks in (1, 2, 5, 131, 132, 133, 264):
+            for tiles in range(blocks, blocks * 5 + 7, 3):
+                per_sm = [0] * sms
+                for b in range(blocks):
+                    per_sm[b % sms] += len(range(b, tiles, blocks))
+                assert linear._busiest_sm_tiles(tiles, blocks, sms) == max(per_sm), (tiles, blocks, sms)
+
+
+def test_stream_launch_arguments():
+    """A stream plan launches `blocks` blocks with the block kernel's arguments and d appended."""
+    k = FakeKernels()
+    w = DeviceWeight("w", "q8g32", (12288, 2048), 1 << 20)
+    linear.gemv(k, w, x=1 << 24, M=1, y=1 << 26, mode="add", norm_w=1 << 28)
+    (name, grid, block, a, smem), = k.calls
+    p = linear.plan_gemv(w, 1, 132)
+    assert name == "gemv_q8_s1" == p.name and grid == (p.blocks,) and block == (256,) and smem == p.smem
+    assert len(a) == 20 and a[18:] == [p.d, p.pf] and a[15] == p.kw_log2 and a[13] == 1 and a[17] == 1

@@ -167,9 +167,12 @@ DIMS = {  # E, top_k, I, H
     "tiny": (8, 2, 32, 64),
     "tiny4": (16, 4, 64, 64),
     "odd": (12, 3, 96, 160),  # 3 and 5 chunks of 32: lane groups of 4 and 8 with idle lanes
+    "mid": (16, 4, 1024, 1024),  # fast paths at T = 1 (gate_up, H = 1024) and T = 2 (down, I = 1024)
 }
+# "35b" and "mid" take the fast paths of q formats (gate_up H = 1024·T, down I = 512·T); the rest the general ones
 CASES = ([("35b", 1, "q4g64", "q5g64"), ("35b", 4, "q4g64", "q6g64"), ("35b", 4, "q4g32", "q5g64"),
-          ("35b", 1, "q8g32", "q8g32")]
+          ("35b", 1, "q8g32", "q8g32"), ("35b", 8, "q5g128", "q4g128"), ("35b", 2, "q6g32", "q8g64"),
+          ("mid", 3, "q4g64", "q5g64"), ("mid", 8, "q8g128", "q6g128"), ("mid", 1, "q6g64", "q8g32")]
          + [(dims, M, fmt, fmt) for fmt in QFORMATS + ["bf16"]
             for dims, M in (("tiny", 1), ("tiny4", 8), ("odd", 13))])
 
@@ -266,10 +269,11 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
 
 # ------------------------------------------------------------------------------------------ misuse
 
-def test_bad_ids_give_nan(kernels, dev, rng):
+@pytest.mark.parametrize("I,H", [(32, 64), (512, 1024)])  # general paths; fast paths (q formats, T = 1)
+def test_bad_ids_give_nan(kernels, dev, rng, I, H):
     """An expert id outside [0, E) poisons exactly its outputs instead of reading out of bounds."""
     from ninfer_rt.gpu import moe
-    E, k, I, H, M = 8, 2, 32, 64, 3
+    E, k, M = 8, 2, 3
     gu, _ = bank(dev, "q4g32", E, 2 * I, H, range(4), rng)
     dn, _ = bank(dev, "q5g64", E, H, I, range(4), rng)
     ids = put(dev, np.array([[0, 1], [-1, 2], [3, E]], np.int32))

@@ -1,0 +1,45 @@
+// attention.cuh: device helpers shared by the attention kernels (attention.cu: prepare, the mma decode and its
+// combine; attention_decode.cu: the CUDA-core decode for few query rows and its combine). No op lives here.
+#pragma once
+#include "common.cuh"
+
+namespace {
+
+constexpr float kMasked = -1e30f;          // score of a masked key (finite: no inf arithmetic under fast math)
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, zero-filled when !valid (src must still be a mapped address)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Byte i of u (= 4 int8 codes ^ 0x80808080) as an exact float: the bits 0x4B0000uu are 2^23 + code + 128.
+__device__ __forceinline__ float i8_at(uint32_t u, int i) {
+    return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | i)) - 8388736.f;
+}
+
+template <int BYTES>
+__device__ __forceinline__ void lds(uint32_t* w, const unsigned char* p) {
+    if constexpr (BYTES == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (BYTES == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        static_assert(BYTES == 4, "runs are 4, 8 or 16 bytes");
+        w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+}
+
+}  // namespace

@@ -1,0 +1,491 @@
+// attention_decode.cu: gated attention decode for few query rows per kv head (decode, MTP verify: T·(nH/nKV)
+// small) on CUDA cores in plain fp32, and the merge of its split partials. Same contract as attn_decode_* +
+// attn_combine of attention.cu (ops.gated_attention per sequence; see that file's header for the semantics, the
+// cache layout and the scratch layout), which stays the path for long T (prefill).
+//
+// attn_decode_fast_{bf16,int8}_d{D}: grid (ceil(R/8), n_splits, B*nKV), block 128 (4 warps), dynamic smem
+//     FastGeo<D, I8>::SMEM (ninfer_rt/gpu/attention.py _fast_smem computes the same number). Block (gi, sp, b*nKV+kvh)
+//     takes query rows r = 8gi .. 8gi+7 of R = T*G (row r = token r/G, head kvh*G + r%G, as in attention.cu) and
+//     the keys [sp*cs, sp*cs + cs) of split sp. The split is walked in steps of 32 keys: warp w owns keys
+//     8w .. 8w+7 of every step and runs its own cp.async ring of NS stages (its 8 K rows, 8 V rows and int8
+//     scales), so the warps never wait on each other until the end. Per step a warp computes the 8x8 scores with
+//     fp32 FMAs (LPK lanes share a key, each holding CB bytes of it; q is read from shared memory in a layout that
+//     makes those reads conflict-free), reduces them over the LPK lanes with a select-free transpose (lane l's
+//     partial sum slot 8a+c holds key a^(l>>2), row c^(2(l&3)), so after the log2(LPK) shuffle levels lane L holds
+//     rows 2(L&3), 2(L&3)+1 of key L>>2), does the online softmax per row across the warp's 8 keys, and
+//     accumulates p*v with lane L owning dims D/32*L .. +D/32 of all 8 rows. At the end the 4 warps' (max, sum, o)
+//     are merged through shared memory and written as one split partial: acc[sp, m, h, :] (unnormalised, relative
+//     to the max), ml[sp, m, h] = (max in log2 units, sum), exactly the layout attention.cu's decode writes.
+//     Accuracy: products and sums in fp32 (K/V values are exact in fp32: bf16 bits or int8 code * scale with the
+//     scale applied to the score / to p), exp2 of the fast-math intrinsic as in attention.cu.
+// attn_combine_fast: grid (M, nH, D/32), block 8*SJ (SJ = 4..32 split lanes): thread (j, c4) folds the splits
+//     j, j+SJ, ... of its float4 column with an online max (all its loads independent of the arithmetic), then one
+//     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
+#include "attention.cuh"
+
+namespace {
+
+constexpr int kFastRows = 8;                           // query rows per block
+constexpr int kFastWarps = 4;                          // warps per block
+constexpr int kWarpKeys = 8;                           // keys per warp per step
+constexpr int kStepKeys = kFastWarps * kWarpKeys;      // keys per block per step
+
+template <int D, bool I8>
+struct FastGeo {
+    static constexpr int ES = I8 ? 1 : 2;                       // bytes per cached element
+    static constexpr int RB = D * ES;                           // bytes per cached row (key, kv head)
+    static constexpr int CB = RB >= 64 ? 16 : RB / 4;           // bytes of one lane's run of a K row (QK)
+    static constexpr int LPK = RB / CB < 8 ? RB / CB : 8;       // lanes sharing one key (QK)
+    static constexpr int CPL = RB / (CB * LPK);                 // runs per lane per key
+    static constexpr int CDIM = CB / ES;                        // dims per run
+    static constexpr int KPT = LPK / 4;                         // keys per lane (QK): KPT * 32/LPK = 8 keys
+    static constexpr int NV = kFastRows * KPT;                  // partial dot products per lane (= 2 LPK)
+    static constexpr int DV = D / 32;                           // dims per lane (PV)
+    static constexpr int STAGE = 2 * kWarpKeys * RB;            // one warp's 8 K rows then 8 V rows
+    static constexpr int NS_RAW = 16384 / STAGE;
+    static constexpr int NS = NS_RAW < 2 ? 2 : NS_RAW > 4 ? 4 : NS_RAW;  // ring stages per warp
+    // dynamic shared memory: q (permuted fp32 rows) | stages [warp][stage] | p [warp][key][row] |
+    // scales [warp][stage][k 0..7, v 0..7] | (max, sum) [warp][row]
+    static constexpr int Q_OFF = 0;
+    static constexpr int ST_OFF = Q_OFF + kFastRows * D * 4;
+    static constexpr int P_OFF = ST_OFF + kFastWarps * NS * STAGE;
+    static constexpr int SC_OFF = P_OFF + kFastWarps * kWarpKeys * kFastRows * 4;
+    static constexpr int ML_OFF = SC_OFF + kFastWarps * NS * 2 * kWarpKeys * 4;
+    static constexpr int SMEM = ML_OFF + kFastWarps * kFastRows * 8;
+
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim");
+    static_assert((LPK == 4 || LPK == 8) && CPL * CB * LPK == RB && CDIM % 4 == 0, "QK geometry");
+    static_assert(NV == 2 * LPK, "the transpose reduction leaves two sums per lane");
+    static_assert(kFastWarps * kFastRows * D * 4 <= kFastWarps * NS * STAGE, "the merge buffer reuses the stages");
+    static_assert(RB % 16 == 0 && STAGE % 16 == 0 && ST_OFF % 16 == 0 && P_OFF % 16 == 0, "16-byte alignment");
+};
+
+// DV consecutive elements of a cached row (int8 codes without their scale, or bf16) as exact floats
+template <int DV, bool I8>
+__device__ __forceinline__ void load_run(float* v, const unsigned char* p) {
+    if constexpr (I8) {
+        if constexpr (DV >= 4) {
+            uint32_t w[DV / 4];
+            lds<DV>(w, p);
+#pragma unroll
+            for (int u = 0; u < DV / 4; ++u) {
+                const uint32_t x = w[u] ^ 0x80808080u;
+#pragma unroll
+                for (int z = 0; z < 4; ++z) v[4 * u + z] = i8_at(x, z);
+            }
+        } else if constexpr (DV == 2) {
+            const uint32_t x = (uint32_t)*reinterpret_cast<const uint16_t*>(p) ^ 0x8080u;
+            v[0] = i8_at(x, 0);
+            v[1] = i8_at(x, 1);
+        } else {
+            v[0] = i8_at((uint32_t)*p ^ 0x80u, 0);
+        }
+    } else {
+        if constexpr (DV >= 2) {
+            uint32_t w[DV / 2];
+            lds<2 * DV>(w, p);
+#pragma unroll
+            for (int u = 0; u < DV / 2; ++u) {
+                v[2 * u] = __uint_as_float(w[u] << 16);
+                v[2 * u + 1] = __uint_as_float(w[u] & 0xffff0000u);
+            }
+        } else {
+            v[0] = __uint_as_float((uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16);
+        }
+    }
+}
+
+// One level (lane stride SFT) of the select-free transpose sum, then the next: slots [0, 2 SFT) stay, the partner's
+// slots [2 SFT, 4 SFT) are added to them. Recursion keeps every index a compile-time constant (registers only).
+template <int SFT>
+__device__ __forceinline__ void transpose_sum(float* x) {
+#pragma unroll
+    for (int n = 0; n < 2 * SFT; ++n) x[n] += __shfl_xor_sync(kFull, x[n + 2 * SFT], SFT);
+    if constexpr (SFT > 1) transpose_sum<SFT / 2>(x);
+}
+
+template <int D, bool I8>
+__device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+                                                 const unsigned char* __restrict__ vc, const float* __restrict__ ks,
+                                                 const float* __restrict__ vs, const int* __restrict__ pos,
+                                                 const int* __restrict__ slot, float* __restrict__ acc,
+                                                 float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
+                                                 int max_ctx, int cs, int n_splits, float sc) {
+    using F = FastGeo<D, I8>;
+    extern __shared__ __align__(16) unsigned char fast_smem[];
+    uint32_t dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (uint32_t)F::SMEM) return;  // launched with too little shared memory: write nothing
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int gi = blockIdx.x, sp = blockIdx.y, b = blockIdx.z / nKV, kvh = blockIdx.z - b * nKV;
+    const int G = nH / nKV, R = T * G, r0 = kFastRows * gi;
+    const int p0 = pos[b], sl = slot[b];
+    if (sl < 0 || sl >= slots || p0 < 0) return;
+    const int cap = min(max_ctx, n_splits * cs);
+    const int t_hi = (min(R, r0 + kFastRows) - 1) / G;
+    const int k_begin = sp * cs;
+    const int k_end = min(k_begin + cs, min(p0 + t_hi + 1, cap));
+    if (k_begin >= k_end) return;  // beyond the real length (or the last token of this row group)
+
+    float* q_s = reinterpret_cast<float*>(fast_smem + F::Q_OFF);
+    unsigned char* st = fast_smem + F::ST_OFF;
+    float* p_s = reinterpret_cast<float*>(fast_smem + F::P_OFF) + w * (kWarpKeys * kFastRows);
+    float* sc_s = reinterpret_cast<float*>(fast_smem + F::SC_OFF) + w * (F::NS * 2 * kWarpKeys);
+    float2* ml_s = reinterpret_cast<float2*>(fast_smem + F::ML_OFF);
+
+    // cache rows of (slot, position p, kv head) sit at (sl*max_ctx + p)*nKV + kvh
+    const size_t row0 = (size_t)sl * max_ctx * nKV + kvh;
+    const unsigned char* kbase = kc + row0 * F::RB;
+    const unsigned char* vbase = vc + row0 * F::RB;
+    const float* ksbase = I8 ? ks + row0 : nullptr;
+    const float* vsbase = I8 ? vs + row0 : nullptr;
+    const size_t kstride = (size_t)nKV * F::RB;
+
+    // this warp's keys: kw0 + it*32 + 0..7 for it < nit
+    const int kw0 = k_begin + kWarpKeys * w;
+    const int nit = k_end > kw0 ? (k_end - kw0 + kStepKeys - 1) / kStepKeys : 0;
+
+    // keys kb .. kb+7 into stage s of this warp (keys >= k_end zero-filled); the caller commits the group
+    auto issue = [&](int s, int kb) {
+        unsigned char* kt = st + (w * F::NS + s) * F::STAGE;
+        unsigned char* vt = kt + kWarpKeys * F::RB;
+        constexpr int CH = F::RB / 16;       // 16-byte chunks per row
+        constexpr int N = kWarpKeys * CH;    // chunks per matrix
+#pragma unroll
+        for (int u = 0; u < (N + 31) / 32; ++u) {
+            const int ci = lane + 32 * u;
+            if (N % 32 == 0 || ci < N) {
+                const int r = ci / CH, ch = ci - r * CH;
+                const bool valid = kb + r < k_end;
+                const size_t off = (size_t)(valid ? kb + r : k_begin) * kstride + ch * 16;
+                cp_async16(smem_addr(kt + r * F::RB + ch * 16), kbase + off, valid);
+                cp_async16(smem_addr(vt + r * F::RB + ch * 16), vbase + off, valid);
+            }
+        }
+        if constexpr (I8) {
+            if (lane < 2 * kWarpKeys) {
+                const int r = lane & (kWarpKeys - 1);
+                const bool valid = kb + r < k_end;
+                const float* src = (lane < kWarpKeys ? ksbase : vsbase) + (size_t)(valid ? kb + r : k_begin) * nKV;
+                cp_async4(smem_addr(sc_s + s * 2 * kWarpKeys + lane), src, valid);
+            }
+        }
+    };
+
+    // the ring's first NS-1 stages (one group each, possibly empty, so that the wait counts hold)
+#pragma unroll
+    for (int s = 0; s < F::NS - 1; ++s) {
+        if (s < nit) issue(s, kw0 + s * kStepKeys);
+        cp_async_commit();
+    }
+
+    // q of the 8 rows (zeros past R) into shared memory, while the first stages load. Float4 f4 of a row (dims
+    // 4f4 .. 4f4+3) is element e of run ch = l + LPK*i (l = ch % LPK): it goes to float4 (i*CDIM/4 + e)*LPK + l of
+    // the row, so the LPK lanes of a key read LPK consecutive float4s.
+    for (int f = tid; f < kFastRows * (D / 4); f += kFastWarps * 32) {
+        const int c = f / (D / 4), f4 = f - c * (D / 4), rr = r0 + c;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (rr < R) {
+            const int tt = rr / G, j = rr - tt * G;
+            x = reinterpret_cast<const float4*>(q + ((size_t)(b * T + tt) * nH + kvh * G + j) * D)[f4];
+        }
+        const int ch = f4 / (F::CDIM / 4), e = f4 - ch * (F::CDIM / 4);
+        const int l = ch % F::LPK, i = ch / F::LPK;
+        reinterpret_cast<float4*>(q_s)[c * (D / 4) + (i * (F::CDIM / 4) + e) * F::LPK + l] = x;
+    }
+    __syncthreads();
+
+    // QK roles: lane = kg*LPK + l; partial sum slot 8a + c is key kg*KPT + (a ^ ka), row c ^ kr
+    const int kg = lane / F::LPK, l = lane % F::LPK, ka = l >> 2, kr = 2 * (l & 3);
+    const float4* q4 = reinterpret_cast<const float4*>(q_s) + l;
+    int koff[F::KPT];
+#pragma unroll
+    for (int a = 0; a < F::KPT; ++a) koff[a] = (kg * F::KPT + (a ^ ka)) * F::RB + l * F::CB;
+    // after the reduction: rows 2(lane&3) + h of key lane>>2; keys < lim[h] are visible to row h
+    const int kk = lane >> 2;
+    int lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = r0 + 2 * (lane & 3) + h;
+        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
+    }
+
+    float o[kFastRows][F::DV];
+#pragma unroll
+    for (int r = 0; r < kFastRows; ++r)
+#pragma unroll
+        for (int i = 0; i < F::DV; ++i) o[r][i] = 0.f;
+    float m_run[2] = {kMasked, kMasked}, l_run[2] = {0.f, 0.f};  // l_run: this lane's key only, summed at the end
+
+    for (int it = 0; it < nit; ++it) {
+        cp_async_wait<F::NS - 2>();  // this step's stage (later ones may still be in flight)
+        __syncwarp();                // ... every lane's copies visible; every lane done with the previous step
+        {
+            const int nx = it + F::NS - 1;  // refill the stage the previous step used
+            if (nx < nit) issue(nx % F::NS, kw0 + nx * kStepKeys);
+            cp_async_commit();
+        }
+        const int s = it % F::NS;
+        const unsigned char* kt = st + (w * F::NS + s) * F::STAGE;
+        const unsigned char* vt = kt + kWarpKeys * F::RB;
+        const int kb = kw0 + it * kStepKeys;
+
+        // ---- scores: x[8a + c] = q[row c ^ kr] . k[key kg*KPT + (a ^ ka)] over this lane's runs
+        float x[F::NV];
+#pragma unroll
+        for (int n = 0; n < F::NV; ++n) x[n] = 0.f;
+#pragma unroll
+        for (int i = 0; i < F::CPL; ++i) {
+            uint32_t kw[F::KPT][F::CB / 4];
+#pragma unroll
+            for (int a = 0; a < F::KPT; ++a) {
+                lds<F::CB>(kw[a], kt + koff[a] + F::LPK * F::CB * i);
+                if constexpr (I8) {
+#pragma unroll
+                    for (int z = 0; z < F::CB / 4; ++z) kw[a][z] ^= 0x80808080u;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < F::CDIM / 4; ++e) {
+                float kf[F::KPT][4];
+#pragma unroll
+                for (int a = 0; a < F::KPT; ++a) {
+                    if constexpr (I8) {
+#pragma unroll
+                        for (int z = 0; z < 4; ++z) kf[a][z] = i8_at(kw[a][e], z);
+                    } else {
+                        kf[a][0] = __uint_as_float(kw[a][2 * e] << 16);
+                        kf[a][1] = __uint_as_float(kw[a][2 * e] & 0xffff0000u);
+                        kf[a][2] = __uint_as_float(kw[a][2 * e + 1] << 16);
+                        kf[a][3] = __uint_as_float(kw[a][2 * e + 1] & 0xffff0000u);
+                    }
+                }
+#pragma unroll
+                for (int c = 0; c < kFastRows; ++c) {
+                    const float4 qv = q4[(c ^ kr) * (D / 4) + (i * (F::CDIM / 4) + e) * F::LPK];
+#pragma unroll
+                    for (int a = 0; a < F::KPT; ++a) {
+                        float& y = x[kFastRows * a + c];
+                        y = fmaf(qv.x, kf[a][0], y);
+                        y = fmaf(qv.y, kf[a][1], y);
+                        y = fmaf(qv.z, kf[a][2], y);
+                        y = fmaf(qv.w, kf[a][3], y);
+                    }
+                }
+            }
+        }
+        // sum over the LPK lanes of the key: level with lane stride sft keeps slots [0, 2 sft) and adds the
+        // partner's slots [2 sft, 4 sft), which hold the same (key, row) pairs (see the slot rule above)
+        transpose_sum<F::LPK / 2>(x);
+
+        // ---- scores in log2 units (masked past each row's limit), online softmax over the warp's 8 keys
+        float fac = sc;
+        if constexpr (I8) fac *= sc_s[s * 2 * kWarpKeys + kk];
+        float pv[2], alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float sv = kb + kk < lim[h] ? x[h] * fac : kMasked;
+            float mx = fmaxf(sv, __shfl_xor_sync(kFull, sv, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
+            const float m_new = fmaxf(m_run[h], mx);
+            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+            alpha[h] = m_new == m_run[h] ? 1.f : exp2f(m_run[h] - base);  // (a row that sees nothing: no rescale)
+            pv[h] = exp2f(sv - base);
+            l_run[h] = l_run[h] * alpha[h] + pv[h];
+            m_run[h] = m_new;
+        }
+        const float vfac = I8 ? sc_s[s * 2 * kWarpKeys + kWarpKeys + kk] : 1.f;
+        reinterpret_cast<float2*>(p_s)[lane] = make_float2(pv[0] * vfac, pv[1] * vfac);  // p_s[key][row]
+        if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int r = 0; r < kFastRows; ++r) {
+                const float ar = __shfl_sync(kFull, alpha[r & 1], r >> 1);
+#pragma unroll
+                for (int i = 0; i < F::DV; ++i) o[r][i] *= ar;
+            }
+        }
+        __syncwarp();  // p_s written by every lane
+
+        // ---- o += p v: lane owns dims DV*lane .. +DV of the 8 rows
+#pragma unroll
+        for (int k2 = 0; k2 < kWarpKeys; ++k2) {
+            const float4 pa = reinterpret_cast<const float4*>(p_s)[2 * k2];
+            const float4 pb = reinterpret_cast<const float4*>(p_s)[2 * k2 + 1];
+            const float pr[kFastRows] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+            float v[F::DV];
+            load_run<F::DV, I8>(v, vt + k2 * F::RB + lane * F::DV * F::ES);
+#pragma unroll
+            for (int r = 0; r < kFastRows; ++r)
+#pragma unroll
+                for (int i = 0; i < F::DV; ++i) o[r][i] = fmaf(pr[r], v[i], o[r][i]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- merge the 4 warps: (max, sum) per row through ml_s, o through the (now idle) stage buffers
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 4);
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 8);
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 16);
+    }
+    if (lane < 4) {
+        ml_s[w * kFastRows + 2 * lane] = make_float2(m_run[0], l_run[0]);
+        ml_s[w * kFastRows + 2 * lane + 1] = make_float2(m_run[1], l_run[1]);
+    }
+    __syncthreads();  // ml_s complete; every warp done with its stages (its copies have landed)
+
+    float* ored = reinterpret_cast<float*>(st);  // [warp][row][D]
+#pragma unroll
+    for (int r = 0; r < kFastRows; ++r) {
+        float mx = kMasked;
+#pragma unroll
+        for (int u = 0; u < kFastWarps; ++u) mx = fmaxf(mx, ml_s[u * kFastRows + r].x);
+        const float f = exp2f(ml_s[w * kFastRows + r].x - (mx == kMasked ? 0.f : mx));
+        float* dst = ored + (w * kFastRows + r) * D + lane * F::DV;
+        if constexpr (F::DV % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < F::DV; i += 4)
+                *reinterpret_cast<float4*>(dst + i) =
+                    make_float4(o[r][i] * f, o[r][i + 1] * f, o[r][i + 2] * f, o[r][i + 3] * f);
+        } else {
+#pragma unroll
+            for (int i = 0; i < F::DV; ++i) dst[i] = o[r][i] * f;
+        }
+    }
+    __syncthreads();
+
+    for (int f = tid; f < kFastRows * (D / 4); f += kFastWarps * 32) {
+        const int r = f / (D / 4), c4 = f - r * (D / 4), rr = r0 + r;
+        if (rr >= R) continue;
+        float4 sum = reinterpret_cast<const float4*>(ored + r * D)[c4];
+#pragma unroll
+        for (int u = 1; u < kFastWarps; ++u) {
+            const float4 a = reinterpret_cast<const float4*>(ored + (u * kFastRows + r) * D)[c4];
+            sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
+        }
+        const int tt = rr / G, j = rr - tt * G;
+        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        reinterpret_cast<float4*>(acc + idx * D)[c4] = sum;
+    }
+    if (tid < kFastRows && r0 + tid < R) {
+        const int r = tid, rr = r0 + r;
+        float mx = kMasked;
+#pragma unroll
+        for (int u = 0; u < kFastWarps; ++u) mx = fmaxf(mx, ml_s[u * kFastRows + r].x);
+        const float base = mx == kMasked ? 0.f : mx;
+        float L = 0.f;
+#pragma unroll
+        for (int u = 0; u < kFastWarps; ++u) {
+            const float2 e = ml_s[u * kFastRows + r];
+            L += e.y * exp2f(e.x - base);
+        }
+        const int tt = rr / G, j = rr - tt * G;
+        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        ml[idx] = make_float2(mx, L);
+    }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ entry points
+
+// 3 blocks (12 warps) per SM where the shared memory holds them (Hopper: 3 x 75 KB of 228 KB) caps the registers at
+// 168; elsewhere the shared memory allows 1 (sm_86/89/120) or 2 (sm_80) blocks, so the registers stay uncapped.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+#define NINFER_FAST_MIN_BLOCKS 3
+#else
+#define NINFER_FAST_MIN_BLOCKS 2
+#endif
+
+#define NINFER_FAST_DECODE(NAME, D, I8)                                                                           \
+    extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS) NAME(                  \
+        const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
+        const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
+        int max_ctx, int cs, int n_splits, float sc) {                                                            \
+        fast_decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,        \
+                                n_splits, sc);                                                                    \
+    }
+
+NINFER_FAST_DECODE(attn_decode_fast_bf16_d32, 32, false)
+NINFER_FAST_DECODE(attn_decode_fast_bf16_d64, 64, false)
+NINFER_FAST_DECODE(attn_decode_fast_bf16_d128, 128, false)
+NINFER_FAST_DECODE(attn_decode_fast_bf16_d256, 256, false)
+NINFER_FAST_DECODE(attn_decode_fast_int8_d32, 32, true)
+NINFER_FAST_DECODE(attn_decode_fast_int8_d64, 64, true)
+NINFER_FAST_DECODE(attn_decode_fast_int8_d128, 128, true)
+NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
+
+// grid (M, nH, D/32), block 8*SJ with SJ in {4, 8, 16, 32}. Same result as attn_combine (attention.cu):
+// out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
+// the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
+                      int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
+                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) {
+    __shared__ float red_m[8];
+    __shared__ float4 part_o[8][8];
+    __shared__ float part_l[8];
+    const int m = blockIdx.x, h = blockIdx.y, b = m / T, t = m - b * T;
+    const int tid = threadIdx.x, c4 = tid & 7, j = tid >> 3, SJ = blockDim.x >> 3;
+    const int lane = tid & 31, wp = tid >> 5, nw = blockDim.x >> 5;
+    const int col = 32 * blockIdx.z + 4 * c4;
+    const size_t row = (size_t)m * nH + h, per_split = (size_t)M * nH;
+    float g[4] = {0.f, 0.f, 0.f, 0.f};
+    if (tid < 8) {  // the finishing threads fetch their gate values first, off the critical path
+        const float* gp = gate + (size_t)m * ld_gate + (size_t)h * D + col;
+#pragma unroll
+        for (int z = 0; z < 4; ++z) g[z] = gp[z];
+    }
+    const int p0 = pos[b], sl = slot[b];
+    const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
+    const int ns = (keys + cs - 1) / cs;
+
+    float mloc = kMasked, L = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int sp = j; sp < ns; sp += SJ) {
+        const size_t i = (size_t)sp * per_split + row;
+        const float2 e = ml[i];
+        const float4 a = *reinterpret_cast<const float4*>(acc + i * D + col);
+        const float nm = fmaxf(mloc, e.x);
+        const float f = exp2f(mloc - nm), wt = exp2f(e.x - nm);
+        o.x = o.x * f + a.x * wt, o.y = o.y * f + a.y * wt, o.z = o.z * f + a.z * wt, o.w = o.w * f + a.w * wt;
+        L = L * f + e.y * wt;
+        mloc = nm;
+    }
+    float mx = warp_max(mloc);
+    if (lane == 0) red_m[wp] = mx;
+    __syncthreads();
+    mx = red_m[0];
+    for (int u = 1; u < nw; ++u) mx = fmaxf(mx, red_m[u]);
+    const float f = exp2f(mloc - mx);
+    o.x *= f, o.y *= f, o.z *= f, o.w *= f;
+    L *= f;
+#pragma unroll
+    for (int s = 8; s < 32; s <<= 1) {  // lanes of the same column c4 (j differs in bits 0, 1 within the warp)
+        o.x += __shfl_xor_sync(kFull, o.x, s);
+        o.y += __shfl_xor_sync(kFull, o.y, s);
+        o.z += __shfl_xor_sync(kFull, o.z, s);
+        o.w += __shfl_xor_sync(kFull, o.w, s);
+        L += __shfl_xor_sync(kFull, L, s);
+    }
+    if (lane < 8) part_o[wp][lane] = o;
+    if (lane == 0) part_l[wp] = L;
+    __syncthreads();
+    if (tid < 8) {
+        float4 s4 = part_o[0][tid];
+        float Ls = part_l[0];
+        for (int u = 1; u < nw; ++u) {
+            const float4 a = part_o[u][tid];
+            s4.x += a.x, s4.y += a.y, s4.z += a.z, s4.w += a.w;
+            Ls += part_l[u];
+        }
+        const float r[4] = {s4.x, s4.y, s4.z, s4.w};
+        float* dst = out + row * D + col;
+#pragma unroll
+        for (int z = 0; z < 4; ++z) dst[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
+    }
+}

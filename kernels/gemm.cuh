@@ -1,0 +1,125 @@
+// gemm.cuh: device pieces shared by the tensor-core GEMMs (gemm.cu: dense and grouped MoE, 128-row tiles;
+// moe_gemm.cu: grouped MoE with small token tiles): cp.async / mma.sync wrappers, the packed-weight decoder, the
+// expert lookup of a grouped launch. Everything is internal (anonymous namespace): each .cu gets its own copy.
+#pragma once
+#include "common.cuh"
+#include "quant.cuh"
+
+namespace {
+
+enum Mode { MODE_STORE = 0, MODE_ADD = 1, MODE_SWIGLU = 2, MODE_ATOMIC_ADD = 3 };  // epilogues (gemm.py MODES)
+
+// ------------------------------------------------------------------------------------------------ PTX helpers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared; ok = false zero-fills without reading
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+template <int BYTES>  // 4 or 8
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES),
+                 "r"(ok ? BYTES : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// d = a * b + c on bf16x2 (sm_80+); exact whenever the true result is representable
+__device__ __forceinline__ uint32_t bf2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo, round to nearest even
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// D (16×8 fp32) += A (16×16 bf16, row-major) · B (16×8 bf16, col-major)
+__device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ------------------------------------------------------------------------------------------------ decoding
+
+// bf16x2 register j of a thread's 8 consecutive k holds elements (pair_lo(j), pair_hi(j)) (low, high half) as
+// decode_row unpacks them (gemm.cu's Traits::PAIR_LO / PAIR_HI say the same)
+template <int BITS>
+__device__ __forceinline__ constexpr int pair_lo(int j) {
+    return BITS == 16 ? 2 * j : (BITS == 8 ? (j & 1) + 4 * (j >> 1) : j);
+}
+template <int BITS>
+__device__ __forceinline__ constexpr int pair_hi(int j) {
+    return BITS == 16 ? 2 * j + 1 : (BITS == 8 ? (j & 1) + 4 * (j >> 1) + 2 : j + 4);
+}
+
+// bf16 constants (x2): 0x4300 = 128.0; OR-ing an integer u < 128 into its mantissa gives exactly 128 + u.
+constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u, BF2_16 = 0x41804180u;
+constexpr uint32_t BF2_NEG2304 = 0xC510C510u;  // -(16·128 + 256): see decode_row<8>
+
+// The 4 bf16x2 pairs of one row's 8 consecutive k (8t..8t+7 of the 32-wide chunk at `row` of the stage),
+// as exact codes (integer formats) or the stored bf16 values. Pairing per pair_lo / pair_hi.
+template <int BITS>
+__device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh, int row, int t, uint32_t a[4]) {
+    if constexpr (BITS == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(wq + row * 64 + 16 * t);  // (e0,e1) (e2,e3) ...
+        a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+    } else if constexpr (BITS == 8) {
+        // u = q + 128 = q ^ 0x80 split in nibbles hi, lo: q = (16·(128+hi) - 2304) + (128+lo), each step exact
+        const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
+        const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {  // byte pair (b, b+2) of word h -> elements (4h+b, 4h+b+2)
+                const uint32_t lo = ((w[h] >> (8 * b)) & 0x000F000Fu) | BF2_MAGIC;
+                const uint32_t hi = ((w[h] >> (8 * b + 4)) & 0x000F000Fu) | BF2_MAGIC;
+                a[2 * h + b] = bf2_fma(lo, BF2_ONE, bf2_fma(hi, BF2_16, BF2_NEG2304));
+            }
+        }
+    } else {
+        // element 8t+e sits in bits 4e..4e+3 of w; (w >> 4j) & 0x000F000F holds elements j and j+4
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t);
+        uint32_t hh = 0;  // high bits, spread so that (hh >> s·j) & mask lands them at bits 4.. and 20..
+        if constexpr (BITS == 5) {
+            const uint32_t h = (*reinterpret_cast<const uint32_t*>(wh + row * 4) >> (8 * t)) & 0xFFu;
+            hh = (h << 4) | (h << 16);  // bit j -> bit 4 + j, bit j+4 -> bit 20 + j
+        } else if constexpr (BITS == 6) {
+            const uint32_t h =
+                (*reinterpret_cast<const uint32_t*>(wh + row * 8 + 4 * (t >> 1)) >> (16 * (t & 1))) & 0xFFFFu;
+            hh = (h << 4) | (h << 12);  // bits 2j,2j+1 -> 4+2j.., bits 2j+8.. -> 20+2j..
+        }
+        constexpr uint32_t NEG = BITS == 4 ? 0xC308C308u : (BITS == 5 ? 0xC310C310u : 0xC320C320u);  // -(128+off)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t u = ((w >> (4 * j)) & 0x000F000Fu) | BF2_MAGIC;
+            if constexpr (BITS == 5) u |= (hh >> j) & 0x00100010u;
+            if constexpr (BITS == 6) u |= (hh >> (2 * j)) & 0x00300030u;
+            a[j] = bf2_fma(u, BF2_ONE, NEG);
+        }
+    }
+}
+
+// Expert e of a grouped launch owns the block rows tile_start[e] .. tile_start[e+1]-1 (upper-bound search).
+__device__ __forceinline__ int expert_of_tile(const int* __restrict__ tile_start, int E, int ty) {
+    int lo = 0, hi = E;  // tile_start[lo] <= ty < tile_start[hi]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(tile_start + mid) <= ty) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+}  // namespace
