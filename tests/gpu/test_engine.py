@@ -102,16 +102,27 @@ def test_decode_logits_match_the_reference(gpu, kernels, artifact, reference):
     assert np.isfinite(d).all() and d.max() <= 1e-3, " ".join(f"{x:.1e}" for x in d)
 
 
-def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference):
+def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference, monkeypatch):
     """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device.
 
-    The prompt is prefilled 8 tokens at a time, so every step runs the fp32 decode kernels: the bf16-activation
-    GEMM path (bounded by the KLD test above) can flip the tiny MoE's near-tied router choices, and a greedy
-    path diverges for good after one different token."""
+    The oracle is the reference with its KV cache rounded to bf16 as the GPU stores it: with an fp32 cache the
+    tiny MoE's nearly uniform router flips an expert choice within a few dozen steps on bf16 rounding alone
+    (seen: KL 2e-3 at the flipped step), and a greedy path diverges for good after one different token.
+    The prompt is prefilled 8 tokens at a time so every step runs the fp32 decode kernels."""
+    import torch
+    from ninfer_rt.reference import model as ref_model
     from ninfer_rt.sampling import SamplingParams
 
+    real_append = ref_model.KVCache.append
+
+    def bf16_append(self, k, v):
+        real_append(self, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float())
+
     ids = prompt(24, 2)
-    want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS, sampling=SamplingParams(greedy=True)))
+    with monkeypatch.context() as mp:
+        mp.setattr(ref_model.KVCache, "append", bf16_append)
+        want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS,
+                                           sampling=SamplingParams(greedy=True)))
     model, weights = gpu_model(gpu, kernels, artifact, sample_vocab=reference.real_vocab_size, prefill_chunk=8)
     try:
         model.prefill(ids, 0)
@@ -127,10 +138,7 @@ def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference):
         weights.free(gpu)
     if out != want:
         i = next(j for j, (a, b) in enumerate(zip(out, want)) if a != b)
-        ref = reference.logits(ids.tolist() + want[:i])[-1]
-        top = np.sort(ref[:reference.real_vocab_size])[::-1]
-        pytest.fail(f"step {i}: GPU {out[i]} vs reference {want[i]}; reference logits {ref[out[i]]:.6f} vs "
-                    f"{ref[want[i]]:.6f}, top-2 gap {top[0] - top[1]:.2e}")
+        pytest.fail(f"step {i}: GPU {out[i]} vs reference {want[i]}")
     assert len(out) == len(want) == STEPS and np.isfinite(got_logits).all()
 
 
