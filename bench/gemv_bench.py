@@ -19,16 +19,16 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import open_gpu  # noqa: E402
 
 from ninfer_rt.formats import get_format  # noqa: E402
 from ninfer_rt.gpu import linear  # noqa: E402
-from ninfer_rt.gpu.driver import GpuError  # noqa: E402
 from ninfer_rt.gpu.weights import DeviceWeight  # noqa: E402
 
 # (what, format, [N, K], mode, fused RMSNorm) as the engine calls them
@@ -175,21 +175,9 @@ def main() -> None:
     ap.add_argument("--only", help="only the shapes whose name contains this text")
     args = ap.parse_args()
 
-    try:
-        from ninfer_rt.gpu.driver import Gpu
-        from ninfer_rt.gpu.kernels import Kernels
-
-        gpu = Gpu(0)
-    except GpuError as e:
-        sys.exit(f"gemv_bench: no GPU ({e})")
-    from rich.console import Console
+    gpu, k, console = open_gpu("gemv_bench")
     from rich.table import Table
 
-    console = Console()
-    t0 = time.time()
-    k = Kernels(gpu)
-    console.print(f"{gpu.info.name} ({gpu.info.arch}, {gpu.info.sm_count} SMs, L2 {gpu.info.l2_bytes >> 20} MiB); "
-                  f"kernels ready in {time.time() - t0:.1f} s", highlight=False)
     rng = np.random.default_rng(0)
     rows = []
     for what, fmt, shape, mode, norm in SHAPES:

@@ -15,16 +15,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import open_gpu  # noqa: E402
 
 from ninfer_rt.formats import get_format  # noqa: E402
 from ninfer_rt.gpu import moe  # noqa: E402
-from ninfer_rt.gpu.driver import GpuError  # noqa: E402
 from ninfer_rt.gpu.weights import DeviceWeight  # noqa: E402
 
 E, TOP_K, I, H = 256, 8, 512, 2048  # Qwen3.6-35B-A3B routed experts
@@ -153,21 +153,9 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=4.23e12, help="reference read bandwidth, bytes/s (H200 copy)")
     args = ap.parse_args()
 
-    try:
-        from ninfer_rt.gpu.driver import Gpu
-        from ninfer_rt.gpu.kernels import Kernels
-
-        gpu = Gpu(0)
-    except GpuError as e:
-        sys.exit(f"moe_bench: no GPU ({e})")
-    from rich.console import Console
+    gpu, k, console = open_gpu("moe_bench")
     from rich.table import Table
 
-    console = Console()
-    t0 = time.time()
-    k = Kernels(gpu)
-    console.print(f"{gpu.info.name} ({gpu.info.arch}, {gpu.info.sm_count} SMs, L2 {gpu.info.l2_bytes >> 20} MiB); "
-                  f"kernels ready in {time.time() - t0:.1f} s", highlight=False)
     rng = np.random.default_rng(0)
     gu = random_bank(gpu, args.gate_up_fmt, (E, 2 * I, H), rng)
     dn = random_bank(gpu, args.down_fmt, (E, H, I), rng)

@@ -517,7 +517,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
     extern "C" __global__ void __launch_bounds__(128) attn_prepare_d##D(                                         \
         const float* qkvg, int ld, const float* q_norm, const float* k_norm, const float* inv_freq,              \
         float rope_scale, int rot, const int* pos, const int* slot, int T, int nH, int nKV, float eps, void* kc,  \
-        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) {                         \
+        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) { ninfer_pdl_begin();                         \
         prepare_impl<D>(qkvg, ld, q_norm, k_norm, inv_freq, rope_scale, rot, pos, slot, T, nH, nKV, eps, kc, vc, \
                         ks, vs, slots, max_ctx, int8, q_out);                                                     \
     }
@@ -526,7 +526,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
     extern "C" __global__ void __launch_bounds__(32) NAME(                                                       \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
-        int max_ctx, int cs, int n_splits, float sc) {                                                            \
+        int max_ctx, int cs, int n_splits, float sc) { ninfer_pdl_begin();                                                            \
         decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs, n_splits,   \
                            sc);                                                                                   \
     }
@@ -552,7 +552,7 @@ NINFER_DECODE(attn_decode_int8_d256, 256, true)
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                  int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
-                 int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) {
+                 int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) { ninfer_pdl_begin();
     __shared__ float red[32];
     __shared__ float4 part[256];
     __shared__ float lpart[32];

@@ -404,7 +404,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS) NAME(                  \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
-        int max_ctx, int cs, int n_splits, float sc) {                                                            \
+        int max_ctx, int cs, int n_splits, float sc) { ninfer_pdl_begin();                                                            \
         fast_decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,        \
                                 n_splits, sc);                                                                    \
     }
@@ -424,7 +424,7 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
-                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) {
+                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) { ninfer_pdl_begin();
     __shared__ float red_m[8];
     __shared__ float4 part_o[8][8];
     __shared__ float part_l[8];

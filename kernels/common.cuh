@@ -53,3 +53,14 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
 // softplus as torch: x for x > 20, else log1p(exp(x))
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
+
+// Programmatic dependent launch (sm_90+). Every kernel starts with ninfer_pdl_begin(): wait until the kernel
+// before it in the stream has finished and its writes are visible, then let the next kernel start launching,
+// so its launch and block ramp-up overlap this kernel's work. Both are no-ops on older GPUs and when the launch
+// did not allow overlap, so a kernel that calls this is correct either way.
+__device__ __forceinline__ void ninfer_pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -39,7 +39,7 @@ static_assert(DN_CONV_TOKENS >= DN_KMAX, "conv chunks z > 0 must not reach back 
 extern "C" __global__ void deltanet_conv(const float* __restrict__ mixed, int ld_mixed,
                                          const float* __restrict__ conv_w, float* __restrict__ conv_state,
                                          const int* __restrict__ slot, float* __restrict__ c, int T, int conv_dim,
-                                         int Kc) {
+                                         int Kc) { ninfer_pdl_begin();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int b = blockIdx.y;
     const int t0 = blockIdx.z * DN_CONV_TOKENS;
@@ -239,7 +239,7 @@ __device__ __forceinline__ void recurrent_impl(const float* __restrict__ c, cons
     extern "C" __global__ void __launch_bounds__(128) deltanet_recurrent_dk##DK(                                  \
         const float* __restrict__ c, const float* __restrict__ ba, const float* __restrict__ A_log,               \
         const float* __restrict__ dt_bias, float* __restrict__ ssm_state, const int* __restrict__ slot,           \
-        float* __restrict__ o, int T, int nk, int nv, int dv) {                                                   \
+        float* __restrict__ o, int T, int nk, int nv, int dv) { ninfer_pdl_begin();                                                   \
         recurrent_impl<DK>(c, ba, A_log, dt_bias, ssm_state, slot, o, T, nk, nv, dv);                            \
     }
 DN_RECURRENT(16)
@@ -253,7 +253,7 @@ DN_RECURRENT(128)
 // z = mixed[m, z_off + h·dv + j]. grid ceil(M·nv / warps per block).
 extern "C" __global__ void deltanet_gated_norm(float* __restrict__ o, const float* __restrict__ mixed, int ld_mixed,
                                                int z_off, const float* __restrict__ norm_w, int M, int nv, int dv,
-                                               float eps) {
+                                               float eps) { ninfer_pdl_begin();
     const int lane = threadIdx.x & 31;
     const long long gw = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (gw >= (long long)M * nv) return;  // uniform per warp

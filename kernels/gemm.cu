@@ -260,7 +260,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
 #define NINFER_GEMM_DENSE(name, BITS, GROUP)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
         gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K, const float* x, \
-                    int ldx, float* y, int ldy, const float* row_scale, int M, int mode) {                      \
+                    int ldx, float* y, int ldy, const float* row_scale, int M, int mode) { ninfer_pdl_begin();                      \
         gemm_tile<BITS, GROUP>(qs, qh, sc, kp, 0, N, K, blockIdx.x * BN, x, ldx, y, ldy, row_scale, nullptr, M,  \
                                blockIdx.y * BM, 1, 1, mode);                                                    \
     }
@@ -273,7 +273,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
         moe_gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,          \
                         const float* x, int ldx, float* y, int ldy, const float* row_scale, const int* order,   \
-                        const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) {       \
+                        const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) { ninfer_pdl_begin();       \
         const int ty = blockIdx.y;                                                                              \
         if (ty >= __ldg(tile_start + E)) return;                                                                \
         const int e = expert_of_tile(tile_start, E, ty), first = __ldg(offsets + e);                           \
@@ -320,13 +320,13 @@ __device__ __forceinline__ void moe_sort_body(const int* __restrict__ ids, int s
 // tile_start in tiles of BM = 128 rows (moe_gemm_<fmt>)
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int slots, int E,
                                                             int* __restrict__ order, int* __restrict__ offsets,
-                                                            int* __restrict__ tile_start) {
+                                                            int* __restrict__ tile_start) { ninfer_pdl_begin();
     moe_sort_body(ids, slots, E, order, offsets, tile_start, BM);
 }
 
 // tile_start in tiles of bm >= 1 rows (moe_small_<fmt> in moe_gemm.cu: bm = its token tile)
 extern "C" __global__ void __launch_bounds__(1024) moe_sort_bm(const int* __restrict__ ids, int slots, int E,
                                                                int* __restrict__ order, int* __restrict__ offsets,
-                                                               int* __restrict__ tile_start, int bm) {
+                                                               int* __restrict__ tile_start, int bm) { ninfer_pdl_begin();
     moe_sort_body(ids, slots, E, order, offsets, tile_start, bm);
 }

@@ -798,7 +798,7 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 // Blocks per SM for the register budget: 4 (64 registers) at M = 1, 3 at M = 2, 2 above (more accumulators).
 #define NINFER_GEMV_M(name, BITS, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : M == 2 ? 3 : 2)                        \
-        gemv_##name##_m##M(NINFER_GEMV_ARGS) {                                                             \
+        gemv_##name##_m##M(NINFER_GEMV_ARGS) { ninfer_pdl_begin();                                                             \
         gemv_body<BITS, M>(NINFER_GEMV_PASS);                                                              \
     }
 #define NINFER_GEMV(name, BITS)                                                                            \
@@ -810,7 +810,7 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 // tiles L2 is asked for (0: none). 2 blocks per SM: 128 registers hold two tiles.
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
-        gemv_##name##_s1(NINFER_GEMV_ARGS, int d, int pf) {                                                \
+        gemv_##name##_s1(NINFER_GEMV_ARGS, int d, int pf) { ninfer_pdl_begin();                                                \
         gemv_stream_body<BITS>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode, eps,      \
                                kw_log2, xvec, d, pf);                                                      \
     }
@@ -818,7 +818,7 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
     extern "C" __global__ void __launch_bounds__(128)                                                      \
         embed_##name(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,                       \
                      const uint8_t* __restrict__ sc, const int* __restrict__ ids, float* __restrict__ out, \
-                     int V, int K, int kp) {                                                               \
+                     int V, int K, int kp) { ninfer_pdl_begin();                                                               \
         embed_body<BITS, G>(qs, qh, sc, ids, out, V, K, kp);                                               \
     }
 

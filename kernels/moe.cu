@@ -61,7 +61,7 @@ __device__ __forceinline__ float route_val(uint32_t k) {
 
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
 moe_route(const float* __restrict__ logits, int ld, int M, int E, int top_k, int* __restrict__ ids,
-          float* __restrict__ weights, float* __restrict__ shared_scale) {
+          float* __restrict__ weights, float* __restrict__ shared_scale) { ninfer_pdl_begin();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m = blockIdx.x * ROUTE_WARPS + warp;
     if (m >= M) return;  // whole warp; no block-wide sync below
@@ -456,12 +456,12 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
 #define MOE_ENTRY(name, BITS, GROUP)                                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_gate_up_##name(                          \
         const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* x, \
-        const int* ids, int top_k, float* act) {                                                              \
+        const int* ids, int top_k, float* act) { ninfer_pdl_begin();                                                              \
         gate_up_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act);                               \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_down_##name(                             \
         const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* act, \
-        const int* ids, const float* weights, int top_k, float* y) {                                          \
+        const int* ids, const float* weights, int top_k, float* y) { ninfer_pdl_begin();                                          \
         down_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                         \
     }
 
@@ -474,13 +474,13 @@ MOE_ENTRY(bf16, 16, 32)
 #define MOE_FAST_ENTRY_T(name, BITS, GROUP, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_gate_up_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,    \
-                              int I, const float* x, const int* ids, int top_k, float* act) {                 \
+                              int I, const float* x, const int* ids, int top_k, float* act) { ninfer_pdl_begin();                 \
         gate_up_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act);                            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_down_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,       \
                            int I, const float* act, const int* ids, const float* weights, int top_k,          \
-                           float* y) {                                                                        \
+                           float* y) { ninfer_pdl_begin();                                                                        \
         down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                      \
     }
 #define MOE_FAST_ENTRY(name, BITS, GROUP) MOE_FAST_ENTRY_T(name, BITS, GROUP, 1) MOE_FAST_ENTRY_T(name, BITS, GROUP, 2)

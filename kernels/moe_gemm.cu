@@ -256,7 +256,7 @@ static_assert(STraits<4>::SMEM == S_RID + 3 * (4 * TM * S_XSTRIDE + 4 * SN * 16 
     extern "C" __global__ void __launch_bounds__(S_THREADS, SMALL_MIN_BLOCKS(BITS))                                  \
         moe_small_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,         \
                          const float* x, int ldx, float* y, int ldy, const float* row_scale, const int* order,  \
-                         const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) {      \
+                         const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) { ninfer_pdl_begin();      \
         const int tx = blockIdx.x;                                                                              \
         if (tx >= __ldg(tile_start + E)) return;                                                                \
         const int e = expert_of_tile(tile_start, E, tx), first = __ldg(offsets + e);                           \

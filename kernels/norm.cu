@@ -10,7 +10,7 @@
 
 extern "C" __global__ void __launch_bounds__(1024) rms_norm(const float* x, float* y, const float* w, int D,
                                                             long long ldx, long long ldy, float eps)
-{
+{ ninfer_pdl_begin();
     __shared__ float red[32];
     const long long m = blockIdx.x;
     const float* xr = x + m * ldx;

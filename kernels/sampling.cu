@@ -78,7 +78,7 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, float* sv, int*
 // nsplit > 1. nsplit == 1: out[m] is written here and part_v/part_i are unused.
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* logits, long long ld, int V, int chunk,
                                                                float* part_v, int* part_i, int* out)
-{
+{ ninfer_pdl_begin();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int m = blockIdx.y;
@@ -123,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* logi
 
 // grid M, block 32: out[m] = the best of argmax_rows' nsplit partial results of row m.
 extern "C" __global__ void argmax_finish(const float* part_v, const int* part_i, int nsplit, int* out)
-{
+{ ninfer_pdl_begin();
     __shared__ float sv[32];
     __shared__ int si[32];
     const long long base = static_cast<long long>(blockIdx.x) * nsplit;
@@ -290,7 +290,7 @@ __device__ __forceinline__ double philox_uniform(unsigned long long seed, unsign
 // hist [M, 2048] int32 must be zero beforehand (the wrapper memsets it); chunk is a multiple of 4.
 extern "C" __global__ void __launch_bounds__(512) sample_hist(const float* logits, long long ld, int V, int chunk,
                                                               int* hist)
-{
+{ ninfer_pdl_begin();
     __shared__ int h[HIST_BINS];
     for (int i = threadIdx.x; i < HIST_BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(512) sample_hist(const float* logit
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 sample_rows(const float* logits, long long ld, int V, const SampleParams* params, const int* hist, int* tokens,
             float* probs)
-{
+{ ninfer_pdl_begin();
     __shared__ int h[HIST_BINS];
     __shared__ unsigned long long cand[SAMPLE_CAND];  // (~key << 32) | index: ascending = logit desc, index asc
     __shared__ double cdf[SAMPLE_CAND];

@@ -173,9 +173,14 @@ class PinnedBuffer:
 # ------------------------------------------------------------------------------------------ the context
 
 class Gpu:
-    """One device's primary context, with a default stream and tracked allocations."""
+    """One device's primary context, with a default stream and tracked allocations.
 
-    def __init__(self, index: int = 0):
+    pdl: launch kernels with programmatic dependent launch, so each kernel's launch overlaps the end of the one
+    before it (every kernel in kernels/ begins with ninfer_pdl_begin, which waits for its predecessor). None
+    turns it on for compute capability 9.0 and newer, where the hardware has it.
+    """
+
+    def __init__(self, index: int = 0, pdl: bool | None = None):
         d = _driver()
         try:
             _check(d.cuInit(0), "cuInit")
@@ -188,6 +193,14 @@ class Gpu:
         self.context = _check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.make_current()
         self.info = self._info()
+        self.pdl_capable = self.info.major >= 9 if pdl is None else bool(pdl)
+        self.pdl = self.pdl_capable  # callers may switch it off for a stretch of launches (see GpuModel)
+        self._pdl_attr = None
+        if self.pdl_capable:
+            a = d.CUlaunchAttribute()
+            a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            self._pdl_attr = a
         self.stream = Stream(_check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
         self.allocated = 0
         self.peak_allocated = 0
@@ -287,8 +300,17 @@ class Gpu:
             return  # an empty problem: nothing to launch
         packed = KernelArgs(args)
         s = stream or self.stream
-        _check(_driver().cuLaunchKernel(fn, *map(int, g), *map(int, b), int(smem), s.handle, packed.address, 0),
-               "cuLaunchKernel")
+        d = _driver()
+        if not self.pdl:
+            _check(d.cuLaunchKernel(fn, *map(int, g), *map(int, b), int(smem), s.handle, packed.address, 0),
+                   "cuLaunchKernel")
+            return
+        cfg = d.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = map(int, g)
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = map(int, b)
+        cfg.sharedMemBytes, cfg.hStream = int(smem), s.handle
+        cfg.attrs, cfg.numAttrs = [self._pdl_attr], 1
+        _check(d.cuLaunchKernelEx(cfg, fn, packed.address, 0), "cuLaunchKernelEx")
 
     # --- graphs
     def begin_capture(self, stream: Stream | None = None) -> None:

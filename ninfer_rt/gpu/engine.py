@@ -342,7 +342,12 @@ class GpuModel:
         self._run(B, T, bucket, "last", graph)
 
     def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool) -> None:
-        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows)."""
+        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows).
+
+        Decode steps (up to 8 rows) launch with programmatic dependent launch where the GPU has it: hundreds
+        of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
+        """
+        self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
         if not graph:
             self._step(B, T, bucket, logit_rows)
             return
