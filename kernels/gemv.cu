@@ -657,6 +657,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         for (int i = 1; i < pf; ++i) advance(pbi, pt);
         if (pbi < BI) prefetch(pbi, pt);
     };
+    // Weights are never written by earlier kernels, so their first tiles are already in flight; only now wait
+    // for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
+    ninfer_pdl_begin();
     const float rs = row_scale && !swiglu ? __ldg(row_scale) : 1.f;
 
     if (xvec) stage_m1_vec<SX>(xs, x, norm_w, K, ssred);
@@ -810,7 +813,7 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 // tiles L2 is asked for (0: none). 2 blocks per SM: 128 registers hold two tiles.
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
-        gemv_##name##_s1(NINFER_GEMV_ARGS, int d, int pf) { ninfer_pdl_begin();                                                \
+        gemv_##name##_s1(NINFER_GEMV_ARGS, int d, int pf) {                                                \
         gemv_stream_body<BITS>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode, eps,      \
                                kw_log2, xvec, d, pf);                                                      \
     }
