@@ -146,13 +146,14 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
     model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype)
     for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros
-        fill_random(gpu, kv.k, model.kv[i].slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2),
-                    "bytes" if kv_dtype == "int8" else "bf16", seed=i)
-        fill_random(gpu, kv.v, kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2),
-                    "bytes" if kv_dtype == "int8" else "bf16", seed=i + 100)
+        values = kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2)
+        kind = "bytes" if kv_dtype == "int8" else "bf16"
+        fill_random(gpu, kv.k, values, kind, seed=i)
+        fill_random(gpu, kv.v, values, kind, seed=i + 100)
         if kv_dtype == "int8":
-            fill_random(gpu, kv.k_scale, kv.slots * kv.max_ctx * kv.nKV * 4, "f32", seed=i + 200)
-            fill_random(gpu, kv.v_scale, kv.slots * kv.max_ctx * kv.nKV * 4, "f32", seed=i + 300)
+            scales = kv.slots * kv.max_ctx * kv.nKV * 4
+            fill_random(gpu, kv.k_scale, scales, "f32", seed=i + 200)
+            fill_random(gpu, kv.v_scale, scales, "f32", seed=i + 300)
     res = BenchResult(model_name, gpu.info.name, recipe_name, kv_dtype, bw / 1e9, weights.arena_bytes,
                       weights.load_s, 0)
     rng = np.random.default_rng(0)

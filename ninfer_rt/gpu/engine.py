@@ -118,7 +118,11 @@ class GpuModel:
         self.qkvg_cols = (2 * s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
         self.mixed_cols = max(self.qkvg_cols, s.conv_dim + s.value_dim)
         self.lm_head = weights.matrices.get("lm_head.weight") or weights.matrix(LM + "embed_tokens.weight")
-        self.logit_rows_wanted = logit_rows  # rows of logits one step can produce (prefill with all_logits)
+        # rows of logits one step can produce (prefill with all_logits asks for more than decode's)
+        self.logit_rows = max(logit_rows or slots * GEMV_MAX_ROWS, slots)
+        # per-slot DeltaNet state: the last Kc-1 conv inputs and the fp32 recurrent state
+        self.conv_bytes = (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
+        self.ssm_bytes = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
         inv_freq, self.rope_scale = rope_inv_freq(s)
         self._allocs: list[int] = []
         self.inv_freq = self._alloc(inv_freq.nbytes)
@@ -150,29 +154,16 @@ class GpuModel:
                 self.kv[i] = attention.KVCache.at(base, self.slots, self.max_ctx, s.num_key_value_heads,
                                                   s.head_dim, self.kv_dtype)
             else:
-                conv = self.slots * (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
-                ssm = self.slots * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
+                conv, ssm = self.slots * self.conv_bytes, self.slots * self.ssm_bytes
                 self.conv_state[i], self.ssm_state[i] = self._alloc(conv), self._alloc(ssm)
                 g.memset(self.conv_state[i], 0, conv)
                 g.memset(self.ssm_state[i], 0, ssm)
 
-    def state_bytes(self) -> int:
-        """Bytes of KV caches and DeltaNet states over all slots."""
-        s = self.spec
-        kv = sum(attention.KVCache.nbytes(self.slots, self.max_ctx, s.num_key_value_heads, s.head_dim,
-                                          self.kv_dtype) for _ in self.kv)
-        per = ((s.linear_conv_kernel_dim - 1) * s.conv_dim
-               + s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim) * 4
-        return kv + len(self.conv_state) * self.slots * per
-
     def reset_slot(self, slot: int) -> None:
         """Forget a sequence: zero its DeltaNet states (its KV entries are overwritten as positions refill)."""
-        s = self.spec
-        conv = (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
-        ssm = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
         for i in self.conv_state:
-            self.gpu.memset(self.conv_state[i] + slot * conv, 0, conv)
-            self.gpu.memset(self.ssm_state[i] + slot * ssm, 0, ssm)
+            self.gpu.memset(self.conv_state[i] + slot * self.conv_bytes, 0, self.conv_bytes)
+            self.gpu.memset(self.ssm_state[i] + slot * self.ssm_bytes, 0, self.ssm_bytes)
 
     def _alloc_buffers(self, rows: int) -> Buffers:
         s = self.spec
@@ -195,7 +186,6 @@ class GpuModel:
         b.act_s = self._alloc(rows * self.ffn_cols * f)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
         b.tokens = self._alloc(rows * 4)
-        self.logit_rows = max(self.logit_rows_wanted or self.slots * GEMV_MAX_ROWS, self.slots)
         b.logits = self._alloc(self.logit_rows * self.V * f)
         b.argmax = self._alloc(self.logit_rows * 4)
         scratch = max(

@@ -92,6 +92,7 @@ def load_artifact(gpu: Gpu, artifact, groups=("text",), progress=None) -> Device
     out = DeviceWeights()
     offsets, total = _layout((e.name, e.nbytes) for e in mats)
     out.arena, out.arena_bytes = gpu.alloc(total), total
+    to_copy = sum(e.nbytes for e in mats)
     stages = [PinnedBuffer(STAGE_BYTES), PinnedBuffer(STAGE_BYTES)]
     done_ev = [Event(), Event()]
     used = [False, False]
@@ -111,7 +112,7 @@ def load_artifact(gpu: Gpu, artifact, groups=("text",), progress=None) -> Device
                 turn ^= 1
                 done += n
                 if progress:
-                    progress(done, sum(m.nbytes for m in mats))
+                    progress(done, to_copy)
             out.matrices[e.name] = DeviceWeight(e.name, e.format, tuple(e.shape), dst)
         gpu.synchronize()
     finally:
@@ -196,9 +197,8 @@ def synthetic_weights(gpu: Gpu, spec, recipe, seed: int = 0, progress=None) -> D
             base = out.arena + offsets[name]
             f = get_format(fmt)
             for p in f.planes(shape):
-                kind = "f16" if p.name == "scales" else ("bf16" if fmt == "bf16" else "bytes")
-                if fmt in ("fp32", "f16"):
-                    kind = "f16" if fmt == "f16" else "bytes"
+                # fp16 scales and raw bf16/f16 values must be finite; codes may be any bytes
+                kind = "f16" if p.name == "scales" else {"bf16": "bf16", "f16": "f16"}.get(fmt, "bytes")
                 filler.fill(base + p.offset, p.nbytes, kind, i)
             out.matrices[name] = DeviceWeight(name, fmt, shape, base)
             done += f.nbytes(shape)
@@ -230,9 +230,4 @@ def fill_random(gpu: Gpu, dst: int, nbytes: int, kind: str, seed: int = 0) -> No
         gpu.synchronize()
     finally:
         gpu.free(blk)
-
-
-def weight_bytes(table, names_filter=None) -> int:
-    """Total stored bytes of a (name, shape, fmt) table."""
-    return sum(get_format(f).nbytes(s) for n, s, f in table if names_filter is None or names_filter(n))
 
