@@ -5,110 +5,75 @@
 //   moe_gate_up_<f>  x fp32 [M, H], ids [M, k], gate/up bank [E, 2I, H] (rows interleaved in tiles of 16:
 //                    rows 32t..32t+15 gate 16t.., rows 32t+16..32t+31 up 16t..) ->
 //                    act fp32 [M, k, I], act[m, j, i] = silu(g_i · x_m) · (u_i · x_m) of expert ids[m, j]
+//   moe_gate_up_routed_<f>  x fp32 [M, H] (the residual stream), norm_w fp32 [H], eps, logits [M, ld] ->
+//                    act as moe_gate_up on h = rms_norm_zc(x, norm_w, eps) (as norm.cu, same roundings) and the
+//                    experts moe_route picks (same code: moe_route.cuh), plus moe_route's ids, weights and
+//                    shared_scale (written by block (m·k, 0) for row m). One launch instead of rms_norm, route
+//                    and gate_up; every block routes and normalises its own row.
 //   moe_down_<f>     act [M, k, I], ids, weights, down bank [E, H, I] -> y fp32 [M, H] +=
 //                    Σ_j weights[m, j] · (W_{ids[m, j]} act[m, j]), the k experts summed in order j = 0..k-1
 // <f> is any q{4,5,6,8}g{32,64,128} (quant.cuh) or bf16; expert e's rows are bank rows e·N .. e·N + N - 1.
+// Fast paths moe_gate_up[_routed]_t{1,2}_<q>, moe_down_t{1,2}_<q> for decode shapes (see "fast paths").
 // Matches ninfer_rt.reference.ops.moe without the shared expert (the engine adds it with the plain GEMV).
 // An expert id outside [0, E) makes its outputs NaN instead of reading out of bounds.
 #include "common.cuh"
+#include "moe_route.cuh"  // route_row, route_store, MOE_MAX_K, MOE_MAX_E
 #include "quant.cuh"
 
 #define MOE_THREADS 256   // gate_up and down blocks
+#define MOE_WARPS (MOE_THREADS / 32)
 #define MOE_RB 4          // weight rows a lane group works on at once (independent loads in flight)
 #define MOE_DOWN_ROWS 8   // output rows of y per down block: H/8 blocks per token
-#define MOE_MAX_K 16
-#define MOE_MAX_E 512
-#define ROUTE_WARPS 4     // one warp per row
+#define ROUTE_WARPS 4     // moe_route: one warp per row
 
 #define XPAD 33           // activations in smem as 32-element chunks padded to 33 floats: lanes reading
                           // different chunks hit different banks
 
 // ------------------------------------------------------------------------------------------------ routing
 
-// exp(x) to ~2 ulp under --use_fast_math: x·log2(e) is formed with its rounding error (split constant + fma),
-// so the error does not grow with |x| as __expf's does.
-__device__ __forceinline__ float exp_accurate(float x) {
-    const float L2E_HI = 1.44269502162933349609375f;  // fp32 nearest to log2(e)
-    const float L2E_LO = 1.925962991126617e-08f;      // log2(e) - L2E_HI
-    const float y = x * L2E_HI;
-    float r = fmaf(x, L2E_HI, -y);
-    r = fmaf(x, L2E_LO, r);
-    const float t = exp2f(y);
-    return fmaf(t, r * 0.693147180559945f, t);        // 2^(y + r) ≈ 2^y · (1 + r·ln 2), |r| < 2^-17
-}
-
-// Softmax is monotone, so the top-k of p is the top-k of the logits (selected exactly, no rounding ties), and
-// the renormalised weights p_j / Σ p are the softmax over the k chosen logits (the denominator cancels).
-// Order: larger logit first, equal logits by lower index; ±0 and subnormals compare equal (the build flushes
-// them: --use_fast_math), so they tie and go by index; NaN is never picked, -inf is (last); when no candidate
-// is left a round yields (id 0x7fffffff, logit -inf).
-// One warp per row: lane holds logits lane + 32s (s < 16) in registers as order-preserving uint32 keys (0 =
-// not a candidate); a round takes each lane's best by a slot tree (lower slot wins ties), the warp max key by
-// one redux, the lowest index holding it by a second, and the owner lane marks that slot taken.
-#define ROUTE_SLOTS (MOE_MAX_E / 32)
-
-__device__ __forceinline__ uint32_t route_key(float v) {
-    uint32_t u = __float_as_uint(v);
-    const uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return 0u;      // NaN
-    if (a < 0x00800000u) u = 0u;        // ±0, subnormals: one key
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -inf -> 0x007FFFFF > 0
-}
-
-__device__ __forceinline__ float route_val(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
-
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
 moe_route(const float* __restrict__ logits, int ld, int M, int E, int top_k, int* __restrict__ ids,
           float* __restrict__ weights, float* __restrict__ shared_scale) { ninfer_pdl_begin();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int m = blockIdx.x * ROUTE_WARPS + warp;
+    const int m = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
     if (m >= M) return;  // whole warp; no block-wide sync below
-    const float* l = logits + (long long)m * ld;
-    const float g = __ldg(l + E);
-    uint32_t key[ROUTE_SLOTS];
-#pragma unroll
-    for (int s = 0; s < ROUTE_SLOTS; ++s) {  // every load issued before any is used
-        const int i = lane + 32 * s;
-        key[s] = i < E ? route_key(__ldg(l + i)) : 0u;
-    }
-    uint32_t taken = 0;  // bit s: slot s already picked
-    float top = 0.f, w = 0.f;
-    int id = 0;
-    for (int j = 0; j < top_k; ++j) {
-        uint32_t k2[ROUTE_SLOTS];
-        int s2[ROUTE_SLOTS];
-#pragma unroll
-        for (int s = 0; s < ROUTE_SLOTS; ++s) {
-            k2[s] = ((taken >> s) & 1u) ? 0u : key[s];
-            s2[s] = s;
-        }
-#pragma unroll
-        for (int st = 1; st < ROUTE_SLOTS; st <<= 1) {
-#pragma unroll
-            for (int s = 0; s < ROUTE_SLOTS; s += 2 * st) {
-                if (k2[s + st] > k2[s]) { k2[s] = k2[s + st]; s2[s] = s2[s + st]; }
-            }
-        }
-        const uint32_t K = __reduce_max_sync(0xffffffffu, k2[0]);
-        const uint32_t cand = (K != 0u && k2[0] == K) ? (uint32_t)(lane + 32 * s2[0]) : 0x7fffffffu;
-        const int bi = (int)__reduce_min_sync(0xffffffffu, cand);
-        const float bv = K != 0u ? route_val(K) : -INFINITY;
-        if (K != 0u && lane == (bi & 31)) taken |= 1u << (bi >> 5);
-        if (j == 0) top = bv;
-        if (lane == j) { id = bi; w = exp_accurate(bv - top); }
-    }
-    const float total = warp_sum(lane < top_k ? w : 0.f);
-    if (lane < top_k) {
-        ids[(long long)m * top_k + lane] = id;
-        weights[(long long)m * top_k + lane] = __fdiv_rn(w, total);
-    }
-    if (lane == 0) {  // sigmoid without overflow in exp: the exponent is always <= 0
-        const float e = exp_accurate(-fabsf(g));
-        shared_scale[m] = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
-    }
+    route_store(route_row(logits + (long long)m * ld, E, top_k), m, top_k, ids, weights, shared_scale);
 }
+
+// The routed gate_up entry points' extra inputs: x is the un-normalised residual stream, and each block
+// routes its row itself. Block (m·k, 0) stores row m's routing for moe_down and the shared expert.
+struct MoeRouted {
+    const float* norm_w;  // [H], gain 1 + w
+    float eps;
+    const float* logits;  // [M, ld]
+    int ld;
+    int* ids;
+    float* weights;
+    float* shared_scale;
+};
+
+// Warp 0 of block (pair = m·k + j, tile): route row m and put expert j's id in *s_e (read after a barrier).
+__device__ __forceinline__ void route_block(const MoeRouted& rt, int E, int top_k, int m, int j, int tile,
+                                            int* s_e) {
+    const RouteRow r = route_row(rt.logits + (long long)m * rt.ld, E, top_k);
+    if ((threadIdx.x & 31) == j) *s_e = r.id;
+    if (j == 0 && tile == 0) route_store(r, m, top_k, rt.ids, rt.weights, rt.shared_scale);
+}
+
+// Zero-centred RMSNorm as norm.cu: each thread adds Σ x² of its elements, ss_partial puts the warp sums in
+// s_red, and after the next barrier rms_scale gives every thread r = rsqrt(mean(x²) + eps), the same bits (the
+// xor-shuffle tree sums in one order up to commutation); h = (x · r) · (1 + w).
+__device__ __forceinline__ void ss_partial(float ss, float* s_red) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = ss;
+}
+
+__device__ __forceinline__ float rms_scale(const float* s_red, int H, float eps) {
+    const float ss = warp_sum((threadIdx.x & 31) < MOE_WARPS ? s_red[threadIdx.x & 31] : 0.f);
+    // correctly rounded divide and rsqrt: --use_fast_math would otherwise give 2-ulp approximations
+    return __frsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps));
+}
+
+__device__ __forceinline__ float norm_mul(float x, float r, float w) { return __fmul_rn(__fmul_rn(x, r), 1.f + w); }
 
 // ------------------------------------------------------------------------------------------------ dot products
 
@@ -207,25 +172,49 @@ __device__ __forceinline__ void block_dots(const uint8_t* qs, const uint8_t* qh,
 // ------------------------------------------------------------------------------------------------ gate/up
 
 // Block (pair = m·k + j, tile): the 32 bank rows 32·tile.. of expert ids[pair] -> act[pair, 16·tile .. +16].
-// Dynamic smem: x_m as H/32 padded chunks (H/32·33 floats).
-template <int BITS, int GROUP>
+// Dynamic smem: x_m as H/32 padded chunks (H/32·33 floats). ROUTED: the expert comes from route_block (warp 0)
+// while every thread stages its raw x elements; after the barrier each rescales its own elements to h.
+template <int BITS, int GROUP, bool ROUTED>
 __device__ __forceinline__ void gate_up_impl(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                              int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
-                                             int top_k, float* __restrict__ act) {
+                                             int top_k, float* __restrict__ act, const MoeRouted& rt) {
     extern __shared__ float s_x[];
     __shared__ float s_out[32];
+    __shared__ float s_red[MOE_WARPS];
     __shared__ int s_e[1];
     const int pair = blockIdx.x, tile = blockIdx.y;
     const int m = pair / top_k;
-    const int e = ids[pair];
+    const float* xm = x + (long long)m * H;
     float* out = act + (long long)pair * I + tile * 16;
+    int e;
+    if constexpr (ROUTED) {
+        if (threadIdx.x < 32) route_block(rt, E, top_k, m, pair - m * top_k, tile, s_e);
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < H; i += blockDim.x) {
+            const float v = xm[i];
+            s_x[XPAD * (i >> 5) + (i & 31)] = v;
+            ss += v * v;
+        }
+        ss_partial(ss, s_red);
+        __syncthreads();
+        e = s_e[0];
+    } else {
+        e = ids[pair];
+    }
     if (e < 0 || e >= E) {  // uniform over the block
         if (threadIdx.x < 16) out[threadIdx.x] = __int_as_float(0x7fc00000);
         return;
     }
-    const float* xm = x + (long long)m * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) s_x[XPAD * (i >> 5) + (i & 31)] = xm[i];
-    if (threadIdx.x == 0) s_e[0] = e;
+    if constexpr (ROUTED) {
+        const float r = rms_scale(s_red, H, rt.eps);
+        for (int i = threadIdx.x; i < H; i += blockDim.x) {
+            float& v = s_x[XPAD * (i >> 5) + (i & 31)];
+            v = norm_mul(v, r, __ldg(rt.norm_w + i));
+        }
+    } else {
+        for (int i = threadIdx.x; i < H; i += blockDim.x) s_x[XPAD * (i >> 5) + (i & 31)] = xm[i];
+        if (threadIdx.x == 0) s_e[0] = e;
+    }
     __syncthreads();
     block_dots<BITS, GROUP, 32, 2>(qs, qh, sc, kp, s_e, 1, 2LL * I, 32LL * tile, s_x, 0, H / 32, s_out);
     __syncthreads();
@@ -336,12 +325,17 @@ __device__ __forceinline__ float qchunk_dot(const QChunk<BITS>& q, const float4 
 
 // Block (pair, tile) as gate_up_impl, 256 threads: warp w takes bank rows 32·tile + 4w .. +4, lane the chunks
 // lane + 32t (t < T), all 4·T chunk loads in flight together. Dynamic smem: x_m as H/32 chunks of XPAD4 float4.
-template <int BITS, int GROUP, int T>
+// ROUTED: warp 0 routes while the x loads are in flight; every thread stages its raw x and its Σ x² before the
+// barrier that publishes the id, issues its weight loads right after it, then rescales its own x to h in smem
+// (norm_w read then: an L2 hit behind the weight loads) before the barrier ahead of the dots.
+template <int BITS, int GROUP, int T, bool ROUTED>
 __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                              int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
-                                             int top_k, float* __restrict__ act) {
+                                             int top_k, float* __restrict__ act, const MoeRouted& rt) {
     extern __shared__ float4 s_x4[];
     __shared__ float s_out[32];
+    __shared__ float s_red[MOE_WARPS];
+    __shared__ int s_e[1];
     const int pair = blockIdx.x, tile = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m = pair / top_k;
@@ -349,9 +343,25 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
     float4 xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = __ldg(xm + tid + MOE_THREADS * t);
-    const int e = __ldg(ids + pair);
+    int e;
+    if constexpr (ROUTED) {
+        if (warp == 0) route_block(rt, E, top_k, m, pair - m * top_k, tile, s_e);
+        float ss = 0.f;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const int i4 = tid + MOE_THREADS * t;
+            const float4 v = xr[t];
+            s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        ss_partial(ss, s_red);
+        __syncthreads();
+        e = s_e[0];
+    } else {
+        e = __ldg(ids + pair);
+    }
     float* out = act + (long long)pair * I + tile * 16;
-    if (e < 0 || e >= E) {  // uniform over the block, before any sync
+    if (e < 0 || e >= E) {  // uniform over the block, before any further sync
         if (tid < 16) out[tid] = __int_as_float(0x7fc00000);
         return;
     }
@@ -362,10 +372,26 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
 #pragma unroll
         for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[r][t], qs, qh, sc, row0 + r, kp, lane + 32 * t);
     }
+    if constexpr (ROUTED) {
+        const float4* w4 = reinterpret_cast<const float4*>(rt.norm_w);
+        float4 g[T];
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-        const int i4 = tid + MOE_THREADS * t;  // float4 i4 of x_m: chunk i4 / 8, slot i4 % 8
-        s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = xr[t];
+        for (int t = 0; t < T; ++t) g[t] = __ldg(w4 + tid + MOE_THREADS * t);
+        const float r = rms_scale(s_red, H, rt.eps);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const int i4 = tid + MOE_THREADS * t;
+            float4& v = s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)];
+            const float4 o = v;
+            v = make_float4(norm_mul(o.x, r, g[t].x), norm_mul(o.y, r, g[t].y), norm_mul(o.z, r, g[t].z),
+                            norm_mul(o.w, r, g[t].w));
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const int i4 = tid + MOE_THREADS * t;  // float4 i4 of x_m: chunk i4 / 8, slot i4 % 8
+            s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = xr[t];
+        }
     }
     __syncthreads();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -453,34 +479,49 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
 
 // ------------------------------------------------------------------------------------------------ entry points
 
+#define MOE_ROUTED_PARAMS                                                                                     \
+    const float *norm_w, float eps, const float *logits, int ld, int top_k, int *ids, float *weights,        \
+        float *shared_scale, float *act
+#define MOE_ROUTED_ARGS MoeRouted{norm_w, eps, logits, ld, ids, weights, shared_scale}
+
 #define MOE_ENTRY(name, BITS, GROUP)                                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_gate_up_##name(                          \
         const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* x, \
-        const int* ids, int top_k, float* act) { ninfer_pdl_begin();                                                              \
-        gate_up_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act);                               \
+        const int* ids, int top_k, float* act) { ninfer_pdl_begin();                                          \
+        gate_up_impl<BITS, GROUP, false>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act, MoeRouted{});           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_gate_up_routed_##name(                   \
+        const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* x, \
+        MOE_ROUTED_PARAMS) { ninfer_pdl_begin();                                                              \
+        gate_up_impl<BITS, GROUP, true>(qs, qh, sc, kp, E, H, I, x, nullptr, top_k, act, MOE_ROUTED_ARGS);    \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_down_##name(                             \
         const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* act, \
-        const int* ids, const float* weights, int top_k, float* y) { ninfer_pdl_begin();                                          \
+        const int* ids, const float* weights, int top_k, float* y) { ninfer_pdl_begin();                      \
         down_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                         \
     }
 
 NINFER_QFORMATS(MOE_ENTRY)
 MOE_ENTRY(bf16, 16, 32)
 
-// Fast paths: moe_gate_up_t{1,2}_<f> (H = 1024·T), moe_down_t{1,2}_<f> (I = 512·T), q formats only. Two blocks
-// per SM (<= 128 registers) except q8 at T = 2, whose 8 chunks of 32 bytes per thread would spill there.
+// Fast paths: moe_gate_up[_routed]_t{1,2}_<f> (H = 1024·T), moe_down_t{1,2}_<f> (I = 512·T), q formats only.
+// Two blocks per SM (<= 128 registers) except q8 at T = 2, whose 8 chunks of 32 bytes per thread would spill there.
 #define MOE_FAST_MINB(BITS, T) (((BITS) == 8 && (T) == 2) ? 1 : 2)
 #define MOE_FAST_ENTRY_T(name, BITS, GROUP, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_gate_up_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,    \
-                              int I, const float* x, const int* ids, int top_k, float* act) { ninfer_pdl_begin();                 \
-        gate_up_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act);                            \
+                              int I, const float* x, const int* ids, int top_k, float* act) { ninfer_pdl_begin(); \
+        gate_up_fast<BITS, GROUP, T, false>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act, MoeRouted{});         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
+    moe_gate_up_routed_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,   \
+                                     int H, int I, const float* x, MOE_ROUTED_PARAMS) { ninfer_pdl_begin();   \
+        gate_up_fast<BITS, GROUP, T, true>(qs, qh, sc, kp, E, H, I, x, nullptr, top_k, act, MOE_ROUTED_ARGS);  \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_down_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,       \
                            int I, const float* act, const int* ids, const float* weights, int top_k,          \
-                           float* y) { ninfer_pdl_begin();                                                                        \
+                           float* y) { ninfer_pdl_begin();                                                    \
         down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                      \
     }
 #define MOE_FAST_ENTRY(name, BITS, GROUP) MOE_FAST_ENTRY_T(name, BITS, GROUP, 1) MOE_FAST_ENTRY_T(name, BITS, GROUP, 2)

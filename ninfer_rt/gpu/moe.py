@@ -7,12 +7,14 @@ column E) come from the plain GEMV over the fused [E+1, H] router; then
     gate_up  -> act [M, k, I] = SwiGLU of each chosen expert
     down     -> y [M, H] += Σ_j weights · down_j(act_j)      (y is the residual stream)
 
+gate_up_routed does route and gate_up in one launch, on the residual stream x with the post-attention RMSNorm
+applied in the kernel (the router GEMV fuses the same norm), so a decode layer needs no separate norm either.
 The shared expert is computed apart with the plain GEMV. Reference: ninfer_rt.reference.ops.moe.
 """
 
 from __future__ import annotations
 
-from ninfer_rt.gpu.driver import GpuError, i32, ptr
+from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
 from ninfer_rt.gpu.weights import DeviceWeight
 
 MAX_EXPERTS = 512  # route keeps one row's logits in shared memory
@@ -65,6 +67,15 @@ def _smem(k, op: str, name: str, nbytes: int) -> int:
     return nbytes
 
 
+def _check_logits(op: str, E: int, top_k: int, ld: int) -> None:
+    if not 1 <= E <= MAX_EXPERTS:
+        raise GpuError(f"moe.{op}: E={E} outside 1..{MAX_EXPERTS}")
+    if top_k > E:
+        raise GpuError(f"moe.{op}: top_k={top_k} exceeds E={E}")
+    if ld < E + 1:
+        raise GpuError(f"moe.{op}: ld={ld} must be >= E + 1 = {E + 1} (column E is the shared-expert gate)")
+
+
 def route(k, *, logits: int, ld: int, M: int, E: int, top_k: int, ids: int, weights: int, shared_scale: int,
           stream=None) -> None:
     """Top-k softmax routing of M rows, plus the shared-expert gate.
@@ -74,16 +85,33 @@ def route(k, *, logits: int, ld: int, M: int, E: int, top_k: int, ids: int, weig
     ids int32 [M, top_k] = e; weights fp32 [M, top_k] = w / Σw; shared_scale fp32 [M] = sigmoid(logits[m, E]).
     """
     _check_rows("route", M, top_k)
-    if not 1 <= E <= MAX_EXPERTS:
-        raise GpuError(f"moe.route: E={E} outside 1..{MAX_EXPERTS}")
-    if top_k > E:
-        raise GpuError(f"moe.route: top_k={top_k} exceeds E={E}")
-    if ld < E + 1:
-        raise GpuError(f"moe.route: ld={ld} must be >= E + 1 = {E + 1} (column E is the shared-expert gate)")
+    _check_logits("route", E, top_k, ld)
     _check_ptrs("route", logits=logits, ids=ids, weights=weights, shared_scale=shared_scale)
     grid = (M + ROUTE_WARPS - 1) // ROUTE_WARPS
     args = [ptr(logits), i32(ld), i32(M), i32(E), i32(top_k), ptr(ids), ptr(weights), ptr(shared_scale)]
     k.launch("moe_route", grid, 32 * ROUTE_WARPS, args, 0, stream)
+
+
+def _gate_up_kernel(k, op: str, w: DeviceWeight, M: int, top_k: int, vec: bool, experts: int | None = None):
+    """Checks gate_up and gate_up_routed share, and their kernel: the fast path moe_<op>_t{T}_<fmt> for q banks
+    at H = 1024·T (T in FAST_T) when `vec` (the fp32 inputs it reads by 16 bytes are aligned), else
+    moe_<op>_<fmt>. `experts`: the E the bank must have. Returns (name, E, H, I, grid, dynamic smem bytes)."""
+    name = _kernel_name(op, w)
+    E, two_i, H = _bank(op, w)
+    if experts is not None and E != experts:
+        raise GpuError(f"moe.{op}: E={experts} router columns but bank {w.name} holds {E} experts")
+    _check_rows(op, M, top_k)
+    if two_i % 64 or H % 32:
+        raise GpuError(f"moe.{op}: bank {w.name} {list(w.shape)}: I and H must be multiples of 32")
+    if two_i // GATE_UP_TILE > 65535:
+        raise GpuError(f"moe.{op}: I={two_i // 2} is too large for the grid (at most {65535 * 16})")
+    t = H // 1024
+    if w.quantized and H == 1024 * t and t in FAST_T and vec:
+        name = f"moe_{op}_t{t}_{w.fmt}"
+        smem = _smem(k, op, name, H // 32 * XPAD_FAST * 4)
+    else:
+        smem = _smem(k, op, name, H // 32 * XPAD * 4)
+    return name, E, H, two_i // 2, (M * top_k, two_i // GATE_UP_TILE), smem
 
 
 def gate_up(k, w: DeviceWeight, *, x: int, M: int, ids: int, top_k: int, act: int, stream=None) -> None:
@@ -93,24 +121,36 @@ def gate_up(k, w: DeviceWeight, *, x: int, M: int, ids: int, top_k: int, act: in
     x fp32 [M, H]; ids int32 [M, top_k] (an id outside [0, E) gives NaN); act fp32 [M, top_k, I].
     Grid (M·top_k, 2I/32): each block reads 32 bank rows of one expert for one row of x.
     """
-    name = _kernel_name("gate_up", w)
-    E, two_i, H = _bank("gate_up", w)
-    _check_rows("gate_up", M, top_k)
-    if two_i % 64 or H % 32:
-        raise GpuError(f"moe.gate_up: bank {w.name} {list(w.shape)}: I and H must be multiples of 32")
-    if two_i // GATE_UP_TILE > 65535:
-        raise GpuError(f"moe.gate_up: I={two_i // 2} is too large for the grid (at most {65535 * 16})")
     _check_ptrs("gate_up", x=x, ids=ids, act=act)
-    I = two_i // 2
-    t = H // 1024
-    if w.quantized and H == 1024 * t and t in FAST_T and x % 16 == 0:
-        name = f"moe_gate_up_t{t}_{w.fmt}"
-        smem = _smem(k, "gate_up", name, H // 32 * XPAD_FAST * 4)
-    else:
-        smem = _smem(k, "gate_up", name, H // 32 * XPAD * 4)
+    name, E, H, I, grid, smem = _gate_up_kernel(k, "gate_up", w, M, top_k, x % 16 == 0)
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(ids), i32(top_k), ptr(act)]
-    k.launch(name, (M * top_k, two_i // GATE_UP_TILE), THREADS, args, smem, stream)
+    k.launch(name, grid, THREADS, args, smem, stream)
+
+
+def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, ld: int, M: int, E: int,
+                   top_k: int, ids: int, weights: int, shared_scale: int, act: int, stream=None) -> None:
+    """rms_norm_zc, route and gate_up of M rows in one launch (the decode MoE block before down).
+
+    h = rms_norm_zc(x, norm_w, eps): h_m = (x_m · rsqrt(mean(x_m²) + eps)) · (1 + norm_w) in fp32 with the
+    roundings of misc.rms_norm (correctly rounded divide, add and rsqrt, then (x · r) · (1 + w)); Σ x² is added
+    in another order, so h may differ from misc.rms_norm's in the last bits;
+    (ids, weights, shared_scale) = route(logits) as `route` computes them, to the bit (the same device code);
+    act[m, j, i] = silu(g_i · h_m) · (u_i · h_m) of expert ids[m, j], as `gate_up` on h.
+    x fp32 [M, H] (the residual stream, not normalised); norm_w fp32 [H]; logits fp32 [M, ld] (column E the
+    shared-expert gate); ids int32 / weights fp32 [M, top_k], shared_scale fp32 [M], act fp32 [M, top_k, I]
+    (outputs). w: the gate/up bank [E, 2I, H] as in `gate_up`. Same grid as `gate_up`: every block routes and
+    normalises its own row, block (m·top_k, 0) writes row m's ids, weights and shared_scale.
+    """
+    op = "gate_up_routed"
+    _check_logits(op, E, top_k, ld)
+    _check_ptrs(op, x=x, norm_w=norm_w, logits=logits, ids=ids, weights=weights, shared_scale=shared_scale,
+                act=act)
+    name, E, H, I, grid, smem = _gate_up_kernel(k, op, w, M, top_k, x % 16 == 0 and norm_w % 16 == 0, E)
+    qs, qh, sc = w.planes()
+    args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(norm_w), f32(eps),
+            ptr(logits), i32(ld), i32(top_k), ptr(ids), ptr(weights), ptr(shared_scale), ptr(act)]
+    k.launch(name, grid, THREADS, args, smem, stream)
 
 
 def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k: int, y: int, stream=None) -> None:

@@ -13,7 +13,7 @@ Tolerance of a length-n dot product: two fp32 summation orders differ by ~sqrt(n
 n = 2048, u = 2^-24). We allow DOT·Σ|w·x| with DOT = 2^-15 (512u); one wrong element alone moves a dot by about
 Σ|w·x|/n >= 2^-11·Σ|w·x|, 16x more. These bounds are propagated through SwiGLU and the down projection in
 float64 (act_bound, the chain bound). Experts not routed to hold 0xFF bytes (NaN scales), so reading the wrong
-expert shows up as NaN.
+expert shows up as NaN. The helpers and oracles here are shared with test_moe_routed.py (the fused gate_up).
 """
 
 from __future__ import annotations
@@ -104,13 +104,59 @@ def well_separated(logits: np.ndarray, top_k: int, rel: float = 1e-4) -> bool:
     return bool(np.all(s[:, :-1] - s[:, 1:] > rel * s[:, :-1]))
 
 
-def act_bound(x, g, u):
-    """float64 bound on |act_device - act_ref| for act = silu(g·x)·(u·x), g, u [I, H], x [H]."""
+def act_bound(x, g, u, dot: float = DOT):
+    """float64 bound on |act_device - act_ref| for act = silu(g·x)·(u·x), g, u [I, H], x [H], when each dot may
+    be off by dot·Σ|w·x|."""
     gx, ux = g.astype(np.float64) @ x, u.astype(np.float64) @ x
-    dg, du = DOT * (np.abs(g) @ np.abs(x)), DOT * (np.abs(u) @ np.abs(x))
+    dg, du = dot * (np.abs(g) @ np.abs(x)), dot * (np.abs(u) @ np.abs(x))
     sg = gx / (1 + np.exp(-gx))
     # |silu'| <= 1.1 everywhere
     return 1.1 * np.abs(ux) * dg + np.abs(sg) * du + SILU * np.abs(sg * ux) + dg * du
+
+
+def act_oracle(h: "torch.Tensor", gate: dict, ids: np.ndarray, I: int, dot: float = DOT):
+    """torch fp32 act [M, k, I] = silu(h_m·g)·(h_m·u) of experts ids[m, j] (gate: {e: de-interleaved [2I, H]})
+    and its act_bound [M, k, I]."""
+    M, k = ids.shape
+    x = h.numpy().astype(np.float64)
+    want, tol = np.empty((M, k, I), np.float32), np.empty((M, k, I))
+    for m in range(M):
+        for j in range(k):
+            g, u = gate[int(ids[m, j])][:I], gate[int(ids[m, j])][I:]
+            gt, ut = torch.from_numpy(g), torch.from_numpy(u)
+            want[m, j] = (torch.nn.functional.silu(h[m:m + 1] @ gt.T) * (h[m:m + 1] @ ut.T))[0].numpy()
+            tol[m, j] = act_bound(x[m], g, u, dot)
+    return want, tol
+
+
+def routed_oracle(h, router_w, sg_w, gate: dict, dn_vals: dict, top_k: int) -> np.ndarray:
+    """ops.moe(h, ...) with the shared expert's weights zero: the routed sum [M, H]. Only the experts in `gate`
+    hold values; ops.moe reads no other (the callers check its routing equal to theirs)."""
+    from ninfer_rt.reference import ops
+    E, H = router_w.shape
+    two_i, I = next(iter(gate.values())).shape[0], next(iter(dn_vals.values())).shape[1]
+    # torch.empty leaves the pages of the experts not routed to untouched instead of writing 3 GB of zeros
+    gate_up_full, down_full = torch.empty(E, two_i, H), torch.empty(E, H, I)
+    for e in gate:
+        gate_up_full[e] = torch.from_numpy(gate[e])
+        down_full[e] = torch.from_numpy(dn_vals[e])
+    Is = 32
+    return ops.moe(h, router_w, gate_up_full, down_full, top_k, torch.zeros(Is, H), torch.zeros(Is, H),
+                   torch.zeros(H, Is), sg_w).numpy()
+
+
+def chain_tol(y1, ids, w, act, tol_act, dn_vals: dict) -> np.ndarray:
+    """Bound on |(y_after - y_before) - routed_oracle| [M, H]: the act error propagated through |W|, the down
+    dots' own error, the weights' ROUTE_REL and the rounding of y += total."""
+    tol = 2 * U * np.abs(y1)
+    M, k = ids.shape
+    for m in range(M):
+        for j in range(k):
+            D = dn_vals[int(ids[m, j])].astype(np.float64)
+            a = act[m, j].astype(np.float64)
+            tol[m] += abs(float(w[m, j])) * (DOT * (np.abs(D) @ np.abs(a)) + np.abs(D) @ tol_act[m, j]
+                                             + 2 * ROUTE_REL * np.abs(D @ a))
+    return tol
 
 
 # ------------------------------------------------------------------------------------------ route
@@ -181,7 +227,6 @@ CASES = ([("35b", 1, "q4g64", "q5g64"), ("35b", 4, "q4g64", "q6g64"), ("35b", 4,
 def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     from ninfer_rt import layout
     from ninfer_rt.gpu import moe
-    from ninfer_rt.reference import ops
     E, k, I, H = DIMS[dims]
     router_w = torch.from_numpy(rng.standard_normal((E, H)).astype(np.float32))
     sg_w = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
@@ -209,18 +254,10 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     assert_close("shared_scale", dev.get(ss, (M,)), want_ss, ROUTE_REL * np.abs(want_ss))
 
     # gate_up
-    x = h.numpy()
     act = dev.empty(M * k * I * 4)
-    moe.gate_up(kernels, gu, x=put(dev, x), M=M, ids=ids, top_k=k, act=act)
+    moe.gate_up(kernels, gu, x=put(dev, h.numpy()), M=M, ids=ids, top_k=k, act=act)
     got_act = dev.get(act, (M, k, I))
-    want_act = np.empty((M, k, I), np.float32)
-    tol_act = np.empty((M, k, I))
-    for m in range(M):
-        for j in range(k):
-            g, u = gate[int(want_ids[m, j])][:I], gate[int(want_ids[m, j])][I:]
-            gt, ut = torch.from_numpy(g), torch.from_numpy(u)
-            want_act[m, j] = (torch.nn.functional.silu(h[m:m + 1] @ gt.T) * (h[m:m + 1] @ ut.T))[0].numpy()
-            tol_act[m, j] = act_bound(x[m].astype(np.float64), g, u)
+    want_act, tol_act = act_oracle(h, gate, want_ids, I)
     assert_close(f"gate_up act [M, k, I] ({fmt_gu})", got_act, want_act, tol_act)
 
     # down: on the kernel's own act and weights, then the chain against ops.moe
@@ -244,27 +281,10 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y_again)
     np.testing.assert_array_equal(dev.get(y_again, (M, H)), y1, err_msg="down is not deterministic")
 
-    # ops.moe reads only the experts it routes to (checked equal to ours above); torch.empty leaves the pages
-    # of the others untouched instead of writing 3 GB of zeros at E = 256
-    gate_up_full = torch.empty(E, 2 * I, H)
-    down_full = torch.empty(E, H, I)
-    for e in gate:
-        gate_up_full[e] = torch.from_numpy(gate[e])
-        down_full[e] = torch.from_numpy(dn_vals[e])
-    Is = 32
-    routed = ops.moe(h, router_w, gate_up_full, down_full, k, torch.zeros(Is, H), torch.zeros(Is, H),
-                     torch.zeros(H, Is), sg_w).numpy()
-    del gate_up_full, down_full
-    # the act error propagated through |W|, the down dots' own error, the weights' 1e-6 and the y rounding
-    tol = 2 * U * np.abs(y1)
-    for m in range(M):
-        for j in range(k):
-            D = dn_vals[int(want_ids[m, j])].astype(np.float64)
-            a = want_act[m, j].astype(np.float64)
-            wj = abs(float(want_w[m, j]))
-            tol[m] += wj * (DOT * (np.abs(D) @ np.abs(a)) + np.abs(D) @ tol_act[m, j]
-                            + 2 * ROUTE_REL * np.abs(D @ a))
-    assert_close(f"routed MoE vs ops.moe ({fmt_gu}/{fmt_down})", diff, routed, tol)
+    # ops.moe reads only the experts it routes to (checked equal to ours above)
+    routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
+    assert_close(f"routed MoE vs ops.moe ({fmt_gu}/{fmt_down})", diff, routed,
+                 chain_tol(y1, want_ids, want_w, want_act, tol_act, dn_vals))
 
 
 # ------------------------------------------------------------------------------------------ misuse

@@ -1,0 +1,105 @@
+// moe_route.cuh: softmax top-k routing of one row by one warp (route_row), shared by moe_route and the routed
+// gate_up entry points of moe.cu, so both choose the same experts and give the same weights and shared-expert
+// scale to the bit.
+//
+// A row is logits fp32 [E + 1]: columns 0..E-1 router logits, column E the shared-expert gate logit.
+// Matches ninfer_rt.reference.ops.moe: p = softmax(logits[:E]); (w, e) = topk(p, k); w / Σw; sigmoid(logits[E]).
+#pragma once
+#include "common.cuh"
+
+#define MOE_MAX_K 16
+#define MOE_MAX_E 512
+
+// exp(x) to ~2 ulp under --use_fast_math for x <= 0: x·log2(e) is formed with its rounding error (split
+// constant + fma), so the error does not grow with |x| as __expf's does. exp(-inf) = 0 (r is NaN there).
+__device__ __forceinline__ float exp_accurate(float x) {
+    const float L2E_HI = 1.44269502162933349609375f;  // fp32 nearest to log2(e)
+    const float L2E_LO = 1.925962991126617e-08f;      // log2(e) - L2E_HI
+    const float y = x * L2E_HI;
+    float r = fmaf(x, L2E_HI, -y);
+    r = fmaf(x, L2E_LO, r);
+    const float t = exp2f(y);
+    return t == 0.f ? 0.f : fmaf(t, r * 0.693147180559945f, t);  // 2^(y + r) ≈ 2^y · (1 + r·ln 2), |r| < 2^-17
+}
+
+// Softmax is monotone, so the top-k of p is the top-k of the logits (selected exactly, no rounding ties), and
+// the renormalised weights p_j / Σ p are the softmax over the k chosen logits (the denominator cancels).
+// Order: larger logit first, equal logits by lower index; ±0 and subnormals compare equal (the build flushes
+// them: --use_fast_math), so they tie and go by index; NaN is never picked, -inf is (last, weight 0); when no
+// candidate is left a round yields (id 0x7fffffff, logit -inf).
+// Lane holds logits lane + 32s (s < 16) in registers as order-preserving uint32 keys (0 = not a candidate); a
+// round takes each lane's best by a slot tree (lower slot wins ties), the warp max key by one redux, the
+// lowest index holding it by a second, and the owner lane marks that slot taken.
+#define ROUTE_SLOTS (MOE_MAX_E / 32)
+
+__device__ __forceinline__ uint32_t route_key(float v) {
+    uint32_t u = __float_as_uint(v);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return 0u;      // NaN
+    if (a < 0x00800000u) u = 0u;        // ±0, subnormals: one key
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -inf -> 0x007FFFFF > 0
+}
+
+__device__ __forceinline__ float route_val(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
+struct RouteRow {
+    int id;        // lane j < top_k: the j-th chosen expert
+    float w;       // lane j < top_k: its renormalised weight
+    float shared;  // every lane: sigmoid(l[E])
+};
+
+// Route one row l[0..E] with the whole calling warp (E <= MOE_MAX_E, top_k <= 32, both warp-uniform).
+__device__ __forceinline__ RouteRow route_row(const float* __restrict__ l, int E, int top_k) {
+    const int lane = threadIdx.x & 31;
+    const float g = __ldg(l + E);
+    uint32_t key[ROUTE_SLOTS];
+#pragma unroll
+    for (int s = 0; s < ROUTE_SLOTS; ++s) {  // every load issued before any is used
+        const int i = lane + 32 * s;
+        key[s] = i < E ? route_key(__ldg(l + i)) : 0u;
+    }
+    uint32_t taken = 0;  // bit s: slot s already picked
+    float top = 0.f;
+    RouteRow r = {0, 0.f, 0.f};
+    for (int j = 0; j < top_k; ++j) {
+        uint32_t k2[ROUTE_SLOTS];
+        int s2[ROUTE_SLOTS];
+#pragma unroll
+        for (int s = 0; s < ROUTE_SLOTS; ++s) {
+            k2[s] = ((taken >> s) & 1u) ? 0u : key[s];
+            s2[s] = s;
+        }
+#pragma unroll
+        for (int st = 1; st < ROUTE_SLOTS; st <<= 1) {
+#pragma unroll
+            for (int s = 0; s < ROUTE_SLOTS; s += 2 * st) {
+                if (k2[s + st] > k2[s]) { k2[s] = k2[s + st]; s2[s] = s2[s + st]; }
+            }
+        }
+        const uint32_t K = __reduce_max_sync(0xffffffffu, k2[0]);
+        const uint32_t cand = (K != 0u && k2[0] == K) ? (uint32_t)(lane + 32 * s2[0]) : 0x7fffffffu;
+        const int bi = (int)__reduce_min_sync(0xffffffffu, cand);
+        const float bv = K != 0u ? route_val(K) : -INFINITY;
+        if (K != 0u && lane == (bi & 31)) taken |= 1u << (bi >> 5);
+        if (j == 0) top = bv;
+        if (lane == j) { r.id = bi; r.w = exp_accurate(bv - top); }
+    }
+    const float total = warp_sum(lane < top_k ? r.w : 0.f);
+    if (lane < top_k) r.w = __fdiv_rn(r.w, total);
+    const float e = exp_accurate(-fabsf(g));  // sigmoid without overflow in exp: the exponent is always <= 0
+    r.shared = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
+    return r;
+}
+
+// Row m's outputs: ids int32 [., top_k], weights fp32 [., top_k], shared_scale fp32 [.] (from the routing warp).
+__device__ __forceinline__ void route_store(const RouteRow& r, int m, int top_k, int* __restrict__ ids,
+                                            float* __restrict__ weights, float* __restrict__ shared_scale) {
+    const int lane = threadIdx.x & 31;
+    if (lane < top_k) {
+        ids[(long long)m * top_k + lane] = r.id;
+        weights[(long long)m * top_k + lane] = r.w;
+    }
+    if (lane == 0) shared_scale[m] = r.shared;
+}

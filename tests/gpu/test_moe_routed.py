@@ -1,0 +1,235 @@
+"""kernels/moe.cu moe_gate_up_routed_* (ninfer_rt.gpu.moe.gate_up_routed): RMSNorm + route + gate_up, one launch.
+
+Inputs are the residual stream x (not normalised), the norm weight and the router logits; helpers, oracles and
+tolerances are test_moe.py's. Each call is checked against:
+  routing  moe_route on the same logits: ids equal, weights and shared_scale equal to the bit (both run one device
+           function, route_row); and the independent oracle: ids equal torch.topk's (logits drawn without
+           near-ties) or a stable arg-sort's (ties, NaN, -inf), weights and shared_scale within ROUTE_REL
+  act      torch fp32 silu(h·g)·(h·u) with h = ops.rms_norm_zc(x, norm_w, eps) computed in torch
+  chain    gate_up_routed, then moe.down on its ids and weights, against ops.moe on h (routed part)
+Norm tolerance: the kernel's h is within 13u of the exact norm (u = 2^-24): Σ x² passes through <= 16 roundings
+(<= 8 serial terms per thread at H <= 2048, then 8 tree levels), <= 16u on a sum of positive terms, halved by the
+square root; the divide, the add of eps, the rsqrt, 1 + w and the two multiplies add one rounding each. torch's fp32
+rms_norm_zc is off by the same order; test_misc checks misc.rms_norm (same roundings, another summation order)
+within 5e-6 of it, and we allow NORM = 5e-6 relative per element of h. A dot is linear in h, so g·h moves by at
+most NORM·Σ|g·h|: act is checked with act_bound at a dot tolerance of DOT + NORM, and the chain with chain_tol on
+that act bound. x rows are scaled by 10^U(-3, 1) (at 1e-3, mean x² ~ eps) and norm_w ~ 0.2·N(0, 1), so a kernel
+that skipped the norm, eps or the gain 1 + w would be off by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_moe import (CASES, DIMS, DOT, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol, put,
+                       ref_routing, routed_oracle, well_separated)
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+NORM = 5e-6  # relative error of h allowed between the kernel and ops.rms_norm_zc, see the module docstring
+EPS = 1e-6
+INVALID = 0x7FFFFFFF  # route_row's id when no candidate is left (all remaining logits NaN)
+# "generic": moe_gate_up_routed_<f> (H = 64); "fast": moe_gate_up_routed_t1_<f> (H = 1024); "unaligned": H = 1024
+# with norm_w not 16-byte aligned, which must fall back to the generic kernel
+PATHS = {"generic": 64, "fast": 1024, "unaligned": 1024}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def residual(rng, M: int, H: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, H]: rows of N(0, 1) scaled by 10^U(-3, 1); norm_w [H] ~ 0.2·N(0, 1) (gain 1 + w)."""
+    x = rng.standard_normal((M, H)) * 10.0 ** rng.uniform(-3, 1, size=(M, 1))
+    return x.astype(np.float32), (rng.standard_normal(H) * 0.2).astype(np.float32)
+
+
+def norm_ref(x: np.ndarray, norm_w: np.ndarray) -> "torch.Tensor":
+    from ninfer_rt.reference import ops
+    return ops.rms_norm_zc(torch.from_numpy(x), torch.from_numpy(norm_w), EPS)
+
+
+def put_at(dev, a: np.ndarray, offset: int) -> int:
+    """Upload `a` `offset` bytes past an allocation's (aligned) start: offset 4 breaks 16-byte alignment."""
+    pad = np.full(offset // 4, np.nan, np.float32)
+    return put(dev, np.concatenate([pad, np.asarray(a, np.float32).ravel()])) + offset
+
+
+def run_routed(kernels, dev, gu, x, norm_w, logits, E: int, top_k: int, w_offset: int = 0):
+    """gate_up_routed into poisoned outputs, and moe_route on the same logits. Returns the device pointers
+    (ids, weights, act) for moe.down, then numpy (ids, weights, shared_scale, act) and moe_route's
+    (ids, weights, shared_scale)."""
+    from ninfer_rt.gpu import moe
+    M, ld = logits.shape
+    I = gu.shape[1] // 2
+    lp = put(dev, logits)
+    ids, w, ss, act = dev.empty(M * top_k * 4), dev.empty(M * top_k * 4), dev.empty(M * 4), dev.empty(M * top_k * I * 4)
+    moe.gate_up_routed(kernels, gu, x=put(dev, x), norm_w=put_at(dev, norm_w, w_offset), eps=EPS, logits=lp, ld=ld,
+                       M=M, E=E, top_k=top_k, ids=ids, weights=w, shared_scale=ss, act=act)
+    r_ids, r_w, r_ss = dev.empty(M * top_k * 4), dev.empty(M * top_k * 4), dev.empty(M * 4)
+    moe.route(kernels, logits=lp, ld=ld, M=M, E=E, top_k=top_k, ids=r_ids, weights=r_w, shared_scale=r_ss)
+    got = (dev.get(ids, (M, top_k), np.int32), dev.get(w, (M, top_k)), dev.get(ss, (M,)),
+           dev.get(act, (M, top_k, I)))
+    ref = dev.get(r_ids, (M, top_k), np.int32), dev.get(r_w, (M, top_k)), dev.get(r_ss, (M,))
+    return (ids, w, act), got, ref
+
+
+def assert_same_routing(got, ref) -> None:
+    """ids, weights and shared_scale of gate_up_routed equal moe_route's to the bit (NaN payloads included)."""
+    np.testing.assert_array_equal(got[0], ref[0], err_msg="gate_up_routed ids differ from moe_route's")
+    np.testing.assert_array_equal(got[1].view(np.uint32), ref[1].view(np.uint32),
+                                  err_msg="gate_up_routed weights differ from moe_route's bits")
+    np.testing.assert_array_equal(got[2].view(np.uint32), ref[2].view(np.uint32),
+                                  err_msg="gate_up_routed shared_scale differs from moe_route's bits")
+
+
+def sigmoid64(v) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.asarray(v, np.float64)))
+
+
+# ------------------------------------------------------------------------------------------ routing + act
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("E,top_k,M", ROUTE_CASES)
+def test_routed_routing_and_act(kernels, dev, rng, E, top_k, M, path):
+    """Distinct logits with padding columns and a shared gate above every router logit on even rows (ranking
+    column E or the padding would pick the wrong experts): routing as moe_route and torch; act as the oracle."""
+    from ninfer_rt import layout
+    H, I = PATHS[path], 32
+    ld = E + 1 + 3
+    logits = np.empty((M, ld), np.float32)
+    logits[:, :E] = np.stack([rng.permutation(E) * 0.05 + rng.uniform(-20, 20) for _ in range(M)])
+    row_max = logits[:, :E].max(-1)
+    logits[:, E] = np.where(np.arange(M) % 2 == 0, row_max + rng.uniform(0.5, 3, M), rng.uniform(-8, 8, M))
+    logits[:, E + 1:] = 1e30
+    want_ids, want_w = ref_routing(torch.from_numpy(logits[:, :E]), top_k)
+    x, norm_w = residual(rng, M, H)
+    gu, gu_vals = bank(dev, "q4g64", E, 2 * I, H, want_ids.ravel(), rng)
+    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
+
+    _, got, ref = run_routed(kernels, dev, gu, x, norm_w, logits, E, top_k, w_offset=4 if path == "unaligned" else 0)
+    assert_same_routing(got, ref)
+    np.testing.assert_array_equal(got[0], want_ids, err_msg="gate_up_routed ids differ from torch.topk")
+    assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
+    want_ss = sigmoid64(logits[:, E])
+    assert_close("shared_scale vs sigmoid", got[2], want_ss, ROUTE_REL * want_ss)
+    want_act, tol_act = act_oracle(norm_ref(x, norm_w), gate, want_ids, I, DOT + NORM)
+    assert_close(f"act [M, k, I] ({path})", got[3], want_act, tol_act)
+
+
+@pytest.mark.parametrize("path", ["generic", "fast"])
+def test_routed_ties_nan_inf(kernels, dev, rng, path):
+    """Exact ties (larger first, then lower index), NaN logits (never picked: a row with fewer than top_k
+    candidates gets id 0x7fffffff and NaN act for the missing ones) and -inf (picked last, weight 0), routed as
+    moe_route routes them; every block reads the id of its own j."""
+    from ninfer_rt import layout
+    E, k, H, I = 64, 8, PATHS[path], 32
+    logits = np.zeros((7, E + 1), np.float32)  # row 0: all zero
+    logits[1, :E] = rng.integers(0, 3, E)
+    logits[2, :E] = 50.0
+    logits[3, :E] = rng.integers(-2, 2, E) * 0.5 - 30.0
+    logits[4, :E] = np.nan
+    logits[4, rng.choice(E, 3, replace=False)] = [1.5, -2.0, 0.25]  # 3 candidates for k = 8
+    logits[5, :E] = np.nan
+    logits[6, :E] = -np.inf
+    logits[6, rng.choice(E, 2, replace=False)] = [3.0, 7.0]
+    logits[:, E] = rng.uniform(-8, 8, len(logits))
+    M = len(logits)
+    want_ids = np.full((M, k), INVALID, np.int64)
+    for m, row in enumerate(logits[:, :E]):
+        order = np.argsort(-row, kind="stable")[:k]  # NaN sorts last
+        keep = ~np.isnan(row[order])
+        want_ids[m, keep] = order[keep]
+    x, norm_w = residual(rng, M, H)
+    gu, gu_vals = bank(dev, "q6g64", E, 2 * I, H, range(E), rng)
+    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
+
+    _, got, ref = run_routed(kernels, dev, gu, x, norm_w, logits, E, k)
+    assert_same_routing(got, ref)
+    np.testing.assert_array_equal(got[0], want_ids, err_msg="tie / NaN / -inf order")
+    valid = want_ids != INVALID
+    sel = np.where(valid, np.take_along_axis(logits[:, :E].astype(np.float64), np.where(valid, want_ids, 0), -1),
+                   -np.inf)
+    ok = valid[:, 0]  # rows with at least one candidate; row 5 has none (its weights are NaN, as moe_route's)
+    want_w = np.exp(sel[ok] - sel[ok, :1])
+    want_w /= want_w.sum(-1, keepdims=True)
+    assert_close("weights (ties, NaN, -inf)", got[1][ok], want_w, ROUTE_REL * want_w)
+    assert np.isnan(got[1][~ok]).all(), "a row without candidates must get NaN weights, as moe_route's"
+    want_ss = sigmoid64(logits[:, E])
+    assert_close("shared_scale", got[2], want_ss, ROUTE_REL * want_ss)
+
+    want_act, tol_act = act_oracle(norm_ref(x, norm_w), gate, np.where(valid, want_ids, 0), I, DOT + NORM)
+    assert np.isnan(got[3][~valid]).all(), "an invalid id must give NaN act"
+    assert_close(f"act of valid ids ({path})", got[3][valid], want_act[valid], tol_act[valid])
+
+
+# ------------------------------------------------------------------------------------------ the chain
+
+CHAIN = list(dict.fromkeys((dims, fg, fd) for dims, _, fg, fd in CASES))  # test_moe's shapes and formats
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("dims,fmt_gu,fmt_down", CHAIN)
+def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
+    """gate_up_routed + moe.down against ops.moe on h = rms_norm_zc(x), the logits of the same torch expression
+    ops.moe evaluates; routing and act checked on the way."""
+    from ninfer_rt import layout
+    from ninfer_rt.gpu import moe
+    E, k, I, H = DIMS[dims]
+    router_w = torch.from_numpy((rng.standard_normal((E, H)) * (2 / np.sqrt(H))).astype(np.float32))
+    sg_w = torch.from_numpy((rng.standard_normal((1, H)) * (2 / np.sqrt(H))).astype(np.float32))
+    for _ in range(50):  # redraw until no two of the top k+1 probabilities nearly tie
+        x, norm_w = residual(rng, M, H)
+        h = norm_ref(x, norm_w)  # rms ~ 1: logits ~ N(0, 4) as in test_moe
+        logits = h @ router_w.T  # the expression ops.moe evaluates on h: identical fp32 logits
+        if well_separated(logits.numpy(), k):
+            break
+    else:
+        pytest.fail("could not draw router inputs without near-ties")
+    want_ids, want_w = ref_routing(logits, k)
+    gu, gu_vals = bank(dev, fmt_gu, E, 2 * I, H, want_ids.ravel(), rng)
+    dn, dn_vals = bank(dev, fmt_down, E, H, I, want_ids.ravel(), rng)
+    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
+    fused = np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1)  # [M, E+1]
+
+    (ids, w, act), got, ref = run_routed(kernels, dev, gu, x, norm_w, fused, E, k)
+    assert_same_routing(got, ref)
+    np.testing.assert_array_equal(got[0], want_ids, err_msg="gate_up_routed ids differ from torch.topk")
+    assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
+    want_ss = torch.sigmoid(h @ sg_w.T).numpy()[:, 0]
+    assert_close("shared_scale vs torch", got[2], want_ss, ROUTE_REL * np.abs(want_ss))
+    want_act, tol_act = act_oracle(h, gate, want_ids, I, DOT + NORM)
+    assert_close(f"act [M, k, I] ({fmt_gu})", got[3], want_act, tol_act)
+
+    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    y = put(dev, y0)
+    moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y)
+    y1 = dev.get(y, (M, H))
+    routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
+    assert_close(f"routed MoE from x vs ops.moe(rms_norm_zc(x)) ({fmt_gu}/{fmt_down})", y1.astype(np.float64) - y0,
+                 routed, chain_tol(y1, want_ids, want_w, want_act, tol_act, dn_vals))
+
+
+# ------------------------------------------------------------------------------------------ misuse
+
+def test_routed_misuse_raises(kernels):
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.driver import GpuError
+    from ninfer_rt.gpu.weights import DeviceWeight
+    bank8 = DeviceWeight("b", "q4g64", (8, 64, 64), 1)
+    ok = dict(x=1, norm_w=1, eps=1e-6, logits=1, ld=9, M=1, E=8, top_k=2, ids=1, weights=1, shared_scale=1, act=1)
+    cases = [
+        (bank8, dict(E=16, ld=17), "holds 8 experts"),
+        (bank8, dict(ld=8), "ld=8 must be >= E"),
+        (bank8, dict(top_k=9), "exceeds E"),
+        (DeviceWeight("b", "q4g64", (32, 64, 64), 1), dict(top_k=17, E=32, ld=33), "top_k=17 outside"),
+        (bank8, dict(norm_w=0), "norm_w is a null pointer"),
+        (bank8, dict(shared_scale=0), "shared_scale is a null pointer"),
+        (DeviceWeight("b", "fp32", (8, 64, 64), 1), {}, "fp32"),
+        (DeviceWeight("b", "q4g64", (64, 64), 1), {}, "expert bank"),
+        (DeviceWeight("b", "q4g64", (8, 64, 48), 1), {}, "multiples of 32"),
+    ]
+    for w, change, what in cases:
+        with pytest.raises(GpuError, match=what):
+            moe.gate_up_routed(kernels, w, **{**ok, **change})
