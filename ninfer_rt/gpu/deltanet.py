@@ -3,18 +3,35 @@
 `decode` runs, for B sequences of T tokens each, exactly ninfer_rt.reference.model.GatedDeltaNet.__call__ from
 the projection outputs (mixed, z, b, a) to the gated-norm output y (before out_proj): causal conv + SiLU,
 L2-normalised q/k, the gated delta rule on the fp32 state, and the SiLU-gated RMSNorm. Both states are
-updated in place. Layouts are in the header of kernels/deltanet.cu.
+updated in place. `step` does the same for decode steps of T <= 8 in one launch, computing b|a itself from
+the layer input. Layouts are in the header of kernels/deltanet.cu.
+
+The conv state is a ring of pre-conv inputs, position p of a sequence in row p % ring (ring_rows(Kc) rows), so
+that a fused step's writes never land on rows another block of the same step still reads.
 """
 
 from __future__ import annotations
 
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+from ninfer_rt.gpu.weights import DeviceWeight
 
 DK_SUPPORTED = (16, 32, 64, 128)  # one recurrent kernel instantiation each (state rows in registers)
 KC_MAX = 8                        # DN_KMAX in deltanet.cu
 CONV_TOKENS = 8                   # DN_CONV_TOKENS in deltanet.cu: tokens per conv thread
 CONV_THREADS = 256
 NORM_WARPS = 4
+STEP_T = 8                        # DN_STEP_T: most tokens per sequence of one fused step
+STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step (one block holds a whole head)
+
+
+def ring_rows(Kc: int) -> int:
+    """Rows of the conv-state ring per slot: the Kc - 1 positions a step reads plus up to STEP_T it writes."""
+    return Kc - 1 + STEP_T
+
+
+def conv_state_bytes(Kc: int, conv_dim: int) -> int:
+    """Bytes of one slot's conv state: fp32 [ring_rows(Kc), conv_dim]."""
+    return ring_rows(Kc) * conv_dim * 4
 
 
 def conv_dim_of(nk: int, nv: int, dk: int, dv: int) -> int:
@@ -35,11 +52,11 @@ def _recurrent_warps(dv: int) -> int:
     return 1
 
 
-def _check(*, mixed, ld_mixed, ba, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state, slot, B, T, nk, nv,
-           dk, dv, Kc, out, scratch) -> int:
-    """Validate a decode/prefill call; returns conv_dim."""
-    ptrs = dict(mixed=mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
-                conv_state=conv_state, ssm_state=ssm_state, slot=slot, out=out, scratch=scratch)
+def _check(*, mixed, ld_mixed, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state, slot, pos, B, T, nk, nv,
+           dk, dv, Kc, out, **ptrs) -> int:
+    """Validate a decode/prefill/step call (ptrs: the call's other device pointers); returns conv_dim."""
+    ptrs.update(mixed=mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w, conv_state=conv_state,
+                ssm_state=ssm_state, slot=slot, pos=pos, out=out)
     for name, p in ptrs.items():
         if not p:
             raise GpuError(f"deltanet: {name} is a null pointer")
@@ -66,25 +83,26 @@ def _check(*, mixed, ld_mixed, ba, conv_w, A_log, dt_bias, norm_w, conv_state, s
 
 
 def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
-           conv_state: int, ssm_state: int, slot: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
+           conv_state: int, ssm_state: int, slot: int, pos: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
            Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
     """The DeltaNet mixer for B sequences × T tokens (any T; fast for T = 1..8), token by token in order.
 
     mixed fp32 [B·T, ld_mixed]: [q | k | v | z] (the fused in_proj_qkv|in_proj_z output; row b·T + t);
     ba fp32 [B·T, 2·nv]: [b | a]; conv_w fp32 [Kc, conv_dim] tap-major; A_log, dt_bias fp32 [nv];
-    norm_w fp32 [dv] (applied as w, not 1 + w); conv_state fp32 [slots, Kc-1, conv_dim] (row 0 oldest);
-    ssm_state fp32 [slots, nv, dk, dv]; slot int32 [B]. Both states are updated in place.
+    norm_w fp32 [dv] (applied as w, not 1 + w); conv_state fp32 [slots, ring_rows(Kc), conv_dim] (the ring);
+    ssm_state fp32 [slots, nv, dk, dv]; slot, pos int32 [B] (sequence b's first new token is at position pos[b]).
+    Both states are updated in place.
     out fp32 [B·T, nv·dv] = gated_rms_norm(o, z, norm_w, eps); scratch: decode_scratch_bytes(B·T, conv_dim).
     Three launches on `stream`: conv, recurrent delta rule, gated norm.
     """
     conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
-                      norm_w=norm_w, conv_state=conv_state, ssm_state=ssm_state, slot=slot, B=B, T=T, nk=nk,
-                      nv=nv, dk=dk, dv=dv, Kc=Kc, out=out, scratch=scratch)
+                      norm_w=norm_w, conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T,
+                      nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc, out=out, scratch=scratch)
     M = B * T
     conv_grid = ((conv_dim + CONV_THREADS - 1) // CONV_THREADS, B, -(-T // CONV_TOKENS))
     k.launch("deltanet_conv", conv_grid, CONV_THREADS,
-             [ptr(mixed), i32(ld_mixed), ptr(conv_w), ptr(conv_state), ptr(slot), ptr(scratch), i32(T),
-              i32(conv_dim), i32(Kc)], 0, stream)
+             [ptr(mixed), i32(ld_mixed), ptr(conv_w), ptr(conv_state), ptr(slot), ptr(pos), i32(ring_rows(Kc)),
+              ptr(scratch), i32(T), i32(conv_dim), i32(Kc)], 0, stream)
     warps = _recurrent_warps(dv)
     k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps,
              [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
@@ -100,8 +118,8 @@ def prefill_scratch_bytes(T: int, conv_dim: int) -> int:
 
 
 def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
-            conv_state: int, ssm_state: int, slot: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
-            Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
+            conv_state: int, ssm_state: int, slot: int, pos: int, B: int, T: int, nk: int, nv: int, dk: int,
+            dv: int, Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
     """Prefill of one sequence (B = 1, long T); same arguments and result as `decode`.
 
     For now this runs the decode kernels: the conv and the norm are parallel over tokens, but the delta rule
@@ -111,5 +129,35 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
     if B != 1:
         raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")
     decode(k, mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
-           conv_state=conv_state, ssm_state=ssm_state, slot=slot, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
-           eps=eps, out=out, scratch=scratch, stream=stream)
+           conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv,
+           Kc=Kc, eps=eps, out=out, scratch=scratch, stream=stream)
+
+
+def step_supported(w_ba: DeviceWeight, *, T: int, dk: int, dv: int, Kc: int) -> bool:
+    """Whether `step` takes these shapes: b|a stored bf16, T <= STEP_T, dv <= STEP_COLS (one block per head)."""
+    return (w_ba.fmt == "bf16" and 1 <= T <= STEP_T and dk in DK_SUPPORTED and 8 <= dv <= STEP_COLS
+            and dv % 8 == 0 and 2 <= Kc <= KC_MAX)
+
+
+def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight, mixed: int, ld_mixed: int,
+         conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
+         B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None) -> None:
+    """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
+
+    x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
+    weight (gain 1 + w, eps_in); w_ba bf16 [2·nv, H]: the fused in_proj_b|in_proj_a. Then
+    [b|a] = rms_norm_zc(x) W_baᵀ and everything else as `decode` (same layouts, same result within fp32
+    rounding). Grid (nv, B), one block of 4·dv threads per (value head, sequence).
+    """
+    conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
+                      conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk,
+                      dv=dv, Kc=Kc, out=out, x=x, in_norm_w=in_norm_w, w_ba=w_ba.base)
+    if not step_supported(w_ba, T=T, dk=dk, dv=dv, Kc=Kc):
+        raise GpuError(f"deltanet.step: needs bf16 b|a (got {w_ba.fmt}), T <= {STEP_T} (got {T}) and "
+                       f"dv <= {STEP_COLS} (got {dv}); use decode")
+    if tuple(w_ba.shape) != (2 * nv, H):
+        raise GpuError(f"deltanet.step: b|a weight {w_ba.name} is {list(w_ba.shape)}, expected [{2 * nv}, {H}]")
+    k.launch(f"deltanet_step_dk{dk}", (nv, B), 4 * dv,
+             [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
+              ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
+              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc)], 0, stream)

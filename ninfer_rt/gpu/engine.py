@@ -11,6 +11,11 @@ One step runs B sequences × T new tokens (M = B·T rows, row b·T + t) through 
                 MLP:  x += W_down SwiGLU(h)
     logits = lm_head(rmsnorm(x[rows]))
 
+At decode (M ≤ 8) no h is materialised: each consumer normalises x as it stages it (the GEMV prologue, the
+fused DeltaNet step, the routed gate/up kernel), and a DeltaNet layer is three launches (in_proj GEMV, the
+fused step, out_proj GEMV), an MoE block five (router GEMV, routed gate/up with top-k routing, shared gate/up,
+routed down, shared down).
+
 Decode steps (T ≤ 8) are captured as CUDA graphs, one per (B, T, context bucket): the kernels read ids, pos
 and slot from device arrays, so a graph replays for every token until the context passes its bucket.
 Prefill runs the same step on chunks of the prompt (tensor-core GEMM for the projections when there are
@@ -120,8 +125,8 @@ class GpuModel:
         self.lm_head = weights.matrices.get("lm_head.weight") or weights.matrix(LM + "embed_tokens.weight")
         # rows of logits one step can produce (prefill with all_logits asks for more than decode's)
         self.logit_rows = max(logit_rows or slots * GEMV_MAX_ROWS, slots)
-        # per-slot DeltaNet state: the last Kc-1 conv inputs and the fp32 recurrent state
-        self.conv_bytes = (s.linear_conv_kernel_dim - 1) * s.conv_dim * 4
+        # per-slot DeltaNet state: the ring of conv inputs and the fp32 recurrent state
+        self.conv_bytes = deltanet.conv_state_bytes(s.linear_conv_kernel_dim, s.conv_dim)
         self.ssm_bytes = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
         inv_freq, self.rope_scale = rope_inv_freq(s)
         self._allocs: list[int] = []
@@ -244,36 +249,50 @@ class GpuModel:
         else:
             d = p + "linear_attn."
             cols = s.conv_dim + s.value_dim
+            w_ba = W(d + "{in_proj_b,in_proj_a}.weight")
             self._linear(W(d + "{in_proj_qkv,in_proj_z}.weight"), x=src, M=M, y=b.mixed, ldy=cols, norm_w=nw)
-            self._linear(W(d + "{in_proj_b,in_proj_a}.weight"), x=src, M=M, y=b.ba, norm_w=nw)
-            deltanet.decode(self.k, mixed=b.mixed, ld_mixed=cols, ba=b.ba, conv_w=P(d + "conv1d.weight"),
-                            A_log=P(d + "A_log"), dt_bias=P(d + "dt_bias"), norm_w=P(d + "norm.weight"),
-                            conv_state=self.conv_state[i], ssm_state=self.ssm_state[i], slot=self.slot, B=B, T=T,
-                            nk=s.linear_num_key_heads, nv=s.linear_num_value_heads, dk=s.linear_key_head_dim,
-                            dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim, eps=s.rms_norm_eps,
-                            out=b.o, scratch=b.scratch)
+            mixer = dict(mixed=b.mixed, ld_mixed=cols, conv_w=P(d + "conv1d.weight"), A_log=P(d + "A_log"),
+                         dt_bias=P(d + "dt_bias"), norm_w=P(d + "norm.weight"), conv_state=self.conv_state[i],
+                         ssm_state=self.ssm_state[i], slot=self.slot, pos=self.pos, B=B, T=T,
+                         nk=s.linear_num_key_heads, nv=s.linear_num_value_heads, dk=s.linear_key_head_dim,
+                         dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim, eps=s.rms_norm_eps, out=b.o)
+            if M <= GEMV_MAX_ROWS and deltanet.step_supported(w_ba, T=T, dk=s.linear_key_head_dim,
+                                                              dv=s.linear_value_head_dim,
+                                                              Kc=s.linear_conv_kernel_dim):
+                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm
+                deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer)
+            else:
+                self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
+                deltanet.decode(self.k, ba=b.ba, scratch=b.scratch, **mixer)
             self._linear(W(d + "out_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
-        misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "post_attention_layernorm.weight"),
-                      eps=s.rms_norm_eps)
+        post = P(p + "post_attention_layernorm.weight")
+        if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)
+            src, nw = b.x, post
+        else:
+            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=post, eps=s.rms_norm_eps)
+            src, nw = b.h, 0
         m = p + "mlp."
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
-            self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=b.h, M=M, y=b.router)
-            moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, ids=b.ids, weights=b.wts,
-                      shared_scale=b.sscale)
+            self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router, norm_w=nw)
+            routing = dict(ids=b.ids, weights=b.wts, shared_scale=b.sscale)
+            shared_gate_up = W(m + "shared_expert.{gate_proj,up_proj}.weight")
             if M > GEMV_MAX_ROWS:  # prefill: tokens grouped by expert, each expert's weights read once per tile
+                moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
                 gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=b.h, M=M,
                                  ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
-            else:
-                moe.gate_up(self.k, W(m + "experts.gate_up_proj"), x=b.h, M=M, ids=b.ids, top_k=k, act=b.act)
+                self._linear(shared_gate_up, x=b.h, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols)
+            else:  # decode: the gate/up kernel routes its row and normalises x itself; x changes only after
+                moe.gate_up_routed(self.k, W(m + "experts.gate_up_proj"), x=b.x, norm_w=post, eps=s.rms_norm_eps,
+                                   logits=b.router, ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
+                self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post)
                 moe.down(self.k, W(m + "experts.down_proj"), act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k,
                          y=b.x)
-            self._linear(W(m + "shared_expert.{gate_proj,up_proj}.weight"), x=b.h, M=M, y=b.act_s, mode="swiglu",
-                         ldy=self.ffn_cols)
             self._linear(W(m + "shared_expert.down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add",
                          row_scale=b.sscale)
         else:
-            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=b.h, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols)
+            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=b.act_s, mode="swiglu",
+                         ldy=self.ffn_cols, norm_w=nw)
             self._linear(W(m + "down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add")
 
     def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str) -> None:

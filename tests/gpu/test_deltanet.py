@@ -4,13 +4,17 @@ Oracle: per sequence, exactly what ninfer_rt.reference.model.GatedDeltaNet does 
 ops.causal_conv1d_step (T = 1) or ops.causal_conv1d, ops.gated_delta_rule_recurrent (the recurrent form is
 the oracle for every T: the chunked form equals it and the kernels are recurrent), ops.gated_rms_norm; in
 torch fp32 on the CPU, with the reference's own state tensors carried from step to step. The reference conv
-state is [conv_dim, Kc-1]; the device one is [slots, Kc-1, conv_dim].
+state is [conv_dim, Kc-1]; the device one is a ring [slots, ring, conv_dim] holding position p in row p % ring
+(positions < 0 read as zero). `deltanet.step` (one launch for T <= 8) also computes b|a from the layer input:
+its oracle is ops.rms_norm_zc(x) @ W_baᵀ in torch fp32 on the exact bf16 weights, then the same chain.
 
 Tolerance: both sides compute in fp32 (the kernels with fast-math exp/rsqrt/division), so per-element
 differences are ~1e-6 relative and do not grow with steps (the decay is <= 1). We allow
 |got - ref| <= 1e-4 · (|ref| + rms(ref)): the rms floor stops near-zero elements from failing on absolute
-noise. The conv state holds copies of inputs, so it must match bit for bit, and slots not in `slot` must be
-left bit-for-bit untouched.
+noise. The conv state holds copies of inputs, so it must match bit for bit, ring rows a step does not own must keep
+their bits, and slots not in `slot` must be left bit-for-bit untouched. For `step`, b|a differ from the
+oracle's by the order of a length-H fp32 dot (~sqrt(H)·2^-24 relative to |b|, |a| ~ 1 here: < 1e-5), which
+moves β and e^g by less than that and stays well inside the same 1e-4.
 """
 
 from __future__ import annotations
@@ -36,41 +40,75 @@ def conv_dim(d):
     return 2 * d["nk"] * d["dk"] + d["nv"] * d["dv"]
 
 
+def ring_window(ring: np.ndarray, pos: int, Kc: int) -> np.ndarray:
+    """The reference conv state [conv_dim, Kc-1] (oldest first) held by a device ring [rows, conv_dim] before
+    position pos: positions pos-Kc+1 .. pos-1, zero below 0."""
+    rows = []
+    for p in range(pos - Kc + 1, pos):
+        rows.append(ring[p % ring.shape[0]] if p >= 0 else np.zeros(ring.shape[1], np.float32))
+    return np.stack(rows, 1)
+
+
 class Layer:
     """Random DeltaNet parameters and states on the host and device, plus the reference states per slot."""
 
-    def __init__(self, dev, rng, d, slots: int, pad: int = 8):
-        self.d, self.dev = d, dev
+    def __init__(self, dev, rng, d, slots: int, pad: int = 8, H: int = 256):
+        from ninfer_rt.formats import bf16_bits_to_f32, f32_to_bf16_bits
+        from ninfer_rt.gpu.deltanet import ring_rows
+        self.d, self.dev, self.H = d, dev, H
         nv, dk, dv, Kc = d["nv"], d["dk"], d["dv"], d["Kc"]
         self.cd = conv_dim(d)
+        self.ring = ring_rows(Kc)
         self.ld = self.cd + nv * dv + pad  # padding columns hold NaN: reading them would show
         self.conv_w = (rng.standard_normal((Kc, self.cd)) * 0.5).astype(np.float32)
         self.A_log = np.log(rng.uniform(0.05, 2.0, nv)).astype(np.float32)
         self.dt_bias = rng.normal(0.0, 0.5, nv).astype(np.float32)
         self.norm_w = (1.0 + 0.2 * rng.standard_normal(dv)).astype(np.float32)
-        self.conv_state = rng.standard_normal((slots, Kc - 1, self.cd)).astype(np.float32)
+        self.conv_state = rng.standard_normal((slots, self.ring, self.cd)).astype(np.float32)
         self.ssm_state = (rng.standard_normal((slots, nv, dk, dv)) * 0.3).astype(np.float32)
+        # where each slot's sequence stands: some before Kc - 1 (the ring's zero rule), most further on
+        self.pos = [int(p) for p in rng.integers(0, 3 * self.ring, slots)]
+        self.pos[0] = 1
+        # the step's extras: the layer's input norm and the fused b|a projection (bf16 [2nv, H])
+        self.in_norm_w = (0.1 * rng.standard_normal(H)).astype(np.float32)
+        self.w_ba_bits = f32_to_bf16_bits((rng.standard_normal((2 * nv, H)) / np.sqrt(H)).astype(np.float32))
+        self.w_ba = bf16_bits_to_f32(self.w_ba_bits)
         self.p = {name: dev.put(getattr(self, name)) for name in
-                  ("conv_w", "A_log", "dt_bias", "norm_w", "conv_state", "ssm_state")}
+                  ("conv_w", "A_log", "dt_bias", "norm_w", "conv_state", "ssm_state", "in_norm_w", "w_ba_bits")}
 
-    def inputs(self, rng, M):
+    def inputs(self, rng, M, fused: bool):
+        """mixed [M, ld] and ba [M, 2nv]; for the fused step also x [M, H], with ba its oracle b|a."""
+        import torch
+        from ninfer_rt.reference import ops
         mixed = rng.standard_normal((M, self.ld)).astype(np.float32)
         mixed[:, self.cd + self.d["nv"] * self.d["dv"]:] = np.nan
-        ba = rng.standard_normal((M, 2 * self.d["nv"])).astype(np.float32)
-        return mixed, ba
+        if not fused:
+            return mixed, rng.standard_normal((M, 2 * self.d["nv"])).astype(np.float32), None
+        x = (rng.standard_normal((M, self.H)) * 3.0).astype(np.float32)
+        h = ops.rms_norm_zc(torch.from_numpy(x), torch.from_numpy(self.in_norm_w), EPS)
+        ba = (h @ torch.from_numpy(self.w_ba).T).numpy()
+        return mixed, ba, x
 
-    def run(self, kernels, fn, mixed, ba, slot, B, T):
-        """One device step; returns out [B·T, nv·dv]."""
+    def run(self, kernels, mode, mixed, ba, x, slot, B, T):
+        """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv]."""
         from ninfer_rt.gpu import deltanet
+        from ninfer_rt.gpu.weights import DeviceWeight
         d, dev = self.d, self.dev
         M = B * T
         out = dev.empty(M * d["nv"] * d["dv"] * 4)
-        scratch = dev.empty(max(deltanet.decode_scratch_bytes(M, self.cd), 4))
-        fn(kernels, mixed=dev.put(mixed), ld_mixed=self.ld, ba=dev.put(ba), conv_w=self.p["conv_w"],
-           A_log=self.p["A_log"], dt_bias=self.p["dt_bias"], norm_w=self.p["norm_w"],
-           conv_state=self.p["conv_state"], ssm_state=self.p["ssm_state"], slot=dev.put(np.asarray(slot, np.int32)),
-           B=B, T=T, nk=d["nk"], nv=d["nv"], dk=d["dk"], dv=d["dv"], Kc=d["Kc"], eps=EPS, out=out,
-           scratch=scratch)
+        common = dict(mixed=dev.put(mixed), ld_mixed=self.ld, conv_w=self.p["conv_w"], A_log=self.p["A_log"],
+                      dt_bias=self.p["dt_bias"], norm_w=self.p["norm_w"], conv_state=self.p["conv_state"],
+                      ssm_state=self.p["ssm_state"], slot=dev.put(np.asarray(slot, np.int32)),
+                      pos=dev.put(np.asarray([self.pos[s] for s in slot], np.int32)), B=B, T=T, nk=d["nk"],
+                      nv=d["nv"], dk=d["dk"], dv=d["dv"], Kc=d["Kc"], eps=EPS, out=out)
+        if mode == "step":
+            w_ba = DeviceWeight("in_proj_b|a", "bf16", (2 * d["nv"], self.H), self.p["w_ba_bits"])
+            deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
+                          **common)
+        else:
+            fn = deltanet.prefill if mode == "prefill" else deltanet.decode
+            scratch = dev.empty(max(deltanet.decode_scratch_bytes(M, self.cd), 4))
+            fn(kernels, ba=dev.put(ba), scratch=scratch, **common)
         return dev.get(out, (M, d["nv"] * d["dv"]))
 
     def device_states(self):
@@ -120,36 +158,43 @@ def assert_close(name, got, ref, rtol=RTOL):
                     f"got {got[w]:.7g}, ref {ref[w]:.7g}; {int((err > rtol).sum())} of {err.size} elements over")
 
 
-def check_steps(kernels, dev, rng, dims, B, Ts, first=None, n_slots=None):
-    """Run len(Ts) consecutive steps (step i has Ts[i] tokens per sequence) and check every output and state.
-    Step 0 calls `first` (default deltanet.decode), later steps deltanet.decode."""
+def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256):
+    """Run len(Ts) consecutive steps (step i has Ts[i] tokens per sequence, through modes[i], default decode)
+    and check every output and state against the reference carried alongside."""
     import torch
-    from ninfer_rt.gpu import deltanet
     d = DIMS[dims]
+    modes = modes or ["decode"] * len(Ts)
     n_slots = n_slots or B + 2
     slots = list(rng.permutation(n_slots)[:B])  # distinct, usually neither ordered nor contiguous
-    L = Layer(dev, rng, d, n_slots)
-    ref_conv = {s: torch.from_numpy(L.conv_state[s].T.copy()) for s in slots}   # reference layout [conv_dim, Kc-1]
+    L = Layer(dev, rng, d, n_slots, H=H)
+    Kc = d["Kc"]
+    ref_conv = {s: torch.from_numpy(ring_window(L.conv_state[s], L.pos[s], Kc)) for s in slots}
     ref_ssm = {s: torch.from_numpy(L.ssm_state[s].copy()) for s in slots}
-    for step, T in enumerate(Ts):
-        mixed, ba = L.inputs(rng, B * T)
-        fn = first if step == 0 and first is not None else deltanet.decode
-        out = L.run(kernels, fn, mixed, ba, slots, B, T)
+    conv_before = L.conv_state
+    for step, (T, mode) in enumerate(zip(Ts, modes)):
+        mixed, ba, x = L.inputs(rng, B * T, fused=mode == "step")
+        out = L.run(kernels, mode, mixed, ba, x, slots, B, T)
         conv_dev, ssm_dev = L.device_states()
         for b, s in enumerate(slots):
             rows = slice(b * T, (b + 1) * T)
             y, ref_conv[s], ref_ssm[s] = ref_step(L, mixed[rows], ba[rows], ref_conv[s], ref_ssm[s])
-            where = f"{dims} B={B} step {step} (T={T}) seq {b} slot {s}"
+            where = f"{dims} B={B} step {step} ({mode}, T={T}) seq {b} slot {s} pos {L.pos[s]}"
             assert_close(f"out [{where}]", out[rows], y)
-            ref_c = ref_conv[s].numpy().T
-            if not np.array_equal(conv_dev[s], ref_c):
-                diff = np.argwhere(conv_dev[s] != ref_c)[0]
-                pytest.fail(f"conv_state [{where}]: differs at (row, channel) {tuple(int(i) for i in diff)}: "
-                            f"got {conv_dev[s][tuple(diff)]}, ref {ref_c[tuple(diff)]}")
+            old, L.pos[s] = L.pos[s], L.pos[s] + T
+            ref_c, got_c = ref_conv[s].numpy(), ring_window(conv_dev[s], L.pos[s], Kc)
+            if not np.array_equal(got_c, ref_c):
+                diff = np.argwhere(got_c != ref_c)[0]
+                pytest.fail(f"conv_state [{where}]: differs at (channel, tap) {tuple(int(i) for i in diff)}: "
+                            f"got {got_c[tuple(diff)]}, ref {ref_c[tuple(diff)]}")
+            owned = {p % L.ring for p in range(max(old, L.pos[s] - Kc + 1), L.pos[s])}
+            kept = [r for r in range(L.ring) if r not in owned]
+            assert np.array_equal(conv_dev[s][kept], conv_before[s][kept]), \
+                f"conv_state [{where}]: a ring row outside the step's last positions changed"
             assert_close(f"ssm_state [{where}]", ssm_dev[s], ref_ssm[s].numpy())
         for s in sorted(set(range(n_slots)) - set(slots)):
             assert np.array_equal(conv_dev[s], L.conv_state[s]), f"conv_state slot {s} (not in use) was written"
             assert np.array_equal(ssm_dev[s], L.ssm_state[s]), f"ssm_state slot {s} (not in use) was written"
+        conv_before = conv_dev
 
 
 @pytest.mark.parametrize("Ts", [(1, 1, 1), (4, 4), (8, 8), (1, 8, 3)], ids=lambda t: "T" + "-".join(map(str, t)))
@@ -171,15 +216,28 @@ def test_decode_long(kernels, dev, rng, dims, B, Ts):
 @pytest.mark.parametrize("dims", ["35b", "tiny"])
 def test_prefill(kernels, dev, rng, dims, T):
     """prefill of one sequence across 64-token chunk boundaries, then a decode step from its state."""
-    from ninfer_rt.gpu import deltanet
-    check_steps(kernels, dev, rng, dims, 1, (T, 1), first=deltanet.prefill, n_slots=3)
+    check_steps(kernels, dev, rng, dims, 1, (T, 1), modes=["prefill", "decode"], n_slots=3)
+
+
+@pytest.mark.parametrize("Ts", [(1, 1, 1), (8, 2), (3, 1)], ids=lambda t: "T" + "-".join(map(str, t)))
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_step(kernels, dev, rng, dims, B, Ts):
+    """The fused one-launch step (b|a from the layer input), with H = 2048 on the 35B head shapes."""
+    check_steps(kernels, dev, rng, dims, B, Ts, modes=["step"] * len(Ts), H=2048 if dims == "35b" else 256)
+
+
+def test_step_after_decode(kernels, dev, rng):
+    """The fused step and the three-kernel path share the states: prefill, then step, decode, step."""
+    check_steps(kernels, dev, rng, "35b", 1, (20, 1, 2, 1), modes=["prefill", "step", "decode", "step"],
+                n_slots=2, H=2048)
 
 
 def test_bad_arguments(kernels):
     from ninfer_rt.gpu import deltanet
     from ninfer_rt.gpu.driver import GpuError
     good = dict(mixed=1, ld_mixed=2 * 2 * 16 + 2 * 4 * 16, ba=1, conv_w=1, A_log=1, dt_bias=1, norm_w=1,
-                conv_state=1, ssm_state=1, slot=1, B=1, T=1, nk=2, nv=4, dk=16, dv=16, Kc=4, eps=EPS, out=1,
+                conv_state=1, ssm_state=1, slot=1, pos=1, B=1, T=1, nk=2, nv=4, dk=16, dv=16, Kc=4, eps=EPS, out=1,
                 scratch=1)
     bad = [dict(dk=48), dict(dk=256), dict(nv=5), dict(dv=12), dict(Kc=1), dict(Kc=9), dict(B=0), dict(T=0),
            dict(ld_mixed=good["ld_mixed"] - 1), dict(out=0)]
@@ -188,3 +246,10 @@ def test_bad_arguments(kernels):
             deltanet.decode(kernels, **{**good, **change})
     with pytest.raises(GpuError):
         deltanet.prefill(kernels, **{**good, "B": 2})
+    from ninfer_rt.gpu.weights import DeviceWeight
+    step = {k: v for k, v in good.items() if k not in ("ba", "scratch")}
+    step.update(x=1, H=64, in_norm_w=1, eps_in=EPS, w_ba=DeviceWeight("ba", "bf16", (8, 64), 1))
+    for change in [dict(T=9), dict(w_ba=DeviceWeight("ba", "q8g32", (8, 64), 1)),
+                   dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0)]:
+        with pytest.raises(GpuError):
+            deltanet.step(kernels, **{**step, **change})

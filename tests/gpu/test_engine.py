@@ -102,27 +102,55 @@ def test_decode_logits_match_the_reference(gpu, kernels, artifact, reference):
     assert np.isfinite(d).all() and d.max() <= 1e-3, " ".join(f"{x:.1e}" for x in d)
 
 
-def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference, monkeypatch):
-    """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device.
+ROUTER_MARGIN = 1e-4   # smallest gap between the k-th and (k+1)-th router logit a greedy path may meet
+TOKEN_MARGIN = 1e-4    # smallest gap between the two largest token logits
 
-    The oracle is the reference with its KV cache rounded to bf16 as the GPU stores it: with an fp32 cache the
-    tiny MoE's nearly uniform router flips an expert choice within a few dozen steps on bf16 rounding alone
-    (seen: KL 2e-3 at the flipped step), and a greedy path diverges for good after one different token.
-    The prompt is prefilled 8 tokens at a time so every step runs the fp32 decode kernels."""
+
+def clear_greedy_path(reference, monkeypatch, seeds=range(2, 12)):
+    """(prompt, 64 greedy tokens) of the reference with its KV cache rounded to bf16 as the GPU stores it, for
+    the first prompt seed whose path runs 64 steps without an end token and meets no near-tie: at every step every MoE layer's k-th and (k+1)-th
+    router logits differ by >= ROUTER_MARGIN and the two best token logits by >= TOKEN_MARGIN.
+
+    Why: a tie closer than fp32 noise (~1e-6 here; seen: a router gap of 5e-6 at step 13 of seed 2) is decided
+    by summation order, and one different token makes the paths differ for good: agreement is only defined
+    away from ties. With an fp32 cache the tiny MoE's nearly uniform router also flips on bf16 rounding."""
     import torch
     from ninfer_rt.reference import model as ref_model
+    from ninfer_rt.reference import ops
     from ninfer_rt.sampling import SamplingParams
 
-    real_append = ref_model.KVCache.append
+    real_append, real_moe = ref_model.KVCache.append, ops.moe
+    gaps: list[float] = []
 
     def bf16_append(self, k, v):
         real_append(self, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float())
 
-    ids = prompt(24, 2)
+    def moe(h, router_w, gate_up, down, top_k, *args, **kwargs):
+        top = (h @ router_w.T).float().topk(top_k + 1, -1).values          # top: [T, k + 1]
+        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+        return real_moe(h, router_w, gate_up, down, top_k, *args, **kwargs)
+
     with monkeypatch.context() as mp:
         mp.setattr(ref_model.KVCache, "append", bf16_append)
-        want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS,
-                                           sampling=SamplingParams(greedy=True)))
+        mp.setattr(ops, "moe", moe)
+        for seed in seeds:
+            ids = prompt(24, seed)
+            gaps.clear()
+            want = list(reference.generate_ids(ids.tolist(), max_new_tokens=STEPS,
+                                               sampling=SamplingParams(greedy=True)))
+            logits = reference.logits(ids.tolist() + want[:-1])[23:, :reference.real_vocab_size]
+            top2 = np.sort(logits, -1)[:, -2:]
+            if len(want) == STEPS and min(gaps, default=1.0) >= ROUTER_MARGIN and \
+                    (top2[:, 1] - top2[:, 0]).min() >= TOKEN_MARGIN:
+                return ids, want
+    pytest.fail(f"no prompt seed in {list(seeds)} gives a greedy path without near-ties")
+
+
+def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference, monkeypatch):
+    """64 greedy tokens: prefill, then one graph-replayed decode step per token, argmax on the device, equal to
+    the reference's on a path without near-ties (clear_greedy_path). The prompt is prefilled 8 tokens at a
+    time so every step runs the fp32 decode kernels."""
+    ids, want = clear_greedy_path(reference, monkeypatch)
     model, weights = gpu_model(gpu, kernels, artifact, sample_vocab=reference.real_vocab_size, prefill_chunk=8)
     try:
         model.prefill(ids, 0)
