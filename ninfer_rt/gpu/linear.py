@@ -25,6 +25,8 @@ _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with
 _BLOCKS_PER_SM = {1: 4, 2: 3}  # the kernels' launch bounds (registers); 2 for M >= 3
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
+_STREAM_SPREAD = 1.35  # a stream plan may load its busiest SM this much more than the best-spread plan
+_STREAM_BLOCK_ROWS = 16384  # at M = 1, weights of at least this many rows take the block kernel (measured faster)
 _STREAM_PREFETCH = 2  # register tiles L2 is asked for ahead of the two in registers (0: no L2 prefetch)
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
@@ -89,15 +91,16 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
-    At m = 1 with all of x̂ in one slab (K <= 10240) and no ks given, the plan is a stream kernel's instead
-    (plan_stream); stream=False keeps the block kernel, stream=True insists on the stream kernel; d, blocks and
+    At m = 1 with all of x̂ in one slab (K <= 10240), fewer than _STREAM_BLOCK_ROWS rows and no ks given, the
+    plan is a stream kernel's instead (plan_stream; the block kernel was measured 9-26% faster on the lm_head and
+    the 27B gate|up); stream=False keeps the block kernel, stream=True insists on the stream kernel; d, blocks and
     pf override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
     if stream is None:
-        stream = m == 1 and ks is None and k <= _stream_k_max()
+        stream = m == 1 and ks is None and k <= _stream_k_max() and n < _STREAM_BLOCK_ROWS
     if stream:
         if m != 1 or ks is not None or k > _stream_k_max():
             raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab override and K <= "
@@ -151,12 +154,13 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
                 blocks: int | None = None, pf: int | None = None) -> GemvPlan:
     """The M = 1 stream kernel's launch (kernels/gemv.cu gemv_*_s1). Candidates: d in {most, 1} units per lane
     and row per register tile, KW = 1..8 warps per row group, where each of the KW warps has a whole first tile
-    (32·d·KW <= units per row; KW = 1 always qualifies); blocks = min(block tiles, 2 per SM). The pick has the
-    fewest row groups on the busiest SM (the kernel streams at the rate of its busiest SM), then the most blocks
-    (more warps to decode the last tiles to arrive), then the larger d (more bytes in flight per warp), then the
-    smaller KW (fewer partial sums meeting in shared memory); d = 1 against a deeper tile counts 10% more, so it
-    wins only by spreading clearly better. pf (default _STREAM_PREFETCH) tiles beyond the two register tiles
-    are asked of L2 ahead of their loads."""
+    (32·d·KW <= units per row; KW = 1 always qualifies); blocks = min(block tiles, 2 per SM). Each candidate's
+    cost is its row groups on the busiest SM (the kernel streams at the rate of its busiest SM), d = 1 against a
+    deeper tile counting 10% more. Among the candidates within _STREAM_SPREAD of the least cost, the larger d
+    wins (more bytes in flight per warp), then the smaller KW (fewer partial sums meeting in shared memory),
+    then the more blocks: the H200 sweep (bench/gemv_bench.py --sweep) put d = 2, KW = 1 ahead of a better
+    spread d = 1, KW = 4 by 20% on the 35B q|k|v|gate. pf (default _STREAM_PREFETCH) tiles beyond the two
+    register tiles are asked of L2 ahead of their loads."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if k > _stream_k_max():
@@ -175,7 +179,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
     pf = _STREAM_PREFETCH if pf is None else pf
     if not 0 <= pf <= 8:
         raise GpuError(f"stream gemv pf must be 0..8, got {pf}")
-    best = None
+    cands = []  # (busiest-SM cost, d, kw_log2, tiles, blocks)
     for dd in sorted({dmax, 1}, reverse=True):
         if d is not None and dd != d:
             continue
@@ -189,12 +193,14 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
             tiles = math.ceil(groups / (_WARPS >> kl))
             nb = min(tiles, blocks or slots)
             cost = _busiest_sm_tiles(tiles, nb, sms) * (_WARPS >> kl) * (1.1 if dd < dmax else 1.0)
-            key = (cost, -nb, -dd, kl)
-            if best is None or key < best[0]:
-                best = (key, dd, kl, tiles, nb)
-    if best is None:  # only when overrides exclude every candidate (cannot happen: d=1, KW=1 always qualifies)
+            cands.append((cost, dd, kl, tiles, nb))
+    if not cands:  # only when overrides exclude every candidate (cannot happen: d=1, KW=1 always qualifies)
         raise GpuError(f"{w.name}: no stream gemv plan for d={d}, kw_log2={kw_log2}")
-    _, dd, kl, tiles, nb = best
+    # within _STREAM_SPREAD of the best-spread candidate, the deeper tile and then the fewer warps per row
+    # group win (bytes in flight, fewer partial sums): measured on the H200, see docs/perf.md v4
+    least = min(c[0] for c in cands)
+    _, dd, kl, tiles, nb = min((c for c in cands if c[0] <= _STREAM_SPREAD * least),
+                               key=lambda c: (-c[1], c[2], -c[4], c[0]))
     return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k, smem=(k // 32) * _chunk_stride(1) * 4,
                     gshift=int(math.log2(w.group)) if w.quantized else 5, d=dd, blocks=nb, pf=pf)
 

@@ -295,11 +295,13 @@ def test_plan_fits_shared_memory():
 def test_stream_plans():
     """M = 1 with all of K in one slab takes the stream kernel: at most 2 blocks per SM and no more than block
     tiles, every row in a block tile, d within the format's register tile, KW warps of a row group each with a
-    whole first tile; M = 2, a slab override or K > 10240 keeps the block kernel."""
+    whole first tile; M = 2, a slab override, K > 10240 or N >= _STREAM_BLOCK_ROWS keeps the block kernel."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
-        for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 248320):
+        for n in (16384, 248320):
+            assert not linear.plan_gemv(DeviceWeight("w", fmt, (n, 2048), 0), 1, 132).stream
+        for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 16383):
             for k_ in (32, 352, 512, 2048, 4096, 10240):
                 w = DeviceWeight("w", fmt, (n, k_), 0)
                 p = linear.plan_gemv(w, 1, 132)
