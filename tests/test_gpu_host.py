@@ -17,12 +17,25 @@ from ninfer_rt.gpu.engine import context_bucket, rope_inv_freq
 from tests.cli_runner import error_line, run_main
 
 
+FATBIN_MAGIC = 0xBA55ED50
+
+
 def elf_sms(image: bytes) -> list[int]:
-    """SM numbers of the ELF cubins inside a fatbin: e_flags bits 8..15 hold the target (80, 86, ..., 120)."""
-    found, i = [], 0
-    while (i := image.find(b"\x7fELF", i)) >= 0:
-        found.append((struct.unpack_from("<I", image, i + 0x30)[0] >> 8) & 0xFF)
-        i += 4
+    """SM numbers of the ELF cubins inside a fatbin (80, 86, ..., 120), read from the container's entry headers,
+    which stay plain when nvcc compresses an image (it does for large cubins). A container: magic u32, version
+    u16, header size u16, payload size u64; each entry in the payload: kind u16 (1 PTX, 2 ELF), u16, header size
+    u32, payload size u64, ..., SM number u32 at byte 28."""
+    found, off = [], 0
+    while off + 16 <= len(image):
+        magic, _, hsize, size = struct.unpack_from("<IHHQ", image, off)
+        assert magic == FATBIN_MAGIC, f"no fatbin container at byte {off}"
+        e, end = off + hsize, off + hsize + size
+        while e < end:
+            kind, _, ehsize, esize = struct.unpack_from("<HHIQ", image, e)
+            if kind == 2:
+                found.append(struct.unpack_from("<I", image, e + 28)[0])
+            e += ehsize + esize
+        off = end
     return found
 
 
