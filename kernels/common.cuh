@@ -3,7 +3,25 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#ifdef __CUDACC_RTC__
+// NVRTC compiles without the C library headers: the fixed-width types, INT_MAX and INFINITY the kernels use
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t;
+#define INT_MAX 2147483647
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#else
+#include <limits.h>
 #include <stdint.h>
+#endif
 
 #define NINFER_WARP 32
 

@@ -17,7 +17,6 @@
 //   The draw: u in [0, 1) from Philox4x32-10 with key = seed and counter = (step, 0), so a request draws the same
 //   numbers whatever row it occupies; the token is the inverse CDF of u over the kept tokens in sorted order.
 //   temperature <= 0 (or NaN) is greedy: the arg-max, lowest index on ties, with probability 1.
-#include <limits.h>
 #include "common.cuh"
 
 #define SAMPLE_THREADS 1024  // sample_rows: one block per row, one candidate per thread

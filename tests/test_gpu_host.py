@@ -50,6 +50,87 @@ def test_every_kernel_compiles_for_every_target(tmp_path):
     assert again.cached and again.directory == res.directory
 
 
+def elf_global_functions(cubin: bytes) -> set[str]:
+    """Names of the global functions (the kernel entry points) in an ELF64 cubin's symbol table."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = set()
+    for _, sh_type, _, _, off, size, link, _, _, entsize in sections:
+        if sh_type != 2:  # SHT_SYMTAB
+            continue
+        stroff = sections[link][4]
+        for o in range(off, off + size, entsize):
+            name, info = struct.unpack_from("<IB", cubin, o)
+            if info & 0xF == 2 and info >> 4 == 1:  # STT_FUNC, STB_GLOBAL
+                names.add(cubin[stroff + name:cubin.index(b"\0", stroff + name)].decode())
+    return names
+
+
+def _nvrtc_missing() -> str | None:
+    """Why NVRTC cannot build here, or None."""
+    from ninfer_rt.gpu.build import cuda_include_dir
+    try:
+        from cuda.bindings import nvrtc
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # not installed, or the library is not found
+        return f"NVRTC is not usable here ({type(e).__name__})"
+    return None if cuda_include_dir() else "no CUDA headers for NVRTC"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or _nvrtc_missing() is not None,
+                    reason="needs both nvcc and NVRTC (pip install 'ninfer[gpu]')")
+def test_nvrtc_builds_every_kernel_as_nvcc_does(tmp_path):
+    """Without a toolkit the runtime builds with NVRTC: every source compiles for sm_90a, and each cubin has the
+    same kernel entry points as nvcc's cubin of that source."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ninfer_rt.gpu.build import NVCC_FLAGS, kernels_dir
+    res = build_kernels(("sm_90a",), cache=tmp_path / "rtc", use_nvcc=False, jobs=2)
+    assert res.compiler == "nvrtc" and set(res.images) == {s.stem for s in sources()}
+
+    def nvcc_cubin(src):
+        out = tmp_path / f"{src.stem}.nvcc.cubin"
+        subprocess.run([shutil.which("nvcc"), "-cubin", "-arch=sm_90a", *NVCC_FLAGS, "-I", str(kernels_dir()),
+                        "-o", str(out), str(src)], check=True, capture_output=True)
+        return src.stem, out.read_bytes()
+
+    with ThreadPoolExecutor(2) as pool:
+        for stem, ref in pool.map(nvcc_cubin, sources()):
+            got = res.images[stem].read_bytes()
+            assert got[:4] == b"\x7fELF" and elf_global_functions(got) == elf_global_functions(ref), stem
+
+
+def test_nvrtc_problems_are_one_line(tmp_path, monkeypatch):
+    """No CUDA headers, or an NVRTC library that does not load: one GpuError line saying what to install."""
+    import sys
+    import types
+
+    from ninfer_rt.gpu import build
+    from ninfer_rt.gpu.driver import GpuError
+    fake = types.ModuleType("cuda.bindings.nvrtc")
+
+    def missing(*args):
+        raise RuntimeError('Failure finding "libnvrtc.so.13": No such file\nmore detail')
+
+    fake.nvrtcCreateProgram = missing
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.nvrtc = fake
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    for name, mod in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.nvrtc", fake)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(build, "cuda_include_dir", lambda: None)
+    with pytest.raises(GpuError, match="needs the CUDA headers") as e:
+        build_kernels(("sm_90a",), cache=tmp_path, use_nvcc=False)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(build, "cuda_include_dir", lambda: tmp_path)
+    with pytest.raises(GpuError, match="NVRTC is not usable") as e:
+        build_kernels(("sm_90a",), cache=tmp_path, use_nvcc=False)
+    assert "\n" not in str(e.value) and "libnvrtc" in str(e.value)
+
+
 def test_unknown_target_is_one_line(tmp_path):
     from ninfer_rt.gpu.driver import GpuError
     with pytest.raises(GpuError, match="unknown kernel target 'sm_99'"):

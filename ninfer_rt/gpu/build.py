@@ -26,8 +26,11 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-Xptxas=-war
 
 
 def kernels_dir() -> Path:
-    """The kernels/ folder of this checkout (it sits beside the ninfer_rt package)."""
-    return Path(__file__).resolve().parents[2] / "kernels"
+    """The kernel sources: kernels/ beside the ninfer_rt package in a checkout (or an editable install), else
+    the copy an installed wheel carries as ninfer_rt/_kernels (pyproject.toml maps kernels/ there)."""
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent / "kernels"
+    return checkout if any(checkout.glob("*.cu")) else package / "_kernels"
 
 
 def sources(root: Path | None = None) -> list[Path]:
@@ -99,11 +102,32 @@ def _nvcc_one(nvcc: str, src: Path, out: Path, targets: tuple[str, ...], ptx: bo
         raise GpuError(f"nvcc failed on {src.name}: {first}")
 
 
+def cuda_include_dir() -> Path | None:
+    """Where NVRTC finds cuda_fp16.h / cuda_bf16.h: the CUDA runtime wheel (nvidia-cuda-runtime: nvidia/cu13/include,
+    or nvidia/cuda_runtime/include for CUDA 12), else a toolkit's include folder (beside nvcc, /usr/local/cuda)."""
+    candidates = []
+    try:
+        import nvidia  # namespace package of NVIDIA's pip wheels
+        for base in nvidia.__path__:
+            candidates += [Path(base) / sub / "include" for sub in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    nvcc = nvcc_path()
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
+
+
 def _nvrtc_one(src: Path, out: Path, target: str) -> None:
     try:
         from cuda.bindings import nvrtc
     except ImportError:
         raise GpuError("neither nvcc nor cuda-python's NVRTC is available to build the kernels") from None
+    include = cuda_include_dir()
+    if include is None:
+        raise GpuError("NVRTC needs the CUDA headers (cuda_fp16.h): pip install 'ninfer[gpu]' (nvidia-cuda-runtime) "
+                       "or install a CUDA toolkit")
 
     def ok(res, what):
         err, *vals = res
@@ -111,9 +135,15 @@ def _nvrtc_one(src: Path, out: Path, target: str) -> None:
             raise GpuError(f"NVRTC {what} failed on {src.name}: {err}")
         return vals[0] if vals else None
 
-    prog = ok(nvrtc.nvrtcCreateProgram(src.read_bytes(), src.name.encode(), 0, [], []), "create")
+    try:  # the library itself loads on first use
+        prog = ok(nvrtc.nvrtcCreateProgram(src.read_bytes(), src.name.encode(), 0, [], []), "create")
+    except GpuError:
+        raise
+    except Exception as e:  # cuda.pathfinder's DynamicLibNotFoundError and the like
+        raise GpuError(f"NVRTC is not usable ({str(e).splitlines()[0][:160]}): pip install 'ninfer[gpu]' "
+                       "(nvidia-cuda-nvrtc) or put nvcc on PATH") from None
     opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"--use_fast_math",
-            f"-I{src.parent}".encode(), b"-default-device"]
+            f"-I{src.parent}".encode(), f"-I{include}".encode(), b"-default-device"]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
@@ -159,7 +189,7 @@ def build_kernels(targets=TARGETS, *, cache: Path | None = None, force: bool = F
             else:
                 _nvrtc_one(src, out, targets[0])
 
-        if jobs > 1 and nvcc:
+        if jobs > 1:  # nvcc processes, or NVRTC programs (thread-safe, one per source)
             from concurrent.futures import ThreadPoolExecutor
             with ThreadPoolExecutor(jobs) as pool:
                 list(pool.map(one, srcs))
