@@ -25,3 +25,10 @@ def error_line(err: str) -> str:
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def one_line(e) -> str:
+    """The message of a raised error (pytest.ExceptionInfo): it must be one non-empty line."""
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg

@@ -1,5 +1,6 @@
 """Shared test fixtures: tests/ on sys.path (hf_tiny, checkpoints, cli_runner), one torch thread per module,
-the built-in tiny MoE checkpoint and its artifact (built once per session, read-only for tests)."""
+tiny HF models (per module), the built-in tiny MoE checkpoint and its artifact (built once per session,
+read-only for tests)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny HF models (4 layers: three DeltaNet, one attention), built once per module."""
+    import hf_tiny
+
+    return {"vlm_moe": hf_tiny.make_vlm(True, num_layers=4), "vlm_dense": hf_tiny.make_vlm(False, num_layers=4),
+            "causal_moe": hf_tiny.make_causal_lm(True, num_layers=4),
+            "causal_dense": hf_tiny.make_causal_lm(False, num_layers=4)}
 
 
 @pytest.fixture(scope="session")

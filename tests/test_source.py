@@ -1,4 +1,5 @@
-"""The checkpoint reader against transformers: every on-disk form, FP8 dequantization, bad inputs, the Hub, streaming.
+"""The checkpoint reader against transformers: every on-disk form, FP8 dequantization, bad inputs, streaming
+(the Hub: test_source_hub.py).
 
 Oracles: the tiny HF models' own parameters (bit-exact, cast as stored), transformers' FP8 block dequantization
 (`_dequantize_fp8_weight`, exact in float32), transformers' own `save_pretrained` output, the safetensors files'
@@ -8,7 +9,6 @@ sizes (bytes on disk), and the process's peak resident memory for streaming.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import os
 import re
@@ -18,28 +18,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-import httpx2
-import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import errors as hfe
 from safetensors.torch import load_file, save_file
 
 import checkpoints as ckpts
+from cli_runner import one_line
 import hf_tiny
-from ninfer_pack.source import HUB_PATTERNS, RESOURCE_FILES, Checkpoint, fetch_config
+from ninfer_pack.source import Checkpoint
 from ninfer_rt.config import ModelSpec
 from ninfer_rt.errors import ConfigError, SourceError
 
 _TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Tiny models (4 layers: three DeltaNet, one attention), built once."""
-    return {"vlm_moe": hf_tiny.make_vlm(True, num_layers=4), "vlm_dense": hf_tiny.make_vlm(False, num_layers=4),
-            "causal_moe": hf_tiny.make_causal_lm(True, num_layers=4),
-            "causal_dense": hf_tiny.make_causal_lm(False, num_layers=4)}
 
 
 def _data_bytes(path: Path) -> int:
@@ -155,7 +145,7 @@ def test_fp8_scale_grid_must_match_config_block(models, tmp_path):
     with pytest.raises(ConfigError) as e:
         Checkpoint.open(path)
     m = re.search(r"_scale_inv has shape \[(\d+), (\d+)\], but \[(\d+), (\d+)\] in 64x64 blocks .*needs "
-                  r"\[(\d+), (\d+)\]", _one_line(e))
+                  r"\[(\d+), (\d+)\]", one_line(e))
     has_n, has_k, n, k, need_n, need_k = map(int, m.groups())
     assert (has_n, has_k, need_n, need_k) == (-(-n // 128), -(-k // 128), -(-n // 64), -(-k // 64))
 
@@ -184,12 +174,6 @@ def test_resources_are_copied_byte_for_byte(models, tmp_path):
 
 # ---- bad inputs ----
 
-def _one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert msg and "\n" not in msg
-    return msg
-
-
 def _rewrite(path: Path, edit) -> None:
     """Load every shard, let edit(tensors) change the dict, write it back (new names into the first shard)."""
     index_path = path / "model.safetensors.index.json"
@@ -215,17 +199,17 @@ def vlm_dir(models, tmp_path):
 def test_missing_paths_and_files(tmp_path):
     with pytest.raises(SourceError) as e:
         Checkpoint.open(str(tmp_path / "nope" / "deeper"))
-    assert _one_line(e) == f"no such directory: {tmp_path / 'nope' / 'deeper'}"
+    assert one_line(e) == f"no such directory: {tmp_path / 'nope' / 'deeper'}"
     (tmp_path / "file").write_text("x")
     with pytest.raises(SourceError, match="not a directory"):
         Checkpoint.open(str(tmp_path / "file"))
     with pytest.raises(SourceError) as e:
         Checkpoint.open(str(tmp_path))
-    assert _one_line(e) == f"{tmp_path} has no config.json"
+    assert one_line(e) == f"{tmp_path} has no config.json"
     (tmp_path / "config.json").write_text(json.dumps(hf_tiny.make_causal_lm(False, num_layers=4).config.to_dict()))
     with pytest.raises(SourceError) as e:
         Checkpoint.open(str(tmp_path))
-    assert _one_line(e) == f"{tmp_path} has no *.safetensors files"
+    assert one_line(e) == f"{tmp_path} has no *.safetensors files"
 
 
 def test_revision_with_local_directory_is_refused(vlm_dir):
@@ -237,7 +221,7 @@ def test_index_naming_a_missing_shard(vlm_dir):
     (vlm_dir / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(SourceError, match="model-00002-of-00002.safetensors") as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 def test_index_disagreeing_with_shards(vlm_dir):
@@ -259,7 +243,7 @@ def test_truncated_shard_names_the_file(vlm_dir, cut):
     shard.write_bytes(raw[:keep])
     with pytest.raises(SourceError, match=str(shard)) as e:
         Checkpoint.open(vlm_dir)
-    assert {"length": "truncated", "header": "truncated", "data": "beyond the end"}[cut] in _one_line(e)
+    assert {"length": "truncated", "header": "truncated", "data": "beyond the end"}[cut] in one_line(e)
 
 
 def test_malformed_header_names_the_file(vlm_dir):
@@ -269,7 +253,7 @@ def test_malformed_header_names_the_file(vlm_dir):
     shard.write_bytes(bytes(raw))
     with pytest.raises(SourceError, match=f"{shard}: malformed safetensors header") as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 def test_offsets_past_the_end_name_the_file(vlm_dir):
@@ -316,7 +300,7 @@ def test_malformed_header_entry_names_file_and_tensor(vlm_dir, case):
     name = _edit_header(shard, lambda e: bad if key is None else {**e, key: bad})
     with pytest.raises(SourceError) as e:
         Checkpoint.open(vlm_dir)
-    assert _one_line(e).startswith(f"{shard}: malformed safetensors header entry for tensor {name} ")
+    assert one_line(e).startswith(f"{shard}: malformed safetensors header entry for tensor {name} ")
 
 
 def test_oversized_header_length_is_refused_before_reading(vlm_dir):
@@ -328,7 +312,7 @@ def test_oversized_header_length_is_refused_before_reading(vlm_dir):
         f.truncate(limit + 4096)  # sparse: the announced header fits in the file, so only the cap catches it
     with pytest.raises(SourceError) as e:
         Checkpoint.open(vlm_dir)
-    msg = _one_line(e)
+    msg = one_line(e)
     assert msg.startswith(f"{shard}: ") and f"header length {limit + 1} bytes exceeds the {limit}-byte limit" in msg
 
 
@@ -347,7 +331,7 @@ def test_index_shard_names_must_be_plain_file_names(vlm_dir, tmp_path, where):
     first = next(n for n, f in index["weight_map"].items() if f == fname)
     with pytest.raises(SourceError) as e:
         Checkpoint.open(vlm_dir)
-    msg = _one_line(e)
+    msg = one_line(e)
     assert msg.startswith(f"model.safetensors.index.json maps tensor {first!r} to {fname!r}, "), msg
     assert "not a plain file name" in msg
 
@@ -357,7 +341,7 @@ def test_unsupported_dtype_names_tensor_and_dtype(vlm_dir):
     _rewrite(vlm_dir, lambda t: t.update({name: t[name].double()}))
     with pytest.raises(SourceError, match=f"tensor {name} in .* unsupported dtype F64") as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 @pytest.mark.parametrize("name,pattern", [
@@ -371,7 +355,7 @@ def test_missing_tensor_is_named(vlm_dir, name, pattern):
     _rewrite(vlm_dir, lambda t: t.pop(name))
     with pytest.raises(SourceError, match=pattern) as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 def test_whole_optional_groups_may_be_absent(vlm_dir):
@@ -388,7 +372,7 @@ def test_unexpected_tensor_is_named(vlm_dir, name):
     canonical = name.replace("model.extra", "model.language_model.extra")
     with pytest.raises(SourceError, match=f"unexpected tensor {canonical}") as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 def test_shape_disagreeing_with_config_is_a_config_error(vlm_dir):
@@ -396,7 +380,7 @@ def test_shape_disagreeing_with_config_is_a_config_error(vlm_dir):
     _rewrite(vlm_dir, lambda t: t.update({name: torch.zeros(65, dtype=torch.bfloat16)}))
     with pytest.raises(ConfigError, match=rf"{name} has shape \[65\].*implies \[64\]") as e:
         Checkpoint.open(vlm_dir)
-    _one_line(e)
+    one_line(e)
 
 
 def test_fp8_weight_without_scales_and_stray_scales(models, tmp_path):
@@ -409,128 +393,6 @@ def test_fp8_weight_without_scales_and_stray_scales(models, tmp_path):
     _rewrite(path, lambda t: t.update({name + "_scale_inv": torch.ones(1, 1)}))
     with pytest.raises(SourceError, match=f"unexpected tensor {name}_scale_inv"):
         Checkpoint.open(path)
-
-
-# ---- the Hub ----
-
-REPO = "ninfer-test/no-such-model"
-_RESP = {code: httpx2.Response(code, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{REPO}"))
-         for code in (401, 403, 404, 500)}
-
-
-def _offline_error() -> Exception:
-    """What snapshot_download raises when the library's offline mode is on and the repo is not cached."""
-    e = hfe.LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder\nset HF_HUB_OFFLINE=0")
-    e.__cause__ = hfe.OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.")
-    return e
-
-
-HUB_FAILURES = {
-    "not-found": (hfe.RepositoryNotFoundError("404 Client Error.\nRepository Not Found", response=_RESP[404]),
-                  "repository not found"),
-    "gated": (hfe.GatedRepoError("403 Client Error.\nCannot access gated repo", response=_RESP[403]), "gated"),
-    "revision": (hfe.RevisionNotFoundError("404 Client Error.\nRevision Not Found", response=_RESP[404]),
-                 "revision 'v9' not found"),
-    "unauthorised": (hfe.HfHubHTTPError("401 Client Error.\nUnauthorized", response=_RESP[401]), "not authorised"),
-    "unreachable": (hfe.LocalEntryNotFoundError("Got: ConnectError\nAn error happened"), "unreachable"),
-    "offline": (_offline_error(), "offline mode (HF_HUB_OFFLINE)"),
-    "server": (hfe.HfHubHTTPError("500 Server Error", response=_RESP[500]), "HTTP error 500"),
-    "disk": (OSError(28, "No space left on device"), "No space left on device"),
-}
-
-
-@pytest.mark.parametrize("case", list(HUB_FAILURES))
-def test_hub_failures_are_one_line(monkeypatch, case):
-    exc, reason = HUB_FAILURES[case]
-
-    def fail(*args, **kwargs):
-        raise exc
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with pytest.raises(SourceError) as e:
-        Checkpoint.open(REPO, revision="v9", progress=False)
-    msg = _one_line(e)
-    assert msg.startswith(f"cannot download '{REPO}' from the Hugging Face Hub: ") and reason in msg
-
-
-def test_hub_offline_mode_for_real(monkeypatch, tmp_path):
-    """HF_HUB_OFFLINE set in the environment: no network is tried and the error is one line."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SourceError) as e:
-        Checkpoint.open(REPO)
-    assert "offline mode (HF_HUB_OFFLINE)" in _one_line(e)
-    with pytest.raises(SourceError) as e:
-        fetch_config(REPO)
-    assert "offline mode (HF_HUB_OFFLINE)" in _one_line(e)
-    # and set before huggingface_hub is imported, where the library itself reads it
-    code = ("from ninfer_pack.source import Checkpoint\n"
-            "try:\n Checkpoint.open(%r)\nexcept Exception as e:\n print(repr(e))")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code % REPO], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert out.stdout.startswith("SourceError(\"cannot download 'ninfer-test/no-such-model'"), out.stdout + out.stderr
-
-
-def test_hub_download_arguments_and_provenance(models, tmp_path, monkeypatch):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snap, _ = ckpts.write_checkpoint(tmp_path / "snapshots" / commit, models["causal_dense"], prefix="causal")
-    (snap / "tokenizer.json").write_bytes(b"{}")
-    calls = []
-
-    def fake(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
-        return str(snap)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
-    ck = Checkpoint.open("owner/name", revision="v1")
-    assert ck.provenance == {"source": "owner/name", "revision": commit}
-    assert ck.resources == {"tokenizer.json": b"{}"}
-    (repo, kw), = calls
-    assert repo == "owner/name" and kw["revision"] == "v1"
-    wanted = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", *RESOURCE_FILES]
-    for f in wanted:
-        assert any(fnmatch.fnmatch(f, p) for p in kw["allow_patterns"]), f
-    assert not any(fnmatch.fnmatch("pytorch_model.bin", p) for p in HUB_PATTERNS)
-
-
-def test_fetch_config(models, tmp_path, monkeypatch):
-    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_moe"], prefix="causal")
-    want = json.loads((path / "config.json").read_text())
-    assert fetch_config(str(path)) == want
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda repo, filename, **kw: str(path / filename))
-    assert fetch_config("owner/name") == want
-    with pytest.raises(SourceError, match="no such directory"):
-        fetch_config(str(tmp_path / "a" / "b" / "c"))
-    assert Checkpoint.open(path).config == want
-
-
-def test_fetch_config_refuses_a_file(models, tmp_path, monkeypatch):
-    """`inspect x.safetensors --recipe R`: the file exists, so neither "no such directory" nor a Hub download."""
-    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_dense"], prefix="causal")
-
-    def no_hub(*args, **kwargs):
-        raise AssertionError("fetch_config went to the Hub for a local file")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
-    monkeypatch.chdir(tmp_path)
-    shard = "ck/model-00001-of-00002.safetensors"  # relative, so it also looks like a repo id "owner/name"
-    for source in (shard, str(tmp_path / shard)):
-        with pytest.raises(SourceError) as e:
-            fetch_config(source)
-        assert _one_line(e) == f"{source} is not a checkpoint directory, config.json or Hub repo id"
-
-
-def test_config_json_that_is_not_json(models, tmp_path, monkeypatch):
-    path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_dense"], prefix="causal")
-    cfg = path / "config.json"
-    cfg.write_text('{"model_type": "qwen3_5_text",')
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, filename, **kw: str(path / filename))
-    for call in (lambda: Checkpoint.open(path), lambda: fetch_config(str(path)), lambda: fetch_config("owner/name")):
-        with pytest.raises(ConfigError) as e:
-            call()
-        assert _one_line(e).startswith(f"{cfg}: not valid JSON (")
 
 
 # ---- streaming ----

@@ -149,9 +149,9 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     [b|a] = rms_norm_zc(x) W_baᵀ and everything else as `decode` (same layouts, same result within fp32
     rounding). Grid (nv, B), one block of 4·dv threads per (value head, sequence).
     """
-    conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
-                      conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk,
-                      dv=dv, Kc=Kc, out=out, x=x, in_norm_w=in_norm_w, w_ba=w_ba.base)
+    _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
+           conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
+           out=out, x=x, in_norm_w=in_norm_w, w_ba=w_ba.base)
     if not step_supported(w_ba, T=T, dk=dk, dv=dv, Kc=Kc):
         raise GpuError(f"deltanet.step: needs bf16 b|a (got {w_ba.fmt}), T <= {STEP_T} (got {T}) and "
                        f"dv <= {STEP_COLS} (got {dv}); use decode")
