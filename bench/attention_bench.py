@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import replay_ms  # noqa: E402
 
 from ninfer_rt.errors import NinferError  # noqa: E402
 
@@ -32,7 +34,7 @@ N_SLOTS = 8       # cache slots the launches rotate over
 
 def main() -> None:
     from ninfer_rt.gpu import attention
-    from ninfer_rt.gpu.driver import Event, Gpu
+    from ninfer_rt.gpu.driver import Gpu
     from ninfer_rt.gpu.kernels import Kernels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,26 +52,14 @@ def main() -> None:
 
     def timed(launches) -> float:
         """us per launch group: a graph of N_LAUNCH groups, replayed N_REPLAY times after a warm-up replay."""
-        gpu.synchronize()
-        gpu.begin_capture()
-        try:
+        def capture():
             for group in launches:
                 for fn, grid, block, a, smem in group:
                     k.launch(fn, grid, block, a, smem=smem)
-        finally:
-            graph = gpu.end_capture()
-        try:
-            graph.launch(gpu.stream)
-            gpu.synchronize()
-            e0, e1 = Event(), Event()
-            e0.record(gpu.stream)
-            for _ in range(N_REPLAY):
-                graph.launch(gpu.stream)
-            e1.record(gpu.stream)
-            e1.synchronize()
-            return e0.elapsed_ms(e1) * 1000 / (N_REPLAY * len(launches))
-        finally:
-            graph.destroy()
+
+        gpu.synchronize()
+        ms = replay_ms(gpu, capture, rounds=1, replays=N_REPLAY, warmup=1, eager=False)[0]
+        return ms * 1000 / len(launches)
 
     slots = []
     for i in range(N_SLOTS):

@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import replay_ms  # noqa: E402
 
 from ninfer_rt.formats import get_format, round_up, K_ALIGN  # noqa: E402
 from ninfer_rt.gpu.driver import Event, Gpu, GpuError  # noqa: E402
@@ -87,7 +89,6 @@ def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, 
     bufs = [gpu.alloc(n) for n in (x.nbytes, ids.nbytes, wts.nbytes, M * top_k * I * 4, M * H * 4,
                                    gemm.moe_scratch_bytes(M, top_k, E))]
     xp, ip, wp, ap, yp, sp = bufs
-    graph = None
     try:
         gpu.upload(xp, x)
         gpu.upload(ip, ids)
@@ -98,28 +99,11 @@ def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, 
             gemm.moe_grouped(k, gu, dn, x=xp, M=M, ids=ip, weights=wp, top_k=top_k, act=ap, y=yp, scratch=sp,
                              path=path)
 
-        call()  # warm-up, and sets the smem attributes outside the capture
-        gpu.synchronize()
-        gpu.begin_capture()
-        call()
-        graph = gpu.end_capture()
-        for _ in range(3):
-            graph.launch(gpu.stream)
-        start, stop = Event(), Event()
-        rounds = []
-        for _ in range(3):
-            start.record(gpu.stream)
-            for _ in range(reps):
-                graph.launch(gpu.stream)
-            stop.record(gpu.stream)
-            stop.synchronize()
-            rounds.append(start.elapsed_ms(stop) / reps)
+        rounds = replay_ms(gpu, call, rounds=3, replays=reps)  # eager call first: smem attributes outside
         touched = len(np.unique(ids))
         per_expert = (get_format(MOE["gate_up"]).nbytes((2 * I, H)) + get_format(MOE["down"]).nbytes((H, I)))
         return statistics.median(rounds), touched * per_expert
     finally:
-        if graph is not None:
-            graph.destroy()
         for b in bufs:
             gpu.free(b)
 

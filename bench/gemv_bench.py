@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu  # noqa: E402
+from gpu_common import open_gpu, replay_ms  # noqa: E402
 
 from ninfer_rt.formats import get_format  # noqa: E402
 from ninfer_rt.gpu import linear  # noqa: E402
@@ -74,34 +74,6 @@ def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
     return plans
 
 
-def time_graph(gpu, capture, replays: int, launches: int) -> list[float]:
-    """Per-launch µs of each timed replay of a graph of `launches` launches that capture() records."""
-    from ninfer_rt.gpu.driver import Event
-
-    capture()  # once outside the capture: kernel lookups, first-launch costs
-    gpu.synchronize()
-    gpu.begin_capture(gpu.stream)
-    try:
-        capture()
-    finally:
-        graph = gpu.end_capture(gpu.stream)
-    try:
-        for _ in range(3):  # warm-up: clocks up, every buffer touched
-            graph.launch(gpu.stream)
-        gpu.synchronize()
-        start, stop = Event(), Event()
-        times = []
-        for _ in range(replays):
-            start.record(gpu.stream)
-            graph.launch(gpu.stream)
-            stop.record(gpu.stream)
-            stop.synchronize()
-            times.append(start.elapsed_ms(stop) * 1e3 / launches)
-        return times
-    finally:
-        graph.destroy()
-
-
 def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, replays, rng, budget_bytes, sweep):
     """Median per-launch microseconds for each M in ms (and, with sweep, each M = 1 plan)."""
     f = get_format(fmt)
@@ -146,7 +118,7 @@ def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, replays, rng, budget_b
                         else:
                             linear.gemv(k, w, x=x, M=m, y=y, mode=mode, norm_w=nw, stream=gpu.stream)
 
-                times = time_graph(gpu, capture, replays, launches)
+                times = [1e3 * t / launches for t in replay_ms(gpu, capture, rounds=replays, replays=1)]
                 us = statistics.median(times)
                 kind = (f"s1 d{plan.d} kw{1 << plan.kw_log2} ×{plan.blocks} pf{plan.pf}" if plan.stream
                         else f"m{m} kw{1 << plan.kw_log2} ×{plan.grid}")

@@ -1,4 +1,5 @@
-"""What every GPU micro-benchmark starts with: the context, the built kernels, a console and a header line."""
+"""What every GPU micro-benchmark shares: the context, the built kernels, a console and a header line (open_gpu),
+and timing a captured CUDA graph by replays between two events (replay_ms)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,38 @@ def open_gpu(prog: str):
     console.print(f"{gpu.info.name} ({gpu.info.arch}, {gpu.info.sm_count} SMs, L2 {gpu.info.l2_bytes >> 20} MiB); "
                   f"kernels ready in {time.time() - t0:.1f} s", highlight=False)
     return gpu, k, console
+
+
+def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager: bool = True) -> list[float]:
+    """Milliseconds per replay of a CUDA graph of what capture() enqueues, one value per timed round.
+
+    capture() runs once eagerly first (kernel lookups and shared-memory attributes happen outside the capture;
+    eager=False skips it), once into the graph; `warmup` untimed replays follow (clocks up, buffers touched),
+    then `rounds` rounds of `replays` back-to-back replays, each round timed between two events.
+    """
+    from ninfer_rt.gpu.driver import Event
+
+    if eager:
+        capture()
+        gpu.synchronize()
+    gpu.begin_capture(gpu.stream)
+    try:
+        capture()
+    finally:
+        graph = gpu.end_capture(gpu.stream)
+    try:
+        for _ in range(warmup):
+            graph.launch(gpu.stream)
+        gpu.synchronize()
+        start, stop = Event(), Event()
+        times = []
+        for _ in range(rounds):
+            start.record(gpu.stream)
+            for _ in range(replays):
+                graph.launch(gpu.stream)
+            stop.record(gpu.stream)
+            stop.synchronize()
+            times.append(start.elapsed_ms(stop) / replays)
+        return times
+    finally:
+        graph.destroy()

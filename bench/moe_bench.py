@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu  # noqa: E402
+from gpu_common import open_gpu, replay_ms  # noqa: E402
 
 from ninfer_rt.formats import get_format  # noqa: E402
 from ninfer_rt.gpu import moe  # noqa: E402
@@ -45,36 +45,6 @@ def random_bank(gpu, fmt: str, shape, rng) -> DeviceWeight:
     p = gpu.alloc(nbytes)
     gpu.upload(p, host)
     return DeviceWeight(f"bank{list(shape)}", fmt, tuple(shape), p)
-
-
-def time_graph(gpu, graph, launches: int, replays: int, reps: int) -> tuple[float, float]:
-    """(median, min) microseconds per captured launch."""
-    from ninfer_rt.gpu.driver import Event
-    for _ in range(3):
-        graph.launch(gpu.stream)
-    gpu.synchronize()
-    start, stop = Event(), Event()
-    times = []
-    for _ in range(reps):
-        start.record(gpu.stream)
-        for _ in range(replays):
-            graph.launch(gpu.stream)
-        stop.record(gpu.stream)
-        stop.synchronize()
-        times.append(start.elapsed_ms(stop) * 1e3 / (replays * launches))
-    return statistics.median(times), min(times)
-
-
-def capture(gpu, fn, launches: int):
-    fn(0)  # eager once: sets any smem attribute outside the capture, loads the function
-    gpu.synchronize()
-    gpu.begin_capture(gpu.stream)
-    try:
-        for i in range(launches):
-            fn(i)
-    finally:
-        graph = gpu.end_capture(gpu.stream)
-    return graph
 
 
 def bench_m(gpu, k, gu, dn, M: int, args, rng) -> list[dict]:
@@ -126,11 +96,9 @@ def bench_m(gpu, k, gu, dn, M: int, args, rng) -> list[dict]:
     rows = []
     try:
         for op, (fn, nbytes, what) in ops.items():
-            graph = capture(gpu, fn, n)
-            try:
-                us, us_min = time_graph(gpu, graph, n, args.replays, args.reps)
-            finally:
-                graph.destroy()
+            times = [1e3 * t / n for t in replay_ms(gpu, lambda: [fn(i) for i in range(n)], rounds=args.reps,
+                                                     replays=args.replays)]
+            us, us_min = statistics.median(times), min(times)
             rows.append({"op": op, "what": what, "M": M, "us": us, "us_min": us_min, "weight_bytes": nbytes,
                          "distinct_experts": distinct if nbytes else 0,
                          "gbps": nbytes / us / 1e3 if nbytes else 0.0})

@@ -1,0 +1,81 @@
+"""bench/gpu_common.replay_ms, the graph-replay timer every GPU micro-benchmark uses, on a scripted fake GPU:
+what it captures, how many replays it runs untimed and timed, what it divides by, and that the graph is freed.
+Oracle: a fake clock that advances a known time per replay."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_common import replay_ms  # noqa: E402
+
+REPLAY_MS = 2.5  # fake time one replay takes
+
+
+class FakeGpu:
+    def __init__(self):
+        self.clock, self.log, self.stream = 0.0, [], object()
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def begin_capture(self, stream=None):
+        self.log.append("begin")
+
+    def end_capture(self, stream=None):
+        self.log.append("end")
+        return FakeGraph(self)
+
+
+class FakeGraph:
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def launch(self, stream):
+        self.gpu.clock += REPLAY_MS
+        self.gpu.log.append("replay")
+
+    def destroy(self):
+        self.gpu.log.append("destroy")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    from ninfer_rt.gpu import driver
+    g = FakeGpu()
+
+    class FakeEvent:
+        def record(self, stream):
+            self.t = g.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_ms(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(driver, "Event", FakeEvent)
+    return g
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_replay_ms_times_rounds_of_replays(gpu, eager):
+    captured = []
+    times = replay_ms(gpu, lambda: captured.append(gpu.log.count("begin") - gpu.log.count("end")), rounds=3,
+                      replays=4, warmup=2, eager=eager)
+    assert times == [REPLAY_MS] * 3  # per replay, one value per round
+    assert captured == ([0] if eager else []) + [1]  # eagerly outside a capture, then inside one
+    assert gpu.log.count("replay") == 2 + 3 * 4 and gpu.log[-1] == "destroy"
+
+
+def test_replay_ms_frees_the_graph_when_a_replay_fails(gpu, monkeypatch):
+    def broken(self, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(FakeGraph, "launch", broken)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        replay_ms(gpu, lambda: None, rounds=1, replays=1)
+    assert gpu.log[-1] == "destroy"
