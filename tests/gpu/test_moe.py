@@ -104,6 +104,29 @@ def well_separated(logits: np.ndarray, top_k: int, rel: float = 1e-4) -> bool:
     return bool(np.all(s[:, :-1] - s[:, 1:] > rel * s[:, :-1]))
 
 
+def routed_case(dev, rng, dims: str, fmt_gu: str, fmt_down: str, draw, router_scale: float = 1.0) -> dict:
+    """A routing problem and its banks: router and shared-gate weights (N(0, router_scale²)), inputs from draw()
+    -> (h, extra), redrawn until no two of the top k+1 logits nearly tie, the torch routing of those logits (the
+    expression ops.moe evaluates), and gate/up and down banks holding exactly the chosen experts."""
+    from ninfer_rt import layout
+    E, k, I, H = DIMS[dims]
+    router_w = torch.from_numpy((rng.standard_normal((E, H)) * router_scale).astype(np.float32))
+    sg_w = torch.from_numpy((rng.standard_normal((1, H)) * router_scale).astype(np.float32))
+    for _ in range(50):
+        h, extra = draw()
+        logits = h @ router_w.T
+        if well_separated(logits.numpy(), k):
+            break
+    else:
+        pytest.fail("could not draw router inputs without near-ties")
+    ids, w = ref_routing(logits, k)
+    gu, gu_vals = bank(dev, fmt_gu, E, 2 * I, H, ids.ravel(), rng)
+    dn, dn_vals = bank(dev, fmt_down, E, H, I, ids.ravel(), rng)
+    return dict(h=h, extra=extra, router_w=router_w, sg_w=sg_w, ids=ids, w=w, gu=gu, dn=dn, dn_vals=dn_vals,
+                gate={e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()},  # [2I, H]
+                fused=np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1))  # [M, E+1]
+
+
 def act_bound(x, g, u, dot: float = DOT):
     """float64 bound on |act_device - act_ref| for act = silu(g·x)·(u·x), g, u [I, H], x [H], when each dot may
     be off by dot·Σ|w·x|."""
@@ -225,27 +248,15 @@ CASES = ([("35b", 1, "q4g64", "q5g64"), ("35b", 4, "q4g64", "q6g64"), ("35b", 4,
 
 @pytest.mark.parametrize("dims,M,fmt_gu,fmt_down", CASES)
 def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
-    from ninfer_rt import layout
     from ninfer_rt.gpu import moe
     E, k, I, H = DIMS[dims]
-    router_w = torch.from_numpy(rng.standard_normal((E, H)).astype(np.float32))
-    sg_w = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
-    for _ in range(50):  # redraw until no two of the top k+1 probabilities nearly tie
-        h = torch.from_numpy((rng.standard_normal((M, H)) * (2 / np.sqrt(H))).astype(np.float32))
-        logits = h @ router_w.T  # the expression ops.moe evaluates: identical fp32 logits
-        if well_separated(logits.numpy(), k):
-            break
-    else:
-        pytest.fail("could not draw router inputs without near-ties")
-    want_ids, want_w = ref_routing(logits, k)
-    gu, gu_vals = bank(dev, fmt_gu, E, 2 * I, H, want_ids.ravel(), rng)
-    dn, dn_vals = bank(dev, fmt_down, E, H, I, want_ids.ravel(), rng)
-    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}  # [2I, H]: gate, up
-
+    c = routed_case(dev, rng, dims, fmt_gu, fmt_down, lambda: (
+        torch.from_numpy((rng.standard_normal((M, H)) * (2 / np.sqrt(H))).astype(np.float32)), None))
+    h, router_w, sg_w, want_ids, want_w, gu, dn, dn_vals, gate = (
+        c[n] for n in ("h", "router_w", "sg_w", "ids", "w", "gu", "dn", "dn_vals", "gate"))
     # route
-    fused = np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1)  # [M, E+1]
     ids, w, ss = dev.empty(M * k * 4), dev.empty(M * k * 4), dev.empty(M * 4)
-    moe.route(kernels, logits=put(dev, fused), ld=E + 1, M=M, E=E, top_k=k, ids=ids, weights=w, shared_scale=ss)
+    moe.route(kernels, logits=put(dev, c["fused"]), ld=E + 1, M=M, E=E, top_k=k, ids=ids, weights=w, shared_scale=ss)
     got_ids = dev.get(ids, (M, k), np.int32)
     np.testing.assert_array_equal(got_ids, want_ids, err_msg="route ids differ from torch.topk")
     got_w = dev.get(w, (M, k))

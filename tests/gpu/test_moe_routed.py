@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from .test_moe import (CASES, DIMS, DOT, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol, put,
-                       ref_routing, routed_oracle, well_separated)
+                       ref_routing, routed_case, routed_oracle)
 
 torch = pytest.importorskip("torch")
 
@@ -174,25 +174,17 @@ CHAIN = list(dict.fromkeys((dims, fg, fd) for dims, _, fg, fd in CASES))  # test
 def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     """gate_up_routed + moe.down against ops.moe on h = rms_norm_zc(x), the logits of the same torch expression
     ops.moe evaluates; routing and act checked on the way."""
-    from ninfer_rt import layout
     from ninfer_rt.gpu import moe
     E, k, I, H = DIMS[dims]
-    router_w = torch.from_numpy((rng.standard_normal((E, H)) * (2 / np.sqrt(H))).astype(np.float32))
-    sg_w = torch.from_numpy((rng.standard_normal((1, H)) * (2 / np.sqrt(H))).astype(np.float32))
-    for _ in range(50):  # redraw until no two of the top k+1 probabilities nearly tie
-        x, norm_w = residual(rng, M, H)
-        h = norm_ref(x, norm_w)  # rms ~ 1: logits ~ N(0, 4) as in test_moe
-        logits = h @ router_w.T  # the expression ops.moe evaluates on h: identical fp32 logits
-        if well_separated(logits.numpy(), k):
-            break
-    else:
-        pytest.fail("could not draw router inputs without near-ties")
-    want_ids, want_w = ref_routing(logits, k)
-    gu, gu_vals = bank(dev, fmt_gu, E, 2 * I, H, want_ids.ravel(), rng)
-    dn, dn_vals = bank(dev, fmt_down, E, H, I, want_ids.ravel(), rng)
-    gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
-    fused = np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1)  # [M, E+1]
 
+    def draw():
+        x, norm_w = residual(rng, M, H)
+        return norm_ref(x, norm_w), (x, norm_w)  # rms ~ 1: logits ~ N(0, 4) as in test_moe
+
+    c = routed_case(dev, rng, dims, fmt_gu, fmt_down, draw, router_scale=2 / np.sqrt(H))
+    (x, norm_w), h, fused = c["extra"], c["h"], c["fused"]
+    router_w, sg_w, want_ids, want_w, gu, dn, dn_vals, gate = (c[n] for n in ("router_w", "sg_w", "ids", "w", "gu",
+                                                                               "dn", "dn_vals", "gate"))
     (ids, w, act), got, ref = run_routed(kernels, dev, gu, x, norm_w, fused, E, k)
     assert_same_routing(got, ref)
     np.testing.assert_array_equal(got[0], want_ids, err_msg="gate_up_routed ids differ from torch.topk")
