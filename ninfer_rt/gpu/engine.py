@@ -282,7 +282,7 @@ class GpuModel:
                 gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=b.h, M=M,
                                  ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
                 self._linear(shared_gate_up, x=b.h, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols)
-            else:  # decode: the gate/up kernel routes its row and normalises x itself; x changes only after
+            else:  # decode: both gate/up kernels normalise x themselves, so they run before down adds into x
                 moe.gate_up_routed(self.k, W(m + "experts.gate_up_proj"), x=b.x, norm_w=post, eps=s.rms_norm_eps,
                                    logits=b.router, ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
                 self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post)

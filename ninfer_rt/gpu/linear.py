@@ -197,7 +197,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
     if not cands:  # only when overrides exclude every candidate (cannot happen: d=1, KW=1 always qualifies)
         raise GpuError(f"{w.name}: no stream gemv plan for d={d}, kw_log2={kw_log2}")
     # within _STREAM_SPREAD of the best-spread candidate, the deeper tile and then the fewer warps per row
-    # group win (bytes in flight, fewer partial sums): measured on the H200, see docs/perf.md v4
+    # group win (bytes in flight, fewer partial sums): measured on the H200, see docs/perf.md v5
     least = min(c[0] for c in cands)
     _, dd, kl, tiles, nb = min((c for c in cands if c[0] <= _STREAM_SPREAD * least),
                                key=lambda c: (-c[1], c[2], -c[4], c[0]))
