@@ -274,7 +274,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
         if constexpr (I8) {
             if (lane < 16) {
                 const bool valid = kb + lane < k_end;
-                cp_async4(smem_addr(sc_s + lane), sbase + (size_t)(valid ? kb + lane : k_begin) * nKV, valid);
+                cp_async_small<4>(smem_addr(sc_s + lane), sbase + (size_t)(valid ? kb + lane : k_begin) * nKV, valid);
             }
         }
     };

@@ -168,7 +168,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 const int r = lane & (kWarpKeys - 1);
                 const bool valid = kb + r < k_end;
                 const float* src = (lane < kWarpKeys ? ksbase : vsbase) + (size_t)(valid ? kb + r : k_begin) * nKV;
-                cp_async4(smem_addr(sc_s + s * 2 * kWarpKeys + lane), src, valid);
+                cp_async_small<4>(smem_addr(sc_s + s * 2 * kWarpKeys + lane), src, valid);
             }
         }
     };

@@ -1,5 +1,5 @@
-// common.cuh: small device helpers shared by every op family (conversions, reductions, activations).
-// No op lives here; each kernels/*.cu includes this header.
+// common.cuh: small device helpers shared by every op family (conversions, reductions, activations, cp.async,
+// programmatic dependent launch). No op lives here; each kernels/*.cu includes this header.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -71,6 +71,27 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
 // softplus as torch: x for x > 20, else log1p(exp(x))
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
+
+// ------------------------------------------------------------------------------------------------ cp.async (sm_80+)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared (L2 only), zero-filled without reading when !valid (src must still be mapped)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+// 4 or 8 bytes global -> shared, zero-filled when !valid
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES),
+                 "r"(valid ? BYTES : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// wait until at most N of this thread's committed groups are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Programmatic dependent launch (sm_90+). Every kernel starts with ninfer_pdl_begin(): wait until the kernel
 // before it in the stream has finished and its writes are visible, then let the next kernel start launching,

@@ -98,16 +98,6 @@ extern "C" __global__ void deltanet_conv(const float* __restrict__ mixed, int ld
 
 // ------------------------------------------------------------------------------------------------ recurrent
 
-// Async 4-byte global -> shared copies (sm_80+): a pass's loads are all in flight at once, and the next pass's
-// loads overlap this pass's arithmetic. 4 bytes, so no alignment is asked of the caller's buffers.
-__device__ __forceinline__ void cp_async4(float* smem_dst, const float* gmem_src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // One token of the delta rule for one column j of S, split over the 4 lanes p of the column (rows i = 4r + p):
 // u = (e^g S)ᵀ k̂, Δ = β (v − u), S ← e^g S + k̂ Δᵀ; returns o_j = Σ_i S_ij q̂_i (whole column, all 4 lanes).
 // Four accumulators shorten the dependency chains; the shuffles stay within the column's lanes (xor 8, 16).
@@ -186,17 +176,17 @@ __device__ __forceinline__ void recurrent_impl(const float* __restrict__ c, cons
         for (int idx = threadIdx.x; idx < n * DK; idx += blockDim.x) {
             const int tt = idx / DK, i = idx % DK;
             const float* q_src = c + (m0 + tt) * conv_dim + hk * DK + i;
-            cp_async4(&sg.q[tt][i], q_src);
-            cp_async4(&sg.k[tt][i], q_src + nk * DK);
+            cp_async_small<4>(smem_addr(&sg.q[tt][i]), q_src, true);
+            cp_async_small<4>(smem_addr(&sg.k[tt][i]), q_src + nk * DK, true);
         }
         for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
             const int tt = idx / cols, j = idx - tt * cols;
-            cp_async4(&sg.v[tt][j], c + (m0 + tt) * conv_dim + v_off + j);
+            cp_async_small<4>(smem_addr(&sg.v[tt][j]), c + (m0 + tt) * conv_dim + v_off + j, true);
         }
         if (threadIdx.x < n) {  // n <= TT <= 16 < blockDim.x
             const float* row = ba + (m0 + threadIdx.x) * 2 * nv;
-            cp_async4(&sg.ba[threadIdx.x][0], row + h);
-            cp_async4(&sg.ba[threadIdx.x][1], row + nv + h);
+            cp_async_small<4>(smem_addr(&sg.ba[threadIdx.x][0]), row + h, true);
+            cp_async_small<4>(smem_addr(&sg.ba[threadIdx.x][1]), row + nv + h, true);
         }
         cp_async_commit();
     };

@@ -11,24 +11,6 @@ enum Mode { MODE_STORE = 0, MODE_ADD = 1, MODE_SWIGLU = 2, MODE_ATOMIC_ADD = 3 }
 
 // ------------------------------------------------------------------------------------------------ PTX helpers
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared; ok = false zero-fills without reading
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-
-template <int BYTES>  // 4 or 8
-__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES),
-                 "r"(ok ? BYTES : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // d = a * b + c on bf16x2 (sm_80+); exact whenever the true result is representable
 __device__ __forceinline__ uint32_t bf2_fma(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;

@@ -20,7 +20,6 @@ Both match ops.gated_attention to fp32 accuracy and write the same scratch layou
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
@@ -234,7 +233,6 @@ def _fast_smem(d: int, dtype: str) -> int:
     return 8 * d * 4 + 4 * ns * 16 * rb + 4 * 8 * 8 * 4 + 4 * ns * 16 * 4 + 4 * 8 * 8
 
 
-_fast_opted: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
 
 
 def _fast_path(k, rows: int, d: int, dtype: str) -> int:
@@ -245,11 +243,7 @@ def _fast_path(k, rows: int, d: int, dtype: str) -> int:
     smem = _fast_smem(d, dtype)
     if smem > k.gpu.info.max_smem_per_block_optin:
         return 0
-    name = f"attn_decode_fast_{dtype}_d{d}"
-    done = _fast_opted.setdefault(k, set())
-    if name not in done:
-        k.gpu.set_max_dynamic_smem(k.fn(name), smem)
-        done.add(name)
+    k.opt_in_smem(f"attn_decode_fast_{dtype}_d{d}", smem)
     return smem
 
 

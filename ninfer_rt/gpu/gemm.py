@@ -18,7 +18,6 @@ expert, kernels/moe_gemm.cu's tiles of 32 slots.
 
 from __future__ import annotations
 
-import weakref
 
 from ninfer_rt.formats import FORMATS
 from ninfer_rt.gpu.driver import GpuError, i32, ptr
@@ -34,7 +33,6 @@ MODE_ATOMIC_ADD = 3
 GRID_Y_MAX = 65535
 SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
 
-_smem_set: "weakref.WeakKeyDictionary[object, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def _bits(fmt: str) -> int:
@@ -68,15 +66,9 @@ def _check_x(x: int, ldx: int, K: int, what: str) -> None:
 
 
 def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
-    """The kernel's dynamic smem (smem_bytes(fmt) unless given), with its opt-in attribute set once per Kernels."""
+    """The kernel's dynamic smem (smem_bytes(fmt) unless given), opted in on this Kernels."""
     smem = smem_bytes(fmt) if smem is None else smem
-    done = _smem_set.setdefault(k, set())
-    if name not in done:
-        limit = k.gpu.info.max_smem_per_block_optin
-        if smem > limit:
-            raise GpuError(f"{name} needs {smem} bytes of shared memory; this GPU allows {limit}")
-        k.gpu.set_max_dynamic_smem(k.fn(name), smem)
-        done.add(name)
+    k.opt_in_smem(name, smem)
     return smem
 
 

@@ -17,6 +17,7 @@ class Kernels:
         self.build = build
         self.modules = [gpu.load_module(p.read_bytes(), stem) for stem, p in sorted(build.images.items())]
         self._fns: dict[str, object] = {}
+        self._smem: dict[str, int] = {}  # dynamic shared memory each entry point is opted in to
 
     def fn(self, name: str):
         f = self._fns.get(name)
@@ -30,6 +31,16 @@ class Kernels:
             self._fns[name] = f
             return f
         raise GpuError(f"kernel entry point {name!r} is in none of the built images")
+
+    def opt_in_smem(self, name: str, nbytes: int) -> None:
+        """Let `name` launch with nbytes of dynamic shared memory: above the 48 KiB default a kernel must opt in
+        (once per larger size); more than the GPU allows per block is a one-line GpuError."""
+        limit = self.gpu.info.max_smem_per_block_optin
+        if nbytes > limit:
+            raise GpuError(f"{name} needs {nbytes} bytes of shared memory; this GPU allows {limit}")
+        if nbytes > self._smem.get(name, 48 * 1024):
+            self.gpu.set_max_dynamic_smem(self.fn(name), nbytes)
+            self._smem[name] = nbytes
 
     def launch(self, name: str, grid, block, args, smem: int = 0, stream=None) -> None:
         self.gpu.launch(self.fn(name), grid, block, args, smem, stream)

@@ -26,7 +26,6 @@ DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
 XPAD_FAST = 36  # the same in the fast gate_up (16-byte reads)
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
-SMEM_DEFAULT = 48 * 1024  # dynamic shared memory every launch may use without opting in
 SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
 
 
@@ -58,12 +57,11 @@ def _check_rows(op: str, M: int, top_k: int) -> None:
 
 
 def _smem(k, op: str, name: str, nbytes: int) -> int:
-    """Dynamic shared memory of one launch; opts the kernel in above the 48 KiB default when the GPU allows."""
-    if nbytes > SMEM_DEFAULT - SMEM_STATIC:
-        limit = k.gpu.info.max_smem_per_block_optin - SMEM_STATIC
-        if nbytes > limit:
-            raise GpuError(f"moe.{op}: needs {nbytes} bytes of shared memory, this GPU allows {limit}")
-        k.gpu.set_max_dynamic_smem(k.fn(name), nbytes)
+    """Dynamic shared memory of one launch, opted in above the 48 KiB default when the GPU allows."""
+    limit = k.gpu.info.max_smem_per_block_optin - SMEM_STATIC
+    if nbytes > limit:
+        raise GpuError(f"moe.{op}: needs {nbytes} bytes of shared memory, this GPU allows {limit}")
+    k.opt_in_smem(name, nbytes)
     return nbytes
 
 

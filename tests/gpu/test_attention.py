@@ -419,6 +419,9 @@ class _Recorder:
     def fn(self, name):
         return self.k.fn(name)
 
+    def opt_in_smem(self, name, nbytes):
+        self.k.opt_in_smem(name, nbytes)
+
     def launch(self, name, *args, **kw):
         self.names.append(name)
         self.k.launch(name, *args, **kw)
