@@ -44,6 +44,8 @@ SHAPES = [
     ("35B lm_head", "q6g64", (248320, 2048), "store", True),
     ("27B mlp gate|up", "q4g64", (34816, 5120), "swiglu", True),
     ("27B mlp down +res", "q5g64", (5120, 17408), "add", False),
+    ("27B DeltaNet in_proj qkv|z", "q6g64", (16384, 5120), "store", True),
+    ("27B DeltaNet out_proj +res", "q6g64", (5120, 6144), "add", False),
 ]
 
 
@@ -54,7 +56,7 @@ def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
     if not default.stream:
         return plans
     plans.append(("block", {"stream": False}))
-    for pf in (0, 1, 4):  # L2 prefetch distance on the default plan
+    for pf in (0, 1, 2, 4):  # L2 prefetch distance on the default plan
         if pf != default.pf:
             plans.append((f"auto pf{pf}", {"stream": True, "d": default.d, "kw_log2": default.kw_log2,
                                            "blocks": default.blocks, "pf": pf}))

@@ -27,7 +27,7 @@ _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 regist
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
 _STREAM_SPREAD = 1.35  # a stream plan may load its busiest SM this much more than the best-spread plan
 _STREAM_BLOCK_ROWS = 16384  # at M = 1, weights of at least this many rows take the block kernel (measured faster)
-_STREAM_PREFETCH = 2  # register tiles L2 is asked for ahead of the two in registers (0: no L2 prefetch)
+_STREAM_PREFETCH = 0  # register tiles L2 is asked for ahead of the two in registers: off, in-graph A/B (perf.md v6)
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
