@@ -288,11 +288,12 @@ def gpu_available() -> bool:
 
 
 def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_dtype: str = "int8",
-         progress=None) -> Model:
+         prefill_chunk: int | None = None, progress=None) -> Model:
     """Open and validate the artifact at `path` and build a Model on `device`.
 
     "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
-    kv_dtype int8 or bf16; progress(done, total) while weights load); "auto": cuda when a GPU is present.
+    kv_dtype int8 or bf16; prompts in steps of prefill_chunk tokens, default ninfer_rt.gpu.PREFILL_CHUNK; progress(done,
+    total) while weights load); "auto": cuda when a GPU is present.
     """
     if device not in DEVICES:
         raise NinferError(f"device {device!r}: choose cpu, cuda or auto")
@@ -302,7 +303,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     try:
         if device == "cuda":
             from ninfer_rt.gpu.backend import GpuBackend
-            backend = GpuBackend(artifact, max_ctx=max_ctx, kv_dtype=kv_dtype, progress=progress)
+            backend = GpuBackend(artifact, max_ctx=max_ctx, kv_dtype=kv_dtype, progress=progress,
+                                 prefill_chunk=prefill_chunk)
         else:
             backend = _ReferenceBackend(artifact)
         return Model(artifact, backend, device)

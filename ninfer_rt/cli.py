@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ninfer_rt.console import human_bytes, run_app
 from ninfer_rt.errors import NinferError
+from ninfer_rt.gpu import PREFILL_CHUNK
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run Qwen3.5/3.6 .ninfer artifacts.")
@@ -60,14 +61,19 @@ def run(
                                                        "or cpu (the PyTorch reference)."),
     max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache to allocate (cuda)."),
     kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype on the GPU: int8 or bf16."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
+                                                f"on the GPU (default {PREFILL_CHUNK}; smaller saves GPU memory, "
+                                                "larger reads the weights fewer times per prompt)."),
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
 
     if no_think and not chat:
         raise NinferError("--no-think applies to the chat template: add --chat")
+    _check_chunk(prefill_chunk)
     t0 = time.perf_counter()
-    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, progress=_loading_bar())
+    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
+                 progress=_loading_bar())
     load_s = time.perf_counter() - t0
     params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                            presence_penalty=presence_penalty,
@@ -179,6 +185,9 @@ def bench(
     kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype: int8 or bf16."),
     prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
                                                                         "time exceeds this many seconds."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
+                                                f"(default {PREFILL_CHUNK}; larger chunks read each weight fewer "
+                                                "times per prompt and use more GPU memory)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result as JSON here."),
 ):
     """Prefill and decode throughput, load time and GPU memory on this machine's GPU."""
@@ -186,6 +195,7 @@ def bench(
 
     if (path is None) == (synthetic is None):
         raise NinferError("give an artifact path or --synthetic NAME (one of them)")
+    _check_chunk(prefill_chunk)
 
     def ints(s: str, what: str) -> tuple[int, ...]:
         try:
@@ -198,11 +208,17 @@ def bench(
 
     res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
                     prefill_sizes=ints(prefill, "--prefill"), decode_contexts=ints(decode_context, "--decode-context"),
-                    kv_dtype=kv_cache, prefill_budget_s=prefill_budget, progress=_loading_bar(),
+                    kv_dtype=kv_cache, prefill_budget_s=prefill_budget, prefill_chunk=prefill_chunk,
+                    progress=_loading_bar(),
                     log=lambda line: err.print(line, highlight=False))
     out.print(table(res))
     if json_path:
         write_json(res, json_path)
+
+
+def _check_chunk(prefill_chunk: int | None) -> None:
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
 
 
 def _tokenizer_vocab(art) -> int | None:

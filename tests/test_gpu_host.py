@@ -190,6 +190,8 @@ def test_synthetic_table_is_the_packers_plan(name):
     (["bench"], "give an artifact path or --synthetic"),
     (["bench", "--synthetic", "qwen9"], "unknown model shape"),
     (["build-kernels", "--arch", "sm_99"], "unknown kernel target"),
+    (["bench", "--synthetic", "qwen3.6-27b", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["run", "missing.ninfer", "--prompt", "hi", "--prefill-chunk", "-3"], "--prefill-chunk must be >= 1"),
 ])
 def test_cli_misuse_is_one_line(argv, what, capsys):
     from ninfer_rt.cli import main

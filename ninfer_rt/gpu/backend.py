@@ -23,14 +23,15 @@ class GpuBackend:
     """Same interface as the reference backend: new_cache() and forward(ids, cache, last_only)."""
 
     def __init__(self, artifact, *, max_ctx: int = 32768, kv_dtype: str = "int8", progress=None,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, prefill_chunk: int | None = None):
         self.gpu = Gpu(0)
         self.kernels = Kernels(self.gpu)
         spec = artifact.spec
         self.weights = load_artifact(self.gpu, artifact, progress=progress)
         max_ctx = min(max_ctx, spec.max_position_embeddings)
+        chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=1, max_ctx=max_ctx,
-                              kv_dtype=kv_dtype)
+                              kv_dtype=kv_dtype, **chunk)
         self.use_graphs = use_graphs
 
     def new_cache(self) -> GpuCache:

@@ -34,6 +34,7 @@ class BenchResult:
     weight_bytes: int
     load_s: float
     peak_gpu_bytes: int
+    prefill_chunk: int = 0  # prompt tokens per prefill step (engine.GpuModel prefill_chunk)
     prefill: list[dict] = field(default_factory=list)   # {tokens, seconds, tok_s} or {tokens, skipped}
     decode: list[dict] = field(default_factory=list)    # {context, ms_per_token, tok_s, bytes_per_token, ...}
 
@@ -114,8 +115,10 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
 
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
               prefill_sizes=(512, 8192, 65536), decode_contexts=(0, 8192, 65536, 262144),
-              kv_dtype: str = "int8", prefill_budget_s: float = 60.0, progress=None, log=print) -> BenchResult:
-    """Run the benchmark; `log` receives one line per measurement as it lands."""
+              kv_dtype: str = "int8", prefill_budget_s: float = 60.0, prefill_chunk: int | None = None,
+              progress=None, log=print) -> BenchResult:
+    """Run the benchmark; `log` receives one line per measurement as it lands. prefill_chunk: prompt tokens per
+    prefill step (default: the engine's)."""
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
@@ -144,7 +147,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     # the longest context decodes its last position: 262144 means 262143 cached tokens plus the new one
     decode_contexts = [min(c, spec.max_position_embeddings - 1) for c in decode_contexts]
     max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
-    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype)
+    chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype, **chunk)
     for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros
         values = kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2)
         kind = "bytes" if kv_dtype == "int8" else "bf16"
@@ -155,7 +159,7 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
             fill_random(gpu, kv.k_scale, scales, "f32", seed=i + 200)
             fill_random(gpu, kv.v_scale, scales, "f32", seed=i + 300)
     res = BenchResult(model_name, gpu.info.name, recipe_name, kv_dtype, bw / 1e9, weights.arena_bytes,
-                      weights.load_s, 0)
+                      weights.load_s, 0, model.prefill_chunk)
     rng = np.random.default_rng(0)
     per_token = None
     for n in prefill_sizes:
@@ -214,7 +218,8 @@ def table(res: BenchResult):
         if "skipped" in p:
             t.add_row(f"prefill {p['tokens']:,}", "skipped", p["skipped"])
         else:
-            t.add_row(f"prefill {p['tokens']:,}", f"{p['tok_s']:,.0f} tok/s", f"{p['seconds']:.2f} s")
+            t.add_row(f"prefill {p['tokens']:,}", f"{p['tok_s']:,.0f} tok/s",
+                      f"{p['seconds']:.2f} s, chunks of {res.prefill_chunk:,}")
     for d in res.decode:
         t.add_row(f"decode @ {d['context']:,}", f"{d['tok_s']:,.1f} tok/s",
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "

@@ -31,7 +31,7 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import attention, deltanet, gemm, linear, misc, moe
+from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe
 from ninfer_rt.gpu.driver import Gpu
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import DeviceWeights
@@ -106,7 +106,7 @@ class GpuModel:
     """The text model of `spec` on `gpu`, with `slots` sequences of up to `max_ctx` positions each."""
 
     def __init__(self, gpu: Gpu, kernels: Kernels, spec, weights: DeviceWeights, *, slots: int = 1,
-                 max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int = 512,
+                 max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int = PREFILL_CHUNK,
                  sample_vocab: int | None = None, logit_rows: int | None = None):
         if kv_dtype not in ("int8", "bf16"):
             raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
