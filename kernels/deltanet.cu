@@ -11,6 +11,7 @@
 //   (dk = 16, 32, 64, 128)   (sequence, value head, slice of dv columns); the state slice lives in registers,
 //                            read once and written once per launch; token inputs staged by cp.async (sm_80+)
 //   deltanet_gated_norm      y = w · o / rms(o) · SiLU(z), in place on o                ops.gated_rms_norm
+// A prompt (prefill) runs the delta rule in chunks instead: deltanet_chunked_dk* in deltanet_chunked.cu.
 //
 // Layouts (all fp32, row-major; M = B·T rows, row m = b·T + t):
 //   mixed      [M, ld_mixed]  columns [q (nk·dk) | k (nk·dk) | v (nv·dv) | z (nv·dv)]; conv_dim = 2·nk·dk + nv·dv
@@ -26,11 +27,11 @@
 // Value head h reads key head h / (nv/nk). The columns j of S are independent in the delta rule
 // (Δ_j = β (v_j − Σ_i S_ij k̂_i), S_ij += k̂_i Δ_j, o_j = Σ_i S_ij q̂_i), which is why dv can be split over blocks.
 #include "common.cuh"
+#include "deltanet.cuh"
 
 #define DN_KMAX 8        // largest conv width supported (the family uses 4)
 #define DN_CONV_TOKENS 8 // tokens per conv thread; must be >= DN_KMAX (see deltanet_conv)
 #define DN_MAX_COLS 32   // columns of S per recurrent block: up to 4 warps × 8 columns
-#define DN_L2_EPS 1e-6f  // ops.L2NORM_EPS
 static_assert(DN_CONV_TOKENS >= DN_KMAX, "conv chunks z > 0 must not reach back into the conv state");
 
 // ------------------------------------------------------------------------------------------------ conv ring

@@ -4,7 +4,8 @@
 the projection outputs (mixed, z, b, a) to the gated-norm output y (before out_proj): causal conv + SiLU,
 L2-normalised q/k, the gated delta rule on the fp32 state, and the SiLU-gated RMSNorm. Both states are
 updated in place. `step` does the same for decode steps of T <= 8 in one launch, computing b|a itself from
-the layer input. Layouts are in the header of kernels/deltanet.cu.
+the layer input; `prefill` runs the delta rule in chunks (kernels/deltanet_chunked.cu). Layouts are in the
+header of kernels/deltanet.cu.
 
 The conv state is a ring of pre-conv inputs, position p of a sequence in row p % ring (ring_rows(Kc) rows), so
 that a fused step's writes never land on rows another block of the same step still reads.
@@ -22,6 +23,9 @@ CONV_THREADS = 256
 NORM_WARPS = 4
 STEP_T = 8                        # DN_STEP_T: most tokens per sequence of one fused step
 STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step (one block holds a whole head)
+CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
+CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
+CHUNK_THREADS = 256
 
 
 def ring_rows(Kc: int) -> int:
@@ -82,9 +86,30 @@ def _check(*, mixed, ld_mixed, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_s
     return conv_dim
 
 
+def chunked_smem_bytes(dk: int) -> int:
+    """Dynamic shared memory of deltanet_chunked_dk{dk} (ChunkSmem in the kernel): q, k, w [C][dk + 4]; v
+    [C][33]; A, QK [C][C + 1]; S [dk][32]; γ, β, e^γ, e^{γ_L−γ} [C] and e^{γ_L} (padded to 4)."""
+    C, P = CHUNK, dk + 4
+    return 4 * (3 * C * P + C * (CHUNK_COLS + 1) + 2 * C * (C + 1) + dk * CHUNK_COLS + 4 * C + 4)
+
+
+def chunked_supported(k, *, dk: int, dv: int) -> bool:
+    """Whether the chunked delta rule can run: dv in whole blocks of 32 columns, and its shared memory within
+    what this GPU gives one block (80 KB at dk = 128)."""
+    return (dk in DK_SUPPORTED and dv % CHUNK_COLS == 0
+            and chunked_smem_bytes(dk) <= k.gpu.info.max_smem_per_block_optin)
+
+
+def chunked_pays(k, *, dk: int, dv: int, nv: int, B: int = 1) -> bool:
+    """Whether `prefill` takes the chunked delta rule: where it can run and its blocks (one per 32 columns of a
+    head, one resident per SM: 250 registers a thread) fit one wave. Measured on the H200 at T = 4096, mixer per
+    layer: 35B (128 blocks) 3.00 -> 1.86 ms; 27B (192 blocks, two waves) 3.05 -> 3.59 ms (perf.md v8)."""
+    return chunked_supported(k, dk=dk, dv=dv) and (dv // CHUNK_COLS) * nv * B <= k.gpu.info.sm_count
+
+
 def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
            conv_state: int, ssm_state: int, slot: int, pos: int, B: int, T: int, nk: int, nv: int, dk: int, dv: int,
-           Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
+           Kc: int, eps: float, out: int, scratch: int, stream=None, chunked: bool = False) -> None:
     """The DeltaNet mixer for B sequences × T tokens (any T; fast for T = 1..8), token by token in order.
 
     mixed fp32 [B·T, ld_mixed]: [q | k | v | z] (the fused in_proj_qkv|in_proj_z output; row b·T + t);
@@ -93,20 +118,29 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
     ssm_state fp32 [slots, nv, dk, dv]; slot, pos int32 [B] (sequence b's first new token is at position pos[b]).
     Both states are updated in place.
     out fp32 [B·T, nv·dv] = gated_rms_norm(o, z, norm_w, eps); scratch: decode_scratch_bytes(B·T, conv_dim).
-    Three launches on `stream`: conv, recurrent delta rule, gated norm.
+    Three launches on `stream`: conv, delta rule (token by token; chunked=True: in chunks of CHUNK tokens, for
+    long T, where chunked_supported), gated norm.
     """
     conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
                       norm_w=norm_w, conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T,
                       nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc, out=out, scratch=scratch)
+    if chunked and not chunked_supported(k, dk=dk, dv=dv):  # before any launch
+        raise GpuError(f"deltanet: the chunked delta rule needs dv % {CHUNK_COLS} == 0 and "
+                       f"{chunked_smem_bytes(dk)} B of shared memory per block (dv={dv}, dk={dk})")
     M = B * T
     conv_grid = ((conv_dim + CONV_THREADS - 1) // CONV_THREADS, B, -(-T // CONV_TOKENS))
     k.launch("deltanet_conv", conv_grid, CONV_THREADS,
              [ptr(mixed), i32(ld_mixed), ptr(conv_w), ptr(conv_state), ptr(slot), ptr(pos), i32(ring_rows(Kc)),
               ptr(scratch), i32(T), i32(conv_dim), i32(Kc)], 0, stream)
-    warps = _recurrent_warps(dv)
-    k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps,
-             [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
-              i32(nk), i32(nv), i32(dv)], 0, stream)
+    rule = [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
+            i32(nk), i32(nv), i32(dv)]
+    if chunked:
+        name, smem = f"deltanet_chunked_dk{dk}", chunked_smem_bytes(dk)
+        k.opt_in_smem(name, smem)
+        k.launch(name, (dv // CHUNK_COLS, nv, B), CHUNK_THREADS, rule, smem, stream)
+    else:
+        warps = _recurrent_warps(dv)
+        k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps, rule, 0, stream)
     k.launch("deltanet_gated_norm", ((M * nv + NORM_WARPS - 1) // NORM_WARPS,), 32 * NORM_WARPS,
              [ptr(out), ptr(mixed), i32(ld_mixed), i32(conv_dim), ptr(norm_w), i32(M), i32(nv), i32(dv),
               f32(eps)], 0, stream)
@@ -122,15 +156,14 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
             dv: int, Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
     """Prefill of one sequence (B = 1, long T); same arguments and result as `decode`.
 
-    For now this runs the decode kernels: the conv and the norm are parallel over tokens, but the delta rule
-    steps through the T tokens one after another (the next 16 tokens' inputs are prefetched while a pass
-    runs), so it is latency-bound; the chunked form (ops.gated_delta_rule_chunked) is not written yet.
+    The delta rule runs in chunks of CHUNK tokens (ops.gated_delta_rule_chunked) where chunked_pays, else
+    token by token as decode does; the conv and the norm are parallel over tokens either way.
     """
     if B != 1:
         raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")
     decode(k, mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv,
-           Kc=Kc, eps=eps, out=out, scratch=scratch, stream=stream)
+           Kc=Kc, eps=eps, out=out, scratch=scratch, stream=stream, chunked=chunked_pays(k, dk=dk, dv=dv, nv=nv))
 
 
 def step_supported(w_ba: DeviceWeight, *, T: int, dk: int, dv: int, Kc: int) -> bool:

@@ -263,7 +263,9 @@ class GpuModel:
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer)
             else:
                 self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
-                deltanet.decode(self.k, ba=b.ba, scratch=b.scratch, **mixer)
+                # one sequence's prompt chunk: the delta rule in chunks, not token by token
+                run = deltanet.prefill if B == 1 and T > deltanet.STEP_T else deltanet.decode
+                run(self.k, ba=b.ba, scratch=b.scratch, **mixer)
             self._linear(W(d + "out_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
         post = P(p + "post_attention_layernorm.weight")
         if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)

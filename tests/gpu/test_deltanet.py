@@ -1,20 +1,23 @@
-"""kernels/deltanet.cu against the reference DeltaNet ops, over several consecutive steps so the state carries.
+"""kernels/deltanet.cu and deltanet_chunked.cu against the reference DeltaNet ops, over several consecutive
+steps so the state carries.
 
 Oracle: per sequence, exactly what ninfer_rt.reference.model.GatedDeltaNet does between its projections:
-ops.causal_conv1d_step (T = 1) or ops.causal_conv1d, ops.gated_delta_rule_recurrent (the recurrent form is
-the oracle for every T: the chunked form equals it and the kernels are recurrent), ops.gated_rms_norm; in
-torch fp32 on the CPU, with the reference's own state tensors carried from step to step. The reference conv
-state is [conv_dim, Kc-1]; the device one is a ring [slots, ring, conv_dim] holding position p in row p % ring
-(positions < 0 read as zero). `deltanet.step` (one launch for T <= 8) also computes b|a from the layer input:
-its oracle is ops.rms_norm_zc(x) @ W_baᵀ in torch fp32 on the exact bf16 weights, then the same chain.
+ops.causal_conv1d_step (T = 1) or ops.causal_conv1d, ops.gated_delta_rule_recurrent (the recurrent form is the
+oracle for every T: the chunked form equals it, so the chunked prefill kernel must too), ops.gated_rms_norm; in
+torch fp32 on the CPU, with the reference's own state tensors carried from step to step. The reference conv state
+is [conv_dim, Kc-1]; the device one is a ring [slots, ring, conv_dim] holding position p in row p % ring
+(positions < 0 read as zero). `deltanet.step` (one launch for T <= 8) also computes b|a from the layer input: its
+oracle is ops.rms_norm_zc(x) @ W_baᵀ in torch fp32 on the exact bf16 weights, then the same chain.
 
-Tolerance: both sides compute in fp32 (the kernels with fast-math exp/rsqrt/division), so per-element
-differences are ~1e-6 relative and do not grow with steps (the decay is <= 1). We allow
-|got - ref| <= 1e-4 · (|ref| + rms(ref)): the rms floor stops near-zero elements from failing on absolute
-noise. The conv state holds copies of inputs, so it must match bit for bit, ring rows a step does not own must keep
-their bits, and slots not in `slot` must be left bit-for-bit untouched. For `step`, b|a differ from the
-oracle's by the order of a length-H fp32 dot (~sqrt(H)·2^-24 relative to |b|, |a| ~ 1 here: < 1e-5), which
-moves β and e^g by less than that and stays well inside the same 1e-4.
+Tolerance: both sides compute in fp32 (the kernels with fast-math exp/rsqrt/division), so per-element differences
+are ~1e-6 relative and do not grow with steps (the decay is <= 1). We allow |got - ref| <= 1e-4 · (|ref| +
+rms(ref)): the rms floor stops near-zero elements from failing on absolute noise. The chunked prefill sums in a
+different order (dot products over a chunk, a forward substitution through (I + A)): emulated in fp32 against the
+float64 recurrent form it stays below 3e-6 relative on these shapes, inside the same bound. The conv state holds
+copies of inputs, so it must match bit for bit, ring rows a step does not own must keep their bits, and slots not
+in `slot` must be left bit-for-bit untouched. For `step`, b|a differ from the oracle's by the order of a length-H
+fp32 dot (~sqrt(H)·2^-24 relative to |b|, |a| ~ 1 here: < 1e-5), which moves β and e^g by less than that and stays
+well inside the same 1e-4.
 """
 
 from __future__ import annotations
@@ -212,11 +215,45 @@ def test_decode_long(kernels, dev, rng, dims, B, Ts):
     check_steps(kernels, dev, rng, dims, B, Ts)
 
 
-@pytest.mark.parametrize("T", [64, 130])
-@pytest.mark.parametrize("dims", ["35b", "tiny"])
+class _Recorder:
+    """A Kernels stand-in that records the entry points launched through it."""
+
+    def __init__(self, kernels):
+        self.k, self.gpu, self.names = kernels, kernels.gpu, []
+
+    def fn(self, name):
+        return self.k.fn(name)
+
+    def opt_in_smem(self, name, nbytes):
+        self.k.opt_in_smem(name, nbytes)
+
+    def launch(self, name, *args, **kw):
+        self.names.append(name)
+        self.k.launch(name, *args, **kw)
+
+
+@pytest.mark.parametrize("T", [9, 32, 64, 130])
+@pytest.mark.parametrize("dims", ["35b", "gva3", "tiny", "odd"])
 def test_prefill(kernels, dev, rng, dims, T):
-    """prefill of one sequence across 64-token chunk boundaries, then a decode step from its state."""
-    check_steps(kernels, dev, rng, dims, 1, (T, 1), modes=["prefill", "decode"], n_slots=3)
+    """prefill of one sequence (one partial chunk of 32, exactly one, two, several with a partial last one),
+    then a decode step from its state. dv % 32 == 0 (35b, gva3: their blocks fit one wave) runs the chunked
+    delta rule, the others the recurrent one; the test checks which ran."""
+    from ninfer_rt.gpu import deltanet
+    rec = _Recorder(kernels)
+    check_steps(rec, dev, rng, dims, 1, (T, 1), modes=["prefill", "decode"], n_slots=3)
+    d = DIMS[dims]
+    chunked = d["dv"] % deltanet.CHUNK_COLS == 0 and d["dv"] // 32 * d["nv"] <= kernels.gpu.info.sm_count
+    assert chunked == deltanet.chunked_pays(kernels, dk=d["dk"], dv=d["dv"], nv=d["nv"])
+    rule = f"deltanet_chunked_dk{d['dk']}" if chunked else f"deltanet_recurrent_dk{d['dk']}"
+    assert rec.names[:3] == ["deltanet_conv", rule, "deltanet_gated_norm"], rec.names
+
+
+@pytest.mark.parametrize("dims", ["35b", "gva3"])
+def test_prefill_in_pieces(kernels, dev, rng, dims):
+    """A prompt in several prefill calls (the engine's chunks), each starting from the state the last one left,
+    then decode: the chunked rule reads and writes the state slice of its columns only."""
+    check_steps(kernels, dev, rng, dims, 1, (45, 33, 100, 1, 2), modes=["prefill"] * 3 + ["decode"] * 2,
+                n_slots=4)
 
 
 @pytest.mark.parametrize("Ts", [(1, 1, 1), (8, 2), (3, 1)], ids=lambda t: "T" + "-".join(map(str, t)))
@@ -246,6 +283,8 @@ def test_bad_arguments(kernels):
             deltanet.decode(kernels, **{**good, **change})
     with pytest.raises(GpuError):
         deltanet.prefill(kernels, **{**good, "B": 2})
+    with pytest.raises(GpuError, match="chunked"):  # dv = 24: not whole blocks of 32 columns
+        deltanet.decode(kernels, **{**good, "dv": 24, "ld_mixed": 2 * 2 * 16 + 2 * 4 * 24, "chunked": True})
     from ninfer_rt.gpu.weights import DeviceWeight
     step = {k: v for k, v in good.items() if k not in ("ba", "scratch")}
     step.update(x=1, H=64, in_norm_w=1, eps_in=EPS, w_ba=DeviceWeight("ba", "bf16", (8, 64), 1))
