@@ -80,6 +80,29 @@ class Dev:
         self.ptrs.clear()
 
 
+class Recorder:
+    """A Kernels stand-in that runs every launch and records its entry point, so a test can check which
+    kernels a wrapper chose."""
+
+    def __init__(self, kernels):
+        self.k, self.gpu, self.names = kernels, kernels.gpu, []
+
+    def fn(self, name):
+        return self.k.fn(name)
+
+    def opt_in_smem(self, name, nbytes):
+        self.k.opt_in_smem(name, nbytes)
+
+    def launch(self, name, *args, **kw):
+        self.names.append(name)
+        self.k.launch(name, *args, **kw)
+
+
+@pytest.fixture
+def recorder(kernels):
+    return Recorder(kernels)
+
+
 @pytest.fixture
 def dev(gpu):
     d = Dev(gpu)

@@ -410,28 +410,11 @@ def _rows(dims: str, T: int) -> int:
     return T * (nH // nKV)
 
 
-class _Recorder:
-    """A Kernels stand-in that records the entry points launched through it."""
-
-    def __init__(self, kernels):
-        self.k, self.gpu, self.names = kernels, kernels.gpu, []
-
-    def fn(self, name):
-        return self.k.fn(name)
-
-    def opt_in_smem(self, name, nbytes):
-        self.k.opt_in_smem(name, nbytes)
-
-    def launch(self, name, *args, **kw):
-        self.names.append(name)
-        self.k.launch(name, *args, **kw)
-
-
-def test_decode_path_choice(kernels, gpu, dev, rng, monkeypatch):
+def test_decode_path_choice(kernels, gpu, dev, rng, monkeypatch, recorder):
     """T·(nH/nKV) <= _FAST_MAX_ROWS runs attention_decode.cu's kernels, more rows (or _FAST_MAX_ROWS = 0) the
     tensor-core ones of attention.cu; both give the oracle's result."""
     from ninfer_rt.gpu import attention
-    rec = _Recorder(kernels)
+    rec = recorder
     _run_decode(rec, gpu, dev, rng, "tiny", "int8", [5, 40], 8, [64], 64)
     assert rec.names == ["attn_decode_fast_int8_d32", "attn_combine_fast"], rec.names
     rec.names.clear()

@@ -215,31 +215,14 @@ def test_decode_long(kernels, dev, rng, dims, B, Ts):
     check_steps(kernels, dev, rng, dims, B, Ts)
 
 
-class _Recorder:
-    """A Kernels stand-in that records the entry points launched through it."""
-
-    def __init__(self, kernels):
-        self.k, self.gpu, self.names = kernels, kernels.gpu, []
-
-    def fn(self, name):
-        return self.k.fn(name)
-
-    def opt_in_smem(self, name, nbytes):
-        self.k.opt_in_smem(name, nbytes)
-
-    def launch(self, name, *args, **kw):
-        self.names.append(name)
-        self.k.launch(name, *args, **kw)
-
-
 @pytest.mark.parametrize("T", [9, 32, 64, 130])
 @pytest.mark.parametrize("dims", ["35b", "gva3", "tiny", "odd"])
-def test_prefill(kernels, dev, rng, dims, T):
+def test_prefill(kernels, dev, rng, recorder, dims, T):
     """prefill of one sequence (one partial chunk of 32, exactly one, two, several with a partial last one),
     then a decode step from its state. dv % 32 == 0 (35b, gva3: their blocks fit one wave) runs the chunked
     delta rule, the others the recurrent one; the test checks which ran."""
     from ninfer_rt.gpu import deltanet
-    rec = _Recorder(kernels)
+    rec = recorder
     check_steps(rec, dev, rng, dims, 1, (T, 1), modes=["prefill", "decode"], n_slots=3)
     d = DIMS[dims]
     chunked = d["dv"] % deltanet.CHUNK_COLS == 0 and d["dv"] // 32 * d["nv"] <= kernels.gpu.info.sm_count
