@@ -233,8 +233,6 @@ def _fast_smem(d: int, dtype: str) -> int:
     return 8 * d * 4 + 4 * ns * 16 * rb + 4 * 8 * 8 * 4 + 4 * ns * 16 * 4 + 4 * 8 * 8
 
 
-
-
 def _fast_path(k, rows: int, d: int, dtype: str) -> int:
     """The CUDA-core decode's dynamic shared memory when it takes these `rows` query rows per kv head (opting its
     kernel in above 48 KiB once per Kernels object), or 0 for the tensor-core path."""

@@ -29,9 +29,8 @@ class GpuBackend:
         spec = artifact.spec
         self.weights = load_artifact(self.gpu, artifact, progress=progress)
         max_ctx = min(max_ctx, spec.max_position_embeddings)
-        chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=1, max_ctx=max_ctx,
-                              kv_dtype=kv_dtype, **chunk)
+                              kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
         self.use_graphs = use_graphs
 
     def new_cache(self) -> GpuCache:

@@ -147,8 +147,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     # the longest context decodes its last position: 262144 means 262143 cached tokens plus the new one
     decode_contexts = [min(c, spec.max_position_embeddings - 1) for c in decode_contexts]
     max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
-    chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
-    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype, **chunk)
+    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype,
+                     prefill_chunk=prefill_chunk)
     for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros
         values = kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2)
         kind = "bytes" if kv_dtype == "int8" else "bf16"

@@ -106,7 +106,7 @@ class GpuModel:
     """The text model of `spec` on `gpu`, with `slots` sequences of up to `max_ctx` positions each."""
 
     def __init__(self, gpu: Gpu, kernels: Kernels, spec, weights: DeviceWeights, *, slots: int = 1,
-                 max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int = PREFILL_CHUNK,
+                 max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int | None = None,
                  sample_vocab: int | None = None, logit_rows: int | None = None):
         if kv_dtype not in ("int8", "bf16"):
             raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
@@ -114,6 +114,7 @@ class GpuModel:
             raise NinferError(f"context {max_ctx} is longer than the model's {spec.max_position_embeddings}")
         self.gpu, self.k, self.spec, self.w = gpu, kernels, spec, weights
         self.slots, self.max_ctx, self.kv_dtype = slots, max_ctx, kv_dtype
+        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         self.rows = max(prefill_chunk, slots * GEMV_MAX_ROWS)
         self.prefill_chunk = prefill_chunk
         s = spec

@@ -18,7 +18,6 @@ expert, kernels/moe_gemm.cu's tiles of 32 slots.
 
 from __future__ import annotations
 
-
 from ninfer_rt.formats import FORMATS
 from ninfer_rt.gpu.driver import GpuError, i32, ptr
 
