@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import replay_ms  # noqa: E402
 
-from ninfer_rt.formats import get_format, round_up, K_ALIGN  # noqa: E402
+from ninfer_rt.formats import f32_to_bf16_bits, get_format, round_up, K_ALIGN  # noqa: E402
 from ninfer_rt.gpu.driver import Event, Gpu, GpuError  # noqa: E402
 
 SHAPES = {"qkvg [9216, 2048]": (9216, 2048), "o_proj [2048, 4096]": (2048, 4096)}
@@ -55,9 +55,9 @@ def time_gemm(gpu, k, w, M: int, reps: int) -> float:
     from ninfer_rt.gpu import gemm
 
     N, K = w.shape
-    x, y = gpu.alloc(M * K * 4), gpu.alloc(M * N * 4)
+    x, y = gpu.alloc(M * K * 2), gpu.alloc(M * N * 4)
     try:
-        gpu.upload(x, np.random.default_rng(1).standard_normal((M, K), dtype=np.float32))
+        gpu.upload(x, f32_to_bf16_bits(np.random.default_rng(1).standard_normal((M, K), dtype=np.float32)))
         for _ in range(3):
             gemm.gemm(k, w, x=x, M=M, y=y)
         start, stop = Event(), Event()
@@ -85,8 +85,8 @@ def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, 
     E, top_k, I, H = MOE["E"], MOE["top_k"], MOE["I"], MOE["H"]
     ids = np.argsort(rng.random((M, E)), axis=1)[:, :top_k].astype(np.int32)
     wts = rng.uniform(0, 1, (M, top_k)).astype(np.float32)
-    x = rng.standard_normal((M, H), dtype=np.float32)
-    bufs = [gpu.alloc(n) for n in (x.nbytes, ids.nbytes, wts.nbytes, M * top_k * I * 4, M * H * 4,
+    x = f32_to_bf16_bits(rng.standard_normal((M, H), dtype=np.float32))
+    bufs = [gpu.alloc(n) for n in (x.nbytes, ids.nbytes, wts.nbytes, M * top_k * I * 2, M * H * 4,
                                    gemm.moe_scratch_bytes(M, top_k, E))]
     xp, ip, wp, ap, yp, sp = bufs
     try:
@@ -156,7 +156,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     Ms = [int(m) for m in args.M.split(",")]
     rows = []
-    table = Table(title=f"gemm.gemm on {gpu.info.name} (fp32 x/y, bf16 mma.sync)")
+    table = Table(title=f"gemm.gemm on {gpu.info.name} (bf16 x, fp32 y, bf16 mma.sync)")
     for col in ("format", "shape", "M", "ms", "TFLOP/s"):
         table.add_column(col, justify="left" if col in ("format", "shape") else "right")
     for fmt in ([] if args.no_dense else args.formats.split(",")):

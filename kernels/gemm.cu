@@ -5,26 +5,28 @@
 //   grouped MoE (moe_sort, moe_gemm_<fmt>): the same tile over expert banks, rows gathered by routed slot
 //                            (reference ops.moe: gate_up + SwiGLU, then down weighted by the routing weight)
 //
-// Layouts: x fp32 [rows, ldx] (K valid columns, never read beyond), y fp32 [rows, ldy]; W in the artifact layout
-// (quant.cuh): integer planes qs / qh / scales with rows of Kp = round_up(K, 128), or bf16 [N, K] unpadded.
+// Layouts: x bf16 [rows, ldx] (K valid columns, never read beyond; ldx a multiple of 8), y fp32 [rows, ldy],
+// except swiglu: y bf16 [rows, ldy] (the down projection's input); W in the artifact layout (quant.cuh): integer
+// planes qs / qh / scales with rows of Kp = round_up(K, 128), or bf16 [N, K] unpadded.
 // Interleaved gate/up (docs/format.md): rows 32t..32t+15 are gate rows 16t.., rows 32t+16..32t+31 up rows 16t...
 //
 // Method: block tile 128 (N) × 128 (M) × 32 (K), 8 warps of 32 (N) × 64 (M), mma.sync m16n8k16 with A = W
-// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (4 stages; 3 for bf16)
-// copies the raw planes and the fp32 x tile into shared memory; each warp decodes its weight fragments straight
-// from the packed bytes and converts x to bf16 when it builds its B fragments.
+// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (5 to 8 stages, as many as
+// fit 96 KB) copies the raw planes and the bf16 x tile into shared memory; each warp decodes its weight fragments
+// straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh "Pairing").
 //   * Integer codes are exact in bf16; the fp16 group scale is applied in fp32 to each 32-wide partial sum
-//     (acc += s · Σ_32 q·x), so the only rounding besides fp32 accumulation is x → bf16 (relative ≤ 2^-8).
-//   * Each thread owns 8 consecutive k of a row per 32-wide chunk. The reduction does not care which logical
-//     k an element takes inside the mma, so the 8 are paired into bf16x2 registers in whatever order the
-//     format unpacks cheapest (PAIR_LO/PAIR_HI below), and x is paired the same way: A and B stay consistent.
+//     (acc += s · Σ_32 q·x), so besides fp32 accumulation nothing rounds (x arrives in bf16; swiglu rounds its
+//     output to bf16).
+//   * Each thread owns 8 consecutive k of a row per 32-wide chunk, in bf16x2 registers of consecutive pairs: its B
+//     fragment is x as staged (gemm.cuh "Pairing"), and the weight decoder builds A in the same order.
 #include "gemm.cuh"
 
 namespace {
 
 constexpr int BN = 128, BM = 128, BK = 32, THREADS = 256;
 constexpr int WARPS_N = 4;                   // warps along N; 2 along M; warp tile 32 (N) × 64 (M)
-constexpr int XS_STRIDE = BK * 4 + 16;       // bytes per staged x row: 16 B pad makes fragment loads conflict-free
+constexpr int XS_STRIDE = BK * 2;            // bytes per staged x row: a fragment load's 8-lane phase reads 2
+                                             // whole rows (128 contiguous bytes), so no pad is needed
 constexpr int RID_BYTES = BM * 12;           // per block row: x element offset (int64) and row id (int32)
 
 // Two blocks per SM where shared memory holds two (H100/H200: 228 KB), so registers are capped at 128.
@@ -35,27 +37,22 @@ constexpr int RID_BYTES = BM * 12;           // per block row: x element offset 
 #define GEMM_MIN_BLOCKS 1
 #endif
 
-// Per format (BITS 4, 5, 6, 8; 16 = raw bf16): bytes of one row's 32-wide chunk in each plane, and the stages.
+// Per format (BITS 4, 5, 6, 8; 16 = raw bf16): bytes of one row's 32-wide chunk in each plane, and the stages:
+// as many as fit 96 KB (up to 8), within sm_86/89/120's 99 KB per block and two blocks on an H100/H200 SM.
 // gemm.py mirrors SMEM (smem_bytes); the kernel traps if it is given less.
 template <int BITS>
 struct Traits {
     static constexpr bool SCALED = BITS != 16;
     static constexpr int QS = BITS == 16 ? 64 : (BITS == 8 ? 32 : 16);  // qs (or bf16 data) bytes per row chunk
     static constexpr int QH = BITS == 5 ? 4 : (BITS == 6 ? 8 : 0);      // qh bytes per row chunk
-    static constexpr int STAGES = BITS == 16 ? 3 : 4;                     // fits 99 KB (sm_86/89/120 limit)
     static constexpr int XS_BYTES = BM * XS_STRIDE;
     static constexpr int QS_BYTES = BN * QS;
     static constexpr int QH_BYTES = BN * QH;
     static constexpr int SC_BYTES = SCALED ? BN * 4 : 0;  // fp32 scale of each row for this chunk
     static constexpr int STAGE_BYTES = XS_BYTES + QS_BYTES + QH_BYTES + SC_BYTES;
+    static constexpr int FIT = (96 * 1024 - RID_BYTES) / STAGE_BYTES;
+    static constexpr int STAGES = FIT < 8 ? FIT : 8;
     static constexpr int SMEM = RID_BYTES + STAGES * STAGE_BYTES;
-    // bf16x2 register j of a thread's 8 consecutive k holds elements (PAIR_LO(j), PAIR_HI(j)) (low, high half)
-    static __device__ __forceinline__ constexpr int PAIR_LO(int j) {
-        return BITS == 16 ? 2 * j : (BITS == 8 ? (j & 1) + 4 * (j >> 1) : j);
-    }
-    static __device__ __forceinline__ constexpr int PAIR_HI(int j) {
-        return BITS == 16 ? 2 * j + 1 : (BITS == 8 ? (j & 1) + 4 * (j >> 1) + 2 : j + 4);
-    }
 };
 
 // ------------------------------------------------------------------------------------------------ the tile
@@ -67,7 +64,7 @@ template <int BITS, int GROUP>
 __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                           const __half* __restrict__ sc, int kp, long long w0, int N, int K,
                                           int n0,
-                                          const float* __restrict__ x, int ldx, float* __restrict__ y, int ldy,
+                                          const uint16_t* __restrict__ x, int ldx, float* __restrict__ y, int ldy,
                                           const float* __restrict__ row_scale, const int* __restrict__ rows,
                                           int count, int m0, int xdiv, int ydiv, int mode) {
     using T = Traits<BITS>;
@@ -91,7 +88,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     __syncthreads();
 
     // ---- what this thread copies each k-tile
-    // x: 4 chunks of 16 B: row (tid >> 3) + 32 i, bytes 16 (tid & 7) of the row's 128 (row offsets read from
+    // x: 2 chunks of 16 B: row (tid >> 2) + 64 i, bytes 16 (tid & 3) of the row's 64 (row offsets read from
     // shared memory each time: fewer live registers)
     // qs (or bf16 data): BN rows × QS bytes = QS/16 chunks per row
     constexpr int CPR = T::QS / 16, QS_CHUNKS = BN * CPR, QS_PER_THREAD = (QS_CHUNKS + THREADS - 1) / THREADS;
@@ -108,11 +105,11 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     auto load_tile = [&](int kt, int stage) {
         uint8_t* st = stages + stage * T::STAGE_BYTES;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = (tid >> 3) + 32 * i;
+        for (int i = 0; i < 2; ++i) {
+            const int r = (tid >> 2) + 64 * i;
             const long long off = xoff[r];
-            cp_async16(smem_addr(st + r * XS_STRIDE + 16 * (tid & 7)),
-                       x + (off >= 0 ? off + kt * BK + 4 * (tid & 7) : 0), off >= 0);
+            cp_async16(smem_addr(st + r * XS_STRIDE + 16 * (tid & 3)),
+                       x + (off >= 0 ? off + kt * BK + 8 * (tid & 3) : 0), off >= 0);
         }
 #pragma unroll
         for (int i = 0; i < QS_PER_THREAD; ++i) {
@@ -153,6 +150,9 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
 
     const int g = lane >> 2, t = lane & 3;
     const int wrow = (warp % WARPS_N) * 32, wcol = (warp / WARPS_N) * 64;
+    // 8-row blocks of this warp's 64 columns that hold a row: a grouped tile's last rows are often empty (an
+    // expert with 130 slots fills 2 rows of its second tile), and their mma work is skipped (warp-uniform)
+    const int jn = min(8, max(0, (min(BM, count - m0) - wcol + 7) >> 3));
     float acc[2][8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -174,47 +174,48 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
             if (nt + 1 < KT) sc_next = scale_of(nt + 1);
         }
 
-        const uint8_t* st = stages + (kt % S) * T::STAGE_BYTES;
-        const uint8_t* wq = st + T::XS_BYTES;
-        const uint8_t* wh = wq + T::QS_BYTES;
-        const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
-        uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
-        float s[2][2];
+        // one k-tile of mma work on this warp's first jmax 8-row blocks
+        auto mma_tile = [&](int jmax) {
+            const uint8_t* st = stages + (kt % S) * T::STAGE_BYTES;
+            const uint8_t* wq = st + T::XS_BYTES;
+            const uint8_t* wh = wq + T::QS_BYTES;
+            const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
+            uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
+            float s[2][2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wrow + 16 * i + 8 * h + g;
-                decode_row<BITS>(wq, wh, row, t, a[i][h]);
-                if constexpr (T::SCALED) s[i][h] = scs[row];
-            }
+                for (int h = 0; h < 2; ++h) {
+                    const int row = wrow + 16 * i + 8 * h + g;
+                    decode_row<BITS>(wq, wh, row, t, a[i][h]);
+                    if constexpr (T::SCALED) s[i][h] = scs[row];
+                }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const uint8_t* xr = st + (wcol + 8 * j + g) * XS_STRIDE + 32 * t;  // x[m][8t .. 8t+7]
-            const float4 v0 = *reinterpret_cast<const float4*>(xr);
-            const float4 v1 = *reinterpret_cast<const float4*>(xr + 16);
-            const float f[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-            uint32_t b[4];
+            for (int j = 0; j < 8; ++j) {
+                if (j >= jmax) break;  // folds away when jmax is the constant 8
+                uint32_t b[4];
+                x_frag(st + (wcol + 8 * j + g) * XS_STRIDE + 16 * t, b);  // x[m][8t .. 8t+7]
 #pragma unroll
-            for (int p = 0; p < 4; ++p) b[p] = pack_bf16x2(f[T::PAIR_LO(p)], f[T::PAIR_HI(p)]);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
-                // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
-                if constexpr (T::SCALED) {
-                    float p[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_bf16(p, a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
-                    mma_bf16(p, a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
-                    acc[i][j][0] = fmaf(s[i][0], p[0], acc[i][j][0]);
-                    acc[i][j][1] = fmaf(s[i][0], p[1], acc[i][j][1]);
-                    acc[i][j][2] = fmaf(s[i][1], p[2], acc[i][j][2]);
-                    acc[i][j][3] = fmaf(s[i][1], p[3], acc[i][j][3]);
-                } else {
-                    mma_bf16(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
-                    mma_bf16(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                for (int i = 0; i < 2; ++i) {
+                    // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
+                    // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
+                    if constexpr (T::SCALED) {
+                        float p[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_bf16(p, a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                        mma_bf16(p, a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                        acc[i][j][0] = fmaf(s[i][0], p[0], acc[i][j][0]);
+                        acc[i][j][1] = fmaf(s[i][0], p[1], acc[i][j][1]);
+                        acc[i][j][2] = fmaf(s[i][1], p[2], acc[i][j][2]);
+                        acc[i][j][3] = fmaf(s[i][1], p[3], acc[i][j][3]);
+                    } else {
+                        mma_bf16(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                        mma_bf16(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                    }
                 }
             }
-        }
+        };
+        if (jn == 8) mma_tile(8);  // full tiles: the branch-free copy
+        else if (jn > 0) mma_tile(jn);  // jn = 0: no row in this warp's columns, it only copies
     }
     cp_async_wait<0>();
 
@@ -230,10 +231,9 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                 const int nb = n0 + wrow;  // 32-row block: gate tile i = 0, up tile i = 1
                 if (nb >= N) continue;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float gate = acc[0][j][2 * h + cm], up = acc[1][j][2 * h + cm];
-                    yr[nb / 2 + g + 8 * h] = siluf_(gate) * up;
-                }
+                for (int h = 0; h < 2; ++h)
+                    store_act(y, (size_t)(id / ydiv) * ldy + nb / 2 + g + 8 * h, acc[0][j][2 * h + cm],
+                              acc[1][j][2 * h + cm]);
                 continue;
             }
             const float rs = row_scale ? row_scale[id] : 1.f;
@@ -256,11 +256,12 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
 // ------------------------------------------------------------------------------------------------ entry points
 
 // Dense: grid (ceil(N / 128), ceil(M / 128)), block 256, dynamic smem Traits<BITS>::SMEM.
-// mode 0 store, 1 add, 2 swiglu (N % 32 == 0, writes N/2 columns); row_scale may be null.
+// mode 0 store, 1 add, 2 swiglu (N % 32 == 0, writes N/2 bf16 columns); row_scale may be null.
 #define NINFER_GEMM_DENSE(name, BITS, GROUP)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
-        gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K, const float* x, \
-                    int ldx, float* y, int ldy, const float* row_scale, int M, int mode) { ninfer_pdl_begin();                      \
+        gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,              \
+                    const uint16_t* x, int ldx, float* y, int ldy, const float* row_scale, int M, int mode) {  \
+        ninfer_pdl_begin();                                                                                     \
         gemm_tile<BITS, GROUP>(qs, qh, sc, kp, 0, N, K, blockIdx.x * BN, x, ldx, y, ldy, row_scale, nullptr, M,  \
                                blockIdx.y * BM, 1, 1, mode);                                                    \
     }
@@ -272,8 +273,9 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
 #define NINFER_GEMM_MOE(name, BITS, GROUP)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)                                     \
         moe_gemm_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,          \
-                        const float* x, int ldx, float* y, int ldy, const float* row_scale, const int* order,   \
-                        const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) { ninfer_pdl_begin();       \
+                        const uint16_t* x, int ldx, float* y, int ldy, const float* row_scale, const int* order, \
+                        const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) {       \
+        ninfer_pdl_begin();                                                                                     \
         const int ty = blockIdx.y;                                                                              \
         if (ty >= __ldg(tile_start + E)) return;                                                                \
         const int e = expert_of_tile(tile_start, E, ty), first = __ldg(offsets + e);                           \

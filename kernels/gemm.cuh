@@ -18,11 +18,6 @@ __device__ __forceinline__ uint32_t bf2_fma(uint32_t a, uint32_t b, uint32_t c) 
     return d;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo, round to nearest even
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // D (16×8 fp32) += A (16×16 bf16, row-major) · B (16×8 bf16, col-major)
 __device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -35,23 +30,16 @@ __device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, u
 
 // ------------------------------------------------------------------------------------------------ decoding
 
-// bf16x2 register j of a thread's 8 consecutive k holds elements (pair_lo(j), pair_hi(j)) (low, high half) as
-// decode_row unpacks them (gemm.cu's Traits::PAIR_LO / PAIR_HI say the same)
-template <int BITS>
-__device__ __forceinline__ constexpr int pair_lo(int j) {
-    return BITS == 16 ? 2 * j : (BITS == 8 ? (j & 1) + 4 * (j >> 1) : j);
-}
-template <int BITS>
-__device__ __forceinline__ constexpr int pair_hi(int j) {
-    return BITS == 16 ? 2 * j + 1 : (BITS == 8 ? (j & 1) + 4 * (j >> 1) + 2 : j + 4);
-}
+// Pairing: bf16x2 register j of a thread's 8 consecutive k holds elements (2j, 2j+1), the low one in the low half,
+// for every format, so a B fragment is the 16 bytes of a staged bf16 x row as they are (x_frag) and decode_row
+// builds A in the same order. (The mma's own k order inside a fragment does not matter: it sums over k.)
 
 // bf16 constants (x2): 0x4300 = 128.0; OR-ing an integer u < 128 into its mantissa gives exactly 128 + u.
 constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u, BF2_16 = 0x41804180u;
 constexpr uint32_t BF2_NEG2304 = 0xC510C510u;  // -(16·128 + 256): see decode_row<8>
 
 // The 4 bf16x2 pairs of one row's 8 consecutive k (8t..8t+7 of the 32-wide chunk at `row` of the stage),
-// as exact codes (integer formats) or the stored bf16 values. Pairing per pair_lo / pair_hi.
+// as exact codes (integer formats) or the stored bf16 values, paired as above.
 template <int BITS>
 __device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh, int row, int t, uint32_t a[4]) {
     if constexpr (BITS == 16) {
@@ -64,33 +52,50 @@ __device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh,
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int b = 0; b < 2; ++b) {  // byte pair (b, b+2) of word h -> elements (4h+b, 4h+b+2)
-                const uint32_t lo = ((w[h] >> (8 * b)) & 0x000F000Fu) | BF2_MAGIC;
-                const uint32_t hi = ((w[h] >> (8 * b + 4)) & 0x000F000Fu) | BF2_MAGIC;
+            for (int b = 0; b < 2; ++b) {  // bytes 2b, 2b+1 of word h (elements 4h+2b, +1) -> bytes 0 and 2
+                const uint32_t e = __byte_perm(w[h], 0u, 0x4040u | (2u * b) | ((2u * b + 1u) << 8));
+                const uint32_t lo = (e & 0x000F000Fu) | BF2_MAGIC;
+                const uint32_t hi = ((e >> 4) & 0x000F000Fu) | BF2_MAGIC;
                 a[2 * h + b] = bf2_fma(lo, BF2_ONE, bf2_fma(hi, BF2_16, BF2_NEG2304));
             }
         }
     } else {
-        // element 8t+e sits in bits 4e..4e+3 of w; (w >> 4j) & 0x000F000F holds elements j and j+4
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t);
-        uint32_t hh = 0;  // high bits, spread so that (hh >> s·j) & mask lands them at bits 4.. and 20..
+        // element 8t+e sits in bits 4e..4e+3 of w: byte j holds elements 2j (low nibble) and 2j+1 (high nibble),
+        // brought to bits 0..3 and 16..19 by one byte permute of w and w >> 4
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t), w4 = w >> 4;
+        uint32_t hh[2] = {0u, 0u};  // high bits of elements 0..3 / 4..7, spread so that (hh >> s·j') & mask
+                                    // lands element 2j's at bits 4.. and element 2j+1's at bits 20..
         if constexpr (BITS == 5) {
             const uint32_t h = (*reinterpret_cast<const uint32_t*>(wh + row * 4) >> (8 * t)) & 0xFFu;
-            hh = (h << 4) | (h << 16);  // bit j -> bit 4 + j, bit j+4 -> bit 20 + j
+            hh[0] = (h << 4) | (h << 19);  // bit 2j -> 4 + 2j, bit 2j+1 -> 20 + 2j
         } else if constexpr (BITS == 6) {
             const uint32_t h =
                 (*reinterpret_cast<const uint32_t*>(wh + row * 8 + 4 * (t >> 1)) >> (16 * (t & 1))) & 0xFFFFu;
-            hh = (h << 4) | (h << 12);  // bits 2j,2j+1 -> 4+2j.., bits 2j+8.. -> 20+2j..
+            const uint32_t h1 = h >> 8;  // elements 4..7: h << 18 would push element 7's bits past bit 31
+            hh[0] = (h << 4) | (h << 18);  // bits 4j, 4j+1 -> 4 + 4j.., bits 4j+2.. -> 20 + 4j..
+            hh[1] = (h1 << 4) | (h1 << 18);
         }
         constexpr uint32_t NEG = BITS == 4 ? 0xC308C308u : (BITS == 5 ? 0xC310C310u : 0xC320C320u);  // -(128+off)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            uint32_t u = ((w >> (4 * j)) & 0x000F000Fu) | BF2_MAGIC;
-            if constexpr (BITS == 5) u |= (hh >> j) & 0x00100010u;
-            if constexpr (BITS == 6) u |= (hh >> (2 * j)) & 0x00300030u;
+            uint32_t u = (__byte_perm(w, w4, (uint32_t)j | ((4u + j) << 8)) & 0x000F000Fu) | BF2_MAGIC;
+            if constexpr (BITS == 5) u |= (hh[0] >> (2 * j)) & 0x00100010u;
+            if constexpr (BITS == 6) u |= (hh[j >> 1] >> (4 * (j & 1))) & 0x00300030u;
             a[j] = bf2_fma(u, BF2_ONE, NEG);
         }
     }
+}
+
+// The 4 bf16x2 B registers of one token's 8 consecutive k: the 16 bytes at xr of a staged bf16 x row, as they
+// are ((e0,e1) (e2,e3) (e4,e5) (e6,e7), the Pairing above).
+__device__ __forceinline__ void x_frag(const uint8_t* xr, uint32_t b[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(xr);
+    b[0] = v.x, b[1] = v.y, b[2] = v.z, b[3] = v.w;
+}
+
+// The SwiGLU epilogue's output: bf16, the input format of the down projection that reads it.
+__device__ __forceinline__ void store_act(float* y, size_t i, float gate, float up) {
+    reinterpret_cast<uint16_t*>(y)[i] = f32_to_bf16(siluf_(gate) * up);
 }
 
 // Expert e of a grouped launch owns the block rows tile_start[e] .. tile_start[e+1]-1 (upper-bound search).

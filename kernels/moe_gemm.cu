@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int SN = 128, TM = 32, SK = 128, S_THREADS = 256, S_STAGES = 3;
-constexpr int S_XSTRIDE = 32 * 4 + 16;   // bytes per staged x row of one chunk (16 B pad: conflict-free loads)
+constexpr int S_XSTRIDE = 32 * 2;        // bytes per staged bf16 x row of one chunk (no pad: see gemm.cu XS_STRIDE)
 constexpr int S_RID = TM * 12;           // per token: x element offset (int64) and slot id (int32)
 constexpr int RED_STRIDE = SN + 4;       // floats per token row of the reduction buffer (conflict-free writes)
 constexpr int RED_BYTES = 4 * TM * RED_STRIDE * 4;
@@ -51,7 +51,7 @@ struct STraits {
 template <int BITS, int GROUP>
 __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                            const __half* __restrict__ sc, int kp, long long w0, int N, int K,
-                                           int n0, const float* __restrict__ x, int ldx, float* __restrict__ y,
+                                           int n0, const uint16_t* __restrict__ x, int ldx, float* __restrict__ y,
                                            int ldy, const float* __restrict__ row_scale,
                                            const int* __restrict__ rows, int count, int m0, int xdiv, int ydiv,
                                            int mode) {
@@ -79,7 +79,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
     const size_t qh_row_bytes = (size_t)kp * (BITS - 4) / 8;
     constexpr int CPR = T::QS / 16;                              // 16-byte pieces per row chunk
     constexpr int QS_PER_THREAD = 4 * SN * CPR / S_THREADS;      // 2 (4, 5, 6 bits) or 4 (8 bits)
-    static_assert(4 * SN * CPR % S_THREADS == 0 && 4 * SN == 2 * S_THREADS && TM * 32 == 4 * S_THREADS, "tiling");
+    static_assert(4 * SN * CPR % S_THREADS == 0 && 4 * SN == 2 * S_THREADS && TM * 16 == 2 * S_THREADS, "tiling");
 
     // scale and qh items: v = tid + 256 i (i < 2) is chunk v & 3 of row v >> 2
     auto scale_of = [&](int kt, int i) -> float {
@@ -95,14 +95,14 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
     };
     auto load_tile = [&](int kt, int stage) {
         uint8_t* st = stages + stage * T::STAGE_BYTES;
-        // x: TM tokens × 4 chunks × 8 pieces of 16 B; v = tid + 256 i: token v >> 5, piece p = v & 31
+        // x: TM tokens × 4 chunks × 4 pieces of 16 B; v = tid + 256 i: token v >> 4, piece p = v & 15
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int v = tid + S_THREADS * i, r = v >> 5, p = v & 31, c = p >> 3;
+        for (int i = 0; i < 2; ++i) {
+            const int v = tid + S_THREADS * i, r = v >> 4, p = v & 15, c = p >> 2;
             const long long off = xoff[r];
             const bool ok = off >= 0 && kt * 4 + c < KC;
-            cp_async16(smem_addr(st + c * (TM * S_XSTRIDE) + r * S_XSTRIDE + 16 * (p & 7)),
-                       x + (ok ? off + (long long)kt * SK + 4 * p : 0), ok);
+            cp_async16(smem_addr(st + c * (TM * S_XSTRIDE) + r * S_XSTRIDE + 16 * (p & 3)),
+                       x + (ok ? off + (long long)kt * SK + 8 * p : 0), ok);
         }
         // qs: SN rows × 4 chunks × CPR pieces; v: row v / (4 CPR), chunk (v % (4 CPR)) / CPR, piece v % CPR
 #pragma unroll
@@ -141,6 +141,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
 
     const int g = lane >> 2, t = lane & 3;
     const int kg = warp & 3, wrow = (warp >> 2) * 64;  // this warp's chunk of each stage, first weight row
+    const int jn = min(4, (min(TM, count - m0) + 7) >> 3);  // 8-token blocks holding a token: the rest is skipped
     float acc[4][4][4];                                  // [16-row tile i][8-token block j][fragment c]
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -169,14 +170,8 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
             const float* scs = reinterpret_cast<const float*>(st + T::X_BYTES + T::QS_BYTES + T::QH_BYTES) + kg * SN;
             uint32_t b[4][4];  // [token block j][pair]: token 8j + g, k 8t .. 8t+7 of the chunk
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint8_t* xr = xs + (8 * j + g) * S_XSTRIDE + 32 * t;
-                const float4 v0 = *reinterpret_cast<const float4*>(xr);
-                const float4 v1 = *reinterpret_cast<const float4*>(xr + 16);
-                const float f[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-                for (int p = 0; p < 4; ++p) b[j][p] = pack_bf16x2(f[pair_lo<BITS>(p)], f[pair_hi<BITS>(p)]);
-            }
+            for (int j = 0; j < 4; ++j)
+                if (j < jn) x_frag(xs + (8 * j + g) * S_XSTRIDE + 16 * t, b[j]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 uint32_t a[2][4];  // rows g, g+8 of 16-row tile i
@@ -189,6 +184,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
+                    if (j >= jn) break;
                     float p[4] = {0.f, 0.f, 0.f, 0.f};
                     mma_bf16(p, a[0][0], a[1][0], a[0][1], a[1][1], b[j][0], b[j][1]);
                     mma_bf16(p, a[0][2], a[1][2], a[0][3], a[1][3], b[j][2], b[j][3]);
@@ -225,8 +221,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
             const int o = tid + S_THREADS * q, tok = o / (SN / 2), jo = o % (SN / 2);
             const int id = rid[tok], nb = 32 * (jo >> 4) + (jo & 15);
             if (id < 0 || n0 + 32 * (jo >> 4) >= N) continue;
-            const float gate = sum4(tok, nb), up = sum4(tok, nb + 16);
-            y[(size_t)(id / ydiv) * ldy + n0 / 2 + jo] = siluf_(gate) * up;
+            store_act(y, (size_t)(id / ydiv) * ldy + n0 / 2 + jo, sum4(tok, nb), sum4(tok, nb + 16));
         }
         return;
     }
@@ -243,8 +238,6 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
     }
 }
 
-static_assert(STraits<4>::SMEM == S_RID + 3 * (4 * TM * S_XSTRIDE + 4 * SN * 16 + 4 * SN * 4), "smem");
-
 }  // namespace
 
 // Grouped over an expert bank of E matrices of N rows (bank rows e·N ..): grid (token tiles >= tile_start[E],
@@ -255,7 +248,7 @@ static_assert(STraits<4>::SMEM == S_RID + 3 * (4 * TM * S_XSTRIDE + 4 * SN * 16 
 #define NINFER_MOE_SMALL(name, BITS, GROUP)                                                                     \
     extern "C" __global__ void __launch_bounds__(S_THREADS, SMALL_MIN_BLOCKS(BITS))                                  \
         moe_small_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K,         \
-                         const float* x, int ldx, float* y, int ldy, const float* row_scale, const int* order,  \
+                         const uint16_t* x, int ldx, float* y, int ldy, const float* row_scale, const int* order, \
                          const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) { ninfer_pdl_begin();      \
         const int tx = blockIdx.x;                                                                              \
         if (tx >= __ldg(tile_start + E)) return;                                                                \

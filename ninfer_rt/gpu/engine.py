@@ -86,6 +86,9 @@ class Buffers:
     rows: int
     x: int = 0
     h: int = 0
+    h16: int = 0      # bf16 copies of h, o and act_s: the prefill GEMMs' inputs (the decode GEMVs read fp32)
+    o16: int = 0
+    act_s16: int = 0
     mixed: int = 0
     ba: int = 0
     q: int = 0
@@ -179,18 +182,21 @@ class GpuModel:
         b.mixed = self._alloc(rows * self.mixed_cols * f)
         b.ba = self._alloc(rows * 2 * max(s.linear_num_value_heads, 1) * f)
         b.q = self._alloc(rows * s.num_attention_heads * s.head_dim * f)
-        b.o = self._alloc(rows * max(s.num_attention_heads * s.head_dim, s.value_dim) * f)
+        self.o_cols = max(s.num_attention_heads * s.head_dim, s.value_dim)
+        b.o = self._alloc(rows * self.o_cols * f)
+        b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
             b.router = self._alloc(rows * (E + 1) * f)
             b.ids, b.wts, b.sscale = self._alloc(rows * k * 4), self._alloc(rows * k * f), self._alloc(rows * f)
-            b.act = self._alloc(rows * k * s.moe_intermediate_size * f)
+            b.act = self._alloc(rows * k * s.moe_intermediate_size * f)  # fp32 (decode) or bf16 (prefill)
             self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
         else:
             self.ffn_cols = round_up(s.intermediate_size, 32)
         # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
-        b.act_s = self._alloc(rows * self.ffn_cols * f)
+        b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
+        self.gpu.memset(b.act_s16, 0, rows * self.ffn_cols * 2)
         b.tokens = self._alloc(rows * 4)
         b.logits = self._alloc(self.logit_rows * self.V * f)
         b.argmax = self._alloc(self.logit_rows * 4)
@@ -215,7 +221,7 @@ class GpuModel:
     def _linear(self, w, *, x: int, M: int, y: int, mode: str = "store", ldx: int | None = None,
                 ldy: int | None = None, row_scale: int = 0, norm_w: int = 0) -> None:
         """y (op)= W x: the fp32 GEMV for up to 8 rows (with the RMSNorm of x fused when norm_w is given), the
-        tensor-core GEMM above that (x must then be normalised already)."""
+        tensor-core GEMM above that (x must then be normalised already, and bf16)."""
         w = k_view(w)
         if M > GEMV_MAX_ROWS:
             assert not norm_w, "the GEMM path takes normalised input"
@@ -231,9 +237,9 @@ class GpuModel:
         if M <= GEMV_MAX_ROWS:
             src, nw = b.x, P(p + "input_layernorm.weight")
         else:
-            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=P(p + "input_layernorm.weight"),
-                          eps=s.rms_norm_eps)
-            src, nw = b.h, 0
+            misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=P(p + "input_layernorm.weight"),
+                          eps=s.rms_norm_eps, out="bf16")
+            src, nw = b.h16, 0
         if s.layer_types[i] == "full_attention":
             a = p + "self_attn."
             self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=src, M=M, y=b.mixed, ldy=self.qkvg_cols,
@@ -246,7 +252,8 @@ class GpuModel:
             attention.decode(self.k, q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot,
                              B=B, T=T, nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
                              ctx_bucket=ctx_bucket)
-            self._linear(W(a + "o_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
+            self._linear(W(a + "o_proj.weight"), x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M,
+                         y=b.x, mode="add")
         else:
             d = p + "linear_attn."
             cols = s.conv_dim + s.value_dim
@@ -267,13 +274,14 @@ class GpuModel:
                 # one sequence's prompt chunk: the delta rule in chunks, not token by token
                 run = deltanet.prefill if B == 1 and T > deltanet.STEP_T else deltanet.decode
                 run(self.k, ba=b.ba, scratch=b.scratch, **mixer)
-            self._linear(W(d + "out_proj.weight"), x=b.o, M=M, y=b.x, mode="add")
+            self._linear(W(d + "out_proj.weight"), x=self._o_input(M, s.value_dim), M=M, y=b.x, mode="add")
         post = P(p + "post_attention_layernorm.weight")
         if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)
             src, nw = b.x, post
         else:
-            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=post, eps=s.rms_norm_eps)
-            src, nw = b.h, 0
+            misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=post, eps=s.rms_norm_eps, out="bf16")
+            src, nw = b.h16, 0
+        act_s = b.act_s if M <= GEMV_MAX_ROWS else b.act_s16  # the shared / dense SwiGLU output
         m = p + "mlp."
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
@@ -282,21 +290,28 @@ class GpuModel:
             shared_gate_up = W(m + "shared_expert.{gate_proj,up_proj}.weight")
             if M > GEMV_MAX_ROWS:  # prefill: tokens grouped by expert, each expert's weights read once per tile
                 moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
-                gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=b.h, M=M,
+                gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=src, M=M,
                                  ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
-                self._linear(shared_gate_up, x=b.h, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols)
+                self._linear(shared_gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols)
             else:  # decode: both gate/up kernels normalise x themselves, so they run before down adds into x
                 moe.gate_up_routed(self.k, W(m + "experts.gate_up_proj"), x=b.x, norm_w=post, eps=s.rms_norm_eps,
                                    logits=b.router, ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
                 self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post)
                 moe.down(self.k, W(m + "experts.down_proj"), act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k,
                          y=b.x)
-            self._linear(W(m + "shared_expert.down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add",
+            self._linear(W(m + "shared_expert.down_proj.weight"), x=act_s, M=M, y=b.x, mode="add",
                          row_scale=b.sscale)
         else:
-            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=b.act_s, mode="swiglu",
+            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=act_s, mode="swiglu",
                          ldy=self.ffn_cols, norm_w=nw)
-            self._linear(W(m + "down_proj.weight"), x=b.act_s, M=M, y=b.x, mode="add")
+            self._linear(W(m + "down_proj.weight"), x=act_s, M=M, y=b.x, mode="add")
+
+    def _o_input(self, M: int, D: int) -> int:
+        """The mixer output o [M, D] as the next projection reads it: fp32 for the GEMV, bf16 for the GEMM."""
+        if M <= GEMV_MAX_ROWS:
+            return self.buf.o
+        misc.cast_bf16(self.k, x=self.buf.o, y=self.buf.o16, M=M, D=D)
+        return self.buf.o16
 
     def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str) -> None:
         """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
@@ -312,16 +327,18 @@ class GpuModel:
             return
         norm = self.w.param(LM + "norm.weight")
         if logit_rows == "all":
-            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps)
-            self._linear(self.lm_head, x=b.h, M=M, y=b.logits)
+            h, out = (b.h, "f32") if M <= GEMV_MAX_ROWS else (b.h16, "bf16")
+            misc.rms_norm(self.k, x=b.x, y=h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out=out)
+            self._linear(self.lm_head, x=h, M=M, y=b.logits)
             rows = M
         else:  # row b·T + T-1 of each sequence: a strided view of x
             last, ld = b.x + 4 * (T - 1) * self.H, T * self.H
             if B <= GEMV_MAX_ROWS:  # the final norm fused into the lm_head GEMV
                 self._linear(self.lm_head, x=last, M=B, y=b.logits, ldx=ld, norm_w=norm)
             else:
-                misc.rms_norm(self.k, x=last, y=b.h, M=B, D=self.H, w=norm, eps=s.rms_norm_eps, ldx=ld)
-                self._linear(self.lm_head, x=b.h, M=B, y=b.logits)
+                misc.rms_norm(self.k, x=last, y=b.h16, M=B, D=self.H, w=norm, eps=s.rms_norm_eps, ldx=ld,
+                              out="bf16")
+                self._linear(self.lm_head, x=b.h16, M=B, y=b.logits)
             rows = B
         misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
                     scratch=b.scratch)

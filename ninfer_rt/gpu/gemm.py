@@ -8,11 +8,12 @@
             (rows 32t..32t+15 gate rows 16t.., rows 32t+16..32t+31 up rows 16t..; row_scale ignored)
 
 with s_m = row_scale[m] (fp32 [M]) when given, else 1. W is a DeviceWeight [N, K] in one of the 12 integer
-formats or bf16; x fp32 [M, ldx] (only its first K columns are read), y fp32 [M, ldy].
+formats or bf16; x bf16 [M, ldx] (only its first K columns are read; misc.rms_norm(out="bf16") and
+misc.cast_bf16 make it), y fp32 [M, ldy], except swiglu: y bf16 [M, ldy], the input of the down projection.
 
-Numerics: x is rounded to bf16 (relative 2^-9) when staged; integer codes are exact in bf16 and each fp16 group
-scale multiplies, in fp32, the partial sum of its 32-wide chunk, so besides fp32 accumulation nothing else
-rounds. `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per
+Numerics: x arrives in bf16 (the decode GEMV reads fp32: the rounding, unit roundoff 2^-8, is prefill's only
+difference); integer codes are exact in bf16 and each fp16 group scale multiplies, in fp32, the partial sum
+of its 32-wide chunk, so besides fp32 accumulation nothing else rounds (swiglu then rounds its output to bf16). `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per
 expert, kernels/moe_gemm.cu's tiles of 32 slots.
 """
 
@@ -25,13 +26,14 @@ from ninfer_rt.gpu.driver import GpuError, i32, ptr
 BN = BM = 128
 BK = 32
 THREADS = 256
-XS_STRIDE = BK * 4 + 16
+XS_STRIDE = BK * 2          # bytes of one staged bf16 x row per k-tile
 RID_BYTES = BM * 12
+STAGE_BUDGET = 96 * 1024    # Traits::STAGES: as many stages as fit this, at most MAX_STAGES
+MAX_STAGES = 8
 MODES = {"store": 0, "add": 1, "swiglu": 2}
 MODE_ATOMIC_ADD = 3
 GRID_Y_MAX = 65535
 SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
-
 
 
 def _bits(fmt: str) -> int:
@@ -44,8 +46,8 @@ def smem_bytes(fmt: str) -> int:
     qs = 64 if bits == 16 else (32 if bits == 8 else 16)   # bytes of a row's 32-wide chunk
     qh = {5: 4, 6: 8}.get(bits, 0)
     scales = 0 if bits == 16 else BN * 4
-    stages = 3 if bits == 16 else 4
-    return RID_BYTES + stages * (BM * XS_STRIDE + BN * qs + BN * qh + scales)
+    stage = BM * XS_STRIDE + BN * qs + BN * qh + scales
+    return RID_BYTES + min(MAX_STAGES, (STAGE_BUDGET - RID_BYTES) // stage) * stage
 
 
 def _check_weight(w, what: str) -> None:
@@ -58,10 +60,11 @@ def _check_weight(w, what: str) -> None:
 
 
 def _check_x(x: int, ldx: int, K: int, what: str) -> None:
+    """x is bf16 [rows, ldx]: 16-byte aligned rows."""
     if not x or x % 16:
         raise GpuError(f"{what}: x={x:#x} must be a 16-byte aligned device pointer")
-    if ldx < K or ldx % 4:
-        raise GpuError(f"{what}: ldx={ldx} must be >= K={K} and a multiple of 4 (16-byte rows)")
+    if ldx < K or ldx % 8:
+        raise GpuError(f"{what}: ldx={ldx} must be >= K={K} and a multiple of 8 (16-byte bf16 rows)")
 
 
 def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
@@ -75,7 +78,7 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
          mode: str = "store", row_scale: int = 0, stream=None) -> None:
     """y (=, +=, swiglu) W·x for M rows of x; see the module docstring. Sizes are checked (GpuError).
 
-    Pointers are device addresses: x 16-byte aligned with ldx a multiple of 4; row_scale 0 for none.
+    Pointers are device addresses: x (bf16) 16-byte aligned with ldx a multiple of 8; row_scale 0 for none.
     ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0).
     """
     what = f"gemm({w.name})"
@@ -117,6 +120,7 @@ SORT_THREADS = 1024
 
 # moe_small_<fmt> (kernels/moe_gemm.cu): tile SMALL_BN weight rows × SMALL_TM routed slots, k stages of 128
 SMALL_BN, SMALL_TM, SMALL_STAGES = 128, 32, 3
+SMALL_XSTRIDE = 32 * 2      # bytes of one staged bf16 x row per 32-wide chunk
 # moe_grouped runs moe_small when the average routed slots per expert, M·top_k / E, is at most this
 MOE_SMALL_MAX_AVG = 96
 MOE_PATHS = ("auto", "small", "large")
@@ -127,7 +131,7 @@ def small_smem_bytes(fmt: str) -> int:
     bits = _bits(fmt)
     qs = 32 if bits == 8 else 16
     qh = {5: 4, 6: 8}.get(bits, 0)
-    stage = 4 * SMALL_TM * XS_STRIDE + 4 * SMALL_BN * (qs + qh + 4)
+    stage = 4 * SMALL_TM * SMALL_XSTRIDE + 4 * SMALL_BN * (qs + qh + 4)
     red = 4 * SMALL_TM * (SMALL_BN + 4) * 4
     return SMALL_TM * 12 + max(SMALL_STAGES * stage, red)
 
@@ -149,8 +153,8 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
 
     gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
-    down: bank [E, H, I]. x fp32 [M, ldx >= H]; ids int32 [M, top_k] (ids outside [0, E) are skipped);
-    weights fp32 [M, top_k]; y fp32 [M, ldy >= H], added into. act fp32 [M·top_k, I] receives the SwiGLU
+    down: bank [E, H, I]. x bf16 [M, ldx >= H]; ids int32 [M, top_k] (ids outside [0, E) are skipped);
+    weights fp32 [M, top_k]; y fp32 [M, ldy >= H], added into. act bf16 [M·top_k, I] receives the SwiGLU
     activation of each slot s = m·top_k + j; scratch is an int32 workspace of moe_scratch_bytes(M, top_k, E).
 
     Three launches: moe_sort groups the slots by expert; moe_gemm (swiglu) fills act; moe_gemm (down) adds

@@ -1,4 +1,5 @@
-"""Launch wrappers for the small op families: RMSNorm (kernels/norm.cu), arg-max and sampling (kernels/sampling.cu).
+"""Launch wrappers for the small op families: RMSNorm and the bf16 cast (kernels/norm.cu), arg-max and
+sampling (kernels/sampling.cu).
 
 Each wrapper takes the loaded Kernels first, then device pointers (ints) and sizes by keyword, validates the
 sizes (GpuError, one line), computes the launch shape and launches on `stream` (the context's stream if None).
@@ -52,22 +53,43 @@ def _rows(name: str, M: int, V: int, ld: int) -> None:
 # ------------------------------------------------------------------------------------------ RMSNorm
 
 def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
-             ldx: int | None = None, ldy: int | None = None, stream=None) -> None:
+             ldx: int | None = None, ldy: int | None = None, out: str = "f32", stream=None) -> None:
     """y[m] = x[m] · rsqrt(mean(x[m]²) + eps) · (1 + w) for m < M (ops.rms_norm_zc in fp32).
 
-    x [M, D] fp32 with row stride ldx (default D), y [M, D] fp32 with row stride ldy (default D), w [D] fp32.
-    y may be x (in place) when the strides are equal.
+    x [M, D] fp32 with row stride ldx (default D), w [D] fp32; y [M, D] with row stride ldy (default D),
+    fp32 (out="f32") or rounded to bf16 (out="bf16": the prefill GEMMs' input). y may be x (in place, fp32)
+    when the strides are equal.
     """
     ldx = D if ldx is None else ldx
     ldy = D if ldy is None else ldy
+    _need(out in ("f32", "bf16"), f"rms_norm: out={out!r} must be 'f32' or 'bf16'")
     _need(M >= 0 and 1 <= D < 2**31, f"rms_norm: bad size M={M}, D={D}")
     _need(ldx >= D and ldy >= D, f"rms_norm: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
     _need(bool(x and y and w), "rms_norm: x, y and w must be device pointers")
-    _need(x != y or ldx == ldy, f"rms_norm: in place needs ldx == ldy (got {ldx}, {ldy})")
+    _need(x != y or (ldx == ldy and out == "f32"), f"rms_norm: in place needs fp32 out and ldx == ldy "
+                                                   f"(got {out}, {ldx}, {ldy})")
     if M == 0:
         return
     block = min(1024, _round_up((D + 3) // 4, 32))
-    k.launch("rms_norm", M, block, [ptr(x), ptr(y), ptr(w), i32(D), i64(ldx), i64(ldy), f32(eps)], 0, stream)
+    k.launch("rms_norm" if out == "f32" else "rms_norm_bf16", M, block,
+             [ptr(x), ptr(y), ptr(w), i32(D), i64(ldx), i64(ldy), f32(eps)], 0, stream)
+
+
+def cast_bf16(k, *, x: int, y: int, M: int, D: int, ldx: int | None = None, ldy: int | None = None,
+              stream=None) -> None:
+    """y[m, :D] = x[m, :D] rounded to bf16 (nearest even; torch's .to(bfloat16)) for m < M.
+
+    x [M, D] fp32 with row stride ldx (default D); y [M, D] bf16 with row stride ldy (default D); no overlap.
+    """
+    ldx = D if ldx is None else ldx
+    ldy = D if ldy is None else ldy
+    _need(M >= 0 and 1 <= D < 2**31, f"cast_bf16: bad size M={M}, D={D}")
+    _need(ldx >= D and ldy >= D, f"cast_bf16: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
+    _need(bool(x and y), "cast_bf16: x and y must be device pointers")
+    if M == 0:
+        return
+    k.launch("cast_bf16", M, min(1024, _round_up((D + 3) // 4, 32)), [ptr(x), ptr(y), i32(D), i64(ldx), i64(ldy)],
+             0, stream)
 
 
 # ------------------------------------------------------------------------------------------ arg-max

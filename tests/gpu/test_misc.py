@@ -1,12 +1,13 @@
-"""GPU tests of kernels/norm.cu (RMSNorm) and kernels/sampling.cu (arg-max, sampling) through ninfer_rt.gpu.misc.
+"""GPU tests of kernels/norm.cu (RMSNorm, the bf16 cast) and kernels/sampling.cu (arg-max, sampling) through
+ninfer_rt.gpu.misc.
 
-RMSNorm is checked against the exact (fp64) definition and ops.rms_norm_zc; arg-max against numpy with NaN read
-as -inf; the sampler's final probabilities against ninfer_rt.sampling.Sampler.distribution (with top_k = 1024
-where the kernel's candidate cap applies), its draws against the host twin of the RNG (misc.sample_uniform) put
-through the inverse CDF, and its frequencies against a Bernstein bound. Inputs are fresh random data; outputs
-start poisoned (NaN bytes), and logits rows carry +inf padding past V, which would win if a kernel read it.
+RMSNorm is checked against the exact (fp64) definition and ops.rms_norm_zc, its bf16 output and the cast bit for
+bit against ninfer_rt.formats.f32_to_bf16_bits; arg-max against numpy with NaN read as -inf; the sampler's final
+probabilities against ninfer_rt.sampling.Sampler.distribution (with top_k = 1024 where the kernel's candidate cap
+applies), its draws against the host twin of the RNG (misc.sample_uniform) put through the inverse CDF, and its
+frequencies against a Bernstein bound. Inputs are fresh random data; outputs start poisoned (NaN bytes), and
+logits rows carry +inf padding past V, which would win if a kernel read it.
 """
-
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ import math
 import numpy as np
 import pytest
 
+from ninfer_rt.formats import f32_to_bf16_bits
 from ninfer_rt.gpu import misc
 from ninfer_rt.sampling import Sampler, SamplingParams
 
@@ -72,6 +74,48 @@ def test_rms_norm(kernels, dev, rng, D, layout):
     ref = ops.rms_norm_zc(torch.from_numpy(x[:, :D].copy()), torch.from_numpy(w), eps).numpy().astype(np.float64)
     rel_t = np.abs(got - ref) / np.abs(ref)
     assert rel_t.max() <= 5e-6, f"rms_norm vs ops.rms_norm_zc: worst rel {rel_t.max():.3g} at {np.argmax(rel_t)}"
+
+
+@pytest.mark.parametrize("D", [64, 2048])
+@pytest.mark.parametrize("layout", ["dense", "strided", "unaligned"])
+def test_rms_norm_bf16(kernels, dev, rng, D, layout):
+    """out="bf16" rounds the fp32 result to nearest even: bit for bit f32_to_bf16_bits of rms_norm's fp32 output
+    (checked above against fp64), on the same input and layouts; the padding past D keeps its bytes."""
+    M, eps = 5, 1e-6
+    ldx, ldy = {"dense": (D, D), "strided": (D + 4, D + 8), "unaligned": (D + 1, D + 3)}[layout]
+    x = np.full((M, ldx), np.nan, np.float32)
+    x[:, :D] = rng.standard_normal((M, D)) * 10.0 ** rng.uniform(-3, 3, size=(M, 1))
+    w = (rng.standard_normal(D) * 0.2).astype(np.float32)
+    xp, wp = dev.put(x), dev.put(w)
+    y32, y16 = dev.empty(M * D * 4), dev.empty(M * ldy * 2)
+    misc.rms_norm(kernels, x=xp, y=y32, M=M, D=D, w=wp, eps=eps, ldx=ldx)
+    misc.rms_norm(kernels, x=xp, y=y16, M=M, D=D, w=wp, eps=eps, ldx=ldx, ldy=ldy, out="bf16")
+    got = dev.get(y16, (M, ldy), np.uint16)
+    want = f32_to_bf16_bits(dev.get(y32, (M, D)))
+    bad = got[:, :D] != want
+    assert not bad.any(), f"rms_norm bf16 D={D} {layout}: {bad.sum()} elements differ, first at {_where(bad)}"
+    assert (got[:, D:] == 0xFFFF).all(), "rms_norm bf16 wrote past D"
+
+
+@pytest.mark.parametrize("layout", ["dense", "strided", "unaligned"])
+def test_cast_bf16(kernels, dev, rng, layout):
+    """Bit for bit f32_to_bf16_bits (torch's .to(bfloat16); NaN -> 0x7FC0) on normals of every scale, exact ties
+    (even and odd), subnormals, ±inf, NaN and values that round up to inf; the padding keeps its bytes."""
+    M, D = 6, 1000
+    ldx, ldy = {"dense": (D, D), "strided": (D + 4, D + 8), "unaligned": (D + 1, D + 3)}[layout]
+    v = (rng.standard_normal((M, D)) * 10.0 ** rng.uniform(-30, 30, (M, D))).astype(np.float32)
+    bits = v.view(np.uint32)
+    bits[0, :200] = (bits[0, :200] & 0xFFFF0000) | 0x8000  # ties: the kept lsb decides
+    bits[1, :100] = rng.integers(1, 0x800000, 100, dtype=np.uint32)  # subnormals
+    v[2, :6] = [np.inf, -np.inf, np.nan, 3.4e38, -3.39e38, 0.0]
+    x = np.full((M, ldx), np.nan, np.float32)
+    x[:, :D] = v
+    yp = dev.empty(M * ldy * 2)
+    misc.cast_bf16(kernels, x=dev.put(x), y=yp, M=M, D=D, ldx=ldx, ldy=ldy)
+    got = dev.get(yp, (M, ldy), np.uint16)
+    bad = got[:, :D] != f32_to_bf16_bits(v)
+    assert not bad.any(), f"cast_bf16 {layout}: {bad.sum()} elements differ, first at {_where(bad)}"
+    assert (got[:, D:] == 0xFFFF).all(), "cast_bf16 wrote past D"
 
 
 # ------------------------------------------------------------------------------------------ arg-max
