@@ -17,6 +17,8 @@
 //     outside the mma), and q and p are split into three bf16 terms (hi + mid + lo carries 24 bits), so every
 //     product is exact and only the fp32 accumulation rounds. For few query rows per kv head (decode, MTP verify)
 //     ninfer_rt/gpu/attention.py takes attention_decode.cu's CUDA-core kernels instead (same scratch layout).
+// attn_prefill_{bf16,int8}_d{D}: the same kernel with q and p rounded to bf16 (one term, as flash-attention
+//     kernels do): a third of the tensor work and of q's shared memory; p's rounding moves o by <= 2^-8 of Σ p|v|.
 //
 // Layouts (row-major):
 //   qkvg     fp32 [M, ld]: [q (nH*D) | k (nKV*D) | v (nKV*D) | gate (nH*D)]
@@ -223,7 +225,7 @@ __device__ __forceinline__ int tile_off(int row, int byte) {
     }
 }
 
-template <int D, bool I8>
+template <int D, bool I8, int TERMS>
 __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                             const unsigned char* __restrict__ vc, const float* __restrict__ ks,
                                             const float* __restrict__ vs, const int* __restrict__ pos,
@@ -231,7 +233,8 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                                             float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
                                             int max_ctx, int cs, int n_splits, float sc) {
     using C = Geo<D, I8>;
-    __shared__ __align__(16) unsigned char q_s[3 * 16 * C::QSTRIDE];  // [term][row][QSTRIDE] bf16
+    static_assert(TERMS == 1 || TERMS == 3, "q and p in one bf16 term or three");
+    __shared__ __align__(16) unsigned char q_s[TERMS * 16 * C::QSTRIDE];  // [term][row][QSTRIDE] bf16
     __shared__ __align__(16) unsigned char k_s[16 * C::RB];
     __shared__ __align__(16) unsigned char v_s[16 * C::RB];
     __shared__ __align__(16) float ksc_s[16], vsc_s[16];
@@ -313,7 +316,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
     issue(v_s, vsc_s, vbase, vsbase, k_begin);
     cp_async_commit();
 
-    // q of the 16 rows (zeros past R) -> three bf16 terms in shared memory, while the first tiles load
+    // q of the 16 rows (zeros past R) -> TERMS bf16 terms in shared memory, while the first tiles load
 #pragma unroll 4
     for (int idx = lane; idx < 16 * (D / 4); idx += 32) {
         const int r = idx / (D / 4), c4 = idx - r * (D / 4), rr = r0 + r;
@@ -327,8 +330,10 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
         split3(x.z, x.w, h23, m23, l23);
         unsigned char* dst = q_s + r * C::QSTRIDE + c4 * 8;
         *reinterpret_cast<uint2*>(dst) = make_uint2(h01, h23);
-        *reinterpret_cast<uint2*>(dst + 16 * C::QSTRIDE) = make_uint2(m01, m23);
-        *reinterpret_cast<uint2*>(dst + 32 * C::QSTRIDE) = make_uint2(l01, l23);
+        if constexpr (TERMS == 3) {
+            *reinterpret_cast<uint2*>(dst + 16 * C::QSTRIDE) = make_uint2(m01, m23);
+            *reinterpret_cast<uint2*>(dst + 32 * C::QSTRIDE) = make_uint2(l01, l23);
+        }
     }
 
     for (int kb = k_begin; kb < k_end; kb += 16) {
@@ -361,7 +366,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                 }
             }
 #pragma unroll
-            for (int term = 0; term < 3; ++term) {
+            for (int term = 0; term < TERMS; ++term) {
                 uint32_t qa[2][2 * C::KS];  // runs of rows g, g+8: word 2s -> reg0/1, word 2s+1 -> reg2/3
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -430,7 +435,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
         cp_async_wait<1>();  // this step's V (the next K may still be in flight)
         __syncwarp();
 
-        // ---- o += p v, with p (times the value scale for int8) split into three bf16 terms
+        // ---- o += p v, with p (times the value scale for int8) split into TERMS bf16 terms
         if constexpr (I8) {
             const float4 f = *reinterpret_cast<const float4*>(vsc_s + 4 * t4);
             const float vf[4] = {f.x, f.y, f.z, f.w};
@@ -469,7 +474,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                     b1 = __byte_perm(vw[2][w], vw[3][w], sel);
                 }
 #pragma unroll
-                for (int term = 0; term < 3; ++term) mma_bf16(o[a * C::E + u], pa[term], b0, b1);
+                for (int term = 0; term < TERMS; ++term) mma_bf16(o[a * C::E + u], pa[term], b0, b1);
             }
         }
         __syncwarp();  // every lane is done with v_s / vsc_s
@@ -522,27 +527,30 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                         ks, vs, slots, max_ctx, int8, q_out);                                                     \
     }
 
-#define NINFER_DECODE(NAME, D, I8)                                                                                \
+#define NINFER_DECODE(NAME, D, I8, TERMS)                                                                         \
     extern "C" __global__ void __launch_bounds__(32) NAME(                                                       \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
         int max_ctx, int cs, int n_splits, float sc) { ninfer_pdl_begin();                                                            \
-        decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs, n_splits,   \
-                           sc);                                                                                   \
+        decode_impl<D, I8, TERMS>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,      \
+                                  n_splits, sc);                                                                  \
     }
 
 NINFER_PREPARE(32)
 NINFER_PREPARE(64)
 NINFER_PREPARE(128)
 NINFER_PREPARE(256)
-NINFER_DECODE(attn_decode_bf16_d32, 32, false)
-NINFER_DECODE(attn_decode_bf16_d64, 64, false)
-NINFER_DECODE(attn_decode_bf16_d128, 128, false)
-NINFER_DECODE(attn_decode_bf16_d256, 256, false)
-NINFER_DECODE(attn_decode_int8_d32, 32, true)
-NINFER_DECODE(attn_decode_int8_d64, 64, true)
-NINFER_DECODE(attn_decode_int8_d128, 128, true)
-NINFER_DECODE(attn_decode_int8_d256, 256, true)
+#define NINFER_ATTN_KERNELS(KIND, TERMS)                                                                          \
+    NINFER_DECODE(attn_##KIND##_bf16_d32, 32, false, TERMS)                                                      \
+    NINFER_DECODE(attn_##KIND##_bf16_d64, 64, false, TERMS)                                                      \
+    NINFER_DECODE(attn_##KIND##_bf16_d128, 128, false, TERMS)                                                    \
+    NINFER_DECODE(attn_##KIND##_bf16_d256, 256, false, TERMS)                                                    \
+    NINFER_DECODE(attn_##KIND##_int8_d32, 32, true, TERMS)                                                       \
+    NINFER_DECODE(attn_##KIND##_int8_d64, 64, true, TERMS)                                                       \
+    NINFER_DECODE(attn_##KIND##_int8_d128, 128, true, TERMS)                                                     \
+    NINFER_DECODE(attn_##KIND##_int8_d256, 256, true, TERMS)
+NINFER_ATTN_KERNELS(decode, 3)
+NINFER_ATTN_KERNELS(prefill, 1)
 
 // grid (M, nH, Z), block 8*SJ (SJ = 4..32 split lanes): column blocks zb = z, z+Z, ... (32 columns each) of
 // out[m, h*D + i] =

@@ -3,7 +3,7 @@
 What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/reference/model.py GatedAttention):
   prepare  q/k RMSNorm (zero-centred) + partial NeoX RoPE; q -> fp32 buffer, k/v -> the KV cache (bf16 or int8)
   decode   causal GQA attention of B sequences × T new tokens against their cache slots, times sigmoid(gate)
-  prefill  the same for one sequence and a long T (for now it runs decode's kernels, which loop over query tiles)
+  prefill  the same for one sequence and a long T, with q and p rounded to bf16 on the tensor-core path
 
 Decode is split-KV (flash decoding) over the rows of one kv head, the (token, head-in-group) pairs, so K/V are read
 once for all its query heads; partials go to `scratch` and a second kernel merges them and applies the gate. The
@@ -14,7 +14,9 @@ split length depends only on (M, ctx_bucket), so a graph captured for a bucket r
       fp32 FMAs on CUDA cores; merged by attn_combine_fast.
   more rows (prefill), or a GPU without the shared memory it needs  kernels/attention.cu: one warp per (16 rows,
       split, sequence, kv head) on tensor cores, operands split into three bf16 terms; merged by attn_combine.
-Both match ops.gated_attention to fp32 accuracy and write the same scratch layout.
+Both match ops.gated_attention to fp32 accuracy and write the same scratch layout. prefill's tensor-core kernels
+(attn_prefill_*) round q and the softmax weights p to one bf16 term instead, as flash-attention kernels do: a
+third of the tensor work, each output within 2^-8 of its Σ p|v| scale of the result on bf16 q.
 """
 
 from __future__ import annotations
@@ -185,9 +187,10 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
 
 
 def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int,
-                     cache: KVCache, out: int, scratch: int, ctx_bucket: int) -> list[tuple]:
+                     cache: KVCache, out: int, scratch: int, ctx_bucket: int, exact: bool = True) -> list[tuple]:
     """decode()'s two launches, checked, as (entry point, grid, block, args, dynamic smem): the partials, then
-    their merge (bench/attention_bench.py times them apart)."""
+    their merge (bench/attention_bench.py times them apart). exact=False: the tensor-core path rounds q and p to
+    bf16 (attn_prefill_*)."""
     name = "attention.decode"
     _check_heads(name, nH, cache)
     _check_batch(name, B, T)
@@ -218,7 +221,8 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
                 ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb, 0)]
     n_qt = -(-(T * G) // _Q_ROWS)
     # with few splits one combine block covers all d columns
-    return [(f"attn_decode_{cache.dtype}_d{d}", (n_qt, ns, B * nKV), 32, args, 0),
+    kind = "decode" if exact else "prefill"
+    return [(f"attn_{kind}_{cache.dtype}_d{d}", (n_qt, ns, B * nKV), 32, args, 0),
             ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)]
 
 
@@ -254,11 +258,16 @@ def prefill_scratch_bytes(T: int, nH: int, d: int, ctx_bucket: int) -> int:
 
 def prefill(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, T: int, nH: int, cache: KVCache,
             out: int, scratch: int, ctx_bucket: int, stream=None) -> None:
-    """decode() for one sequence (B = 1) of T tokens, e.g. a prompt chunk: same arguments and result.
+    """decode() for one sequence (B = 1) of T tokens, e.g. a prompt chunk: same arguments, and the same result
+    up to bf16 rounding.
 
-    No separate flash-attention kernel yet: decode's kernels already tile the T·(nH/nKV) query rows over the
-    grid and skip keys past each tile's last position, at fp32 accuracy (about 3x the tensor work a bf16
-    flash kernel would do).
+    Where decode would take the tensor-core kernels (more than _FAST_MAX_ROWS rows per kv head), prefill takes
+    attn_prefill_*: the same tiling, with q and the softmax weights p rounded to bf16 (one term, not three), as
+    flash-attention kernels do; each output is then within 2^-8 (bf16's unit roundoff) of its Σ p|v| scale of
+    the result on bf16 q.
+    Fewer rows run decode's exact CUDA-core kernels.
     """
-    decode(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=1, T=T, nH=nH, cache=cache, out=out,
-           scratch=scratch, ctx_bucket=ctx_bucket, stream=stream)
+    for fn, grid, block, args, smem in _decode_launches(
+            k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=1, T=T, nH=nH, cache=cache, out=out,
+            scratch=scratch, ctx_bucket=ctx_bucket, exact=False):
+        k.launch(fn, grid, block, args, smem=smem, stream=stream)

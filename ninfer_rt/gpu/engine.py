@@ -249,9 +249,13 @@ class GpuModel:
                               rot=s.rotary_dim, pos=self.pos, slot=self.slot, B=B, T=T,
                               nH=s.num_attention_heads, eps=s.rms_norm_eps, cache=self.kv[i], q_out=b.q)
             gate = b.mixed + 4 * (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
-            attention.decode(self.k, q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot,
-                             B=B, T=T, nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
-                             ctx_bucket=ctx_bucket)
+            attend = dict(q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot, T=T,
+                          nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
+                          ctx_bucket=ctx_bucket)
+            if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
+                attention.prefill(self.k, **attend)
+            else:
+                attention.decode(self.k, B=B, **attend)
             self._linear(W(a + "o_proj.weight"), x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M,
                          y=b.x, mode="add")
         else:

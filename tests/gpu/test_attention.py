@@ -1,6 +1,6 @@
 """GPU tests of kernels/attention.cu and kernels/attention_decode.cu through ninfer_rt.gpu.attention: prepare (q/k
 norm + RoPE, KV cache write), decode (split-KV gated attention: the CUDA-core path for few rows per kv head and the
-tensor-core path, each forced where the other would run) and prefill.
+tensor-core path, each forced where the other would run) and prefill (q and p in bf16 on the tensor-core path).
 
 Oracles (torch fp32 on the CPU, same inputs): ops.rms_norm_zc, ops.rope_inv_freq / rope_cos_sin / apply_rope and
 ops.gated_attention. Cache rows are checked element by element: bf16 against f32_to_bf16_bits of the oracle's
@@ -110,12 +110,15 @@ def _oracle_attention(q, gate, K, V, pos, slot, T):
     return ref, scale
 
 
-def _check_attention(got, ref, scale, what):
+def _check_attention(got, ref, scale, what, p_bf16=False):
     """Tolerance: the kernel's products are exact (bf16 K/V times q and p split into three bf16 terms, which
     carry 24 bits) and it rounds only in fp32 accumulation (16-key mma steps, per-split running sums, the merge),
     like the fp32 oracle: both sit near 1e-7·scale. 1e-5·scale (+1e-6 of the row's largest scale) keeps a wide
-    margin while a missing or extra key (weight >= 1/S of the row) would still show."""
-    tol = 1e-5 * scale + 1e-6 * scale.max(-1, keepdims=True)
+    margin while a missing or extra key (weight >= 1/S of the row) would still show.
+    p_bf16 (attn_prefill_*, against the oracle on bf16 q): each weight p_j (times the int8 value scale) is rounded
+    to bf16 before the mma (unit roundoff 2^-8: |δp_j| <= 2^-8 p_j) while the normaliser sums the fp32 p_j, so
+    |δo| <= 2^-8·scale more."""
+    tol = (1e-5 + (2.0 ** -8 if p_bf16 else 0.0)) * scale + 1e-6 * scale.max(-1, keepdims=True)
     bad = ~(np.abs(got.astype(np.float64) - ref) <= tol)
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
@@ -138,7 +141,10 @@ def _run_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, buckets, max_ctx, f
     gate[:, :nH * d] = rng.standard_normal((M, nH * d))
     qp, gp = dev.put(q), dev.put(gate)
     pp, sp = dev.put(np.array(pos, np.int32)), dev.put(np.array(slot, np.int32))
-    ref, scale = _oracle_attention(q, gate[:, :nH * d], K, V, pos, slot, T)
+    # prefill's tensor-core kernels round q (and p) to bf16: their oracle takes q as the kernel rounds it
+    rounded = fn == "prefill" and _rows(dims, T) > attention._FAST_MAX_ROWS
+    q_in = bf16_bits_to_f32(f32_to_bf16_bits(q)) if rounded else q
+    ref, scale = _oracle_attention(q_in, gate[:, :nH * d], K, V, pos, slot, T)
     for bucket in buckets:
         out = dev.empty(M * nH * d * 4)
         scratch = dev.empty(attention.decode_scratch_bytes(M, nH, d, bucket))  # fresh NaNs: no stale partials
@@ -151,7 +157,7 @@ def _run_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, buckets, max_ctx, f
         got = dev.get(out, (M, nH * d))
         cs, ns = attention.decode_split(M, min(bucket, max_ctx))
         _check_attention(got, ref, scale, f"{fn} {dims} {dtype} pos={pos} T={T} bucket={bucket} "
-                                          f"(split {cs} x {ns})")
+                                          f"(split {cs} x {ns})", p_bf16=rounded)
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -314,8 +320,21 @@ def test_decode_split_boundary(kernels, gpu, dev, rng, dims, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("dims", ["35b", "tiny"])
 def test_prefill(kernels, gpu, dev, rng, dims, dtype):
-    """prefill (one sequence, long T) after a history, through the same kernels as decode."""
+    """prefill (one sequence, long T) after a history: attn_prefill_* (bf16 q and p) on 720 / 180 rows per kv
+    head; and T = 8 on "tiny" (16 rows), where prefill runs decode's exact CUDA-core kernels."""
     _run_decode(kernels, gpu, dev, rng, dims, dtype, [37], 90, [127, 300], 300, fn="prefill")
+    if dims == "tiny":
+        _run_decode(kernels, gpu, dev, rng, dims, dtype, [37], 8, [64], 64, fn="prefill")
+
+
+def test_prefill_kernels(kernels, gpu, dev, rng, recorder):
+    """Which kernels prefill launches: attn_prefill_* above _FAST_MAX_ROWS rows per kv head, decode's below."""
+    rec = recorder
+    _run_decode(rec, gpu, dev, rng, "tiny", "int8", [5], 40, [64], 64, fn="prefill")  # 80 rows per kv head
+    assert rec.names == ["attn_prefill_int8_d32", "attn_combine"], rec.names
+    rec.names.clear()
+    _run_decode(rec, gpu, dev, rng, "tiny", "bf16", [5], 9, [64], 64, fn="prefill")   # 18 rows
+    assert rec.names == ["attn_decode_fast_bf16_d32", "attn_combine_fast"], rec.names
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
