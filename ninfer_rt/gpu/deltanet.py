@@ -88,14 +88,14 @@ def _check(*, mixed, ld_mixed, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_s
 
 def chunked_smem_bytes(dk: int) -> int:
     """Dynamic shared memory of deltanet_chunked_dk{dk} (ChunkSmem in the kernel): q, k, w [C][dk + 4]; v
-    [C][33]; A, QK [C][C + 1]; S [dk][32]; γ, β, e^γ, e^{γ_L−γ} [C] and e^{γ_L} (padded to 4)."""
+    [C][33]; A, QK [C][C + 4]; S [dk][32]; γ, β, e^γ, e^{γ_L−γ} [C] and e^{γ_L} (padded to 4)."""
     C, P = CHUNK, dk + 4
-    return 4 * (3 * C * P + C * (CHUNK_COLS + 1) + 2 * C * (C + 1) + dk * CHUNK_COLS + 4 * C + 4)
+    return 4 * (3 * C * P + C * (CHUNK_COLS + 1) + 2 * C * (C + 4) + dk * CHUNK_COLS + 4 * C + 4)
 
 
 def chunked_supported(k, *, dk: int, dv: int) -> bool:
     """Whether the chunked delta rule can run: dv in whole blocks of 32 columns, and its shared memory within
-    what this GPU gives one block (80 KB at dk = 128)."""
+    what this GPU gives one block (81 KB at dk = 128)."""
     return (dk in DK_SUPPORTED and dv % CHUNK_COLS == 0
             and chunked_smem_bytes(dk) <= k.gpu.info.max_smem_per_block_optin)
 
