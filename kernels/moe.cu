@@ -11,10 +11,13 @@
 //                    shared_scale (written by block (m·k, 0) for row m). One launch instead of rms_norm, route
 //                    and gate_up; every block routes and normalises its own row.
 //   moe_down_<f>     act [M, k, I], ids, weights, down bank [E, H, I] -> y fp32 [M, H] +=
-//                    Σ_j weights[m, j] · (W_{ids[m, j]} act[m, j]), the k experts summed in order j = 0..k-1
+//                    Σ_j weights[m, j] · (W_{ids[m, j]} act[m, j]), the k experts summed in order j = 0..k-1;
+//                    then, when extra is given, y[m, n] += extra_scale[m] · extra[m, n] (one fma: the shared
+//                    expert's output times its gate, computed beside the routed experts)
 // <f> is any q{4,5,6,8}g{32,64,128} (quant.cuh) or bf16; expert e's rows are bank rows e·N .. e·N + N - 1.
 // Fast paths moe_gate_up[_routed]_t{1,2}_<q>, moe_down_t{1,2}_<q> for decode shapes (see "fast paths").
-// Matches ninfer_rt.reference.ops.moe without the shared expert (the engine adds it with the plain GEMV).
+// Matches ninfer_rt.reference.ops.moe without the shared expert (the engine computes it with the plain GEMVs and
+// moe_down adds it).
 // An expert id outside [0, E) makes its outputs NaN instead of reading out of bounds.
 #include "common.cuh"
 #include "moe_route.cuh"  // route_row, route_store, MOE_MAX_K, MOE_MAX_E
@@ -223,13 +226,20 @@ __device__ __forceinline__ void gate_up_impl(const uint8_t* qs, const uint8_t* q
 
 // ------------------------------------------------------------------------------------------------ down
 
+// y + routed sum, then + extra_scale[m] · extra[i] when there is an extra term (the shared expert)
+__device__ __forceinline__ float add_extra(float v, const float* __restrict__ extra,
+                                           const float* __restrict__ extra_scale, int m, long long i) {
+    return extra ? fmaf(extra_scale[m], extra[i], v) : v;
+}
+
 // Block (m, row tile): y[m, n0 .. n0 + 8) += Σ_j w_j · W_{e_j}[n] · act[m, j]. Every (expert, row) dot goes to
 // smem; one thread per row then sums the experts in order j = 0..k-1 (deterministic, no atomics).
 // Dynamic smem: act[m] as k vectors of I/32 padded chunks (k·I/32·33 floats).
 template <int BITS, int GROUP>
 __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                           int H, int I, const float* __restrict__ act, const int* __restrict__ ids,
-                                          const float* __restrict__ weights, int top_k, float* __restrict__ y) {
+                                          const float* __restrict__ weights, int top_k, float* __restrict__ y,
+                                          const float* __restrict__ extra, const float* __restrict__ extra_scale) {
     extern __shared__ float s_act[];
     __shared__ int s_e[MOE_MAX_K];
     __shared__ float s_w[MOE_MAX_K];
@@ -254,7 +264,8 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
         float total = 0.f;
         for (int j = 0; j < top_k; ++j)
             total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + threadIdx.x], total);
-        y[(long long)m * H + n0 + threadIdx.x] += total;
+        const long long i = (long long)m * H + n0 + threadIdx.x;
+        y[i] = add_extra(y[i] + total, extra, extra_scale, m, i);
     }
 }
 
@@ -420,7 +431,8 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
 template <int BITS, int GROUP, int T>
 __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                           int H, int I, const float* __restrict__ act, const int* __restrict__ ids,
-                                          const float* __restrict__ weights, int top_k, float* __restrict__ y) {
+                                          const float* __restrict__ weights, int top_k, float* __restrict__ y,
+                                          const float* __restrict__ extra, const float* __restrict__ extra_scale) {
     __shared__ int s_e[MOE_MAX_K];
     __shared__ float s_w[MOE_MAX_K];
     __shared__ float s_part[MOE_MAX_K * MOE_DOWN_ROWS];
@@ -428,8 +440,8 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
     const int n0 = blockIdx.y * MOE_DOWN_ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int half = lane >> 4, cl = lane & 15;
-    float* yp = y + (long long)m * H + n0 + tid;
-    const float y0 = tid < MOE_DOWN_ROWS ? *yp : 0.f;
+    const long long yi = (long long)m * H + n0 + tid;
+    const float y0 = tid < MOE_DOWN_ROWS ? y[yi] : 0.f;
     if (tid < top_k) {
         const int e = __ldg(ids + (long long)m * top_k + tid);
         s_e[tid] = (e >= 0 && e < E) ? e : -1;
@@ -473,7 +485,7 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
         float total = 0.f;
         for (int j = 0; j < top_k; ++j)
             total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + tid], total);
-        *yp = y0 + total;
+        y[yi] = add_extra(y0 + total, extra, extra_scale, m, yi);
     }
 }
 
@@ -497,8 +509,10 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_down_##name(                             \
         const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, const float* act, \
-        const int* ids, const float* weights, int top_k, float* y) { ninfer_pdl_begin();                      \
-        down_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                         \
+        const int* ids, const float* weights, int top_k, float* y, const float* extra,                        \
+        const float* extra_scale) {                                                                           \
+        ninfer_pdl_begin();                                                                                   \
+        down_impl<BITS, GROUP>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale);     \
     }
 
 NINFER_QFORMATS(MOE_ENTRY)
@@ -521,8 +535,9 @@ MOE_ENTRY(bf16, 16, 32)
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_down_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,       \
                            int I, const float* act, const int* ids, const float* weights, int top_k,          \
-                           float* y) { ninfer_pdl_begin();                                                    \
-        down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y);                      \
+                           float* y, const float* extra, const float* extra_scale) {                          \
+        ninfer_pdl_begin();                                                                                   \
+        down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale);  \
     }
 #define MOE_FAST_ENTRY(name, BITS, GROUP) MOE_FAST_ENTRY_T(name, BITS, GROUP, 1) MOE_FAST_ENTRY_T(name, BITS, GROUP, 2)
 

@@ -105,11 +105,16 @@ class Stream:
     def synchronize(self) -> None:
         _check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def wait(self, event: "Event") -> None:
+        """Later work on this stream waits for `event`'s last record (a graph edge while capturing)."""
+        _check(_driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
 
 class Event:
-    def __init__(self):
+    def __init__(self, timing: bool = True):
         d = _driver()
-        self.handle = _check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+        flags = d.CUevent_flags.CU_EVENT_DEFAULT if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = _check(d.cuEventCreate(flags), "cuEventCreate")
 
     def record(self, stream: Stream) -> None:
         _check(_driver().cuEventRecord(self.handle, stream.handle), "cuEventRecord")
@@ -201,10 +206,15 @@ class Gpu:
             a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             a.value.programmaticStreamSerializationAllowed = 1
             self._pdl_attr = a
-        self.stream = Stream(_check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+        self.stream = self.new_stream()
         self.allocated = 0
         self.peak_allocated = 0
         self._buffers: dict[int, int] = {}
+
+    def new_stream(self) -> Stream:
+        """A non-blocking stream of this context (the default one, or a side branch's)."""
+        d = _driver()
+        return Stream(_check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
 
     def make_current(self) -> None:
         _check(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")

@@ -32,7 +32,7 @@ import numpy as np
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
 from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe
-from ninfer_rt.gpu.driver import Gpu
+from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import DeviceWeights
 from ninfer_rt.gpu.weights import DeviceWeight
@@ -89,6 +89,7 @@ class Buffers:
     h16: int = 0      # bf16 copies of h, o and act_s: the prefill GEMMs' inputs (the decode GEMVs read fp32)
     o16: int = 0
     act_s16: int = 0
+    shared_y: int = 0  # decode: the shared expert's output, before its gate (moe.down adds it)
     mixed: int = 0
     ba: int = 0
     q: int = 0
@@ -141,6 +142,9 @@ class GpuModel:
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
         self.graphs: dict[tuple[int, int, int, str], object] = {}
+        # decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
+        self.side = gpu.new_stream()
+        self._fork, self._join = Event(timing=False), Event(timing=False)
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -190,6 +194,7 @@ class GpuModel:
             b.router = self._alloc(rows * (E + 1) * f)
             b.ids, b.wts, b.sscale = self._alloc(rows * k * 4), self._alloc(rows * k * f), self._alloc(rows * f)
             b.act = self._alloc(rows * k * s.moe_intermediate_size * f)  # fp32 (decode) or bf16 (prefill)
+            b.shared_y = self._alloc(GEMV_MAX_ROWS * self.H * f)
             self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
         else:
             self.ffn_cols = round_up(s.intermediate_size, 32)
@@ -219,16 +224,16 @@ class GpuModel:
     # ------------------------------------------------------------------------------------------- the step
 
     def _linear(self, w, *, x: int, M: int, y: int, mode: str = "store", ldx: int | None = None,
-                ldy: int | None = None, row_scale: int = 0, norm_w: int = 0) -> None:
+                ldy: int | None = None, row_scale: int = 0, norm_w: int = 0, stream=None) -> None:
         """y (op)= W x: the fp32 GEMV for up to 8 rows (with the RMSNorm of x fused when norm_w is given), the
         tensor-core GEMM above that (x must then be normalised already, and bf16)."""
         w = k_view(w)
         if M > GEMV_MAX_ROWS:
             assert not norm_w, "the GEMM path takes normalised input"
-            gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale)
+            gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, stream=stream)
         else:
             linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
-                        norm_eps=self.spec.rms_norm_eps)
+                        norm_eps=self.spec.rms_norm_eps, stream=stream)
 
     def _layer(self, i: int, B: int, T: int, ctx_bucket: int) -> None:
         s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
@@ -289,22 +294,31 @@ class GpuModel:
         m = p + "mlp."
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
-            self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router, norm_w=nw)
             routing = dict(ids=b.ids, weights=b.wts, shared_scale=b.sscale)
             shared_gate_up = W(m + "shared_expert.{gate_proj,up_proj}.weight")
+            shared_down = W(m + "shared_expert.down_proj.weight")
             if M > GEMV_MAX_ROWS:  # prefill: tokens grouped by expert, each expert's weights read once per tile
+                self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router)
                 moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
                 gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=src, M=M,
                                  ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
                 self._linear(shared_gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols)
-            else:  # decode: both gate/up kernels normalise x themselves, so they run before down adds into x
+                self._linear(shared_down, x=act_s, M=M, y=b.x, mode="add", row_scale=b.sscale)
+            else:
+                # decode: the shared expert needs only x, so it runs on the side stream beside the router and the
+                # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
+                self._fork.record(self.gpu.stream)
+                self.side.wait(self._fork)
+                self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post,
+                             stream=self.side)
+                self._linear(shared_down, x=b.act_s, M=M, y=b.shared_y, stream=self.side)
+                self._join.record(self.side)
+                self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router, norm_w=nw)
                 moe.gate_up_routed(self.k, W(m + "experts.gate_up_proj"), x=b.x, norm_w=post, eps=s.rms_norm_eps,
                                    logits=b.router, ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
-                self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post)
+                self.gpu.stream.wait(self._join)
                 moe.down(self.k, W(m + "experts.down_proj"), act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k,
-                         y=b.x)
-            self._linear(W(m + "shared_expert.down_proj.weight"), x=act_s, M=M, y=b.x, mode="add",
-                         row_scale=b.sscale)
+                         y=b.x, extra=b.shared_y, extra_scale=b.sscale)
         else:
             self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=act_s, mode="swiglu",
                          ldy=self.ffn_cols, norm_w=nw)

@@ -151,12 +151,15 @@ def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logit
     k.launch(name, grid, THREADS, args, smem, stream)
 
 
-def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k: int, y: int, stream=None) -> None:
+def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k: int, y: int, extra: int = 0,
+         extra_scale: int = 0, stream=None) -> None:
     """Down projections of the chosen experts, weighted and added to the residual stream.
 
     y[m, n] += Σ_j weights[m, j] · (W_{ids[m, j]}[n, :] · act[m, j, :]), the k terms summed in order
     j = 0..k-1 by one thread per element (deterministic, no atomics). w: the down bank [E, H, I];
     act fp32 [M, top_k, I]; ids int32 / weights fp32 [M, top_k]; y fp32 [M, H].
+    extra fp32 [M, H] with extra_scale fp32 [M] (both or neither): then y[m, n] = fma(extra_scale[m],
+    extra[m, n], y[m, n] + routed sum), the shared expert's output and gate added in the same pass.
     Grid (M, H/8): each block reads 8 rows of each of the row's top_k experts.
     """
     name = _kernel_name("down", w)
@@ -167,6 +170,8 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     if H // DOWN_ROWS > 65535:
         raise GpuError(f"moe.down: H={H} is too large for the grid (at most {65535 * DOWN_ROWS})")
     _check_ptrs("down", act=act, ids=ids, weights=weights, y=y)
+    if bool(extra) != bool(extra_scale):
+        raise GpuError("moe.down: extra and extra_scale come together (both device pointers, or neither)")
     t = I // 512
     if w.quantized and I == 512 * t and t in FAST_T and act % 16 == 0:
         name, smem = f"moe_down_t{t}_{w.fmt}", 0  # act read straight from global
@@ -174,5 +179,5 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
         smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(act), ptr(ids), ptr(weights),
-            i32(top_k), ptr(y)]
+            i32(top_k), ptr(y), ptr(extra), ptr(extra_scale)]
     k.launch(name, (M, H // DOWN_ROWS), THREADS, args, smem, stream)

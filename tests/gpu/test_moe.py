@@ -292,6 +292,17 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y_again)
     np.testing.assert_array_equal(dev.get(y_again, (M, H)), y1, err_msg="down is not deterministic")
 
+    # with the shared expert's output added in the same pass: fma(scale_m, extra, y + routed), where y + routed
+    # is the bits above (same kernel, same order), so one fp32 rounding: |δ| <= u·|result|
+    extra = rng.standard_normal((M, H)).astype(np.float32)
+    escale = rng.uniform(0, 1, M).astype(np.float32)
+    y_ex = put(dev, y0)
+    moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y_ex, extra=put(dev, extra),
+             extra_scale=put(dev, escale))
+    got_ex = dev.get(y_ex, (M, H))
+    want_ex = y1.astype(np.float64) + escale[:, None].astype(np.float64) * extra
+    assert_close(f"down + extra ({fmt_down})", got_ex, want_ex, U * np.abs(want_ex) * (1 + 2.0 ** -20))
+
     # ops.moe reads only the experts it routes to (checked equal to ours above)
     routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
     assert_close(f"routed MoE vs ops.moe ({fmt_gu}/{fmt_down})", diff, routed,
@@ -332,6 +343,9 @@ def test_misuse_raises(kernels):
         moe.down(kernels, DeviceWeight("b", "fp32", (8, 64, 64), 1), act=1, ids=1, weights=1, M=1, top_k=2, y=1)
     with pytest.raises(GpuError, match="multiples of 32"):
         moe.down(kernels, DeviceWeight("b", "q4g64", (8, 64, 48), 1), act=1, ids=1, weights=1, M=1, top_k=2, y=1)
+    with pytest.raises(GpuError, match="extra"):
+        moe.down(kernels, DeviceWeight("b", "q4g64", (8, 64, 64), 1), act=1, ids=1, weights=1, M=1, top_k=2, y=1,
+                 extra=1)
     with pytest.raises(GpuError, match="ld"):
         moe.route(kernels, logits=1, ld=8, M=1, E=8, top_k=2, ids=1, weights=1, shared_scale=1)
     with pytest.raises(GpuError, match="null"):
