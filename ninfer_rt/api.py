@@ -178,13 +178,24 @@ class Model:
         return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params))
 
     def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler) -> Iterator[int]:
-        """Prefill once, then one forward per token; records self.last_stats as it goes."""
+        """Prefill once, then one forward per token; records self.last_stats as it goes.
+
+        A backend that can draw the token itself (the GPU, for greedy or top-k sampling without penalties) does
+        so, and only the id comes back; otherwise the last row's logits are sampled here. The two draw from the
+        same distribution with different random streams, so a seed reproduces a run on the same device.
+        """
         stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
         history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
         cache = self._backend.new_cache()
+        params = sampler.params
+        on_device = getattr(self._backend, "can_sample", None) is not None and self._backend.can_sample(params)
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
 
         def step(new_ids: list[int]) -> int:
-            """Forward new_ids through the cache and sample the next token from the last row."""
+            """Forward new_ids through the cache and pick the next token from the last row."""
+            if on_device:
+                return self._backend.sample_next(np.asarray(new_ids, dtype=np.int64), cache, params, vocab=real,
+                                                 seed=seed, step=len(stats.token_ids))
             logits = self._backend.forward(np.asarray(new_ids, dtype=np.int64), cache, last_only=True)[-1]  # [V]
             logits[real:] = -np.inf  # padded vocabulary rows are never sampled
             return sampler.sample(logits, history, len(ids))

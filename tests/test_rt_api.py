@@ -160,6 +160,47 @@ def test_padded_rows_are_never_sampled(moe_model, monkeypatch):
         assert len(out) == 8 and max(out) < REAL_VOCAB
 
 
+class _DrawingBackend:
+    """The reference backend plus the GPU backend's draw-on-device interface, drawing the arg-max over the first
+    `vocab` ids of the uncached logits (an independent oracle), and recording each call's arguments."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def forward(self, ids, cache, last_only=False):
+        return self.inner.forward(ids, cache, last_only)
+
+    def can_sample(self, params: SamplingParams) -> bool:
+        return params.repetition_penalty == 1  # what the test below varies
+
+    def sample_next(self, ids, cache, params, *, vocab, seed, step):
+        self.calls.append((vocab, seed, step))
+        return int(np.argmax(self.inner.forward(ids, cache, last_only=True)[-1][:vocab]))
+
+
+def test_a_backend_that_draws_gets_the_vocab_seed_and_step(moe_model, monkeypatch):
+    """Where the backend can draw (the GPU), the loop hands it the real vocabulary, the run's seed and the index
+    of the token being drawn, and the tokens equal greedy decoding on the logits; where it cannot (a penalty),
+    the loop samples the logits itself."""
+    m, ids = moe_model, prompt_ids(20, seed=11)
+    want = list(m.generate_ids(ids, max_new_tokens=6, sampling=GREEDY))
+    drawing = _DrawingBackend(m._backend)
+    monkeypatch.setattr(m, "_backend", drawing)
+    got = list(m.generate_ids(ids, max_new_tokens=6, sampling=SamplingParams(greedy=True, seed=5)))
+    assert got == want and drawing.calls == [(REAL_VOCAB, 5, i) for i in range(6)]
+    drawing.calls.clear()
+    list(m.generate_ids(ids, max_new_tokens=3, sampling=SamplingParams(greedy=True)))
+    seeds = {c[1] for c in drawing.calls}
+    assert len(drawing.calls) == 3 and len(seeds) == 1 and 0 <= seeds.pop() < 2**63  # one fresh seed per run
+    drawing.calls.clear()
+    penalised = list(m.generate_ids(ids, max_new_tokens=4, sampling=SamplingParams(greedy=True,
+                                                                                   repetition_penalty=1.3)))
+    assert drawing.calls == [] and len(penalised) == 4
+
+
 def test_defaults_come_from_generation_config(moe_model):
     # the tiny generation_config.json says do_sample true, temperature 1.0, top_k 20, top_p 0.95
     d = moe_model.sampling_defaults

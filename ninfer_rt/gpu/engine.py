@@ -145,6 +145,9 @@ class GpuModel:
         # decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self.side = gpu.new_stream()
         self._fork, self._join = Event(timing=False), Event(timing=False)
+        # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
+        self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
+        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(1), misc.argmax_scratch_bytes(1)))
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -438,4 +441,17 @@ class GpuModel:
 
     def argmax(self, rows: int) -> np.ndarray:
         return self.gpu.download(self.buf.argmax, (rows,), np.int32)
+
+    def draw(self, vocab: int, record: np.ndarray | None = None) -> int:
+        """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
+        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record."""
+        b = self.buf
+        if record is None:
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, out=self._draw_out,
+                        scratch=self._draw_scratch)
+        else:
+            self.gpu.upload(self._draw_params, record)
+            misc.sample(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, params=self._draw_params,
+                        out=self._draw_out, scratch=self._draw_scratch)
+        return int(self.gpu.download(self._draw_out, (1,), np.int32)[0])
 

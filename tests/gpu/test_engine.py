@@ -220,3 +220,42 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
         else:  # grouped-MoE atomics vary the last bits, which bf16 rounding of later layers' inputs amplifies
             assert np.linalg.norm(d - r) <= tol * np.linalg.norm(r)
         assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)
+
+
+def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
+    """ninfer_rt.load(device="cuda"): greedy and top-k sampling draw the token on the GPU (GpuBackend.sample_next;
+    only the id comes back). Greedy equals the host path on the same GPU logits (host argmax, forced by
+    can_sample False); top_k = 1 sampling equals greedy at any temperature; a seed repeats its tokens, another
+    seed changes them; a penalty keeps the host path."""
+    from ninfer_rt.api import load
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
+
+    m = load(artifact, device="cuda", max_ctx=256)
+    try:
+        ids = [int(i) for i in prompt(40, seed=3, vocab=m.real_vocab_size)]
+        calls = {"n": 0}
+        real_next = GpuBackend.sample_next
+
+        def counted(self, *a, **kw):
+            calls["n"] += 1
+            return real_next(self, *a, **kw)
+
+        monkeypatch.setattr(GpuBackend, "sample_next", counted)
+        greedy = list(m.generate_ids(ids, max_new_tokens=12, sampling=SamplingParams(greedy=True)))
+        assert calls["n"] == len(greedy) + (m.last_stats.finish_reason == "eos")
+        top1 = list(m.generate_ids(ids, max_new_tokens=12, sampling=SamplingParams(temperature=0.9, top_k=1,
+                                                                                   seed=4)))
+        params = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=17)
+        a = list(m.generate_ids(ids, max_new_tokens=16, sampling=params))
+        b = list(m.generate_ids(ids, max_new_tokens=16, sampling=params))
+        c = list(m.generate_ids(ids, max_new_tokens=16, sampling=SamplingParams(**{**params.__dict__, "seed": 18})))
+        calls["n"] = 0
+        list(m.generate_ids(ids, max_new_tokens=4, sampling=SamplingParams(greedy=True, repetition_penalty=1.2)))
+        assert calls["n"] == 0
+        monkeypatch.setattr(GpuBackend, "can_sample", staticmethod(lambda params: False))
+        host = list(m.generate_ids(ids, max_new_tokens=12, sampling=SamplingParams(greedy=True)))
+    finally:
+        m.close()
+    assert greedy == host and top1 == greedy and len(greedy) >= 1
+    assert a == b and a != c and max(a + c) < m.real_vocab_size
