@@ -106,13 +106,19 @@ class Sampler:
 
         history is prompt + output so far; its first prompt_len ids are the prompt.
         """
+        ids, probs = self._survivors(logits, history, prompt_len)
+        out = np.zeros(np.shape(logits)[0])
+        out[ids] = probs
+        return out
+
+    def _survivors(self, logits: np.ndarray, history: Sequence[int], prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probabilities) of the tokens every stage keeps, ids ascending: `distribution` without the
+        vocabulary-sized array (one id with probability 1 when greedy)."""
         p = self.params
         x = apply_penalties(logits, history, prompt_len, p)  # x: [V]
         vocab = x.shape[0]
         if p.is_greedy:
-            out = np.zeros(vocab)
-            out[int(np.argmax(x))] = 1.0
-            return out
+            return np.array([int(np.argmax(x))]), np.ones(1)
         x /= p.temperature
         # HF's order from here: top-k, top-p, min-p (vLLM v1 would apply min-p first).
         # Work on the surviving candidates only: after top-k that is k entries instead of the vocabulary.
@@ -132,18 +138,23 @@ class Sampler:
             probs = _softmax(xc)
             keep = probs >= p.min_p * probs.max()
             cand, xc = cand[keep], xc[keep]
-        out = np.zeros(vocab)
-        out[cand] = _softmax(xc)
-        return out
+        probs = _softmax(xc)  # summed in the order the stages left (top-p: by probability)
+        if p.top_p < 1.0:
+            o = np.argsort(cand)
+            cand, probs = cand[o], probs[o]
+        return cand, probs
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = (), prompt_len: int = 0) -> int:
         """Next token id for logits (float32 [V]); history is prompt + output so far, its first prompt_len
-        ids being the prompt (repetition penalty sees all of it, presence/frequency only the output)."""
-        probs = self.distribution(logits, history, prompt_len)
+        ids being the prompt (repetition penalty sees all of it, presence/frequency only the output).
+
+        The draw inverts the CDF of `distribution` in id order; it is built over the survivors only (the zeros
+        between them add nothing, exactly), which spares two passes over the vocabulary."""
+        ids, probs = self._survivors(logits, history, prompt_len)
         if self.params.is_greedy:
-            return int(np.argmax(probs))
+            return int(ids[0])
         cdf = np.cumsum(probs)
         u = self._rng.random() * cdf[-1]
         i = int(np.searchsorted(cdf, u, side="right"))
         # u can round up to cdf[-1]; fall back to the last token that has probability.
-        return i if i < probs.shape[0] and probs[i] > 0 else int(np.flatnonzero(probs)[-1])
+        return int(ids[i]) if i < ids.size and probs[i] > 0 else int(ids[np.flatnonzero(probs)[-1]])
