@@ -75,7 +75,7 @@ class SamplingParams:
 def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
                     params: SamplingParams) -> np.ndarray:
     """Penalised logits (float64 copy): repetition over history, presence/frequency over history[prompt_len:]."""
-    x = np.asarray(logits, dtype=np.float64).copy()  # x: [V]
+    x = np.array(logits, dtype=np.float64)  # x: [V], always a new array (one pass, not convert and then copy)
     hist = np.asarray(history, dtype=np.int64)
     if params.repetition_penalty != 1.0 and hist.size:
         seen = np.unique(hist)
