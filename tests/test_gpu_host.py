@@ -1,5 +1,6 @@
 """The GPU runtime's host side, on any machine: kernel builds for every target, launch-argument packing,
-the numpy RoPE twin, synthetic weight tables, and one-line errors without a GPU."""
+the numpy RoPE twin, synthetic weight tables, which sampling settings the device draws, and one-line errors
+without a GPU."""
 
 from __future__ import annotations
 
@@ -205,3 +206,19 @@ def test_bench_without_a_gpu_is_one_line(capsys):
     code, out, err = run_main(main, "ninfer-rt", ["bench", "--synthetic", "qwen3.6-35b-a3b"], capsys)
     line = error_line(err)
     assert code == 1 and ("cuda" in line.lower() or "gpu" in line.lower())
+
+
+def test_the_device_draws_only_what_the_host_sampler_would():
+    """GpuBackend.can_sample: greedy, or top-k within the device sampler's candidate cap (misc.sample treats
+    top_k = 0 as 1024), and no penalty, since penalties need the history on the host."""
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.gpu.misc import SAMPLE_MAX_CANDIDATES
+    from ninfer_rt.sampling import SamplingParams as P
+
+    yes = [P(greedy=True), P(temperature=0.0, top_k=0), P(temperature=0.7, top_k=20, top_p=0.8),
+           P(temperature=1.0, top_k=SAMPLE_MAX_CANDIDATES, min_p=0.1)]
+    no = [P(temperature=1.0), P(temperature=0.7, top_k=SAMPLE_MAX_CANDIDATES + 1),
+          P(greedy=True, repetition_penalty=1.1), P(top_k=20, presence_penalty=0.5),
+          P(top_k=20, frequency_penalty=0.1)]
+    assert [GpuBackend.can_sample(p) for p in yes] == [True] * len(yes)
+    assert [GpuBackend.can_sample(p) for p in no] == [False] * len(no)
