@@ -180,9 +180,13 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     (clamped to max_ctx); keys at or past it are never read. scratch: decode_scratch_bytes(M, nH, d, ctx_bucket)
     bytes (or a bound for a larger M / bucket). Rows of a sequence with an invalid slot come out 0.
     """
-    for fn, grid, block, args, smem in _decode_launches(
-            k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH, cache=cache, out=out,
-            scratch=scratch, ctx_bucket=ctx_bucket):
+    _launch(k, _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
+                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket), stream)
+
+
+def _launch(k, launches: list[tuple], stream) -> None:
+    """Enqueue _decode_launches' (entry point, grid, block, args, smem) tuples in order."""
+    for fn, grid, block, args, smem in launches:
         k.launch(fn, grid, block, args, smem=smem, stream=stream)
 
 
@@ -267,7 +271,5 @@ def prefill(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, T: int, 
     the result on bf16 q.
     Fewer rows run decode's exact CUDA-core kernels.
     """
-    for fn, grid, block, args, smem in _decode_launches(
-            k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=1, T=T, nH=nH, cache=cache, out=out,
-            scratch=scratch, ctx_bucket=ctx_bucket, exact=False):
-        k.launch(fn, grid, block, args, smem=smem, stream=stream)
+    _launch(k, _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=1, T=T, nH=nH,
+                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket, exact=False), stream)

@@ -52,6 +52,15 @@ def _rows(name: str, M: int, V: int, ld: int) -> None:
 
 # ------------------------------------------------------------------------------------------ RMSNorm
 
+def _row_strides(name: str, M: int, D: int, ldx: int | None, ldy: int | None) -> tuple[int, int]:
+    """Checked sizes of a row-wise op on M rows of D elements; the strides default to D."""
+    ldx = D if ldx is None else ldx
+    ldy = D if ldy is None else ldy
+    _need(M >= 0 and 1 <= D < 2**31, f"{name}: bad size M={M}, D={D}")
+    _need(ldx >= D and ldy >= D, f"{name}: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
+    return ldx, ldy
+
+
 def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
              ldx: int | None = None, ldy: int | None = None, out: str = "f32", stream=None) -> None:
     """y[m] = x[m] · rsqrt(mean(x[m]²) + eps) · (1 + w) for m < M (ops.rms_norm_zc in fp32).
@@ -60,11 +69,8 @@ def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
     fp32 (out="f32") or rounded to bf16 (out="bf16": the prefill GEMMs' input). y may be x (in place, fp32)
     when the strides are equal.
     """
-    ldx = D if ldx is None else ldx
-    ldy = D if ldy is None else ldy
     _need(out in ("f32", "bf16"), f"rms_norm: out={out!r} must be 'f32' or 'bf16'")
-    _need(M >= 0 and 1 <= D < 2**31, f"rms_norm: bad size M={M}, D={D}")
-    _need(ldx >= D and ldy >= D, f"rms_norm: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
+    ldx, ldy = _row_strides("rms_norm", M, D, ldx, ldy)
     _need(bool(x and y and w), "rms_norm: x, y and w must be device pointers")
     _need(x != y or (ldx == ldy and out == "f32"), f"rms_norm: in place needs fp32 out and ldx == ldy "
                                                    f"(got {out}, {ldx}, {ldy})")
@@ -81,10 +87,7 @@ def cast_bf16(k, *, x: int, y: int, M: int, D: int, ldx: int | None = None, ldy:
 
     x [M, D] fp32 with row stride ldx (default D); y [M, D] bf16 with row stride ldy (default D); no overlap.
     """
-    ldx = D if ldx is None else ldx
-    ldy = D if ldy is None else ldy
-    _need(M >= 0 and 1 <= D < 2**31, f"cast_bf16: bad size M={M}, D={D}")
-    _need(ldx >= D and ldy >= D, f"cast_bf16: row strides ldx={ldx}, ldy={ldy} must be >= D={D}")
+    ldx, ldy = _row_strides("cast_bf16", M, D, ldx, ldy)
     _need(bool(x and y), "cast_bf16: x and y must be device pointers")
     if M == 0:
         return
