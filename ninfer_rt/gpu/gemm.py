@@ -13,8 +13,9 @@ misc.cast_bf16 make it), y fp32 [M, ldy], except swiglu: y bf16 [M, ldy], the in
 
 Numerics: x arrives in bf16 (the decode GEMV reads fp32: the rounding, unit roundoff 2^-8, is prefill's only
 difference); integer codes are exact in bf16 and each fp16 group scale multiplies, in fp32, the partial sum
-of its 32-wide chunk, so besides fp32 accumulation nothing else rounds (swiglu then rounds its output to bf16). `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per
-expert, kernels/moe_gemm.cu's tiles of 32 slots.
+of its 32-wide chunk, so besides fp32 accumulation nothing else rounds (swiglu then rounds its output to bf16).
+`moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per expert,
+kernels/moe_gemm.cu's tiles of 32 slots.
 """
 
 from __future__ import annotations

@@ -263,9 +263,9 @@ def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="au
     y0 = rng.standard_normal((M, ly)).astype(np.float32)
     act_p = dev.empty(M * top_k * I * 2)
     y_p = dev.put(y0)
-    gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids), weights=dev.put(wts), top_k=top_k,
-                     act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx, ldy=ldy,
-                     path=path)
+    gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids), weights=dev.put(wts),
+                     top_k=top_k, act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx,
+                     ldy=ldy, path=path)
     act = bf16_bits_to_f32(dev.get(act_p, (M * top_k, I), np.uint16))
     yall = dev.get(y_p, (M, ly))
     assert (yall[:, H:].view(np.uint32) == y0[:, H:].view(np.uint32)).all(), "moe wrote y beyond H"
