@@ -17,17 +17,19 @@
 // 16-byte unit of all 4 rows per step (32 codes of q4/5/6, 16 of q8, 8 of bf16): coalesced 16-byte loads, and
 // each x̂ value read from shared memory serves 4 rows. KW = 1/2/4/8 warps of a block may split the units of one
 // row group (short N, long K); the block sums them in shared memory, so each output has exactly one writer.
-// x̂ is staged in shared memory in K slabs of `ks` elements (under the 48 KB default), as chunks of 32 floats
-// per row padded to 36 (conflict-free float4 reads); pad float 32 holds the chunk's Σ x̂ (see decode below).
+// x̂ is staged in shared memory in K slabs of `ks` elements (under the 48 KB default), per 32-element chunk.
 // The norm is linear in the dot product: slabs hold x·(1 + norm_w), and rsqrt(mean x²) is applied at the end.
 //
-// M = 1 with K <= 10240 (all of x̂ in one slab) has its own persistent, register-pipelined kernel: gemv_*_s1
-// (gemv_stream.cu).
+// M = 1 with K <= 10240 has its own persistent, register-pipelined kernel: gemv_*_s1 (gemv_stream.cu).
 //
-// Decode. q8: magic-number byte -> float (2^23 + u) minus 2^23 + 128 gives the code exactly. q4/5/6 skip that
-// subtraction: the byte goes under exponent 0x3F, giving f = 1 + u/2^b exactly, and per 32-element chunk
-// Σ (u - off) x = 2^b Σ f x - (2^b + off) Σ x (the offset is small, so fp32 loses only ~2 bits to cancellation:
-// measured ~1e-6 relative, not 2^23-sized). No int->float conversions are issued.
+// Arithmetic. Quantized weights (q4/5/6/8) take integer dot products: x̂ is staged as int16 codes per chunk,
+// q = rint(x̂ / d) with d a power of two from the chunk's largest |x̂| (gemv.cuh chunk_scale: every element
+// errs by at most 2^-14 of that largest value; bf16, which the prefill GEMMs read, errs by 2^-9 of each
+// element), and the weight codes meet them in dp2a instructions (two int16 x two int8 products each, exact
+// in int32). Per unit and row one scale: s_w · d · (Σ u q - 2^(b-1) Σ q) for the nibble formats (u = code +
+// 2^(b-1); Σ q is staged with the chunk), s_w · d · Σ code · q for q8. llama.cpp's MMVQ quantizes x the same
+// way, to int8. bf16 weights (router, DeltaNet b|a) keep fp32 x̂ (chunks of 36 floats per row) and fmas.
+// Reference: ninfer_rt.reference.ops.act_codes16 (the staged codes; the tests' oracle is y = W (d · q)).
 #include "gemv.cuh"
 
 namespace {
@@ -40,12 +42,9 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
                                           int ldx, int ldy, int mode, float eps, int kw_log2, int ks, int xvec) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
-    constexpr int CS = chunk_stride(M);
-    constexpr bool USE_P = M <= 4 && BITS != 16;  // per-unit partial sums: registers allow them at small M
-    constexpr bool SX = USE_P && F::NIB;          // the chunk sums Σ x̂ are needed
+    constexpr int CS = chunk_stride(M), CB = qchunk_bytes(M);
     constexpr int NV = next_pow2(kRows * M);
-    extern __shared__ float4 smem4[];
-    float* xs = reinterpret_cast<float*>(smem4);  // [ks / 32 chunks][CS]
+    extern __shared__ float4 smem4[];  // [ks / 32 chunks]: CS floats (bf16 weights) or CB bytes (quantized)
     __shared__ float red[kWarps][32];
     __shared__ float ssred[kWarps][8];
 
@@ -88,12 +87,15 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
         if (k0 > 0) __syncthreads();  // every warp is done with the previous slab
         // the first weights are in flight while x̂ is staged (at M > 4 registers are too short for that)
         if (M <= 4 && u < ue) rows.load(A, u);
-        stage_slab<M, SX>(xs, x, ldx, norm_w, k0, kn, xvec != 0, ssred);
+        stage_slab<M, F::XQ>(smem4, x, ldx, norm_w, k0, kn, xvec != 0, ssred);
         __syncthreads();
         if (M > 4 && u < ue) rows.load(A, u);
         while (u < ue) {
             const int le = (u - ub) * EU;
-            compute_unit<BITS, M, USE_P>(A, xs + (le >> 5) * CS + (le & 31), acc);
+            if constexpr (F::XQ != 0)
+                compute_unit_q<BITS, M>(A, reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * CB, (le >> 4) & 1, acc);
+            else
+                compute_unit_bf16<M>(A, reinterpret_cast<const float*>(smem4) + (le >> 5) * CS + (le & 31), acc);
             u += us;
             if (u < ue) rows.load(A, u);
         }
@@ -195,7 +197,7 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 // Entry points per code width (the group size is a runtime shift): gemv_q{4,5,6,8}_m{M}, gemv_bf16_m{M}.
 // Blocks per SM for the register budget: 4 (64 registers) at M = 1, 3 at M = 2, 2 above (more accumulators).
 #define NINFER_GEMV_M(name, BITS, M)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : M == 2 ? 3 : 2)                        \
+    extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : 2)                        \
         gemv_##name##_m##M(NINFER_GEMV_ARGS) { ninfer_pdl_begin();                                                             \
         gemv_body<BITS, M>(NINFER_GEMV_PASS);                                                              \
     }

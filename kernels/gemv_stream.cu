@@ -34,10 +34,11 @@ struct Tile {
     Unit u[DM][kRows];
 };
 
-// Stage x̂ = x (· (1 + norm_w)) of one row, all K, as gemv_body's float4 staging does, but with every load of
-// up to 4096 elements in flight together; ssred[warp][0] = the warp's Σ x² (norm only).
-template <bool SX>
-__device__ __forceinline__ void stage_m1_vec(float* xs, const float* __restrict__ x,
+// Stage x̂ = x (· (1 + norm_w)) of one row, all K, as gemv_body's float4 staging does (fp32 chunks or int16
+// chunk records by XQ), but with every load of up to 4096 elements in flight together; ssred[warp][0] = the
+// warp's Σ x² (norm only).
+template <int XQ>
+__device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__ x,
                                              const float* __restrict__ norm_w, int K, float (*ssred)[8]) {
     constexpr int XB = 4;  // float4s per thread per pass
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -64,15 +65,10 @@ __device__ __forceinline__ void stage_m1_vec(float* xs, const float* __restrict_
             const bool on = e < K;  // K % 32 == 0: the 8 lanes of a chunk agree
             ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
             const float4 h = make_float4(v[j].x * g[j].x, v[j].y * g[j].y, v[j].z * g[j].z, v[j].w * g[j].w);
-            float* dst = xs + (e >> 5) * 36 + (e & 31);
-            if (on) *reinterpret_cast<float4*>(dst) = h;
-            if constexpr (SX) {
-                float t = (h.x + h.y) + (h.z + h.w);
-                t += __shfl_xor_sync(kFull, t, 1);
-                t += __shfl_xor_sync(kFull, t, 2);
-                t += __shfl_xor_sync(kFull, t, 4);
-                if (on && (lane & 7) == 0) dst[32] = t;
-            }
+            if constexpr (XQ != 0)
+                store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
+            else if (on)
+                *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
         }
     }
     if (norm_w) {
@@ -110,10 +106,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS>::value;
-    constexpr bool USE_P = BITS != 16;  // gemv_body's choice at M = 1
-    constexpr bool SX = USE_P && F::NIB;
-    extern __shared__ float4 smem4[];
-    float* xs = reinterpret_cast<float*>(smem4);  // [K / 32 chunks][36]
+    extern __shared__ float4 smem4[];  // [K / 32 chunks]: 36 floats (bf16 weights) or qchunk_bytes(1) bytes
     __shared__ float ssred[kWarps][8];
     __shared__ float part[2][kWarps][kRows];  // KW > 1: warp partial sums, by task parity
 
@@ -223,8 +216,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     ninfer_pdl_begin();
     const float rs = row_scale && !swiglu ? __ldg(row_scale) : 1.f;
 
-    if (xvec) stage_m1_vec<SX>(xs, x, norm_w, K, ssred);
-    else stage_slab<1, SX>(xs, x, ldx, norm_w, 0, K, false, ssred);
+    if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
+    else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
     float inv = 1.f;
     if (norm_w) {
@@ -291,7 +284,11 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             const int u = ub + 32 * d;
             if (d < D && u < nu) {
                 const int le = u * EU;
-                compute_unit<BITS, 1, USE_P>(T.u[d], xs + (le >> 5) * 36 + (le & 31), acc);
+                if constexpr (F::XQ != 0)
+                    compute_unit_q<BITS, 1>(T.u[d], reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * qchunk_bytes(1),
+                                            (le >> 4) & 1, acc);
+                else
+                    compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(smem4) + (le >> 5) * 36 + (le & 31), acc);
             }
         }
         if (t == S - 1) finish(bi, yv);

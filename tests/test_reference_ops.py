@@ -81,6 +81,35 @@ def test_l2norm_is_hf_and_unit_length():
 # ---------------------------------------------------------------------------------------------- rotary
 
 
+def test_act_codes16_against_a_numpy_frexp_oracle():
+    """ops.act_codes16 (the decode GEMV's int16 x̂): per 32-element chunk d = 2^(p - 14) where amax = m · 2^p,
+    m in [0.5, 1) (numpy frexp: the same power as 2^(E - 140) from the fp32 exponent field), q = rint(x / d)
+    exactly, |q| <= 2^14, every |x - q d| <= d / 2 <= 2^-14 amax; chunks under 2^-113 give 0 and 0; an inf
+    or NaN gives d = NaN. Chunk magnitudes span 1e-30 .. 1e30 (fresh random each run)."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 40, 32)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-30, 30, (5, 40, 1))).astype(np.float32)
+    x[0, 0] = 0
+    x[0, 1] = 1e-36                     # under 2^-113: flushed
+    x[0, 2, 5] = np.inf
+    x[0, 3, 7] = np.nan
+    q, d = ops.act_codes16(torch.from_numpy(x.reshape(5, 1280)))
+    q, d = q.numpy().reshape(x.shape).astype(np.float64), d.numpy()
+    amax = np.abs(x).max(-1).astype(np.float64)
+    p = np.frexp(amax)[1]
+    fine = np.isfinite(amax) & (amax >= 2.0 ** -113)
+    want_d = np.where(fine, np.ldexp(1.0, p - 14), 0.0)
+    assert np.array_equal(d[fine], want_d[fine].astype(np.float32))
+    assert np.array_equal(q[fine], np.rint(x[fine] / want_d[fine][:, None]))
+    assert np.abs(q).max() <= 2 ** 14
+    err = np.abs(x[fine] - q[fine] * d[fine][:, None]).max(-1)
+    assert (err <= d[fine] / 2).all() and (d[fine] / 2 <= 2.0 ** -14 * amax[fine]).all()
+    assert (d[0, :2] == 0).all() and (q[0, :2] == 0).all()
+    assert np.isnan(d[0, 2:4]).all()
+
+
 def test_mrope_axis_split_of_the_real_checkpoints():
     # qwen36-architecture.md §3.3: rot 64, section [11, 11, 10] -> T {0,3,..,30}, H {1,4,..,31}, W {2,5,..,29}
     axis = ops.mrope_axis(64, [11, 11, 10])

@@ -4,7 +4,8 @@
 optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. One row
 (M = 1, the decode of one sequence) with K <= 10240 runs the persistent stream kernels (plan_stream), everything
 else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
-layout (a DeviceWeight); activations are fp32.
+layout (a DeviceWeight); activations are fp32 in memory. Quantized weights meet x̂ as int16 codes per 32-element
+chunk (kernels/gemv.cu "Arithmetic"; reference: ninfer_rt.reference.ops.act_codes16), bf16 weights fp32 x̂.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _THREADS = 256  # 8 warps per block
 _WARPS = 8
 _ROWS = 4  # weight rows per warp
 _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
-_BLOCKS_PER_SM = {1: 4, 2: 3}  # the kernels' launch bounds (registers); 2 for M >= 3
+_BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
 _STREAM_SPREAD = 1.35  # a stream plan may load its busiest SM this much more than the best-spread plan
@@ -68,9 +69,13 @@ def _code(w: DeviceWeight) -> tuple[str, int, int]:
     raise GpuError(f"{w.name}: format {w.fmt} has no GEMV kernel (quantized q*g* or bf16 only)")
 
 
-def _chunk_stride(m: int) -> int:
-    """Floats per 32-element chunk of the staged x̂ for m rows (kernels/gemv.cu chunk_stride)."""
-    return 36 * m + (4 if m % 2 == 0 else 0)
+def _chunk_bytes(m: int, quantized: bool) -> int:
+    """Shared-memory bytes per 32-element chunk of the staged x̂ for m rows (kernels/gemv.cuh): int16 codes plus
+    (d, Σq) per row, padded to an odd number of 16-byte units (qchunk_bytes), or 36 fp32 per row (chunk_stride)."""
+    if quantized:
+        units = (72 * m + 15) // 16
+        return 16 * (units if units % 2 else units + 1)
+    return 4 * (36 * m + (4 if m % 2 == 0 else 0))
 
 
 def _check_matrix(w: DeviceWeight, what: str) -> tuple[int, int]:
@@ -108,7 +113,7 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         return plan_stream(w, sm_count, kw_log2=kw_log2, d=d, blocks=blocks, pf=pf)
     if d is not None or blocks is not None or pf is not None:
         raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_max()})")
-    cs4 = _chunk_stride(m) * 4
+    cs4 = _chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
         ks = k
@@ -138,8 +143,9 @@ def _round_up(a: int, b: int) -> int:
 
 
 def _stream_k_max() -> int:
-    """The longest K whose whole x̂ (one row, chunks of 32 padded to 36 floats) fits the 46 KB slab: 10240."""
-    return (_X_SMEM // (_chunk_stride(1) * 4)) * 32 // 256 * 256
+    """The longest K the stream kernels take, 10240: all of a bf16 weight's fp32 x̂ in the 46 KB slab. Quantized
+    weights' int16 x̂ would fit 18K, but at K = 17408 the block kernel measured faster in the graph (perf.md v6)."""
+    return (_X_SMEM // _chunk_bytes(1, False)) * 32 // 256 * 256
 
 
 def _busiest_sm_tiles(tiles: int, blocks: int, sm_count: int) -> int:
@@ -201,7 +207,8 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
     least = min(c[0] for c in cands)
     _, dd, kl, tiles, nb = min((c for c in cands if c[0] <= _STREAM_SPREAD * least),
                                key=lambda c: (-c[1], c[2], -c[4], c[0]))
-    return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k, smem=(k // 32) * _chunk_stride(1) * 4,
+    return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k,
+                    smem=(k // 32) * _chunk_bytes(1, w.quantized),
                     gshift=int(math.log2(w.group)) if w.quantized else 5, d=dd, blocks=nb, pf=pf)
 
 

@@ -34,6 +34,28 @@ def rms_norm_zc(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + w.float())).to(x.dtype)
 
 
+def act_codes16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int16 codes of an fp32 activation per 32-element chunk, as the decode GEMV stages x̂ for quantized
+    weights (kernels/gemv.cuh chunk_scale): x ≈ q · d chunk by chunk.
+
+    d = 2^(E - 140) for the biased fp32 exponent E of the chunk's largest |x| (so |x| / d < 2^14), and
+    q = round-half-even(x / d), exact scaling by a power of two; E < 14 gives q = 0, d = 0; an inf or NaN
+    in the chunk gives d = NaN. Every element errs by at most d / 2 <= 2^-14 of the chunk's largest |x|.
+    Shapes: x [..., K] fp32, K % 32 == 0 -> q int32 [..., K] (|q| <= 2^14), d fp32 [..., K / 32].
+    """
+    xc = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)                 # xc: [..., K/32, 32]
+    amax = xc.abs().amax(-1)
+    bad = ~torch.isfinite(xc).all(-1)
+    E = (amax.view(torch.int32) >> 23) & 0xFF
+    tiny = E < 14
+    e = torch.where(tiny | bad, torch.zeros_like(E), E - 140)
+    q = torch.round(torch.ldexp(xc, -e[..., None]))
+    q = torch.where((tiny | bad)[..., None], torch.zeros_like(q), q)
+    d = torch.where(tiny, torch.zeros_like(amax), torch.ldexp(torch.ones_like(amax), e))
+    d = torch.where(bad, torch.full_like(d, float("nan")), d)
+    return q.to(torch.int32).reshape(x.shape), d
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet output norm, not centred, SiLU-gated: y = ((w · n.to(dt)) · SiLU(z.float())).to(dt).
 

@@ -1,15 +1,17 @@
 """linear.gemv / linear.embed (kernels/gemv.cu) against float64 numpy on the exact decoded weights.
 
-Oracle: W from Dev.weight (the packer's exact values), x̂ from ninfer_rt.reference.ops.rms_norm_zc, the product in
-float64, SwiGLU with torch.nn.functional.silu in float64.
+Oracle: W from Dev.weight (the packer's exact values), the product in float64, SwiGLU with
+torch.nn.functional.silu in float64. x̂ as the kernels take it: bf16 weights multiply fp32 x̂ =
+ninfer_rt.reference.ops.rms_norm_zc(x); quantized weights multiply the int16 codes of x·(1 + norm_w)
+(ninfer_rt.reference.ops.act_codes16: x̂ = q · d per 32-element chunk), and the norm's rsqrt(mean x² + eps)
+scales the sum (kernels/gemv.cu "Arithmetic").
 
-Tolerance (GEMV): relative norm error ‖y - y_ref‖ / ‖y_ref‖ <= 1e-5. The kernel sums in fp32 (unit roundoff
-u = 6e-8): per output, 32-term partial sums per 16-byte unit, a K/1024-term running sum per lane, a 5-level
-shuffle tree and up to 8 warp partials, so with K <= 17408 each output carries ~sqrt(60) u ~ 5e-7 relative
-error; the nibble formats' offset decode (kernels/gemv.cu header) cancels ~2-3 bits more (measured ~1e-6);
-fast-math rsqrtf/__expf add ~1e-7. 1e-5 leaves a 10x margin and still catches any wrong element, scale or
-index (each is an O(1) relative error on its output). Embedding rows must be bit-exact (no arithmetic besides
-an exact fp16-scale x code product).
+Tolerance (GEMV): relative norm error ‖y - y_ref‖ / ‖y_ref‖ <= 1e-5. The products of codes are exact (int32);
+what is left is fp32 (unit roundoff u = 6e-8): one int -> float conversion and one scale product per unit,
+a K/1024-term running sum per lane, a 5-level shuffle tree and up to 8 warp partials, so with K <= 17408 each
+output carries ~sqrt(60) u ~ 5e-7 relative error; fast-math rsqrtf/__expf add ~1e-7. 1e-5 leaves a 10x margin
+and still catches any wrong element, code, scale or index (each is an O(1) relative error on its output).
+Embedding rows must be bit-exact (no arithmetic besides an exact fp16-scale x code product).
 """
 
 from __future__ import annotations
@@ -40,14 +42,24 @@ def swiglu_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return gate, gate + 16
 
 
-def reference(wv: np.ndarray, x: np.ndarray, *, mode: str, norm_w, row_scale, y0) -> np.ndarray:
-    """Float64 y for x [M, K] (fp32) and the exact weight values wv [N, K]."""
+def reference(wv: np.ndarray, x: np.ndarray, *, mode: str, norm_w, row_scale, y0, codes: bool) -> np.ndarray:
+    """Float64 y for x [M, K] (fp32) and the exact weight values wv [N, K]; codes: x̂ as int16 codes (quantized
+    weights), else fp32."""
     import torch
     import torch.nn.functional as F
 
-    from ninfer_rt.reference.ops import rms_norm_zc
+    from ninfer_rt.reference.ops import act_codes16, rms_norm_zc
 
-    xh = x if norm_w is None else rms_norm_zc(torch.from_numpy(x), torch.from_numpy(norm_w), EPS).numpy()
+    if codes:
+        h = x if norm_w is None else x * (np.float32(1) + norm_w)  # fp32, as staged
+        q, d = act_codes16(torch.from_numpy(h))
+        m, k = x.shape
+        xh = (q.double().reshape(m, k // 32, 32) * d.double()[..., None]).reshape(m, k).numpy()
+        if norm_w is not None:
+            xd = x.astype(np.float64)
+            xh = xh / np.sqrt((xd * xd).mean(-1, keepdims=True) + EPS)
+    else:
+        xh = x if norm_w is None else rms_norm_zc(torch.from_numpy(x), torch.from_numpy(norm_w), EPS).numpy()
     z = xh.astype(np.float64) @ wv.astype(np.float64).T  # [M, N]
     if mode == "swiglu":
         g, u = swiglu_rows(wv.shape[0])
@@ -99,7 +111,8 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
     got = dev.get(yp, (M, ldy))
     label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
              f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}")
-    ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out])
+    ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out],
+                    codes=w.quantized)
     check_close(got[:, :n_out], ref, label)
     pad = got[:, n_out:]
     if mode == "add":
@@ -290,6 +303,8 @@ def test_plan_fits_shared_memory():
                 p = linear.plan_gemv(w, m, 132)
                 assert p.smem + 1280 <= 48 * 1024 and p.ks % 32 == 0 and p.ks <= k_
                 assert p.grid * (8 >> p.kw_log2) * 4 >= 4096  # every row has a warp
+    # M = 1 int16 x̂ (80 bytes per chunk): the 27B down_proj's K = 17408 is one slab
+    assert linear.plan_gemv(DeviceWeight("w", "q5g64", (5120, 17408), 0), 1, 132).ks == 17408
 
 
 def test_stream_plans():
@@ -309,7 +324,9 @@ def test_stream_plans():
                 assert 1 <= p.blocks <= min(p.grid, 2 * 132) and p.launch_blocks == p.blocks
                 assert p.grid * (8 >> p.kw_log2) * 4 >= n and (p.grid - 1) * (8 >> p.kw_log2) * 4 < n
                 assert 1 <= p.d <= linear._STREAM_DEPTH[bits] and p.ks == k_
-                assert p.smem == k_ // 32 * 36 * 4 and p.smem + 1280 <= 48 * 1024
+                # per 32-element chunk: int16 codes (64 B) + (d, Σq) (8 B) padded to 5 16-byte units for
+                # quantized weights, 36 fp32 for bf16 (kernels/gemv.cuh qchunk_bytes / chunk_stride)
+                assert p.smem == k_ // 32 * (144 if bits == 16 else 80) and p.smem + 1280 <= 48 * 1024
                 assert p.kw_log2 == 0 or 32 * p.d * (1 << p.kw_log2) <= k_ // eu
         w = DeviceWeight("w", fmt, (4096, 2048), 0)
         assert not linear.plan_gemv(w, 2, 132).stream
