@@ -8,7 +8,8 @@ overhead of cuda-python (tens of µs) is not timed; a replay of the graph runs b
 reports the median per-launch time over the replays, after warm-up replays. GB/s counts the weight bytes (the
 dominant traffic; x and y are < 0.1% here). The graph's launch gaps are timed too (as in the engine's graphs),
 so a small kernel reads a little slower here than in ncu. --sweep also times, at M = 1, the other plans of the
-stream kernel (L2 prefetch distance, d, KW, blocks) and the block kernel, one row each, to tune plan_stream.
+block kernel at every K split and the stream kernel's plans (L2 prefetch distance, d, KW, blocks) wherever
+x̂ fits its slab, one row each, to tune plan_gemv / plan_stream.
 Exits with a one-line message when there is no GPU.
 """
 
@@ -50,18 +51,22 @@ SHAPES = [
 
 
 def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
-    """(label, plan overrides) for M = 1: the default, the block kernel, and stream plans around the default."""
+    """(label, plan overrides) for M = 1: the default, the block kernel at every K split, and, where all of x̂
+    fits a stream kernel's slab, the stream plans around the default (L2 prefetch, d, KW, 1 or 2 blocks per SM)."""
     plans = [("auto", {})]
     default = linear.plan_gemv(w, 1, sm_count)
-    if not default.stream:
+    for kl in range(4):
+        if default.stream or kl != default.kw_log2:
+            plans.append((f"block kw{1 << kl}", {"stream": False, "kw_log2": kl}))
+    if w.k > linear._stream_k_cap(w):
         return plans
-    plans.append(("block", {"stream": False}))
-    for pf in (0, 1, 2, 4):  # L2 prefetch distance on the default plan
-        if pf != default.pf:
-            plans.append((f"auto pf{pf}", {"stream": True, "d": default.d, "kw_log2": default.kw_log2,
-                                           "blocks": default.blocks, "pf": pf}))
+    if default.stream:
+        for pf in (0, 1, 2, 4):  # L2 prefetch distance on the default plan
+            if pf != default.pf:
+                plans.append((f"auto pf{pf}", {"stream": True, "d": default.d, "kw_log2": default.kw_log2,
+                                               "blocks": default.blocks, "pf": pf}))
     dmax = linear._STREAM_DEPTH[w.bits]
-    seen = {(default.d, default.kw_log2, default.blocks)}
+    seen = {(default.d, default.kw_log2, default.blocks)} if default.stream else set()
     for d in sorted({1, dmax}, reverse=True):
         for kl in range(4):
             if kl and 32 * d * (1 << kl) > w.k // linear._code(w)[2]:

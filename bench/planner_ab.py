@@ -22,16 +22,18 @@ from gpu_common import open_gpu  # noqa: E402
 
 from ninfer_rt.gpu import linear  # noqa: E402
 
-KNOBS = ("_STREAM_PREFETCH", "_STREAM_BLOCK_ROWS", "_STREAM_SPREAD")
-# (label, planner constants to set); None as _stream_k_max means "never the stream kernel"
+KNOBS = ("_STREAM_PREFETCH", "_STREAM_BLOCK_ROWS", "_STREAM_SPREAD", "_STREAM_K_MAX")
+# (label, planner constants to set)
 VARIANTS = [
     ("default", {}),
     ("L2 prefetch 1 tile", {"_STREAM_PREFETCH": 1}),
     ("L2 prefetch 2 tiles", {"_STREAM_PREFETCH": 2}),
     ("L2 prefetch 4 tiles", {"_STREAM_PREFETCH": 4}),
     ("stream kernel at any N", {"_STREAM_BLOCK_ROWS": 1 << 30}),
+    ("stream kernel below 16384 rows (v5 rule)", {"_STREAM_BLOCK_ROWS": 16384}),
     ("best-spread stream plan", {"_STREAM_SPREAD": 1.0}),
-    ("block kernel only", {"_stream_k_max": None}),
+    ("block kernel only", {"_STREAM_K_MAX": 0}),
+    ("stream kernel up to K 10240 (v6 rule)", {"_STREAM_K_MAX": 10240}),
     ("default again", {}),
 ]
 
@@ -52,7 +54,7 @@ def main() -> None:
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
-    saved = {name: getattr(linear, name) for name in KNOBS + ("_stream_k_max",)}
+    saved = {name: getattr(linear, name) for name in KNOBS}
     rows = []
     for name in args.model:
         spec = builtin_spec(name)
@@ -63,7 +65,7 @@ def main() -> None:
                 for key, value in saved.items():
                     setattr(linear, key, value)
                 for key, value in over.items():
-                    setattr(linear, key, (lambda smem_optin=0: 0) if value is None else value)
+                    setattr(linear, key, value)
                 for g in model.graphs.values():
                     g.destroy()
                 model.graphs.clear()

@@ -20,7 +20,8 @@
 // x̂ is staged in shared memory in K slabs of `ks` elements (under the 48 KB default), per 32-element chunk.
 // The norm is linear in the dot product: slabs hold x·(1 + norm_w), and rsqrt(mean x²) is applied at the end.
 //
-// M = 1 with K <= 10240 has its own persistent, register-pipelined kernel: gemv_*_s1 (gemv_stream.cu).
+// M = 1 with all of x̂ in one slab (K <= 10240 for bf16 weights, 18688 for quantized) has its own persistent,
+// register-pipelined kernel: gemv_*_s1 (gemv_stream.cu).
 //
 // Arithmetic. Quantized weights (q4/5/6/8) take integer dot products: x̂ is staged as int16 codes per chunk,
 // q = rint(x̂ / d) with d a power of two from the chunk's largest |x̂| (gemv.cuh chunk_scale: every element
@@ -93,7 +94,8 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
         while (u < ue) {
             const int le = (u - ub) * EU;
             if constexpr (F::XQ != 0)
-                compute_unit_q<BITS, M>(A, reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * CB, (le >> 4) & 1, acc);
+                compute_unit_q<BITS, M>(A, reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * CB, (le >> 4) & 1,
+                                        acc);
             else
                 compute_unit_bf16<M>(A, reinterpret_cast<const float*>(smem4) + (le >> 5) * CS + (le & 31), acc);
             u += us;

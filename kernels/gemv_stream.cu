@@ -1,6 +1,6 @@
 // gemv_stream.cu: the persistent, register-pipelined decode GEMV for M = 1 (gemv_<code>_s1), used when all of
-// x̂ fits one shared-memory slab (K <= 10240). Semantics, layouts and reference ops: as gemv.cu (y = W x̂ with
-// the fused RMSNorm, store / add / SwiGLU epilogues); tested with it in tests/gpu/test_linear.py.
+// x̂ fits one shared-memory slab (K <= 10240 / 18688). Semantics, layouts and reference ops: as gemv.cu (y = W x̂
+// with the fused RMSNorm, store / add / SwiGLU epilogues); tested with it in tests/gpu/test_linear.py.
 #include "gemv.cuh"
 
 // ------------------------------------------------------------------------------------------------ M = 1 stream
@@ -284,11 +284,11 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             const int u = ub + 32 * d;
             if (d < D && u < nu) {
                 const int le = u * EU;
+                const uint8_t* xb = reinterpret_cast<const uint8_t*>(smem4);
                 if constexpr (F::XQ != 0)
-                    compute_unit_q<BITS, 1>(T.u[d], reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * qchunk_bytes(1),
-                                            (le >> 4) & 1, acc);
+                    compute_unit_q<BITS, 1>(T.u[d], xb + (le >> 5) * qchunk_bytes(1), (le >> 4) & 1, acc);
                 else
-                    compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(smem4) + (le >> 5) * 36 + (le & 31), acc);
+                    compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * 36 + (le & 31), acc);
             }
         }
         if (t == S - 1) finish(bi, yv);

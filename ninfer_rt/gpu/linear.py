@@ -2,8 +2,8 @@
 
 `gemv` computes y = W x̂ for up to 8 activation rows per launch, reading the weights once for all rows, with an
 optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. One row
-(M = 1, the decode of one sequence) with K <= 10240 runs the persistent stream kernels (plan_stream), everything
-else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
+(M = 1, the decode of one sequence) with all of x̂ in one slab runs the persistent stream kernels (plan_stream),
+all else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
 layout (a DeviceWeight); activations are fp32 in memory. Quantized weights meet x̂ as int16 codes per 32-element
 chunk (kernels/gemv.cu "Arithmetic"; reference: ninfer_rt.reference.ops.act_codes16), bf16 weights fp32 x̂.
 """
@@ -27,7 +27,8 @@ _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
 _STREAM_SPREAD = 1.35  # a stream plan may load its busiest SM this much more than the best-spread plan
-_STREAM_BLOCK_ROWS = 16384  # at M = 1, weights of at least this many rows take the block kernel (measured faster)
+_STREAM_BLOCK_ROWS = 65536  # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf.md v11)
+_STREAM_K_MAX = 1 << 30  # at M = 1, longer K takes the block kernel; no limit below the slab's (perf.md v11 A/B)
 _STREAM_PREFETCH = 0  # register tiles L2 is asked for ahead of the two in registers: off, in-graph A/B (perf.md v6)
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
@@ -96,23 +97,23 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
-    At m = 1 with all of x̂ in one slab (K <= 10240), fewer than _STREAM_BLOCK_ROWS rows and no ks given, the
-    plan is a stream kernel's instead (plan_stream; the block kernel was measured 9-26% faster on the lm_head and
-    the 27B gate|up); stream=False keeps the block kernel, stream=True insists on the stream kernel; d, blocks and
-    pf override the stream plan's choices (tests and the benchmark's sweep)."""
+    At m = 1 with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and no ks given,
+    the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is faster only on
+    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d,
+    blocks and pf override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
     if stream is None:
-        stream = m == 1 and ks is None and k <= _stream_k_max() and n < _STREAM_BLOCK_ROWS
+        stream = m == 1 and ks is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w)) and n < _STREAM_BLOCK_ROWS
     if stream:
-        if m != 1 or ks is not None or k > _stream_k_max():
+        if m != 1 or ks is not None or k > _stream_k_cap(w):
             raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab override and K <= "
-                           f"{_stream_k_max()}, got M = {m}, K = {k}, ks = {ks}")
+                           f"{_stream_k_cap(w)}, got M = {m}, K = {k}, ks = {ks}")
         return plan_stream(w, sm_count, kw_log2=kw_log2, d=d, blocks=blocks, pf=pf)
     if d is not None or blocks is not None or pf is not None:
-        raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_max()})")
+        raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
     cs4 = _chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
@@ -142,10 +143,10 @@ def _round_up(a: int, b: int) -> int:
     return (a + b - 1) // b * b
 
 
-def _stream_k_max() -> int:
-    """The longest K the stream kernels take, 10240: all of a bf16 weight's fp32 x̂ in the 46 KB slab. Quantized
-    weights' int16 x̂ would fit 18K, but at K = 17408 the block kernel measured faster in the graph (perf.md v6)."""
-    return (_X_SMEM // _chunk_bytes(1, False)) * 32 // 256 * 256
+def _stream_k_cap(w: DeviceWeight) -> int:
+    """The longest K a stream kernel can take: all of x̂ in the 46 KB slab, 10240 for bf16 weights (fp32 x̂),
+    18688 for quantized ones (int16 codes)."""
+    return (_X_SMEM // _chunk_bytes(1, w.quantized)) * 32 // 256 * 256
 
 
 def _busiest_sm_tiles(tiles: int, blocks: int, sm_count: int) -> int:
@@ -169,8 +170,8 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
     register tiles are asked of L2 ahead of their loads."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
-    if k > _stream_k_max():
-        raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_max()}")
+    if k > _stream_k_cap(w):
+        raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_cap(w)}")
     nu = k // eu  # 16-byte units along a row that hold the K elements
     groups = math.ceil(n / _ROWS)
     sms = max(1, sm_count)

@@ -203,11 +203,21 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
 def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
     """The stream kernel's x̂ staging over more than one pass of 4096 elements, up to the longest K it takes
-    (10240), with the norm (its Σx² and the nibble formats' chunk sums span the passes), default plans."""
+    (10240 here), with the norm (its Σx² spans the passes), default plans."""
     w, wv = dev.weight(fmt, shape, rng)
     assert linear.plan_gemv(w, 1, kernels.gpu.info.sm_count).stream
     for mode, ldx_pad in [("store", 0), ("add", 1)]:
         run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, ldx_pad=ldx_pad)
+
+
+def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
+    """The stream kernel on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest K
+    its slab holds (18688), store and add, with the norm."""
+    for shape in ((40, 17408), (12, 18688)):
+        w, wv = dev.weight("q5g64", shape, rng)
+        for mode in ("store", "add"):
+            run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, what="stream cap",
+                     plan={"stream": True})
 
 
 # ------------------------------------------------------------------------------------------------ embed
@@ -310,13 +320,14 @@ def test_plan_fits_shared_memory():
 def test_stream_plans():
     """M = 1 with all of K in one slab takes the stream kernel: at most 2 blocks per SM and no more than block
     tiles, every row in a block tile, d within the format's register tile, KW warps of a row group each with a
-    whole first tile; M = 2, a slab override, K > 10240 or N >= _STREAM_BLOCK_ROWS keeps the block kernel."""
+    whole first tile; M = 2, a slab override, K past the slab or N >= _STREAM_BLOCK_ROWS (65536, the lm_head)
+    keeps the block kernel."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
-        for n in (16384, 248320):
+        for n in (65536, 248320):
             assert not linear.plan_gemv(DeviceWeight("w", fmt, (n, 2048), 0), 1, 132).stream
-        for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 16383):
+        for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 34816, 65535):
             for k_ in (32, 352, 512, 2048, 4096, 10240):
                 w = DeviceWeight("w", fmt, (n, k_), 0)
                 p = linear.plan_gemv(w, 1, 132)
@@ -332,13 +343,15 @@ def test_stream_plans():
         assert not linear.plan_gemv(w, 2, 132).stream
         assert not linear.plan_gemv(w, 1, 132, ks=1024).stream
         assert not linear.plan_gemv(w, 1, 132, stream=False).stream
-        assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, 10496), 0), 1, 132).stream
         for bad in (dict(stream=True, ks=1024), dict(d=3), dict(d=0), dict(blocks=0), dict(stream=False, d=1),
                     dict(pf=-1), dict(pf=9), dict(ks=1024, pf=0)):
             with pytest.raises(GpuError):
                 linear.plan_gemv(w, 1, 132, **bad)
+        cap = 10240 if bits == 16 else 18688  # 46 KB of x̂: 36 fp32 or 80 bytes of int16 codes per 32 elements
+        assert linear.plan_gemv(DeviceWeight("w", fmt, (64, cap), 0), 1, 132).stream
+        assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132).stream
         with pytest.raises(GpuError, match="K <="):
-            linear.plan_gemv(DeviceWeight("w", fmt, (64, 10496), 0), 1, 132, stream=True)
+            linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132, stream=True)
         p = linear.plan_gemv(w, 1, 132, stream=True, d=1, kw_log2=3, blocks=5, pf=4)
         assert (p.d, p.kw_log2, p.blocks, p.grid, p.pf) == (1, 3, 5, 1024, 4)
 
