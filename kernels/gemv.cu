@@ -94,8 +94,8 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
         while (u < ue) {
             const int le = (u - ub) * EU;
             if constexpr (F::XQ != 0)
-                compute_unit_q<BITS, M>(A, reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * CB, (le >> 4) & 1,
-                                        acc);
+                compute_unit_q<BITS, M, kRows>(A, reinterpret_cast<const uint8_t*>(smem4) + (le >> 5) * CB,
+                                               (le >> 4) & 1, acc);
             else
                 compute_unit_bf16<M>(A, reinterpret_cast<const float*>(smem4) + (le >> 5) * CS + (le & 31), acc);
             u += us;

@@ -286,7 +286,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                 const int le = u * EU;
                 const uint8_t* xb = reinterpret_cast<const uint8_t*>(smem4);
                 if constexpr (F::XQ != 0)
-                    compute_unit_q<BITS, 1>(T.u[d], xb + (le >> 5) * qchunk_bytes(1), (le >> 4) & 1, acc);
+                    compute_unit_q<BITS, 1, kRows>(T.u[d], xb + (le >> 5) * qchunk_bytes(1), (le >> 4) & 1, acc);
                 else
                     compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * 36 + (le & 31), acc);
             }

@@ -15,13 +15,14 @@
 //                    then, when extra is given, y[m, n] += extra_scale[m] · extra[m, n] (one fma: the shared
 //                    expert's output times its gate, computed beside the routed experts)
 // <f> is any q{4,5,6,8}g{32,64,128} (quant.cuh) or bf16; expert e's rows are bank rows e·N .. e·N + N - 1.
-// Fast paths moe_gate_up[_routed]_t{1,2}_<q>, moe_down_t{1,2}_<q> for decode shapes (see "fast paths").
+// Fast paths moe_gate_up[_routed]_t{1,2}_<q>, moe_down_t{1,2}_<q> for decode shapes (see "fast paths"): x̂ and
+// act as int16 codes per 32 elements (xcodes.cuh, reference ops.act_codes16) in exact dp2a dot products.
 // Matches ninfer_rt.reference.ops.moe without the shared expert (the engine computes it with the plain GEMVs and
 // moe_down adds it).
 // An expert id outside [0, E) makes its outputs NaN instead of reading out of bounds.
 #include "common.cuh"
 #include "moe_route.cuh"  // route_row, route_store, MOE_MAX_K, MOE_MAX_E
-#include "quant.cuh"
+#include "xcodes.cuh"     // int16 activation codes and dp2a dot products (fast paths); quant.cuh
 
 #define MOE_THREADS 256   // gate_up and down blocks
 #define MOE_WARPS (MOE_THREADS / 32)
@@ -271,11 +272,13 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
 
 // ------------------------------------------------------------------------------------------------ fast paths
 // Decode shapes of q{4,5,6,8} banks (moe.py picks them: gate_up H = 1024·T, down I = 512·T, T = 1, 2, x / act
-// 16-byte aligned). Same blocks, grids and results as gate_up_impl / down_impl (sums in a fixed order), but
-// every thread issues all of its weight loads into registers at once, right after its expert id arrives, and
-// the activations are loaded alongside (not before): one DRAM round trip for the ids, one for the weights.
+// 16-byte aligned). Same blocks and grids as gate_up_impl / down_impl (sums in a fixed order), but every thread
+// issues all of its weight loads into registers at once, right after its expert id arrives, and the
+// activations are staged while they are in flight: one DRAM round trip for the ids, one for the weights. The
+// activations meet the weights as int16 codes (xcodes.cuh: within 2^-14 of each chunk's largest value), one
+// dp2a per two weights instead of a conversion and an fma per weight.
 
-// The raw bytes of one 32-element chunk of one row, as loaded (decoded later by qchunk_dot).
+// The raw bytes of one 32-element chunk of one row, as loaded (decoded later by chunk_dots).
 template <int BITS>
 struct QChunk {
     int4 a;                // codes (BITS 8: first 16 of 32 bytes)
@@ -300,50 +303,42 @@ __device__ __forceinline__ void qchunk_load(QChunk<BITS>& q, const uint8_t* qs, 
     q.s = __ldg(reinterpret_cast<const unsigned short*>(r.sc) + (32 * c) / GROUP);
 }
 
-__device__ __forceinline__ float f4_at(const float4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// Scaled dot of one loaded chunk with its 32 activations x (8 float4); decode and order as chunk_dot.
+// A loaded chunk as the units compute_unit_q takes: nibble formats one unit of 32 elements, q8 two of 16 (half).
 template <int BITS>
-__device__ __forceinline__ float qchunk_dot(const QChunk<BITS>& q, const float4 (&x)[8]) {
-    float w[32];
-    if constexpr (BITS == 8) {
-        const int v[8] = {q.a.x, q.a.y, q.a.z, q.a.w, q.b.x, q.b.y, q.b.z, q.b.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) w[4 * i + j] = (float)(int8_t)((v[i] >> (8 * j)) & 0xFF);
-        }
-    } else {
-        const uint32_t v[4] = {(uint32_t)q.a.x, (uint32_t)q.a.y, (uint32_t)q.a.z, (uint32_t)q.a.w};
-        constexpr int OFF = 1 << (BITS - 1);
-#pragma unroll
-        for (int e = 0; e < 32; ++e) {
-            int u = (v[e >> 3] >> (4 * (e & 7))) & 0xF;
-            if constexpr (BITS == 5) u |= (int)((q.h >> e) & 1u) << 4;
-            if constexpr (BITS == 6) u |= (int)((q.h >> (2 * e)) & 3u) << 4;
-            w[e] = (float)(u - OFF);
-        }
-    }
-    float acc = 0.f;
-#pragma unroll
-    for (int e = 0; e < 32; ++e) acc = fmaf(w[e], f4_at(x[e >> 2], e & 3), acc);
-    return acc * __half2float(__ushort_as_half(q.s));
+__device__ __forceinline__ Unit chunk_unit(const QChunk<BITS>& q, int half) {
+    Unit u;
+    u.q = half ? q.b : q.a;
+    u.h0 = (uint32_t)q.h;
+    u.h1 = (uint32_t)(q.h >> 32);
+    u.sc = q.s;
+    return u;
 }
 
-#define XPAD4 9  // float4 per 32-activation chunk in smem (36 floats: 16-byte reads of 8 lanes hit 8 bank quads)
+// acc[r][0] += W[r] chunk · x chunk for the 4 rows' loaded chunks q[r], x as the int16 chunk record rec.
+template <int BITS>
+__device__ __forceinline__ void chunk_dots(const QChunk<BITS> (&q)[4], const uint8_t* rec, float (&acc)[4][1]) {
+#pragma unroll
+    for (int half = 0; half < (BITS == 8 ? 2 : 1); ++half) {
+        Unit d[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) d[r] = chunk_unit<BITS>(q[r], half);
+        compute_unit_q<BITS, 1, 4>(d, rec, half, acc);
+    }
+}
 
 // Block (pair, tile) as gate_up_impl, 256 threads: warp w takes bank rows 32·tile + 4w .. +4, lane the chunks
-// lane + 32t (t < T), all 4·T chunk loads in flight together. Dynamic smem: x_m as H/32 chunks of XPAD4 float4.
-// ROUTED: warp 0 routes while the x loads are in flight; every thread stages its raw x and its Σ x² before the
-// barrier that publishes the id, issues its weight loads right after it, then rescales its own x to h in smem
-// (norm_w read then: an L2 hit behind the weight loads) before the barrier ahead of the dots.
+// lane + 32t (t < T), all 4·T chunk loads in flight together. x_m (h for ROUTED) is staged as int16 chunk
+// records (xcodes.cuh; 8 consecutive threads hold one chunk) and meets the weight codes in dp2a. Dynamic smem:
+// H/32 records of qchunk_bytes(1). ROUTED: warp 0 routes while the x loads are in flight; every thread adds
+// its Σ x² before the barrier that publishes the id, issues its weight loads right after it, then normalises
+// its own x (norm_w read then: an L2 hit behind the weight loads) and stores the codes.
 template <int BITS, int GROUP, int T, bool ROUTED>
 __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                              int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
                                              int top_k, float* __restrict__ act, const MoeRouted& rt) {
     extern __shared__ float4 s_x4[];
+    uint8_t* s_q = reinterpret_cast<uint8_t*>(s_x4);
+    constexpr int CB = qchunk_bytes(1), XQ = BITS == 8 ? 1 : 2;
     __shared__ float s_out[32];
     __shared__ float s_red[MOE_WARPS];
     __shared__ int s_e[1];
@@ -359,12 +354,7 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         if (warp == 0) route_block(rt, E, top_k, m, pair - m * top_k, tile, s_e);
         float ss = 0.f;
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const int i4 = tid + MOE_THREADS * t;
-            const float4 v = xr[t];
-            s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
+        for (int t = 0; t < T; ++t) ss += xr[t].x * xr[t].x + xr[t].y * xr[t].y + xr[t].z * xr[t].z + xr[t].w * xr[t].w;
         ss_partial(ss, s_red);
         __syncthreads();
         e = s_e[0];
@@ -377,11 +367,11 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         return;
     }
     const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
-    QChunk<BITS> q[4][T];
+    QChunk<BITS> q[T][4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
 #pragma unroll
-        for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[r][t], qs, qh, sc, row0 + r, kp, lane + 32 * t);
+        for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[t][r], qs, qh, sc, row0 + r, kp, lane + 32 * t);
     }
     if constexpr (ROUTED) {
         const float4* w4 = reinterpret_cast<const float4*>(rt.norm_w);
@@ -390,49 +380,42 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         for (int t = 0; t < T; ++t) g[t] = __ldg(w4 + tid + MOE_THREADS * t);
         const float r = rms_scale(s_red, H, rt.eps);
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const int i4 = tid + MOE_THREADS * t;
-            float4& v = s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)];
-            const float4 o = v;
-            v = make_float4(norm_mul(o.x, r, g[t].x), norm_mul(o.y, r, g[t].y), norm_mul(o.z, r, g[t].z),
-                            norm_mul(o.w, r, g[t].w));
-        }
-    } else {
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const int i4 = tid + MOE_THREADS * t;  // float4 i4 of x_m: chunk i4 / 8, slot i4 % 8
-            s_x4[XPAD4 * (i4 >> 3) + (i4 & 7)] = xr[t];
-        }
+        for (int t = 0; t < T; ++t)
+            xr[t] = make_float4(norm_mul(xr[t].x, r, g[t].x), norm_mul(xr[t].y, r, g[t].y),
+                                norm_mul(xr[t].z, r, g[t].z), norm_mul(xr[t].w, r, g[t].w));
     }
-    __syncthreads();
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-        const float4* p = s_x4 + XPAD4 * (lane + 32 * t);
-        float4 xv[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xv[i] = p[i];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[r] += qchunk_dot<BITS>(q[r][t], xv);
+        const int i4 = tid + MOE_THREADS * t;  // float4 i4 of x_m: chunk i4 / 8, elements 4 (i4 % 8) ..
+        store_codes4<1, XQ>(s_q + (i4 >> 3) * CB, 0, 4 * (i4 & 7), xr[t], true);
     }
+    __syncthreads();
+    float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[r] = warp_sum(acc[r]);
+    for (int t = 0; t < T; ++t) chunk_dots<BITS>(q[t], s_q + (lane + 32 * t) * CB, acc);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[r][0] = warp_sum(acc[r][0]);
     if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r];
+        for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
     }
     __syncthreads();
     if (tid < 16) out[tid] = siluf_(s_out[tid]) * s_out[16 + tid];
 }
 
 // Block (m, row tile) as down_impl, 256 threads: warp w takes experts j = w, w + 8, ..; in a warp, half h = lane/16
-// takes rows n0 + 4h .. +4 and lane the chunks lane % 16 + 16t (t < T). Its act chunks (straight from global),
-// its id, then its 4·T weight chunks are all in flight together; the y element is read at the start.
+// takes rows n0 + 4h .. +4 and lane the chunks lane % 16 + 16t (t < T). The warp's first id and its 4·T weight
+// chunks are issued first; then the block stages act[m] (top_k·I floats) as int16 chunk records (xcodes.cuh)
+// while they are in flight. Dynamic smem: top_k·I/32 records of qchunk_bytes(1); the y element is read at the
+// start.
 template <int BITS, int GROUP, int T>
 __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                           int H, int I, const float* __restrict__ act, const int* __restrict__ ids,
                                           const float* __restrict__ weights, int top_k, float* __restrict__ y,
                                           const float* __restrict__ extra, const float* __restrict__ extra_scale) {
+    extern __shared__ float4 s_x4[];
+    uint8_t* s_q = reinterpret_cast<uint8_t*>(s_x4);
+    constexpr int CB = qchunk_bytes(1), XQ = BITS == 8 ? 1 : 2;
     __shared__ int s_e[MOE_MAX_K];
     __shared__ float s_w[MOE_MAX_K];
     __shared__ float s_part[MOE_MAX_K * MOE_DOWN_ROWS];
@@ -447,37 +430,53 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
         s_e[tid] = (e >= 0 && e < E) ? e : -1;
         s_w[tid] = __ldg(weights + (long long)m * top_k + tid);
     }
-    for (int j = warp; j < top_k; j += MOE_THREADS / 32) {  // uniform over the warp
-        const float4* aj = reinterpret_cast<const float4*>(act + ((long long)m * top_k + j) * I);
-        float4 xv[T][8];
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xv[t][i] = __ldg(aj + 8 * (cl + 16 * t) + i);
-        }
-        const int e = __ldg(ids + (long long)m * top_k + j);
-        if (e < 0 || e >= E) continue;  // the sum below turns NaN
+    QChunk<BITS> q[T][4];
+    int e = -1;
+    auto issue = [&](int j) {  // expert j's id, then its weight chunks
+        e = __ldg(ids + (long long)m * top_k + j);
+        if (e < 0 || e >= E) return;
         const long long row0 = (long long)e * H + n0 + 4 * half;
-        QChunk<BITS> q[4][T];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
 #pragma unroll
-            for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[r][t], qs, qh, sc, row0 + r, kp, cl + 16 * t);
+            for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[t][r], qs, qh, sc, row0 + r, kp, cl + 16 * t);
         }
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    };
+    if (warp < top_k) issue(warp);
+    {
+        // n4 = top_k·128·T float4: a multiple of 32, so each pass is whole warps (the shuffles need them)
+        const float4* a4 = reinterpret_cast<const float4*>(act + (long long)m * top_k * I);
+        const int n4 = top_k * I / 4;
+        for (int i0 = 0; i0 < n4; i0 += 4 * MOE_THREADS) {
+            float4 v[4];
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
+            for (int b = 0; b < 4; ++b) {
+                const int i4 = i0 + MOE_THREADS * b + tid;
+                if (i4 < n4) v[b] = __ldg(a4 + i4);
+            }
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[r] += qchunk_dot<BITS>(q[r][t], xv[t]);
+            for (int b = 0; b < 4; ++b) {
+                const int i4 = i0 + MOE_THREADS * b + tid;
+                if (i4 < n4) store_codes4<1, XQ>(s_q + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[b], true);
+            }
         }
+    }
+    __syncthreads();
+    const int nc = I / 32;
+    for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
+        if (j != warp) issue(j);
+        if (e < 0 || e >= E) continue;  // the sum below turns NaN
+        float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+#pragma unroll
+        for (int t = 0; t < T; ++t) chunk_dots<BITS>(q[t], s_q + (j * nc + cl + 16 * t) * CB, acc);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
 #pragma unroll
-            for (int o = 8; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // within a half
+            for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // within a half
         }
         if (cl == 0) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r];
+            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r][0];
         }
     }
     __syncthreads();

@@ -9,7 +9,9 @@ column E) come from the plain GEMV over the fused [E+1, H] router; then
 
 gate_up_routed does route and gate_up in one launch, on the residual stream x with the post-attention RMSNorm
 applied in the kernel (the router GEMV fuses the same norm), so a decode layer needs no separate norm either.
-The shared expert is computed apart with the plain GEMV. Reference: ninfer_rt.reference.ops.moe.
+The shared expert is computed apart with the plain GEMV. Reference: ninfer_rt.reference.ops.moe. The fast paths
+(q banks at decode shapes) take x̂ and act as int16 codes per 32 elements (ninfer_rt.reference.ops.act_codes16)
+and exact integer dot products, as the decode GEMVs do; the general paths fp32.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ THREADS = 256  # gate_up and down blocks
 GATE_UP_TILE = 32  # bank rows per gate_up block: 16 gate + 16 up (the interleave tile of 16)
 DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
-XPAD_FAST = 36  # the same in the fast gate_up (16-byte reads)
+QCHUNK = 80  # bytes of shared memory per 32 activations as int16 codes in the fast paths (xcodes.cuh qchunk_bytes)
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
 SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
 
@@ -106,7 +108,7 @@ def _gate_up_kernel(k, op: str, w: DeviceWeight, M: int, top_k: int, vec: bool, 
     t = H // 1024
     if w.quantized and H == 1024 * t and t in FAST_T and vec:
         name = f"moe_{op}_t{t}_{w.fmt}"
-        smem = _smem(k, op, name, H // 32 * XPAD_FAST * 4)
+        smem = _smem(k, op, name, H // 32 * QCHUNK)
     else:
         smem = _smem(k, op, name, H // 32 * XPAD * 4)
     return name, E, H, two_i // 2, (M * top_k, two_i // GATE_UP_TILE), smem
@@ -174,7 +176,8 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
         raise GpuError("moe.down: extra and extra_scale come together (both device pointers, or neither)")
     t = I // 512
     if w.quantized and I == 512 * t and t in FAST_T and act % 16 == 0:
-        name, smem = f"moe_down_t{t}_{w.fmt}", 0  # act read straight from global
+        name = f"moe_down_t{t}_{w.fmt}"
+        smem = _smem(k, "down", name, top_k * (I // 32) * QCHUNK)
     else:
         smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
     qs, qh, sc = w.planes()

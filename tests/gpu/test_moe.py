@@ -11,7 +11,10 @@ expression ops.moe uses, so route ranks exactly the logits the oracle ranks. Eac
   chain    y_after - y_before against ops.moe
 Tolerance of a length-n dot product: two fp32 summation orders differ by ~sqrt(n)·u·Σ|w·x| in practice (45u at
 n = 2048, u = 2^-24). We allow DOT·Σ|w·x| with DOT = 2^-15 (512u); one wrong element alone moves a dot by about
-Σ|w·x|/n >= 2^-11·Σ|w·x|, 16x more. These bounds are propagated through SwiGLU and the down projection in
+Σ|w·x|/n >= 2^-11·Σ|w·x|, 16x more. The fast paths (q banks at decode shapes, fast_gate_up / fast_down) take
+x and act as int16 codes per 32 elements (ops.act_codes16): gate_up and down are checked against the oracle on
+those codes (exact in fp32: the products are exact integers there), and the chain against ops.moe on exact
+inputs with each element's code error (<= d / 2, d its chunk's scale) added to the bounds. These bounds are propagated through SwiGLU and the down projection in
 float64 (act_bound, the chain bound). Experts not routed to hold 0xFF bytes (NaN scales), so reading the wrong
 expert shows up as NaN. The helpers and oracles here are shared with test_moe_routed.py (the fused gate_up).
 """
@@ -127,19 +130,42 @@ def routed_case(dev, rng, dims: str, fmt_gu: str, fmt_down: str, draw, router_sc
                 fused=np.concatenate([logits.numpy(), (h @ sg_w.T).numpy()], axis=1))  # [M, E+1]
 
 
-def act_bound(x, g, u, dot: float = DOT):
+def fast_gate_up(fmt: str, H: int) -> bool:
+    """Whether moe.gate_up[_routed] takes its fast path (int16 x codes) for this bank (moe.py FAST_T; aligned x)."""
+    from ninfer_rt.gpu.moe import FAST_T
+    return fmt != "bf16" and H % 1024 == 0 and H // 1024 in FAST_T
+
+
+def fast_down(fmt: str, I: int) -> bool:
+    """Whether moe.down takes its fast path (int16 act codes) for this bank (moe.py FAST_T; aligned act)."""
+    from ninfer_rt.gpu.moe import FAST_T
+    return fmt != "bf16" and I % 512 == 0 and I // 512 in FAST_T
+
+
+def codes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """a (fp32 [..., n], n % 32 == 0) as the fast paths multiply it: its int16 codes times their chunk scale d
+    (ops.act_codes16; exact in fp32), and d per element (float64): every element is within d / 2 of a."""
+    from ninfer_rt.reference.ops import act_codes16
+    q, d = act_codes16(torch.from_numpy(np.ascontiguousarray(a, np.float32)))
+    dd = np.repeat(d.numpy().astype(np.float64), 32, axis=-1)
+    return (q.numpy() * dd).astype(np.float32), dd
+
+
+def act_bound(x, g, u, dot: float = DOT, ex=None):
     """float64 bound on |act_device - act_ref| for act = silu(g·x)·(u·x), g, u [I, H], x [H], when each dot may
-    be off by dot·Σ|w·x|."""
+    be off by dot·Σ|w·x| and each element of x by ex [H] (absolute; None: 0)."""
     gx, ux = g.astype(np.float64) @ x, u.astype(np.float64) @ x
     dg, du = dot * (np.abs(g) @ np.abs(x)), dot * (np.abs(u) @ np.abs(x))
+    if ex is not None:
+        dg, du = dg + np.abs(g) @ ex, du + np.abs(u) @ ex
     sg = gx / (1 + np.exp(-gx))
     # |silu'| <= 1.1 everywhere
     return 1.1 * np.abs(ux) * dg + np.abs(sg) * du + SILU * np.abs(sg * ux) + dg * du
 
 
-def act_oracle(h: "torch.Tensor", gate: dict, ids: np.ndarray, I: int, dot: float = DOT):
+def act_oracle(h: "torch.Tensor", gate: dict, ids: np.ndarray, I: int, dot: float = DOT, ex=None):
     """torch fp32 act [M, k, I] = silu(h_m·g)·(h_m·u) of experts ids[m, j] (gate: {e: de-interleaved [2I, H]})
-    and its act_bound [M, k, I]."""
+    and its act_bound [M, k, I] (ex: [M, H] absolute error of the kernel's h, or None)."""
     M, k = ids.shape
     x = h.numpy().astype(np.float64)
     want, tol = np.empty((M, k, I), np.float32), np.empty((M, k, I))
@@ -148,7 +174,7 @@ def act_oracle(h: "torch.Tensor", gate: dict, ids: np.ndarray, I: int, dot: floa
             g, u = gate[int(ids[m, j])][:I], gate[int(ids[m, j])][I:]
             gt, ut = torch.from_numpy(g), torch.from_numpy(u)
             want[m, j] = (torch.nn.functional.silu(h[m:m + 1] @ gt.T) * (h[m:m + 1] @ ut.T))[0].numpy()
-            tol[m, j] = act_bound(x[m], g, u, dot)
+            tol[m, j] = act_bound(x[m], g, u, dot, None if ex is None else ex[m])
     return want, tol
 
 
@@ -168,16 +194,18 @@ def routed_oracle(h, router_w, sg_w, gate: dict, dn_vals: dict, top_k: int) -> n
                    torch.zeros(H, Is), sg_w).numpy()
 
 
-def chain_tol(y1, ids, w, act, tol_act, dn_vals: dict) -> np.ndarray:
+def chain_tol(y1, ids, w, act, tol_act, dn_vals: dict, act_err=None) -> np.ndarray:
     """Bound on |(y_after - y_before) - routed_oracle| [M, H]: the act error propagated through |W|, the down
-    dots' own error, the weights' ROUTE_REL and the rounding of y += total."""
+    dots' own error (and act_err [M, k, I], the fast down's code error), the weights' ROUTE_REL and the
+    rounding of y += total."""
     tol = 2 * U * np.abs(y1)
     M, k = ids.shape
     for m in range(M):
         for j in range(k):
             D = dn_vals[int(ids[m, j])].astype(np.float64)
             a = act[m, j].astype(np.float64)
-            tol[m] += abs(float(w[m, j])) * (DOT * (np.abs(D) @ np.abs(a)) + np.abs(D) @ tol_act[m, j]
+            err = tol_act[m, j] if act_err is None else tol_act[m, j] + act_err[m, j]
+            tol[m] += abs(float(w[m, j])) * (DOT * (np.abs(D) @ np.abs(a)) + np.abs(D) @ err
                                              + 2 * ROUTE_REL * np.abs(D @ a))
     return tol
 
@@ -264,12 +292,15 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     want_ss = torch.sigmoid(h @ sg_w.T).numpy()[:, 0]
     assert_close("shared_scale", dev.get(ss, (M,)), want_ss, ROUTE_REL * np.abs(want_ss))
 
-    # gate_up
+    # gate_up (the fast path on the int16 codes of h, exactly as it multiplies them)
     act = dev.empty(M * k * I * 4)
     moe.gate_up(kernels, gu, x=put(dev, h.numpy()), M=M, ids=ids, top_k=k, act=act)
     got_act = dev.get(act, (M, k, I))
-    want_act, tol_act = act_oracle(h, gate, want_ids, I)
+    fast_gu, fast_dn = fast_gate_up(fmt_gu, H), fast_down(fmt_down, I)
+    h_codes, h_d = codes(h.numpy())
+    want_act, tol_act = act_oracle(torch.from_numpy(h_codes) if fast_gu else h, gate, want_ids, I)
     assert_close(f"gate_up act [M, k, I] ({fmt_gu})", got_act, want_act, tol_act)
+    a_codes, a_d = codes(got_act)
 
     # down: on the kernel's own act and weights, then the chain against ops.moe
     y0 = rng.standard_normal((M, H)).astype(np.float32)
@@ -282,7 +313,7 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     for m in range(M):
         for j in range(k):
             D = dn_vals[int(want_ids[m, j])].astype(np.float64)
-            a = got_act[m, j].astype(np.float64)
+            a = (a_codes if fast_dn else got_act)[m, j].astype(np.float64)
             want_down[m] += got_w[m, j] * (D @ a)
             scale_down[m] += abs(got_w[m, j]) * (np.abs(D) @ np.abs(a))
     # one fp32 rounding of y += total, |δ| <= u·|y_after|
@@ -305,8 +336,9 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
 
     # ops.moe reads only the experts it routes to (checked equal to ours above)
     routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
+    exact_act, exact_tol = act_oracle(h, gate, want_ids, I, ex=h_d / 2 if fast_gu else None)
     assert_close(f"routed MoE vs ops.moe ({fmt_gu}/{fmt_down})", diff, routed,
-                 chain_tol(y1, want_ids, want_w, want_act, tol_act, dn_vals))
+                 chain_tol(y1, want_ids, want_w, exact_act, exact_tol, dn_vals, a_d / 2 if fast_dn else None))
 
 
 # ------------------------------------------------------------------------------------------ misuse

@@ -15,6 +15,10 @@ within 5e-6 of it, and we allow NORM = 5e-6 relative per element of h. A dot is 
 most NORM·Σ|g·h|: act is checked with act_bound at a dot tolerance of DOT + NORM, and the chain with chain_tol on
 that act bound. x rows are scaled by 10^U(-3, 1) (at 1e-3, mean x² ~ eps) and norm_w ~ 0.2·N(0, 1), so a kernel
 that skipped the norm, eps or the gain 1 + w would be off by orders of magnitude more.
+The fast path (H = 1024·T) multiplies int16 codes of its own h (test_moe.codes): each element within d / 2 of
+that h, and, since that h is within NORM of torch's, within d of torch's h (d the chunk scale of torch's h: the
+kernel's can be twice it only when the chunk's largest value sits within NORM below a power of two). The act
+bound gets that absolute error per element (act_bound's ex).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_moe import (CASES, DIMS, DOT, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol, put,
-                       ref_routing, routed_case, routed_oracle)
+from .test_moe import (CASES, DIMS, DOT, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol, codes,
+                       fast_down, fast_gate_up, put, ref_routing, routed_case, routed_oracle)
 
 torch = pytest.importorskip("torch")
 
@@ -114,7 +118,9 @@ def test_routed_routing_and_act(kernels, dev, rng, E, top_k, M, path):
     assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
     want_ss = sigmoid64(logits[:, E])
     assert_close("shared_scale vs sigmoid", got[2], want_ss, ROUTE_REL * want_ss)
-    want_act, tol_act = act_oracle(norm_ref(x, norm_w), gate, want_ids, I, DOT + NORM)
+    h = norm_ref(x, norm_w)
+    ex = codes(h.numpy())[1] if path == "fast" else None  # the fast path's code error, see the module docstring
+    want_act, tol_act = act_oracle(h, gate, want_ids, I, DOT + NORM, ex)
     assert_close(f"act [M, k, I] ({path})", got[3], want_act, tol_act)
 
 
@@ -159,7 +165,9 @@ def test_routed_ties_nan_inf(kernels, dev, rng, path):
     want_ss = sigmoid64(logits[:, E])
     assert_close("shared_scale", got[2], want_ss, ROUTE_REL * want_ss)
 
-    want_act, tol_act = act_oracle(norm_ref(x, norm_w), gate, np.where(valid, want_ids, 0), I, DOT + NORM)
+    h = norm_ref(x, norm_w)
+    ex = codes(h.numpy())[1] if path == "fast" else None
+    want_act, tol_act = act_oracle(h, gate, np.where(valid, want_ids, 0), I, DOT + NORM, ex)
     assert np.isnan(got[3][~valid]).all(), "an invalid id must give NaN act"
     assert_close(f"act of valid ids ({path})", got[3][valid], want_act[valid], tol_act[valid])
 
@@ -191,7 +199,8 @@ def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
     want_ss = torch.sigmoid(h @ sg_w.T).numpy()[:, 0]
     assert_close("shared_scale vs torch", got[2], want_ss, ROUTE_REL * np.abs(want_ss))
-    want_act, tol_act = act_oracle(h, gate, want_ids, I, DOT + NORM)
+    ex = codes(h.numpy())[1] if fast_gate_up(fmt_gu, H) else None
+    want_act, tol_act = act_oracle(h, gate, want_ids, I, DOT + NORM, ex)
     assert_close(f"act [M, k, I] ({fmt_gu})", got[3], want_act, tol_act)
 
     y0 = rng.standard_normal((M, H)).astype(np.float32)
@@ -200,7 +209,8 @@ def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     y1 = dev.get(y, (M, H))
     routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
     assert_close(f"routed MoE from x vs ops.moe(rms_norm_zc(x)) ({fmt_gu}/{fmt_down})", y1.astype(np.float64) - y0,
-                 routed, chain_tol(y1, want_ids, want_w, want_act, tol_act, dn_vals))
+                 routed, chain_tol(y1, want_ids, want_w, want_act, tol_act, dn_vals,
+                                   codes(got[3])[1] / 2 if fast_down(fmt_down, I) else None))
 
 
 # ------------------------------------------------------------------------------------------ misuse
