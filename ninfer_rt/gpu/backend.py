@@ -71,10 +71,14 @@ class GpuBackend:
         """forward(ids, cache, last_only=True), then the next token drawn on the GPU over ids < vocab: the
         arg-max, or misc.sample under params with Philox stream (seed, step). Only the id crosses to the host
         (not 1 MB of logits, and no host softmax over the vocabulary). Needs can_sample(params)."""
-        self._run_last(np.asarray(ids, np.int32), cache)
-        if params.is_greedy:
-            return self.model.draw(vocab)
-        record = sample_params(params.temperature, params.top_k, params.top_p, params.min_p, seed=seed, step=step)
+        ids = np.asarray(ids, np.int32)
+        record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
+                                                              params.min_p, seed=seed, step=step)
+        if ids.size == 1 and cache.pos > 0:  # a decode step: the draw is part of its graph, one id comes back
+            self.model.decode(ids, [cache.pos], [0], graph=self.use_graphs, draw=(vocab, record))
+            cache.pos += 1
+            return self.model.drawn()
+        self._run_last(ids, cache)
         return self.model.draw(vocab, record)
 
     def close(self) -> None:

@@ -141,7 +141,7 @@ class GpuModel:
         self.buf = self._alloc_buffers(self.rows)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
-        self.graphs: dict[tuple[int, int, int, str], object] = {}
+        self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
         # decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self.side = gpu.new_stream()
         self._fork, self._join = Event(timing=False), Event(timing=False)
@@ -334,11 +334,13 @@ class GpuModel:
         misc.cast_bf16(self.k, x=self.buf.o, y=self.buf.o16, M=M, D=D)
         return self.buf.o16
 
-    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str) -> None:
+    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str, draw: tuple | None = None) -> None:
         """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
 
         logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
         "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last).
+        draw ("argmax" | "sample", vocab), with "last" and B = 1: instead of the argmax, the next token over ids
+        < vocab into the draw slot (sample: under the params record in the draw params buffer).
         """
         b, s, M = self.buf, self.spec, B * T
         linear.embed(self.k, self.w.matrix(LM + "embed_tokens.weight"), ids=b.tokens, M=M, out=b.x)
@@ -361,8 +363,22 @@ class GpuModel:
                               out="bf16")
                 self._linear(self.lm_head, x=b.h16, M=B, y=b.logits)
             rows = B
-        misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
-                    scratch=b.scratch)
+        if draw is None:
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
+                        scratch=b.scratch)
+        else:
+            self._enqueue_draw(*draw)
+
+    def _enqueue_draw(self, how: str, vocab: int) -> None:
+        """The next token from logits row 0 over ids < vocab into the draw slot: the arg-max (ties to the lowest
+        id) or a draw under the params record already in the draw params buffer."""
+        b = self.buf
+        if how == "argmax":
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, out=self._draw_out,
+                        scratch=self._draw_scratch)
+        else:
+            misc.sample(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, params=self._draw_params,
+                        out=self._draw_out, scratch=self._draw_scratch)
 
     # ------------------------------------------------------------------------------------------- host API
 
@@ -377,36 +393,49 @@ class GpuModel:
         if max(pos) + T > self.max_ctx:
             raise NinferError(f"context {max(pos) + T} exceeds the cache's {self.max_ctx} positions")
 
-    def decode(self, tokens: np.ndarray, pos: list[int], slots: list[int], *, graph: bool = True) -> None:
+    def decode(self, tokens: np.ndarray, pos: list[int], slots: list[int], *, graph: bool = True,
+               draw: tuple[int, np.ndarray | None] | None = None) -> None:
         """One decode step for B = len(pos) sequences of T = tokens.size // B new tokens each (T ≤ 8).
 
-        Leaves logits of each sequence's last token in the logits buffer (rows 0..B-1) and their argmax.
+        Leaves logits of each sequence's last token in the logits buffer (rows 0..B-1) and their argmax; or,
+        with draw = (vocab, record) and B = 1, the next token in the same graph (`drawn()`): the arg-max over
+        ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax.
         """
         B = len(pos)
         T = tokens.size // B
         if not 1 <= T <= GEMV_MAX_ROWS or T * B != tokens.size or B > self.slots:
             raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")
         self._check(pos, T, slots)
+        if draw is not None and (B != 1 or not 1 <= draw[0] <= self.V):
+            raise NinferError(f"decode draws one sequence's token over 1..{self.V} ids, got B = {B}, "
+                              f"vocab = {draw[0]}")
         bucket = min(context_bucket(max(pos) + T), self.max_ctx)
         self._set_batch(tokens, pos, slots)
-        self._run(B, T, bucket, "last", graph)
+        how = None
+        if draw is not None:
+            vocab, record = draw
+            if record is not None:
+                self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
+            how = ("argmax" if record is None else "sample", int(vocab))
+        self._run(B, T, bucket, "last", graph, how)
 
-    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool) -> None:
-        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows).
+    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool, draw: tuple | None = None) -> None:
+        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows,
+        draw).
 
         Decode steps (up to 8 rows) launch with programmatic dependent launch where the GPU has it: hundreds
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
         """
         self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
         if not graph:
-            self._step(B, T, bucket, logit_rows)
+            self._step(B, T, bucket, logit_rows, draw)
             return
-        key = (B, T, bucket, logit_rows)
+        key = (B, T, bucket, logit_rows, draw)
         g = self.graphs.get(key)
         if g is None:
             self.gpu.begin_capture()
             try:
-                self._step(B, T, bucket, logit_rows)
+                self._step(B, T, bucket, logit_rows, draw)
             finally:
                 g = self.gpu.end_capture()
             self.graphs[key] = g
@@ -444,14 +473,14 @@ class GpuModel:
 
     def draw(self, vocab: int, record: np.ndarray | None = None) -> int:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
-        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record."""
-        b = self.buf
-        if record is None:
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, out=self._draw_out,
-                        scratch=self._draw_scratch)
-        else:
-            self.gpu.upload(self._draw_params, record)
-            misc.sample(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, params=self._draw_params,
-                        out=self._draw_out, scratch=self._draw_scratch)
+        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record. (A decode
+        step draws inside its graph instead: decode(..., draw=...), then drawn().)"""
+        if record is not None:
+            self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
+        self._enqueue_draw("argmax" if record is None else "sample", vocab)
+        return self.drawn()
+
+    def drawn(self) -> int:
+        """The token in the draw slot (after the stream finishes)."""
         return int(self.gpu.download(self._draw_out, (1,), np.int32)[0])
 

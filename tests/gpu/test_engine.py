@@ -222,6 +222,42 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
         assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)
 
 
+def test_decode_draws_the_token_in_its_graph(gpu, kernels, artifact):
+    """decode(..., draw=(vocab, record)) picks the next token inside the step, replayed or launched directly:
+    greedy is the arg-max of the step's own logits over ids < vocab (vocab below the padded rows); top_k = 1
+    sampling equals it at any temperature; a top_k = 5 draw is one of the 5 largest and repeats under the same
+    (seed, step) from the same state."""
+    from ninfer_rt.errors import NinferError
+    from ninfer_rt.gpu.misc import sample_params
+
+    vocab = 400
+    ids = prompt(24, 5)
+    model, weights = gpu_model(gpu, kernels, artifact)
+    try:
+        runs = []
+        for graph in (False, True, True):
+            model.reset_slot(0)
+            model.prefill(ids[:16], 0)
+            got = []
+            for p in range(16, 24):
+                kind = p % 3  # greedy, top_k = 1 at temperature 1.7, top_k = 5
+                record = None if kind == 0 else sample_params(1.7, 1 if kind == 1 else 5, 1.0, 0.0, seed=9, step=p)
+                model.decode(ids[p:p + 1], [p], [0], graph=graph, draw=(vocab, record))
+                tok, lg = model.drawn(), model.logits(1)[0][:vocab]
+                if kind < 2:
+                    assert tok == int(np.argmax(lg)), f"step {p}: drew {tok}, arg-max {int(np.argmax(lg))}"
+                else:
+                    assert tok in set(np.argsort(-lg)[:5].tolist()), f"step {p}: {tok} not among the top 5"
+                got.append(tok)
+            runs.append(got)
+        assert runs[0] == runs[1] == runs[2]
+        with pytest.raises(NinferError, match="draws one sequence"):
+            model.decode(ids[:1], [24], [0], draw=(0, None))
+    finally:
+        model.free()
+        weights.free(gpu)
+
+
 def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
     """ninfer_rt.load(device="cuda"): greedy and top-k sampling draw the token on the GPU (GpuBackend.sample_next;
     only the id comes back). Greedy equals the host path on the same GPU logits (host argmax, forced by
