@@ -101,7 +101,7 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
     model.decode(tok, [ctx], [0])  # captures the bucket's graph
     model.gpu.synchronize()
     start, stop = Event(), Event()
-    graph = model.graphs[(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last")]
+    graph = model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)))
     times = []
     for _ in range(rounds):
         start.record(model.gpu.stream)

@@ -419,6 +419,10 @@ class GpuModel:
             how = ("argmax" if record is None else "sample", int(vocab))
         self._run(B, T, bucket, "last", graph, how)
 
+    def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None):
+        """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
+        return self.graphs[(B, T, bucket, logit_rows, draw)]
+
     def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool, draw: tuple | None = None) -> None:
         """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows,
         draw).
