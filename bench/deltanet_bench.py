@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu  # noqa: E402
+from gpu_common import eager_ms, open_gpu  # noqa: E402
 
 from ninfer_rt.gpu import deltanet  # noqa: E402
 
@@ -39,7 +39,6 @@ def main() -> None:
     gpu, k, console = open_gpu("deltanet_bench")
     from rich.table import Table
 
-    from ninfer_rt.gpu.driver import Event
 
     rng = np.random.default_rng(0)
     T = args.tokens
@@ -76,17 +75,7 @@ def main() -> None:
             for chunked in (False, True):
                 if chunked and not deltanet.chunked_supported(k, dk=dk, dv=dv):
                     continue
-                deltanet.decode(k, chunked=chunked, **call)
-                gpu.synchronize()
-                times = []
-                for _ in range(5):
-                    a, b = Event(), Event()
-                    a.record(gpu.stream)
-                    for _ in range(3):
-                        deltanet.decode(k, chunked=chunked, **call)
-                    b.record(gpu.stream)
-                    b.synchronize()
-                    times.append(a.elapsed_ms(b) / 3)
+                times = eager_ms(gpu, lambda: deltanet.decode(k, chunked=chunked, **call), rounds=5, reps=3)
                 rows.append({"model": name, **d, "tokens": T, "delta_rule": "chunked" if chunked else "recurrent",
                              "ms": statistics.median(times),
                              "prefill_takes_it": chunked == deltanet.chunked_pays(k, dk=dk, dv=dv, nv=nv)})

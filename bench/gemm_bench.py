@@ -28,10 +28,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import replay_ms  # noqa: E402
+from gpu_common import eager_ms, replay_ms  # noqa: E402
 
 from ninfer_rt.formats import f32_to_bf16_bits, get_format, round_up, K_ALIGN  # noqa: E402
-from ninfer_rt.gpu.driver import Event, Gpu, GpuError  # noqa: E402
+from ninfer_rt.gpu.driver import Gpu, GpuError  # noqa: E402
 
 SHAPES = {"qkvg [9216, 2048]": (9216, 2048), "o_proj [2048, 4096]": (2048, 4096)}
 FORMATS = ("q8g32", "q4g64", "q5g64", "q6g64", "bf16")
@@ -58,18 +58,8 @@ def time_gemm(gpu, k, w, M: int, reps: int) -> float:
     x, y = gpu.alloc(M * K * 2), gpu.alloc(M * N * 4)
     try:
         gpu.upload(x, f32_to_bf16_bits(np.random.default_rng(1).standard_normal((M, K), dtype=np.float32)))
-        for _ in range(3):
-            gemm.gemm(k, w, x=x, M=M, y=y)
-        start, stop = Event(), Event()
-        rounds = []
-        for _ in range(3):
-            start.record(gpu.stream)
-            for _ in range(reps):
-                gemm.gemm(k, w, x=x, M=M, y=y)
-            stop.record(gpu.stream)
-            stop.synchronize()
-            rounds.append(start.elapsed_ms(stop) / reps)
-        return statistics.median(rounds)
+        return statistics.median(eager_ms(gpu, lambda: gemm.gemm(k, w, x=x, M=M, y=y), rounds=3, reps=reps,
+                                          warmup=3))
     finally:
         gpu.free(x)
         gpu.free(y)

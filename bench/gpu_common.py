@@ -28,6 +28,26 @@ def open_gpu(prog: str):
     return gpu, k, console
 
 
+def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[float]:
+    """Milliseconds per call of enqueue() launched directly (no graph), one value per timed round: `warmup`
+    untimed calls, then `rounds` rounds of `reps` back-to-back calls, each round timed between two events."""
+    from ninfer_rt.gpu.driver import Event
+
+    for _ in range(warmup):
+        enqueue()
+    gpu.synchronize()
+    start, stop = Event(), Event()
+    times = []
+    for _ in range(rounds):
+        start.record(gpu.stream)
+        for _ in range(reps):
+            enqueue()
+        stop.record(gpu.stream)
+        stop.synchronize()
+        times.append(start.elapsed_ms(stop) / reps)
+    return times
+
+
 def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager: bool = True) -> list[float]:
     """Milliseconds per replay of a CUDA graph of what capture() enqueues, one value per timed round.
 

@@ -226,14 +226,14 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
         for (int cm = 0; cm < 2; ++cm) {
             const int id = rid[wcol + 8 * j + 2 * t + cm];
             if (id < 0) continue;
-            float* yr = y + (size_t)(id / ydiv) * ldy;
+            const size_t yo = (size_t)(id / ydiv) * ldy;  // this row's start in y
+            float* yr = y + yo;
             if (mode == MODE_SWIGLU) {
                 const int nb = n0 + wrow;  // 32-row block: gate tile i = 0, up tile i = 1
                 if (nb >= N) continue;
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    store_act(y, (size_t)(id / ydiv) * ldy + nb / 2 + g + 8 * h, acc[0][j][2 * h + cm],
-                              acc[1][j][2 * h + cm]);
+                    store_act(y, yo + nb / 2 + g + 8 * h, acc[0][j][2 * h + cm], acc[1][j][2 * h + cm]);
                 continue;
             }
             const float rs = row_scale ? row_scale[id] : 1.f;
