@@ -301,10 +301,11 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
     assert a == b and a != c and max(a + c) < m.real_vocab_size
 
 
-def test_bench_runs_end_to_end_on_an_artifact(artifact):
+def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     """ninfer_rt.gpu.bench.run_bench on the tiny artifact: every requested prefill size and decode context gets
     a row with a positive rate, a longer context reads more bytes per token (its KV cache), and the device
-    memory in use is reported (the benchmark replays the engine's captured graphs, so a change there shows here)."""
+    memory in use is reported (the benchmark replays the engine's captured graphs, so a change there shows
+    here). Takes the `gpu` fixture for its skip without a GPU; run_bench opens its own context."""
     from ninfer_rt.gpu.bench import run_bench
 
     lines = []
