@@ -55,8 +55,6 @@ def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager
     eager=False skips it), once into the graph; `warmup` untimed replays follow (clocks up, buffers touched),
     then `rounds` rounds of `replays` back-to-back replays, each round timed between two events.
     """
-    from ninfer_rt.gpu.driver import Event
-
     if eager:
         capture()
         gpu.synchronize()
@@ -66,18 +64,6 @@ def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager
     finally:
         graph = gpu.end_capture(gpu.stream)
     try:
-        for _ in range(warmup):
-            graph.launch(gpu.stream)
-        gpu.synchronize()
-        start, stop = Event(), Event()
-        times = []
-        for _ in range(rounds):
-            start.record(gpu.stream)
-            for _ in range(replays):
-                graph.launch(gpu.stream)
-            stop.record(gpu.stream)
-            stop.synchronize()
-            times.append(start.elapsed_ms(stop) / replays)
-        return times
+        return eager_ms(gpu, lambda: graph.launch(gpu.stream), rounds=rounds, reps=replays, warmup=warmup)
     finally:
         graph.destroy()
