@@ -24,7 +24,7 @@
 // register-pipelined kernel: gemv_*_s1 (gemv_stream.cu).
 //
 // Arithmetic. Quantized weights (q4/5/6/8) take integer dot products: x̂ is staged as int16 codes per chunk,
-// q = rint(x̂ / d) with d a power of two from the chunk's largest |x̂| (gemv.cuh chunk_scale: every element
+// q = rint(x̂ / d) with d a power of two from the chunk's largest |x̂| (xcodes.cuh chunk_scale: every element
 // errs by at most 2^-14 of that largest value; bf16, which the prefill GEMMs read, errs by 2^-9 of each
 // element), and the weight codes meet them in dp2a instructions (two int16 x two int8 products each, exact
 // in int32). Per unit and row one scale: s_w · d · (Σ u q - 2^(b-1) Σ q) for the nibble formats (u = code +
@@ -197,9 +197,10 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 }  // namespace
 
 // Entry points per code width (the group size is a runtime shift): gemv_q{4,5,6,8}_m{M}, gemv_bf16_m{M}.
-// Blocks per SM for the register budget: 4 (64 registers) at M = 1, 3 at M = 2, 2 above (more accumulators).
+// Blocks per SM for the register budget: 4 (64 registers) at M = 1, 2 above (more accumulators and the
+// decoded weight words of compute_unit_q).
 #define NINFER_GEMV_M(name, BITS, M)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : 2)                        \
+    extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : 2)                                      \
         gemv_##name##_m##M(NINFER_GEMV_ARGS) { ninfer_pdl_begin();                                                             \
         gemv_body<BITS, M>(NINFER_GEMV_PASS);                                                              \
     }

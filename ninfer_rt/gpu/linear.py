@@ -70,9 +70,10 @@ def _code(w: DeviceWeight) -> tuple[str, int, int]:
     raise GpuError(f"{w.name}: format {w.fmt} has no GEMV kernel (quantized q*g* or bf16 only)")
 
 
-def _chunk_bytes(m: int, quantized: bool) -> int:
-    """Shared-memory bytes per 32-element chunk of the staged x̂ for m rows (kernels/gemv.cuh): int16 codes plus
-    (d, Σq) per row, padded to an odd number of 16-byte units (qchunk_bytes), or 36 fp32 per row (chunk_stride)."""
+def x_chunk_bytes(m: int, quantized: bool) -> int:
+    """Shared-memory bytes per 32-element chunk of the staged x̂ for m rows: int16 codes plus (d, Σq) per row,
+    padded to an odd number of 16-byte units (kernels/xcodes.cuh qchunk_bytes; the MoE fast paths stage m = 1
+    records too), or 36 fp32 per row (kernels/gemv.cuh chunk_stride)."""
     if quantized:
         units = (72 * m + 15) // 16
         return 16 * (units if units % 2 else units + 1)
@@ -114,7 +115,7 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         return plan_stream(w, sm_count, kw_log2=kw_log2, d=d, blocks=blocks, pf=pf)
     if d is not None or blocks is not None or pf is not None:
         raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
-    cs4 = _chunk_bytes(m, w.quantized)
+    cs4 = x_chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
         ks = k
@@ -146,7 +147,7 @@ def _round_up(a: int, b: int) -> int:
 def _stream_k_cap(w: DeviceWeight) -> int:
     """The longest K a stream kernel can take: all of x̂ in the 46 KB slab, 10240 for bf16 weights (fp32 x̂),
     18688 for quantized ones (int16 codes)."""
-    return (_X_SMEM // _chunk_bytes(1, w.quantized)) * 32 // 256 * 256
+    return (_X_SMEM // x_chunk_bytes(1, w.quantized)) * 32 // 256 * 256
 
 
 def _busiest_sm_tiles(tiles: int, blocks: int, sm_count: int) -> int:
@@ -209,7 +210,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d
     _, dd, kl, tiles, nb = min((c for c in cands if c[0] <= _STREAM_SPREAD * least),
                                key=lambda c: (-c[1], c[2], -c[4], c[0]))
     return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k,
-                    smem=(k // 32) * _chunk_bytes(1, w.quantized),
+                    smem=(k // 32) * x_chunk_bytes(1, w.quantized),
                     gshift=int(math.log2(w.group)) if w.quantized else 5, d=dd, blocks=nb, pf=pf)
 
 

@@ -17,6 +17,7 @@ and exact integer dot products, as the decode GEMVs do; the general paths fp32.
 from __future__ import annotations
 
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+from ninfer_rt.gpu.linear import x_chunk_bytes
 from ninfer_rt.gpu.weights import DeviceWeight
 
 MAX_EXPERTS = 512  # route keeps one row's logits in shared memory
@@ -26,7 +27,7 @@ THREADS = 256  # gate_up and down blocks
 GATE_UP_TILE = 32  # bank rows per gate_up block: 16 gate + 16 up (the interleave tile of 16)
 DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
-QCHUNK = 80  # bytes of shared memory per 32 activations as int16 codes in the fast paths (xcodes.cuh qchunk_bytes)
+QCHUNK = x_chunk_bytes(1, True)  # shared-memory bytes per 32 activations as int16 codes in the fast paths
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
 SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
 
