@@ -8,7 +8,7 @@ overhead of cuda-python (tens of µs) is not timed; a replay of the graph runs b
 reports the median per-launch time over the replays, after warm-up replays. GB/s counts the weight bytes (the
 dominant traffic; x and y are < 0.1% here). The graph's launch gaps are timed too (as in the engine's graphs),
 so a small kernel reads a little slower here than in ncu. --sweep also times, at M = 1, the other plans of the
-block kernel at every K split and the stream kernel's plans (L2 prefetch distance, d, KW, blocks) wherever
+block kernel at every K split and the stream kernel's plans (d, blocks) wherever
 x̂ fits its slab, one row each, to tune plan_gemv / plan_stream.
 Exits with a one-line message when there is no GPU.
 """
@@ -52,7 +52,7 @@ SHAPES = [
 
 def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
     """(label, plan overrides) for M = 1: the default, the block kernel at every K split, and, where all of x̂
-    fits a stream kernel's slab, the stream plans around the default (L2 prefetch, d, KW, 1 or 2 blocks per SM)."""
+    fits a stream kernel's slab, the stream plans around the default (d, 1 or 2 blocks per SM)."""
     plans = [("auto", {})]
     default = linear.plan_gemv(w, 1, sm_count)
     for kl in range(4):
@@ -60,24 +60,13 @@ def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
             plans.append((f"block kw{1 << kl}", {"stream": False, "kw_log2": kl}))
     if w.k > linear._stream_k_cap(w):
         return plans
-    if default.stream:
-        for pf in (0, 1, 2, 4):  # L2 prefetch distance on the default plan
-            if pf != default.pf:
-                plans.append((f"auto pf{pf}", {"stream": True, "d": default.d, "kw_log2": default.kw_log2,
-                                               "blocks": default.blocks, "pf": pf}))
-    dmax = linear._STREAM_DEPTH[w.bits]
-    seen = {(default.d, default.kw_log2, default.blocks)} if default.stream else set()
-    for d in sorted({1, dmax}, reverse=True):
-        for kl in range(4):
-            if kl and 32 * d * (1 << kl) > w.k // linear._code(w)[2]:
-                continue
-            for per_sm in (1, 2):
-                p = linear.plan_gemv(w, 1, sm_count, stream=True, d=d, kw_log2=kl, blocks=per_sm * sm_count)
-                key = (p.d, p.kw_log2, p.blocks)
-                if key not in seen:
-                    seen.add(key)
-                    plans.append((f"s d{d} kw{1 << kl} b{p.blocks}",
-                                  {"stream": True, "d": d, "kw_log2": kl, "blocks": per_sm * sm_count}))
+    seen = {(default.d, default.blocks)} if default.stream else set()
+    for d in sorted({1, linear._STREAM_DEPTH[w.bits]}, reverse=True):
+        for per_sm in (1, 2):
+            p = linear.plan_gemv(w, 1, sm_count, stream=True, d=d, blocks=per_sm * sm_count)
+            if (p.d, p.blocks) not in seen:
+                seen.add((p.d, p.blocks))
+                plans.append((f"s d{d} b{p.blocks}", {"stream": True, "d": d, "blocks": per_sm * sm_count}))
     return plans
 
 
@@ -127,12 +116,12 @@ def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, replays, rng, budget_b
 
                 times = [1e3 * t / launches for t in replay_ms(gpu, capture, rounds=replays, replays=1)]
                 us = statistics.median(times)
-                kind = (f"s1 d{plan.d} kw{1 << plan.kw_log2} ×{plan.blocks} pf{plan.pf}" if plan.stream
+                kind = (f"s1 d{plan.d} ×{plan.blocks}" if plan.stream
                         else f"m{m} kw{1 << plan.kw_log2} ×{plan.grid}")
                 rows.append({"what": what, "format": fmt, "shape": list(shape), "mode": mode, "norm": norm, "M": m,
                              "plan": label, "kernel": kind, "us": us, "us_min": min(times), "weight_bytes": nbytes,
                              "gbps": nbytes / us / 1e3, "copies": copies, "launches": launches, "grid": plan.grid,
-                             "blocks": plan.launch_blocks, "kw": 1 << plan.kw_log2, "d": plan.d, "pf": plan.pf,
+                             "blocks": plan.launch_blocks, "kw": 1 << plan.kw_log2, "d": plan.d,
                              "ks": plan.ks})
     finally:
         for w in bufs:

@@ -22,16 +22,13 @@ from gpu_common import open_gpu  # noqa: E402
 
 from ninfer_rt.gpu import linear  # noqa: E402
 
-KNOBS = ("_STREAM_PREFETCH", "_STREAM_BLOCK_ROWS", "_STREAM_SPREAD", "_STREAM_K_MAX")
+KNOBS = ("_STREAM_BLOCK_ROWS", "_STREAM_K_MAX", "_STREAM_BLOCKS_PER_SM")
 # (label, planner constants to set)
 VARIANTS = [
     ("default", {}),
-    ("L2 prefetch 1 tile", {"_STREAM_PREFETCH": 1}),
-    ("L2 prefetch 2 tiles", {"_STREAM_PREFETCH": 2}),
-    ("L2 prefetch 4 tiles", {"_STREAM_PREFETCH": 4}),
     ("stream kernel at any N", {"_STREAM_BLOCK_ROWS": 1 << 30}),
     ("stream kernel below 16384 rows (v5 rule)", {"_STREAM_BLOCK_ROWS": 16384}),
-    ("best-spread stream plan", {"_STREAM_SPREAD": 1.0}),
+    ("stream kernel, 1 block per SM", {"_STREAM_BLOCKS_PER_SM": 1}),
     ("block kernel only", {"_STREAM_K_MAX": 0}),
     ("stream kernel up to K 10240 (v6 rule)", {"_STREAM_K_MAX": 10240}),
     ("default again", {}),

@@ -5,25 +5,27 @@
 
 // ------------------------------------------------------------------------------------------------ M = 1 stream
 //
-// The M = 1 kernel (gemv_<code>_s1): the same task split as gemv_body (a warp owns a row group of 4 rows, KW
-// warps of a block split its units), but blocks are persistent and stream their weights through registers.
-// The block's "block tiles" (RG = 8 / KW row groups each) are bi = blockIdx.x, blockIdx.x + gridDim.x, ...; a
-// warp walks its row group of each block tile in S steps ("tiles") of D units per lane and row, units
-//   u = ((t · KW + kw) · D + d) · 32 + lane,   t < S = ceil(nu / (32 D KW)), d < D, u < nu = K / EU,
-// so each warp load instruction still reads 512 contiguous bytes of a row. Two tiles of registers ping-pong: a
-// tile's 4·D 16-byte units (and scales) are issued a whole tile ahead of their use, the first two before x̂ is
-// staged, so every warp keeps 4·D to 8·D units in flight from its first instruction to its last; on top, L2 is
-// asked (prefetch.global.L2, no registers) for the pf tiles after the two in registers. x̂ (all of K) is
-// staged once per block, not once per block tile. A row group's KW partial sums meet in shared memory behind
-// a named barrier of its KW warps (double-buffered by task parity); with KW = 1 a warp writes its own outputs
-// and never waits for another. In "add" mode the old y is loaded before the task's last tile is decoded.
-// Same semantics as gemv_body at M = 1 (the caller guarantees K <= the x̂ smem capacity and 1 <= D <=
-// StreamDepth; blocks past the last block tile return at once). Sums differ from gemv_body's only in order (K split into D·32-unit pieces).
-
-// Units per lane and row in one register tile: 2 where a unit is 4-5 registers, 1 for q5/q6 (6-7 registers).
+// The M = 1 kernel (gemv_<code>_s1): a warp reads 4 weight rows at a time (a "row group", as gemv_body; swiglu
+// groups hold 2 gate and the 2 matching up rows), a lane one 16-byte unit of each row per load, but blocks are
+// persistent and stream their weights through registers. A row group is S steps of D units per lane and row,
+//   u = (t · D + d) · 32 + lane,   t < S = ceil(nu / (32 D)), d < D, u < nu = K / EU,
+// so each warp load instruction still reads 512 contiguous bytes of a row.
+// Work split, balanced to one step: block b takes the contiguous row groups [b G / nb, (b + 1) G / nb), and its
+// ng · S steps are cut into 8 contiguous near-equal ranges, one per warp. Every warp streams the same number of
+// steps ±1 whatever N, K and the SM count are (dealing whole 8-group tiles left the busiest SM up to 1.6x the
+// average work: perf.md v13). A group wholly inside one warp's range is reduced and written by that warp; a
+// group cut by range boundaries is summed after the loop by the warp holding its first step, from the partials
+// the warps sharing it left in shared memory, in warp order (deterministic).
+// Two register tiles ping-pong: a tile's 4·D 16-byte units (and scales) are issued a whole step ahead of their
+// use, the first two before the kernel waits on its predecessor and stages x̂ (all of K, once per block), so a
+// warp keeps 4·D to 8·D units in flight from its first instruction to its last. In "add" mode the old y is
+// loaded before a group's last step is decoded. Same semantics as gemv_body at M = 1 (the caller guarantees
+// K <= the x̂ smem capacity and 1 <= D <= StreamDepth; blocks without a row group return at once); sums differ
+// from gemv_body's only in order.
 
 namespace {
 
+// Units per lane and row in one register tile: 2 where a unit is 4-5 registers, 1 for q5/q6 (6-7 registers).
 template <int BITS>
 struct StreamDepth {
     static constexpr int value = (BITS == 5 || BITS == 6) ? 1 : 2;
@@ -77,21 +79,6 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
     }
 }
 
-// Barrier 1 + rg among `threads` threads (the KW warps of row group rg); constant ids, so ptxas reserves 9
-// barriers rather than all 16.
-__device__ __forceinline__ void group_barrier(int rg, int threads) {
-    switch (rg) {
-        case 0: asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); break;
-        case 1: asm volatile("bar.sync 2, %0;" ::"r"(threads) : "memory"); break;
-        case 2: asm volatile("bar.sync 3, %0;" ::"r"(threads) : "memory"); break;
-        case 3: asm volatile("bar.sync 4, %0;" ::"r"(threads) : "memory"); break;
-        case 4: asm volatile("bar.sync 5, %0;" ::"r"(threads) : "memory"); break;
-        case 5: asm volatile("bar.sync 6, %0;" ::"r"(threads) : "memory"); break;
-        case 6: asm volatile("bar.sync 7, %0;" ::"r"(threads) : "memory"); break;
-        default: asm volatile("bar.sync 8, %0;" ::"r"(threads) : "memory"); break;
-    }
-}
-
 __device__ __forceinline__ void prefetch_l2(uintptr_t a) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
@@ -101,25 +88,27 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
                                                  const float* __restrict__ row_scale, int N, int K, int kp,
-                                                 int gshift, int ldx, int mode, float eps, int kw_log2, int xvec,
-                                                 int D, int pf) {
+                                                 int gshift, int ldx, int mode, float eps, int xvec, int D) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS>::value;
     extern __shared__ float4 smem4[];  // [K / 32 chunks]: 36 floats (bf16 weights) or qchunk_bytes(1) bytes
     __shared__ float ssred[kWarps][8];
-    __shared__ float part[2][kWarps][kRows];  // KW > 1: warp partial sums, by task parity
+    __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int KW = 1 << kw_log2, RG = kWarps >> kw_log2;
-    const int rg = warp >> kw_log2, kw = warp & (KW - 1);
     const bool swiglu = mode == 2;
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
-    const int BI = (G + RG - 1) / RG;       // block tiles
-    if ((int)blockIdx.x >= BI) return;      // whole block: before any barrier
-    const int nu = K / EU;                  // units of a row holding the K valid elements
-    const int span = 32 * D * KW;           // units of a row one tile step covers (all KW warps)
-    const int S = (nu + span - 1) / span;   // tiles per task
+    const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
+    const int g1 = (int)((long long)(blockIdx.x + 1) * G / gridDim.x);
+    if (g0 >= g1) return;  // whole block: before any barrier
+    const int nu = K / EU;                       // units of a row holding the K valid elements
+    const int S = (nu + 32 * D - 1) / (32 * D);  // steps per row group
+    const int L = (g1 - g0) * S;                 // steps of this block
+    auto range_begin = [&](int w) { return (int)((long long)w * L / kWarps); };
+    const int sb = range_begin(warp), se = range_begin(warp + 1);  // this warp's steps [sb, se)
+    const int fg = sb / S;                                         // its first (local) row group
+    const bool head_cut = sb != fg * S;                            // ... which began in an earlier warp's range
     const unsigned nuq = BITS == 16 ? K / 8 : (BITS == 8 ? kp / 16 : kp / 32);  // units per stored row
 
     Rows<BITS> rows;
@@ -134,13 +123,17 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         const int n = swiglu ? 32 * (g >> 3) + 2 * (g & 7) + (r & 1) + 16 * (r >> 1) : kRows * g + r;
         return min(n, N - 1);
     };
-
-    // Issue the loads of tile t of block tile bi into T.
-    auto issue = [&](Tile<DM>& T, int bi, int t) {
-        const int g = bi * RG + rg;
+    auto advance = [&](int& g, int& t) {
+        if (++t == S) {
+            t = 0;
+            ++g;
+        }
+    };
+    // Issue the loads of step t of local row group gl into T.
+    auto issue = [&](Tile<DM>& T, int gl, int t) {
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) rows.oq[r] = (unsigned)row_of(g, r) * nuq;
-        const int ub = (t * KW + kw) * D * 32 + lane;
+        for (int r = 0; r < kRows; ++r) rows.oq[r] = (unsigned)row_of(g0 + gl, r) * nuq;
+        const int ub = t * D * 32 + lane;
 #pragma unroll
         for (int d = 0; d < DM; ++d) {
             const int u = ub + 32 * d;
@@ -148,34 +141,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         }
     };
 
-    // Ask L2 for tile t of block tile bi: the byte ranges its loads will read, one (row, unit step, plane) per
-    // lane, in 128-byte lines, every address inside its range (a hint: no registers, nothing waits for it).
-    auto prefetch = [&](int bi, int t) {
-        constexpr int NPL = BITS == 16 ? 1 : (BITS == 5 || BITS == 6 ? 3 : 2);  // planes: qs, scales, qh
-        if (lane >= kRows * NPL * D) return;
-        const int r = lane & (kRows - 1), rest = lane >> 2;  // rest < NPL · D
-        const int d = D == 1 ? 0 : (rest & 1), pl = D == 1 ? rest : (rest >> 1);
-        const int u0 = (t * KW + kw) * D * 32 + 32 * d, u1 = min(u0 + 32, nu);
-        if (u0 >= u1) return;
-        const unsigned long long a0 = (unsigned long long)row_of(bi * RG + rg, r) * nuq + (unsigned)u0;
-        const unsigned long long a1 = a0 + (unsigned)(u1 - u0);  // units [a0, a1) of the plane
-        uintptr_t p, end;
-        if (pl == 0) {
-            p = reinterpret_cast<uintptr_t>(qs) + a0 * 16, end = reinterpret_cast<uintptr_t>(qs) + a1 * 16;
-        } else if (pl == 1) {
-            p = reinterpret_cast<uintptr_t>(sc) + (a0 >> rows.sshift) * 2;
-            end = reinterpret_cast<uintptr_t>(sc) + (((a1 - 1) >> rows.sshift) + 1) * 2;
-        } else {
-            constexpr int HB = BITS == 5 ? 4 : 8;  // qh bytes per unit
-            p = reinterpret_cast<uintptr_t>(qh) + a0 * HB, end = reinterpret_cast<uintptr_t>(qh) + a1 * HB;
-        }
-        prefetch_l2(p);
-        for (uintptr_t a = (p & ~(uintptr_t)127) + 128; a < end; a += 128) prefetch_l2(a);
-    };
-
     // Ask L2 for x and norm_w first, so their lines are not queued behind the weights (x is usually in L2
-    // already, norm_w rarely); then issue the first two tiles and ask L2 for the pf after them, then stage x̂
-    // while they are in flight.
+    // already, norm_w rarely); then issue the first two steps, then stage x̂ while they are in flight.
     {
         const int lines = (K * 4 + 127) / 128;  // 128-byte steps covering one vector (every address inside)
         for (int i = threadIdx.x; i <= 2 * lines + 1; i += kWarps * 32) {
@@ -186,32 +153,14 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         }
     }
     Tile<DM> A, B;
-    int ibi = blockIdx.x, it = 0;  // the next tile to issue
-    auto advance = [&](int& bi, int& t) {
-        if (++t == S) {
-            t = 0;
-            bi += gridDim.x;
-        }
+    int ig = fg, it = sb - fg * S;  // the next step to issue
+    auto issue_next = [&](Tile<DM>& T) {
+        issue(T, ig, it);
+        advance(ig, it);
     };
-    issue(A, ibi, it);
-    advance(ibi, it);
-    if (ibi < BI) issue(B, ibi, it);
-    advance(ibi, it);
-    {
-        int pbi = ibi, pt = it;  // tiles 2 .. pf + 1
-        for (int i = 0; i < pf && pbi < BI; ++i) {
-            prefetch(pbi, pt);
-            advance(pbi, pt);
-        }
-    }
-    // After tile q is issued (the issue pointer at q + 1): ask L2 for tile q + pf.
-    auto prefetch_ahead = [&]() {
-        if (pf <= 0) return;
-        int pbi = ibi, pt = it;
-        for (int i = 1; i < pf; ++i) advance(pbi, pt);
-        if (pbi < BI) prefetch(pbi, pt);
-    };
-    // Weights are never written by earlier kernels, so their first tiles are already in flight; only now wait
+    if (se - sb >= 1) issue_next(A);
+    if (se - sb >= 2) issue_next(B);
+    // Weights are never written by earlier kernels, so their first steps are already in flight; only now wait
     // for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
     const float rs = row_scale && !swiglu ? __ldg(row_scale) : 1.f;
@@ -226,37 +175,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         inv = rsqrtf(t / (float)K + eps);
     }
 
-    float acc[kRows][1];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
-    int par = 0;
-
-    // The task of block tile bi is complete in acc: reduce it and write its outputs.
-    auto finish = [&](int bi, float yv) {
-        float v[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) v[i] = i < kRows ? acc[i][0] : 0.f;
-        ReduceScatter<kRows, 16>::run(v, lane);  // lane l: the warp's total of row l >> 3
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
-        float a, b;  // lane q < 4: total of row q; lane q < 2: also of row q + 2 (swiglu's up row)
-        if (KW == 1) {
-            a = __shfl_sync(kFull, v[0], 8 * (lane & 3));
-            b = __shfl_sync(kFull, v[0], 8 * (lane & 1) + 16);
-        } else {
-            if ((lane & 7) == 0) part[par][warp][lane >> 3] = v[0];
-            group_barrier(rg, 32 * KW);
-            a = 0.f, b = 0.f;
-            if (kw == 0) {
-                for (int i = 0; i < KW; ++i) {
-                    a += part[par][rg * KW + i][lane & 3];
-                    b += part[par][rg * KW + i][(lane & 1) + 2];
-                }
-            }
-            par ^= 1;
-        }
-        if (kw != 0) return;
-        const int g = bi * RG + rg;
+    // Outputs of row group g from its row totals: lane q < 4 holds a = row q (swiglu: lane q < 2 also b = its
+    // up row q + 2); yv is the old y of lane's row in "add" mode.
+    auto write = [&](int g, float a, float b, float yv) {
         if (!swiglu) {
             const int n = kRows * g + lane;
             if (lane < kRows && n < N) {
@@ -269,16 +190,25 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             if (lane < 2 && j < N / 2) y[j] = siluf_(a * inv) * (b * inv);
         }
     };
+    auto old_y = [&](int g) {  // a plain load: y is written by this kernel (this element by this lane only)
+        const int n = kRows * g + lane;
+        return mode == 1 && lane < kRows && n < N ? y[n] : 0.f;
+    };
 
-    auto consume = [&](const Tile<DM>& T, int bi, int t) {
-        // add mode, a task's last tile: the old y, loaded now and used after this tile's decode (it is in L2:
-        // the residual stream was just written) -- a register held across the decode, not across the tiles
-        float yv = 0.f;
-        if (mode == 1 && kw == 0 && lane < kRows && t == S - 1) {
-            const int n = kRows * (bi * RG + rg) + lane;
-            if (n < N) yv = y[n];  // a plain load: y is written by this kernel (by this lane only)
-        }
-        const int ub = (t * KW + kw) * D * 32 + lane;
+    float acc[kRows][1];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
+    int cg = fg, ct = sb - fg * S, left = se - sb;  // the next step to consume, and how many are left
+    int own = -1;  // a cut row group whose first step is this warp's: summed after the loop
+
+    auto consume = [&](const Tile<DM>& T) {
+        const bool last = ct == S - 1 || left == 1;  // the group's last step in this warp's range
+        const bool starts_here = cg != fg || !head_cut;  // the group's first step is in this warp's range
+        const bool whole = starts_here && ct == S - 1;
+        // the old y, loaded now and used after this step's decode (it is in L2: the residual stream was just
+        // written) -- a register held across the decode, not across the steps
+        const float yv = whole && last ? old_y(g0 + cg) : 0.f;
+        const int ub = ct * D * 32 + lane;
 #pragma unroll
         for (int d = 0; d < DM; ++d) {
             const int u = ub + 32 * d;
@@ -291,37 +221,63 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                     compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * 36 + (le & 31), acc);
             }
         }
-        if (t == S - 1) finish(bi, yv);
+        if (last) {
+            float v[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) v[i] = i < kRows ? acc[i][0] : 0.f;
+            ReduceScatter<kRows, 16>::run(v, lane);  // lane l: the warp's total of row l >> 3
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
+            if (whole) {
+                const float a = __shfl_sync(kFull, v[0], 8 * (lane & 3));
+                const float b = __shfl_sync(kFull, v[0], 8 * (lane & 1) + 16);
+                write(g0 + cg, a, b, yv);
+            } else {
+                if ((lane & 7) == 0) part[warp][cg == fg ? 0 : 1][lane >> 3] = v[0];
+                if (starts_here) own = cg;
+            }
+        }
+        advance(cg, ct);
+        --left;
     };
 
-    // Ping-pong: consume one register tile, refill it with the tile two ahead, then the same with the other.
-    int cbi = blockIdx.x, ct = 0;  // the next tile to consume
-    while (true) {
-        consume(A, cbi, ct);
-        advance(cbi, ct);
-        if (ibi < BI) issue(A, ibi, it);
-        advance(ibi, it);
-        prefetch_ahead();
-        if (cbi >= BI) break;
-        consume(B, cbi, ct);
-        advance(cbi, ct);
-        if (ibi < BI) issue(B, ibi, it);
-        advance(ibi, it);
-        prefetch_ahead();
-        if (cbi >= BI) break;
+    // Ping-pong: consume one register tile, refill it with the step two ahead (if the range has one: the other
+    // tile holds the step after this one), then the same with the other.
+    while (left > 0) {
+        consume(A);
+        if (left >= 2) issue_next(A);
+        if (left <= 0) break;
+        consume(B);
+        if (left >= 2) issue_next(B);
+    }
+
+    __syncthreads();  // every warp's partials are in part
+    if (own >= 0) {
+        // the warps sharing the group: this one (the group is its last) and the next ones whose ranges begin
+        // inside it (for them it is the first group); warps with empty ranges hold nothing
+        const int ge = (own + 1) * S;
+        float a = part[warp][own == fg ? 0 : 1][lane & 3], b = part[warp][own == fg ? 0 : 1][(lane & 1) + 2];
+        for (int w = warp + 1; w < kWarps; ++w) {
+            const int wb = range_begin(w);
+            if (wb >= ge) break;
+            if (wb == range_begin(w + 1)) continue;
+            a += part[w][0][lane & 3];
+            b += part[w][0][(lane & 1) + 2];
+        }
+        write(g0 + own, a, b, old_y(g0 + own));
     }
 }
 
 }  // namespace
 
-// The M = 1 stream kernels gemv_{q4,q5,q6,q8,bf16}_s1: the same arguments (ldy and ks unused), then d, the
-// units per lane and row of one register tile (1..StreamDepth), and pf, how many tiles ahead of the register
-// tiles L2 is asked for (0: none). 2 blocks per SM: 128 registers hold two tiles.
+// The M = 1 stream kernels gemv_{q4,q5,q6,q8,bf16}_s1: the same arguments (ldy, kw_log2 and ks unused), then d,
+// the units per lane and row of one register tile (1..StreamDepth). 2 blocks per SM: 128 registers hold two
+// tiles.
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
-        gemv_##name##_s1(NINFER_GEMV_ARGS, int d, int pf) {                                                \
+        gemv_##name##_s1(NINFER_GEMV_ARGS, int d) {                                                \
         gemv_stream_body<BITS>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode, eps,      \
-                               kw_log2, xvec, d, pf);                                                      \
+                               xvec, d);                                                      \
     }
 
 NINFER_GEMV_S1(q4, 4)

@@ -50,13 +50,16 @@ class GpuBackend:
         cache.pos += ids.size
         return out
 
-    def _run_last(self, ids: np.ndarray, cache: GpuCache) -> None:
-        """Enqueue ids through the cache, leaving the last token's logits in logits row 0."""
-        if ids.size == 1 and cache.pos > 0:
-            self.model.decode(ids, [cache.pos], [0], graph=self.use_graphs)
+    def _run_last(self, ids: np.ndarray, cache: GpuCache, draw: tuple | None = None) -> bool:
+        """Enqueue ids through the cache, leaving the last token's logits in logits row 0. With draw = (vocab,
+        record), a decode step also draws the next token inside its graph; returns whether it did."""
+        decode = ids.size == 1 and cache.pos > 0
+        if decode:
+            self.model.decode(ids, [cache.pos], [0], graph=self.use_graphs, draw=draw)
         else:
             self.model.prefill(ids, 0, start=cache.pos)
         cache.pos += ids.size
+        return decode and draw is not None
 
     @staticmethod
     def can_sample(params: SamplingParams) -> bool:
@@ -74,11 +77,8 @@ class GpuBackend:
         ids = np.asarray(ids, np.int32)
         record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
                                                               params.min_p, seed=seed, step=step)
-        if ids.size == 1 and cache.pos > 0:  # a decode step: the draw is part of its graph, one id comes back
-            self.model.decode(ids, [cache.pos], [0], graph=self.use_graphs, draw=(vocab, record))
-            cache.pos += 1
+        if self._run_last(ids, cache, (vocab, record)):  # a decode step: the draw was part of its graph
             return self.model.drawn()
-        self._run_last(ids, cache)
         return self.model.draw(vocab, record)
 
     def close(self) -> None:

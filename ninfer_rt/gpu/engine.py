@@ -411,13 +411,7 @@ class GpuModel:
                               f"vocab = {draw[0]}")
         bucket = min(context_bucket(max(pos) + T), self.max_ctx)
         self._set_batch(tokens, pos, slots)
-        how = None
-        if draw is not None:
-            vocab, record = draw
-            if record is not None:
-                self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
-            how = ("argmax" if record is None else "sample", int(vocab))
-        self._run(B, T, bucket, "last", graph, how)
+        self._run(B, T, bucket, "last", graph, None if draw is None else self._draw_op(*draw))
 
     def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
@@ -479,10 +473,14 @@ class GpuModel:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
         arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record. (A decode
         step draws inside its graph instead: decode(..., draw=...), then drawn().)"""
+        self._enqueue_draw(*self._draw_op(vocab, record))
+        return self.drawn()
+
+    def _draw_op(self, vocab: int, record: np.ndarray | None) -> tuple[str, int]:
+        """The draw's op, ("argmax" | "sample", vocab), with its params record (if any) queued for upload."""
         if record is not None:
             self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
-        self._enqueue_draw("argmax" if record is None else "sample", vocab)
-        return self.drawn()
+        return ("argmax" if record is None else "sample", int(vocab))
 
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""

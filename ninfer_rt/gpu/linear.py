@@ -25,11 +25,10 @@ _ROWS = 4  # weight rows per warp
 _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
 _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
-_STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv.cu StreamDepth: most units per lane and row
-_STREAM_SPREAD = 1.35  # a stream plan may load its busiest SM this much more than the best-spread plan
+_STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf.md v13)
+_STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth: most units per lane and row
 _STREAM_BLOCK_ROWS = 65536  # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf.md v11)
 _STREAM_K_MAX = 1 << 30  # at M = 1, longer K takes the block kernel; no limit below the slab's (perf.md v11 A/B)
-_STREAM_PREFETCH = 0  # register tiles L2 is asked for ahead of the two in registers: off, in-graph A/B (perf.md v6)
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
@@ -39,18 +38,17 @@ class GemvPlan:
     """One launch of a gemv kernel: entry point, grid, K split across warps, x̂ slab and its shared memory.
 
     The block kernels gemv_*_m{M} launch `grid` blocks, one per block tile (8 >> kw_log2 groups of 4 rows).
-    The M = 1 stream kernels gemv_*_s1 (d > 0) launch `blocks` <= grid persistent blocks that loop over the
-    `grid` block tiles, streaming d units per lane and row per register tile."""
+    The M = 1 stream kernels gemv_*_s1 (d > 0) launch `blocks` <= grid persistent blocks that share the `grid`
+    row groups of 4 rows out in contiguous ranges, streaming d units per lane and row per register tile."""
 
     name: str
-    grid: int  # block tiles: every row is in one (8 >> kw_log2 row groups of 4 rows each)
-    kw_log2: int  # 1 << kw_log2 warps of a block share one group of 4 rows, splitting K
+    grid: int  # block kernel: block tiles (8 >> kw_log2 row groups of 4 rows each); stream kernel: row groups
+    kw_log2: int  # block kernel: 1 << kw_log2 warps of a block share one group of 4 rows, splitting K (stream: 0)
     ks: int  # x̂ slab length (elements of K per shared-memory stage)
     smem: int  # dynamic shared memory bytes
     gshift: int  # log2 of the quantization group (5 for bf16, unused)
     d: int = 0  # stream kernel: 16-byte units per lane and row in one register tile; 0: a block kernel
     blocks: int = 0  # blocks launched: `grid` for a block kernel, at most `grid` for a stream kernel
-    pf: int = 0  # stream kernel: tiles ahead of the register tiles that L2 is asked for (0: none)
 
     @property
     def stream(self) -> bool:
@@ -93,28 +91,29 @@ def _check_matrix(w: DeviceWeight, what: str) -> tuple[int, int]:
 
 def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = None,
               ks: int | None = None, stream: bool | None = None, d: int | None = None,
-              blocks: int | None = None, pf: int | None = None) -> GemvPlan:
+              blocks: int | None = None) -> GemvPlan:
     """The launch for M = m (1..8) rows: rows in groups of 4 per warp, warps per group (KW) chosen so the grid
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
     At m = 1 with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and no ks given,
     the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is faster only on
-    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d,
-    blocks and pf override the stream plan's choices (tests and the benchmark's sweep)."""
+    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d
+    and blocks override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
     if stream is None:
-        stream = m == 1 and ks is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w)) and n < _STREAM_BLOCK_ROWS
+        stream = (m == 1 and ks is None and kw_log2 is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w))
+                  and n < _STREAM_BLOCK_ROWS)
     if stream:
-        if m != 1 or ks is not None or k > _stream_k_cap(w):
-            raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab override and K <= "
-                           f"{_stream_k_cap(w)}, got M = {m}, K = {k}, ks = {ks}")
-        return plan_stream(w, sm_count, kw_log2=kw_log2, d=d, blocks=blocks, pf=pf)
-    if d is not None or blocks is not None or pf is not None:
-        raise GpuError(f"{w.name}: d, blocks and pf are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
+        if m != 1 or ks is not None or kw_log2 is not None or k > _stream_k_cap(w):
+            raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab or K-split override and K <= "
+                           f"{_stream_k_cap(w)}, got M = {m}, K = {k}, ks = {ks}, kw_log2 = {kw_log2}")
+        return plan_stream(w, sm_count, d=d, blocks=blocks)
+    if d is not None or blocks is not None:
+        raise GpuError(f"{w.name}: d and blocks are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
     cs4 = x_chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
@@ -150,68 +149,37 @@ def _stream_k_cap(w: DeviceWeight) -> int:
     return (_X_SMEM // x_chunk_bytes(1, w.quantized)) * 32 // 256 * 256
 
 
-def _busiest_sm_tiles(tiles: int, blocks: int, sm_count: int) -> int:
-    """Block tiles on the busiest SM when `blocks` persistent blocks take tiles b, b + blocks, ... and block b
-    sits on SM b mod sm_count (the order the hardware fills a first wave in, near enough): SM 0 holds the most
-    blocks and the most of the blocks with one tile more."""
-    q, r = divmod(tiles, blocks)
-    return -(-blocks // sm_count) * q + -(-r // sm_count)
-
-
-def plan_stream(w: DeviceWeight, sm_count: int, *, kw_log2: int | None = None, d: int | None = None,
-                blocks: int | None = None, pf: int | None = None) -> GemvPlan:
-    """The M = 1 stream kernel's launch (kernels/gemv.cu gemv_*_s1). Candidates: d in {most, 1} units per lane
-    and row per register tile, KW = 1..8 warps per row group, where each of the KW warps has a whole first tile
-    (32·d·KW <= units per row; KW = 1 always qualifies); blocks = min(block tiles, 2 per SM). Each candidate's
-    cost is its row groups on the busiest SM (the kernel streams at the rate of its busiest SM), d = 1 against a
-    deeper tile counting 10% more. Among the candidates within _STREAM_SPREAD of the least cost, the larger d
-    wins (more bytes in flight per warp), then the smaller KW (fewer partial sums meeting in shared memory),
-    then the more blocks: the H200 sweep (bench/gemv_bench.py --sweep) put d = 2, KW = 1 ahead of a better
-    spread d = 1, KW = 4 by 20% on the 35B q|k|v|gate. pf (default _STREAM_PREFETCH) tiles beyond the two
-    register tiles are asked of L2 ahead of their loads."""
+def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
+                blocks: int | None = None) -> GemvPlan:
+    """The M = 1 stream kernel's launch (kernels/gemv_stream.cu gemv_*_s1). Each block takes a contiguous range
+    of row groups whose steps (d units per lane and row) its 8 warps split evenly, so the split is balanced to
+    a step whatever the shape. d = the format's deepest register tile (most bytes in flight per warp) unless
+    one step of it would leave lanes without a unit on every row (K < 32·d units), then 1.
+    Blocks: every block stages all of x̂, and two blocks on one SM stage it twice there, so the second block
+    per SM is taken only when it still leaves each warp _STREAM_STEPS_FOR_2 steps; else at most one block per
+    SM, and no more blocks than give every warp one step (the H200 sweep, perf.md v13: the 35B o_proj 5.5 ->
+    4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if k > _stream_k_cap(w):
         raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_cap(w)}")
     nu = k // eu  # 16-byte units along a row that hold the K elements
     groups = math.ceil(n / _ROWS)
-    sms = max(1, sm_count)
-    slots = sms * _STREAM_BLOCKS_PER_SM
     dmax = _STREAM_DEPTH[bits]
-    if d is not None and not 1 <= d <= dmax:
+    if d is None:
+        d = dmax if 32 * dmax <= nu else 1
+    elif not 1 <= d <= dmax:
         raise GpuError(f"{w.name}: stream gemv d must be 1..{dmax} for {w.fmt}, got {d}")
-    if kw_log2 is not None and not 0 <= kw_log2 <= 3:
-        raise GpuError(f"gemv kw_log2 must be 0..3, got {kw_log2}")
-    if blocks is not None and blocks < 1:
+    if blocks is None:
+        sms = max(1, sm_count)
+        steps = groups * -(-nu // (32 * d))  # in all: row groups x steps per group
+        per_sm = _STREAM_BLOCKS_PER_SM if steps >= _STREAM_STEPS_FOR_2 * _WARPS * _STREAM_BLOCKS_PER_SM * sms else 1
+        blocks = max(1, min(per_sm * sms, -(-steps // _WARPS)))
+    elif blocks < 1:
         raise GpuError(f"stream gemv blocks must be >= 1, got {blocks}")
-    pf = _STREAM_PREFETCH if pf is None else pf
-    if not 0 <= pf <= 8:
-        raise GpuError(f"stream gemv pf must be 0..8, got {pf}")
-    cands = []  # (busiest-SM cost, d, kw_log2, tiles, blocks)
-    for dd in sorted({dmax, 1}, reverse=True):
-        if d is not None and dd != d:
-            continue
-        for kl in range(4):
-            if kw_log2 is not None and kl != kw_log2:
-                continue
-            if kw_log2 is None and kl > 0 and 32 * dd * (1 << kl) > nu:
-                continue  # some warp of a row group would have no whole tile
-            if d is None and dd > 1 and 32 * dd > nu:
-                continue  # the deeper tile would be partly empty on every lane
-            tiles = math.ceil(groups / (_WARPS >> kl))
-            nb = min(tiles, blocks or slots)
-            cost = _busiest_sm_tiles(tiles, nb, sms) * (_WARPS >> kl) * (1.1 if dd < dmax else 1.0)
-            cands.append((cost, dd, kl, tiles, nb))
-    if not cands:  # only when overrides exclude every candidate (cannot happen: d=1, KW=1 always qualifies)
-        raise GpuError(f"{w.name}: no stream gemv plan for d={d}, kw_log2={kw_log2}")
-    # within _STREAM_SPREAD of the best-spread candidate, the deeper tile and then the fewer warps per row
-    # group win (bytes in flight, fewer partial sums): measured on the H200, see docs/perf.md v5
-    least = min(c[0] for c in cands)
-    _, dd, kl, tiles, nb = min((c for c in cands if c[0] <= _STREAM_SPREAD * least),
-                               key=lambda c: (-c[1], c[2], -c[4], c[0]))
-    return GemvPlan(name=f"gemv_{prefix}_s1", grid=tiles, kw_log2=kl, ks=k,
+    return GemvPlan(name=f"gemv_{prefix}_s1", grid=groups, kw_log2=0, ks=k,
                     smem=(k // 32) * x_chunk_bytes(1, w.quantized),
-                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=dd, blocks=nb, pf=pf)
+                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups))
 
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
@@ -266,7 +234,7 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
             i32(plan.ks), i32(1 if xvec else 0)]
     if plan.stream:
-        args += [i32(plan.d), i32(plan.pf)]
+        args.append(i32(plan.d))
     k.launch(plan.name, (plan.launch_blocks,), (_THREADS,), args, plan.smem, stream)
 
 

@@ -182,22 +182,20 @@ STREAM_FORMATS = ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"]  # one per stream
 
 @pytest.mark.parametrize("fmt", STREAM_FORMATS)
 def test_gemv_stream_plans(kernels, dev, rng, fmt):
-    """The M = 1 stream kernel under every forced plan: d in {1, most}, KW = 1, 2, 4, 8 (with K = 2080 the last
-    tile is ragged and at large KW whole warps get no unit), 2 persistent blocks (every block loops over several
-    block tiles, both register tiles and both partial-sum buffers in turn) and the full grid, L2 prefetch off
-    and on, in every mode, with the float4 and the scalar staging of x."""
+    """The M = 1 stream kernel under forced plans, d in {1, most}, in every mode, with the float4 and the scalar
+    staging of x. K = 2080 leaves the last step of each row group ragged. The block counts make every kind of
+    warp range: 2 blocks (~25 row groups each: ranges cut groups, both register tiles in turn), 7, 37 (1-2
+    groups per block, where a group is cut across several warps) and the default (one group per block here:
+    with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent)."""
     ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
     dmax = linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
     for d in sorted({1, dmax}):
-        for kw_log2 in range(4):
-            for blocks, pf, mode, norm, scale, ldx_pad in [(2, 0, "store", True, True, 4),
-                                                           (2, 3, "add", False, True, 1),
-                                                           (2, 1, "swiglu", True, False, 4),
-                                                           (None, None, "add", True, False, 0)]:
-                w, wv = ws["swiglu" if mode == "swiglu" else "store"]
-                run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
-                         ldy_pad=2, what="stream",
-                         plan={"stream": True, "d": d, "kw_log2": kw_log2, "blocks": blocks, "pf": pf})
+        for blocks, mode, norm, scale, ldx_pad in [(2, "store", True, True, 4), (7, "add", False, True, 1),
+                                                   (2, "swiglu", True, False, 4), (37, "swiglu", False, False, 0),
+                                                   (37, "store", False, True, 0), (None, "add", True, False, 0)]:
+            w, wv = ws["swiglu" if mode == "swiglu" else "store"]
+            run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
+                     ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks})
 
 
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
@@ -318,33 +316,39 @@ def test_plan_fits_shared_memory():
 
 
 def test_stream_plans():
-    """M = 1 with all of K in one slab takes the stream kernel: at most 2 blocks per SM and no more than block
-    tiles, every row in a block tile, d within the format's register tile, KW warps of a row group each with a
-    whole first tile; M = 2, a slab override, K past the slab or N >= _STREAM_BLOCK_ROWS (65536, the lm_head)
-    keeps the block kernel."""
+    """M = 1 with all of K in one slab takes the stream kernel: d the format's deepest register tile unless K
+    is shorter than one step of it; 2 blocks per SM when each warp still gets 2 steps, else at most one per SM
+    and one step per warp; M = 2, a slab or K-split override, K past the slab or N >= _STREAM_BLOCK_ROWS
+    (65536, the lm_head) keeps the block kernel."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
+        dmax = linear._STREAM_DEPTH[bits]
         for n in (65536, 248320):
             assert not linear.plan_gemv(DeviceWeight("w", fmt, (n, 2048), 0), 1, 132).stream
         for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 34816, 65535):
             for k_ in (32, 352, 512, 2048, 4096, 10240):
                 w = DeviceWeight("w", fmt, (n, k_), 0)
                 p = linear.plan_gemv(w, 1, 132)
+                groups = -(-n // 4)
                 assert p.stream and p.name == f"gemv_{fmt[:2] if bits != 16 else 'bf16'}_s1"
-                assert 1 <= p.blocks <= min(p.grid, 2 * 132) and p.launch_blocks == p.blocks
-                assert p.grid * (8 >> p.kw_log2) * 4 >= n and (p.grid - 1) * (8 >> p.kw_log2) * 4 < n
-                assert 1 <= p.d <= linear._STREAM_DEPTH[bits] and p.ks == k_
+                assert p.d == (dmax if 32 * dmax <= k_ // eu else 1) and p.ks == k_ and p.kw_log2 == 0
+                steps = groups * -(-(k_ // eu) // (32 * p.d))
+                assert p.grid == groups and p.launch_blocks == p.blocks <= groups
+                if steps >= 2 * 8 * 264:
+                    assert p.blocks == min(264, groups)
+                else:
+                    assert p.blocks == min(132, -(-steps // 8), groups)
                 # per 32-element chunk: int16 codes (64 B) + (d, Σq) (8 B) padded to 5 16-byte units for
                 # quantized weights, 36 fp32 for bf16 (kernels/gemv.cuh qchunk_bytes / chunk_stride)
                 assert p.smem == k_ // 32 * (144 if bits == 16 else 80) and p.smem + 1280 <= 48 * 1024
-                assert p.kw_log2 == 0 or 32 * p.d * (1 << p.kw_log2) <= k_ // eu
         w = DeviceWeight("w", fmt, (4096, 2048), 0)
         assert not linear.plan_gemv(w, 2, 132).stream
         assert not linear.plan_gemv(w, 1, 132, ks=1024).stream
+        assert not linear.plan_gemv(w, 1, 132, kw_log2=1).stream
         assert not linear.plan_gemv(w, 1, 132, stream=False).stream
-        for bad in (dict(stream=True, ks=1024), dict(d=3), dict(d=0), dict(blocks=0), dict(stream=False, d=1),
-                    dict(pf=-1), dict(pf=9), dict(ks=1024, pf=0)):
+        for bad in (dict(stream=True, ks=1024), dict(stream=True, kw_log2=0), dict(d=dmax + 1), dict(d=0),
+                    dict(blocks=0), dict(stream=False, d=1), dict(ks=1024, blocks=4)):
             with pytest.raises(GpuError):
                 linear.plan_gemv(w, 1, 132, **bad)
         cap = 10240 if bits == 16 else 18688  # 46 KB of x̂: 36 fp32 or 80 bytes of int16 codes per 32 elements
@@ -352,19 +356,13 @@ def test_stream_plans():
         assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132).stream
         with pytest.raises(GpuError, match="K <="):
             linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132, stream=True)
-        p = linear.plan_gemv(w, 1, 132, stream=True, d=1, kw_log2=3, blocks=5, pf=4)
-        assert (p.d, p.kw_log2, p.blocks, p.grid, p.pf) == (1, 3, 5, 1024, 4)
-
-
-def test_busiest_sm_tiles():
-    """The closed form against a count over blocks."""
-    for sms in (1, 3, 132):
-        for blocks in (1, 2, 5, 131, 132, 133, 264):
-            for tiles in range(blocks, blocks * 5 + 7, 3):
-                per_sm = [0] * sms
-                for b in range(blocks):
-                    per_sm[b % sms] += len(range(b, tiles, blocks))
-                assert linear._busiest_sm_tiles(tiles, blocks, sms) == max(per_sm), (tiles, blocks, sms)
+        p = linear.plan_gemv(w, 1, 132, stream=True, d=1, blocks=5)
+        assert (p.d, p.kw_log2, p.blocks, p.grid) == (1, 0, 5, 1024)
+        assert linear.plan_gemv(w, 1, 132, blocks=5000).blocks == 1024  # never more blocks than row groups
+    # the H200 sweep's shapes (perf.md v13): two blocks per SM for the 35B q|k|v|gate, one for its o_proj,
+    # and 64 for the shared expert's gate|up (one step of 2 units per warp)
+    for shape, blocks in [((9216, 2048), 264), ((2048, 4096), 132), ((1024, 2048), 64)]:
+        assert linear.plan_gemv(DeviceWeight("w", "q8g32", shape, 0), 1, 132).blocks == blocks
 
 
 def test_stream_launch_arguments():
@@ -375,4 +373,4 @@ def test_stream_launch_arguments():
     (name, grid, block, a, smem), = k.calls
     p = linear.plan_gemv(w, 1, 132)
     assert name == "gemv_q8_s1" == p.name and grid == (p.blocks,) and block == (256,) and smem == p.smem
-    assert len(a) == 20 and a[18:] == [p.d, p.pf] and a[15] == p.kw_log2 and a[13] == 1 and a[17] == 1
+    assert len(a) == 19 and a[18] == p.d and a[15] == 0 and a[13] == 1 and a[17] == 1
