@@ -13,6 +13,15 @@ __device__ __forceinline__ float i8_at(uint32_t u, int i) {
     return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | i)) - 8388736.f;
 }
 
+// Keys per split for a sequence whose last token sees n keys: the launch's cs, or with a runtime split (rt != 0)
+// n dealt evenly over the n_splits splits in whole 32-key steps, never fewer than cs, so whatever the context
+// within its graph's bucket, every split is busy and equally long. The decode and its combine both call this.
+__device__ __forceinline__ int split_keys(int cs, int n_splits, int n, int rt) {
+    if (!rt) return cs;
+    const int even = (n + n_splits - 1) / n_splits;
+    return max(cs, (even + 31) & ~31);
+}
+
 template <int BYTES>
 __device__ __forceinline__ void lds(uint32_t* w, const unsigned char* p) {
     if constexpr (BYTES == 16) {

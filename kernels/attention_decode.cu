@@ -6,7 +6,7 @@
 // attn_decode_fast_{bf16,int8}_d{D}: grid (ceil(R/8), n_splits, B*nKV), block 128 (4 warps), dynamic smem
 //     FastGeo<D, I8>::SMEM (ninfer_rt/gpu/attention.py _fast_smem computes the same number). Block (gi, sp, b*nKV+kvh)
 //     takes query rows r = 8gi .. 8gi+7 of R = T*G (row r = token r/G, head kvh*G + r%G, as in attention.cu) and
-//     the keys [sp*cs, sp*cs + cs) of split sp. The split is walked in steps of 32 keys: warp w owns keys
+//     the keys [sp*cs, sp*cs + cs) of split sp (cs: the launch's, or with rt the sequence's own, split_keys). The split is walked in steps of 32 keys: warp w owns keys
 //     8w .. 8w+7 of every step and runs its own cp.async ring of NS stages (its 8 K rows, 8 V rows and int8
 //     scales), so the warps never wait on each other until the end. Per step a warp computes the 8x8 scores with
 //     fp32 FMAs (LPK lanes share a key, each holding CB bytes of it; q is read from shared memory in a layout that
@@ -110,7 +110,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                                                  const float* __restrict__ vs, const int* __restrict__ pos,
                                                  const int* __restrict__ slot, float* __restrict__ acc,
                                                  float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
-                                                 int max_ctx, int cs, int n_splits, float sc) {
+                                                 int max_ctx, int cs, int n_splits, float sc, int rt) {
     using F = FastGeo<D, I8>;
     extern __shared__ __align__(16) unsigned char fast_smem[];
     uint32_t dyn_smem;
@@ -122,6 +122,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     const int G = nH / nKV, R = T * G, r0 = kFastRows * gi;
     const int p0 = pos[b], sl = slot[b];
     if (sl < 0 || sl >= slots || p0 < 0) return;
+    cs = split_keys(cs, n_splits, p0 + T, rt);
     const int cap = min(max_ctx, n_splits * cs);
     const int t_hi = (min(R, r0 + kFastRows) - 1) / G;
     const int k_begin = sp * cs;
@@ -404,9 +405,9 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS) NAME(                  \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
-        int max_ctx, int cs, int n_splits, float sc) { ninfer_pdl_begin();                                                            \
+        int max_ctx, int cs, int n_splits, float sc, int rt) { ninfer_pdl_begin();                               \
         fast_decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,        \
-                                n_splits, sc);                                                                    \
+                                n_splits, sc, rt);                                                                \
     }
 
 NINFER_FAST_DECODE(attn_decode_fast_bf16_d32, 32, false)
@@ -420,11 +421,13 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
 
 // grid (M, nH, D/32), block 8*SJ with SJ in {4, 8, 16, 32}. Same result as attn_combine (attention.cu):
 // out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
-// the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0.
+// the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0. rt: the decode's runtime split
+// (split_keys), so cs is the sequence's own.
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
-                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits) { ninfer_pdl_begin();
+                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits, int rt) {
+    ninfer_pdl_begin();
     __shared__ float red_m[8];
     __shared__ float4 part_o[8][8];
     __shared__ float part_l[8];
@@ -440,6 +443,7 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int z = 0; z < 4; ++z) g[z] = gp[z];
     }
     const int p0 = pos[b], sl = slot[b];
+    cs = split_keys(cs, n_splits, p0 + T, rt);
     const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
     const int ns = (keys + cs - 1) / cs;
 

@@ -72,6 +72,18 @@ __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x))
 // softplus as torch: x for x > 20, else log1p(exp(x))
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 
+// ------------------------------------------------------------------------------------------------ L2 prefetch
+
+// Ask L2 for the 128-byte line holding p: no register, nothing waits for it (a hint).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Ask L2 for every line of [p, p + bytes), thread i of n taking lines i, i + n, ...
+__device__ __forceinline__ void prefetch_l2_span(const void* p, size_t bytes, int i, int n) {
+    const char* c = static_cast<const char*>(p);
+    const size_t first = reinterpret_cast<uintptr_t>(c) & 127;  // p's offset in its line
+    for (size_t a = (size_t)i * 128; a < first + bytes; a += (size_t)n * 128) prefetch_l2(c - first + a);
+}
+
 // ------------------------------------------------------------------------------------------------ cp.async (sm_80+)
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }

@@ -79,10 +79,6 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
     }
 }
 
-__device__ __forceinline__ void prefetch_l2(uintptr_t a) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
-
 template <int BITS>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
@@ -143,15 +139,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 
     // Ask L2 for x and norm_w first, so their lines are not queued behind the weights (x is usually in L2
     // already, norm_w rarely); then issue the first two steps, then stage x̂ while they are in flight.
-    {
-        const int lines = (K * 4 + 127) / 128;  // 128-byte steps covering one vector (every address inside)
-        for (int i = threadIdx.x; i <= 2 * lines + 1; i += kWarps * 32) {
-            const bool second = i > lines;
-            const float* v = second ? norm_w : x;
-            const int j = second ? i - lines - 1 : i;
-            if (v) prefetch_l2(reinterpret_cast<uintptr_t>(v) + min(128 * j, K * 4 - 4));
-        }
-    }
+    prefetch_l2_span(x, (size_t)K * 4, threadIdx.x, kWarps * 32);
+    if (norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
     Tile<DM> A, B;
     int ig = fg, it = sb - fg * S;  // the next step to issue
     auto issue_next = [&](Tile<DM>& T) {

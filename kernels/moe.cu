@@ -103,7 +103,6 @@ __device__ __forceinline__ float chunk_dot(const uint8_t* qs, const uint8_t* qh,
 
 // Ask L2 for every byte chunk_dot(row, c) will read. A prefetch takes no register, so all of a unit's DRAM
 // requests are in flight at once, whatever order ptxas later gives the loads (it staggers them).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 template <int BITS, int GROUP>
 __device__ __forceinline__ void chunk_prefetch(const uint8_t* qs, const uint8_t* qh, const __half* sc, long long row,

@@ -8,7 +8,9 @@ What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/referenc
 Decode is split-KV (flash decoding) over the rows of one kv head, the (token, head-in-group) pairs, so K/V are read
 once for all its query heads; partials go to `scratch` and a second kernel merges them and applies the gate. The
 split length depends only on (M, ctx_bucket), so a graph captured for a bucket replays at any context below it
-(blocks past the real length exit at once). Two kernel families compute the partials:
+(blocks past the real length exit at once). The CUDA-core decode fixes the number of splits instead (decode_splits:
+about _SPLIT_BLOCKS_PER_SM blocks per SM) and its kernels deal each sequence's keys evenly over them at run time,
+so every split is busy and equally long wherever the context falls in the bucket. Two kernel families compute the partials:
   few rows (T·(nH/nKV) <= _FAST_MAX_ROWS: decode, MTP verify)  kernels/attention_decode.cu, memory-bound: one block
       of 4 warps per (8 rows, split, sequence, kv head), each warp streaming its keys through a cp.async ring, plain
       fp32 FMAs on CUDA cores; merged by attn_combine_fast.
@@ -31,6 +33,8 @@ _ALIGN = 256                     # each part of a cache / scratch allocation sta
 _MIN_SPLIT = 64                  # keys per split, at least (a power of two times this)
 _MAX_SPLITS = 512                # splits per sequence, at most
 _SPLIT_ROWS = 4096               # n_splits · M stays below max(this, M): bounds the scratch
+_SPLIT_BLOCKS_PER_SM = 2         # CUDA-core decode: splits for ~this many blocks per SM, dealt at run time (0: off)
+_SPLIT_LONG_KEYS = 2048          # ... twice as many where a split would be longer than this (compute-bound)
 _Q_ROWS = 16                     # query rows (token, head) pairs per decode warp
 _FAST_ROWS = 8                   # query rows per block of the CUDA-core decode (attention_decode.cu kFastRows)
 _FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
@@ -157,6 +161,23 @@ def decode_split(M: int, ctx_bucket: int) -> tuple[int, int]:
     return cs, -(-ctx_bucket // cs)
 
 
+def decode_splits(M: int, ctx_bucket: int, blocks: int, sm_count: int) -> int:
+    """The CUDA-core decode's number of splits when its kernels deal the keys at run time (split_keys in
+    kernels/attention.cuh: each sequence's n keys in n_splits even runs of whole 32-key steps, at least 64):
+    about _SPLIT_BLOCKS_PER_SM blocks per SM for `blocks` blocks per split (row groups x sequences x kv heads),
+    twice that where the splits would be longer than _SPLIT_LONG_KEYS keys, never more than decode_split gives
+    (so decode_scratch_bytes still bounds the scratch). One wave of long, equal splits rather than several
+    waves of short ones that each pay a q load, a ring fill and a merge, and the bucket's unused upper part
+    costs nothing; but very long splits are bound by the fp32 dot products, and more blocks spread those more
+    evenly over the SMs (H200, perf.md v13: the 27B at 262K context 73 -> 86 tok/s with 4 blocks per SM, the
+    35B at 64K 411 -> 439 tok/s with 2)."""
+    _need(blocks >= 1 and sm_count >= 1, f"attention: blocks={blocks} and sm_count={sm_count} must be >= 1")
+    ns = max(1, _SPLIT_BLOCKS_PER_SM * sm_count // blocks)
+    if -(-ctx_bucket // ns) > _SPLIT_LONG_KEYS:
+        ns = max(1, 2 * _SPLIT_BLOCKS_PER_SM * sm_count // blocks)
+    return min(decode_split(M, ctx_bucket)[1], ns)
+
+
 def decode_scratch_bytes(M: int, nH: int, d: int, ctx_bucket: int) -> int:
     """Scratch bytes decode needs for up to M rows and any ctx_bucket up to this one.
 
@@ -206,7 +227,13 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     int8 = cache.dtype == "int8"
     _need(not int8 or (cache.k_scale and cache.v_scale), f"{name}: int8 cache without scale arrays")
     M, G = B * T, nH // nKV
-    cs, ns = decode_split(M, min(ctx_bucket, cache.max_ctx))
+    smem = _fast_path(k, T * G, d, cache.dtype)
+    bucket = min(ctx_bucket, cache.max_ctx)
+    runtime = bool(smem) and _SPLIT_BLOCKS_PER_SM > 0
+    if runtime:  # n_splits fixed, each sequence's split length dealt by the kernels (at least _MIN_SPLIT keys)
+        cs, ns = _MIN_SPLIT, decode_splits(M, bucket, -(-(T * G) // _FAST_ROWS) * B * nKV, k.gpu.info.sm_count)
+    else:
+        cs, ns = decode_split(M, bucket)
     acc = scratch
     ml = scratch + _round_up(ns * M * nH * d * 4)
     _need(B * nKV <= 65535 and nH <= 65535, f"{name}: B={B}, nKV={nKV}, nH={nH} give too large a grid")
@@ -218,11 +245,11 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
             i32(d), i32(cache.slots), i32(cache.max_ctx), i32(cs), i32(ns)]
     # combine: 4..32 splits read side by side per block
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
-    smem = _fast_path(k, T * G, d, cache.dtype)
     if smem:
+        rt = [i32(int(runtime))]
         return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
-                 args, smem),
-                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb, 0)]
+                 args + rt, smem),
+                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt, 0)]
     n_qt = -(-(T * G) // _Q_ROWS)
     # with few splits one combine block covers all d columns
     kind = "decode" if exact else "prefill"

@@ -155,9 +155,8 @@ def _run_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, buckets, max_ctx, f
         else:
             attention.prefill(kernels, **kw)
         got = dev.get(out, (M, nH * d))
-        cs, ns = attention.decode_split(M, min(bucket, max_ctx))
-        _check_attention(got, ref, scale, f"{fn} {dims} {dtype} pos={pos} T={T} bucket={bucket} "
-                                          f"(split {cs} x {ns})", p_bf16=rounded)
+        _check_attention(got, ref, scale, f"{fn} {dims} {dtype} pos={pos} T={T} bucket={bucket}",
+                         p_bf16=rounded)
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -306,11 +305,13 @@ def test_decode(kernels, gpu, dev, rng, dims, dtype, pos, T, extras):
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("dims", ["35b", "tiny"])
-def test_decode_split_boundary(kernels, gpu, dev, rng, dims, dtype):
+def test_decode_split_boundary(kernels, gpu, dev, rng, monkeypatch, dims, dtype):
     """Causal limits that land exactly on split boundaries: 64-key splits (M = 8, bucket 4096), where the last
     token of one sequence alone sees split 1 and another sequence's first token ends exactly at a split's end,
-    then 128-key splits (M = 1, bucket 32800) with the context ending at a split's end."""
+    then 128-key splits (M = 1, bucket 32800) with the context ending at a split's end. The splits are the
+    row-count rule's alone (not dealt at run time: test_decode_runtime_splits covers that)."""
     from ninfer_rt.gpu import attention
+    monkeypatch.setattr(attention, "_SPLIT_BLOCKS_PER_SM", 0)
     assert attention.decode_split(8, 4096)[0] == 64 and attention.decode_split(1, 32800)[0] == 128
     T = 4
     _run_decode(kernels, gpu, dev, rng, dims, dtype, [64 - T + 1, 127], T, [4096], 4096)
@@ -482,13 +483,32 @@ def test_decode_fast(kernels, gpu, dev, rng, dims, dtype, pos, T, extras):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_decode_long_splits(kernels, gpu, dev, rng, dtype):
+def test_decode_long_splits(kernels, gpu, dev, rng, monkeypatch, dtype):
     """Splits of 256 keys: each warp of the CUDA-core decode walks 8 steps, so its cp.async ring (4 int8 / 2 bf16
-    stages) wraps around; once with one query row group at ~70K context, once with 8 row groups over 4 sequences."""
+    stages) wraps around; once with one query row group at ~70K context, once with 8 row groups over 4 sequences
+    (the row-count rule's splits, not dealt at run time)."""
     from ninfer_rt.gpu import attention
+    monkeypatch.setattr(attention, "_SPLIT_BLOCKS_PER_SM", 0)
     assert attention.decode_split(2, 70003)[0] == 256 and attention.decode_split(32, 32768)[0] == 256
     _run_decode(kernels, gpu, dev, rng, "35b", dtype, [70001], 2, [70003], 70006)
     _run_decode(kernels, gpu, dev, rng, "35b", dtype, [20000, 3, 9000, 32700], 8, [32768], 32768)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dims", ["35b", "27b"])
+def test_decode_runtime_splits(kernels, gpu, dev, rng, dims, dtype):
+    """The CUDA-core decode's splits dealt at run time (split_keys): at a 16384 bucket on this GPU one
+    sequence gets fewer splits than the row-count rule (about 2 blocks per SM), each of ceil(n / splits) keys
+    in whole 32-key steps; contexts just past the bucket's half, where an even split ends exactly on a 32-key
+    step (n = 32 · splits · 3) and one key past it, and a full bucket. Then 4 sequences x 2 tokens of very
+    different lengths in one launch: each sequence's split length is its own."""
+    from ninfer_rt.gpu import attention
+    nH, nKV = DIMS[dims][:2]
+    ns = attention.decode_splits(1, 16384, -(-(nH // nKV) // 8) * nKV, kernels.gpu.info.sm_count)
+    assert 1 <= ns < attention.decode_split(1, 16384)[1]
+    for end in (8193, 32 * ns * 3, 32 * ns * 3 + 1, 16384):
+        _run_decode(kernels, gpu, dev, rng, dims, dtype, [end - 1], 1, [16384], 16384)
+    _run_decode(kernels, gpu, dev, rng, dims, dtype, [8000, 3, 12000, 16381], 2, [16384], 16384)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -513,6 +533,25 @@ def test_decode_invalid_slot(kernels, gpu, dev, rng, monkeypatch, fast):
     assert (got[T:] == 0).all(), "rows of sequences with an invalid slot are not 0"
     ref, scale = _oracle_attention(q[:T], gate[:T], K, V, pos[:1], [1], T)
     _check_attention(got[:T], ref, scale, f"decode next to invalid slots (fast={fast})")
+
+
+def test_decode_splits_rule():
+    """The runtime split count: about _SPLIT_BLOCKS_PER_SM blocks per SM, twice that when a split would pass
+    _SPLIT_LONG_KEYS keys, at least 1, and never more splits than the row-count rule (so the scratch bound
+    holds). The H200 cases measured in perf.md v13: the 35B (2 blocks per split) keeps 132 splits up to a
+    262144 bucket; the 27B (4 blocks) takes 66 up to 131072 and 132 at 262144."""
+    from ninfer_rt.gpu import attention
+    lo, long_keys = attention._SPLIT_BLOCKS_PER_SM, attention._SPLIT_LONG_KEYS
+    for sms in (1, 46, 132, 170):
+        for blocks in (1, 2, 4, 8, 64, 1000):
+            for M in (1, 2, 8, 64):
+                for bucket in (1, 64, 1000, 16384, 131072, 262144):
+                    ns = attention.decode_splits(M, bucket, blocks, sms)
+                    base = max(1, lo * sms // blocks)
+                    want = base if -(-bucket // base) <= long_keys else max(1, 2 * lo * sms // blocks)
+                    assert ns == min(want, attention.decode_split(M, bucket)[1]) and ns >= 1
+    assert [attention.decode_splits(1, b, 2, 132) for b in (16384, 131072, 262144)] == [132, 132, 132]
+    assert [attention.decode_splits(1, b, 4, 132) for b in (16384, 131072, 262144)] == [66, 66, 132]
 
 
 def test_decode_scratch_bound():
