@@ -1,13 +1,7 @@
-// attention.cu: gated full attention of Qwen3.5/3.6, from the fused q|k|v|gate projection to the input of o_proj
-// (ninfer_rt/reference/model.py GatedAttention.__call__ between `qg, k, v` and `@ o_proj`).
+// attention.cu: the split-KV part of Qwen3.5/3.6 gated full attention on tensor cores, from the prepared q rows
+// and KV cache to the input of o_proj (ninfer_rt/reference/model.py GatedAttention.__call__ after the rotated q and
+// cached k, v, up to `@ o_proj`). attn_prepare_d{D} (attention_prepare.cu) writes the q rows and cache entries.
 //
-// attn_prepare_d{D}: for token t of sequence b (row m = b*T + t of M = B*T), position p = pos[b] + t:
-//     q_h = rope(rms_norm_zc(q_h, q_norm)), k_h = rope(rms_norm_zc(k_h, k_norm)), v_h as is
-//     (ops.rms_norm_zc, ops.rope_cos_sin + ops.apply_rope for text positions: NeoX rotate-half on the first rot dims,
-//     angle_j = float(p) * inv_freq[j] in fp32, cos/sin accurate (double-precision range reduction + series, not the
-//     fast intrinsics) times rope_scale). q -> q_out; k, v -> cache slot[b] at position p: bf16 round-to-nearest-even,
-//     or int8 codes rint(x / s) clamped to +-127 with s = max|x| / 127 per (position, kv head); a zero vector stores
-//     s = 0 and codes 0 (it dequantises to zeros).
 // attn_decode_{bf16,int8}_d{D} + attn_combine: ops.gated_attention per sequence. Query t of sequence b attends to
 //     cache positions 0 .. pos[b]+t of slot[b]; query head h reads kv head h / (nH/nKV); softmax in fp32 with scale
 //     D^-0.5; out = o * sigmoid(gate). Split-KV: one warp per (16 query rows, key split, sequence, kv head), the rows
@@ -63,130 +57,6 @@ __device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_
 // Two floats exactly representable in bf16 (small integers) -> packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_exact(float lo, float hi) {
     return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
-}
-
-// cos/sin of an fp32 angle, correctly rounded to fp32 in practice: reduction by pi/2 in double (fdlibm's 33-bit
-// pio2_1 makes k*pio2_1 exact for |k| < 2^20, i.e. angles below ~1.6e6 rad), then Taylor series on |r| <= pi/4
-// (truncation < 1e-16). Written out because --use_fast_math turns sincosf into the inaccurate __sincosf, and the
-// library's double sincos drags in a local-memory slow path for huge arguments.
-__device__ __forceinline__ void accurate_cos_sin(float angle, float& c, float& s) {
-    const double a = (double)angle;
-    const double k = rint(a * 6.36619772367581382433e-01);
-    double r = fma(-k, 1.57079632673412561417e+00, a);
-    r = fma(-k, 6.07710050650619224932e-11, r);
-    const double r2 = r * r;
-    double sp = -1.0 / 1307674368000.0;   // -1/15!
-    sp = fma(sp, r2, 1.0 / 6227020800.0);
-    sp = fma(sp, r2, -1.0 / 39916800.0);
-    sp = fma(sp, r2, 1.0 / 362880.0);
-    sp = fma(sp, r2, -1.0 / 5040.0);
-    sp = fma(sp, r2, 1.0 / 120.0);
-    sp = fma(sp, r2, -1.0 / 6.0);
-    const double sr = fma(sp * r2, r, r);
-    double cp = 1.0 / 20922789888000.0;   // 1/16!
-    cp = fma(cp, r2, -1.0 / 87178291200.0);
-    cp = fma(cp, r2, 1.0 / 479001600.0);
-    cp = fma(cp, r2, -1.0 / 3628800.0);
-    cp = fma(cp, r2, 1.0 / 40320.0);
-    cp = fma(cp, r2, -1.0 / 720.0);
-    cp = fma(cp, r2, 1.0 / 24.0);
-    cp = fma(cp, r2, -0.5);
-    const double cr = fma(cp, r2, 1.0);
-    const int quad = (int)((long long)k & 3);
-    const double sv = quad == 0 ? sr : quad == 1 ? cr : quad == 2 ? -sr : -cr;
-    const double cv = quad == 0 ? cr : quad == 1 ? -sr : quad == 2 ? -cr : sr;
-    c = (float)cv;
-    s = (float)sv;
-}
-
-// ------------------------------------------------------------------------------------------------ prepare
-
-// grid (M, ceil((nH + 2 nKV) / 4)), block 128: warp w of block y handles head unit u = 4y + w of row m
-// (u < nH: q head u; u < nH + nKV: k head u - nH; else v head u - nH - nKV).
-template <int D>
-__device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int ld, const float* __restrict__ q_norm,
-                                             const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
-                                             float rope_scale, int rot, const int* __restrict__ pos,
-                                             const int* __restrict__ slot, int T, int nH, int nKV, float eps,
-                                             void* kc, void* vc, float* ks, float* vs, int slots, int max_ctx,
-                                             int int8, float* __restrict__ q_out) {
-    constexpr int PER = D / 32;
-    __shared__ float cos_s[D / 2], sin_s[D / 2];
-    __shared__ float x_s[4][D];
-    const int m = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int b = m / T, t = m - b * T;
-    const int p = pos[b] + t, sl = slot[b];
-    const int half = rot / 2;
-    for (int j = threadIdx.x; j < half; j += blockDim.x) {
-        float c, s;
-        accurate_cos_sin(__fmul_rn((float)p, inv_freq[j]), c, s);
-        cos_s[j] = __fmul_rn(c, rope_scale);
-        sin_s[j] = __fmul_rn(s, rope_scale);
-    }
-    __syncthreads();
-    const int u = blockIdx.y * 4 + warp;
-    if (u >= nH + 2 * nKV) return;
-
-    float x[PER];
-    const float* src = qkvg + (size_t)m * ld + (size_t)u * D;  // q, k, v columns are contiguous: unit u at u*D
-#pragma unroll
-    for (int i = 0; i < PER; ++i) x[i] = src[lane + 32 * i];
-
-    const bool is_v = u >= nH + nKV;
-    if (!is_v) {
-        const float* w = u < nH ? q_norm : k_norm;
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
-        ss = warp_sum(ss);
-        // same operation order as ops.rms_norm_zc: x * (1 / sqrt(mean + eps)), then * (1 + w)
-        const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
-#pragma unroll
-        for (int i = 0; i < PER; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv), __fadd_rn(1.f, w[lane + 32 * i]));
-        if (half > 0) {
-#pragma unroll
-            for (int i = 0; i < PER; ++i) x_s[warp][lane + 32 * i] = x[i];
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                const int e = lane + 32 * i;
-                if (e < rot) {
-                    const int j = e < half ? e : e - half;
-                    const float other = e < half ? -x_s[warp][e + half] : x_s[warp][e - half];
-                    x[i] = __fadd_rn(__fmul_rn(x[i], cos_s[j]), __fmul_rn(other, sin_s[j]));
-                }
-            }
-        }
-        if (u < nH) {
-            float* dst = q_out + ((size_t)m * nH + u) * D;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = x[i];
-            return;
-        }
-    }
-    // a key or value head: into the cache (nothing is written for an out-of-range slot or position)
-    if (sl < 0 || sl >= slots || p < 0 || p >= max_ctx) return;
-    const int h = is_v ? u - nH - nKV : u - nH;
-    const size_t row = ((size_t)sl * max_ctx + p) * nKV + h;
-    if (!int8) {
-        uint16_t* dst = static_cast<uint16_t*>(is_v ? vc : kc) + row * D;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = f32_to_bf16(x[i]);
-    } else {
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) amax = fmaxf(amax, fabsf(x[i]));
-        amax = warp_max(amax);
-        const float scale = __fdiv_rn(amax, 127.f);
-        int8_t* dst = static_cast<int8_t*>(is_v ? vc : kc) + row * D;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            int code = 0;
-            if (scale > 0.f) code = max(-127, min(127, __float2int_rn(__fdiv_rn(x[i], scale))));
-            dst[lane + 32 * i] = (int8_t)code;
-        }
-        if (lane == 0) (is_v ? vs : ks)[row] = scale;
-    }
 }
 
 // ------------------------------------------------------------------------------------------------ decode
@@ -518,15 +388,6 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
 
 // ------------------------------------------------------------------------------------------------ entry points
 
-#define NINFER_PREPARE(D)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) attn_prepare_d##D(                                         \
-        const float* qkvg, int ld, const float* q_norm, const float* k_norm, const float* inv_freq,              \
-        float rope_scale, int rot, const int* pos, const int* slot, int T, int nH, int nKV, float eps, void* kc,  \
-        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) { ninfer_pdl_begin();                         \
-        prepare_impl<D>(qkvg, ld, q_norm, k_norm, inv_freq, rope_scale, rot, pos, slot, T, nH, nKV, eps, kc, vc, \
-                        ks, vs, slots, max_ctx, int8, q_out);                                                     \
-    }
-
 #define NINFER_DECODE(NAME, D, I8, TERMS)                                                                         \
     extern "C" __global__ void __launch_bounds__(32) NAME(                                                       \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
@@ -536,10 +397,6 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                                   n_splits, sc);                                                                  \
     }
 
-NINFER_PREPARE(32)
-NINFER_PREPARE(64)
-NINFER_PREPARE(128)
-NINFER_PREPARE(256)
 #define NINFER_ATTN_KERNELS(KIND, TERMS)                                                                          \
     NINFER_DECODE(attn_##KIND##_bf16_d32, 32, false, TERMS)                                                      \
     NINFER_DECODE(attn_##KIND##_bf16_d64, 64, false, TERMS)                                                      \

@@ -1,5 +1,5 @@
-// attention.cuh: device helpers shared by the attention kernels (attention.cu: prepare, the mma decode and its
-// combine; attention_decode.cu: the CUDA-core decode for few query rows and its combine). No op lives here.
+// attention.cuh: device helpers shared by the attention kernels (attention_prepare.cu; attention.cu: the mma decode
+// and its combine; attention_decode.cu: the CUDA-core decode for few query rows and its combine). No op lives here.
 #pragma once
 #include "common.cuh"
 

@@ -1,4 +1,4 @@
-"""Launch wrappers for the gated full-attention kernels (kernels/attention.cu): KV cache, prepare, decode, prefill.
+"""Launch wrappers for the gated full-attention kernels (kernels/attention*.cu): KV cache, prepare, decode, prefill.
 
 What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/reference/model.py GatedAttention):
   prepare  q/k RMSNorm (zero-centred) + partial NeoX RoPE; q -> fp32 buffer, k/v -> the KV cache (bf16 or int8)
