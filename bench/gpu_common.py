@@ -1,10 +1,12 @@
 """What every GPU micro-benchmark shares: the context, the built kernels, a console and a header line (open_gpu),
-and timing a captured CUDA graph by replays between two events (replay_ms)."""
+timing direct launches (eager_ms, from ninfer_rt.gpu.bench) and a captured CUDA graph's replays (replay_ms)."""
 
 from __future__ import annotations
 
 import sys
 import time
+
+from ninfer_rt.gpu.bench import eager_ms  # noqa: F401  (the micro-benchmarks' eager timer, shared with ninfer-rt bench)
 
 
 def open_gpu(prog: str):
@@ -26,26 +28,6 @@ def open_gpu(prog: str):
     console.print(f"{gpu.info.name} ({gpu.info.arch}, {gpu.info.sm_count} SMs, L2 {gpu.info.l2_bytes >> 20} MiB); "
                   f"kernels ready in {time.time() - t0:.1f} s", highlight=False)
     return gpu, k, console
-
-
-def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[float]:
-    """Milliseconds per call of enqueue() launched directly (no graph), one value per timed round: `warmup`
-    untimed calls, then `rounds` rounds of `reps` back-to-back calls, each round timed between two events."""
-    from ninfer_rt.gpu.driver import Event
-
-    for _ in range(warmup):
-        enqueue()
-    gpu.synchronize()
-    start, stop = Event(), Event()
-    times = []
-    for _ in range(rounds):
-        start.record(gpu.stream)
-        for _ in range(reps):
-            enqueue()
-        stop.record(gpu.stream)
-        stop.synchronize()
-        times.append(start.elapsed_ms(stop) / reps)
-    return times
 
 
 def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager: bool = True) -> list[float]:

@@ -1,4 +1,5 @@
-"""bench/gpu_common.replay_ms, the graph-replay timer every GPU micro-benchmark uses, on a scripted fake GPU:
+"""bench/gpu_common.replay_ms (the graph-replay timer every GPU micro-benchmark uses) and ninfer-rt bench's decode
+timer, on a scripted fake GPU:
 what it captures, how many replays it runs untimed and timed, what it divides by, and that the graph is freed.
 Oracle: a fake clock that advances a known time per replay."""
 
@@ -79,3 +80,26 @@ def test_replay_ms_frees_the_graph_when_a_replay_fails(gpu, monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         replay_ms(gpu, lambda: None, rounds=1, replays=1)
     assert gpu.log[-1] == "destroy"
+
+
+def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
+    """ninfer-rt bench's decode timer: one decode (it captures the bucket's graph), then rounds of replays of
+    that graph through the same eager_ms timer as the micro-benchmarks, per step, in seconds."""
+    from ninfer_rt.gpu.bench import _time_decode
+
+    class FakeModel:
+        max_ctx = 1 << 20
+
+        def __init__(self):
+            self.gpu, self.keys = gpu, []
+
+        def decode(self, tok, pos, slots):
+            gpu.log.append("decode")
+
+        def step_graph(self, B, T, bucket):
+            self.keys.append((B, T, bucket))
+            return FakeGraph(gpu)
+
+    m = FakeModel()
+    assert _time_decode(m, 8192, rounds=3, reps=7) == pytest.approx(REPLAY_MS / 1e3)
+    assert m.keys == [(1, 1, 16384)] and gpu.log[0] == "decode" and gpu.log.count("replay") == 3 * 7

@@ -93,24 +93,36 @@ def decode_bytes(spec, weights, ctx: int, kv_dtype: str) -> int:
     return total
 
 
+def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[float]:
+    """Milliseconds per call of enqueue() launched directly (no graph), one value per timed round: `warmup`
+    untimed calls, then `rounds` rounds of `reps` back-to-back calls, each round timed between two events.
+    (bench/gpu_common re-exports it for the micro-benchmarks.)"""
+    from ninfer_rt.gpu import driver  # looked up per call: the CPU tests stand a fake clock in for Event
+
+    for _ in range(warmup):
+        enqueue()
+    gpu.synchronize()
+    start, stop = driver.Event(), driver.Event()
+    times = []
+    for _ in range(rounds):
+        start.record(gpu.stream)
+        for _ in range(reps):
+            enqueue()
+        stop.record(gpu.stream)
+        stop.synchronize()
+        times.append(start.elapsed_ms(stop) / reps)
+    return times
+
+
 def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
     """Median seconds per decode step (graph replay) at context ctx."""
     from ninfer_rt.gpu.engine import context_bucket
 
     tok = np.array([17], np.int32)
     model.decode(tok, [ctx], [0])  # captures the bucket's graph
-    model.gpu.synchronize()
-    start, stop = Event(), Event()
     graph = model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)))
-    times = []
-    for _ in range(rounds):
-        start.record(model.gpu.stream)
-        for _ in range(reps):
-            graph.launch(model.gpu.stream)
-        stop.record(model.gpu.stream)
-        stop.synchronize()
-        times.append(start.elapsed_ms(stop) / 1e3 / reps)
-    return statistics.median(times)
+    times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
+    return statistics.median(times) / 1e3
 
 
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
