@@ -6,11 +6,12 @@ What sits between the fused q|k|v|gate projection and o_proj (ninfer_rt/referenc
   prefill  the same for one sequence and a long T, with q and p rounded to bf16 on the tensor-core path
 
 Decode is split-KV (flash decoding) over the rows of one kv head, the (token, head-in-group) pairs, so K/V are read
-once for all its query heads; partials go to `scratch` and a second kernel merges them and applies the gate. The
-split length depends only on (M, ctx_bucket), so a graph captured for a bucket replays at any context below it
-(blocks past the real length exit at once). The CUDA-core decode fixes the number of splits instead (decode_splits:
-about _SPLIT_BLOCKS_PER_SM blocks per SM) and its kernels deal each sequence's keys evenly over them at run time,
-so every split is busy and equally long wherever the context falls in the bucket. Two kernel families compute the partials:
+once for all its query heads; partials go to `scratch` and a second kernel merges them and applies the gate. Either
+way a graph captured for a bucket replays at any context below it. The tensor-core kernels take a split length
+that depends only on (M, ctx_bucket) (blocks past the real length exit at once); the CUDA-core decode fixes the
+number of splits instead (decode_splits: about _SPLIT_BLOCKS_PER_SM blocks per SM) and its kernels deal each
+sequence's keys evenly over them at run time, so every split is busy and equally long wherever the context falls
+in the bucket. Two kernel families compute the partials:
   few rows (T·(nH/nKV) <= _FAST_MAX_ROWS: decode, MTP verify)  kernels/attention_decode.cu, memory-bound: one block
       of 4 warps per (8 rows, split, sequence, kv head), each warp streaming its keys through a cp.async ring, plain
       fp32 FMAs on CUDA cores; merged by attn_combine_fast.
