@@ -61,6 +61,12 @@ def _row_strides(name: str, M: int, D: int, ldx: int | None, ldy: int | None) ->
     return ldx, ldy
 
 
+def _row_block(D: int) -> int:
+    """Threads of a row-wise block (kernels/norm.cu, one block per row): one float4 of the row each, in whole
+    warps, at most 1024."""
+    return min(1024, _round_up((D + 3) // 4, 32))
+
+
 def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
              ldx: int | None = None, ldy: int | None = None, out: str = "f32", stream=None) -> None:
     """y[m] = x[m] · rsqrt(mean(x[m]²) + eps) · (1 + w) for m < M (ops.rms_norm_zc in fp32).
@@ -76,8 +82,7 @@ def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
                                                    f"(got {out}, {ldx}, {ldy})")
     if M == 0:
         return
-    block = min(1024, _round_up((D + 3) // 4, 32))
-    k.launch("rms_norm" if out == "f32" else "rms_norm_bf16", M, block,
+    k.launch("rms_norm" if out == "f32" else "rms_norm_bf16", M, _row_block(D),
              [ptr(x), ptr(y), ptr(w), i32(D), i64(ldx), i64(ldy), f32(eps)], 0, stream)
 
 
@@ -91,8 +96,7 @@ def cast_bf16(k, *, x: int, y: int, M: int, D: int, ldx: int | None = None, ldy:
     _need(bool(x and y), "cast_bf16: x and y must be device pointers")
     if M == 0:
         return
-    k.launch("cast_bf16", M, min(1024, _round_up((D + 3) // 4, 32)), [ptr(x), ptr(y), i32(D), i64(ldx), i64(ldy)],
-             0, stream)
+    k.launch("cast_bf16", M, _row_block(D), [ptr(x), ptr(y), i32(D), i64(ldx), i64(ldy)], 0, stream)
 
 
 # ------------------------------------------------------------------------------------------ arg-max
