@@ -1,9 +1,8 @@
 // deltanet.cu: the Gated DeltaNet mixer between its projections (ninfer_rt/reference/model.py
 // GatedDeltaNet.__call__ from mixed/z/b/a to the gated-norm output y, before out_proj).
 //
-// Decode steps of T = 1..8 tokens (deltanet_step_dk*) are one launch from the layer input x to y: the b|a
-// projection with the input RMSNorm folded in, the conv, the delta rule and the gated norm; one block per
-// (value head, sequence), the state slice read into registers before the kernel waits on its predecessor.
+// Decode steps of T = 1..8 tokens are one launch from the layer input x to y (deltanet_step_dk* in
+// deltanet_step.cu: b|a with the input RMSNorm folded in, conv, delta rule, gated norm).
 // Any T (prefill, other shapes) is three launches:
 //   deltanet_conv            c = SiLU(causal depthwise conv(mixed[:, :conv_dim]))      ops.causal_conv1d(_step)
 //                            and the conv state updated once per channel
@@ -26,10 +25,10 @@
 //   o / out    [M, nv·dv]
 // Value head h reads key head h / (nv/nk). The columns j of S are independent in the delta rule
 // (Δ_j = β (v_j − Σ_i S_ij k̂_i), S_ij += k̂_i Δ_j, o_j = Σ_i S_ij q̂_i), which is why dv can be split over blocks.
+// One token of the delta rule on a column of S (delta_step) lives in deltanet.cuh, shared with deltanet_step.cu.
 #include "common.cuh"
 #include "deltanet.cuh"
 
-#define DN_KMAX 8        // largest conv width supported (the family uses 4)
 #define DN_CONV_TOKENS 8 // tokens per conv thread; must be >= DN_KMAX (see deltanet_conv)
 #define DN_MAX_COLS 32   // columns of S per recurrent block: up to 4 warps × 8 columns
 static_assert(DN_CONV_TOKENS >= DN_KMAX, "conv chunks z > 0 must not reach back into the conv state");
@@ -98,43 +97,6 @@ extern "C" __global__ void deltanet_conv(const float* __restrict__ mixed, int ld
 }
 
 // ------------------------------------------------------------------------------------------------ recurrent
-
-// One token of the delta rule for one column j of S, split over the 4 lanes p of the column (rows i = 4r + p):
-// u = (e^g S)ᵀ k̂, Δ = β (v − u), S ← e^g S + k̂ Δᵀ; returns o_j = Σ_i S_ij q̂_i (whole column, all 4 lanes).
-// Four accumulators shorten the dependency chains; the shuffles stay within the column's lanes (xor 8, 16).
-template <int DK>
-__device__ __forceinline__ float delta_step(float (&s)[DK / 4], const float* kt, const float* qt, float beta,
-                                            float decay, float v, int p) {
-    constexpr int R = DK / 4;
-    float u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; r += 4) {
-        u0 = fmaf(s[r], kt[4 * r + p], u0);
-        u1 = fmaf(s[r + 1], kt[4 * r + 4 + p], u1);
-        u2 = fmaf(s[r + 2], kt[4 * r + 8 + p], u2);
-        u3 = fmaf(s[r + 3], kt[4 * r + 12 + p], u3);
-    }
-    float u = (u0 + u1) + (u2 + u3);
-    u += __shfl_xor_sync(0xffffffffu, u, 8);
-    u += __shfl_xor_sync(0xffffffffu, u, 16);
-    const float delta = beta * (v - decay * u);
-    float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; r += 4) {
-        s[r] = fmaf(s[r], decay, kt[4 * r + p] * delta);
-        s[r + 1] = fmaf(s[r + 1], decay, kt[4 * r + 4 + p] * delta);
-        s[r + 2] = fmaf(s[r + 2], decay, kt[4 * r + 8 + p] * delta);
-        s[r + 3] = fmaf(s[r + 3], decay, kt[4 * r + 12 + p] * delta);
-        o0 = fmaf(s[r], qt[4 * r + p], o0);
-        o1 = fmaf(s[r + 1], qt[4 * r + 4 + p], o1);
-        o2 = fmaf(s[r + 2], qt[4 * r + 8 + p], o2);
-        o3 = fmaf(s[r + 3], qt[4 * r + 12 + p], o3);
-    }
-    float ov = (o0 + o1) + (o2 + o3);
-    ov += __shfl_xor_sync(0xffffffffu, ov, 8);
-    ov += __shfl_xor_sync(0xffffffffu, ov, 16);
-    return ov;
-}
 
 // One pass of up to TT tokens staged in shared memory: q and k of the block's key head (raw, then
 // L2-normalised in place), v of the block's columns, and [b, a] (then turned into [beta, e^g] in place).
@@ -231,7 +193,7 @@ __device__ __forceinline__ void recurrent_impl(const float* __restrict__ c, cons
         __syncthreads();
 
         for (int tt = 0; tt < n; ++tt) {
-            const float ov = delta_step<DK>(s, sg.k[tt], sg.q[tt], sg.ba[tt][0], sg.ba[tt][1], sg.v[tt][jc], p);
+            const float ov = delta_step<DK, 4>(s, sg.k[tt], sg.q[tt], sg.ba[tt][0], sg.ba[tt][1], sg.v[tt][jc], p);
             if (p == 0) o[(m0 + tt) * nv * dv + (size_t)h * dv + col0 + jc] = ov;
         }
         __syncthreads();  // this stage is refilled by the prefetch two passes on
@@ -273,164 +235,3 @@ extern "C" __global__ void deltanet_gated_norm(float* __restrict__ o, const floa
     const float inv = rsqrtf(ss / (float)dv + eps);
     for (int j = lane; j < dv; j += 32) orow[j] = (norm_w[j] * (orow[j] * inv)) * siluf_(z[j]);
 }
-
-// ------------------------------------------------------------------------------------------------ fused step
-
-#define DN_STEP_T 8       // most tokens per sequence in one fused step (the ring must hold Kc - 1 + T rows)
-#define DN_STEP_COLS 128  // largest dv of the fused step: 16 warps × 8 columns
-
-// deltanet_step_dk{DK}: a decode step of T <= DN_STEP_T tokens per sequence, from the layer input x to y:
-//   x̂ = rms_norm_zc(x, in_norm_w);  b_h = W_ba[h] · x̂,  a_h = W_ba[nv + h] · x̂       W_ba bf16 [2·nv, H]
-//   (the input norm folded into the dot: b = r · Σ_k W_b[k] (1 + n_k) x[k], r = rsqrt(mean x² + eps_in)),
-//   then the conv through the ring, q̂/k̂, the delta rule and the gated norm as the three kernels above compute.
-// grid (nv, B), block 4·dv threads: lane = jj + 8p as in the recurrent kernel, so a block holds all dv columns
-// of its head and the gated norm needs no other block. Each of the nv/nk value heads of key head hk convolves
-// hk's q/k channels; only the first writes them to the ring, at positions the others do not read.
-template <int DK>
-__device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
-                                          float eps_in, const uint16_t* __restrict__ w_ba,
-                                          const float* __restrict__ mixed, int ld_mixed,
-                                          const float* __restrict__ conv_w, float* __restrict__ conv_state, int ring,
-                                          const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                                          const float* __restrict__ norm_w, float eps,
-                                          float* __restrict__ ssm_state, const int* __restrict__ slot,
-                                          const int* __restrict__ pos, float* __restrict__ out, int T, int nk,
-                                          int nv, int dv, int Kc) {
-    constexpr int R = DK / 4;
-    __shared__ float sq[DN_STEP_T][DK], sk[DN_STEP_T][DK];
-    __shared__ float sv[DN_STEP_T][DN_STEP_COLS], so[DN_STEP_T][DN_STEP_COLS];
-    __shared__ float red[16][3 * DN_STEP_T];  // per warp: Σ x², Σ b, Σ a of each token
-    __shared__ float sba[DN_STEP_T][2];       // β, e^g of each token
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    const int jj = lane & 7, p = lane >> 3, jc = warp * 8 + jj;
-    const int h = blockIdx.x, b = blockIdx.y;
-    const int hk = h / (nv / nk);
-    const int conv_dim = 2 * nk * DK + nv * dv;
-    const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
-    // the state slice was written by this layer's previous step, long finished: its loads overlap the wait
-    float* S = ssm_state + ((size_t)sl * nv + h) * DK * dv + jc;
-    float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = S[(size_t)(4 * r + p) * dv];
-    ninfer_pdl_begin();
-
-    // b|a of every token, the input norm folded in
-    const float* xb = x + (size_t)b * T * H;
-    const uint16_t* wb = w_ba + (size_t)h * H;
-    const uint16_t* wa = w_ba + (size_t)(nv + h) * H;
-    for (int t0 = 0; t0 < T; t0 += 4) {  // 4 tokens a pass: 12 accumulators beside the 32 of the state
-        float acc[12];
-#pragma unroll
-        for (int i = 0; i < 12; ++i) acc[i] = 0.f;
-#pragma unroll 4
-        for (int k = tid; k < H; k += blockDim.x) {  // unrolled: 4 iterations' loads in flight together
-            const float g = 1.f + in_norm_w[k];
-            const float fb = bf16_to_f32(wb[k]) * g, fa = bf16_to_f32(wa[k]) * g;
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                if (t0 + t < T) {
-                    const float xv = xb[(size_t)(t0 + t) * H + k];
-                    acc[3 * t] = fmaf(xv, xv, acc[3 * t]);
-                    acc[3 * t + 1] = fmaf(fb, xv, acc[3 * t + 1]);
-                    acc[3 * t + 2] = fmaf(fa, xv, acc[3 * t + 2]);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 12; ++i) {
-            if (3 * t0 + i < 3 * T) {
-                const float v = warp_sum(acc[i]);
-                if (lane == 0) red[warp][3 * t0 + i] = v;
-            }
-        }
-    }
-
-    // conv of the block's channels: q and k of key head hk, v of head h
-    const bool own_qk = h % (nv / nk) == 0;
-    for (int ci = tid; ci < 2 * DK + dv; ci += blockDim.x) {
-        const int ch = ci < 2 * DK ? (ci < DK ? 0 : nk * DK - DK) + hk * DK + ci : 2 * nk * DK + h * dv + ci - 2 * DK;
-        float* st = conv_state + (size_t)sl * ring * conv_dim + ch;
-        const float* xm = mixed + (size_t)b * T * ld_mixed + ch;
-        // a token's Kc inputs and the taps are independent loads, issued together; taps summed in order
-        // i = 0..Kc-1 as the conv kernel sums them
-        float wk[DN_KMAX];
-#pragma unroll
-        for (int i = 0; i < DN_KMAX; ++i) wk[i] = i < Kc ? conv_w[(size_t)i * conv_dim + ch] : 0.f;
-        for (int t = 0; t < T; ++t) {
-            float in[DN_KMAX];
-#pragma unroll
-            for (int i = 0; i < DN_KMAX; ++i) {
-                const int pi = p0 + t - (Kc - 1) + i;
-                in[i] = i >= Kc ? 0.f : (pi >= p0 ? xm[(size_t)(pi - p0) * ld_mixed] : ring_read(st, pi, ring, conv_dim));
-            }
-            float a = 0.f;
-#pragma unroll
-            for (int i = 0; i < DN_KMAX; ++i)
-                if (i < Kc) a = fmaf(wk[i], in[i], a);
-            a = siluf_(a);
-            if (ci < DK) sq[t][ci] = a;
-            else if (ci < 2 * DK) sk[t][ci - DK] = a;
-            else sv[t][ci - 2 * DK] = a;
-        }
-        if (ci >= 2 * DK || own_qk) ring_store_last(st, xm, ld_mixed, p0, T, Kc, ring, conv_dim);
-    }
-    __syncthreads();
-
-    // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
-    const float q_scale = rsqrtf((float)DK);
-    for (int vi = warp; vi < 2 * T; vi += nw) {
-        const bool is_k = vi & 1;
-        float* v = is_k ? sk[vi >> 1] : sq[vi >> 1];
-        float ss = 0.f;
-        for (int i = lane; i < DK; i += 32) ss = fmaf(v[i], v[i], ss);
-        ss = warp_sum(ss);
-        const float scale = rsqrtf(ss + DN_L2_EPS) * (is_k ? 1.f : q_scale);
-        for (int i = lane; i < DK; i += 32) v[i] *= scale;
-    }
-    if (tid < T) {
-        float ss = 0.f, sb = 0.f, sa = 0.f;
-        for (int w = 0; w < nw; ++w) {
-            ss += red[w][3 * tid];
-            sb += red[w][3 * tid + 1];
-            sa += red[w][3 * tid + 2];
-        }
-        const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), eps_in));
-        sba[tid][0] = sigmoidf_(r * sb);
-        sba[tid][1] = __expf(-__expf(A_log[h]) * softplusf_(r * sa + dt_bias[h]));
-    }
-    __syncthreads();
-
-    for (int t = 0; t < T; ++t) {
-        const float ov = delta_step<DK>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
-        if (p == 0) so[t][jc] = ov;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) S[(size_t)(4 * r + p) * dv] = s[r];
-    __syncthreads();
-
-    // y = (w · o·rsqrt(mean(o²) + eps)) · SiLU(z): one warp per token
-    for (int t = warp; t < T; t += nw) {
-        const size_t row = (size_t)b * T + t;
-        const float* z = mixed + row * ld_mixed + conv_dim + (size_t)h * dv;
-        float ss = 0.f;
-        for (int j = lane; j < dv; j += 32) ss = fmaf(so[t][j], so[t][j], ss);
-        ss = warp_sum(ss);
-        const float inv = rsqrtf(ss / (float)dv + eps);
-        float* y = out + row * nv * dv + (size_t)h * dv;
-        for (int j = lane; j < dv; j += 32) y[j] = (norm_w[j] * (so[t][j] * inv)) * siluf_(z[j]);
-    }
-}
-
-#define DN_STEP(DK)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(4 * DN_STEP_COLS, 1) deltanet_step_dk##DK(                       \
-        const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
-        int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
-        const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out, int T,     \
-        int nk, int nv, int dv, int Kc) {                                                                         \
-        step_impl<DK>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log, dt_bias,   \
-                      norm_w, eps, ssm_state, slot, pos, out, T, nk, nv, dv, Kc);                                 \
-    }
-DN_STEP(16)
-DN_STEP(32)
-DN_STEP(64)
-DN_STEP(128)

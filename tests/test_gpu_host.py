@@ -222,3 +222,110 @@ def test_the_device_draws_only_what_the_host_sampler_would():
           P(top_k=20, frequency_penalty=0.1)]
     assert [GpuBackend.can_sample(p) for p in yes] == [True] * len(yes)
     assert [GpuBackend.can_sample(p) for p in no] == [False] * len(no)
+
+
+# ------------------------------------------------------------------------------------------ launches, no GPU
+
+def fake_kernels(major: int, minor: int, targets=TARGETS):
+    """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`;
+    its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu.build import BuildResult
+    from ninfer_rt.gpu.driver import DeviceInfo
+    from ninfer_rt.gpu.kernels import Kernels
+
+    class Module:
+        def function(self, name):
+            return name
+
+    k = Kernels.__new__(Kernels)
+    launches = []
+    k.gpu = SimpleNamespace(info=DeviceInfo("fake", major, minor, 132, 0, 0, 0), launches=launches,
+                            launch=lambda fn, grid, block, args, smem, stream, cluster:
+                            launches.append((fn, grid, block, cluster)))
+    k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
+    k.modules, k._fns, k._smem = [Module()], {}, {}
+    return k
+
+
+@pytest.mark.parametrize("cc, targets, dv, want", [
+    ((9, 0), TARGETS, 128, 4), ((12, 0), TARGETS, 128, 4), ((9, 0), TARGETS, 16, 4),
+    ((9, 0), TARGETS, 24, 1), ((9, 0), TARGETS, 8, 1),      # dv/4 columns not whole warps of 4
+    ((8, 6), TARGETS, 128, 1), ((8, 0), TARGETS, 128, 1),   # no clusters before sm_90
+    ((10, 0), TARGETS, 128, 1), ((9, 0), ("sm_80",), 128, 1),  # running the compute_80 PTX: none compiled in
+])
+def test_step_cluster_choice(cc, targets, dv, want):
+    from ninfer_rt.gpu import deltanet
+    assert deltanet.step_cluster(fake_kernels(*cc, targets), dv=dv) == want
+
+
+def _step_args(dv=128, nv=32, nk=16, dk=128, H=2048, B=3, T=1):
+    from ninfer_rt.gpu.weights import DeviceWeight
+    return dict(x=1, H=H, in_norm_w=1, eps_in=1e-6, w_ba=DeviceWeight("ba", "bf16", (2 * nv, H), 1), mixed=1,
+                ld_mixed=2 * nk * dk + 2 * nv * dv, conv_w=1, A_log=1, dt_bias=1, norm_w=1, conv_state=1,
+                ssm_state=1, slot=1, pos=1, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=4, eps=1e-6, out=1)
+
+
+def test_step_launches_a_cluster_per_head_on_sm90():
+    """deltanet.step: on sm_90+ a cluster of 4 blocks of 256 threads per (head, sequence), grid (4·nv, B);
+    elsewhere, or with cluster=1, one block of 4·dv threads per head; a cluster it cannot run is a GpuError."""
+    from ninfer_rt.gpu import deltanet
+    from ninfer_rt.gpu.driver import GpuError
+    h100, a100 = fake_kernels(9, 0), fake_kernels(8, 0)
+    deltanet.step(h100, **_step_args())
+    deltanet.step(h100, **_step_args(), cluster=1)
+    deltanet.step(a100, **_step_args(nv=48, H=5120))
+    deltanet.step(h100, **_step_args(dv=24))
+    assert h100.gpu.launches == [("deltanet_step_dk128_c4", (128, 3), 256, (4, 1, 1)),
+                                 ("deltanet_step_dk128", (32, 3), 512, None),
+                                 ("deltanet_step_dk128", (32, 3), 96, None)]
+    assert a100.gpu.launches == [("deltanet_step_dk128", (48, 3), 512, None)]
+    for k, change in [(a100, dict(cluster=4)), (h100, dict(cluster=2)), (h100, dict(cluster=4, dv=24))]:
+        args = {**_step_args(dv=change.get("dv", 128)), **{n: v for n, v in change.items() if n != "dv"}}
+        with pytest.raises(GpuError, match="cluster"):
+            deltanet.step(k, **args)
+
+
+def test_cluster_launches_go_through_launch_kernel_ex(monkeypatch):
+    """Gpu.launch with `cluster`: cuLaunchKernelEx with the cluster-dimension attribute (after the PDL one when
+    PDL is on, alone when it is off); without a cluster and PDL, plain cuLaunchKernel; a cluster that does not
+    divide the grid is a GpuError before any launch."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import driver
+    calls = []
+    fake = SimpleNamespace(
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0),
+        CUlaunchAttributeID=SimpleNamespace(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION="cluster"),
+        CUlaunchAttribute=lambda: SimpleNamespace(id=None, value=SimpleNamespace(
+            clusterDim=SimpleNamespace(x=0, y=0, z=0))),
+        CUlaunchConfig=SimpleNamespace,
+        cuLaunchKernelEx=lambda cfg, fn, args, extra: calls.append(("ex", cfg)) or (0,),
+        cuLaunchKernel=lambda fn, *dims_etc: calls.append(("plain", dims_etc[:6])) or (0,))
+    monkeypatch.setattr(driver, "_driver", lambda: fake)
+    g = driver.Gpu.__new__(driver.Gpu)
+    g.stream, g._pdl_attr, g._cluster_attrs = SimpleNamespace(handle="stream"), "pdl", {}
+
+    def attrs(cfg):
+        return [a if a == "pdl" else (a.id, a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z)
+                for a in cfg.attrs[:cfg.numAttrs]]
+
+    g.pdl = False
+    g.launch("f", (8, 2), 256, [], cluster=4)
+    g.launch("f", (8, 2), 256, [])
+    g.pdl = True
+    g.launch("f", (8, 2), 256, [], cluster=(4, 2))
+    g.launch("f", (8, 2), 256, [], cluster=1)
+    (k0, c0), (k1, d1), (k2, c2), (k3, c3) = calls
+    assert k0 == "ex" and (c0.gridDimX, c0.gridDimY, c0.blockDimX) == (8, 2, 256)
+    assert attrs(c0) == [("cluster", 4, 1, 1)]
+    assert k1 == "plain" and d1 == (8, 2, 1, 256, 1, 1)
+    assert k2 == "ex" and attrs(c2) == ["pdl", ("cluster", 4, 2, 1)]
+    assert k3 == "ex" and attrs(c3) == ["pdl"]
+    g.launch("f", (8, 2), 256, [], cluster=4)
+    assert calls[-1][1].attrs[1] is c0.attrs[0]  # one attribute object per cluster shape
+    with pytest.raises(driver.GpuError, match="divide the grid"):
+        g.launch("f", (6, 2), 256, [], cluster=4)
+    assert len(calls) == 5

@@ -1,10 +1,11 @@
-"""Launch wrappers of kernels/deltanet.cu: the Gated DeltaNet mixer between its projections.
+"""Launch wrappers of kernels/deltanet.cu, deltanet_step.cu: the Gated DeltaNet mixer between its projections.
 
 `decode` runs, for B sequences of T tokens each, exactly ninfer_rt.reference.model.GatedDeltaNet.__call__ from
 the projection outputs (mixed, z, b, a) to the gated-norm output y (before out_proj): causal conv + SiLU,
 L2-normalised q/k, the gated delta rule on the fp32 state, and the SiLU-gated RMSNorm. Both states are
 updated in place. `step` does the same for decode steps of T <= 8 in one launch, computing b|a itself from
-the layer input; `prefill` runs the delta rule in chunks (kernels/deltanet_chunked.cu). Layouts are in the
+the layer input (kernels/deltanet_step.cu; a cluster of STEP_CLUSTER blocks per head on sm_90+, see
+`step_cluster`); `prefill` runs the delta rule in chunks (kernels/deltanet_chunked.cu). Layouts are in the
 header of kernels/deltanet.cu.
 
 The conv state is a ring of pre-conv inputs, position p of a sequence in row p % ring (ring_rows(Kc) rows), so
@@ -21,8 +22,10 @@ KC_MAX = 8                        # DN_KMAX in deltanet.cu
 CONV_TOKENS = 8                   # DN_CONV_TOKENS in deltanet.cu: tokens per conv thread
 CONV_THREADS = 256
 NORM_WARPS = 4
-STEP_T = 8                        # DN_STEP_T: most tokens per sequence of one fused step
-STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step (one block holds a whole head)
+STEP_T = 8                        # DN_STEP_T in deltanet_step.cu: most tokens per sequence of one fused step
+STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
+STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
+STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
 CHUNK_THREADS = 256
@@ -167,20 +170,47 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
 
 
 def step_supported(w_ba: DeviceWeight, *, T: int, dk: int, dv: int, Kc: int) -> bool:
-    """Whether `step` takes these shapes: b|a stored bf16, T <= STEP_T, dv <= STEP_COLS (one block per head)."""
+    """Whether `step` takes these shapes: b|a stored bf16, T <= STEP_T, dv <= STEP_COLS (what one block of 4·dv
+    threads holds, the C = 1 kernel, which runs every dv % 8 == 0 on every GPU)."""
     return (w_ba.fmt == "bf16" and 1 <= T <= STEP_T and dk in DK_SUPPORTED and 8 <= dv <= STEP_COLS
             and dv % 8 == 0 and 2 <= Kc <= KC_MAX)
 
 
+def cluster_fits(dv: int, C: int) -> bool:
+    """Whether `step` can split a head's dv columns over C blocks: whole warps of 32 / STEP_LANES[C] columns each
+    (C = 1: any dv step_supported takes)."""
+    return C in STEP_LANES and dv % (C * 32 // STEP_LANES[C]) == 0
+
+
+def step_cluster(k, *, dv: int) -> int:
+    """Blocks per (value head, sequence) that `step` uses by default: STEP_CLUSTER where the GPU has thread-block
+    clusters (`k.clusters`: compute capability 9.0+ running its own cubin) and dv splits into whole warps over
+    them (cluster_fits: dv % 16 == 0); else 1, one block per head.
+
+    Every phase is split C ways (the b|a dots over H, the conv channels, the columns of S, the gated norm's
+    columns), so the chain of dependent latencies that bounds the step shortens, and 4·nv blocks of 256 threads
+    fill the SMs that nv blocks of 512 left mostly idle (the 27B's 48 heads: 192 blocks, two per SM, one wave).
+    """
+    if k.clusters and cluster_fits(dv, STEP_CLUSTER):
+        return STEP_CLUSTER
+    return 1
+
+
 def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight, mixed: int, ld_mixed: int,
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
-         B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None) -> None:
+         B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
+         cluster: int | None = None) -> None:
     """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
 
     x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
     weight (gain 1 + w, eps_in); w_ba bf16 [2·nv, H]: the fused in_proj_b|in_proj_a. Then
     [b|a] = rms_norm_zc(x) W_baᵀ and everything else as `decode` (same layouts, same result within fp32
-    rounding). Grid (nv, B), one block of 4·dv threads per (value head, sequence).
+    rounding).
+
+    cluster: blocks per (value head, sequence), C. None picks step_cluster(k, dv=dv): STEP_CLUSTER on sm_90+
+    where dv allows, else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
+    grid (nv, B), one block of 4·dv threads per head; C = STEP_CLUSTER is deltanet_step_dk{dk}_c{C}, grid
+    (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with 8·dv/C threads.
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -190,7 +220,17 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"dv <= {STEP_COLS} (got {dv}); use decode")
     if tuple(w_ba.shape) != (2 * nv, H):
         raise GpuError(f"deltanet.step: b|a weight {w_ba.name} is {list(w_ba.shape)}, expected [{2 * nv}, {H}]")
-    k.launch(f"deltanet_step_dk{dk}", (nv, B), 4 * dv,
+    C = step_cluster(k, dv=dv) if cluster is None else cluster
+    if C not in STEP_LANES:
+        raise GpuError(f"deltanet.step: cluster={C}, must be 1 or {STEP_CLUSTER}")
+    if C > 1 and not k.clusters:
+        raise GpuError(f"deltanet.step: cluster={C} needs thread-block clusters (compute capability 9.0+ with its "
+                       f"own cubin); this GPU is {k.gpu.info.arch}")
+    if not cluster_fits(dv, C):
+        raise GpuError(f"deltanet.step: dv={dv} does not split into whole warps over cluster={C} blocks")
+    name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
+    k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
-              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc)], 0, stream)
+              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc)], 0, stream,
+             cluster=(C, 1, 1) if C > 1 else None)

@@ -79,6 +79,14 @@ def f32(v: float) -> ctypes.c_float:
     return ctypes.c_float(float(v))
 
 
+def _dim3(v) -> tuple[int, int, int]:
+    """A launch dimension (an int, or a tuple of up to 3 ints) as 3 ints, missing ones 1."""
+    t = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),)
+    if not 1 <= len(t) <= 3:
+        raise GpuError(f"a launch dimension has 1 to 3 components, got {v!r}")
+    return t + (1,) * (3 - len(t))
+
+
 # ------------------------------------------------------------------------------------------ objects
 
 @dataclass
@@ -201,6 +209,7 @@ class Gpu:
         self.pdl_capable = self.info.major >= 9 if pdl is None else bool(pdl)
         self.pdl = self.pdl_capable  # callers may switch it off for a stretch of launches (see GpuModel)
         self._pdl_attr = None
+        self._cluster_attrs: dict[tuple[int, int, int], object] = {}
         if self.pdl_capable:
             a = d.CUlaunchAttribute()
             a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -302,25 +311,45 @@ class Gpu:
         attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(d.cuFuncSetAttribute(fn, attr, int(nbytes)), "cuFuncSetAttribute")
 
-    def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None) -> None:
-        """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream."""
-        g = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
-        b = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
+    def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None, cluster=None) -> None:
+        """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream.
+
+        cluster: thread-block cluster dimensions (an int for (n, 1, 1), or an up-to-3 tuple; compute capability
+        9.0+), each dividing the grid's; None or 1 launches no clusters. A cluster launch goes through
+        cuLaunchKernelEx with the cluster-dimension attribute, beside the PDL attribute when PDL is on.
+        """
+        g, b = _dim3(grid), _dim3(block)
+        c = _dim3(cluster if cluster is not None else 1)
         if min(g) < 1:
             return  # an empty problem: nothing to launch
+        if min(c) < 1 or any(gi % ci for gi, ci in zip(g, c)):
+            raise GpuError(f"cluster dimensions {c} must be >= 1 and divide the grid {g}")
+        attrs = [self._pdl_attr] if self.pdl else []
+        if c != (1, 1, 1):
+            attrs.append(self._cluster_attr(c))
         packed = KernelArgs(args)
         s = stream or self.stream
         d = _driver()
-        if not self.pdl:
-            _check(d.cuLaunchKernel(fn, *map(int, g), *map(int, b), int(smem), s.handle, packed.address, 0),
-                   "cuLaunchKernel")
+        if not attrs:
+            _check(d.cuLaunchKernel(fn, *g, *b, int(smem), s.handle, packed.address, 0), "cuLaunchKernel")
             return
         cfg = d.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = map(int, g)
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = map(int, b)
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
         cfg.sharedMemBytes, cfg.hStream = int(smem), s.handle
-        cfg.attrs, cfg.numAttrs = [self._pdl_attr], 1
+        cfg.attrs, cfg.numAttrs = attrs, len(attrs)
         _check(d.cuLaunchKernelEx(cfg, fn, packed.address, 0), "cuLaunchKernelEx")
+
+    def _cluster_attr(self, dims: tuple[int, int, int]):
+        """The cluster-dimension launch attribute for dims, made once per shape."""
+        a = self._cluster_attrs.get(dims)
+        if a is None:
+            d = _driver()
+            a = d.CUlaunchAttribute()
+            a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = dims
+            self._cluster_attrs[dims] = a
+        return a
 
     # --- graphs
     def begin_capture(self, stream: Stream | None = None) -> None:

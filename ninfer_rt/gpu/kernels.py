@@ -42,5 +42,12 @@ class Kernels:
             self.gpu.set_max_dynamic_smem(self.fn(name), nbytes)
             self._smem[name] = nbytes
 
-    def launch(self, name: str, grid, block, args, smem: int = 0, stream=None) -> None:
-        self.gpu.launch(self.fn(name), grid, block, args, smem, stream)
+    @property
+    def clusters(self) -> bool:
+        """Whether kernels may launch in thread-block clusters here: compute capability 9.0+ running its own cubin
+        from these images (a GPU newer than TARGETS runs the compute_80 PTX, with no sm_90 code compiled in)."""
+        return self.gpu.info.major >= 9 and self.gpu.info.arch in self.build.targets
+
+    def launch(self, name: str, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
+        """Launch entry point `name` (Gpu.launch: cluster gives thread-block cluster dimensions, sm_90+)."""
+        self.gpu.launch(self.fn(name), grid, block, args, smem, stream, cluster)

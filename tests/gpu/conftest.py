@@ -97,6 +97,9 @@ class Recorder:
         self.names.append(name)
         self.k.launch(name, *args, **kw)
 
+    def __getattr__(self, attr):  # the rest (clusters, build, ...) as the wrapped Kernels has it
+        return getattr(self.k, attr)
+
 
 @pytest.fixture
 def recorder(kernels):

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ninfer_rt.gpu.deltanet import STEP_CLUSTER
+
 pytestmark = pytest.mark.gpu
 
 RTOL = 1e-4
@@ -37,6 +39,7 @@ DIMS = {
     "odd": dict(nk=1, nv=3, dk=64, dv=24, Kc=3),    # dv = 24: one warp per recurrent block; another conv width
     "narrow": dict(nk=1, nv=2, dk=128, dv=8, Kc=2),  # dv = 8: one warp per head; the smallest conv width
 }
+STEP_DIMS = {**DIMS, "27b": dict(nk=16, nv=48, dk=128, dv=128, Kc=4)}  # the fused step's tests add the 27B's
 
 
 def conv_dim(d):
@@ -92,8 +95,9 @@ class Layer:
         ba = (h @ torch.from_numpy(self.w_ba).T).numpy()
         return mixed, ba, x
 
-    def run(self, kernels, mode, mixed, ba, x, slot, B, T):
-        """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv]."""
+    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None):
+        """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv].
+        cluster: the step's blocks per head (None: deltanet.step's own choice)."""
         from ninfer_rt.gpu import deltanet
         from ninfer_rt.gpu.weights import DeviceWeight
         d, dev = self.d, self.dev
@@ -107,7 +111,7 @@ class Layer:
         if mode == "step":
             w_ba = DeviceWeight("in_proj_b|a", "bf16", (2 * d["nv"], self.H), self.p["w_ba_bits"])
             deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
-                          **common)
+                          cluster=cluster, **common)
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
             scratch = dev.empty(max(deltanet.decode_scratch_bytes(M, self.cd), 4))
@@ -161,11 +165,11 @@ def assert_close(name, got, ref, rtol=RTOL):
                     f"got {got[w]:.7g}, ref {ref[w]:.7g}; {int((err > rtol).sum())} of {err.size} elements over")
 
 
-def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256):
+def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256, cluster=None):
     """Run len(Ts) consecutive steps (step i has Ts[i] tokens per sequence, through modes[i], default decode)
-    and check every output and state against the reference carried alongside."""
+    and check every output and state against the reference carried alongside (cluster: for mode step)."""
     import torch
-    d = DIMS[dims]
+    d = STEP_DIMS[dims]
     modes = modes or ["decode"] * len(Ts)
     n_slots = n_slots or B + 2
     slots = list(rng.permutation(n_slots)[:B])  # distinct, usually neither ordered nor contiguous
@@ -176,7 +180,7 @@ def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256)
     conv_before = L.conv_state
     for step, (T, mode) in enumerate(zip(Ts, modes)):
         mixed, ba, x = L.inputs(rng, B * T, fused=mode == "step")
-        out = L.run(kernels, mode, mixed, ba, x, slots, B, T)
+        out = L.run(kernels, mode, mixed, ba, x, slots, B, T, cluster)
         conv_dev, ssm_dev = L.device_states()
         for b, s in enumerate(slots):
             rows = slice(b * T, (b + 1) * T)
@@ -239,18 +243,47 @@ def test_prefill_in_pieces(kernels, dev, rng, dims):
                 n_slots=4)
 
 
+def step_clusters(kernels, dims):
+    """The step's blocks per head to test on this GPU: 1, and the cluster where deltanet.step_cluster takes it."""
+    from ninfer_rt.gpu import deltanet
+    C = deltanet.step_cluster(kernels, dv=STEP_DIMS[dims]["dv"])
+    return [1] + ([C] if C > 1 else [])
+
+
+def step_kernel(dims, C):
+    return f"deltanet_step_dk{STEP_DIMS[dims]['dk']}" + (f"_c{C}" if C > 1 else "")
+
+
 @pytest.mark.parametrize("Ts", [(1, 1, 1), (8, 2), (3, 1)], ids=lambda t: "T" + "-".join(map(str, t)))
 @pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("dims", list(DIMS))
-def test_step(kernels, dev, rng, dims, B, Ts):
-    """The fused one-launch step (b|a from the layer input), with H = 2048 on the 35B head shapes."""
-    check_steps(kernels, dev, rng, dims, B, Ts, modes=["step"] * len(Ts), H=2048 if dims == "35b" else 256)
+@pytest.mark.parametrize("dims", list(STEP_DIMS))
+def test_step(kernels, recorder, dev, rng, dims, B, Ts):
+    """The fused one-launch step (b|a from the layer input) on fresh states, as one block per head and, on sm_90+,
+    as a cluster of deltanet.STEP_CLUSTER blocks per head where dv splits over it (all but odd and narrow).
+    H: the models' own at the 35B and 27B head shapes (2048, 5120); elsewhere 256, or 1000 at B = 3 (no
+    multiple of 4, and mostly more elements than a thread's weights loaded before its wait: the rest after)."""
+    H = {"35b": 2048, "27b": 5120}.get(dims, 256 if B == 1 else 1000)
+    for C in step_clusters(kernels, dims):
+        recorder.names.clear()
+        check_steps(recorder, dev, rng, dims, B, Ts, modes=["step"] * len(Ts), H=H, cluster=C)
+        assert recorder.names == [step_kernel(dims, C)] * len(Ts), recorder.names
 
 
-def test_step_after_decode(kernels, dev, rng):
+def test_step_picks_the_cluster(kernels, recorder, dev, rng):
+    """Without `cluster`, step takes deltanet.step_cluster's choice: the cluster kernel on sm_90+ at dv = 128."""
+    from ninfer_rt.gpu import deltanet
+    check_steps(recorder, dev, rng, "35b", 2, (1, 2), modes=["step"] * 2, H=2048)
+    C = deltanet.STEP_CLUSTER if kernels.clusters else 1
+    assert recorder.names == [step_kernel("35b", C)] * 2
+
+
+@pytest.mark.parametrize("C", [1, STEP_CLUSTER], ids=["C1", f"C{STEP_CLUSTER}"])
+def test_step_after_decode(kernels, dev, rng, C):
     """The fused step and the three-kernel path share the states: prefill, then step, decode, step."""
+    if C not in step_clusters(kernels, "35b"):
+        pytest.skip(f"no thread-block clusters on {kernels.gpu.info.arch}")
     check_steps(kernels, dev, rng, "35b", 1, (20, 1, 2, 1), modes=["prefill", "step", "decode", "step"],
-                n_slots=2, H=2048)
+                n_slots=2, H=2048, cluster=C)
 
 
 def test_bad_arguments(kernels):
@@ -272,6 +305,7 @@ def test_bad_arguments(kernels):
     step = {k: v for k, v in good.items() if k not in ("ba", "scratch")}
     step.update(x=1, H=64, in_norm_w=1, eps_in=EPS, w_ba=DeviceWeight("ba", "bf16", (8, 64), 1))
     for change in [dict(T=9), dict(w_ba=DeviceWeight("ba", "q8g32", (8, 64), 1)),
-                   dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0)]:
+                   dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0), dict(cluster=2),
+                   dict(cluster=4, dv=8, ld_mixed=2 * 2 * 16 + 2 * 4 * 8)]:
         with pytest.raises(GpuError):
             deltanet.step(kernels, **{**step, **change})

@@ -1,0 +1,374 @@
+// deltanet_step.cu: a decode step of the Gated DeltaNet mixer in one launch, B sequences × T = 1..8 tokens,
+// from the layer input x to the gated-norm output y (ninfer_rt/reference/model.py GatedDeltaNet.__call__, the
+// input norm and b|a projection included, out_proj not; deltanet.cu computes the same from b|a in three launches):
+//   x̂ = rms_norm_zc(x, in_norm_w);  b_h = W_ba[h] · x̂,  a_h = W_ba[nv + h] · x̂       W_ba bf16 [2·nv, H]
+//   (the input norm folded into the dot: b = r · Σ_k W_b[k] (1 + n_k) x[k], r = rsqrt(mean x² + eps_in)),
+//   c = SiLU(causal conv) through the ring, q̂/k̂ L2-normalised, the gated delta rule on S, y = w·o/rms(o)·SiLU(z).
+// Reference ops: rms_norm_zc + x @ W.T, causal_conv1d(_step), gated_delta_rule_recurrent, gated_rms_norm.
+// Layouts as in the header of deltanet.cu, plus x fp32 [B·T, H] (row b·T + t) and in_norm_w fp32 [H] (gain 1 + w).
+//
+// Work split: each (value head h, sequence b) is C blocks: a thread-block cluster of C = DN_STEP_CLUSTER on
+// sm_90+ (deltanet_step_dk*_c4), or one block (C = 1, deltanet_step_dk*, any GPU). Block c of the C does
+//   b|a     1/C of the H-long dots (element k by thread k mod (C·threads) of the cluster);
+//   conv    q and k channels [c·dk/C, (c+1)·dk/C) of key head h / (nv/nk), and the v channels of its columns;
+//   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P lanes per column;
+//   norm    y of its columns.
+// The blocks exchange through distributed shared memory: each stores its b|a partial sums and its q/k channels
+// into every block of the cluster (itself included), then a cluster barrier; then its Σ o² partials and a
+// second barrier. Every block sums the C partials in rank order, so all get the same b, a and rms(o); nothing is
+// read from another block after the last barrier, so a block may exit at once.
+// Before waiting on its predecessor (ninfer_pdl_begin) a block loads what earlier kernels wrote and the weights:
+// its state slice and b|a weights into registers, conv ring rows, A_log, dt_bias, norm weights into shared
+// memory (cp.async), its first channel's conv taps; after the wait, the step's own inputs (mixed, z, x).
+// Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
+// them to the ring, each channel from one block, at positions no block of the step reads.
+#include "common.cuh"
+#include "deltanet.cuh"
+
+#define DN_STEP_T 8        // most tokens per sequence in one step (the ring must hold Kc - 1 + T rows)
+#define DN_STEP_COLS 128   // largest dv
+#define DN_STEP_CLUSTER 4  // blocks per (value head, sequence) on sm_90+ (deltanet.py STEP_CLUSTER)
+
+// ------------------------------------------------------------------------------------------------ clusters
+
+// Cluster primitives for C blocks along x (sm_90+). C = 1 is a lone block: local stores and __syncthreads. The
+// C > 1 kernels exist on every target, so all images have the same entry points; below sm_90 they trap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DN_CLUSTERS 1
+#else
+#define DN_CLUSTERS 0
+#endif
+
+// At the start: trap unless launched as clusters of C; arrive (relaxed) on the barrier cluster_wait completes.
+template <int C>
+__device__ __forceinline__ void cluster_begin() {
+    if constexpr (C > 1) {
+#if DN_CLUSTERS
+        uint32_t n;
+        asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+        if (n != C) __trap();
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+        __trap();
+#endif
+    }
+}
+
+// Wait until every block of the cluster has started (cluster_begin): stores into their shared memory may start.
+template <int C>
+__device__ __forceinline__ void cluster_wait() {
+#if DN_CLUSTERS
+    if constexpr (C > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// Barrier over all threads of the cluster; shared-memory stores before it (into any block) are seen after it.
+template <int C>
+__device__ __forceinline__ void cluster_sync() {
+    if constexpr (C == 1) {
+        __syncthreads();
+    } else {
+#if DN_CLUSTERS
+        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+    }
+}
+
+// v into the shared variable p (this block's copy) of every block of the cluster.
+template <int C>
+__device__ __forceinline__ void store_all(float* p, float v) {
+    if constexpr (C == 1) {
+        *p = v;
+    } else {
+#if DN_CLUSTERS
+        const uint32_t a = smem_addr(p);
+#pragma unroll
+        for (int r = 0; r < C; ++r) {
+            uint32_t ra;
+            asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
+            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+        }
+#endif
+    }
+}
+
+// The 4 floats at p (16-byte aligned, this block's copy) into the same place of every other block.
+template <int C>
+__device__ __forceinline__ void copy4_to_others(const float* p, int self) {
+#if DN_CLUSTERS
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    const uint32_t a = smem_addr(p);
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+        if (r == self) continue;
+        uint32_t ra;
+        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
+        asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(ra), "f"(v.x), "f"(v.y), "f"(v.z),
+                     "f"(v.w) : "memory");
+    }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------ the step
+
+// grid (C·nv, B) with clusters (C, 1, 1): block x = h·C + c. Block of P·dv/C threads: lane = jj + (32/P)·p,
+// a warp owns 32/P adjacent columns (jj) of S and the P lanes of a column split its DK rows (delta_step).
+// P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
+// at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave).
+template <int DK, int C>
+__device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
+                                          float eps_in, const uint16_t* __restrict__ w_ba,
+                                          const float* __restrict__ mixed, int ld_mixed,
+                                          const float* __restrict__ conv_w, float* __restrict__ conv_state, int ring,
+                                          const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                                          const float* __restrict__ norm_w, float eps,
+                                          float* __restrict__ ssm_state, const int* __restrict__ slot,
+                                          const int* __restrict__ pos, float* __restrict__ out, int T, int nk,
+                                          int nv, int dv, int Kc) {
+    constexpr int P = C == 1 ? 4 : 8;          // lanes per column of S
+    constexpr int R = DK / P;                  // rows of S per lane
+    constexpr int L = 32 / P;                  // columns per warp
+    constexpr int QK = DK / C;                 // q (and k) channels each block convolves
+    constexpr int MAXC = DN_STEP_COLS / C;     // most columns per block
+    constexpr int MAXCH = 2 * QK + MAXC;       // most conv channels per block
+    // b|a elements per thread whose weights are loaded before the wait (any more: after it); at C = 4 and
+    // dv = 128 the cluster's 1024 threads cover H <= 6144 so (the family: 2048 to 5120)
+    constexpr int PRE = C == 1 ? 4 : 6;
+    constexpr int TP = 2;                      // tokens per b|a pass: 3·TP accumulators
+    __shared__ __align__(16) float sq[DN_STEP_T][DK], sk[DN_STEP_T][DK];  // q, k of the key head: all DK
+    __shared__ float sv[DN_STEP_T][MAXC], so[DN_STEP_T][MAXC];  // v and o of this block's columns
+    __shared__ float seq[DN_KMAX - 1 + DN_STEP_T][MAXCH];       // conv inputs: row i is position p0 - DN_KMAX + 1 + i
+    __shared__ float red[MAXC / L][3 * DN_STEP_T];              // per warp: Σ x², Σ b, Σ a of each token
+    __shared__ float part[C][3 * DN_STEP_T];                    // the same per block of the cluster
+    __shared__ float opart[C][DN_STEP_T];                       // per block: Σ o² over its columns
+    __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
+    __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    const int jj = lane % L, p = lane / L, jc = warp * L + jj;
+    const int c = blockIdx.x % C, h = blockIdx.x / C, b = blockIdx.y;
+    const int cols = dv / C, col0 = c * cols;  // this block's columns of S
+    const int hk = h / (nv / nk);
+    const int conv_dim = 2 * nk * DK + nv * dv;
+    const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
+    cluster_begin<C>();
+
+    // Before the wait. The state slice and the ring rows before p0 were written by this layer's previous step,
+    // long finished; the rest are weights. The state loads go first: they are the most.
+    float* S = ssm_state + ((size_t)sl * nv + h) * DK * dv + col0 + jc;
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = S[(size_t)(P * r + p) * dv];
+
+    const int g0 = c * nt + tid, G = C * nt;  // this thread's b|a elements: k = g0 + n·G
+    const uint16_t* wb = w_ba + (size_t)h * H;
+    const uint16_t* wa = w_ba + (size_t)(nv + h) * H;
+    float fb[PRE], fa[PRE];  // W_b[k]·(1 + n_k), W_a[k]·(1 + n_k)
+#pragma unroll
+    for (int n = 0; n < PRE; ++n) {
+        const int k = g0 + n * G;
+        const float gk = k < H ? 1.f + in_norm_w[k] : 0.f;
+        fb[n] = k < H ? bf16_to_f32(wb[k]) * gk : 0.f;
+        fa[n] = k < H ? bf16_to_f32(wa[k]) * gk : 0.f;
+    }
+
+    // conv channels of this block: ci < QK q, < 2·QK k, then v of its columns; thread tid's first is tid
+    const int nch = 2 * QK + cols;
+    auto channel = [&](int ci) {
+        return ci < QK ? hk * DK + c * QK + ci
+                       : ci < 2 * QK ? nk * DK + hk * DK + c * QK + ci - QK : 2 * nk * DK + h * dv + col0 + ci - 2 * QK;
+    };
+    float* ring0 = conv_state + (size_t)sl * ring * conv_dim;
+    const int rp0 = p0 % ring;  // ring row of position p0; p0 + d (|d| <= 8 < ring) is one wrap away
+    auto row_of = [&](int d) { const int r = rp0 + d; return r < 0 ? r + ring : r >= ring ? r - ring : r; };
+    // The Kc - 1 positions before p0 from the ring into seq (cp.async; positions < 0 as zeros); each thread
+    // copies and later reads only its own channels. Token t meets tap i - w0 at row t + i (i >= w0), the
+    // taps in registers, cw[i] (thread tid's first channel: loaded here).
+    const int w0 = DN_KMAX - Kc;
+    for (int ci = tid; ci < nch; ci += nt) {
+        const int ch = channel(ci);
+        for (int i = w0; i < DN_KMAX - 1; ++i) {
+            const int d = i - (DN_KMAX - 1);  // position p0 + d
+            cp_async_small<4>(smem_addr(&seq[i][ci]), ring0 + (size_t)row_of(d) * conv_dim + ch, p0 + d >= 0);
+        }
+    }
+    float cw[DN_KMAX];
+    auto load_taps = [&](int ch) {
+#pragma unroll
+        for (int i = 0; i < DN_KMAX; ++i) cw[i] = i >= w0 ? conv_w[(size_t)(i - w0) * conv_dim + ch] : 0.f;
+    };
+    if (tid < nch) load_taps(channel(tid));
+    // the gated norm's weights and the head's A_log, dt_bias into shared memory (read after a barrier)
+    for (int j = tid; j < cols; j += nt) cp_async_small<4>(smem_addr(&snw[j]), norm_w + col0 + j, true);
+    if (tid < 2) cp_async_small<4>(smem_addr(&sAdt[tid]), (tid == 0 ? A_log : dt_bias) + h, true);
+
+    ninfer_pdl_begin();
+
+    // The predecessor's outputs: the step's conv inputs into seq, and z of this block's columns into sz
+    // (cp.async, issued before the b|a loads so that they overlap)
+    const size_t row0 = (size_t)b * T;  // first row of sequence b
+    const float* xm = mixed + row0 * ld_mixed;
+    for (int ci = tid; ci < nch; ci += nt) {
+        const int ch = channel(ci);
+        for (int t = 0; t < T; ++t)
+            cp_async_small<4>(smem_addr(&seq[DN_KMAX - 1 + t][ci]), xm + (size_t)t * ld_mixed + ch, true);
+    }
+    for (int it = tid; it < T * cols; it += nt) {
+        const int t = it / cols, j = it - t * cols;
+        cp_async_small<4>(smem_addr(&sz[t][j]), xm + (size_t)t * ld_mixed + conv_dim + (size_t)h * dv + col0 + j, true);
+    }
+    cp_async_commit();
+
+    // b|a of every token: this thread's share of the dots, then per warp
+    const float* xb = x + row0 * H;
+    for (int t0 = 0; t0 < T; t0 += TP) {
+        float acc[3 * TP];
+#pragma unroll
+        for (int i = 0; i < 3 * TP; ++i) acc[i] = 0.f;
+        auto dot = [&](int k, float fbk, float fak) {
+#pragma unroll
+            for (int t = 0; t < TP; ++t) {
+                if (t0 + t < T) {
+                    const float xv = xb[(size_t)(t0 + t) * H + k];
+                    acc[3 * t] = fmaf(xv, xv, acc[3 * t]);
+                    acc[3 * t + 1] = fmaf(fbk, xv, acc[3 * t + 1]);
+                    acc[3 * t + 2] = fmaf(fak, xv, acc[3 * t + 2]);
+                }
+            }
+        };
+#pragma unroll
+        for (int n = 0; n < PRE; ++n)
+            if (g0 + n * G < H) dot(g0 + n * G, fb[n], fa[n]);
+#pragma unroll(C == 1 ? 2 : 1)  // the family's H needs no more at C = 4
+        for (int k = g0 + PRE * G; k < H; k += G) {
+            const float gk = 1.f + in_norm_w[k];
+            dot(k, bf16_to_f32(wb[k]) * gk, bf16_to_f32(wa[k]) * gk);
+        }
+#pragma unroll
+        for (int i = 0; i < 3 * TP; ++i) {
+            if (3 * t0 + i < 3 * T) {
+                const float v = warp_sum(acc[i]);
+                if (lane == 0) red[warp][3 * t0 + i] = v;
+            }
+        }
+    }
+
+    // conv of this block's channels into sq/sk/sv (this block's copies); taps summed in order as deltanet_conv
+    cp_async_wait<0>();
+    for (int ci = tid; ci < nch; ci += nt) {
+        if (ci != tid) load_taps(channel(ci));  // more channels than threads (small dv at C = 1)
+        float* dst = ci < QK ? &sq[0][c * QK + ci] : ci < 2 * QK ? &sk[0][c * QK + ci - QK] : &sv[0][ci - 2 * QK];
+        const int ld = ci < 2 * QK ? DK : MAXC;
+        for (int t = 0; t < T; ++t) {
+            float a = 0.f;
+#pragma unroll
+            for (int i = 0; i < DN_KMAX; ++i)
+                if (i >= w0) a = fmaf(cw[i], seq[t + i][ci], a);
+            dst[t * ld] = siluf_(a);
+        }
+    }
+    __syncthreads();
+    cluster_wait<C>();  // every block of the cluster has started: stores into its shared memory may begin
+    if (tid < 3 * T) {  // this block's b|a sums into every block
+        float v = 0.f;
+        for (int w = 0; w < nw; ++w) v += red[w][tid];
+        store_all<C>(&part[c][tid], v);
+    }
+    if constexpr (C > 1) {  // this block's q, k channels into the other blocks, 4 floats a store
+        for (int i = tid; i < 2 * T * (QK / 4); i += nt) {
+            const int t = i / (2 * (QK / 4)), e = i - t * 2 * (QK / 4);
+            copy4_to_others<C>((e < QK / 4 ? sq[t] : sk[t]) + c * QK + 4 * (e % (QK / 4)), c);
+        }
+    }
+    // global stores (ring, state) wait until after the last barrier: its release fence would wait for them
+    cluster_sync<C>();
+
+    // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
+    const float q_scale = rsqrtf((float)DK);
+    for (int vi = warp; vi < 2 * T; vi += nw) {
+        const bool is_k = vi & 1;
+        float* v = is_k ? sk[vi >> 1] : sq[vi >> 1];
+        float ss = 0.f;
+        for (int i = lane; i < DK; i += 32) ss = fmaf(v[i], v[i], ss);
+        ss = warp_sum(ss);
+        const float scale = rsqrtf(ss + DN_L2_EPS) * (is_k ? 1.f : q_scale);
+        for (int i = lane; i < DK; i += 32) v[i] *= scale;
+    }
+    if (tid < T) {
+        float ss = 0.f, sb = 0.f, sa = 0.f;
+#pragma unroll
+        for (int r = 0; r < C; ++r) {
+            ss += part[r][3 * tid];
+            sb += part[r][3 * tid + 1];
+            sa += part[r][3 * tid + 2];
+        }
+        const float rn = __frsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), eps_in));
+        sba[tid][0] = sigmoidf_(rn * sb);
+        sba[tid][1] = __expf(-__expf(sAdt[0]) * softplusf_(rn * sa + sAdt[1]));
+    }
+    __syncthreads();
+
+    for (int t = 0; t < T; ++t) {
+        const float ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
+        if (p == 0) so[t][jc] = ov;
+    }
+    // The new state: after the last cluster barrier where there is one (its release fence would wait for these
+    // stores), else now. Through an opaque copy of S, so that the compiler recomputes the R addresses here
+    // rather than holding them in registers from the loads on (which spilled).
+    auto store_state = [&]() {
+        float* S2;
+        asm("mov.b64 %0, %1;" : "=l"(S2) : "l"(S));
+#pragma unroll
+        for (int r = 0; r < R; ++r) S2[(size_t)(P * r + p) * dv] = s[r];
+    };
+    if constexpr (C == 1) store_state();
+    __syncthreads();
+
+    // Σ o² over this block's columns, one warp per token, into every block
+    for (int t = warp; t < T; t += nw) {
+        float ss = 0.f;
+        for (int j = lane; j < cols; j += 32) ss = fmaf(so[t][j], so[t][j], ss);
+        ss = warp_sum(ss);
+        if (lane == 0) store_all<C>(&opart[c][t], ss);
+    }
+    cluster_sync<C>();
+
+    // y = (w · o·rsqrt(mean(o²) + eps)) · SiLU(z) for this block's columns
+    for (int it = tid; it < T * cols; it += nt) {
+        const int t = it / cols, j = it - t * cols;
+        float ss = 0.f;
+#pragma unroll
+        for (int r = 0; r < C; ++r) ss += opart[r][t];
+        const float inv = rsqrtf(ss / (float)dv + eps);
+        out[(row0 + t) * nv * dv + (size_t)h * dv + col0 + j] = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
+    }
+    if constexpr (C > 1) store_state();
+    // the new positions among the last Kc - 1 into the ring, each channel by its block; only the first value
+    // head of a key head writes the q/k channels
+    const bool own_qk = h % (nv / nk) == 0;
+    for (int ci = tid; ci < nch; ci += nt) {
+        if (ci < 2 * QK && !own_qk) continue;
+        const int ch = channel(ci);
+        for (int t = max(0, T - (Kc - 1)); t < T; ++t)
+            ring0[(size_t)row_of(t) * conv_dim + ch] = seq[DN_KMAX - 1 + t][ci];
+    }
+}
+
+#define DN_CAT_(a, b) a##b
+#define DN_CAT(a, b) DN_CAT_(a, b)
+#define DN_STEP_ENTRY(NAME, DK, C)                                                                                \
+    extern "C" __global__ void __launch_bounds__((C == 1 ? 4 : 8) * DN_STEP_COLS / C, C == 1 ? 1 : 2) NAME(      \
+        const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
+        int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
+        const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out, int T,     \
+        int nk, int nv, int dv, int Kc) {                                                                         \
+        step_impl<DK, C>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log,         \
+                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, T, nk, nv, dv, Kc);                     \
+    }
+// deltanet_step_dk{DK} (one block per head) and deltanet_step_dk{DK}_c{DN_STEP_CLUSTER} (a cluster per head)
+#define DN_STEP(DK)                                 \
+    DN_STEP_ENTRY(deltanet_step_dk##DK, DK, 1)      \
+    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_CLUSTER), DK, DN_STEP_CLUSTER)
+DN_STEP(16)
+DN_STEP(32)
+DN_STEP(64)
+DN_STEP(128)
