@@ -1,13 +1,14 @@
-"""In-graph A/B of the decode planners' constants (GEMV, attention splits): a synthetic model's decode step.
+"""In-graph A/B of the decode planners' constants (GEMV, attention splits, DeltaNet step): a synthetic model's step.
 
-    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--json PATH]
+    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--only TEXT ...]
+                               [--json PATH]
 
 A kernel timed alone (bench/gemv_bench.py) is a poor guide to the step: in a decode graph, programmatic dependent
 launch overlaps each kernel's start with its predecessor's tail, which rewards early weight loads and punishes
-work done after the wait (perf.md v6). So each variant here sets planner constants of linear / attention, recaptures the
-model's decode graph and times one step at each context (median of 5 rounds of 20 replays, best of 3; the
-graph's context bucket as `ninfer-rt bench` has it);
-"default" runs first and last to show the drift. Exits with a one-line message when there is no GPU.
+work done after the wait (perf.md v6). So each variant here sets planner constants of linear / attention /
+deltanet, recaptures the model's decode graph and times one step at each context (median of 5 rounds of 20
+replays, best of 3; the graph's context bucket as `ninfer-rt bench` has it); "default" runs first and last to
+show the drift. Exits with a one-line message when there is no GPU.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import open_gpu  # noqa: E402
 
-from ninfer_rt.gpu import attention, linear  # noqa: E402
+from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
-MODULES = {"linear": linear, "attention": attention}
+MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet}
 KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
-         "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS")
+         "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS",
+         "deltanet.STEP_CLUSTER")
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),
@@ -38,6 +40,7 @@ VARIANTS = [
     ("attention splits dealt at run time, ~4 blocks per SM", {"attention._SPLIT_BLOCKS_PER_SM": 4}),
     ("attention splits dealt at run time, ~2 blocks per SM at any length",
      {"attention._SPLIT_LONG_KEYS": 1 << 30}),
+    ("DeltaNet step: one block per head (no cluster)", {"deltanet.STEP_CLUSTER": 1}),
     ("default again", {}),
 ]
 
@@ -53,7 +56,11 @@ def main() -> None:
                     help="synthetic model shapes (ninfer_rt/configs), recipe of the same name")
     ap.add_argument("--context", type=int, nargs="+", default=[8192], help="context lengths of the timed steps")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--only", nargs="+", default=[],
+                    help="run only the variants whose label contains one of these texts (the defaults always run)")
     args = ap.parse_args()
+    variants = [(label, over) for label, over in VARIANTS
+                if not args.only or not over or any(t in label for t in args.only)]
 
     gpu, k, console = open_gpu("planner_ab")
     from rich.table import Table
@@ -72,7 +79,7 @@ def main() -> None:
                          kv_dtype="int8")
         try:
             for ctx in args.context:
-                for label, over in VARIANTS:
+                for label, over in variants:
                     for key, value in {**saved, **over}.items():
                         _set(key, value)
                     for g in model.graphs.values():

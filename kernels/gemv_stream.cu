@@ -152,7 +152,6 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // Weights are never written by earlier kernels, so their first steps are already in flight; only now wait
     // for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
-    const float rs = row_scale && !swiglu ? __ldg(row_scale) : 1.f;
 
     if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
@@ -171,7 +170,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             const int n = kRows * g + lane;
             if (lane < kRows && n < N) {
                 float val = a * inv;
-                if (row_scale) val *= rs;
+                if (row_scale) val *= __ldg(row_scale);  // read here, not held across the loop (q8 spilled)
                 y[n] = mode == 1 ? yv + val : val;
             }
         } else {
