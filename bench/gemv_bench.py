@@ -60,17 +60,13 @@ def sweep_plans(w, sm_count: int) -> list[tuple[str, dict]]:
             plans.append((f"block kw{1 << kl}", {"stream": False, "kw_log2": kl}))
     if w.k > linear._stream_k_cap(w):
         return plans
-    seen = {(default.name, default.d, default.blocks)} if default.stream else set()
-    kinds = [(False, d) for d in sorted({1, linear._STREAM_DEPTH[w.bits]}, reverse=True)]
-    if w.quantized:
-        kinds.append((True, 1))  # the tensor-core stream kernel (gemv_mma.cu)
-    for mma, d in kinds:
+    seen = {(default.d, default.blocks)} if default.stream else set()
+    for d in sorted({1, linear._STREAM_DEPTH[w.bits]}, reverse=True):
         for per_sm in (1, 2):
-            over = {"stream": True, "d": d, "blocks": per_sm * sm_count, "mma": mma}
-            p = linear.plan_gemv(w, 1, sm_count, **over)
-            if (p.name, p.d, p.blocks) not in seen:
-                seen.add((p.name, p.d, p.blocks))
-                plans.append((f"{'mma' if mma else 's'} d{d} b{p.blocks}", over))
+            p = linear.plan_gemv(w, 1, sm_count, stream=True, d=d, blocks=per_sm * sm_count)
+            if (p.d, p.blocks) not in seen:
+                seen.add((p.d, p.blocks))
+                plans.append((f"s d{d} b{p.blocks}", {"stream": True, "d": d, "blocks": per_sm * sm_count}))
     return plans
 
 
@@ -120,7 +116,7 @@ def bench_shape(gpu, k, what, fmt, shape, mode, norm, ms, replays, rng, budget_b
 
                 times = [1e3 * t / launches for t in replay_ms(gpu, capture, rounds=replays, replays=1)]
                 us = statistics.median(times)
-                kind = (f"{'mma' if plan.mma else 's1'} d{plan.d} ×{plan.blocks}" if plan.stream
+                kind = (f"s1 d{plan.d} ×{plan.blocks}" if plan.stream
                         else f"m{m} kw{1 << plan.kw_log2} ×{plan.grid}")
                 rows.append({"what": what, "format": fmt, "shape": list(shape), "mode": mode, "norm": norm, "M": m,
                              "plan": label, "kernel": kind, "us": us, "us_min": min(times), "weight_bytes": nbytes,

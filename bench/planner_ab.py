@@ -25,13 +25,12 @@ from gpu_common import open_gpu  # noqa: E402
 from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
 MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet}
-KNOBS = ("linear._STREAM_MMA", "linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
+KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
          "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS",
          "deltanet.STEP_CLUSTER")
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),
-    ("stream GEMVs on dp2a, no tensor cores (v15)", {"linear._STREAM_MMA": False}),
     ("stream kernel at any N", {"linear._STREAM_BLOCK_ROWS": 1 << 30}),
     ("stream kernel, 1 block per SM", {"linear._STREAM_BLOCKS_PER_SM": 1}),
     ("stream kernel, 2 blocks per SM from 1 step per warp", {"linear._STREAM_STEPS_FOR_2": 1}),

@@ -36,6 +36,49 @@ struct Tile {
     Unit u[DM][kRows];
 };
 
+// Stage x̂ = x (· (1 + norm_w)) of one row, all K, as gemv_body's float4 staging does (fp32 chunks or int16
+// chunk records by XQ), but with every load of up to 4096 elements in flight together; ssred[warp][0] = the
+// warp's Σ x² (norm only).
+template <int XQ>
+__device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__ x,
+                                             const float* __restrict__ norm_w, int K, float (*ssred)[8]) {
+    constexpr int XB = 4;  // float4s per thread per pass
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss = 0.f;
+    for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32 * XB) {
+        float4 v[XB], g[XB];
+#pragma unroll
+        for (int j = 0; j < XB; ++j) {
+            const int e = e0 + 4 * (tid + kWarps * 32 * j);
+            v[j] = e < K ? __ldg(reinterpret_cast<const float4*>(x + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < XB; ++j) {
+            const int e = e0 + 4 * (tid + kWarps * 32 * j);
+            g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
+            if (norm_w && e < K) {
+                g[j] = __ldg(reinterpret_cast<const float4*>(norm_w + e));
+                g[j].x += 1.f, g[j].y += 1.f, g[j].z += 1.f, g[j].w += 1.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < XB; ++j) {
+            const int e = e0 + 4 * (tid + kWarps * 32 * j);
+            const bool on = e < K;  // K % 32 == 0: the 8 lanes of a chunk agree
+            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            const float4 h = make_float4(v[j].x * g[j].x, v[j].y * g[j].y, v[j].z * g[j].z, v[j].w * g[j].w);
+            if constexpr (XQ != 0)
+                store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
+            else if (on)
+                *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
+        }
+    }
+    if (norm_w) {
+        const float t = warp_sum(ss);
+        if (lane == 0) ssred[warp][0] = t;
+    }
+}
+
 template <int BITS>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
@@ -110,7 +153,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
 
-    if (xvec) stage_m1_vec<F::XQ, false>(smem4, x, norm_w, K, ssred);
+    if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
     float inv = 1.f;

@@ -7,7 +7,7 @@
 // Reference: ninfer_rt.reference.ops.act_codes16.
 // A chunk record for M rows (qchunk_bytes): row m's 32 codes at +64m (q8: natural order; nibble formats: each
 // 8-block as its even then its odd elements, the order of the weights' low and high nibbles), then row m's
-// (float d, int Σq) at +64M + 8m. store_split4 writes the codes of one row as two int8 planes instead.
+// (float d, int Σq) at +64M + 8m.
 #pragma once
 #include "quant.cuh"
 
@@ -149,45 +149,6 @@ __device__ __forceinline__ void store_codes4(uint8_t* rec, int m, int c4, float4
         codes[pa >> 1] = wa;
         codes[pb >> 1] = wb;
         if ((c4 & 31) == 0) *reinterpret_cast<float2*>(rec + 64 * M + 8 * m) = make_float2(qs.d, __int_as_float(sq));
-    }
-}
-
-// store_codes4 for one row, the codes split for 8-bit tensor cores (gemv_mma.cu): q = 256·hi + lo, lo in
-// [-128, 127], hi in [-64, 64] (|q| <= 2^14). Record (qchunk_bytes(1) = 80 bytes): the 32 lo bytes at +0 and
-// the 32 hi bytes at +32, each in the order of XQ (1 natural, 2 each 8-block's even then odd elements), then
-// (d, Σq) at +64 as store_codes4 writes it.
-template <int XQ>
-__device__ __forceinline__ void store_split4(uint8_t* rec, int c4, float4 h, bool on) {
-    float am = fmax_nan(fmax_nan(fabsf(h.x), fabsf(h.y)), fmax_nan(fabsf(h.z), fabsf(h.w)));
-    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 1));
-    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 2));
-    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 4));
-    const QScale qs = chunk_scale(am);
-    const uint32_t f[4] = {q16_bits(h.x, qs.inv), q16_bits(h.y, qs.inv), q16_bits(h.z, qs.inv),
-                           q16_bits(h.w, qs.inv)};
-    uint32_t lo[4], hi[4];
-    int sq = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        sq += (int)(int16_t)(f[i] & 0xFFFFu);
-        lo[i] = f[i] & 0xFFu;                     // q mod 256 = lo as a byte
-        hi[i] = ((f[i] + 0x80u) >> 8) & 0xFFu;    // (q + 128) >> 8 in 16-bit two's complement = hi as a byte
-    }
-    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-    if (on) {
-        if constexpr (XQ == 1) {
-            *reinterpret_cast<uint32_t*>(rec + c4) = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
-            *reinterpret_cast<uint32_t*>(rec + 32 + c4) = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
-        } else {  // elements 8b + 4o + {0, 2} at 8b + 2o + {0, 1}, elements 8b + 4o + {1, 3} 4 bytes further
-            const int p = (c4 & ~7) + ((c4 >> 1) & 2);
-            *reinterpret_cast<uint16_t*>(rec + p) = (uint16_t)(lo[0] | lo[2] << 8);
-            *reinterpret_cast<uint16_t*>(rec + p + 4) = (uint16_t)(lo[1] | lo[3] << 8);
-            *reinterpret_cast<uint16_t*>(rec + 32 + p) = (uint16_t)(hi[0] | hi[2] << 8);
-            *reinterpret_cast<uint16_t*>(rec + 32 + p + 4) = (uint16_t)(hi[1] | hi[3] << 8);
-        }
-        if ((c4 & 31) == 0) *reinterpret_cast<float2*>(rec + 64) = make_float2(qs.d, __int_as_float(sq));
     }
 }
 

@@ -29,9 +29,6 @@ _STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the secon
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth: most units per lane and row
 _STREAM_BLOCK_ROWS = 65536  # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf.md v11)
 _STREAM_K_MAX = 1 << 30  # at M = 1, longer K takes the block kernel; no limit below the slab's (perf.md v11 A/B)
-_STREAM_MMA = True  # M = 1 quantized weights stream through the tensor-core kernels (gemv_mma.cu, perf.md v16)
-_MMA_ROWS = 32  # rows per row group of the tensor-core kernels (two m16 tiles, one after the other)
-_MMA_DEPTH = {4: 4, 5: 2, 6: 2, 8: 4}  # kernels/gemv_mma.cu MmaDepth: units per lane and row in one step
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
@@ -42,8 +39,7 @@ class GemvPlan:
 
     The block kernels gemv_*_m{M} launch `grid` blocks, one per block tile (8 >> kw_log2 groups of 4 rows).
     The M = 1 stream kernels gemv_*_s1 (d > 0) launch `blocks` <= grid persistent blocks that share the `grid`
-    row groups of 4 rows out in contiguous ranges, streaming d units per lane and row per register tile; the
-    tensor-core stream kernels gemv_q*_mma (d = 1) do the same with row groups of 32 rows."""
+    row groups of 4 rows out in contiguous ranges, streaming d units per lane and row per register tile."""
 
     name: str
     grid: int  # block kernel: block tiles (8 >> kw_log2 row groups of 4 rows each); stream kernel: row groups
@@ -57,10 +53,6 @@ class GemvPlan:
     @property
     def stream(self) -> bool:
         return self.d > 0
-
-    @property
-    def mma(self) -> bool:
-        return self.name.endswith("_mma")
 
     @property
     def launch_blocks(self) -> int:
@@ -99,15 +91,15 @@ def _check_matrix(w: DeviceWeight, what: str) -> tuple[int, int]:
 
 def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = None,
               ks: int | None = None, stream: bool | None = None, d: int | None = None,
-              blocks: int | None = None, mma: bool | None = None) -> GemvPlan:
+              blocks: int | None = None) -> GemvPlan:
     """The launch for M = m (1..8) rows: rows in groups of 4 per warp, warps per group (KW) chosen so the grid
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
     At m = 1 with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and no ks given,
     the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is faster only on
-    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d,
-    blocks and mma override the stream plan's choices (tests and the benchmark's sweep)."""
+    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d
+    and blocks override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
@@ -119,9 +111,9 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         if m != 1 or ks is not None or kw_log2 is not None or k > _stream_k_cap(w):
             raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab or K-split override and K <= "
                            f"{_stream_k_cap(w)}, got M = {m}, K = {k}, ks = {ks}, kw_log2 = {kw_log2}")
-        return plan_stream(w, sm_count, d=d, blocks=blocks, mma=mma)
-    if d is not None or blocks is not None or mma is not None:
-        raise GpuError(f"{w.name}: d, blocks and mma are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
+        return plan_stream(w, sm_count, d=d, blocks=blocks)
+    if d is not None or blocks is not None:
+        raise GpuError(f"{w.name}: d and blocks are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
     cs4 = x_chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
@@ -158,7 +150,7 @@ def _stream_k_cap(w: DeviceWeight) -> int:
 
 
 def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
-                blocks: int | None = None, mma: bool | None = None) -> GemvPlan:
+                blocks: int | None = None) -> GemvPlan:
     """The M = 1 stream kernel's launch (kernels/gemv_stream.cu gemv_*_s1). Each block takes a contiguous range
     of row groups whose steps (d units per lane and row) its 8 warps split evenly, so the split is balanced to
     a step whatever the shape. d = the format's deepest register tile (most bytes in flight per warp) unless
@@ -166,25 +158,11 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
     Blocks: every block stages all of x̂, and two blocks on one SM stage it twice there, so the second block
     per SM is taken only when it still leaves each warp _STREAM_STEPS_FOR_2 steps; else at most one block per
     SM, and no more blocks than give every warp one step (the H200 sweep, perf.md v13: the 35B o_proj 5.5 ->
-    4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two).
-    Quantized weights take the tensor-core kernel gemv_q*_mma instead (mma None: _STREAM_MMA; True insists):
-    row groups of 32 rows, each m16 tile's steps of 4 x _MMA_DEPTH units per row in turn, the same block rule."""
+    4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if k > _stream_k_cap(w):
         raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_cap(w)}")
-    if mma is None:
-        mma = _STREAM_MMA and w.quantized
-    elif mma and not w.quantized:
-        raise GpuError(f"{w.name}: the tensor-core gemv takes quantized weights, not {w.fmt}")
-    if mma:
-        if d not in (None, 1):
-            raise GpuError(f"{w.name}: the tensor-core gemv streams one step a tile, d must be 1, got {d}")
-        groups = math.ceil(n / _MMA_ROWS)
-        steps = groups * 2 * math.ceil(k / (4 * _MMA_DEPTH[bits] * eu))  # each m16 tile's steps in turn
-        return GemvPlan(name=f"gemv_{prefix}_mma", grid=groups, kw_log2=0, ks=k,
-                        smem=(k // 32) * x_chunk_bytes(1, True), gshift=int(math.log2(w.group)), d=1,
-                        blocks=min(_stream_blocks(steps, sm_count, blocks), groups))
     nu = k // eu  # 16-byte units along a row that hold the K elements
     groups = math.ceil(n / _ROWS)
     dmax = _STREAM_DEPTH[bits]
@@ -192,22 +170,16 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
         d = dmax if 32 * dmax <= nu else 1
     elif not 1 <= d <= dmax:
         raise GpuError(f"{w.name}: stream gemv d must be 1..{dmax} for {w.fmt}, got {d}")
-    steps = groups * -(-nu // (32 * d))  # in all: row groups x steps per group
-    return GemvPlan(name=f"gemv_{prefix}_s1", grid=groups, kw_log2=0, ks=k,
-                    smem=(k // 32) * x_chunk_bytes(1, w.quantized),
-                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=d,
-                    blocks=min(_stream_blocks(steps, sm_count, blocks), groups))
-
-
-def _stream_blocks(steps: int, sm_count: int, blocks: int | None) -> int:
-    """Blocks of a stream kernel with `steps` steps in all (plan_stream's rule), or the override, checked."""
     if blocks is None:
         sms = max(1, sm_count)
+        steps = groups * -(-nu // (32 * d))  # in all: row groups x steps per group
         per_sm = _STREAM_BLOCKS_PER_SM if steps >= _STREAM_STEPS_FOR_2 * _WARPS * _STREAM_BLOCKS_PER_SM * sms else 1
-        return max(1, min(per_sm * sms, -(-steps // _WARPS)))
-    if blocks < 1:
+        blocks = max(1, min(per_sm * sms, -(-steps // _WARPS)))
+    elif blocks < 1:
         raise GpuError(f"stream gemv blocks must be >= 1, got {blocks}")
-    return blocks
+    return GemvPlan(name=f"gemv_{prefix}_s1", grid=groups, kw_log2=0, ks=k,
+                    smem=(k // 32) * x_chunk_bytes(1, w.quantized),
+                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups))
 
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
@@ -256,11 +228,8 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
-    # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars (the
-    # tensor-core kernels stage float4s only: an unaligned x takes the dp2a stream kernel)
+    # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
     xvec = x % 16 == 0 and ldx % 4 == 0 and norm_w % 16 == 0
-    if plan.mma and not xvec:
-        plan = plan_stream(w, k.gpu.info.sm_count, mma=False)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
             i32(plan.ks), i32(1 if xvec else 0)]

@@ -178,52 +178,44 @@ def test_gemv_model_shapes(kernels, dev, rng, fmt, shape, mode, norm):
 
 
 STREAM_FORMATS = ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"]  # one per stream kernel (code width)
-# (format, tensor-core kernel): the dp2a stream kernels gemv_*_s1 for every width, gemv_q*_mma for the quantized
-STREAM_KERNELS = [(f, False) for f in STREAM_FORMATS] + [(f, True) for f in STREAM_FORMATS if f != "bf16"]
-STREAM_IDS = [f"{f}-{'mma' if m else 's1'}" for f, m in STREAM_KERNELS]
 
 
-@pytest.mark.parametrize("fmt,mma", STREAM_KERNELS, ids=STREAM_IDS)
-def test_gemv_stream_plans(kernels, dev, rng, fmt, mma):
-    """The M = 1 stream kernels under forced plans, d in {1, most} (the tensor-core kernel: 1), in every mode,
-    with the float4 and (dp2a kernels; the tensor-core plan hands it to them) the scalar staging of x. K = 2080
-    leaves the last step of each row group ragged (the tensor-core step: chunks past K in the last one). The
-    block counts make every kind of warp range: 2 blocks (many row groups each: ranges cut groups, both register
-    tiles in turn), 7, 37 (1-2 groups per block, where a group is cut across several warps) and the default
-    (few groups per block: with few steps some warps get none, and the warps that share a group are not
-    adjacent). N = 203 leaves the last row group partial; SwiGLU N = 96 is three tensor-core row groups."""
+@pytest.mark.parametrize("fmt", STREAM_FORMATS)
+def test_gemv_stream_plans(kernels, dev, rng, fmt):
+    """The M = 1 stream kernel under forced plans, d in {1, most}, in every mode, with the float4 and the scalar
+    staging of x. K = 2080 leaves the last step of each row group ragged. The block counts make every kind of
+    warp range: 2 blocks (~25 row groups each: ranges cut groups, both register tiles in turn), 7, 37 (1-2
+    groups per block, where a group is cut across several warps) and the default (one group per block here:
+    with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent)."""
     ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
-    dmax = 1 if mma else linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
+    dmax = linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
     for d in sorted({1, dmax}):
         for blocks, mode, norm, scale, ldx_pad in [(2, "store", True, True, 4), (7, "add", False, True, 1),
                                                    (2, "swiglu", True, False, 4), (37, "swiglu", False, False, 0),
                                                    (37, "store", False, True, 0), (None, "add", True, False, 0)]:
             w, wv = ws["swiglu" if mode == "swiglu" else "store"]
             run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
-                     ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks, "mma": mma})
+                     ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks})
 
 
-@pytest.mark.parametrize("mma", [False, True], ids=["s1", "mma"])
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
-def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape, mma):
-    """The stream kernels' x̂ staging over more than one pass of 4096 elements, up to 10240, with the norm (its
-    Σx² spans the passes); default plans but for the kernel."""
+def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
+    """The stream kernel's x̂ staging over more than one pass of 4096 elements, up to the longest K it takes
+    (10240 here), with the norm (its Σx² spans the passes), default plans."""
     w, wv = dev.weight(fmt, shape, rng)
     assert linear.plan_gemv(w, 1, kernels.gpu.info.sm_count).stream
-    for mode, ldx_pad in [("store", 0), ("add", 4)]:
-        run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, ldx_pad=ldx_pad,
-                 plan={"stream": True, "mma": mma})
+    for mode, ldx_pad in [("store", 0), ("add", 1)]:
+        run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, ldx_pad=ldx_pad)
 
 
-@pytest.mark.parametrize("mma", [False, True], ids=["s1", "mma"])
-def test_gemv_stream_at_its_int16_cap(kernels, dev, rng, mma):
-    """The stream kernels on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest
-    K their slab holds (18688), store and add, with the norm."""
+def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
+    """The stream kernel on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest K
+    its slab holds (18688), store and add, with the norm."""
     for shape in ((40, 17408), (12, 18688)):
         w, wv = dev.weight("q5g64", shape, rng)
         for mode in ("store", "add"):
             run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, what="stream cap",
-                     plan={"stream": True, "mma": mma})
+                     plan={"stream": True})
 
 
 # ------------------------------------------------------------------------------------------------ embed
@@ -324,70 +316,53 @@ def test_plan_fits_shared_memory():
 
 
 def test_stream_plans():
-    """M = 1 with all of K in one slab takes a stream kernel: for quantized weights the tensor-core one (row
-    groups of 32 rows as two m16 tiles in turn, steps of 4 x (4, or 2 for q5/q6) units per row, d = 1), else (or with mma=False) the dp2a one (row groups of 4, d the
-    format's deepest register tile unless K is shorter than one step of it); 2 blocks per SM when each warp
-    still gets 2 steps, else at most one per SM and one step per warp; M = 2, a slab or K-split override, K past
-    the slab or N >= _STREAM_BLOCK_ROWS (65536, the lm_head) keeps the block kernel."""
+    """M = 1 with all of K in one slab takes the stream kernel: d the format's deepest register tile unless K
+    is shorter than one step of it; 2 blocks per SM when each warp still gets 2 steps, else at most one per SM
+    and one step per warp; M = 2, a slab or K-split override, K past the slab or N >= _STREAM_BLOCK_ROWS
+    (65536, the lm_head) keeps the block kernel."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
         dmax = linear._STREAM_DEPTH[bits]
-        code = fmt[:2] if bits != 16 else "bf16"
         for n in (65536, 248320):
             assert not linear.plan_gemv(DeviceWeight("w", fmt, (n, 2048), 0), 1, 132).stream
         for n in (1, 5, 64, 203, 1024, 2048, 9216, 12288, 34816, 65535):
             for k_ in (32, 352, 512, 2048, 4096, 10240):
                 w = DeviceWeight("w", fmt, (n, k_), 0)
-                for mma in ((None, False) if bits != 16 else (None,)):
-                    p = linear.plan_gemv(w, 1, 132, mma=mma)
-                    if bits != 16 and mma is None:  # the tensor-core kernel
-                        groups = -(-n // 32)
-                        steps = groups * 2 * -(-k_ // (4 * (2 if bits in (5, 6) else 4) * eu))
-                        assert p.stream and p.mma and p.name == f"gemv_{code}_mma" and p.d == 1
-                    else:
-                        groups = -(-n // 4)
-                        assert p.stream and not p.mma and p.name == f"gemv_{code}_s1"
-                        assert p.d == (dmax if 32 * dmax <= k_ // eu else 1)
-                        steps = groups * -(-(k_ // eu) // (32 * p.d))
-                    assert p.ks == k_ and p.kw_log2 == 0
-                    assert p.grid == groups and p.launch_blocks == p.blocks <= groups
-                    if steps >= 2 * 8 * 264:
-                        assert p.blocks == min(264, groups)
-                    else:
-                        assert p.blocks == min(132, -(-steps // 8), groups)
-                    # per 32-element chunk: int16 codes (64 B, or their two int8 planes) + (d, Σq) (8 B) padded
-                    # to 5 16-byte units for quantized weights, 36 fp32 for bf16 (kernels/gemv.cuh
-                    # qchunk_bytes / chunk_stride)
-                    assert p.smem == k_ // 32 * (144 if bits == 16 else 80) and p.smem + 1280 <= 48 * 1024
+                p = linear.plan_gemv(w, 1, 132)
+                groups = -(-n // 4)
+                assert p.stream and p.name == f"gemv_{fmt[:2] if bits != 16 else 'bf16'}_s1"
+                assert p.d == (dmax if 32 * dmax <= k_ // eu else 1) and p.ks == k_ and p.kw_log2 == 0
+                steps = groups * -(-(k_ // eu) // (32 * p.d))
+                assert p.grid == groups and p.launch_blocks == p.blocks <= groups
+                if steps >= 2 * 8 * 264:
+                    assert p.blocks == min(264, groups)
+                else:
+                    assert p.blocks == min(132, -(-steps // 8), groups)
+                # per 32-element chunk: int16 codes (64 B) + (d, Σq) (8 B) padded to 5 16-byte units for
+                # quantized weights, 36 fp32 for bf16 (kernels/gemv.cuh qchunk_bytes / chunk_stride)
+                assert p.smem == k_ // 32 * (144 if bits == 16 else 80) and p.smem + 1280 <= 48 * 1024
         w = DeviceWeight("w", fmt, (4096, 2048), 0)
         assert not linear.plan_gemv(w, 2, 132).stream
         assert not linear.plan_gemv(w, 1, 132, ks=1024).stream
         assert not linear.plan_gemv(w, 1, 132, kw_log2=1).stream
         assert not linear.plan_gemv(w, 1, 132, stream=False).stream
-        for bad in (dict(stream=True, ks=1024), dict(stream=True, kw_log2=0), dict(d=dmax + 1, mma=False),
-                    dict(d=0, mma=False), dict(blocks=0), dict(stream=False, d=1), dict(ks=1024, blocks=4),
-                    dict(stream=False, mma=True), dict(mma=True, d=2)):
+        for bad in (dict(stream=True, ks=1024), dict(stream=True, kw_log2=0), dict(d=dmax + 1), dict(d=0),
+                    dict(blocks=0), dict(stream=False, d=1), dict(ks=1024, blocks=4)):
             with pytest.raises(GpuError):
                 linear.plan_gemv(w, 1, 132, **bad)
-        if bits == 16:
-            with pytest.raises(GpuError, match="quantized"):
-                linear.plan_gemv(w, 1, 132, mma=True)
         cap = 10240 if bits == 16 else 18688  # 46 KB of x̂: 36 fp32 or 80 bytes of int16 codes per 32 elements
         assert linear.plan_gemv(DeviceWeight("w", fmt, (64, cap), 0), 1, 132).stream
         assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132).stream
         with pytest.raises(GpuError, match="K <="):
             linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132, stream=True)
-        p = linear.plan_gemv(w, 1, 132, stream=True, d=1, blocks=5, mma=False)
+        p = linear.plan_gemv(w, 1, 132, stream=True, d=1, blocks=5)
         assert (p.d, p.kw_log2, p.blocks, p.grid) == (1, 0, 5, 1024)
-        # never more blocks than row groups
-        assert linear.plan_gemv(w, 1, 132, blocks=5000, mma=False).blocks == 1024
-        if bits != 16:
-            assert linear.plan_gemv(w, 1, 132, blocks=5000).blocks == 128
+        assert linear.plan_gemv(w, 1, 132, blocks=5000).blocks == 1024  # never more blocks than row groups
     # the H200 sweep's shapes (perf.md v13): two blocks per SM for the 35B q|k|v|gate, one for its o_proj,
     # and 64 for the shared expert's gate|up (one step of 2 units per warp)
     for shape, blocks in [((9216, 2048), 264), ((2048, 4096), 132), ((1024, 2048), 64)]:
-        assert linear.plan_gemv(DeviceWeight("w", "q8g32", shape, 0), 1, 132, mma=False).blocks == blocks
+        assert linear.plan_gemv(DeviceWeight("w", "q8g32", shape, 0), 1, 132).blocks == blocks
 
 
 def test_stream_launch_arguments():
@@ -397,18 +372,5 @@ def test_stream_launch_arguments():
     linear.gemv(k, w, x=1 << 24, M=1, y=1 << 26, mode="add", norm_w=1 << 28)
     (name, grid, block, a, smem), = k.calls
     p = linear.plan_gemv(w, 1, 132)
-    assert name == "gemv_q8_mma" == p.name and grid == (p.blocks,) and block == (256,) and smem == p.smem
-    assert len(a) == 19 and a[18] == p.d == 1 and a[15] == 0 and a[13] == 1 and a[17] == 1
-
-
-def test_mma_plan_takes_the_dp2a_kernel_for_an_unaligned_x():
-    """The tensor-core kernels stage x̂ in float4s only: an x (or norm weight) off 16 bytes launches gemv_*_s1."""
-    w = DeviceWeight("w", "q4g64", (4096, 2048), 1 << 20)
-    for x, ldx, nw in [(1 << 24, 2048, 0), ((1 << 24) + 4, 2048, 0), (1 << 24, 2049, 0), (1 << 24, 2048, (1 << 28) + 8)]:
-        k = FakeKernels()
-        linear.gemv(k, w, x=x, M=1, y=1 << 26, ldx=ldx, norm_w=nw)
-        (name, grid, _, a, smem), = k.calls
-        aligned = x % 16 == 0 and ldx % 4 == 0 and nw % 16 == 0
-        want = linear.plan_gemv(w, 1, 132, mma=aligned)
-        assert name == want.name == ("gemv_q4_mma" if aligned else "gemv_q4_s1")
-        assert grid == (want.blocks,) and smem == want.smem and a[17] == int(aligned) and a[18] == want.d
+    assert name == "gemv_q8_s1" == p.name and grid == (p.blocks,) and block == (256,) and smem == p.smem
+    assert len(a) == 19 and a[18] == p.d and a[15] == 0 and a[13] == 1 and a[17] == 1
