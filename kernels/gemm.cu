@@ -14,9 +14,11 @@
 // (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (5 to 8 stages, as many as
 // fit 96 KB) copies the raw planes and the bf16 x tile into shared memory; each warp decodes its weight fragments
 // straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh "Pairing").
-//   * Integer codes are exact in bf16; the fp16 group scale is applied in fp32 to each 32-wide partial sum
-//     (acc += s · Σ_32 q·x), so besides fp32 accumulation nothing rounds (x arrives in bf16; swiglu rounds its
-//     output to bf16).
+//   * q8 weights meet the MMA as w = q · s rounded once to bf16 (gemm.cuh "scaled weights"), as a dequantizing
+//     GEMM would store them: relative error <= 2^-9 per weight, for 24% fewer instructions per MMA than
+//     splitting the byte into exact nibbles and scaling 32-wide partial sums (perf.md v16). Nibble codes are
+//     exact in bf16 and their fp16 group scale is applied in fp32 to each 32-wide partial sum (acc += s · Σ_32
+//     q·x): nothing rounds there besides fp32 accumulation. x arrives in bf16; swiglu rounds its output.
 //   * Each thread owns 8 consecutive k of a row per 32-wide chunk, in bf16x2 registers of consecutive pairs: its B
 //     fragment is x as staged (gemm.cuh "Pairing"), and the weight decoder builds A in the same order.
 #include "gemm.cuh"
@@ -180,6 +182,10 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
             const uint8_t* wq = st + T::XS_BYTES;
             const uint8_t* wh = wq + T::QS_BYTES;
             const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
+            // q8: scaled weights in bf16 (gemm.cuh), straight into the accumulators; nibble formats: exact codes,
+            // the scale applied in fp32 to each 32-wide partial sum (folding it into bf16 weights measured slower
+            // there, perf.md v16)
+            constexpr bool PARTIAL = T::SCALED && BITS != 8;
             uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
             float s[2][2];
 #pragma unroll
@@ -187,8 +193,9 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = wrow + 16 * i + 8 * h + g;
-                    decode_row<BITS>(wq, wh, row, t, a[i][h]);
-                    if constexpr (T::SCALED) s[i][h] = scs[row];
+                    if constexpr (BITS == 8) decode_row_q8_scaled(wq, row, t, scs[row], a[i][h]);
+                    else decode_row<BITS>(wq, wh, row, t, a[i][h]);
+                    if constexpr (PARTIAL) s[i][h] = scs[row];
                 }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -199,7 +206,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                 for (int i = 0; i < 2; ++i) {
                     // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
                     // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
-                    if constexpr (T::SCALED) {
+                    if constexpr (PARTIAL) {
                         float p[4] = {0.f, 0.f, 0.f, 0.f};
                         mma_bf16(p, a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
                         mma_bf16(p, a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);

@@ -86,6 +86,32 @@ __device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh,
     }
 }
 
+// ------------------------------------------------------------------------------------------------ scaled weights
+
+// bf16x2 of (lo, hi), each rounded to nearest even, lo in the low half
+__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The scaled weights the GEMMs' MMAs take for q8: w = q · s rounded once to bf16, paired as decode_row<8>. The
+// byte u = q + 128 into the fp32 2^23 + u, less 2^23 + 128, is q exactly; q · s is exact in fp32
+// (8 × 11 bits), then one rounding.
+__device__ __forceinline__ void decode_row_q8_scaled(const uint8_t* wq, int row, int t, float s, uint32_t a[4]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
+    const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {  // elements 4h + 2b, 4h + 2b + 1: byte n of w[h] into 0x4B0000nn
+            const float lo = __uint_as_float(__byte_perm(w[h], 0x4B000000u, 0x7540u | (2u * b))) - 8388736.f;
+            const float hi = __uint_as_float(__byte_perm(w[h], 0x4B000000u, 0x7541u | (2u * b))) - 8388736.f;
+            a[2 * h + b] = pack_bf2(lo * s, hi * s);
+        }
+    }
+}
+
 // The 4 bf16x2 B registers of one token's 8 consecutive k: the 16 bytes at xr of a staged bf16 x row, as they
 // are ((e0,e1) (e2,e3) (e4,e5) (e6,e7), the Pairing above).
 __device__ __forceinline__ void x_frag(const uint8_t* xr, uint32_t b[4]) {

@@ -5,8 +5,8 @@
 //   Integer formats only (bf16 banks keep moe_gemm_<fmt>). Slots are grouped by moe_sort_bm(.., bm = TM).
 //
 // Method: block tile SN = 128 weight rows × TM = 32 tokens, k in stages of SK = 128 (4 chunks of 32); mma.sync
-// m16n8k16 with A = W (16 rows of n) and B = xᵀ (8 tokens), as in gemm.cu (same decoder, same pairing, fp16 scale
-// applied in fp32 to each 32-wide partial sum). The 8 warps split K inside the block: warp w takes chunk w & 3 of
+// m16n8k16 with A = W (16 rows of n) and B = xᵀ (8 tokens), as in gemm.cu (same decoders, same pairing, q8 weights
+// scaled in bf16, nibble codes exact with the fp16 scale applied in fp32 to each 32-wide partial sum). The 8 warps split K inside the block: warp w takes chunk w & 3 of
 // every stage and weight rows 64 (w >> 2) .. +63, so each staged x element is read by 2 warps only (not 4 as with
 // an N split), the weights by one. At the end the 4 K groups' partial tiles are summed through shared memory in a
 // fixed order (deterministic for a given tiling), and the epilogue writes from there (coalesced along n).
@@ -174,24 +174,30 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
                 if (j < jn) x_frag(xs + (8 * j + g) * S_XSTRIDE + 16 * t, b[j]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                uint32_t a[2][4];  // rows g, g+8 of 16-row tile i
+                uint32_t a[2][4];  // rows g, g+8 of 16-row tile i (q8: scaled weights in bf16, gemm.cuh)
                 float s[2];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = wrow + 16 * i + 8 * h + g;
-                    decode_row<BITS>(wq, wh, row, t, a[h]);
+                    if constexpr (BITS == 8) decode_row_q8_scaled(wq, row, t, scs[row], a[h]);
+                    else decode_row<BITS>(wq, wh, row, t, a[h]);
                     s[h] = scs[row];
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     if (j >= jn) break;
-                    float p[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_bf16(p, a[0][0], a[1][0], a[0][1], a[1][1], b[j][0], b[j][1]);
-                    mma_bf16(p, a[0][2], a[1][2], a[0][3], a[1][3], b[j][2], b[j][3]);
-                    acc[i][j][0] = fmaf(s[0], p[0], acc[i][j][0]);
-                    acc[i][j][1] = fmaf(s[0], p[1], acc[i][j][1]);
-                    acc[i][j][2] = fmaf(s[1], p[2], acc[i][j][2]);
-                    acc[i][j][3] = fmaf(s[1], p[3], acc[i][j][3]);
+                    if constexpr (BITS == 8) {
+                        mma_bf16(acc[i][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j][0], b[j][1]);
+                        mma_bf16(acc[i][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j][2], b[j][3]);
+                    } else {
+                        float p[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_bf16(p, a[0][0], a[1][0], a[0][1], a[1][1], b[j][0], b[j][1]);
+                        mma_bf16(p, a[0][2], a[1][2], a[0][3], a[1][3], b[j][2], b[j][3]);
+                        acc[i][j][0] = fmaf(s[0], p[0], acc[i][j][0]);
+                        acc[i][j][1] = fmaf(s[0], p[1], acc[i][j][1]);
+                        acc[i][j][2] = fmaf(s[1], p[2], acc[i][j][2]);
+                        acc[i][j][3] = fmaf(s[1], p[3], acc[i][j][3]);
+                    }
                 }
             }
         }

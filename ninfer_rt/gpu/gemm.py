@@ -11,9 +11,10 @@ with s_m = row_scale[m] (fp32 [M]) when given, else 1. W is a DeviceWeight [N, K
 formats or bf16; x bf16 [M, ldx] (only its first K columns are read; misc.rms_norm(out="bf16") and
 misc.cast_bf16 make it), y fp32 [M, ldy], except swiglu: y bf16 [M, ldy], the input of the down projection.
 
-Numerics: x arrives in bf16 (the decode GEMV reads fp32: the rounding, unit roundoff 2^-8, is prefill's only
-difference); integer codes are exact in bf16 and each fp16 group scale multiplies, in fp32, the partial sum
-of its 32-wide chunk, so besides fp32 accumulation nothing else rounds (swiglu then rounds its output to bf16).
+Numerics: x arrives in bf16 (the decode GEMV reads fp32: unit roundoff 2^-8); q8 weights meet the tensor cores
+as w = q · s rounded once to bf16 (kernels/gemm.cuh "scaled weights"), as a dequantizing GEMM stores them; the
+nibble formats' codes are exact in bf16 and each fp16 group scale multiplies, in fp32, the partial sum of its
+32-wide chunk. Sums are fp32; swiglu rounds its output to bf16.
 `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per expert,
 kernels/moe_gemm.cu's tiles of 32 slots.
 """
