@@ -11,9 +11,10 @@
 // Interleaved gate/up (docs/format.md): rows 32t..32t+15 are gate rows 16t.., rows 32t+16..32t+31 up rows 16t...
 //
 // Method: block tile 128 (N) × 128 (M) × 32 (K), 8 warps of 32 (N) × 64 (M), mma.sync m16n8k16 with A = W
-// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (5 to 8 stages, as many as
-// fit 96 KB) copies the raw planes and the bf16 x tile into shared memory; each warp decodes its weight fragments
-// straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh "Pairing").
+// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (as many stages as fit
+// 96 KB, up to 8; a q8 stage holds two k-tiles) copies the raw planes and the bf16 x tile into shared memory; each
+// warp decodes its weight fragments straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh
+// "Pairing").
 //   * q8 weights meet the MMA as w = q · s rounded once to bf16 (gemm.cuh "scaled weights"), as a dequantizing
 //     GEMM would store them: relative error <= 2^-9 per weight, for 24% fewer instructions per MMA than
 //     splitting the byte into exact nibbles and scaling 32-wide partial sums (perf.md v16). Nibble codes are
@@ -39,8 +40,9 @@ constexpr int RID_BYTES = BM * 12;           // per block row: x element offset 
 #define GEMM_MIN_BLOCKS 1
 #endif
 
-// Per format (BITS 4, 5, 6, 8; 16 = raw bf16): bytes of one row's 32-wide chunk in each plane, and the stages:
-// as many as fit 96 KB (up to 8), within sm_86/89/120's 99 KB per block and two blocks on an H100/H200 SM.
+// Per format (BITS 4, 5, 6, 8; 16 = raw bf16): bytes of one row's 32-wide chunk in each plane, CH chunks per
+// pipeline stage, and the stages: as many as fit 96 KB (up to 8), within sm_86/89/120's 99 KB per block and two
+// blocks on an H100/H200 SM.
 // gemm.py mirrors SMEM (smem_bytes); the kernel traps if it is given less.
 template <int BITS>
 struct Traits {
@@ -51,7 +53,11 @@ struct Traits {
     static constexpr int QS_BYTES = BN * QS;
     static constexpr int QH_BYTES = BN * QH;
     static constexpr int SC_BYTES = SCALED ? BN * 4 : 0;  // fp32 scale of each row for this chunk
-    static constexpr int STAGE_BYTES = XS_BYTES + QS_BYTES + QH_BYTES + SC_BYTES;
+    static constexpr int CHUNK_BYTES = XS_BYTES + QS_BYTES + QH_BYTES + SC_BYTES;  // one 32-wide chunk's planes
+    // chunks per pipeline stage: q8 waits and syncs once per 64 k (+6-7%, perf.md v16); the nibble formats
+    // measured 4-5% slower so (spills), bf16 would keep too few stages
+    static constexpr int CH = BITS == 8 ? 2 : 1;
+    static constexpr int STAGE_BYTES = CH * CHUNK_BYTES;
     static constexpr int FIT = (96 * 1024 - RID_BYTES) / STAGE_BYTES;
     static constexpr int STAGES = FIT < 8 ? FIT : 8;
     static constexpr int SMEM = RID_BYTES + STAGES * STAGE_BYTES;
@@ -80,7 +86,8 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     int* rid = reinterpret_cast<int*>(smem + BM * 8);      // row id, -1: no row
     uint8_t* stages = smem + RID_BYTES;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int KT = K / BK;
+    const int KC = K / BK;                        // 32-wide chunks
+    const int KT = (KC + T::CH - 1) / T::CH;      // pipeline stages of CH chunks (the last may hold fewer)
 
     if (tid < BM) {
         const int m = m0 + tid, id = m < count ? (rows ? rows[m] : m) : -1;
@@ -98,14 +105,13 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     // qh (5, 6 bits): threads 128.. copy one row's QH bytes each; scales: threads < 128 load one row's fp16.
     // Source addresses are recomputed from the kernel parameters each time, to keep registers for the tile.
     const int hrow = tid - (THREADS - BN);
-    auto scale_of = [&](int kt) -> float {
+    auto scale_of = [&](int kt) -> float {  // kt: a chunk
         if (!T::SCALED || tid >= BN || n0 + tid >= N) return 0.f;
         const unsigned short* p = reinterpret_cast<const unsigned short*>(sc) + (size_t)(w0 + n0 + tid) * (kp / GROUP);
         return __half2float(__ushort_as_half(__ldg(p + (kt * BK) / GROUP)));
     };
 
-    auto load_tile = [&](int kt, int stage) {
-        uint8_t* st = stages + stage * T::STAGE_BYTES;
+    auto load_chunk = [&](int kt, uint8_t* st) {  // chunk kt's planes into st
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int r = (tid >> 2) + 64 * i;
@@ -130,25 +136,34 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                     qh + (ok ? (size_t)(w0 + n0 + hrow) * ((size_t)kp * (BITS - 4) / 8) + (size_t)kt * T::QH : 0), ok);
         }
     };
-    auto store_scale = [&](int stage, float s) {
+    auto chunk_at = [&](int stage, int c) { return stages + stage * T::STAGE_BYTES + c * T::CHUNK_BYTES; };
+    auto load_tile = [&](int kt, int stage) {  // stage kt: chunks CH kt .. CH kt + CH - 1 below KC
+#pragma unroll
+        for (int c = 0; c < T::CH; ++c)
+            if (kt * T::CH + c < KC) load_chunk(kt * T::CH + c, chunk_at(stage, c));
+    };
+    auto store_scale = [&](int stage, int c, float s) {
         if (T::SCALED && tid < BN)
-            reinterpret_cast<float*>(stages + stage * T::STAGE_BYTES + T::XS_BYTES + T::QS_BYTES +
-                                     T::QH_BYTES)[tid] = s;
+            reinterpret_cast<float*>(chunk_at(stage, c) + T::XS_BYTES + T::QS_BYTES + T::QH_BYTES)[tid] = s;
     };
 
-    // ---- pipeline: tiles 0..STAGES-2 in flight before the loop; the scale of the tile copied in iteration kt
-    // is loaded into a register one iteration earlier and stored to shared memory with its planes.
+    // ---- pipeline: stages 0..STAGES-2 in flight before the loop; the scales of the stage copied in iteration kt
+    // are loaded into registers one iteration earlier and stored to shared memory with its planes.
     constexpr int S = T::STAGES;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < KT) {
             load_tile(s, s);
-            if constexpr (T::SCALED) store_scale(s, scale_of(s));
+            if constexpr (T::SCALED)
+#pragma unroll
+                for (int c = 0; c < T::CH; ++c) store_scale(s, c, scale_of(s * T::CH + c));
         }
         cp_async_commit();
     }
-    float sc_next = 0.f;
-    if constexpr (T::SCALED) sc_next = S - 1 < KT ? scale_of(S - 1) : 0.f;
+    float sc_next[T::CH];
+#pragma unroll
+    for (int c = 0; c < T::CH; ++c)
+        sc_next[c] = T::SCALED && (S - 1) * T::CH + c < KC ? scale_of((S - 1) * T::CH + c) : 0.f;
 
     const int g = lane >> 2, t = lane & 3;
     const int wrow = (warp % WARPS_N) * 32, wcol = (warp / WARPS_N) * 64;
@@ -168,17 +183,20 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
         __syncthreads();         // everyone's have; and everyone is done with tile kt-1's stage
         const int nt = kt + S - 1;
         if (nt < KT) {
-            if constexpr (T::SCALED) store_scale(nt % S, sc_next);
+            if constexpr (T::SCALED)
+#pragma unroll
+                for (int c = 0; c < T::CH; ++c) store_scale(nt % S, c, sc_next[c]);
             load_tile(nt, nt % S);
         }
         cp_async_commit();
         if constexpr (T::SCALED) {
-            if (nt + 1 < KT) sc_next = scale_of(nt + 1);
+#pragma unroll
+            for (int c = 0; c < T::CH; ++c)
+                if ((nt + 1) * T::CH + c < KC) sc_next[c] = scale_of((nt + 1) * T::CH + c);
         }
 
-        // one k-tile of mma work on this warp's first jmax 8-row blocks
-        auto mma_tile = [&](int jmax) {
-            const uint8_t* st = stages + (kt % S) * T::STAGE_BYTES;
+        // one chunk of mma work (staged at st) on this warp's first jmax 8-row blocks
+        auto mma_tile = [&](const uint8_t* st, int jmax) {
             const uint8_t* wq = st + T::XS_BYTES;
             const uint8_t* wh = wq + T::QS_BYTES;
             const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
@@ -221,8 +239,13 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                 }
             }
         };
-        if (jn == 8) mma_tile(8);  // full tiles: the branch-free copy
-        else if (jn > 0) mma_tile(jn);  // jn = 0: no row in this warp's columns, it only copies
+#pragma unroll
+        for (int c = 0; c < T::CH; ++c) {
+            if (kt * T::CH + c >= KC) break;  // the last stage's missing chunk (K % 64 == 32)
+            const uint8_t* st = chunk_at(kt % S, c);
+            if (jn == 8) mma_tile(st, 8);  // full tiles: the branch-free copy
+            else if (jn > 0) mma_tile(st, jn);  // jn = 0: no row in this warp's columns, it only copies
+        }
     }
     cp_async_wait<0>();
 

@@ -48,7 +48,8 @@ def smem_bytes(fmt: str) -> int:
     qs = 64 if bits == 16 else (32 if bits == 8 else 16)   # bytes of a row's 32-wide chunk
     qh = {5: 4, 6: 8}.get(bits, 0)
     scales = 0 if bits == 16 else BN * 4
-    stage = BM * XS_STRIDE + BN * qs + BN * qh + scales
+    chunks = 2 if bits == 8 else 1  # 32-wide chunks per pipeline stage (Traits::CH)
+    stage = chunks * (BM * XS_STRIDE + BN * qs + BN * qh + scales)
     return RID_BYTES + min(MAX_STAGES, (STAGE_BUDGET - RID_BYTES) // stage) * stage
 
 
