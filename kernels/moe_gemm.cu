@@ -6,9 +6,9 @@
 //
 // Method: block tile SN = 128 weight rows × TM = 32 tokens, k in stages of SK = 128 (4 chunks of 32); mma.sync
 // m16n8k16 with A = W (16 rows of n) and B = xᵀ (8 tokens), as in gemm.cu (same decoders, same pairing, q8 weights
-// scaled in bf16, nibble codes exact with the fp16 scale applied in fp32 to each 32-wide partial sum). The 8 warps split K inside the block: warp w takes chunk w & 3 of
-// every stage and weight rows 64 (w >> 2) .. +63, so each staged x element is read by 2 warps only (not 4 as with
-// an N split), the weights by one. At the end the 4 K groups' partial tiles are summed through shared memory in a
+// scaled in bf16, nibble codes exact with the fp16 scale applied in fp32 to each 32-wide partial sum). The 8 warps
+// split K inside the block: warp w takes chunk w & 3 of every stage and weight rows 64 (w >> 2) .. +63, so each
+// staged x element is read by 2 warps only (not 4 as with an N split), the weights by one. At the end the 4 K groups' partial tiles are summed through shared memory in a
 // fixed order (deterministic for a given tiling), and the epilogue writes from there (coalesced along n).
 // Blocks: grid (token tiles, ceil(N / SN)); blockIdx.x (fastest) walks the token tiles, so the tiles of one
 // expert and N tile run side by side and share the weight tile through L2.
