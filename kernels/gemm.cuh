@@ -35,30 +35,16 @@ __device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, u
 // builds A in the same order. (The mma's own k order inside a fragment does not matter: it sums over k.)
 
 // bf16 constants (x2): 0x4300 = 128.0; OR-ing an integer u < 128 into its mantissa gives exactly 128 + u.
-constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u, BF2_16 = 0x41804180u;
-constexpr uint32_t BF2_NEG2304 = 0xC510C510u;  // -(16·128 + 256): see decode_row<8>
+constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u;
 
 // The 4 bf16x2 pairs of one row's 8 consecutive k (8t..8t+7 of the 32-wide chunk at `row` of the stage),
-// as exact codes (integer formats) or the stored bf16 values, paired as above.
+// as exact codes (nibble formats) or the stored bf16 values, paired as above. q8: decode_row_q8_scaled.
 template <int BITS>
 __device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh, int row, int t, uint32_t a[4]) {
+    static_assert(BITS != 8, "q8 weights are decoded already scaled: decode_row_q8_scaled");
     if constexpr (BITS == 16) {
         const uint4 v = *reinterpret_cast<const uint4*>(wq + row * 64 + 16 * t);  // (e0,e1) (e2,e3) ...
         a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
-    } else if constexpr (BITS == 8) {
-        // u = q + 128 = q ^ 0x80 split in nibbles hi, lo: q = (16·(128+hi) - 2304) + (128+lo), each step exact
-        const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
-        const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {  // bytes 2b, 2b+1 of word h (elements 4h+2b, +1) -> bytes 0 and 2
-                const uint32_t e = __byte_perm(w[h], 0u, 0x4040u | (2u * b) | ((2u * b + 1u) << 8));
-                const uint32_t lo = (e & 0x000F000Fu) | BF2_MAGIC;
-                const uint32_t hi = ((e >> 4) & 0x000F000Fu) | BF2_MAGIC;
-                a[2 * h + b] = bf2_fma(lo, BF2_ONE, bf2_fma(hi, BF2_16, BF2_NEG2304));
-            }
-        }
     } else {
         // element 8t+e sits in bits 4e..4e+3 of w: byte j holds elements 2j (low nibble) and 2j+1 (high nibble),
         // brought to bits 0..3 and 16..19 by one byte permute of w and w >> 4
@@ -95,7 +81,7 @@ __device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
     return d;
 }
 
-// The scaled weights the GEMMs' MMAs take for q8: w = q · s rounded once to bf16, paired as decode_row<8>. The
+// The scaled weights the GEMMs' MMAs take for q8: w = q · s rounded once to bf16, paired as decode_row. The
 // byte u = q + 128 into the fp32 2^23 + u, less 2^23 + 128, is q exactly; q · s is exact in fp32
 // (8 × 11 bits), then one rounding.
 __device__ __forceinline__ void decode_row_q8_scaled(const uint8_t* wq, int row, int t, float s, uint32_t a[4]) {

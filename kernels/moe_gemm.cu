@@ -181,7 +181,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
                     const int row = wrow + 16 * i + 8 * h + g;
                     if constexpr (BITS == 8) decode_row_q8_scaled(wq, row, t, scs[row], a[h]);
                     else decode_row<BITS>(wq, wh, row, t, a[h]);
-                    s[h] = scs[row];
+                    if constexpr (BITS != 8) s[h] = scs[row];  // q8: the scale is in the weights
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
