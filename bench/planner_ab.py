@@ -25,7 +25,7 @@ from gpu_common import open_gpu  # noqa: E402
 from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
 MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet}
-KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_X_COPY", "linear._STREAM_BLOCKS_PER_SM",
+KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
          "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS",
          "deltanet.STEP_CLUSTER")
 # (label, planner constants to set, as module.name)
@@ -35,7 +35,6 @@ VARIANTS = [
     ("stream kernel, 1 block per SM", {"linear._STREAM_BLOCKS_PER_SM": 1}),
     ("stream kernel, 2 blocks per SM from 1 step per warp", {"linear._STREAM_STEPS_FOR_2": 1}),
     ("block kernel only", {"linear._STREAM_K_MAX": 0}),
-    ("stream kernel stages x from registers (no cp.async copy)", {"linear._STREAM_X_COPY": False}),
     ("attention splits by the row-count rule (v12)", {"attention._SPLIT_BLOCKS_PER_SM": 0}),
     ("attention splits dealt at run time, ~1 block per SM", {"attention._SPLIT_BLOCKS_PER_SM": 1}),
     ("attention splits dealt at run time, ~4 blocks per SM", {"attention._SPLIT_BLOCKS_PER_SM": 4}),
