@@ -4,7 +4,7 @@
 
 Times deltanet.decode on one sequence of T tokens at the 35B-A3B and 27B head shapes (random inputs, a fresh
 state), once with the recurrent delta rule and once with the chunked one, as the median of 5 rounds of 3 calls
-between two events after a warm-up call. deltanet.chunked_pays says which one prefill takes. Exits with a
+between two events after a warm-up call. deltanet.chunked_supported says which one prefill takes. Exits with a
 one-line message when there is no GPU.
 """
 
@@ -71,14 +71,14 @@ def main() -> None:
                         ssm_state=put(np.zeros((1, nv, dk, dv), np.float32)),
                         slot=put(np.zeros(1, np.int32)), pos=put(np.zeros(1, np.int32)), B=1, T=T, nk=nk, nv=nv,
                         dk=dk, dv=dv, Kc=KC, eps=1e-6, out=empty(T * nv * dv * 4),
-                        scratch=empty(deltanet.decode_scratch_bytes(T, cd)))
+                        scratch=empty(deltanet.chunked_scratch_bytes(1, T, cd, nv, dk)))
             for chunked in (False, True):
                 if chunked and not deltanet.chunked_supported(k, dk=dk, dv=dv):
                     continue
                 times = eager_ms(gpu, lambda: deltanet.decode(k, chunked=chunked, **call), rounds=5, reps=3)
                 rows.append({"model": name, **d, "tokens": T, "delta_rule": "chunked" if chunked else "recurrent",
                              "ms": statistics.median(times),
-                             "prefill_takes_it": chunked == deltanet.chunked_pays(k, dk=dk, dv=dv, nv=nv)})
+                             "prefill_takes_it": chunked == deltanet.chunked_supported(k, dk=dk, dv=dv)})
         finally:
             for p in bufs:
                 gpu.free(p)

@@ -28,7 +28,7 @@ STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, seq
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
-CHUNK_THREADS = 256
+CHUNK_THREADS = 256               # threads of a chunked prep or state block
 
 
 def ring_rows(Kc: int) -> int:
@@ -89,25 +89,51 @@ def _check(*, mixed, ld_mixed, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_s
     return conv_dim
 
 
-def chunked_smem_bytes(dk: int) -> int:
-    """Dynamic shared memory of deltanet_chunked_dk{dk} (ChunkSmem in the kernel): q, k, w [C][dk + 4]; v
-    [C][33]; A, QK [C][C + 4]; S [dk][32]; γ, β, e^γ, e^{γ_L−γ} [C] and e^{γ_L} (padded to 4)."""
-    C, P = CHUNK, dk + 4
-    return 4 * (3 * C * P + C * (CHUNK_COLS + 1) + 2 * C * (C + 4) + dk * CHUNK_COLS + 4 * C + 4)
+def chunk_record_floats(dk: int) -> int:
+    """Floats of one chunk record (Rec in deltanet_chunked.cu): e^γ q̂, e^{γ_L−γ} k̂, W [C][dk]; QK [C][C]; e^{γ_L}
+    and 3 pad."""
+    return CHUNK * (3 * dk + CHUNK) + 4
+
+
+def _align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def chunked_scratch_bytes(B: int, T: int, conv_dim: int, nv: int, dk: int) -> int:
+    """Device scratch the chunked delta rule needs for B sequences of T tokens: the conv output
+    (decode_scratch_bytes), then one record per (sequence, chunk of CHUNK tokens, value head)."""
+    return _align(decode_scratch_bytes(B * T, conv_dim)) + B * -(-T // CHUNK) * nv * chunk_record_floats(dk) * 4
+
+
+def prep_smem_bytes(dk: int, dv: int) -> int:
+    """Dynamic shared memory of deltanet_chunk_prep_dk{dk}: q, k, w [C][dk + 4]; v [C][dv + 4]; A, QK [C][C + 4];
+    γ, β, e^γ, e^{γ_L−γ} [C]; e^{γ_L} (padded to 4)."""
+    C = CHUNK
+    return 4 * (3 * C * (dk + 4) + C * (dv + 4) + 2 * C * (C + 4) + 4 * C + 4)
+
+
+def state_smem_bytes(dk: int, stages: int) -> int:
+    """Dynamic shared memory of deltanet_chunk_state_dk{dk} (stages 2) or _s1: S [dk][CHUNK_COLS], then per stage
+    a chunk record and its U columns [C][CHUNK_COLS]."""
+    return 4 * (dk * CHUNK_COLS + stages * (chunk_record_floats(dk) + CHUNK * CHUNK_COLS))
+
+
+def state_stages(k, *, dk: int, blocks: int) -> int:
+    """Record stages of the state kernel: 2 (the next chunk copied while this one computes) where a block's shared
+    memory holds them (131 KB at dk = 128: sm_80, sm_90) and the blocks fit one wave at one per SM; else 1 (73 KB,
+    two or more blocks per SM) with an L2 prefetch. H200, T = 4096: 35B (128 blocks) 0.77 ms with 2 stages, 0.89
+    with 1; 27B (192 blocks) 1.53 with 2 (two waves), 1.43 with 1 (perf.md v18)."""
+    fits = state_smem_bytes(dk, 2) <= k.gpu.info.max_smem_per_block_optin
+    return 2 if fits and blocks <= k.gpu.info.sm_count else 1
 
 
 def chunked_supported(k, *, dk: int, dv: int) -> bool:
-    """Whether the chunked delta rule can run: dv in whole blocks of 32 columns, and its shared memory within
-    what this GPU gives one block (81 KB at dk = 128)."""
-    return (dk in DK_SUPPORTED and dv % CHUNK_COLS == 0
-            and chunked_smem_bytes(dk) <= k.gpu.info.max_smem_per_block_optin)
-
-
-def chunked_pays(k, *, dk: int, dv: int, nv: int, B: int = 1) -> bool:
-    """Whether `prefill` takes the chunked delta rule: where it can run and its blocks (one per 32 columns of a
-    head, one resident per SM: 250 registers a thread) fit one wave. Measured on the H200 at T = 4096, mixer per
-    layer: 35B (128 blocks) 3.00 -> 1.86 ms; 27B (192 blocks, two waves) 3.05 -> 3.59 ms (perf.md v8)."""
-    return chunked_supported(k, dk=dk, dv=dv) and (dv // CHUNK_COLS) * nv * B <= k.gpu.info.sm_count
+    """Whether the chunked delta rule can run: dv in whole blocks of 32 columns, and both kernels' shared memory
+    within what this GPU gives one block (77 KB for the prep and 73 KB for a one-stage state kernel at
+    dk = dv = 128)."""
+    optin = k.gpu.info.max_smem_per_block_optin
+    return (dk in DK_SUPPORTED and dv % CHUNK_COLS == 0 and prep_smem_bytes(dk, dv) <= optin
+            and state_smem_bytes(dk, 1) <= optin)
 
 
 def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
@@ -120,16 +146,19 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
     norm_w fp32 [dv] (applied as w, not 1 + w); conv_state fp32 [slots, ring_rows(Kc), conv_dim] (the ring);
     ssm_state fp32 [slots, nv, dk, dv]; slot, pos int32 [B] (sequence b's first new token is at position pos[b]).
     Both states are updated in place.
-    out fp32 [B·T, nv·dv] = gated_rms_norm(o, z, norm_w, eps); scratch: decode_scratch_bytes(B·T, conv_dim).
-    Three launches on `stream`: conv, delta rule (token by token; chunked=True: in chunks of CHUNK tokens, for
-    long T, where chunked_supported), gated norm.
+    out fp32 [B·T, nv·dv] = gated_rms_norm(o, z, norm_w, eps); scratch: decode_scratch_bytes(B·T, conv_dim), or
+    chunked_scratch_bytes(B, T, conv_dim, nv, dk) with chunked=True.
+    Launches on `stream`: conv, the delta rule, gated norm. The delta rule is token by token, or with chunked=True
+    (for long T, where chunked_supported) in chunks of CHUNK tokens: a prep launch for all chunks in parallel,
+    then the state launch that walks them in order.
     """
     conv_dim = _check(mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
                       norm_w=norm_w, conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T,
                       nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc, out=out, scratch=scratch)
     if chunked and not chunked_supported(k, dk=dk, dv=dv):  # before any launch
         raise GpuError(f"deltanet: the chunked delta rule needs dv % {CHUNK_COLS} == 0 and "
-                       f"{chunked_smem_bytes(dk)} B of shared memory per block (dv={dv}, dk={dk})")
+                       f"{max(prep_smem_bytes(dk, dv), state_smem_bytes(dk, 1))} B of shared memory per block "
+                       f"(dv={dv}, dk={dk})")
     M = B * T
     conv_grid = ((conv_dim + CONV_THREADS - 1) // CONV_THREADS, B, -(-T // CONV_TOKENS))
     k.launch("deltanet_conv", conv_grid, CONV_THREADS,
@@ -138,9 +167,18 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
     rule = [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
             i32(nk), i32(nv), i32(dv)]
     if chunked:
-        name, smem = f"deltanet_chunked_dk{dk}", chunked_smem_bytes(dk)
+        chunks, rec = -(-T // CHUNK), scratch + _align(decode_scratch_bytes(M, conv_dim))
+        name, smem = f"deltanet_chunk_prep_dk{dk}", prep_smem_bytes(dk, dv)
         k.opt_in_smem(name, smem)
-        k.launch(name, (dv // CHUNK_COLS, nv, B), CHUNK_THREADS, rule, smem, stream)
+        k.launch(name, (chunks, nv, B), CHUNK_THREADS,
+                 [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(rec), i32(T), i32(nk), i32(nv), i32(dv)],
+                 smem, stream)
+        stages = state_stages(k, dk=dk, blocks=(dv // CHUNK_COLS) * nv * B)
+        name, smem = f"deltanet_chunk_state_dk{dk}" + ("" if stages == 2 else "_s1"), state_smem_bytes(dk, stages)
+        k.opt_in_smem(name, smem)
+        k.launch(name, (dv // CHUNK_COLS, nv, B), CHUNK_THREADS,
+                 [ptr(scratch), ptr(rec), ptr(ssm_state), ptr(slot), ptr(out), i32(T), i32(nk), i32(nv), i32(dv)],
+                 smem, stream)
     else:
         warps = _recurrent_warps(dv)
         k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps, rule, 0, stream)
@@ -149,9 +187,9 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
               f32(eps)], 0, stream)
 
 
-def prefill_scratch_bytes(T: int, conv_dim: int) -> int:
-    """Device scratch `prefill` needs for one sequence of T tokens (same as decode for B = 1)."""
-    return decode_scratch_bytes(T, conv_dim)
+def prefill_scratch_bytes(T: int, conv_dim: int, nv: int, dk: int) -> int:
+    """Device scratch `prefill` needs for one sequence of T tokens, either delta rule (>= decode's for B·T <= T)."""
+    return chunked_scratch_bytes(1, T, conv_dim, nv, dk)
 
 
 def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt_bias: int, norm_w: int,
@@ -159,14 +197,16 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
             dv: int, Kc: int, eps: float, out: int, scratch: int, stream=None) -> None:
     """Prefill of one sequence (B = 1, long T); same arguments and result as `decode`.
 
-    The delta rule runs in chunks of CHUNK tokens (ops.gated_delta_rule_chunked) where chunked_pays, else
-    token by token as decode does; the conv and the norm are parallel over tokens either way.
+    The delta rule runs in chunks of CHUNK tokens (ops.gated_delta_rule_chunked) where chunked_supported, else
+    token by token as decode does; the conv and the norm are parallel over tokens either way. On the H200 at
+    T = 4096 the mixer takes 1.23 ms per layer chunked against 2.98 token by token at the 35B's heads, 2.07
+    against 3.07 at the 27B's (perf.md v18).
     """
     if B != 1:
         raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")
     decode(k, mixed=mixed, ld_mixed=ld_mixed, ba=ba, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv,
-           Kc=Kc, eps=eps, out=out, scratch=scratch, stream=stream, chunked=chunked_pays(k, dk=dk, dv=dv, nv=nv))
+           Kc=Kc, eps=eps, out=out, scratch=scratch, stream=stream, chunked=chunked_supported(k, dk=dk, dv=dv))
 
 
 def step_supported(w_ba: DeviceWeight, *, T: int, dk: int, dv: int, Kc: int) -> bool:

@@ -210,7 +210,7 @@ class GpuModel:
         b.argmax = self._alloc(self.logit_rows * 4)
         scratch = max(
             attention.decode_scratch_bytes(rows, s.num_attention_heads, s.head_dim, self.max_ctx),
-            deltanet.decode_scratch_bytes(rows, s.conv_dim),
+            deltanet.prefill_scratch_bytes(rows, s.conv_dim, s.linear_num_value_heads, s.linear_key_head_dim),
             misc.argmax_scratch_bytes(self.logit_rows),
             gemm.moe_scratch_bytes(rows, s.num_experts_per_tok, s.num_experts) if s.is_moe else 0)
         b.scratch = self._alloc(scratch)

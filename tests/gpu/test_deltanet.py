@@ -114,7 +114,7 @@ class Layer:
                           cluster=cluster, **common)
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
-            scratch = dev.empty(max(deltanet.decode_scratch_bytes(M, self.cd), 4))
+            scratch = dev.empty(deltanet.chunked_scratch_bytes(B, T, self.cd, d["nv"], d["dk"]))  # >= decode's
             fn(kernels, ba=dev.put(ba), scratch=scratch, **common)
         return dev.get(out, (M, d["nv"] * d["dv"]))
 
@@ -220,19 +220,41 @@ def test_decode_long(kernels, dev, rng, dims, B, Ts):
 
 
 @pytest.mark.parametrize("T", [9, 32, 64, 130])
-@pytest.mark.parametrize("dims", ["35b", "gva3", "tiny", "odd"])
+@pytest.mark.parametrize("dims", ["35b", "27b", "gva3", "tiny", "odd"])
 def test_prefill(kernels, dev, rng, recorder, dims, T):
     """prefill of one sequence (one partial chunk of 32, exactly one, two, several with a partial last one),
-    then a decode step from its state. dv % 32 == 0 (35b, gva3: their blocks fit one wave) runs the chunked
-    delta rule, the others the recurrent one; the test checks which ran."""
+    then a decode step from its state. dv % 32 == 0 (35b, gva3) runs the chunked delta rule, the others the
+    recurrent one; the test checks which ran (at the 27B's 192 blocks, more than an H200's 132 SMs, the state
+    kernel's one-stage variant)."""
     from ninfer_rt.gpu import deltanet
     rec = recorder
     check_steps(rec, dev, rng, dims, 1, (T, 1), modes=["prefill", "decode"], n_slots=3)
-    d = DIMS[dims]
-    chunked = d["dv"] % deltanet.CHUNK_COLS == 0 and d["dv"] // 32 * d["nv"] <= kernels.gpu.info.sm_count
-    assert chunked == deltanet.chunked_pays(kernels, dk=d["dk"], dv=d["dv"], nv=d["nv"])
-    rule = f"deltanet_chunked_dk{d['dk']}" if chunked else f"deltanet_recurrent_dk{d['dk']}"
-    assert rec.names[:3] == ["deltanet_conv", rule, "deltanet_gated_norm"], rec.names
+    d = STEP_DIMS[dims]
+    chunked = d["dv"] % 32 == 0
+    assert chunked == deltanet.chunked_supported(kernels, dk=d["dk"], dv=d["dv"])
+    assert rec.names[:len(rule_kernels(kernels, d, chunked)) + 2] == [
+        "deltanet_conv", *rule_kernels(kernels, d, chunked), "deltanet_gated_norm"], rec.names
+
+
+def rule_kernels(kernels, d, chunked, stages=None):
+    """The delta-rule launches of a decode/prefill call: the recurrent kernel, or the chunked prep and state
+    kernels (the state kernel's one-stage variant where deltanet.state_stages picks it)."""
+    from ninfer_rt.gpu import deltanet
+    if not chunked:
+        return [f"deltanet_recurrent_dk{d['dk']}"]
+    if stages is None:
+        stages = deltanet.state_stages(kernels, dk=d["dk"], blocks=d["dv"] // deltanet.CHUNK_COLS * d["nv"])
+    return [f"deltanet_chunk_prep_dk{d['dk']}", f"deltanet_chunk_state_dk{d['dk']}" + ("" if stages == 2 else "_s1")]
+
+
+@pytest.mark.parametrize("dims", ["35b", "gva3"])
+def test_prefill_one_stage(kernels, dev, rng, recorder, monkeypatch, dims):
+    """The chunked state kernel with one record stage (_s1, what GPUs of ~100 KB shared memory per block run),
+    on this GPU: prefill over several chunks, the last partial, then decode."""
+    from ninfer_rt.gpu import deltanet
+    monkeypatch.setattr(deltanet, "state_stages", lambda k, *, dk, blocks: 1)
+    check_steps(recorder, dev, rng, dims, 1, (70, 1), modes=["prefill", "decode"], n_slots=2)
+    assert recorder.names[1:3] == rule_kernels(kernels, DIMS[dims], True, stages=1), recorder.names
 
 
 @pytest.mark.parametrize("dims", ["35b", "gva3"])
