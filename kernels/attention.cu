@@ -11,8 +11,8 @@
 //     outside the mma), and q and p are split into three bf16 terms (hi + mid + lo carries 24 bits), so every
 //     product is exact and only the fp32 accumulation rounds. For few query rows per kv head (decode, MTP verify)
 //     ninfer_rt/gpu/attention.py takes attention_decode.cu's CUDA-core kernels instead (same scratch layout).
-// attn_prefill_{bf16,int8}_d{D}: the same kernel with q and p rounded to bf16 (one term, as flash-attention
-//     kernels do): a third of the tensor work and of q's shared memory; p's rounding moves o by <= 2^-8 of Σ p|v|.
+// attn_prefill_{bf16,int8}_d{D} (attention_prefill.cu): the same partials with q and p rounded to bf16, in blocks
+//     of several warps that share each K/V tile.
 //
 // Layouts (row-major):
 //   qkvg     fp32 [M, ld]: [q (nH*D) | k (nKV*D) | v (nKV*D) | gate (nH*D)]
@@ -28,20 +28,6 @@ namespace {
 
 // ------------------------------------------------------------------------------------------------ device helpers
 
-// D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
-
 // (x0, x1) = hi + mid + lo, each a packed bf16 pair (x0 in the low half); the residual is ~2^-27 relative
 __device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
@@ -54,46 +40,7 @@ __device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_
     lo = bf162_bits(__floats2bfloat162_rn(r0, r1));
 }
 
-// Two floats exactly representable in bf16 (small integers) -> packed bf16x2, lo in the low half.
-__device__ __forceinline__ uint32_t pack_exact(float lo, float hi) {
-    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
-}
-
 // ------------------------------------------------------------------------------------------------ decode
-
-// Fragment geometry (lane = 4g + t). mma m16n8k16: A reg0 = (row g, k 2t..2t+1), reg1 = (row g+8, same k),
-// reg2 = (row g, k 2t+8..2t+9), reg3 = (row g+8, k 2t+8..); B reg0 = (k 2t..2t+1, col g), reg1 = (k 2t+8.., col g);
-// C c0,c1 = (row g, col 2t, 2t+1), c2,c3 = (row g+8, same cols).
-// QK^T: k indices are permuted so each lane reads one contiguous run: in K group c (16*KS dims), k-step s, the
-//   lane's k slots {2t, 2t+1, 2t+8, 2t+9} are dims 16*KS*c + 4*KS*t + 4s + {0,1,2,3}, for q and k alike.
-//   n-tile j of a 16-key step holds keys sigma(j, n) = 4*(n/2) + 2j + n%2, so lane t's scores are keys 4t..4t+3.
-// PV: k slot {2t, 2t+1, 2t+8, 2t+9} = keys 4t + {0,1,2,3}, which makes P's A fragment the scores' C fragments;
-//   in V group a (8E dims) n-tile u, column n is dim 8E*a + E*n + u, so lane g reads one run of E dims per key row.
-template <int D, bool I8>
-struct Geo {
-    static constexpr int ES = I8 ? 1 : 2;                                 // bytes per cached element
-    static constexpr int RB = D * ES;                                     // bytes per cached row (key, kv head)
-    static constexpr int KS = I8 ? (D / 16 < 4 ? D / 16 : 4) : 2;         // k-steps per K run
-    static constexpr int KRUN = 4 * KS * ES;                              // bytes of a lane's K run
-    static constexpr int NKG = D / (16 * KS);                             // K groups
-    static constexpr int E = I8 ? (D / 8 < 16 ? D / 8 : 16) : (D / 8 < 8 ? D / 8 : 8);  // V dims per run
-    static constexpr int VRUN = E * ES;
-    static constexpr int NVG = D / (8 * E);                               // V groups
-    static constexpr int QSTRIDE = 2 * D + (KS == 4 ? 16 : 64);           // padded bf16 q row: conflict-free runs
-    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim");
-};
-
-// Offset of byte `byte` of row `row` in a 16-row K/V tile. Rows of >= 128 bytes are XOR-swizzled in 16-byte chunks
-// so that both the K reads (rows r, r^1 together) and the V reads (rows 4t+i for t = 0..3) are bank-conflict free.
-template <int RB>
-__device__ __forceinline__ int tile_off(int row, int byte) {
-    if constexpr (RB >= 128) {
-        const int sw = ((row & 1) << 2) ^ (((row >> 2) & 3) << 1);
-        return row * RB + ((((byte >> 4) ^ sw) << 4) | (byte & 15));
-    } else {
-        return row * RB + byte;
-    }
-}
 
 template <int D, bool I8, int TERMS>
 __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
@@ -407,7 +354,6 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
     NINFER_DECODE(attn_##KIND##_int8_d128, 128, true, TERMS)                                                     \
     NINFER_DECODE(attn_##KIND##_int8_d256, 256, true, TERMS)
 NINFER_ATTN_KERNELS(decode, 3)
-NINFER_ATTN_KERNELS(prefill, 1)
 
 // grid (M, nH, Z), block 8*SJ (SJ = 4..32 split lanes): column blocks zb = z, z+Z, ... (32 columns each) of
 // out[m, h*D + i] =
