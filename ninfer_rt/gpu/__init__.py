@@ -5,7 +5,8 @@ the op wrappers (linear.py, moe.py, deltanet.py, attention.py, misc.py) compute 
 the model.
 """
 
-# Prompt tokens per prefill step: each step reads every projection and (nearly) every expert once, so larger
-# chunks read the weights fewer times per prompt. 35B on the H200, 8K prompt: 512 -> 7.7K tok/s, 4096 -> 14.7K
-# (+0.45 GiB of activations), 8192 -> 15.7K (+1.0 GiB); docs/perf.md v7. Here so the CLI's help needs no CUDA.
-PREFILL_CHUNK = 4096
+# Prompt tokens per prefill step: each step reads every projection and (nearly) every expert once, and fills the
+# expert tiles better, so larger chunks cost less per token. 35B on the H200 (perf.md v18): 8K prompt 2048 ->
+# 17.5K tok/s, 4096 -> 20.0K, 8192 -> 21.4K (+0.82 GiB at 262K context: 24.4 GiB in all); 64K prompt 9.7K, 10.5K,
+# 10.8K. `--prefill-chunk` trades it back for memory. Here so the CLI's help needs no CUDA.
+PREFILL_CHUNK = 8192
