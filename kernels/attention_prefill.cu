@@ -4,20 +4,21 @@
 // (with attn_combine, which merges the partials and applies the gate).
 //
 // Layouts, scratch and the split rule are attention.cu's (its header). What differs is the tiling:
-// grid (ceil(R / (16 W)), n_splits, B·nKV), block 32·W: warp w owns query rows 16 (W·x + w) .. + 15 (rows are (token,
-// head-in-group) pairs r = t·G + j) and the W warps share each 16-key K/V tile of their split. An int8 tile is copied
-// raw and converted once to bf16 codes (exact: |code| <= 127) by the whole block; its scales stay outside the mma as
-// in attn_decode_int8_*. Why: in decode's one-warp blocks every warp loaded and converted its own tiles, W times
-// the copies and the conversion work per query row (perf.md v18).
+// grid (ceil(R / (16 W)), n_splits, B·nKV), block 32·W: warp w owns query rows 16 (W·x + w) .. + 15 (rows are
+// (token, head-in-group) pairs r = t·G + j) and the W warps share each 16-key K/V tile of their split. An int8
+// tile is copied raw and converted once to bf16 codes (exact: |code| <= 127) by the whole block; its scales stay
+// outside the mma as in attn_decode_int8_*. Why: in decode's one-warp blocks every warp loaded and converted its
+// own tiles, W times the copies and the conversion work per query row (perf.md v18). W = 8 for an int8 cache (the
+// conversion is per block), 4 for bf16 (whose two tile stages and 8 warps' q would not fit the ~99 KB of
+// sm_86/89/120).
 // Dynamic shared memory PrefillGeo<D, I8>::SMEM (attention.py _prefill_smem mirrors it).
 #include "attention.cuh"
-
-#define PF_WARPS 4  // warps per block, 16 query rows each
 
 namespace {
 
 template <int D, bool I8>
 struct PrefillGeo {
+    static constexpr int PF_WARPS = I8 ? 8 : 4;  // warps per block, 16 query rows each (attention.py _prefill_warps)
     using C = Geo<D, false>;  // fragments are read from bf16 tiles
     static constexpr int RB = 2 * D, TILE = 16 * RB;      // a bf16 K or V tile: 16 swizzled rows
     static constexpr int RAW = 16 * D;                     // a raw int8 tile: 16 plain rows
@@ -38,7 +39,8 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
                                              int max_ctx, int cs, int n_splits, float sc) {
     using PG = PrefillGeo<D, I8>;
     using C = typename PG::C;
-    constexpr int NT = 32 * PF_WARPS, ES = I8 ? 1 : 2, CRB = D * ES;  // CRB: bytes of a cached row
+    constexpr int PF_WARPS = PG::PF_WARPS, NT = 32 * PF_WARPS;
+    constexpr int ES = I8 ? 1 : 2, CRB = D * ES;  // bytes of a cached element, of a cached row
     extern __shared__ __align__(16) unsigned char smem[];
     {
         uint32_t have;
@@ -75,16 +77,18 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
             const int kv = ci / (16 * (CRB / 16)), c2 = ci - kv * 16 * (CRB / 16), r = c2 / (CRB / 16);
             const int ch = c2 - r * (CRB / 16);
             const bool valid = kb + r < k_end;
-            const unsigned char* src = (kv ? vc : kc) + (row0 + (size_t)(valid ? kb + r : k_begin) * nKV) * CRB + ch * 16;
-            unsigned char* to = I8 ? dst + kv * PG::RAW + r * CRB + ch * 16 : dst + kv * PG::TILE + tile_off<PG::RB>(r, ch * 16);
+            const size_t row = row0 + (size_t)(valid ? kb + r : k_begin) * nKV;
+            const unsigned char* src = (kv ? vc : kc) + row * CRB + ch * 16;
+            unsigned char* to = I8 ? dst + kv * PG::RAW + r * CRB + ch * 16
+                                   : dst + kv * PG::TILE + tile_off<PG::RB>(r, ch * 16);
             cp_async16(smem_addr(to), src, valid);
         }
         if constexpr (I8) {
             if (tid < 32) {
                 const int kv = tid >> 4, r = tid & 15;
                 const bool valid = kb + r < k_end;
-                cp_async_small<4>(smem_addr(scl + 32 + tid), (kv ? vs : ks) + row0 + (size_t)(valid ? kb + r : k_begin) * nKV,
-                                  valid);
+                const size_t row = row0 + (size_t)(valid ? kb + r : k_begin) * nKV;
+                cp_async_small<4>(smem_addr(scl + 32 + tid), (kv ? vs : ks) + row, valid);
             }
         }
         cp_async_commit();
@@ -138,7 +142,8 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
         const unsigned char* v_s = k_s + PG::TILE;
         if constexpr (I8) {  // raw codes -> exact bf16 codes (8 per thread and chunk), scales -> the in-use slots
             for (int ci = tid; ci < 2 * 16 * (D / 8); ci += NT) {
-                const int kv = ci / (16 * (D / 8)), c2 = ci - kv * 16 * (D / 8), r = c2 / (D / 8), ch = c2 - r * (D / 8);
+                const int kv = ci / (16 * (D / 8)), c2 = ci - kv * 16 * (D / 8);
+                const int r = c2 / (D / 8), ch = c2 - r * (D / 8);
                 const uint2 u = *reinterpret_cast<const uint2*>(raw + kv * PG::RAW + r * D + 8 * ch);
                 const uint32_t a = u.x ^ 0x80808080u, bb = u.y ^ 0x80808080u;
                 *reinterpret_cast<uint4*>(smem + PG::KV + kv * PG::TILE + tile_off<PG::RB>(r, 16 * ch)) =
@@ -163,7 +168,8 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
             for (int j = 0; j < 2; ++j) lds<C::KRUN>(kf[j], k_run(k_s, c, j));
             uint32_t qa[2][2 * C::KS];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) lds<16>(qa[h], q_s + (g + 8 * h) * C::QSTRIDE + (16 * C::KS * c + 4 * C::KS * t4) * 2);
+            for (int h = 0; h < 2; ++h)
+                lds<16>(qa[h], q_s + (g + 8 * h) * C::QSTRIDE + (16 * C::KS * c + 4 * C::KS * t4) * 2);
 #pragma unroll
             for (int s = 0; s < C::KS; ++s) {
                 const uint32_t a[4] = {qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]};
@@ -239,7 +245,8 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
             for (int u = 0; u < C::E; ++u) {
                 const int w = u >> 1;
                 const uint32_t sel = (u & 1) ? 0x7632u : 0x5410u;
-                mma_bf16(o[a * C::E + u], pa, __byte_perm(vw[0][w], vw[1][w], sel), __byte_perm(vw[2][w], vw[3][w], sel));
+                mma_bf16(o[a * C::E + u], pa, __byte_perm(vw[0][w], vw[1][w], sel),
+                         __byte_perm(vw[2][w], vw[3][w], sel));
             }
         }
     }
@@ -278,7 +285,7 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
 }  // namespace
 
 #define NINFER_PREFILL(D, KIND, I8)                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) attn_prefill_##KIND##_d##D(                       \
+    extern "C" __global__ void __launch_bounds__(32 * PrefillGeo<D, I8>::PF_WARPS) attn_prefill_##KIND##_d##D(  \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
         int max_ctx, int cs, int n_splits, float sc) {                                                            \

@@ -192,7 +192,8 @@ __device__ __forceinline__ void prep_impl(float* __restrict__ c, const float* __
             make_float4(sQK[r * CP + s2], sQK[(r + 1) * CP + s2], sQK[(r + 2) * CP + s2], sQK[(r + 3) * CP + s2]);
     }
     if (tid < 4) out[R::EL + tid] = tid == 0 ? eL[0] : 0.f;
-    for (int idx = tid; idx < n * dv; idx += kThreads) vg[(size_t)(idx / dv) * conv_dim + idx % dv] = sv[(idx / dv) * VS + idx % dv];
+    for (int idx = tid; idx < n * dv; idx += kThreads)
+        vg[(size_t)(idx / dv) * conv_dim + idx % dv] = sv[(idx / dv) * VS + idx % dv];
 }
 
 // ------------------------------------------------------------------------------------------------ state
@@ -244,11 +245,13 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
 
     auto issue = [&](int ci, float* st) {  // chunk ci's record and U columns into st (U rows past T: zeros)
         const float* src = recs + (size_t)ci * nv * R::FLOATS;
-        for (int idx = tid; idx < R::FLOATS / 4; idx += kThreads) cp_async16(smem_addr(st + 4 * idx), src + 4 * idx, true);
+        for (int idx = tid; idx < R::FLOATS / 4; idx += kThreads)
+            cp_async16(smem_addr(st + 4 * idx), src + 4 * idx, true);
         for (int idx = tid; idx < C * DN_COLS / 4; idx += kThreads) {
             const int r = idx / (DN_COLS / 4), q = 4 * (idx % (DN_COLS / 4));
             const bool ok = ci * C + r < T;
-            cp_async16(smem_addr(st + R::FLOATS + r * DN_COLS + q), ok ? ug + (size_t)(ci * C + r) * conv_dim + q : ug, ok);
+            cp_async16(smem_addr(st + R::FLOATS + r * DN_COLS + q), ok ? ug + (size_t)(ci * C + r) * conv_dim + q : ug,
+                       ok);
         }
         cp_async_commit();
     };
@@ -280,7 +283,8 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
             lds<4>(a, st + R::WQ + i * 2 * C + 4 * g);
             lds<2>(sv, sS + i * DN_COLS + cp);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) acc[u][0] = fmaf(a[u], sv[0], acc[u][0]), acc[u][1] = fmaf(a[u], sv[1], acc[u][1]);
+            for (int u = 0; u < 4; ++u)
+                acc[u][0] = fmaf(a[u], sv[0], acc[u][0]), acc[u][1] = fmaf(a[u], sv[1], acc[u][1]);
         }
         if (g < 8) {
 #pragma unroll
@@ -300,7 +304,8 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
                 lds<4>(q, st + R::QKT + s2 * C + r0);
                 lds<2>(v, su + s2 * DN_COLS + cp);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) acc[u][0] = fmaf(q[u], v[0], acc[u][0]), acc[u][1] = fmaf(q[u], v[1], acc[u][1]);
+                for (int u = 0; u < 4; ++u)
+                    acc[u][0] = fmaf(q[u], v[0], acc[u][0]), acc[u][1] = fmaf(q[u], v[1], acc[u][1]);
             }
             const int t0 = ci * C;
 #pragma unroll
@@ -327,7 +332,8 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
                 lds<RI>(k, st + R::KD + r * DK + i0);
                 lds<2>(v, su + r * DN_COLS + cp);
 #pragma unroll
-                for (int m = 0; m < RI; ++m) sr[m][0] = fmaf(k[m], v[0], sr[m][0]), sr[m][1] = fmaf(k[m], v[1], sr[m][1]);
+                for (int m = 0; m < RI; ++m)
+                    sr[m][0] = fmaf(k[m], v[0], sr[m][0]), sr[m][1] = fmaf(k[m], v[1], sr[m][1]);
             }
 #pragma unroll
             for (int m = 0; m < RI; ++m)

@@ -20,7 +20,7 @@ in the bucket. Two kernel families compute the partials:
 Both match ops.gated_attention to fp32 accuracy and write the same scratch layout. prefill's tensor-core kernels
 (attn_prefill_*, kernels/attention_prefill.cu) round q and the softmax weights p to one bf16 term instead, as
 flash-attention kernels do (each output within 2^-8 of its Σ p|v| scale of the result on bf16 q), and run
-_PREFILL_WARPS warps per block that share each K/V tile (an int8 tile converted to bf16 once per block).
+several warps per block that share each K/V tile (an int8 tile converted to bf16 once per block).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ _SPLIT_ROWS = 4096               # n_splits · M stays below max(this, M): bound
 _SPLIT_BLOCKS_PER_SM = 2         # CUDA-core decode: splits for ~this many blocks per SM, dealt at run time (0: off)
 _SPLIT_LONG_KEYS = 2048          # ... twice as many where a split would be longer than this (compute-bound)
 _Q_ROWS = 16                     # query rows (token, head) pairs per decode warp
-_PREFILL_WARPS = 4               # PF_WARPS in attention_prefill.cu: warps per prefill block, sharing K/V tiles
 _FAST_ROWS = 8                   # query rows per block of the CUDA-core decode (attention_decode.cu kFastRows)
 _FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
 _FAST_MAX_ROWS = 64              # T·(nH/nKV) up to this takes the CUDA-core decode; 0 forces the tensor-core one
@@ -257,10 +256,15 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
     if exact:
         return [(f"attn_decode_{cache.dtype}_d{d}", (-(-(T * G) // _Q_ROWS), ns, B * nKV), 32, args, 0), combine]
-    name, smem = f"attn_prefill_{cache.dtype}_d{d}", _prefill_smem(d, cache.dtype)
+    name, smem, warps = f"attn_prefill_{cache.dtype}_d{d}", _prefill_smem(d, cache.dtype), _prefill_warps(cache.dtype)
     k.opt_in_smem(name, smem)
-    rows = _Q_ROWS * _PREFILL_WARPS
-    return [(name, (-(-(T * G) // rows), ns, B * nKV), 32 * _PREFILL_WARPS, args, smem), combine]
+    return [(name, (-(-(T * G) // (_Q_ROWS * warps)), ns, B * nKV), 32 * warps, args, smem), combine]
+
+
+def _prefill_warps(dtype: str) -> int:
+    """Warps per attn_prefill block (PrefillGeo::PF_WARPS), 16 query rows each, sharing every K/V tile: 8 for an
+    int8 cache, whose tiles the block converts to bf16, 4 for bf16 (8 would not fit ~99 KB at d = 256)."""
+    return 8 if dtype == "int8" else 4
 
 
 def _prefill_smem(d: int, dtype: str) -> int:
@@ -269,7 +273,7 @@ def _prefill_smem(d: int, dtype: str) -> int:
     q (warps x 16 rows of bf16, row stride 2d + 64 bytes) | K and V bf16 tiles (16 rows of 2d bytes; two stages for a
     bf16 cache) | int8: raw K and V tiles (16 rows of d bytes) and 64 fp32 scales.
     """
-    q = _PREFILL_WARPS * 16 * (2 * d + 64)
+    q = _prefill_warps(dtype) * 16 * (2 * d + 64)
     if dtype == "int8":
         return q + 2 * 16 * 2 * d + 2 * 16 * d + 64 * 4
     return q + 2 * 2 * 16 * 2 * d
@@ -311,7 +315,7 @@ def prefill(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, T: int, 
     up to bf16 rounding.
 
     Where decode would take the tensor-core kernels (more than _FAST_MAX_ROWS rows per kv head), prefill takes
-    attn_prefill_*: the same splits and fragments in blocks of _PREFILL_WARPS warps sharing each K/V tile, with q
+    attn_prefill_*: the same splits and fragments in blocks of _prefill_warps warps sharing each K/V tile, with q
     and the softmax weights p rounded to bf16 (one term, not three), as flash-attention kernels do; each output is
     then within 2^-8 (bf16's unit roundoff) of its Σ p|v| scale of the result on bf16 q.
     Fewer rows run decode's exact CUDA-core kernels.
