@@ -10,11 +10,8 @@
 // planes qs / qh / scales with rows of Kp = round_up(K, 128), or bf16 [N, K] unpadded.
 // Interleaved gate/up (docs/format.md): rows 32t..32t+15 are gate rows 16t.., rows 32t+16..32t+31 up rows 16t...
 //
-// Method: block tile 128 (N) × 128 (M) × 32 (K), 8 warps of 16 (N) × 128 (M), mma.sync m16n8k16 with A = W
-// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A warp's 16 rows are 8 gate rows and the 8 up
-// rows they pair with (rows 32b + 8w + g and 32b + 16 + 8w + g, the interleave below), so SwiGLU stays in the
-// thread, and every weight row is decoded by one warp of the block (perf.md v18: 32 × 64 warps decoded each
-// twice). A cp.async pipeline (as many stages as fit
+// Method: block tile 128 (N) × 128 (M) × 32 (K), 8 warps of 32 (N) × 64 (M), mma.sync m16n8k16 with A = W
+// (16 rows of n) and B = xᵀ (8 columns of m), fp32 accumulators. A cp.async pipeline (as many stages as fit
 // 96 KB, up to 8; a q8 stage holds two k-tiles) copies the raw planes and the bf16 x tile into shared memory; each
 // warp decodes its weight fragments straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh
 // "Pairing").
@@ -30,7 +27,7 @@
 namespace {
 
 constexpr int BN = 128, BM = 128, BK = 32, THREADS = 256;
-constexpr int JT = BM / 8;                   // 8-column (m) tiles of a warp: all of the block's 128
+constexpr int WARPS_N = 4;                   // warps along N; 2 along M; warp tile 32 (N) × 64 (M)
 constexpr int XS_STRIDE = BK * 2;            // bytes per staged x row: a fragment load's 8-lane phase reads 2
                                              // whole rows (128 contiguous bytes), so no pad is needed
 constexpr int RID_BYTES = BM * 12;           // per block row: x element offset (int64) and row id (int32)
@@ -169,16 +166,17 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
         sc_next[c] = T::SCALED && (S - 1) * T::CH + c < KC ? scale_of((S - 1) * T::CH + c) : 0.f;
 
     const int g = lane >> 2, t = lane & 3;
-    // the warp's rows: wrow + g (gate half, fragment rows g) and wrow + 16 + g (up half, rows g + 8)
-    const int wrow = 32 * (warp >> 1) + 8 * (warp & 1);
-    // 8-row blocks of the tile's columns that hold a row: a grouped tile's last rows are often empty (an
-    // expert with 130 slots fills 2 rows of its second tile), and their mma work is skipped (block-uniform)
-    const int jn = min(JT, max(0, (min(BM, count - m0) + 7) >> 3));
-    float acc[JT][4];
+    const int wrow = (warp % WARPS_N) * 32, wcol = (warp / WARPS_N) * 64;
+    // 8-row blocks of this warp's 64 columns that hold a row: a grouped tile's last rows are often empty (an
+    // expert with 130 slots fills 2 rows of its second tile), and their mma work is skipped (warp-uniform)
+    const int jn = min(8, max(0, (min(BM, count - m0) - wcol + 7) >> 3));
+    float acc[2][8][4];
 #pragma unroll
-    for (int j = 0; j < JT; ++j)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<S - 2>();  // this thread's copies of tile kt have landed
@@ -197,7 +195,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                 if ((nt + 1) * T::CH + c < KC) sc_next[c] = scale_of((nt + 1) * T::CH + c);
         }
 
-        // one chunk of mma work (staged at st) on the first jmax 8-row blocks
+        // one chunk of mma work (staged at st) on this warp's first jmax 8-row blocks
         auto mma_tile = [&](const uint8_t* st, int jmax) {
             const uint8_t* wq = st + T::XS_BYTES;
             const uint8_t* wh = wq + T::QS_BYTES;
@@ -206,33 +204,38 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
             // the scale applied in fp32 to each 32-wide partial sum (folding it into bf16 weights measured slower
             // there, perf.md v16)
             constexpr bool PARTIAL = T::SCALED && BITS != 8;
-            uint32_t a[2][4];  // [rows g, g+8 of the fragment][pair]
-            float s[2];
+            uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
+            float s[2][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wrow + 16 * h + g;
-                if constexpr (BITS == 8) decode_row_q8_scaled(wq, row, t, scs[row], a[h]);
-                else decode_row<BITS>(wq, wh, row, t, a[h]);
-                if constexpr (PARTIAL) s[h] = scs[row];
-            }
+            for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < JT; ++j) {
-                if (j >= jmax) break;  // folds away when jmax is the constant JT
+                for (int h = 0; h < 2; ++h) {
+                    const int row = wrow + 16 * i + 8 * h + g;
+                    if constexpr (BITS == 8) decode_row_q8_scaled(wq, row, t, scs[row], a[i][h]);
+                    else decode_row<BITS>(wq, wh, row, t, a[i][h]);
+                    if constexpr (PARTIAL) s[i][h] = scs[row];
+                }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j >= jmax) break;  // folds away when jmax is the constant 8
                 uint32_t b[4];
-                x_frag(st + (8 * j + g) * XS_STRIDE + 16 * t, b);  // x[m][8t .. 8t+7]
-                // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
-                // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
-                if constexpr (PARTIAL) {
-                    float p[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_bf16(p, a[0][0], a[1][0], a[0][1], a[1][1], b[0], b[1]);
-                    mma_bf16(p, a[0][2], a[1][2], a[0][3], a[1][3], b[2], b[3]);
-                    acc[j][0] = fmaf(s[0], p[0], acc[j][0]);
-                    acc[j][1] = fmaf(s[0], p[1], acc[j][1]);
-                    acc[j][2] = fmaf(s[1], p[2], acc[j][2]);
-                    acc[j][3] = fmaf(s[1], p[3], acc[j][3]);
-                } else {
-                    mma_bf16(acc[j], a[0][0], a[1][0], a[0][1], a[1][1], b[0], b[1]);
-                    mma_bf16(acc[j], a[0][2], a[1][2], a[0][3], a[1][3], b[2], b[3]);
+                x_frag(st + (wcol + 8 * j + g) * XS_STRIDE + 16 * t, b);  // x[m][8t .. 8t+7]
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    // A regs: (row g, pair 2q), (row g+8, pair 2q), (row g, pair 2q+1), (row g+8, pair 2q+1);
+                    // B regs: pairs 2q, 2q+1 — logical k 2t,2t+1 <-> pair 2q, k 2t+8,2t+9 <-> pair 2q+1
+                    if constexpr (PARTIAL) {
+                        float p[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_bf16(p, a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                        mma_bf16(p, a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                        acc[i][j][0] = fmaf(s[i][0], p[0], acc[i][j][0]);
+                        acc[i][j][1] = fmaf(s[i][0], p[1], acc[i][j][1]);
+                        acc[i][j][2] = fmaf(s[i][1], p[2], acc[i][j][2]);
+                        acc[i][j][3] = fmaf(s[i][1], p[3], acc[i][j][3]);
+                    } else {
+                        mma_bf16(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b[0], b[1]);
+                        mma_bf16(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b[2], b[3]);
+                    }
                 }
             }
         };
@@ -240,37 +243,41 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
         for (int c = 0; c < T::CH; ++c) {
             if (kt * T::CH + c >= KC) break;  // the last stage's missing chunk (K % 64 == 32)
             const uint8_t* st = chunk_at(kt % S, c);
-            if (jn == JT) mma_tile(st, JT);  // full tiles: the branch-free copy
-            else if (jn > 0) mma_tile(st, jn);  // jn = 0: no row in this tile, it only copies
+            if (jn == 8) mma_tile(st, 8);  // full tiles: the branch-free copy
+            else if (jn > 0) mma_tile(st, jn);  // jn = 0: no row in this warp's columns, it only copies
         }
     }
     cp_async_wait<0>();
 
-    // ---- epilogue: acc[j][c] is (n = n0 + wrow + g + 16(c>>1), local m = 8j + 2t + (c&1))
+    // ---- epilogue: acc[i][j][c] is (n = n0 + wrow + 16i + g + 8(c>>1), local m = wcol + 8j + 2t + (c&1))
 #pragma unroll
-    for (int j = 0; j < JT; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int cm = 0; cm < 2; ++cm) {
-            const int id = rid[8 * j + 2 * t + cm];
+            const int id = rid[wcol + 8 * j + 2 * t + cm];
             if (id < 0) continue;
             const size_t yo = (size_t)(id / ydiv) * ldy;  // this row's start in y
             float* yr = y + yo;
             if (mode == MODE_SWIGLU) {
-                const int nb = n0 + 32 * (warp >> 1);  // 32-row block: gate rows 16, then their up rows
+                const int nb = n0 + wrow;  // 32-row block: gate tile i = 0, up tile i = 1
                 if (nb >= N) continue;
-                store_act(y, yo + nb / 2 + 8 * (warp & 1) + g, acc[j][cm], acc[j][2 + cm]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    store_act(y, yo + nb / 2 + g + 8 * h, acc[0][j][2 * h + cm], acc[1][j][2 * h + cm]);
                 continue;
             }
             const float rs = row_scale ? row_scale[id] : 1.f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int n = n0 + wrow + 16 * h + g;
-                if (n >= N) continue;
-                const float v = rs * acc[j][2 * h + cm];
-                if (mode == MODE_STORE) yr[n] = v;
-                else if (mode == MODE_ADD) yr[n] += v;
-                else atomicAdd(yr + n, v);
-            }
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int n = n0 + wrow + 16 * i + 8 * h + g;
+                    if (n >= N) continue;
+                    const float v = rs * acc[i][j][2 * h + cm];
+                    if (mode == MODE_STORE) yr[n] = v;
+                    else if (mode == MODE_ADD) yr[n] += v;
+                    else atomicAdd(yr + n, v);
+                }
         }
 }
 
