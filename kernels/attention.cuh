@@ -92,4 +92,95 @@ __device__ __forceinline__ int tile_off(int row, int byte) {
     }
 }
 
+// ------------------------------------------------------------------------------------------------ one 16-key step
+// (attention.cu's decode and attention_prefill.cu share these; a warp's tile is 16 query rows: rows g, g+8 of the
+// mma fragments, lane = 4g + t)
+
+// Scores of a 16-key step in log2 units from the two k-step-parity partial sums: s[j][c] is row g + 8(c/2), key
+// kb + 4t + 2j + c%2, times fac[2j + c%2] (sc, or sc × the int8 key scale); keys at or past lim[row] are masked.
+__device__ __forceinline__ void step_scores(const float (&sacc)[2][2][4], const float (&fac)[4], int kb, int t4,
+                                            const int (&lim)[2], float (&s)[2][4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int kk = 2 * j + (c & 1);
+            const float v = (sacc[0][j][c] + sacc[1][j][c]) * fac[kk];
+            s[j][c] = kb + 4 * t4 + kk < lim[c >> 1] ? v : kMasked;
+        }
+}
+
+// Online softmax over a step's 16 keys (a row's scores sit in the 4 lanes of its quad): s becomes p = 2^(s - m),
+// the running max m_run and lane-partial sum l_run advance, and o is rescaled where the max moved.
+template <int NO>
+__device__ __forceinline__ void step_softmax(float (&s)[2][4], float (&m_run)[2], float (&l_run)[2],
+                                             float (&o)[NO][4]) {
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx);
+        const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+        alpha[h] = exp2f(m_run[h] - base);
+        m_run[h] = m_new;
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pe = exp2f(s[j][2 * h + e] - base);
+                s[j][2 * h + e] = pe;
+                ps += pe;
+            }
+        l_run[h] = l_run[h] * alpha[h] + ps;  // lane-partial sum, reduced over the quad at the end
+    }
+    if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            o[n][0] *= alpha[0], o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+        }
+    }
+}
+
+// The split's partials of the warp's rows r0 + g, r0 + g + 8 (those < R): unnormalised o into acc and (max, sum)
+// into ml (attention.cu's scratch layout). Lane t holds dims 8E·a + 2E·t .. + 2E of each V group a (its c0
+// columns, then its c1 columns), C the fragment geometry the PV products used.
+template <typename C, int D>
+__device__ __forceinline__ void store_partials(const float (&o)[D / 8][4], const float (&m_run)[2], float (&l_run)[2],
+                                               int r0, int R, int G, int sp, int M, int b, int T, int nH, int kvh,
+                                               float* __restrict__ acc, float2* __restrict__ ml) {
+    const int g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = r0 + g + 8 * h;
+        if (rr >= R) continue;
+        const int tt = rr / G, j = rr - tt * G;
+        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        float* dst = acc + idx * D;
+#pragma unroll
+        for (int a = 0; a < C::NVG; ++a) {
+#pragma unroll
+            for (int v4 = 0; v4 < 2 * C::E / 4; ++v4) {
+                float e[4];
+#pragma unroll
+                for (int z = 0; z < 4; ++z) {
+                    const int col = 4 * v4 + z;  // 0..E-1: column 2t of n-tile col; E..2E-1: column 2t+1
+                    e[z] = col < C::E ? o[a * C::E + col][2 * h] : o[a * C::E + col - C::E][2 * h + 1];
+                }
+                *reinterpret_cast<float4*>(dst + 8 * C::E * a + 2 * C::E * t4 + 4 * v4) =
+                    make_float4(e[0], e[1], e[2], e[3]);
+            }
+        }
+        if (t4 == 0) ml[idx] = make_float2(m_run[h], l_run[h]);
+    }
+}
+
 }  // namespace

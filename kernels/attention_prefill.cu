@@ -42,11 +42,7 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
     constexpr int PF_WARPS = PG::PF_WARPS, NT = 32 * PF_WARPS;
     constexpr int ES = I8 ? 1 : 2, CRB = D * ES;  // bytes of a cached element, of a cached row
     extern __shared__ __align__(16) unsigned char smem[];
-    {
-        uint32_t have;
-        asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
-        if (have < (uint32_t)PG::SMEM) __trap();  // attention.py and PrefillGeo disagree: fail loudly
-    }
+    require_dynamic_smem(PG::SMEM);  // attention.py _prefill_smem mirrors PrefillGeo
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int sp = blockIdx.y, b = blockIdx.z / nKV, kvh = blockIdx.z - b * nKV;
     const int G = nH / nKV, R = T * G, rb0 = 16 * PF_WARPS * blockIdx.x, r0 = rb0 + 16 * warp;
@@ -184,44 +180,10 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
             fac[0] = f.x * sc, fac[1] = f.y * sc, fac[2] = f.z * sc, fac[3] = f.w * sc;
         }
         float s[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int kk = 2 * j + (c & 1);
-                const float v = (sacc[0][j][c] + sacc[1][j][c]) * fac[kk];
-                s[j][c] = kb + 4 * t4 + kk < lim[c >> 1] ? v : kMasked;
-            }
+        step_scores(sacc, fac, kb, t4, lim, s);
 
-        // ---- online softmax over the 16 keys; a row's 16 scores sit in the 4 lanes of its quad
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float m_new = fmaxf(m_run[h], mx);
-            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-            alpha[h] = exp2f(m_run[h] - base);
-            m_run[h] = m_new;
-            float ps = 0.f;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pe = exp2f(s[j][2 * h + e] - base);
-                    s[j][2 * h + e] = pe;
-                    ps += pe;
-                }
-            l_run[h] = l_run[h] * alpha[h] + ps;  // lane-partial sum, reduced over the quad at the end
-        }
-        if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][0] *= alpha[0], o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1], o[n][3] *= alpha[1];
-            }
-        }
+        // ---- online softmax over the 16 keys
+        step_softmax(s, m_run, l_run, o);
 
         // ---- o += p v, with p (times the value scale for int8) rounded to bf16
         if constexpr (I8) {
@@ -251,35 +213,7 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
         }
     }
 
-    // ---- partials: rows g, g+8; lane t holds dims 8E*a + 2E*t .. + 2E of each V group (c0 then c1 columns)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + g + 8 * h;
-        if (rr >= R) continue;
-        const int tt = rr / G, j = rr - tt * G;
-        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
-        float* dst = acc + idx * D;
-#pragma unroll
-        for (int a = 0; a < C::NVG; ++a) {
-#pragma unroll
-            for (int v4 = 0; v4 < 2 * C::E / 4; ++v4) {
-                float e[4];
-#pragma unroll
-                for (int z = 0; z < 4; ++z) {
-                    const int col = 4 * v4 + z;  // 0..E-1: column 2t of n-tile col; E..2E-1: column 2t+1
-                    e[z] = col < C::E ? o[a * C::E + col][2 * h] : o[a * C::E + col - C::E][2 * h + 1];
-                }
-                *reinterpret_cast<float4*>(dst + 8 * C::E * a + 2 * C::E * t4 + 4 * v4) =
-                    make_float4(e[0], e[1], e[2], e[3]);
-            }
-        }
-        if (t4 == 0) ml[idx] = make_float2(m_run[h], l_run[h]);
-    }
+    store_partials<C, D>(o, m_run, l_run, r0, R, G, sp, M, b, T, nH, kvh, acc, ml);
 }
 
 }  // namespace

@@ -105,6 +105,14 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// A kernel whose launcher computes its dynamic shared memory from a Python mirror of the kernel's layout calls this
+// first: a launch with less than `need` bytes means the two disagree, and it traps rather than corrupt memory.
+__device__ __forceinline__ void require_dynamic_smem(uint32_t need) {
+    uint32_t have;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
+    if (have < need) __trap();
+}
+
 // Programmatic dependent launch (sm_90+). Every kernel starts with ninfer_pdl_begin(): wait until the kernel
 // before it in the stream has finished and its writes are visible, then let the next kernel start launching,
 // so its launch and block ramp-up overlap this kernel's work. Both are no-ops on older GPUs and when the launch

@@ -39,12 +39,6 @@ struct Rec {  // one record's fields, offsets in floats
     static constexpr int WQ = 0, KD = 2 * C * DK, QKT = 3 * C * DK, EL = QKT + C * C, FLOATS = EL + 4;
 };
 
-__device__ __forceinline__ void check_smem(uint32_t need) {
-    uint32_t have;
-    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
-    if (have < need) __trap();  // deltanet.py and this file disagree: fail loudly
-}
-
 // ------------------------------------------------------------------------------------------------ prep
 
 // grid (chunks, nv, B), kThreads. Shared memory (floats): q, k, w [C][DK + 4]; v [C][dv + 4]; A, QK [C][C + 4];
@@ -59,7 +53,7 @@ __device__ __forceinline__ void prep_impl(float* __restrict__ c, const float* __
     extern __shared__ __align__(16) float sm[];
     float *sq = sm, *sk = sq + C * P, *sw = sk + C * P, *sv = sw + C * P, *sA = sv + C * VS, *sQK = sA + C * CP;
     float *gam = sQK + C * CP, *beta = gam + C, *eg = beta + C, *fL = eg + C, *eL = fL + C;
-    check_smem((uint32_t)(eL + 4 - sm) * 4);
+    require_dynamic_smem((uint32_t)(eL + 4 - sm) * 4);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ci = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t0 = ci * C, n = min(C, T - t0);
@@ -231,7 +225,7 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
     static_assert(kThreads == 256 && C == 32 && DN_COLS == 32, "the register tiles assume 16 × 16 threads");
     extern __shared__ __align__(16) float sm[];
     float* sS = sm;
-    check_smem((DK * DN_COLS + STAGES * STAGE) * 4);
+    require_dynamic_smem((DK * DN_COLS + STAGES * STAGE) * 4);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = 2 * warp + (lane >> 4), cp = 2 * (lane & 15);  // row group, first column of the pair

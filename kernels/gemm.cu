@@ -77,11 +77,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                                           int count, int m0, int xdiv, int ydiv, int mode) {
     using T = Traits<BITS>;
     extern __shared__ __align__(16) uint8_t smem[];
-    {
-        uint32_t have;
-        asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
-        if (have < (uint32_t)T::SMEM) __trap();  // the launcher and Traits disagree: fail loudly
-    }
+    require_dynamic_smem(T::SMEM);  // gemm.py smem_bytes mirrors Traits
     long long* xoff = reinterpret_cast<long long*>(smem);  // x row offset in elements, -1: no row
     int* rid = reinterpret_cast<int*>(smem + BM * 8);      // row id, -1: no row
     uint8_t* stages = smem + RID_BYTES;

@@ -57,11 +57,7 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
                                            int mode) {
     using T = STraits<BITS>;
     extern __shared__ __align__(16) uint8_t smem[];
-    {
-        uint32_t have;
-        asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
-        if (have < (uint32_t)T::SMEM) __trap();  // the launcher and STraits disagree: fail loudly
-    }
+    require_dynamic_smem(T::SMEM);  // gemm.py small_smem_bytes mirrors STraits
     long long* xoff = reinterpret_cast<long long*>(smem);  // x row offset in elements, -1: no token
     int* rid = reinterpret_cast<int*>(smem + TM * 8);      // slot id, -1: no token
     uint8_t* stages = smem + S_RID;
