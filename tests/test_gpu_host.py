@@ -226,9 +226,10 @@ def test_the_device_draws_only_what_the_host_sampler_would():
 
 # ------------------------------------------------------------------------------------------ launches, no GPU
 
-def fake_kernels(major: int, minor: int, targets=TARGETS):
-    """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`;
-    its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster)."""
+def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132, smem_optin: int = 0):
+    """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`, with
+    sm_count SMs and smem_optin bytes of shared memory a block may opt into; its launches are recorded in
+    k.gpu.launches as (entry point, grid, block, cluster)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -242,9 +243,10 @@ def fake_kernels(major: int, minor: int, targets=TARGETS):
 
     k = Kernels.__new__(Kernels)
     launches = []
-    k.gpu = SimpleNamespace(info=DeviceInfo("fake", major, minor, 132, 0, 0, 0), launches=launches,
+    k.gpu = SimpleNamespace(info=DeviceInfo("fake", major, minor, sm_count, 0, 0, smem_optin), launches=launches,
                             launch=lambda fn, grid, block, args, smem, stream, cluster:
-                            launches.append((fn, grid, block, cluster)))
+                            launches.append((fn, grid, block, cluster)),
+                            set_max_dynamic_smem=lambda fn, nbytes: None)
     k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
     k.modules, k._fns, k._smem = [Module()], {}, {}
     return k
@@ -329,3 +331,50 @@ def test_cluster_launches_go_through_launch_kernel_ex(monkeypatch):
     with pytest.raises(driver.GpuError, match="divide the grid"):
         g.launch("f", (6, 2), 256, [], cluster=4)
     assert len(calls) == 5
+
+
+# Shared memory a block may opt into, per compute capability (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"), and the SM counts of an H200, A100, RTX 3090, RTX 4090 and RTX 5090.
+GPUS = {"H200": ((9, 0), 132, 227 * 1024), "A100": ((8, 0), 108, 163 * 1024), "RTX 3090": ((8, 6), 82, 99 * 1024),
+        "RTX 4090": ((8, 9), 128, 99 * 1024), "RTX 5090": ((12, 0), 170, 99 * 1024)}
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("model, nv", [("35B-A3B", 32), ("27B", 48)])
+def test_prefill_delta_rule_plan(gpu, model, nv):
+    """deltanet.prefill of 4096 tokens at the family's head shapes, on each target GPU: conv, the chunked prep
+    (a block per chunk and value head), the chunked state kernel (a block per head and 32 columns) and the gated
+    norm. The state kernel takes two record stages (131 KB) only where they fit a block and its blocks fit one
+    wave at one per SM: the 35B's 128 on the H200; else the one-stage _s1 (73 KB): on the ~99 KB GPUs, the
+    A100's 108 SMs, the 27B's 192 blocks. Every launch's shared memory fits the GPU (opt_in_smem raises if not)."""
+    from ninfer_rt.gpu import deltanet
+    cc, sms, optin = GPUS[gpu]
+    k = fake_kernels(*cc, sm_count=sms, smem_optin=optin)
+    T, nk, dk, dv = 4096, 16, 128, 128
+    deltanet.prefill(k, mixed=1, ld_mixed=2 * nk * dk + 2 * nv * dv, ba=1, conv_w=1, A_log=1, dt_bias=1, norm_w=1,
+                     conv_state=1, ssm_state=1, slot=1, pos=1, B=1, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=4, eps=1e-6,
+                     out=1, scratch=1)
+    two_stages = gpu == "H200" and model == "35B-A3B"
+    assert [(fn, grid, block) for fn, grid, block, _ in k.gpu.launches[1:3]] == [
+        ("deltanet_chunk_prep_dk128", (T // 32, nv, 1), 256),
+        ("deltanet_chunk_state_dk128" + ("" if two_stages else "_s1"), (dv // 32, nv, 1), 256)]
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("dtype, warps", [("int8", 8), ("bf16", 4)])
+def test_prefill_attention_plan(gpu, dtype, warps):
+    """attention.prefill of 4096 tokens at the 35B-A3B's heads (16 query heads over 2 KV heads of 256) on each
+    target GPU: attn_prefill_<dtype>_d256 in blocks of `warps` warps of 16 query rows (8 for an int8 cache, 4 for
+    bf16), one split, then the combine; its shared memory fits every target's opt-in limit."""
+    from ninfer_rt.gpu import attention
+    cc, sms, optin = GPUS[gpu]
+    k = fake_kernels(*cc, sm_count=sms, smem_optin=optin)
+    T, nH, nKV, d = 4096, 16, 2, 256
+    cache = attention.KVCache(k=1, v=1, k_scale=int(dtype == "int8"), v_scale=int(dtype == "int8"), slots=1,
+                              max_ctx=T, nKV=nKV, d=d, dtype=dtype)
+    attention.prefill(k, q=1, gate=1, ld_gate=nH * d, pos=1, slot=1, T=T, nH=nH, cache=cache, out=1, scratch=1,
+                      ctx_bucket=T)
+    (fn, grid, block, _), (combine, *_) = k.gpu.launches
+    assert (fn, grid, block, combine) == (f"attn_prefill_{dtype}_d256", (T * nH // nKV // (16 * warps), 1, nKV),
+                                          32 * warps, "attn_combine")
+
