@@ -42,7 +42,7 @@ __device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_
 
 // ------------------------------------------------------------------------------------------------ decode
 
-template <int D, bool I8, int TERMS>
+template <int D, bool I8>
 __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                             const unsigned char* __restrict__ vc, const float* __restrict__ ks,
                                             const float* __restrict__ vs, const int* __restrict__ pos,
@@ -50,7 +50,7 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
                                             float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
                                             int max_ctx, int cs, int n_splits, float sc) {
     using C = Geo<D, I8>;
-    static_assert(TERMS == 1 || TERMS == 3, "q and p in one bf16 term or three");
+    constexpr int TERMS = 3;  // q and p as hi + mid + lo bf16 terms
     __shared__ __align__(16) unsigned char q_s[TERMS * 16 * C::QSTRIDE];  // [term][row][QSTRIDE] bf16
     __shared__ __align__(16) unsigned char k_s[16 * C::RB];
     __shared__ __align__(16) unsigned char v_s[16 * C::RB];
@@ -147,10 +147,8 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
         split3(x.z, x.w, h23, m23, l23);
         unsigned char* dst = q_s + r * C::QSTRIDE + c4 * 8;
         *reinterpret_cast<uint2*>(dst) = make_uint2(h01, h23);
-        if constexpr (TERMS == 3) {
-            *reinterpret_cast<uint2*>(dst + 16 * C::QSTRIDE) = make_uint2(m01, m23);
-            *reinterpret_cast<uint2*>(dst + 32 * C::QSTRIDE) = make_uint2(l01, l23);
-        }
+        *reinterpret_cast<uint2*>(dst + 16 * C::QSTRIDE) = make_uint2(m01, m23);
+        *reinterpret_cast<uint2*>(dst + 32 * C::QSTRIDE) = make_uint2(l01, l23);
     }
 
     for (int kb = k_begin; kb < k_end; kb += 16) {
@@ -273,25 +271,23 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
 
 // ------------------------------------------------------------------------------------------------ entry points
 
-#define NINFER_DECODE(NAME, D, I8, TERMS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32) NAME(                                                       \
+#define NINFER_DECODE(D, KIND, I8)                                                                                \
+    extern "C" __global__ void __launch_bounds__(32) attn_decode_##KIND##_d##D(                                  \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
-        int max_ctx, int cs, int n_splits, float sc) { ninfer_pdl_begin();                                                            \
-        decode_impl<D, I8, TERMS>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,      \
-                                  n_splits, sc);                                                                  \
+        int max_ctx, int cs, int n_splits, float sc) {                                                            \
+        ninfer_pdl_begin();                                                                                       \
+        decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs, n_splits,    \
+                           sc);                                                                                   \
     }
-
-#define NINFER_ATTN_KERNELS(KIND, TERMS)                                                                          \
-    NINFER_DECODE(attn_##KIND##_bf16_d32, 32, false, TERMS)                                                      \
-    NINFER_DECODE(attn_##KIND##_bf16_d64, 64, false, TERMS)                                                      \
-    NINFER_DECODE(attn_##KIND##_bf16_d128, 128, false, TERMS)                                                    \
-    NINFER_DECODE(attn_##KIND##_bf16_d256, 256, false, TERMS)                                                    \
-    NINFER_DECODE(attn_##KIND##_int8_d32, 32, true, TERMS)                                                       \
-    NINFER_DECODE(attn_##KIND##_int8_d64, 64, true, TERMS)                                                       \
-    NINFER_DECODE(attn_##KIND##_int8_d128, 128, true, TERMS)                                                     \
-    NINFER_DECODE(attn_##KIND##_int8_d256, 256, true, TERMS)
-NINFER_ATTN_KERNELS(decode, 3)
+NINFER_DECODE(32, bf16, false)
+NINFER_DECODE(64, bf16, false)
+NINFER_DECODE(128, bf16, false)
+NINFER_DECODE(256, bf16, false)
+NINFER_DECODE(32, int8, true)
+NINFER_DECODE(64, int8, true)
+NINFER_DECODE(128, int8, true)
+NINFER_DECODE(256, int8, true)
 
 // grid (M, nH, Z), block 8*SJ (SJ = 4..32 split lanes): column blocks zb = z, z+Z, ... (32 columns each) of
 // out[m, h*D + i] =
