@@ -14,6 +14,7 @@ that a fused step's writes never land on rows another block of the same step sti
 
 from __future__ import annotations
 
+from ninfer_rt.formats import round_up
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
 from ninfer_rt.gpu.weights import DeviceWeight
 
@@ -90,19 +91,20 @@ def _check(*, mixed, ld_mixed, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_s
 
 
 def chunk_record_floats(dk: int) -> int:
-    """Floats of one chunk record (Rec in deltanet_chunked.cu): e^γ q̂, e^{γ_L−γ} k̂, W [C][dk]; QK [C][C]; e^{γ_L}
-    and 3 pad."""
+    """Floats of one chunk record (Rec in deltanet_chunked.cu): W and e^γ q̂ k-major [dk][2C]; e^{γ_L−γ} k̂
+    [C][dk]; QKᵀ [C][C]; e^{γ_L} and 3 pad."""
     return CHUNK * (3 * dk + CHUNK) + 4
 
 
-def _align(n: int) -> int:
-    return -(-n // 256) * 256
+def _records_offset(M: int, conv_dim: int) -> int:
+    """Where the chunk records start in the scratch: after the conv output, 256-byte aligned."""
+    return round_up(decode_scratch_bytes(M, conv_dim), 256)
 
 
 def chunked_scratch_bytes(B: int, T: int, conv_dim: int, nv: int, dk: int) -> int:
     """Device scratch the chunked delta rule needs for B sequences of T tokens: the conv output
     (decode_scratch_bytes), then one record per (sequence, chunk of CHUNK tokens, value head)."""
-    return _align(decode_scratch_bytes(B * T, conv_dim)) + B * -(-T // CHUNK) * nv * chunk_record_floats(dk) * 4
+    return _records_offset(B * T, conv_dim) + B * -(-T // CHUNK) * nv * chunk_record_floats(dk) * 4
 
 
 def prep_smem_bytes(dk: int, dv: int) -> int:
@@ -121,8 +123,8 @@ def state_smem_bytes(dk: int, stages: int) -> int:
 def state_stages(k, *, dk: int, blocks: int) -> int:
     """Record stages of the state kernel: 2 (the next chunk copied while this one computes) where a block's shared
     memory holds them (131 KB at dk = 128: sm_80, sm_90) and the blocks fit one wave at one per SM; else 1 (73 KB,
-    two or more blocks per SM) with an L2 prefetch. H200, T = 4096: 35B (128 blocks) 0.77 ms with 2 stages, 0.89
-    with 1; 27B (192 blocks) 1.53 with 2 (two waves), 1.43 with 1 (perf.md v18)."""
+    two or more blocks per SM) with an L2 prefetch. H200, T = 4096: 35B (128 blocks) 0.66 ms with 2 stages, 0.79
+    with 1; 27B (192 blocks) 1.29 with 2 (two waves), 1.21 with 1 (perf.md v18)."""
     fits = state_smem_bytes(dk, 2) <= k.gpu.info.max_smem_per_block_optin
     return 2 if fits and blocks <= k.gpu.info.sm_count else 1
 
@@ -164,10 +166,8 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
     k.launch("deltanet_conv", conv_grid, CONV_THREADS,
              [ptr(mixed), i32(ld_mixed), ptr(conv_w), ptr(conv_state), ptr(slot), ptr(pos), i32(ring_rows(Kc)),
               ptr(scratch), i32(T), i32(conv_dim), i32(Kc)], 0, stream)
-    rule = [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
-            i32(nk), i32(nv), i32(dv)]
     if chunked:
-        chunks, rec = -(-T // CHUNK), scratch + _align(decode_scratch_bytes(M, conv_dim))
+        chunks, rec = -(-T // CHUNK), scratch + _records_offset(M, conv_dim)
         name, smem = f"deltanet_chunk_prep_dk{dk}", prep_smem_bytes(dk, dv)
         k.opt_in_smem(name, smem)
         k.launch(name, (chunks, nv, B), CHUNK_THREADS,
@@ -181,7 +181,9 @@ def decode(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, dt
                  smem, stream)
     else:
         warps = _recurrent_warps(dv)
-        k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps, rule, 0, stream)
+        k.launch(f"deltanet_recurrent_dk{dk}", (dv // (8 * warps), nv, B), 32 * warps,
+                 [ptr(scratch), ptr(ba), ptr(A_log), ptr(dt_bias), ptr(ssm_state), ptr(slot), ptr(out), i32(T),
+                  i32(nk), i32(nv), i32(dv)], 0, stream)
     k.launch("deltanet_gated_norm", ((M * nv + NORM_WARPS - 1) // NORM_WARPS,), 32 * NORM_WARPS,
              [ptr(out), ptr(mixed), i32(ld_mixed), i32(conv_dim), ptr(norm_w), i32(M), i32(nv), i32(dv),
               f32(eps)], 0, stream)
@@ -199,8 +201,8 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
 
     The delta rule runs in chunks of CHUNK tokens (ops.gated_delta_rule_chunked) where chunked_supported, else
     token by token as decode does; the conv and the norm are parallel over tokens either way. On the H200 at
-    T = 4096 the mixer takes 1.23 ms per layer chunked against 2.98 token by token at the 35B's heads, 2.07
-    against 3.07 at the 27B's (perf.md v18).
+    T = 4096 the mixer takes 1.14 ms per layer chunked against 3.00 token by token at the 35B's heads, 2.33
+    against 3.05 at the 27B's (perf.md v18).
     """
     if B != 1:
         raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")

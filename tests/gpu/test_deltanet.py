@@ -232,8 +232,8 @@ def test_prefill(kernels, dev, rng, recorder, dims, T):
     d = STEP_DIMS[dims]
     chunked = d["dv"] % 32 == 0
     assert chunked == deltanet.chunked_supported(kernels, dk=d["dk"], dv=d["dv"])
-    assert rec.names[:len(rule_kernels(kernels, d, chunked)) + 2] == [
-        "deltanet_conv", *rule_kernels(kernels, d, chunked), "deltanet_gated_norm"], rec.names
+    rule = rule_kernels(kernels, d, chunked)
+    assert rec.names[:len(rule) + 2] == ["deltanet_conv", *rule, "deltanet_gated_norm"], rec.names
 
 
 def rule_kernels(kernels, d, chunked, stages=None):
