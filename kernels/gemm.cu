@@ -269,10 +269,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                 for (int h = 0; h < 2; ++h) {
                     const int n = n0 + wrow + 16 * i + 8 * h + g;
                     if (n >= N) continue;
-                    const float v = rs * acc[i][j][2 * h + cm];
-                    if (mode == MODE_STORE) yr[n] = v;
-                    else if (mode == MODE_ADD) yr[n] += v;
-                    else atomicAdd(yr + n, v);
+                    store_out(mode, yr, n, rs * acc[i][j][2 * h + cm]);
                 }
         }
 }

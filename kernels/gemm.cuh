@@ -37,6 +37,32 @@ __device__ __forceinline__ void mma_bf16(float d[4], uint32_t a0, uint32_t a1, u
 // bf16 constants (x2): 0x4300 = 128.0; OR-ing an integer u < 128 into its mantissa gives exactly 128 + u.
 constexpr uint32_t BF2_MAGIC = 0x43004300u, BF2_ONE = 0x3F803F80u;
 
+// The 4 bf16x2 pairs j of 8 elements of one row, as exact codes: w holds the 8 codes' low nibbles (byte j: pair j,
+// the first element in the low nibble), h their high bits (q5: bit 2j + e of element e of pair j; q6: bits
+// 4j + 2e.. of it; q4: unused).
+template <int BITS>
+__device__ __forceinline__ void nibble_pairs(uint32_t w, uint32_t h, uint32_t a[4]) {
+    static_assert(BITS >= 4 && BITS <= 6, "nibble formats only");
+    // byte j of w and of w >> 4 brought to bits 0..3 and 16..19 by one byte permute
+    const uint32_t w4 = w >> 4;
+    uint32_t hh[2] = {0u, 0u};  // high bits spread so that (hh >> s·j') & mask lands pair j's at bits 4.. and 20..
+    if constexpr (BITS == 5) {
+        hh[0] = (h << 4) | (h << 19);  // bit 2j -> 4 + 2j, bit 2j+1 -> 20 + 2j
+    } else if constexpr (BITS == 6) {
+        const uint32_t h1 = h >> 8;  // pairs 2, 3: h << 18 would push pair 3's bits past bit 31
+        hh[0] = (h << 4) | (h << 18);  // bits 4j, 4j+1 -> 4 + 4j.., bits 4j+2.. -> 20 + 4j..
+        hh[1] = (h1 << 4) | (h1 << 18);
+    }
+    constexpr uint32_t NEG = BITS == 4 ? 0xC308C308u : (BITS == 5 ? 0xC310C310u : 0xC320C320u);  // -(128+off)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        uint32_t u = (__byte_perm(w, w4, (uint32_t)j | ((4u + j) << 8)) & 0x000F000Fu) | BF2_MAGIC;
+        if constexpr (BITS == 5) u |= (hh[0] >> (2 * j)) & 0x00100010u;
+        if constexpr (BITS == 6) u |= (hh[j >> 1] >> (4 * (j & 1))) & 0x00300030u;
+        a[j] = bf2_fma(u, BF2_ONE, NEG);
+    }
+}
+
 // The 4 bf16x2 pairs of one row's 8 consecutive k (8t..8t+7 of the 32-wide chunk at `row` of the stage),
 // as exact codes (nibble formats) or the stored bf16 values, paired as above. q8: decode_row_q8_scaled.
 template <int BITS>
@@ -46,29 +72,13 @@ __device__ __forceinline__ void decode_row(const uint8_t* wq, const uint8_t* wh,
         const uint4 v = *reinterpret_cast<const uint4*>(wq + row * 64 + 16 * t);  // (e0,e1) (e2,e3) ...
         a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
     } else {
-        // element 8t+e sits in bits 4e..4e+3 of w: byte j holds elements 2j (low nibble) and 2j+1 (high nibble),
-        // brought to bits 0..3 and 16..19 by one byte permute of w and w >> 4
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t), w4 = w >> 4;
-        uint32_t hh[2] = {0u, 0u};  // high bits of elements 0..3 / 4..7, spread so that (hh >> s·j') & mask
-                                    // lands element 2j's at bits 4.. and element 2j+1's at bits 20..
-        if constexpr (BITS == 5) {
-            const uint32_t h = (*reinterpret_cast<const uint32_t*>(wh + row * 4) >> (8 * t)) & 0xFFu;
-            hh[0] = (h << 4) | (h << 19);  // bit 2j -> 4 + 2j, bit 2j+1 -> 20 + 2j
-        } else if constexpr (BITS == 6) {
-            const uint32_t h =
-                (*reinterpret_cast<const uint32_t*>(wh + row * 8 + 4 * (t >> 1)) >> (16 * (t & 1))) & 0xFFFFu;
-            const uint32_t h1 = h >> 8;  // elements 4..7: h << 18 would push element 7's bits past bit 31
-            hh[0] = (h << 4) | (h << 18);  // bits 4j, 4j+1 -> 4 + 4j.., bits 4j+2.. -> 20 + 4j..
-            hh[1] = (h1 << 4) | (h1 << 18);
-        }
-        constexpr uint32_t NEG = BITS == 4 ? 0xC308C308u : (BITS == 5 ? 0xC310C310u : 0xC320C320u);  // -(128+off)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            uint32_t u = (__byte_perm(w, w4, (uint32_t)j | ((4u + j) << 8)) & 0x000F000Fu) | BF2_MAGIC;
-            if constexpr (BITS == 5) u |= (hh[0] >> (2 * j)) & 0x00100010u;
-            if constexpr (BITS == 6) u |= (hh[j >> 1] >> (4 * (j & 1))) & 0x00300030u;
-            a[j] = bf2_fma(u, BF2_ONE, NEG);
-        }
+        // element 8t+e sits in bits 4e..4e+3 of w: byte j holds elements 2j (low nibble) and 2j+1 (high nibble)
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(wq + row * 16 + 4 * t);
+        uint32_t h = 0u;
+        if constexpr (BITS == 5) h = (*reinterpret_cast<const uint32_t*>(wh + row * 4) >> (8 * t)) & 0xFFu;
+        if constexpr (BITS == 6)
+            h = (*reinterpret_cast<const uint32_t*>(wh + row * 8 + 4 * (t >> 1)) >> (16 * (t & 1))) & 0xFFFFu;
+        nibble_pairs<BITS>(w, h, a);
     }
 }
 
@@ -81,21 +91,26 @@ __device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
     return d;
 }
 
-// The scaled weights the GEMMs' MMAs take for q8: w = q · s rounded once to bf16, paired as decode_row. The
-// byte u = q + 128 into the fp32 2^23 + u, less 2^23 + 128, is q exactly; q · s is exact in fp32
-// (8 × 11 bits), then one rounding.
-__device__ __forceinline__ void decode_row_q8_scaled(const uint8_t* wq, int row, int t, float s, uint32_t a[4]) {
-    const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
-    const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+// The scaled weights the GEMMs' MMAs take for q8: w = q · s rounded once to bf16. The byte u = q + 128 into the
+// fp32 2^23 + u, less 2^23 + 128, is q exactly; q · s is exact in fp32 (8 × 11 bits), then one rounding.
+// u[h] holds the biased codes q + 128 of pairs 2h, 2h + 1 (first element in the low byte); a[j] gets pair j.
+__device__ __forceinline__ void q8_scaled_pairs(const uint32_t u[2], float s, uint32_t a[4]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {  // elements 4h + 2b, 4h + 2b + 1: byte n of w[h] into 0x4B0000nn
-            const float lo = __uint_as_float(__byte_perm(w[h], 0x4B000000u, 0x7540u | (2u * b))) - 8388736.f;
-            const float hi = __uint_as_float(__byte_perm(w[h], 0x4B000000u, 0x7541u | (2u * b))) - 8388736.f;
+        for (int b = 0; b < 2; ++b) {  // elements 4h + 2b, 4h + 2b + 1: byte n of u into 0x4B0000nn
+            const float lo = __uint_as_float(__byte_perm(u[h], 0x4B000000u, 0x7540u | (2u * b))) - 8388736.f;
+            const float hi = __uint_as_float(__byte_perm(u[h], 0x4B000000u, 0x7541u | (2u * b))) - 8388736.f;
             a[2 * h + b] = pack_bf2(lo * s, hi * s);
         }
     }
+}
+
+// q8 for gemm.cu's mma.sync tiles: one row's 8 consecutive k (8t..8t+7 of the chunk), paired as decode_row.
+__device__ __forceinline__ void decode_row_q8_scaled(const uint8_t* wq, int row, int t, float s, uint32_t a[4]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(wq + row * 32 + 8 * t);  // bytes e0..e3, e4..e7
+    const uint32_t u[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};  // stored int8 q -> q + 128
+    q8_scaled_pairs(u, s, a);
 }
 
 // The 4 bf16x2 B registers of one token's 8 consecutive k: the 16 bytes at xr of a staged bf16 x row, as they
@@ -103,6 +118,13 @@ __device__ __forceinline__ void decode_row_q8_scaled(const uint8_t* wq, int row,
 __device__ __forceinline__ void x_frag(const uint8_t* xr, uint32_t b[4]) {
     const uint4 v = *reinterpret_cast<const uint4*>(xr);
     b[0] = v.x, b[1] = v.y, b[2] = v.z, b[3] = v.w;
+}
+
+// The store / add / atomic-add epilogues' output y[n] of one row (mode: MODE_STORE, MODE_ADD, MODE_ATOMIC_ADD).
+__device__ __forceinline__ void store_out(int mode, float* yr, int n, float v) {
+    if (mode == MODE_STORE) yr[n] = v;
+    else if (mode == MODE_ADD) yr[n] += v;
+    else atomicAdd(yr + n, v);
 }
 
 // The SwiGLU epilogue's output: bf16, the input format of the down projection that reads it.
