@@ -1,11 +1,12 @@
 """Prefill GEMM throughput (ninfer_rt.gpu.gemm.gemm) on the Qwen3.6-35B-A3B shapes, timed with driver events.
 
     python bench/gemm_bench.py [--json PATH] [--formats q8g32,q4g64] [--M 512,2048,8192] [--reps 20]
-                               [--moe-M 512,2048] [--no-dense]
+                               [--moe-M 512,2048] [--no-dense] [--kernels mma,wgmma]
 
 For each format, weight shape [N, K] and M rows: `reps` back-to-back launches between two events, after a
 warm-up, median of 3 rounds; TFLOP/s = 2·M·N·K / time. Weights are random valid codes and scales. Prints a
-table (and writes JSON with --json); without a GPU it exits with one line.
+table (and writes JSON with --json); without a GPU it exits with one line. --kernels: the GEMM kernels to time
+(gemm.KERNELS; default every one this GPU runs: mma, and wgmma on an H100/H200).
 
 MoE: gemm.moe_grouped at the 35B expert shapes (E = 256, top_k = 8, I = 512, H = 2048, gate_up q4g64, down
 q5g64) for each --moe-M, random routing (8 distinct experts per token), both paths ("small": moe_small, tiles
@@ -50,7 +51,7 @@ def random_weight(fmt: str, shape, rng) -> np.ndarray:
     return f.pack(q, sc)
 
 
-def time_gemm(gpu, k, w, M: int, reps: int) -> float:
+def time_gemm(gpu, k, w, M: int, reps: int, kernel: str) -> float:
     """Milliseconds per launch of gemm.gemm(w) on M random rows (median of 3 rounds of `reps`)."""
     from ninfer_rt.gpu import gemm
 
@@ -58,8 +59,8 @@ def time_gemm(gpu, k, w, M: int, reps: int) -> float:
     x, y = gpu.alloc(M * K * 2), gpu.alloc(M * N * 4)
     try:
         gpu.upload(x, f32_to_bf16_bits(np.random.default_rng(1).standard_normal((M, K), dtype=np.float32)))
-        return statistics.median(eager_ms(gpu, lambda: gemm.gemm(k, w, x=x, M=M, y=y), rounds=3, reps=reps,
-                                          warmup=3))
+        return statistics.median(eager_ms(gpu, lambda: gemm.gemm(k, w, x=x, M=M, y=y, kernel=kernel), rounds=3,
+                                          reps=reps, warmup=3))
     finally:
         gpu.free(x)
         gpu.free(y)
@@ -68,7 +69,7 @@ def time_gemm(gpu, k, w, M: int, reps: int) -> float:
 MOE = dict(E=256, top_k=8, I=512, H=2048, gate_up="q4g64", down="q5g64")
 
 
-def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, int]:
+def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng, kernel: str) -> tuple[float, int]:
     """(ms per moe_grouped call by graph replay, bytes of the touched experts' weights) for M random tokens."""
     from ninfer_rt.gpu import gemm
 
@@ -87,7 +88,7 @@ def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, 
 
         def call():
             gemm.moe_grouped(k, gu, dn, x=xp, M=M, ids=ip, weights=wp, top_k=top_k, act=ap, y=yp, scratch=sp,
-                             path=path)
+                             path=path, kernel=kernel)
 
         rounds = replay_ms(gpu, call, rounds=3, replays=reps)  # eager call first: smem attributes outside
         touched = len(np.unique(ids))
@@ -98,7 +99,7 @@ def time_moe(gpu, k, gu, dn, M: int, reps: int, path: str, rng) -> tuple[float, 
             gpu.free(b)
 
 
-def bench_moe(gpu, k, Ms, reps: int, rows: list) -> None:
+def bench_moe(gpu, k, Ms, reps: int, rows: list, kernels) -> None:
     from ninfer_rt.gpu.weights import DeviceWeight
 
     E, I, H = MOE["E"], MOE["I"], MOE["H"]
@@ -115,10 +116,13 @@ def bench_moe(gpu, k, Ms, reps: int, rows: list) -> None:
                             f"{MOE['gate_up']}/{MOE['down']} (graph replay)")
         for col in ("M", "path", "ms", "weight GB/s"):
             table.add_column(col, justify="right")
+        paths = ["small"] + [f"large {kern}" for kern in kernels]  # moe_small is mma.sync only
         for M in Ms:
-            for path in ("small", "large"):
-                ms, nbytes = time_moe(gpu, k, ws["gate_up"], ws["down"], M, reps, path, rng)
-                rows.append(dict(moe=True, M=M, path=path, ms=round(ms, 4), weight_gbs=round(nbytes / ms / 1e6, 1)))
+            for path in paths:
+                p, kern = (path.split() + ["mma"])[:2]
+                ms, nbytes = time_moe(gpu, k, ws["gate_up"], ws["down"], M, reps, p, rng, kern)
+                rows.append(dict(moe=True, M=M, path=p, kernel=kern, ms=round(ms, 4),
+                                 weight_gbs=round(nbytes / ms / 1e6, 1)))
                 table.add_row(str(M), path, f"{ms:.3f}", f"{nbytes / ms / 1e6:.0f}")
         Console().print(table)
     finally:
@@ -134,6 +138,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--moe-M", default="512,2048", help="tokens for the MoE bench, comma-separated ('' skips)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense gemm table")
+    ap.add_argument("--kernels", default=None, help="GEMM kernels to time, comma-separated (mma, wgmma); "
+                                                    "default: every one this GPU runs")
     args = ap.parse_args()
     try:
         gpu = Gpu(0)
@@ -142,12 +148,19 @@ def main() -> None:
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.weights import DeviceWeight
 
+    from ninfer_rt.gpu import gemm
+
     k = Kernels(gpu)
+    kernels = args.kernels.split(",") if args.kernels else ["mma"] + (["wgmma"] if gemm.wgmma_available(k) else [])
+    bad = [kern for kern in kernels if kern not in gemm.KERNELS[1:]]
+    if bad or ("wgmma" in kernels and not gemm.wgmma_available(k)):
+        sys.exit(f"gemm_bench: kernel {(bad or ['wgmma'])[0]!r} is not one this GPU runs "
+                 f"(mma{', wgmma' if gemm.wgmma_available(k) else ''})")
     rng = np.random.default_rng(0)
     Ms = [int(m) for m in args.M.split(",")]
     rows = []
-    table = Table(title=f"gemm.gemm on {gpu.info.name} (bf16 x, fp32 y, bf16 mma.sync)")
-    for col in ("format", "shape", "M", "ms", "TFLOP/s"):
+    table = Table(title=f"gemm.gemm on {gpu.info.name} (bf16 x, fp32 y)")
+    for col in ("format", "shape", "M", "kernel", "ms", "TFLOP/s"):
         table.add_column(col, justify="left" if col in ("format", "shape") else "right")
     for fmt in ([] if args.no_dense else args.formats.split(",")):
         for label, shape in SHAPES.items():
@@ -157,17 +170,18 @@ def main() -> None:
                 gpu.upload(base, buf)
                 w = DeviceWeight(label, fmt, shape, base)
                 for M in Ms:
-                    ms = time_gemm(gpu, k, w, M, args.reps)
-                    tflops = 2 * M * shape[0] * shape[1] / (ms * 1e-3) / 1e12
-                    rows.append(dict(format=fmt, N=shape[0], K=shape[1], M=M, ms=round(ms, 4),
-                                     tflops=round(tflops, 1)))
-                    table.add_row(fmt, label, str(M), f"{ms:.3f}", f"{tflops:.1f}")
+                    for kern in kernels:
+                        ms = time_gemm(gpu, k, w, M, args.reps, kern)
+                        tflops = 2 * M * shape[0] * shape[1] / (ms * 1e-3) / 1e12
+                        rows.append(dict(format=fmt, N=shape[0], K=shape[1], M=M, kernel=kern, ms=round(ms, 4),
+                                         tflops=round(tflops, 1)))
+                        table.add_row(fmt, label, str(M), kern, f"{ms:.3f}", f"{tflops:.1f}")
             finally:
                 gpu.free(base)
     if not args.no_dense:
         Console().print(table)
     if args.moe_M:
-        bench_moe(gpu, k, [int(m) for m in args.moe_M.split(",")], args.reps, rows)
+        bench_moe(gpu, k, [int(m) for m in args.moe_M.split(",")], args.reps, rows, kernels)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": gpu.info.name, "results": rows}, indent=1) + "\n")

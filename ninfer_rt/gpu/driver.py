@@ -79,6 +79,30 @@ def f32(v: float) -> ctypes.c_float:
     return ctypes.c_float(float(v))
 
 
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap): a TMA descriptor, passed to kernels by value
+
+
+def tensor_map_2d(base: int, *, dtype: str, inner: int, rows: int, row_bytes: int, box_inner: int, box_rows: int,
+                  swizzle_128b: bool = False):
+    """A TMA descriptor (cuTensorMapEncodeTiled) of the 2-D tensor [rows, inner] of `dtype` ("u8" or "bf16") at
+    device address base, rows row_bytes apart, copied in boxes of [box_rows, box_inner] (out-of-bounds elements
+    read as zero), optionally with the 128-byte shared-memory swizzle. Returned as a ctypes value of its 128 bytes,
+    for a kernel's __grid_constant__ parameter."""
+    d = _driver()
+    T = d.CUtensorMapDataType
+    dt = {"u8": T.CU_TENSOR_MAP_DATA_TYPE_UINT8, "bf16": T.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+    swz = d.CUtensorMapSwizzle
+    u32, u64 = d.cuuint32_t, d.cuuint64_t
+    tmap = _check(d.cuTensorMapEncodeTiled(
+        dt, u32(2), int(base), [u64(int(inner)), u64(int(rows))], [u64(int(row_bytes))],
+        [u32(int(box_inner)), u32(int(box_rows))], [u32(1), u32(1)],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        swz.CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b else swz.CU_TENSOR_MAP_SWIZZLE_NONE,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return (ctypes.c_ubyte * TENSOR_MAP_BYTES).from_buffer_copy(ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES))
+
+
 def _dim3(v) -> tuple[int, int, int]:
     """A launch dimension (an int, or a tuple of up to 3 ints) as 3 ints, missing ones 1."""
     t = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),)

@@ -111,12 +111,15 @@ class GpuModel:
 
     def __init__(self, gpu: Gpu, kernels: Kernels, spec, weights: DeviceWeights, *, slots: int = 1,
                  max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int | None = None,
-                 sample_vocab: int | None = None, logit_rows: int | None = None):
+                 sample_vocab: int | None = None, logit_rows: int | None = None, gemm_kernel: str = "auto"):
         if kv_dtype not in ("int8", "bf16"):
             raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
         if max_ctx > spec.max_position_embeddings:
             raise NinferError(f"context {max_ctx} is longer than the model's {spec.max_position_embeddings}")
         self.gpu, self.k, self.spec, self.w = gpu, kernels, spec, weights
+        if gemm_kernel not in gemm.KERNELS:
+            raise NinferError(f"gemm kernel {gemm_kernel!r}: choose one of {', '.join(gemm.KERNELS)}")
+        self.gemm_kernel = gemm_kernel  # the prefill GEMMs' kernel (gemm.KERNELS; "auto" picks per launch)
         self.slots, self.max_ctx, self.kv_dtype = slots, max_ctx, kv_dtype
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         self.rows = max(prefill_chunk, slots * GEMV_MAX_ROWS)
@@ -233,7 +236,8 @@ class GpuModel:
         w = k_view(w)
         if M > GEMV_MAX_ROWS:
             assert not norm_w, "the GEMM path takes normalised input"
-            gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, stream=stream)
+            gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, stream=stream,
+                      kernel=self.gemm_kernel)
         else:
             linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
                         norm_eps=self.spec.rms_norm_eps, stream=stream)
@@ -304,7 +308,8 @@ class GpuModel:
                 self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router)
                 moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
                 gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=src, M=M,
-                                 ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch)
+                                 ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch,
+                                 kernel=self.gemm_kernel)
                 self._linear(shared_gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols)
                 self._linear(shared_down, x=act_s, M=M, y=b.x, mode="add", row_scale=b.sscale)
             else:

@@ -15,6 +15,14 @@ Numerics: x arrives in bf16 (the decode GEMV reads fp32: unit roundoff 2^-8); q8
 as w = q · s rounded once to bf16 (kernels/gemm.cuh "scaled weights"), as a dequantizing GEMM stores them; the
 nibble formats' codes are exact in bf16 and each fp16 group scale multiplies, in fp32, the partial sum of its
 32-wide chunk. Sums are fp32; swiglu rounds its output to bf16.
+
+Two kernels compute this (`kernel`, KERNELS): "mma" (kernels/gemm.cu: mma.sync tiles, every GPU), numerics as
+above, and "wgmma" (kernels/gemm_wgmma.cu: Hopper's warpgroup MMA fed by TMA copies, sm_90a cubins only), which
+takes every quantized format as RN(q · s) in bf16: the nibble formats too, since its MMA accumulates straight into
+the registers it keeps. "auto" picks wgmma where `wgmma_available`, M >= WGMMA_MIN_ROWS and its tiles fill every
+SM at least once (14-36% less time than mma at the 35B's 8K-prefill shapes, perf.md v19); below, a tile is mostly
+empty or SMs idle (the wgmma tile has twice the weight rows, one block per SM), and mma keeps the nibble codes
+exact for decode batches.
 `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per expert,
 kernels/moe_gemm.cu's tiles of 32 slots.
 """
@@ -22,7 +30,7 @@ kernels/moe_gemm.cu's tiles of 32 slots.
 from __future__ import annotations
 
 from ninfer_rt.formats import FORMATS
-from ninfer_rt.gpu.driver import GpuError, i32, ptr
+from ninfer_rt.gpu.driver import GpuError, i32, ptr, tensor_map_2d
 
 # tile constants of kernels/gemm.cu (BN, BM, BK, XS_STRIDE, RID_BYTES, Traits): keep in step
 BN = BM = 128
@@ -36,21 +44,79 @@ MODES = {"store": 0, "add": 1, "swiglu": 2}
 MODE_ATOMIC_ADD = 3
 GRID_Y_MAX = 65535
 SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
+KERNELS = ("auto", "mma", "wgmma")
+WGMMA_MIN_ROWS = 128  # "auto" takes wgmma from one full tile of x rows (tokens) up
+# gemm_wgmma.cu WT<BITS>: tiles of 256 weight rows × 128 x rows, 512 threads, one block per H100/H200 SM; stages of
+# 64 k (x 128 rows × 128 B, then the planes), 1024-byte aligned, as many as fit 200 KB; then mbarriers and row ids
+WG_BN, WG_THREADS, WG_STAGE_BUDGET, WG_ALIGN, WG_BAR_BYTES, WG_KSTAGE = 256, 512, 200 * 1024, 1024, 64, 64
 
 
 def _bits(fmt: str) -> int:
     return 16 if fmt == "bf16" else FORMATS[fmt].bits
 
 
-def smem_bytes(fmt: str) -> int:
-    """Dynamic shared memory of gemm_<fmt> / moe_gemm_<fmt> (gemm.cu Traits<BITS>::SMEM)."""
+def smem_bytes(fmt: str, wgmma: bool = False) -> int:
+    """Dynamic shared memory of gemm_<fmt> / moe_gemm_<fmt> (gemm.cu Traits<BITS>::SMEM), or with wgmma of
+    gemm_wgmma_<fmt> / moe_gemm_wgmma_<fmt> (gemm_wgmma.cu WT<BITS>::SMEM)."""
     bits = _bits(fmt)
     qs = 64 if bits == 16 else (32 if bits == 8 else 16)   # bytes of a row's 32-wide chunk
     qh = {5: 4, 6: 8}.get(bits, 0)
-    scales = 0 if bits == 16 else BN * 4
+    scales = 0 if bits == 16 else 4
+    if wgmma:
+        raw = BM * 2 * WG_KSTAGE + WG_BN * 2 * (qs + qh + scales)
+        stage = -(-raw // WG_ALIGN) * WG_ALIGN
+        fixed = WG_ALIGN + WG_BAR_BYTES + RID_BYTES
+        return fixed + min(MAX_STAGES, (WG_STAGE_BUDGET - fixed) // stage) * stage
     chunks = 2 if bits == 8 else 1  # 32-wide chunks per pipeline stage (Traits::CH)
-    stage = chunks * (BM * XS_STRIDE + BN * qs + BN * qh + scales)
+    stage = chunks * (BM * XS_STRIDE + BN * (qs + qh + scales))
     return RID_BYTES + min(MAX_STAGES, (STAGE_BUDGET - RID_BYTES) // stage) * stage
+
+
+def wgmma_available(k) -> bool:
+    """Whether the wgmma tiles run here: a compute capability 9.0 GPU running its own sm_90a cubin."""
+    info = k.gpu.info
+    return (info.major, info.minor) == (9, 0) and "sm_90a" in k.build.targets
+
+
+def _use_wgmma(k, kernel: str, M: int, N: int, what: str) -> bool:
+    """Whether a launch of M x rows against N weight rows takes the wgmma tiles (kernel: one of KERNELS)."""
+    if kernel not in KERNELS:
+        raise GpuError(f"{what}: kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "wgmma" and not wgmma_available(k):
+        raise GpuError(f"{what}: kernel 'wgmma' needs an H100/H200 (sm_90a); this GPU is {k.gpu.info.arch}")
+    if kernel != "auto":
+        return kernel == "wgmma"
+    tiles = -(-int(N) // WG_BN) * -(-int(M) // BM)
+    return M >= WGMMA_MIN_ROWS and wgmma_available(k) and tiles >= k.gpu.info.sm_count
+
+
+_MAPS: dict[tuple, object] = {}  # TMA descriptors by their encoding arguments (the same arguments, the same bytes)
+
+
+def _tensor_map(base: int, **kw):
+    key = (base, *sorted(kw.items()))
+    m = _MAPS.get(key)
+    if m is None:
+        if len(_MAPS) > 4096:
+            _MAPS.clear()
+        m = _MAPS[key] = tensor_map_2d(base, **kw)
+    return m
+
+
+def _qs_map(w):
+    """TMA descriptor of w's qs plane (bf16 data for bf16 weights) as uint8 [rows, row bytes], box 256 rows × 64 k:
+    what gemm_wgmma.cu stages per step. Rows: every row of the plane (all experts of a bank)."""
+    rows = w.shape[0] if len(w.shape) == 2 else w.shape[0] * w.shape[1]
+    per_k = {16: 2.0, 8: 1.0}.get(_bits(w.fmt), 0.5)  # qs bytes per element: bf16, q8, nibble formats (low 4 bits)
+    row_bytes = 2 * w.shape[-1] if w.fmt == "bf16" else int(w.kp * per_k)
+    return _tensor_map(w.planes()[0], dtype="u8", inner=row_bytes, rows=rows, row_bytes=row_bytes,
+                       box_inner=int(WG_KSTAGE * per_k), box_rows=WG_BN)
+
+
+def _x_map(x: int, K: int, M: int, ldx: int):
+    """TMA descriptor of x as bf16 [M, K], rows ldx apart, box 128 rows × 64 k, 128-byte swizzle (gemm_wgmma.cu)."""
+    return _tensor_map(x, dtype="bf16", inner=K, rows=M, row_bytes=2 * ldx, box_inner=WG_KSTAGE, box_rows=BM,
+                       swizzle_128b=True)
 
 
 def _check_weight(w, what: str) -> None:
@@ -78,16 +144,17 @@ def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
 
 
 def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
-         mode: str = "store", row_scale: int = 0, stream=None) -> None:
+         mode: str = "store", row_scale: int = 0, stream=None, kernel: str = "auto") -> None:
     """y (=, +=, swiglu) W·x for M rows of x; see the module docstring. Sizes are checked (GpuError).
 
     Pointers are device addresses: x (bf16) 16-byte aligned with ldx a multiple of 8; row_scale 0 for none.
-    ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0).
+    ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0). kernel: one of KERNELS.
     """
     what = f"gemm({w.name})"
     _check_weight(w, what)
     if len(w.shape) != 2:
         raise GpuError(f"{what}: weight shape {w.shape} is not 2-D [N, K]")
+    wg = _use_wgmma(k, kernel, int(M), w.shape[0], what)
     if mode not in MODES:
         raise GpuError(f"{what}: mode {mode!r} is not one of {', '.join(MODES)}")
     N, K = w.shape
@@ -104,17 +171,19 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
         raise GpuError(f"{what}: y is a null pointer")
     if ldy < out_cols:
         raise GpuError(f"{what}: ldy={ldy} < {out_cols} output columns")
-    grid = (-(-N // BN), -(-M // BM))
+    grid = (-(-N // (WG_BN if wg else BN)), -(-M // BM))
     if grid[1] > GRID_Y_MAX:
         raise GpuError(f"{what}: M={M} exceeds {GRID_Y_MAX * BM} rows per launch")
     if M == 0:
         return
-    name = f"gemm_{w.fmt}"
-    smem = _prepare(k, name, w.fmt)
+    name = f"gemm_{'wgmma_' if wg else ''}{w.fmt}"
+    smem = _prepare(k, name, w.fmt, smem_bytes(w.fmt, wg))
     qs, qh, sc = w.planes()
-    k.launch(name, grid, THREADS,
-             [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(x), i32(ldx), ptr(y), i32(ldy),
-              ptr(row_scale), i32(M), i32(MODES[mode])], smem, stream)
+    args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(x), i32(ldx), ptr(y), i32(ldy),
+            ptr(row_scale), i32(M), i32(MODES[mode])]
+    if wg:
+        args += [_qs_map(w), _x_map(x, K, M, ldx)]
+    k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
 
 
 # ------------------------------------------------------------------------------------------------ grouped MoE
@@ -153,7 +222,7 @@ def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
 
 def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top_k: int, act: int, y: int,
                 scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None,
-                path: str = "auto") -> None:
+                path: str = "auto", kernel: str = "auto") -> str | None:
     """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
 
     gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
@@ -168,6 +237,8 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     path: "large" runs moe_gemm_<fmt> (tiles of 128 slots per expert); "small" runs moe_small_<fmt>
     (kernels/moe_gemm.cu: tiles of 32 slots, integer formats only, GpuError otherwise); "auto" (default) takes
     small when M·top_k / E <= MOE_SMALL_MAX_AVG and both banks allow it. Same results up to fp32 summation order.
+    kernel (KERNELS) picks the large path's tiles as for `gemm`. Returns the path taken ("small" or "large"; None
+    when M = 0 launches nothing).
     """
     what = f"moe_grouped({gate_up.name}, {down.name})"
     for w in (gate_up, down):
@@ -182,6 +253,8 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     if I2 % 32:
         raise GpuError(f"{what}: 2I={I2} must be a multiple of 32 (interleaved tiles of 16)")
     M, top_k = int(M), int(top_k)
+    # the grouped tiles: at least M·top_k / 128 rows of tiles (more where experts' counts round up)
+    wg = _use_wgmma(k, kernel, M * top_k, min(I2, H), what)
     if M < 0 or top_k < 1:
         raise GpuError(f"{what}: M={M} must be >= 0 and top_k={top_k} >= 1")
     ldx = H if ldx is None else int(ldx)
@@ -202,7 +275,7 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     if path not in MOE_PATHS:
         raise GpuError(f"{what}: path {path!r} is not one of {', '.join(MOE_PATHS)}")
     if M == 0:
-        return
+        return None
     if path == "small" and not _small_ok(k, gate_up, down):
         raise GpuError(f"{what}: path 'small' needs integer formats that fit shared memory "
                        f"({gate_up.fmt}, {down.fmt})")
@@ -228,13 +301,15 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
             smem = _prepare(k, name, w.fmt, small_smem_bytes(w.fmt))
             grid = (small_tiles, -(-N // SMALL_BN))
         else:
-            name = f"moe_gemm_{w.fmt}"
-            smem = _prepare(k, name, w.fmt)
-            grid = (-(-N // BN), grid_y)
-        k.launch(name, grid, THREADS,
-                 [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
-                  ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv),
-                  i32(mode)], smem, stream)
+            name = f"moe_gemm_{'wgmma_' if wg else ''}{w.fmt}"
+            smem = _prepare(k, name, w.fmt, smem_bytes(w.fmt, wg))
+            grid = (-(-N // (WG_BN if wg else BN)), grid_y)
+        args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
+                ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv), i32(mode)]
+        if wg and not small:
+            args.append(_qs_map(w))
+        k.launch(name, grid, WG_THREADS if wg and not small else THREADS, args, smem, stream)
 
     run(gate_up, I2, H, x, ldx, act, I, 0, top_k, 1, MODES["swiglu"])
     run(down, H, I, act, I, y, ldy, weights, 1, top_k, MODE_ATOMIC_ADD)
+    return "small" if small else "large"

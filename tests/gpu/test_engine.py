@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-PROMPT = 80      # crosses the 64-token DeltaNet chunk and several prefill chunks
+PROMPT = 160     # crosses the 64-token DeltaNet chunk, several prefill chunks, and one 128-row GEMM tile
 STEPS = 64
 
 
@@ -47,7 +47,7 @@ def reference(artifact):
 
 
 def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_vocab=None, logit_rows=None,
-              prefill_chunk=512):
+              prefill_chunk=512, gemm_kernel="auto"):
     from ninfer_rt.format import Artifact
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import load_artifact
@@ -55,7 +55,8 @@ def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_voc
     art = Artifact.open(path)
     weights = load_artifact(gpu, art)
     return GpuModel(gpu, kernels, art.spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype=kv,
-                    sample_vocab=sample_vocab, logit_rows=logit_rows, prefill_chunk=prefill_chunk), weights
+                    sample_vocab=sample_vocab, logit_rows=logit_rows, prefill_chunk=prefill_chunk,
+                    gemm_kernel=gemm_kernel), weights
 
 
 def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
@@ -63,13 +64,18 @@ def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
-@pytest.mark.parametrize("chunk", [8, PROMPT], ids=["gemv", "gemm"])
-def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk):
-    """chunk 8: the decode kernels (GEMV on int16 x̂ codes, per-token MoE); chunk 80: the prefill kernels
-    (tensor-core GEMM with bf16 activations, grouped MoE, long-T attention and DeltaNet)."""
+@pytest.mark.parametrize("chunk, gemm_kernel", [(8, "auto"), (PROMPT, "mma"), (PROMPT, "wgmma")],
+                         ids=["gemv", "gemm", "wgmma"])
+def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk, gemm_kernel):
+    """chunk 8: the decode kernels (GEMV on int16 x̂ codes, per-token MoE); chunk 160: the prefill kernels
+    (tensor-core GEMM with bf16 activations: the mma.sync tiles, and on an H100/H200 the wgmma tiles with
+    bf16-rounded weights; grouped MoE, long-T attention and DeltaNet)."""
+    from ninfer_rt.gpu import gemm
+    if gemm_kernel == "wgmma" and not gemm.wgmma_available(kernels):
+        pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
     ids = prompt(PROMPT, 1)
     want = reference.logits(ids.tolist())
-    model, weights = gpu_model(gpu, kernels, artifact, kv=kv, logit_rows=chunk)
+    model, weights = gpu_model(gpu, kernels, artifact, kv=kv, logit_rows=chunk, gemm_kernel=gemm_kernel)
     try:
         got = model.prefill(ids, 0, all_logits=True)
     finally:

@@ -1,10 +1,12 @@
-"""kernels/gemm.cu (gemm.gemm, gemm.moe_grouped) against float64 numpy on the exact decoded weights.
+"""kernels/gemm.cu (gemm.gemm, gemm.moe_grouped) against float64 numpy on the exact decoded weights, for both
+kernels (fixture `kernel`): the mma.sync tiles, and on an H100/H200 the wgmma tiles.
 
 Oracle: y = x @ W.T in float64 with W the exact values of the stored weight (Dev.weight), then the mode's
 epilogue (row scale, add, SwiGLU on the interleaved gate/up rows). The kernels read x in bf16 (given here as
 x rounded to nearest even, what misc.cast_bf16 makes), multiply quantized weights as w = q · s rounded to bf16
-for q8 (kernels/gemm.cuh "scaled weights": the exact value rounded once, RN(W); the nibble formats' codes
-are exact and their scales apply in fp32, so RN(W) = W there) and write SwiGLU outputs in bf16.
+for q8 (kernels/gemm.cuh "scaled weights": the exact value rounded once, RN(W); on mma.sync the nibble formats'
+codes are exact and their scales apply in fp32, so RN(W) = W there, while wgmma takes every quantized format as
+RN(W)) and write SwiGLU outputs in bf16.
 Two checks on every output:
   * against the oracle on the exact x and W: x and W in bf16 (unit roundoff 2^-8) each carry an rms relative
     error of ~1.6e-3 with random mantissas, so a product's relative norm error is ~2.3e-3 (x alone measured
@@ -39,6 +41,14 @@ TOL_BF16X = 1e-4
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+@pytest.fixture(params=["mma", "wgmma"])
+def kernel(request, kernels):
+    """The GEMM kernel under test; wgmma only where it runs (gemm.wgmma_available)."""
+    if request.param == "wgmma" and not gemm.wgmma_available(kernels):
+        pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
+    return request.param
+
 
 def silu(z):
     return z / (1.0 + np.exp(-z))
@@ -95,7 +105,8 @@ def untouched(got, before, M, cols, what):
     assert not len(changed), f"{what}: wrote {len(changed)} elements outside y[:{M}, :{cols}], first {changed[0]}"
 
 
-def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=None, row_scale=False, pad_rows=2):
+def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=None, row_scale=False, pad_rows=2,
+             kernel="auto"):
     """One gemm.gemm call on fresh random data; returns (result rows [M, cols] minus y0 for add, w, x, rs)."""
     w, wv = dev.weight(fmt, (N, K), rng)
     lx = K if ldx is None else ldx
@@ -112,9 +123,9 @@ def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=Non
         yp = dev.empty(y0.nbytes)
     rs = rng.uniform(-2, 2, M).astype(np.float32) if row_scale else None
     gemm.gemm(kernels, w, x=dev.put(f32_to_bf16_bits(x)), M=M, y=yp, ldx=ldx, ldy=ldy, mode=mode,
-              row_scale=dev.put(rs) if rs is not None else 0)
+              row_scale=dev.put(rs) if rs is not None else 0, kernel=kernel)
     got = dev.get(yp, y0.shape, y0.dtype)
-    what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''}"
+    what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''} ({kernel})"
     untouched(got, y0, M, cols, what)
     res = got[:M, :cols]
     res = (bf16_bits_to_f32(res) if mode == "swiglu" else res).astype(np.float64)
@@ -123,9 +134,10 @@ def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=Non
     return res, wv, x[:, :K], rs, what
 
 
-def kernel_weights(wv, fmt):
-    """The weights the MMAs take: RN(W) in bf16 for q8, W itself for bf16 and the exact nibble codes."""
-    return bf16_round(wv) if fmt.startswith("q8") else wv
+def kernel_weights(wv, fmt, kernel):
+    """The weights the MMAs take: RN(W) in bf16 for q8 (and every quantized format on wgmma), W itself for bf16
+    and for the exact nibble codes of the mma.sync tiles."""
+    return bf16_round(wv) if fmt.startswith("q8") or (kernel == "wgmma" and fmt != "bf16") else wv
 
 
 def check_gemm(kernels, dev, rng, fmt, N, K, M, **kw):
@@ -133,53 +145,54 @@ def check_gemm(kernels, dev, rng, fmt, N, K, M, **kw):
     mode = kw.get("mode", "store")
     assert_close(res, reference(wv, x, mode, rs), TOL_EXACT[mode], what + " vs exact x and W")
     check = assert_bf16_close if mode == "swiglu" else lambda g, w_, m: assert_close(g, w_, TOL_BF16X, m)
-    check(res, reference(kernel_weights(wv, fmt), bf16_round(x), mode, rs), what + " vs bf16 x and RN(W)")
+    check(res, reference(kernel_weights(wv, fmt, kw.get("kernel")), bf16_round(x), mode, rs),
+          what + " vs bf16 x and RN(W)")
 
 
 # ------------------------------------------------------------------------------------------------ dense
 
 @pytest.mark.parametrize("M", [1, 17, 128, 300])
 @pytest.mark.parametrize("fmt", QFORMATS + ["bf16"])
-def test_every_format(kernels, dev, rng, fmt, M):
+def test_every_format(kernels, dev, rng, fmt, M, kernel):
     """N = 160: a full and a 32-row N tile; K = 224: 7 k-tiles, Kp = 256 (the last group straddles K)."""
-    check_gemm(kernels, dev, rng, fmt, 160, 224, M)
+    check_gemm(kernels, dev, rng, fmt, 160, 224, M, kernel=kernel)
 
 
 @pytest.mark.parametrize("K", [32, 64, 96, 128, 160, 224, 256, 288])
 @pytest.mark.parametrize("fmt", ["q5g32", "q8g128", "bf16"])
-def test_short_k(kernels, dev, rng, fmt, K):
+def test_short_k(kernels, dev, rng, fmt, K, kernel):
     """k-tiles of 32 against the pipeline's stages (bf16 5, q8g128 7, q5g32 8): fewer, exactly as many (160,
     224, 256), and more."""
-    check_gemm(kernels, dev, rng, fmt, 128, K, 17)
+    check_gemm(kernels, dev, rng, fmt, 128, K, 17, kernel=kernel)
 
 
 @pytest.mark.parametrize("fmt", ["q4g32", "q6g128", "q8g32", "bf16"])
-def test_odd_n(kernels, dev, rng, fmt):
+def test_odd_n(kernels, dev, rng, fmt, kernel):
     """N = 257 (the MoE router + shared gate): a tile with one valid row; M = 130: an M tile of 2 rows."""
-    check_gemm(kernels, dev, rng, fmt, 257, 64, 130)
+    check_gemm(kernels, dev, rng, fmt, 257, 64, 130, kernel=kernel)
 
 
 @pytest.mark.parametrize("shape", [(9216, 2048), (2048, 4096)], ids=["qkvg", "down"])
 @pytest.mark.parametrize("fmt", ["q8g32", "q4g64", "q5g64", "q6g64"])
-def test_35b_shapes(kernels, dev, rng, fmt, shape):
+def test_35b_shapes(kernels, dev, rng, fmt, shape, kernel):
     """Qwen3.6-35B-A3B attention [q|k|v|gate] and a 4096-wide K, at a prefill chunk of 512 rows."""
-    check_gemm(kernels, dev, rng, fmt, shape[0], shape[1], 512)
+    check_gemm(kernels, dev, rng, fmt, shape[0], shape[1], 512, kernel=kernel)
 
 
 @pytest.mark.parametrize("variant", ["store_rs", "add", "add_rs", "swiglu"])
 @pytest.mark.parametrize("fmt", ["q4g32", "q5g128", "q6g64", "q8g64", "bf16"])
-def test_modes(kernels, dev, rng, fmt, variant):
+def test_modes(kernels, dev, rng, fmt, variant, kernel):
     """Every epilogue with ldx > K (NaN beyond K), ldy > cols, partial M and N tiles."""
     mode = variant.split("_")[0]
     N, K, M = 192, 256, 300
     cols = N // 2 if mode == "swiglu" else N
     check_gemm(kernels, dev, rng, fmt, N, K, M, mode=mode, ldx=K + 40, ldy=cols + 5,
-               row_scale=variant.endswith("_rs"))
+               row_scale=variant.endswith("_rs"), kernel=kernel)
 
 
-def test_swiglu_35b(kernels, dev, rng):
+def test_swiglu_35b(kernels, dev, rng, kernel):
     """The 35B shared-expert gate/up shape [1024, 2048] (I = 512), 300 rows."""
-    check_gemm(kernels, dev, rng, "q6g64", 1024, 2048, 300, mode="swiglu")
+    check_gemm(kernels, dev, rng, "q6g64", 1024, 2048, 300, mode="swiglu", kernel=kernel)
 
 
 def test_rejects_bad_calls(kernels):
@@ -225,22 +238,22 @@ def moe_reference(gu, dn, x, ids, wts, act_in=None):
 @pytest.mark.parametrize("M", [1, 300])
 @pytest.mark.parametrize("fmts", [("q4g64", "q6g64"), ("q8g32", "bf16"), ("q5g128", "q4g32")],
                          ids=lambda f: "-".join(f))
-def test_moe_grouped(kernels, dev, rng, fmts, M):
+def test_moe_grouped(kernels, dev, rng, fmts, M, kernel):
     """E = 8 experts (expert 3 gets no token), top_k = 4, I = 96 (2I = 192: a partial N tile, down K = 3 tiles),
     H = 160 (Kp = 256, down N = a full and a partial tile); M = 300 gives experts 1-2 M tiles, the last partial.
     Default path: M = 1 takes moe_small for integer banks, M = 300 (150 slots per expert) moe_gemm."""
-    check_moe(kernels, dev, rng, fmts, M)
+    check_moe(kernels, dev, rng, fmts, M, kernel=kernel)
 
 
 @pytest.mark.parametrize("path", ["small", "large"])
 @pytest.mark.parametrize("M", [1, 7, 37, 300])
 @pytest.mark.parametrize("fmts", [("q4g64", "q5g64"), ("q6g32", "q8g128"), ("q8g64", "q4g128"),
                                   ("q5g32", "q6g128")], ids=lambda f: "-".join(f))
-def test_moe_paths(kernels, dev, rng, fmts, M, path):
+def test_moe_paths(kernels, dev, rng, fmts, M, path, kernel):
     """Both paths forced on every integer width: moe_small's token tiles of 32 (M = 37: experts get ~18 slots,
     M = 300 several full tiles and a partial one), its K split over 4 chunks of a 128-wide stage (H = 160: the
     second stage has one valid chunk; I = 96: one chunk idle) and ldx / ldy beyond H."""
-    check_moe(kernels, dev, rng, fmts, M, path=path, ldx=160 + 16, ldy=160 + 3)
+    check_moe(kernels, dev, rng, fmts, M, path=path, ldx=160 + 16, ldy=160 + 3, kernel=kernel)
 
 
 def test_moe_small_35b(kernels, dev, rng):
@@ -257,7 +270,8 @@ def test_moe_rejects_path(kernels, dev, rng):
         check_moe(kernels, dev, rng, ("q8g32", "bf16"), 3, path="small")
 
 
-def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None):
+def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None,
+              kernel="auto"):
     """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle."""
     gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
     dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
@@ -271,16 +285,19 @@ def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="au
     y0 = rng.standard_normal((M, ly)).astype(np.float32)
     act_p = dev.empty(M * top_k * I * 2)
     y_p = dev.put(y0)
-    gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids), weights=dev.put(wts),
-                     top_k=top_k, act=act_p, y=y_p, scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx,
-                     ldy=ldy, path=path)
+    took = gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids),
+                            weights=dev.put(wts), top_k=top_k, act=act_p, y=y_p,
+                            scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx, ldy=ldy, path=path,
+                            kernel=kernel)
     act = bf16_bits_to_f32(dev.get(act_p, (M * top_k, I), np.uint16))
     yall = dev.get(y_p, (M, ly))
     assert (yall[:, H:].view(np.uint32) == y0[:, H:].view(np.uint32)).all(), "moe wrote y beyond H"
     y = yall[:, :H].astype(np.float64) - y0[:, :H]
-    what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path}"
+    what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path} ({kernel})"
     act_x, y_x = moe_reference(guv, dnv, x, ids, wts)
-    gub, dnb = kernel_weights(guv, fmts[0]), kernel_weights(dnv, fmts[1])
+    assert took == ("small" if path == "small" else took) and took in ("small", "large"), took
+    wgk = kernel if took == "large" else "mma"  # moe_small (mma.sync) takes nibble codes exactly either way
+    gub, dnb = kernel_weights(guv, fmts[0], wgk), kernel_weights(dnv, fmts[1], wgk)
     act_b, _ = moe_reference(gub, dnb, bf16_round(x), ids, wts)
     _, y_b = moe_reference(gub, dnb, x, ids, wts, act_in=act)
     assert_close(act, act_x, TOL_EXACT["swiglu"], what + " act vs exact x and W")
