@@ -45,7 +45,9 @@ MIN_BUCKET = 1024        # smallest context bucket of a decode graph
 def rope_inv_freq(spec) -> tuple[np.ndarray, float]:
     """numpy twin of ops.rope_inv_freq (plain or YaRN), fp32 with the same operation order (tested equal)."""
     rot, theta, yarn = spec.rotary_dim, spec.rope_theta, spec.yarn
-    powers = np.float32(theta) ** (np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot))
+    # θ^e rounded once from fp64: numpy's fp32 power (a SIMD routine in numpy 2.x) can be an ulp off torch's
+    powers = (np.float64(np.float32(theta)) ** (np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot))
+              .astype(np.float64)).astype(np.float32)
     if yarn is None:
         return (np.float32(1.0) / powers).astype(np.float32), 1.0
 
