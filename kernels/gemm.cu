@@ -85,11 +85,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
     const int KC = K / BK;                        // 32-wide chunks
     const int KT = (KC + T::CH - 1) / T::CH;      // pipeline stages of CH chunks (the last may hold fewer)
 
-    if (tid < BM) {
-        const int m = m0 + tid, id = m < count ? (rows ? rows[m] : m) : -1;
-        rid[tid] = id;
-        xoff[tid] = id >= 0 ? (long long)(id / xdiv) * ldx : -1;
-    }
+    tile_rows(rid, xoff, rows, count, m0, xdiv, ldx, BM);
     __syncthreads();
 
     // ---- what this thread copies each k-tile
@@ -299,12 +295,10 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
                         const uint16_t* x, int ldx, float* y, int ldy, const float* row_scale, const int* order, \
                         const int* offsets, const int* tile_start, int E, int xdiv, int ydiv, int mode) {       \
         ninfer_pdl_begin();                                                                                     \
-        const int ty = blockIdx.y;                                                                              \
-        if (ty >= __ldg(tile_start + E)) return;                                                                \
-        const int e = expert_of_tile(tile_start, E, ty), first = __ldg(offsets + e);                           \
-        gemm_tile<BITS, GROUP>(qs, qh, sc, kp, (long long)e * N, N, K, blockIdx.x * BN, x, ldx, y, ldy,        \
-                               row_scale, order + first, __ldg(offsets + e + 1) - first,                       \
-                               (ty - __ldg(tile_start + e)) * BM, xdiv, ydiv, mode);                            \
+        GroupTile gt;                                                                                           \
+        if (!group_tile(offsets, tile_start, E, blockIdx.y, BM, gt)) return;                                    \
+        gemm_tile<BITS, GROUP>(qs, qh, sc, kp, (long long)gt.e * N, N, K, blockIdx.x * BN, x, ldx, y, ldy,     \
+                               row_scale, order + gt.first, gt.count, gt.m0, xdiv, ydiv, mode);                 \
     }
 
 NINFER_QFORMATS(NINFER_GEMM_DENSE)

@@ -143,4 +143,31 @@ __device__ __forceinline__ int expert_of_tile(const int* __restrict__ tile_start
     return lo;
 }
 
+// Block row ty of a grouped launch (tiles of bm slots): its expert e, that expert's slots order[first ..
+// first + count) and the tile's first slot m0 among them; false past tile_start[E] (a surplus block).
+struct GroupTile {
+    int e, first, count, m0;
+};
+__device__ __forceinline__ bool group_tile(const int* __restrict__ offsets, const int* __restrict__ tile_start,
+                                           int E, int ty, int bm, GroupTile& gt) {
+    if (ty >= __ldg(tile_start + E)) return false;
+    gt.e = expert_of_tile(tile_start, E, ty);
+    gt.first = __ldg(offsets + gt.e);
+    gt.m0 = (ty - __ldg(tile_start + gt.e)) * bm;
+    gt.count = __ldg(offsets + gt.e + 1) - gt.first;
+    return true;
+}
+
+// A tile's x rows, in shared memory: row r's id rows[m0 + r] (m0 + r when rows is null) or -1 past count, and the
+// offset of its x row id / xdiv (ldx elements each) or -1. Threads 0..bm-1 write one row each.
+__device__ __forceinline__ void tile_rows(int* rid, long long* xoff, const int* __restrict__ rows, int count, int m0,
+                                          int xdiv, int ldx, int bm) {
+    const int tid = threadIdx.x;
+    if (tid < bm) {
+        const int m = m0 + tid, id = m < count ? (rows ? rows[m] : m) : -1;
+        rid[tid] = id;
+        xoff[tid] = id >= 0 ? (long long)(id / xdiv) * ldx : -1;
+    }
+}
+
 }  // namespace

@@ -65,11 +65,7 @@ __device__ __forceinline__ void wg_tile(const TmaDesc* tmw, const TmaDesc* tmx, 
     const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
     const int n0 = ntile * WBN, KC = K / 32, KT = (KC + 1) / 2;
 
-    if (tid < WBM) {
-        const int m = m0 + tid, id = m < count ? (rows ? rows[m] : m) : -1;
-        rid[tid] = id;
-        xoff[tid] = id >= 0 ? (long long)(id / xdiv) * ldx : -1;
-    }
+    tile_rows(rid, xoff, rows, count, m0, xdiv, ldx, WBM);
     if (tid == 0) {
         for (int s = 0; s < S; ++s) mbar_init(smem_addr(bars + s), 1);
         mbar_init_fence();
@@ -244,12 +240,10 @@ __device__ __forceinline__ void wg_tile(const TmaDesc* tmw, const TmaDesc* tmx, 
         float* y, int ldy, const float* row_scale, const int* order, const int* offsets, const int* tile_start,   \
         int E, int xdiv, int ydiv, int mode, const __grid_constant__ TmaDesc tmw) {                              \
         ninfer_pdl_begin();                                                                                       \
-        const int ty = blockIdx.y;                                                                                \
-        if (ty >= __ldg(tile_start + E)) return;                                                                  \
-        const int e = expert_of_tile(tile_start, E, ty), first = __ldg(offsets + e);                             \
-        wg_tile<BITS, GROUP, false>(&tmw, nullptr, qh, sc, kp, (long long)e * N, N, K, blockIdx.x, x, ldx, y, ldy, \
-                                    row_scale, order + first, __ldg(offsets + e + 1) - first,                     \
-                                    (ty - __ldg(tile_start + e)) * WBM, xdiv, ydiv, mode);                        \
+        GroupTile gt;                                                                                             \
+        if (!group_tile(offsets, tile_start, E, blockIdx.y, WBM, gt)) return;                                     \
+        wg_tile<BITS, GROUP, false>(&tmw, nullptr, qh, sc, kp, (long long)gt.e * N, N, K, blockIdx.x, x, ldx, y,   \
+                                    ldy, row_scale, order + gt.first, gt.count, gt.m0, xdiv, ydiv, mode);        \
     }
 
 NINFER_QFORMATS(NINFER_GEMM_WG_DENSE)
