@@ -280,6 +280,7 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
         raise GpuError(f"{what}: path 'small' needs integer formats that fit shared memory "
                        f"({gate_up.fmt}, {down.fmt})")
     small = path == "small" or (path == "auto" and slots <= MOE_SMALL_MAX_AVG * E and _small_ok(k, gate_up, down))
+    wg = wg and not small  # moe_small has mma.sync tiles only
     order = scratch
     offsets = scratch + 4 * slots
     tile_start = offsets + 4 * (E + 1)
@@ -306,9 +307,9 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
             grid = (-(-N // (WG_BN if wg else BN)), grid_y)
         args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
                 ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv), i32(mode)]
-        if wg and not small:
+        if wg:
             args.append(_qs_map(w))
-        k.launch(name, grid, WG_THREADS if wg and not small else THREADS, args, smem, stream)
+        k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
 
     run(gate_up, I2, H, x, ldx, act, I, 0, top_k, 1, MODES["swiglu"])
     run(down, H, I, act, I, y, ldy, weights, 1, top_k, MODE_ATOMIC_ADD)
