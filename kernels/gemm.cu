@@ -308,12 +308,10 @@ NINFER_GEMM_MOE(bf16, 16, 32)
 
 // Slots s = m·top_k + j (ids int32 [M, top_k] flattened, `slots` = M·top_k) grouped by expert: counts, then
 // offsets [E+1] (exclusive prefix), tile_start [E+1] (prefix of ceil(count / bm)), order [slots] (each expert's
-// slots contiguous; their order inside an expert is arbitrary, which no result depends on) and, when `tiles` is
-// given, one int4 per row tile ty < tile_start[E]: {expert, its first slot (index into order), slots left from it,
-// 0}. Ids outside [0, E) are dropped. One block of 1024 threads; dynamic smem 2·E ints.
+// slots contiguous; their order inside an expert is arbitrary, which no result depends on). Ids outside
+// [0, E) are dropped. One block of 1024 threads; dynamic smem 2·E ints.
 __device__ __forceinline__ void moe_sort_body(const int* __restrict__ ids, int slots, int E, int* __restrict__ order,
-                                              int* __restrict__ offsets, int* __restrict__ tile_start, int bm,
-                                              int4* __restrict__ tiles) {
+                                              int* __restrict__ offsets, int* __restrict__ tile_start, int bm) {
     extern __shared__ int cnt[];  // [E] counts, then [E] cursors
     int* cur = cnt + E;
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
@@ -324,35 +322,30 @@ __device__ __forceinline__ void moe_sort_body(const int* __restrict__ ids, int s
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // E is a few hundred: a serial scan is cheaper than a sync-heavy parallel one
-        int off = 0, rows = 0;
+        int off = 0, tiles = 0;
         for (int e = 0; e < E; ++e) {
-            offsets[e] = off, tile_start[e] = rows, cur[e] = off;
-            off += cnt[e], rows += (cnt[e] + bm - 1) / bm;
+            offsets[e] = off, tile_start[e] = tiles, cur[e] = off;
+            off += cnt[e], tiles += (cnt[e] + bm - 1) / bm;
         }
-        offsets[E] = off, tile_start[E] = rows;
+        offsets[E] = off, tile_start[E] = tiles;
     }
     __syncthreads();
-    if (tiles)
-        for (int e = threadIdx.x; e < E; e += blockDim.x)
-            for (int m0 = 0, ty = tile_start[e]; m0 < cnt[e]; m0 += bm, ++ty)
-                tiles[ty] = make_int4(e, offsets[e] + m0, cnt[e] - m0, 0);
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
         const int e = ids[s];
         if (e >= 0 && e < E) order[atomicAdd(cur + e, 1)] = s;
     }
 }
 
-// tile_start and tiles in tiles of BM = 128 rows (moe_gemm_<fmt>, moe_gemm_wgmma_<fmt>)
+// tile_start in tiles of BM = 128 rows (moe_gemm_<fmt>)
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int slots, int E,
                                                             int* __restrict__ order, int* __restrict__ offsets,
-                                                            int* __restrict__ tile_start, int4* __restrict__ tiles) {
-    ninfer_pdl_begin();
-    moe_sort_body(ids, slots, E, order, offsets, tile_start, BM, tiles);
+                                                            int* __restrict__ tile_start) { ninfer_pdl_begin();
+    moe_sort_body(ids, slots, E, order, offsets, tile_start, BM);
 }
 
 // tile_start in tiles of bm >= 1 rows (moe_small_<fmt> in moe_gemm.cu: bm = its token tile)
 extern "C" __global__ void __launch_bounds__(1024) moe_sort_bm(const int* __restrict__ ids, int slots, int E,
                                                                int* __restrict__ order, int* __restrict__ offsets,
                                                                int* __restrict__ tile_start, int bm) { ninfer_pdl_begin();
-    moe_sort_body(ids, slots, E, order, offsets, tile_start, bm, nullptr);
+    moe_sort_body(ids, slots, E, order, offsets, tile_start, bm);
 }

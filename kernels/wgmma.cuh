@@ -69,17 +69,16 @@ __device__ __forceinline__ void wg_pin(float* d, int n) {
     for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (64 × 128 fp32, the warpgroup's accumulators: 64 per thread) = (acc ? d : 0) + A (64 × 16 bf16, registers) ·
-// B (128 × 16 bf16, shared memory at desc, K-major). acc = 0 starts a tile without writing d from the SM.
-__device__ __forceinline__ void wgmma_n128(float* d, const uint32_t a[4], uint64_t desc, uint32_t acc) {
+// d (64 × 128 fp32, the warpgroup's accumulators: 64 per thread) += A (64 × 16 bf16, registers) · B (128 × 16 bf16,
+// shared memory at desc, K-major)
+__device__ __forceinline__ void wgmma_n128(float* d, const uint32_t a[4], uint64_t desc) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -88,34 +87,33 @@ __device__ __forceinline__ void wgmma_n128(float* d, const uint32_t a[4], uint64
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// d (64 × 64 fp32, the warpgroup's accumulators: 32 per thread) = (acc ? d : 0) + A (64 × 16 bf16, registers) ·
-// B (64 × 16 bf16, shared memory at desc, K-major)
-__device__ __forceinline__ void wgmma_n64(float* d, const uint32_t a[4], uint64_t desc, uint32_t acc) {
+// d (64 × 64 fp32, the warpgroup's accumulators: 32 per thread) += A (64 × 16 bf16, registers) · B (64 × 16 bf16,
+// shared memory at desc, K-major)
+__device__ __forceinline__ void wgmma_n64(float* d, const uint32_t a[4], uint64_t desc) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
 // The wgmmas of one 64-wide stage on the x tile at shared address x0: k slices 0..ns-1 (4, or 2 for a last half
-// stage); af[h] holds slice h's A registers. acc = 0: the stage starts a tile (its first slice overwrites d).
+// stage); af[h] holds slice h's A registers.
 template <int N>
-__device__ __forceinline__ void wg_issue(float* d, const uint32_t (&af)[4][4], uint32_t x0, int ns, uint32_t acc) {
+__device__ __forceinline__ void wg_issue(float* d, const uint32_t (&af)[4][4], uint32_t x0, int ns) {
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
         if (h >= 2 && h >= ns) return;
-        if constexpr (N == 64) wgmma_n64(d, af[h], wg_desc(x0, h), h ? 1u : acc);
-        else wgmma_n128(d, af[h], wg_desc(x0, h), h ? 1u : acc);
+        if constexpr (N == 64) wgmma_n64(d, af[h], wg_desc(x0, h));
+        else wgmma_n128(d, af[h], wg_desc(x0, h));
     }
 }
 

@@ -385,11 +385,9 @@ def test_prefill_attention_plan(gpu, dtype, warps):
 def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
     """gemm.gemm and gemm.moe_grouped at the 35B-A3B's shapes on each target GPU. On the H200 (sm_90a cubin), from
     128 rows and where the tiles cover the 132 SMs (not o_proj at 512 rows: 8 × 4 tiles): gemm_wgmma_<fmt> in tiles
-    of 256 weight rows × 128 x rows, 512 threads, a persistent grid of one block per SM (every K here has more
-    64-k stages than the pipeline holds), with TMA descriptors of the qs plane (box 256 rows × 64 k) and of
-    x (box 128 rows × 64 k, 128-byte swizzle); the grouped down projection's covers the whole bank, its grid the
-    SMs as well (at most ceil(M·8 / 128) + 256 row tiles × 8 weight-row tiles). Elsewhere the mma.sync tiles of
-    128 × 128. Every launch's shared memory fits its GPU."""
+    of 256 weight rows × 128 x rows, 512 threads, with TMA descriptors of the qs plane (box 256 rows × 64 k) and of
+    x (box 128 rows × 64 k, 128-byte swizzle); the grouped down projection's covers the whole bank. Elsewhere the
+    mma.sync tiles of 128 × 128. Every launch's shared memory fits its GPU."""
     from ninfer_rt.gpu import gemm
     from ninfer_rt.gpu.weights import DeviceWeight
     maps = []
@@ -401,8 +399,9 @@ def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
     w = DeviceWeight("w", "q8g32", (N, K), 1 << 20)
     gemm.gemm(k, w, x=1 << 30, M=M, y=1 << 31)
     fn, grid, block, _ = k.gpu.launches[-1]
-    assert (fn, grid if wg else tuple(grid), block) == (("gemm_wgmma_q8g32", 132, 512) if wg else
-                                                        ("gemm_q8g32", (N // 128, -(-M // 128)), 256))
+    rows = 256 if wg else 128
+    assert (fn, tuple(grid), block) == ("gemm_wgmma_q8g32" if wg else "gemm_q8g32", (N // rows, -(-M // 128)),
+                                        512 if wg else 256)
     if wg:
         assert maps == [(w.planes()[0], dict(dtype="u8", inner=K, rows=N, row_bytes=K, box_inner=64, box_rows=256)),
                         (1 << 30, dict(dtype="bf16", inner=K, rows=M, row_bytes=2 * K, box_inner=64, box_rows=128,
@@ -413,9 +412,9 @@ def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
                             scratch=1 << 25)
     assert took == ("large" if M == 8192 else "small")
     if took == "large":
-        launched = [(fn, grid) for fn, grid, *_ in k.gpu.launches[-2:]]
-        assert launched == ([("moe_gemm_wgmma_q4g64", 132), ("moe_gemm_wgmma_q5g64", 132)] if wg else
-                            [("moe_gemm_q4g64", (8, 512 + 256)), ("moe_gemm_q5g64", (16, 512 + 256))])
+        names = [fn for fn, *_ in k.gpu.launches[-2:]]
+        assert names == (["moe_gemm_wgmma_q4g64", "moe_gemm_wgmma_q5g64"] if wg else
+                         ["moe_gemm_q4g64", "moe_gemm_q5g64"])
         if wg:
             assert maps[-1] == (dn.planes()[0], dict(dtype="u8", inner=256, rows=256 * 2048, row_bytes=256,
                                                      box_inner=32, box_rows=256))

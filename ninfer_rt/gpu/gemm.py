@@ -47,10 +47,8 @@ SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
 KERNELS = ("auto", "mma", "wgmma")
 WGMMA_MIN_ROWS = 128  # "auto" takes wgmma from one full tile of x rows (tokens) up
 # gemm_wgmma.cu WT<BITS>: tiles of 256 weight rows × 128 x rows, 512 threads, one block per H100/H200 SM; stages of
-# 64 k (x 128 rows × 128 B, then the planes), 1024-byte aligned, as many as fit 200 KB; then mbarriers and a ring of
-# 3 tiles' info (int4) and row ids
+# 64 k (x 128 rows × 128 B, then the planes), 1024-byte aligned, as many as fit 200 KB; then mbarriers and row ids
 WG_BN, WG_THREADS, WG_STAGE_BUDGET, WG_ALIGN, WG_BAR_BYTES, WG_KSTAGE = 256, 512, 200 * 1024, 1024, 64, 64
-WG_ROW_BYTES = 3 * (16 + BM * 4)
 
 
 def _bits(fmt: str) -> int:
@@ -65,33 +63,13 @@ def smem_bytes(fmt: str, wgmma: bool = False) -> int:
     qh = {5: 4, 6: 8}.get(bits, 0)
     scales = 0 if bits == 16 else 4
     if wgmma:
-        stage, stages = _wg_stages(fmt)
-        return WG_ALIGN + WG_BAR_BYTES + WG_ROW_BYTES + stages * stage
+        raw = BM * 2 * WG_KSTAGE + WG_BN * 2 * (qs + qh + scales)
+        stage = -(-raw // WG_ALIGN) * WG_ALIGN
+        fixed = WG_ALIGN + WG_BAR_BYTES + RID_BYTES
+        return fixed + min(MAX_STAGES, (WG_STAGE_BUDGET - fixed) // stage) * stage
     chunks = 2 if bits == 8 else 1  # 32-wide chunks per pipeline stage (Traits::CH)
     stage = chunks * (BM * XS_STRIDE + BN * (qs + qh + scales))
     return RID_BYTES + min(MAX_STAGES, (STAGE_BUDGET - RID_BYTES) // stage) * stage
-
-
-def _wg_stages(fmt: str) -> tuple[int, int]:
-    """(bytes, count) of gemm_wgmma.cu's pipeline stages for fmt (WT<BITS>::STAGE, STAGES)."""
-    bits = _bits(fmt)
-    qs = 64 if bits == 16 else (32 if bits == 8 else 16)
-    qh = {5: 4, 6: 8}.get(bits, 0)
-    scales = 0 if bits == 16 else 4
-    stage = -(-(BM * 2 * WG_KSTAGE + WG_BN * 2 * (qs + qh + scales)) // WG_ALIGN) * WG_ALIGN
-    return stage, min(MAX_STAGES, (WG_STAGE_BUDGET - WG_ALIGN - WG_BAR_BYTES - WG_ROW_BYTES) // stage)
-
-
-def wg_grid(k, fmt: str, K: int, tiles: int, max_blocks: int | None = None) -> int:
-    """Blocks of a gemm_wgmma.cu launch over `tiles` tiles of K columns: one per SM (or max_blocks), each taking
-    every gridDim-th tile with its copies running into the next, when a tile has at least as many 64-k stages as
-    the pipeline holds; otherwise one block per tile."""
-    if -(-int(K) // WG_KSTAGE) < _wg_stages(fmt)[1]:
-        return tiles
-    cap = k.gpu.info.sm_count if max_blocks is None else int(max_blocks)
-    if cap < 1:
-        raise GpuError(f"max_blocks={max_blocks} must be >= 1")
-    return min(tiles, cap)
 
 
 def wgmma_available(k) -> bool:
@@ -166,13 +144,11 @@ def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
 
 
 def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
-         mode: str = "store", row_scale: int = 0, stream=None, kernel: str = "auto",
-         max_blocks: int | None = None) -> None:
+         mode: str = "store", row_scale: int = 0, stream=None, kernel: str = "auto") -> None:
     """y (=, +=, swiglu) W·x for M rows of x; see the module docstring. Sizes are checked (GpuError).
 
     Pointers are device addresses: x (bf16) 16-byte aligned with ldx a multiple of 8; row_scale 0 for none.
     ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0). kernel: one of KERNELS.
-    max_blocks caps the wgmma kernel's persistent grid (wg_grid; default one block per SM).
     """
     what = f"gemm({w.name})"
     _check_weight(w, what)
@@ -207,7 +183,6 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
             ptr(row_scale), i32(M), i32(MODES[mode])]
     if wg:
         args += [_qs_map(w), _x_map(x, K, M, ldx)]
-        grid = wg_grid(k, w.fmt, K, grid[0] * grid[1], max_blocks)
     k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
 
 
@@ -240,25 +215,14 @@ def _small_ok(k, *ws) -> bool:
     return all(w.fmt != "bf16" and small_smem_bytes(w.fmt) <= limit for w in ws)
 
 
-def _moe_scratch(M: int, top_k: int, E: int) -> tuple[int, int, int, int]:
-    """Byte offsets in moe_grouped's workspace of offsets [E+1], tile_start [E+1] and the row tiles (int4
-    [ceil(M·top_k / BM) + E], 16-byte aligned) after order [M·top_k], and its size."""
-    slots, E = int(M) * int(top_k), int(E)
-    offsets = 4 * slots
-    tile_start = offsets + 4 * (E + 1)
-    tiles = -(-(tile_start + 4 * (E + 1)) // 16) * 16
-    return offsets, tile_start, tiles, tiles + 16 * (-(-slots // BM) + E)
-
-
 def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
-    """Bytes of the workspace `moe_grouped` needs: order [M·top_k], offsets [E+1], tile_start [E+1] (int32), then
-    the row tiles (int4 [ceil(M·top_k / 128) + E], 16-byte aligned) moe_sort lists for the wgmma kernel."""
-    return _moe_scratch(M, top_k, E)[3]
+    """Bytes of the int32 workspace `moe_grouped` needs: order [M·top_k], offsets [E+1], tile_start [E+1]."""
+    return 4 * (int(M) * int(top_k) + 2 * (int(E) + 1))
 
 
 def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top_k: int, act: int, y: int,
                 scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None,
-                path: str = "auto", kernel: str = "auto", max_blocks: int | None = None) -> str | None:
+                path: str = "auto", kernel: str = "auto") -> str | None:
     """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
 
     gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
@@ -273,8 +237,8 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     path: "large" runs moe_gemm_<fmt> (tiles of 128 slots per expert); "small" runs moe_small_<fmt>
     (kernels/moe_gemm.cu: tiles of 32 slots, integer formats only, GpuError otherwise); "auto" (default) takes
     small when M·top_k / E <= MOE_SMALL_MAX_AVG and both banks allow it. Same results up to fp32 summation order.
-    kernel (KERNELS) picks the large path's tiles as for `gemm`, max_blocks caps a persistent wgmma grid (wg_grid).
-    Returns the path taken ("small" or "large"; None when M = 0 launches nothing).
+    kernel (KERNELS) picks the large path's tiles as for `gemm`. Returns the path taken ("small" or "large"; None
+    when M = 0 launches nothing).
     """
     what = f"moe_grouped({gate_up.name}, {down.name})"
     for w in (gate_up, down):
@@ -317,18 +281,16 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
                        f"({gate_up.fmt}, {down.fmt})")
     small = path == "small" or (path == "auto" and slots <= MOE_SMALL_MAX_AVG * E and _small_ok(k, gate_up, down))
     wg = wg and not small  # moe_small has mma.sync tiles only
-    if scratch % 16:
-        raise GpuError(f"{what}: scratch={scratch:#x} must be 16-byte aligned")
     order = scratch
-    offsets, tile_start, tiles = (scratch + o for o in _moe_scratch(M, top_k, E)[:3])
+    offsets = scratch + 4 * slots
+    tile_start = offsets + 4 * (E + 1)
     if small:
         k.launch("moe_sort_bm", 1, SORT_THREADS,
                  [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start), i32(SMALL_TM)], 8 * E,
                  stream)
     else:
         k.launch("moe_sort", 1, SORT_THREADS,
-                 [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start), ptr(tiles)], 8 * E,
-                 stream)
+                 [ptr(ids), i32(slots), i32(E), ptr(order), ptr(offsets), ptr(tile_start)], 8 * E, stream)
     # small: token tiles (<= slots, and <= ceil(slots / TM) + E) along x, fastest, so the tiles of one expert
     # run together and share its weight tile through L2; surplus blocks exit
     small_tiles = min(slots, -(-slots // SMALL_TM) + E)
@@ -343,14 +305,10 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
             name = f"moe_gemm_{'wgmma_' if wg else ''}{w.fmt}"
             smem = _prepare(k, name, w.fmt, smem_bytes(w.fmt, wg))
             grid = (-(-N // (WG_BN if wg else BN)), grid_y)
-        # the wgmma kernel reads each row tile's expert and slots from moe_sort's list; mma searches tile_start
         args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), ptr(xp), i32(ldx_), ptr(yp), i32(ldy_),
-                ptr(row_scale), ptr(order), ptr(tiles if wg else offsets), ptr(tile_start), i32(E), i32(xdiv),
-                i32(ydiv), i32(mode)]
+                ptr(row_scale), ptr(order), ptr(offsets), ptr(tile_start), i32(E), i32(xdiv), i32(ydiv), i32(mode)]
         if wg:
             args.append(_qs_map(w))
-            # row tiles: at most ceil(slots / 128) + E; blocks past tile_start[E]'s exit
-            grid = wg_grid(k, w.fmt, K, grid[0] * (-(-slots // BM) + E), max_blocks)
         k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
 
     run(gate_up, I2, H, x, ldx, act, I, 0, top_k, 1, MODES["swiglu"])

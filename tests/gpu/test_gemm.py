@@ -106,7 +106,7 @@ def untouched(got, before, M, cols, what):
 
 
 def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=None, row_scale=False, pad_rows=2,
-             kernel="auto", max_blocks=None):
+             kernel="auto"):
     """One gemm.gemm call on fresh random data; returns (result rows [M, cols] minus y0 for add, w, x, rs)."""
     w, wv = dev.weight(fmt, (N, K), rng)
     lx = K if ldx is None else ldx
@@ -123,9 +123,9 @@ def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=Non
         yp = dev.empty(y0.nbytes)
     rs = rng.uniform(-2, 2, M).astype(np.float32) if row_scale else None
     gemm.gemm(kernels, w, x=dev.put(f32_to_bf16_bits(x)), M=M, y=yp, ldx=ldx, ldy=ldy, mode=mode,
-              row_scale=dev.put(rs) if rs is not None else 0, kernel=kernel, max_blocks=max_blocks)
+              row_scale=dev.put(rs) if rs is not None else 0, kernel=kernel)
     got = dev.get(yp, y0.shape, y0.dtype)
-    what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''} ({kernel}, blocks {max_blocks})"
+    what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''} ({kernel})"
     untouched(got, y0, M, cols, what)
     res = got[:M, :cols]
     res = (bf16_bits_to_f32(res) if mode == "swiglu" else res).astype(np.float64)
@@ -188,18 +188,6 @@ def test_modes(kernels, dev, rng, fmt, variant, kernel):
     cols = N // 2 if mode == "swiglu" else N
     check_gemm(kernels, dev, rng, fmt, N, K, M, mode=mode, ldx=K + 40, ldy=cols + 5,
                row_scale=variant.endswith("_rs"), kernel=kernel)
-
-
-@pytest.mark.parametrize("blocks", [1, 4])
-@pytest.mark.parametrize("mode", ["store", "swiglu"])
-@pytest.mark.parametrize("fmt", ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"])
-def test_persistent_grid(kernels, dev, rng, fmt, mode, blocks, kernel):
-    """The wgmma kernel on a grid capped at 1 or 4 blocks, so each block takes several tiles and starts copying the
-    next tile's stages inside the last: N = 608 (3 weight-row tiles, the last partial), K = 512 (8 stages of 64 k,
-    at least the pipeline holds for every format), M = 300 (3 row tiles, the last 44 rows: m64n64)."""
-    if kernel != "wgmma":
-        pytest.skip("the mma.sync tiles have one block per tile")
-    check_gemm(kernels, dev, rng, fmt, 608, 512, 300, mode=mode, kernel=kernel, max_blocks=blocks)
 
 
 def test_swiglu_35b(kernels, dev, rng, kernel):
@@ -268,18 +256,6 @@ def test_moe_paths(kernels, dev, rng, fmts, M, path, kernel):
     check_moe(kernels, dev, rng, fmts, M, path=path, ldx=160 + 16, ldy=160 + 3, kernel=kernel)
 
 
-@pytest.mark.parametrize("blocks", [1, 5])
-@pytest.mark.parametrize("fmts", [("q4g64", "q5g64"), ("q8g32", "q6g64"), ("bf16", "q4g128")],
-                         ids=lambda f: "-".join(f))
-def test_moe_persistent_grid(kernels, dev, rng, fmts, blocks, kernel):
-    """The wgmma grouped kernel on a grid of 1 or 5 blocks: E = 8 experts (expert 3 idle), top_k = 4, M = 300
-    (~171 slots per expert: a full and a partial row tile each), I = H = 512 (8 stages of 64 k in both GEMMs), so a
-    block's tiles change expert, and its copies run from one tile into the next."""
-    if kernel != "wgmma":
-        pytest.skip("the mma.sync tiles have one block per tile")
-    check_moe(kernels, dev, rng, fmts, 300, I=512, H=512, path="large", kernel=kernel, max_blocks=blocks)
-
-
 def test_moe_small_35b(kernels, dev, rng):
     """The 35B expert shapes (2I = 1024, H = 2048, q4g64 / q5g64) on E = 16 experts, top_k = 8, M = 64:
     ~32 slots per expert (one or two token tiles), 8 N tiles of gate_up, 16 of down, 16 / 4 k stages."""
@@ -295,7 +271,7 @@ def test_moe_rejects_path(kernels, dev, rng):
 
 
 def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None,
-              kernel="auto", max_blocks=None):
+              kernel="auto"):
     """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle."""
     gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
     dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
@@ -312,12 +288,12 @@ def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="au
     took = gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids),
                             weights=dev.put(wts), top_k=top_k, act=act_p, y=y_p,
                             scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx, ldy=ldy, path=path,
-                            kernel=kernel, max_blocks=max_blocks)
+                            kernel=kernel)
     act = bf16_bits_to_f32(dev.get(act_p, (M * top_k, I), np.uint16))
     yall = dev.get(y_p, (M, ly))
     assert (yall[:, H:].view(np.uint32) == y0[:, H:].view(np.uint32)).all(), "moe wrote y beyond H"
     y = yall[:, :H].astype(np.float64) - y0[:, :H]
-    what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path} ({kernel}, blocks {max_blocks})"
+    what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path} ({kernel})"
     act_x, y_x = moe_reference(guv, dnv, x, ids, wts)
     assert took in ("small", "large") and path in ("auto", took), (path, took)
     wgk = kernel if took == "large" else "mma"  # moe_small (mma.sync) takes nibble codes exactly either way
