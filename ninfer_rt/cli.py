@@ -184,7 +184,8 @@ def bench(
                                        help="Contexts to time one-token decode at, comma-separated."),
     kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype: int8 or bf16."),
     prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
-                                                                        "time exceeds this many seconds."),
+                                                                        "time (two prompts: cold, then timed) "
+                                                                        "exceeds this many seconds."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
                                                 f"(default {PREFILL_CHUNK}; larger chunks read each weight fewer "
                                                 "times per prompt and use more GPU memory)."),

@@ -2,7 +2,8 @@
 
 Decode is timed as replays of the captured step graph at a fixed context (the KV cache filled with valid
 random values up to that length), one sequence, no speculation: events around many replays, median of
-several rounds. Prefill is timed end to end on a random prompt. Bytes per decoded token count every
+several rounds. Prefill is timed end to end on a random prompt, twice: the second run is reported (graphs captured,
+first-use costs paid, as llama-bench warms up) and the first beside it as the cold time. Bytes per decoded token count every
 weight byte the step reads (routed experts at top_k / E of their banks), the KV cache up to the context
 and the DeltaNet states read and written; divided by the step time and the copy bandwidth measured on the
 same GPU at the start, they give the fraction of the bandwidth ceiling reached.
@@ -35,8 +36,8 @@ class BenchResult:
     load_s: float
     peak_gpu_bytes: int
     prefill_chunk: int = 0  # prompt tokens per prefill step (engine.GpuModel prefill_chunk)
-    # {tokens, seconds, tok_s, cold_seconds} or {tokens, skipped}: seconds of a prompt after one of the same length
-    # (graphs captured, first-use costs paid, as llama-bench warms up); cold_seconds: that first prompt's
+    # {tokens, seconds, tok_s, cold_seconds} or {tokens, skipped}: seconds is a prompt run after one of the same
+    # length (graphs captured, first-use costs paid, as llama-bench warms up); cold_seconds is that first run
     prefill: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)    # {context, ms_per_token, tok_s, bytes_per_token, ...}
 
