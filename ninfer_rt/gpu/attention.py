@@ -20,7 +20,10 @@ in the bucket. Two kernel families compute the partials:
 Both match ops.gated_attention to fp32 accuracy and write the same scratch layout. prefill's tensor-core kernels
 (attn_prefill_*, kernels/attention_prefill.cu) round q and the softmax weights p to one bf16 term instead, as
 flash-attention kernels do (each output within 2^-8 of its Σ p|v| scale of the result on bf16 q), and run
-several warps per block that share each K/V tile (an int8 tile converted to bf16 once per block).
+several warps per block that share each K/V tile (an int8 tile converted to bf16 once per block). On an
+H100/H200 running its sm_90a cubin, an int8 cache of head dim 64, 128 or 256 takes attn_prefill_wgmma_int8_d*
+(kernels/attention_prefill_wgmma.cu) instead: the same numerics and scratch on warpgroup MMAs, 128 rows and 64 keys
+a step per block.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
+from ninfer_rt.gpu.gemm import wgmma_available
 
 HEAD_DIMS = (32, 64, 128, 256)   # head dims the kernels are built for
 _ALIGN = 256                     # each part of a cache / scratch allocation starts on this boundary
@@ -41,6 +45,9 @@ _Q_ROWS = 16                     # query rows (token, head) pairs per decode war
 _FAST_ROWS = 8                   # query rows per block of the CUDA-core decode (attention_decode.cu kFastRows)
 _FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
 _FAST_MAX_ROWS = 64              # T·(nH/nKV) up to this takes the CUDA-core decode; 0 forces the tensor-core one
+_PREFILL_WGMMA = True            # prefill on an int8 cache takes the wgmma kernel where it runs (False: mma.sync)
+_WG_ROWS, _WG_THREADS = 128, 256  # attn_prefill_wgmma_*: query rows and threads per block
+_WG_HEAD_DIMS = (64, 128, 256)
 
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
@@ -256,9 +263,30 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
     if exact:
         return [(f"attn_decode_{cache.dtype}_d{d}", (-(-(T * G) // _Q_ROWS), ns, B * nKV), 32, args, 0), combine]
+    if prefill_wgmma(k, d, cache.dtype):  # one split (every long prompt chunk): merged and gated in the kernel
+        name, smem = f"attn_prefill_wgmma_int8_d{d}", _prefill_wgmma_smem(d)
+        k.opt_in_smem(name, smem)
+        fused = [ptr(gate), i32(ld_gate), ptr(out)] if ns == 1 else [ptr(0), i32(0), ptr(0)]
+        launch = (name, (-(-(T * G) // _WG_ROWS), ns, B * nKV), _WG_THREADS, args + fused, smem)
+        return [launch] if ns == 1 else [launch, combine]
     name, smem, warps = f"attn_prefill_{cache.dtype}_d{d}", _prefill_smem(d, cache.dtype), _prefill_warps(cache.dtype)
     k.opt_in_smem(name, smem)
     return [(name, (-(-(T * G) // (_Q_ROWS * warps)), ns, B * nKV), 32 * warps, args, smem), combine]
+
+
+def prefill_wgmma(k, d: int, dtype: str) -> bool:
+    """Whether prefill's tensor-core path takes attn_prefill_wgmma_int8_d{d}: an int8 cache, a head dim it is
+    built for, and a GPU running the sm_90a cubin (the kernel exists only there)."""
+    return _PREFILL_WGMMA and dtype == "int8" and d in _WG_HEAD_DIMS and wgmma_available(k)
+
+
+def _prefill_wgmma_smem(d: int) -> int:
+    """Dynamic shared memory of attn_prefill_wgmma_int8_d{d}: WgGeo<d>::SMEM of attention_prefill_wgmma.cu.
+
+    1024 bytes of alignment slack | q (128 rows of bf16) | K (64 keys of bf16) | Vᵀ (d rows of 64 bf16 keys) | raw
+    int8 K and V of two steps (64 rows of d bytes each) | their fp32 scales | the scales in use (2 × 64 fp32).
+    """
+    return 1024 + 128 * 2 * d + 64 * 2 * d + d * 128 + 2 * 2 * 64 * d + 2 * 2 * 64 * 4 + 2 * 64 * 4
 
 
 def _prefill_warps(dtype: str) -> int:
