@@ -67,12 +67,8 @@ __device__ __forceinline__ void decode_impl(const float* __restrict__ q, const u
     const int k_end = min(k_begin + cs, min(p0 + t_hi + 1, cap));
     if (k_begin >= k_end) return;  // beyond the real length (or the last token of this tile)
 
-    int lim[2];  // keys < lim[h] are visible to row g + 8h of the tile
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + g + 8 * h;
-        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
-    }
+    int lim[2];  // keys < lim[h] are visible to row g + 8h of this warp
+    row_limits(r0, g, R, G, p0, cap, k_end, lim);
 
     // cache rows of (slot, position p, kv head) sit at (sl*max_ctx + p)*nKV + kvh
     const size_t row0 = (size_t)sl * max_ctx * nKV + kvh;

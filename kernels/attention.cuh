@@ -92,6 +92,16 @@ __device__ __forceinline__ int tile_off(int row, int byte) {
     }
 }
 
+// The causal limits of a warp's two fragment rows r0 + g, r0 + g + 8 (query rows r = t·G + j of a sequence whose
+// first new token sits at p0): keys < lim[h] are visible to row g + 8h, 0 for a row past R.
+__device__ __forceinline__ void row_limits(int r0, int g, int R, int G, int p0, int cap, int k_end, int (&lim)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = r0 + g + 8 * h;
+        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
+    }
+}
+
 // ------------------------------------------------------------------------------------------------ one 16-key step
 // (attention.cu's decode and attention_prefill.cu share these; a warp's tile is 16 query rows: rows g, g+8 of the
 // mma fragments, lane = 4g + t)
@@ -110,6 +120,18 @@ __device__ __forceinline__ void step_scores(const float (&sacc)[2][2][4], const 
         }
 }
 
+// One row's running max m_run advanced by a step whose scores have the lane maximum mx (the row sits in the 4 lanes
+// of a quad): returns the exponent base of the step's p = 2^(s - base), and alpha, the factor for the sums so far.
+__device__ __forceinline__ float online_base(float mx, float& m_run, float& alpha) {
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+    alpha = exp2f(m_run - base);
+    m_run = m_new;
+    return base;
+}
+
 // Online softmax over a step's 16 keys (a row's scores sit in the 4 lanes of its quad): s becomes p = 2^(s - m),
 // the running max m_run and lane-partial sum l_run advance, and o is rescaled where the max moved.
 template <int NO>
@@ -118,13 +140,8 @@ __device__ __forceinline__ void step_softmax(float (&s)[2][4], float (&m_run)[2]
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-        const float m_new = fmaxf(m_run[h], mx);
-        const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-        alpha[h] = exp2f(m_run[h] - base);
-        m_run[h] = m_new;
+        const float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+        const float base = online_base(mx, m_run[h], alpha[h]);
         float ps = 0.f;
 #pragma unroll
         for (int j = 0; j < 2; ++j)

@@ -54,12 +54,8 @@ __device__ __forceinline__ void prefill_impl(const float* __restrict__ q, const 
     const int k_end = min(k_begin + cs, min(p0 + t_hi + 1, cap));
     if (k_begin >= k_end) return;
 
-    int lim[2];  // keys < lim[h] are visible to row g + 8h of this warp's tile (0: no such row)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + g + 8 * h;
-        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
-    }
+    int lim[2];  // keys < lim[h] are visible to row g + 8h of this warp
+    row_limits(r0, g, R, G, p0, cap, k_end, lim);
 
     const size_t row0 = (size_t)sl * max_ctx * nKV + kvh;
     unsigned char* q_s = smem + PG::Q + warp * 16 * C::QSTRIDE;

@@ -85,11 +85,7 @@ __device__ __forceinline__ void wg_prefill(const float* __restrict__ q, const un
     if (k_begin >= k_end) return;
 
     int lim[2];  // keys < lim[h] are visible to row g + 8h of this warp
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + g + 8 * h;
-        lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
-    }
+    row_limits(r0, g, R, G, p0, cap, k_end, lim);
     const size_t row0 = (size_t)sl * max_ctx * nKV + kvh;
     unsigned char* raw = smem + W::RAWS;
     float* scr = reinterpret_cast<float*>(smem + W::SCR);  // [stage][K, V][64]
@@ -213,12 +209,7 @@ __device__ __forceinline__ void wg_prefill(const float* __restrict__ q, const un
                     mx = fmaxf(mx, s[4 * j + 2 * h + e]);
                 }
             }
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float m_new = fmaxf(m_run[h], mx);
-            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-            alpha[h] = exp2f(m_run[h] - base);
-            m_run[h] = m_new;
+            const float base = online_base(mx, m_run[h], alpha[h]);
             float ps = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
