@@ -2,9 +2,10 @@
 // deltanet_recurrent_dk* step of deltanet.cu for long T: same inputs, outputs and state update, in two launches.
 //
 //   deltanet_chunk_prep_dk{DK}        per (chunk, head), all in parallel: the parts that do not depend on S
-//   deltanet_chunk_state_dk{DK}[_s1]  per (head, 32 columns of S), chunk after chunk: V', o and S
+//   deltanet_chunk_state_dk{DK}[_s1]  per (head, 32 columns of S), chunk after chunk: V', o and S, on tensor
+//                                     cores (mma.sync tf32, three terms: fp32 accuracy)
 //   (DK = 16, 32, 64, 128; _s1: one record stage, for GPUs whose shared memory does not hold two)
-//   together: ops.gated_delta_rule_chunked (= ops.gated_delta_rule_recurrent up to fp32 rounding)
+//   together: ops.gated_delta_rule_chunked (= ops.gated_delta_rule_recurrent up to fp32-level rounding)
 //
 // Layouts as deltanet.cu: c fp32 [B·T, conv_dim] (the conv output: q | k | v), ba fp32 [B·T, 2·nv] ([b | a]),
 // ssm_state fp32 [slots, nv, dk, dv] (S[h][i][j]), slot int32 [B], o fp32 [B·T, nv·dv].
@@ -17,8 +18,8 @@
 // computes it for all chunks at once (grid chunks × heads, full occupancy) and writes one record per
 // (sequence, chunk, head); the state kernel's chain over chunks is left with V', o and the S update only.
 //
-// Record (floats, C·(3·DK + C) + 4, 16-byte aligned; index (b·chunks + chunk)·nv + h), laid out as the state
-// kernel reads it (k-major, so a thread's 4 rows at one k are one float4):
+// Record (floats, C·(3·DK + C) + 4, 16-byte aligned; index (b·chunks + chunk)·nv + h); the state kernel's copy
+// pads its rows (StateGeo) so the MMA fragments load without bank conflicts:
 //   WQ [DK][2C]: WQ[i][r] = W[r][i], WQ[i][C + r] = (e^γ ⊙ q̂)[r][i] | KD [C][DK] e^{γ_L−γ} ⊙ k̂ |
 //   QKT [C][C]: QKT[s][r] = QK[r][s] (zeros where s > r) | e^{γ_L}, 0, 0, 0
 // U overwrites v in c (rows < T): block (chunk, h) is the only reader and writer of those elements.
@@ -27,7 +28,7 @@
 #include "deltanet.cuh"
 
 #define DN_CHUNK 32  // tokens per chunk: one warp's lanes in the γ scan; A and QK are [32][36]
-#define DN_COLS 32   // columns of S per state block: one per lane
+#define DN_COLS 32   // columns of S per state block: four 8-column MMA tiles
 
 namespace {
 
@@ -192,150 +193,281 @@ __device__ __forceinline__ void prep_impl(float* __restrict__ c, const float* __
 
 // ------------------------------------------------------------------------------------------------ state
 
-// N consecutive floats from shared memory (N = 1, 2, 4 or a multiple of 4; 16-byte aligned for N >= 4)
-template <int N>
-__device__ __forceinline__ void lds(float (&d)[N], const float* p) {
-    if constexpr (N == 1) {
-        d[0] = p[0];
-    } else if constexpr (N == 2) {
-        const float2 v = *reinterpret_cast<const float2*>(p);
-        d[0] = v.x, d[1] = v.y;
-    } else {
-#pragma unroll
-        for (int u = 0; u < N; u += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(p + u);
-            d[u] = v.x, d[u + 1] = v.y, d[u + 2] = v.z, d[u + 3] = v.w;
-        }
-    }
+// mma.sync m16n8k8 on tf32 (sm_80+), fp32 accumulate: d += a · b. Fragments (lane = 4g + t): a = A(g, t), A(g+8, t),
+// A(g, t+4), A(g+8, t+4); b = B(t, g), B(t+4, g); d = D(g, 2t), D(g, 2t+1), D(g+8, 2t), D(g+8, 2t+1).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// x as hi + lo, both tf32 (hi: x rounded to 11 significant bits; lo: the rest, rounded the same way): 3xTF32 drops
+// only lo·lo, so a product keeps ~2^-21 relative accuracy, about fp32's (the test bound is 1e-4).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+// The hi and lo A fragments of a 16 × 8 tile whose element (m, k) sits at p[k·ks + m].
+template <int KS>
+__device__ __forceinline__ void frag_a(const float* p, int g, int t, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    split_tf32(p[t * KS + g], hi[0], lo[0]);
+    split_tf32(p[t * KS + g + 8], hi[1], lo[1]);
+    split_tf32(p[(t + 4) * KS + g], hi[2], lo[2]);
+    split_tf32(p[(t + 4) * KS + g + 8], hi[3], lo[3]);
+}
+
+// The hi and lo B fragments of an 8 × 8 tile whose element (k, n) sits at p[k·ks + n].
+template <int KS>
+__device__ __forceinline__ void frag_b(const float* p, int g, int t, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+    split_tf32(p[t * KS + g], hi[0], lo[0]);
+    split_tf32(p[(t + 4) * KS + g], hi[1], lo[1]);
+}
+
+// d += a · b in 3xTF32, the small terms first
+__device__ __forceinline__ void mma3(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                     const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+    mma_tf32(d, al, bh);
+    mma_tf32(d, ah, bl);
+    mma_tf32(d, ah, bh);
+}
+
+// Shared-memory rows of the state kernel, in floats, padded so that every fragment load is bank-conflict free (a
+// lane's address is 8t + g apart from its neighbours' modulo 32): one stage = a chunk's record re-laid by the copy
+// (WQ [DK][2C + 8], KD [C][DK + 8], QKT [C][C + 8], e^{γ_L} and 3 pads) and its U columns [C][DN_COLS + 8].
+// deltanet.py state_smem_bytes mirrors StateGeo.
+template <int DK>
+struct StateGeo {
+    static constexpr int WQP = 2 * C + 8, KDP = DK + 8, QKP = C + 8, SP = DN_COLS + 8;  // SP: S, V' and U rows
+    static constexpr int WQ = 0, KD = DK * WQP, QK = KD + C * KDP, EL = QK + C * QKP, U = EL + 4, STAGE = U + C * SP;
+    static constexpr int FIXED = (DK + C) * SP;  // S [DK][SP], V' [C][SP]
+};
+
 // grid (dv / DN_COLS, nv, B), kThreads: a block owns DN_COLS columns of one head's S (columns are independent in
-// the delta rule) and walks the chunks in order. Each chunk's record and U columns are copied by cp.async into
-// one of STAGES buffers, the next chunk's while this one computes (STAGES = 2), else prefetched into L2.
-// Thread (g = 2·warp + lane / 16, column pair p = lane % 16) computes register tiles of 2 columns: 4 of the 64
-// stacked rows of [W; QG] S, then (QG threads) 4 rows of QK V', then DK / 16 rows of S: per k one float4 and one
-// float2 load for 8 FMAs (perf.md v18: one column per thread needed 3 loads per 8, bound by shared memory).
-// Shared memory (floats): S [DK][DN_COLS]; STAGES × (record, U [C][DN_COLS]).
+// the delta rule) and walks the chunks in order, the three products with S on tensor cores in 3xTF32 (perf.md v21:
+// the fp32 FMAs of v18 issued ~2.3x the instructions). Each chunk's record and U columns are copied (bulk copies on
+// sm_90+, else cp.async) into one of STAGES stages, the next chunk's while this one computes (STAGES = 2), else
+// prefetched into L2; the chunk after that is prefetched into L2 either way.
+//   1. [W; QG] S (2C × DK times DK × 32): warp w the 16 rows 16(w / 2) and columns 16(w % 2) .. + 15; the W rows
+//      give V' = U − W S (into shared memory), the QG rows stay in registers for o.
+//   2. o = QG S + QK V' (the QG warps; QK is lower triangular), written for the chunk's real rows.
+//   3. S ← e^{γ_L} S + KDᵀ V' (DK × C times C × 32): S lives in the registers of these tiles (fp32; warp w: tiles
+//      w·PW .. of 16 rows × 8 columns), copied to shared memory for step 1 of the next chunk.
 template <int DK, int STAGES>
 __device__ __forceinline__ void state_impl(const float* __restrict__ c, const float* __restrict__ rec,
                                            float* __restrict__ ssm_state, const int* __restrict__ slot,
                                            float* __restrict__ o, int T, int nk, int nv, int dv) {
     using R = Rec<DK>;
-    constexpr int STAGE = R::FLOATS + C * DN_COLS, RI = DK / 16;  // RI: rows of S per thread
-    static_assert(kThreads == 256 && C == 32 && DN_COLS == 32, "the register tiles assume 16 × 16 threads");
+    using G = StateGeo<DK>;
+    constexpr int SP = G::SP, T3 = DK / 4, PW = (T3 + kWarps - 1) / kWarps;  // step-3 tiles, per warp
+    static_assert(kThreads == 256 && C == 32 && DN_COLS == 32, "8 warps: 4 × 2 tiles of 16 × 16 in step 1");
+    static_assert(PW == 1 || PW == 2 || PW == 4, "a warp's step-3 tiles share their 16 rows");
     extern __shared__ __align__(16) float sm[];
-    float* sS = sm;
-    require_dynamic_smem((DK * DN_COLS + STAGES * STAGE) * 4);
+    float* sS = sm;            // S [DK][SP]
+    float* sV = sS + DK * SP;  // V' [C][SP]
+    require_dynamic_smem((G::FIXED + STAGES * G::STAGE) * 4);
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = 2 * warp + (lane >> 4), cp = 2 * (lane & 15);  // row group, first column of the pair
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, col0 = blockIdx.x * DN_COLS;
     const int conv_dim = 2 * nk * DK + nv * dv, nchunks = (T + C - 1) / C;
     const size_t row0 = (size_t)b * T;
     const float* recs = rec + ((size_t)b * nchunks * nv + h) * R::FLOATS;  // chunk ci: + ci·nv·FLOATS
     const float* ug = c + row0 * conv_dim + 2 * nk * DK + (size_t)h * dv + col0;
     float* Sg = ssm_state + ((size_t)slot[b] * nv + h) * DK * dv + col0;
-    for (int idx = tid; idx < DK * DN_COLS; idx += kThreads) sS[idx] = Sg[(size_t)(idx >> 5) * dv + (idx & 31)];
 
-    auto issue = [&](int ci, float* st) {  // chunk ci's record and U columns into st (U rows past T: zeros)
+    // step-3 tiles: rows m3 + g (+8), columns 8(id % 4) + 2t (+1), id = warp·PW + x
+    const int m3 = 16 * ((warp * PW) >> 2);
+    const bool has3 = warp * PW < T3;
+    float s3[PW][4];
+#pragma unroll
+    for (int x = 0; x < PW; ++x) {
+        const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s3[x][e] = has3 ? Sg[(size_t)(m3 + g + 8 * (e >> 1)) * dv + n0 + (e & 1)] : 0.f;
+    }
+    auto put_s = [&]() {  // the step-3 tiles into sS
+        if (!has3) return;
+#pragma unroll
+        for (int x = 0; x < PW; ++x) {
+            const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
+            *reinterpret_cast<float2*>(sS + (m3 + g) * SP + n0) = make_float2(s3[x][0], s3[x][1]);
+            *reinterpret_cast<float2*>(sS + (m3 + g + 8) * SP + n0) = make_float2(s3[x][2], s3[x][3]);
+        }
+    };
+    put_s();
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // sm_90+: one bulk copy per padded row, all completing on the stage's mbarrier (perf.md v21: ~3,600 16-byte
+    // cp.async a chunk held the chain at ~5 µs per chunk whatever its arithmetic cost)
+    __shared__ __align__(8) uint64_t bars[2];
+    if (tid == 0) {
+        mbar_init(smem_addr(bars), 1), mbar_init(smem_addr(bars + 1), 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    auto issue = [&](int ci, float* st) {  // chunk ci's record rows and U rows into st; U rows past T: zeros
         const float* src = recs + (size_t)ci * nv * R::FLOATS;
-        for (int idx = tid; idx < R::FLOATS / 4; idx += kThreads)
-            cp_async16(smem_addr(st + 4 * idx), src + 4 * idx, true);
-        for (int idx = tid; idx < C * DN_COLS / 4; idx += kThreads) {
-            const int r = idx / (DN_COLS / 4), q = 4 * (idx % (DN_COLS / 4));
-            const bool ok = ci * C + r < T;
-            cp_async16(smem_addr(st + R::FLOATS + r * DN_COLS + q), ok ? ug + (size_t)(ci * C + r) * conv_dim + q : ug,
-                       ok);
+        const uint32_t bar = smem_addr(bars + (STAGES == 2 ? (ci & 1) : 0));
+        const int real = min(C, T - ci * C);
+        if (tid == 0)
+            mbar_expect_tx(bar, 4u * (DK * 2 * C + C * DK + C * C + 4 + real * DN_COLS));
+        static_assert(DK + 3 * C + 1 <= kThreads, "one thread per row");
+        if (tid < DK) {
+            bulk_copy_g2s(smem_addr(st + G::WQ + tid * G::WQP), src + R::WQ + tid * 2 * C, 4 * 2 * C, bar);
+        } else if (tid < DK + C) {
+            const int r = tid - DK;
+            bulk_copy_g2s(smem_addr(st + G::KD + r * G::KDP), src + R::KD + r * DK, 4 * DK, bar);
+        } else if (tid < DK + 2 * C) {
+            const int s2 = tid - DK - C;
+            bulk_copy_g2s(smem_addr(st + G::QK + s2 * G::QKP), src + R::QKT + s2 * C, 4 * C, bar);
+        } else if (tid < DK + 3 * C) {
+            const int r = tid - DK - 2 * C;
+            float* to = st + G::U + r * SP;
+            if (r < real) bulk_copy_g2s(smem_addr(to), ug + (size_t)(ci * C + r) * conv_dim, 4 * DN_COLS, bar);
+            else
+                for (int j = 0; j < DN_COLS; j += 4) *reinterpret_cast<float4*>(to + j) = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else if (tid == DK + 3 * C) {
+            bulk_copy_g2s(smem_addr(st + G::EL), src + R::EL, 16, bar);
+        }
+    };
+    auto wait_chunk = [&](int ci) { mbar_wait(smem_addr(bars + (STAGES == 2 ? (ci & 1) : 0)), (STAGES == 2 ? ci >> 1 : ci) & 1); };
+#else
+    auto issue = [&](int ci, float* st) {  // chunk ci's record (re-laid into padded rows) and U columns into st
+        const float* src = recs + (size_t)ci * nv * R::FLOATS;
+        constexpr int NWQ = DK * (2 * C / 4), NKD = C * (DK / 4), NQK = C * (C / 4), NU = C * (DN_COLS / 4);
+        for (int idx = tid; idx < NWQ + NKD + NQK + 1 + NU; idx += kThreads) {
+            const float* from;
+            float* to;
+            bool ok = true;
+            if (idx < NWQ) {
+                const int i = idx / (2 * C / 4), u = idx % (2 * C / 4);
+                from = src + R::WQ + i * 2 * C + 4 * u, to = st + G::WQ + i * G::WQP + 4 * u;
+            } else if (idx < NWQ + NKD) {
+                const int j = idx - NWQ, r = j / (DK / 4), u = j % (DK / 4);
+                from = src + R::KD + r * DK + 4 * u, to = st + G::KD + r * G::KDP + 4 * u;
+            } else if (idx < NWQ + NKD + NQK) {
+                const int j = idx - NWQ - NKD, s2 = j / (C / 4), u = j % (C / 4);
+                from = src + R::QKT + s2 * C + 4 * u, to = st + G::QK + s2 * G::QKP + 4 * u;
+            } else if (idx == NWQ + NKD + NQK) {
+                from = src + R::EL, to = st + G::EL;
+            } else {  // U rows past T: zeros
+                const int j = idx - NWQ - NKD - NQK - 1, r = j / (DN_COLS / 4), q = 4 * (j % (DN_COLS / 4));
+                ok = ci * C + r < T;
+                from = ok ? ug + (size_t)(ci * C + r) * conv_dim + q : ug, to = st + G::U + r * SP + q;
+            }
+            cp_async16(smem_addr(to), from, ok);
         }
         cp_async_commit();
     };
-    auto prefetch = [&](int ci) {  // one stage: the next record into L2 while this chunk computes
+    auto wait_chunk = [&](int) { cp_async_wait<0>(); };
+#endif
+    // chunk ci's record and U rows into L2, a chunk or two before they are copied: one chunk ahead in shared memory
+    // left the chain waiting on DRAM (perf.md v21)
+    auto prefetch = [&](int ci) {
+        if (ci >= nchunks) return;
         const char* src = reinterpret_cast<const char*>(recs + (size_t)ci * nv * R::FLOATS);
         for (int off = 128 * tid; off < R::FLOATS * 4; off += 128 * kThreads) prefetch_l2(src + off);
+        if (tid < C && ci * C + tid < T) prefetch_l2(ug + (size_t)(ci * C + tid) * conv_dim);
     };
 
-    if (STAGES == 2) issue(0, sm + DK * DN_COLS);
+    const int mt = warp >> 1, n1 = 16 * (warp & 1);  // step 1: rows 16·mt (W below C, QG from C), columns n1..
+    if (STAGES == 2) issue(0, sm + G::FIXED);
     for (int ci = 0; ci < nchunks; ++ci) {
-        float* st = sm + DK * DN_COLS + (STAGES == 2 ? (ci & 1) * STAGE : 0);
+        float* st = sm + G::FIXED + (STAGES == 2 ? (ci & 1) * G::STAGE : 0);
         if (STAGES == 1) {
             __syncthreads();  // everyone is done with chunk ci−1's stage
             issue(ci, st);
         }
-        cp_async_wait<0>();
-        __syncthreads();  // chunk ci has landed for everyone; everyone is done with chunk ci−1 (its stage, S)
-        if (STAGES == 2 && ci + 1 < nchunks) issue(ci + 1, sm + DK * DN_COLS + ((ci + 1) & 1) * STAGE);
-        if (STAGES == 1 && ci + 1 < nchunks) prefetch(ci + 1);
-        float* su = st + R::FLOATS;
+        wait_chunk(ci);
+        __syncthreads();  // chunk ci has landed for everyone; S of chunk ci−1 is in sS; V' is free
+        if (STAGES == 2 && ci + 1 < nchunks) issue(ci + 1, sm + G::FIXED + ((ci + 1) & 1) * G::STAGE);
+        if (STAGES == 1) prefetch(ci + 1);
+        prefetch(ci + 2);
 
-        // [W; QG] S: rows 4g .. 4g+3 of the 64 stacked rows (g < 8: W, V' = U − W S in place on U; else QG S, kept)
-        float acc[4][2];
+        // 1. [W; QG] S for rows 16·mt .. + 15, columns n1 .. + 15 (two n-tiles)
+        float acc[2][4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            uint32_t ah[4], al[4];
+            frag_a<G::WQP>(st + G::WQ + k0 * G::WQP + 16 * mt, g, t, ah, al);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) acc[u][0] = acc[u][1] = 0.f;
-#pragma unroll 8
-        for (int i = 0; i < DK; ++i) {
-            float a[4], sv[2];
-            lds<4>(a, st + R::WQ + i * 2 * C + 4 * g);
-            lds<2>(sv, sS + i * DN_COLS + cp);
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                acc[u][0] = fmaf(a[u], sv[0], acc[u][0]), acc[u][1] = fmaf(a[u], sv[1], acc[u][1]);
-        }
-        if (g < 8) {
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                float2* v = reinterpret_cast<float2*>(su + (4 * g + u) * DN_COLS + cp);
-                *v = make_float2(v->x - acc[u][0], v->y - acc[u][1]);
+            for (int nn = 0; nn < 2; ++nn) {
+                uint32_t bh[2], bl[2];
+                frag_b<SP>(sS + k0 * SP + n1 + 8 * nn, g, t, bh, bl);
+                mma3(acc[nn], ah, al, bh, bl);
             }
+        }
+        if (mt < 2) {  // V' = U − W S
+#pragma unroll
+            for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = 16 * mt + g + 8 * hh, j = n1 + 8 * nn + 2 * t;
+                    const float2 u = *reinterpret_cast<const float2*>(st + G::U + r * SP + j);
+                    *reinterpret_cast<float2*>(sV + r * SP + j) =
+                        make_float2(u.x - acc[nn][2 * hh], u.y - acc[nn][2 * hh + 1]);
+                }
         }
         __syncthreads();  // V' complete; every read of S for this chunk is done
 
-        // o = QG S + QK V' for rows 4(g − 8) .. +3 (the QG threads), written for the chunk's real rows
-        if (g >= 8) {
-            const int r0 = 4 * (g - 8);
-#pragma unroll 8
-            for (int s2 = 0; s2 < C; ++s2) {
-                float q[4], v[2];
-                lds<4>(q, st + R::QKT + s2 * C + r0);
-                lds<2>(v, su + s2 * DN_COLS + cp);
+        // 2. o = QG S + QK V' for rows 16(mt − 2) .. + 15 of the chunk (the QG warps)
+        if (mt >= 2) {
+            const int r0 = 16 * (mt - 2);
 #pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    acc[u][0] = fmaf(q[u], v[0], acc[u][0]), acc[u][1] = fmaf(q[u], v[1], acc[u][1]);
+            for (int k0 = 0; k0 < C; k0 += 8) {
+                uint32_t ah[4], al[4];
+                frag_a<G::QKP>(st + G::QK + k0 * G::QKP + r0, g, t, ah, al);
+#pragma unroll
+                for (int nn = 0; nn < 2; ++nn) {
+                    uint32_t bh[2], bl[2];
+                    frag_b<SP>(sV + k0 * SP + n1 + 8 * nn, g, t, bh, bl);
+                    mma3(acc[nn], ah, al, bh, bl);
+                }
             }
             const int t0 = ci * C;
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (t0 + r0 + u < T)
-                    *reinterpret_cast<float2*>(o + (row0 + t0 + r0 + u) * nv * dv + (size_t)h * dv + col0 + cp) =
-                        make_float2(acc[u][0], acc[u][1]);
+            for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = r0 + g + 8 * hh;
+                    if (t0 + r < T)
+                        *reinterpret_cast<float2*>(o + (row0 + t0 + r) * nv * dv + (size_t)h * dv + col0 + n1 + 8 * nn +
+                                                   2 * t) = make_float2(acc[nn][2 * hh], acc[nn][2 * hh + 1]);
+                }
         }
 
-        // S ← e^{γ_L} S + KDᵀ V' for rows RI·g .. +RI−1, columns cp, cp + 1
-        {
-            const int i0 = RI * g;
-            const float el = st[R::EL];
-            float sr[RI][2];
+        // 3. S ← e^{γ_L} S + KDᵀ V' on this warp's tiles, then into sS for the next chunk's step 1
+        if (has3) {
+            const float el = st[G::EL];
 #pragma unroll
-            for (int m = 0; m < RI; ++m) {
-                float v[2];
-                lds<2>(v, sS + (i0 + m) * DN_COLS + cp);
-                sr[m][0] = el * v[0], sr[m][1] = el * v[1];
+            for (int x = 0; x < PW; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s3[x][e] *= el;
+#pragma unroll
+            for (int k0 = 0; k0 < C; k0 += 8) {
+                uint32_t ah[4], al[4];
+                frag_a<G::KDP>(st + G::KD + k0 * G::KDP + m3, g, t, ah, al);
+#pragma unroll
+                for (int x = 0; x < PW; ++x) {
+                    uint32_t bh[2], bl[2];
+                    frag_b<SP>(sV + k0 * SP + 8 * ((warp * PW + x) & 3), g, t, bh, bl);
+                    mma3(s3[x], ah, al, bh, bl);
+                }
             }
-#pragma unroll 4
-            for (int r = 0; r < C; ++r) {
-                float k[RI], v[2];
-                lds<RI>(k, st + R::KD + r * DK + i0);
-                lds<2>(v, su + r * DN_COLS + cp);
-#pragma unroll
-                for (int m = 0; m < RI; ++m)
-                    sr[m][0] = fmaf(k[m], v[0], sr[m][0]), sr[m][1] = fmaf(k[m], v[1], sr[m][1]);
-            }
-#pragma unroll
-            for (int m = 0; m < RI; ++m)
-                *reinterpret_cast<float2*>(sS + (i0 + m) * DN_COLS + cp) = make_float2(sr[m][0], sr[m][1]);
+            put_s();
         }
     }
-    __syncthreads();
-    for (int idx = tid; idx < DK * DN_COLS; idx += kThreads) Sg[(size_t)(idx >> 5) * dv + (idx & 31)] = sS[idx];
+#pragma unroll
+    for (int x = 0; x < PW; ++x) {
+        const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
+        if (!has3) break;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(Sg + (size_t)(m3 + g + 8 * hh) * dv + n0) =
+                make_float2(s3[x][2 * hh], s3[x][2 * hh + 1]);
+    }
 }
 
 }  // namespace

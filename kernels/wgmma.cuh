@@ -19,33 +19,14 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t base, int h) {
     return (uint64_t)(((base + 32u * h) & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// ------------------------------------------------------------------------------------------------ TMA, mbarriers
+// ------------------------------------------------------------------------------------------------ TMA
 
 // A CUtensorMap as the driver encodes it (driver.tensor_map_2d): passed by value as a __grid_constant__ parameter.
 struct alignas(64) TmaDesc {
     unsigned long long v[16];
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Make initialised mbarriers visible to the copy engine (the async proxy) before any copy completes on them.
-__device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also expects `bytes` of copies to complete on the barrier before its phase ends.
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Wait until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
+// (mbar_init, mbar_expect_tx, mbar_wait: common.cuh)
 // Copy the box at coordinates (c0 innermost, c1) of the tensor `map` into shared memory at dst; completes on bar.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, int c0, int c1, uint32_t bar) {
     asm volatile(

@@ -115,23 +115,28 @@ def prep_smem_bytes(dk: int, dv: int) -> int:
 
 
 def state_smem_bytes(dk: int, stages: int) -> int:
-    """Dynamic shared memory of deltanet_chunk_state_dk{dk} (stages 2) or _s1: S [dk][CHUNK_COLS], then per stage
-    a chunk record and its U columns [C][CHUNK_COLS]."""
-    return 4 * (dk * CHUNK_COLS + stages * (chunk_record_floats(dk) + CHUNK * CHUNK_COLS))
+    """Dynamic shared memory of deltanet_chunk_state_dk{dk} (stages 2) or _s1 (StateGeo in deltanet_chunked.cu): S
+    [dk][CHUNK_COLS + 8] and V' [C][CHUNK_COLS + 8], then per stage a chunk record re-laid into padded rows (WQ
+    [dk][2C + 8], KD [C][dk + 8], QKT [C][C + 8], e^{γ_L} + 3 pads) and its U columns [C][CHUNK_COLS + 8]. At dk = 128:
+    154,656 bytes with 2 stages, 90,128 with 1."""
+    C, sp = CHUNK, CHUNK_COLS + 8
+    stage = dk * (2 * C + 8) + C * (dk + 8) + C * (C + 8) + 4 + C * sp
+    return 4 * ((dk + C) * sp + stages * stage)
 
 
 def state_stages(k, *, dk: int, blocks: int) -> int:
     """Record stages of the state kernel: 2 (the next chunk copied while this one computes) where a block's shared
-    memory holds them (131 KB at dk = 128: sm_80, sm_90) and the blocks fit one wave at one per SM; else 1 (73 KB,
-    two or more blocks per SM) with an L2 prefetch. H200, T = 4096: 35B (128 blocks) 0.66 ms with 2 stages, 0.79
-    with 1; 27B (192 blocks) 1.29 with 2 (two waves), 1.21 with 1 (perf.md v18)."""
+    memory holds them (151 KB at dk = 128: sm_80, sm_90) and the blocks fit one wave at one per SM; else 1 (88 KB,
+    two blocks per SM on sm_80/90) with an L2 prefetch. Measured on v18's fp32 kernel: H200, T = 4096: 35B (128
+    blocks) 0.66 ms with 2 stages, 0.79 with 1; 27B (192 blocks) 1.29 with 2 (two waves), 1.21 with 1 (perf.md
+    v18)."""
     fits = state_smem_bytes(dk, 2) <= k.gpu.info.max_smem_per_block_optin
     return 2 if fits and blocks <= k.gpu.info.sm_count else 1
 
 
 def chunked_supported(k, *, dk: int, dv: int) -> bool:
     """Whether the chunked delta rule can run: dv in whole blocks of 32 columns, and both kernels' shared memory
-    within what this GPU gives one block (77 KB for the prep and 73 KB for a one-stage state kernel at
+    within what this GPU gives one block (77 KB for the prep and 88 KB for a one-stage state kernel at
     dk = dv = 128)."""
     optin = k.gpu.info.max_smem_per_block_optin
     return (dk in DK_SUPPORTED and dv % CHUNK_COLS == 0 and prep_smem_bytes(dk, dv) <= optin
