@@ -2,11 +2,11 @@
 
 Decode is timed as replays of the captured step graph at a fixed context (the KV cache filled with valid
 random values up to that length), one sequence, no speculation: events around many replays, median of
-several rounds. Prefill is timed end to end on a random prompt, twice: the second run is reported (graphs captured,
-first-use costs paid, as llama-bench warms up) and the first beside it as the cold time. Bytes per decoded token count every
-weight byte the step reads (routed experts at top_k / E of their banks), the KV cache up to the context
-and the DeltaNet states read and written; divided by the step time and the copy bandwidth measured on the
-same GPU at the start, they give the fraction of the bandwidth ceiling reached.
+several rounds. Prefill is timed end to end on a random prompt, twice: the second run is reported (graphs
+captured, first-use costs paid, as llama-bench warms up) and the first beside it as the cold time. Bytes per
+decoded token count every weight byte the step reads (routed experts at top_k / E of their banks), the KV cache
+up to the context and the DeltaNet states read and written; divided by the step time and the copy bandwidth
+measured on the same GPU at the start, they give the fraction of the bandwidth ceiling reached.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ Tolerance: both sides compute in fp32 (the kernels with fast-math exp/rsqrt/divi
 are ~1e-6 relative and do not grow with steps (the decay is <= 1). We allow |got - ref| <= 1e-4 · (|ref| +
 rms(ref)): the rms floor stops near-zero elements from failing on absolute noise. The chunked prefill sums in a
 different order (dot products over a chunk, a forward substitution through (I + A)): emulated in fp32 against the
-float64 recurrent form it stays below 3e-6 relative on these shapes, inside the same bound. Its state kernel forms the
-products with S on tensor cores in 3xTF32 (each operand split into two tf32 terms, the lo·lo product dropped): ~2^-21
-relative per product against fp32's 2^-24, so the sums stay within ~1e-6 relative, still far inside 1e-4. The conv state holds
-copies of inputs, so it must match bit for bit, ring rows a step does not own must keep their bits, and slots not
-in `slot` must be left bit-for-bit untouched. For `step`, b|a differ from the oracle's by the order of a length-H
+float64 recurrent form it stays below 3e-6 relative on these shapes, inside the same bound. Its state kernel forms
+the products with S on tensor cores in 3xTF32 (each operand split into two tf32 terms, the lo·lo product dropped):
+~2^-21 relative per product against fp32's 2^-24, so the sums stay within ~1e-6 relative, still far inside 1e-4.
+The conv state holds copies of inputs, so it must match bit for bit, ring rows a step does not own must keep their
+bits, and slots not in `slot` must be left bit-for-bit untouched. For `step`, b|a differ from the oracle's by the order of a length-H
 fp32 dot (~sqrt(H)·2^-24 relative to |b|, |a| ~ 1 here: < 1e-5), which moves β and e^g by less than that and stays
 well inside the same 1e-4.
 """
