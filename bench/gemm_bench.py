@@ -56,14 +56,16 @@ def time_gemm(gpu, k, w, M: int, reps: int, kernel: str) -> float:
     from ninfer_rt.gpu import gemm
 
     N, K = w.shape
-    x, y = gpu.alloc(M * K * 2), gpu.alloc(M * N * 4)
+    ss = kernel == "wgmma_ss"  # the time includes the dequantizing pass into the scratch
+    nss = gemm.dequant_bytes(w) if ss else 0
+    x, y, scratch = gpu.alloc(M * K * 2), gpu.alloc(M * N * 4), gpu.alloc(max(nss, 256))
     try:
         gpu.upload(x, f32_to_bf16_bits(np.random.default_rng(1).standard_normal((M, K), dtype=np.float32)))
-        return statistics.median(eager_ms(gpu, lambda: gemm.gemm(k, w, x=x, M=M, y=y, kernel=kernel), rounds=3,
-                                          reps=reps, warmup=3))
+        return statistics.median(eager_ms(gpu, lambda: gemm.gemm(k, w, x=x, M=M, y=y, kernel=kernel, scratch=scratch,
+                                                                 scratch_bytes=nss), rounds=3, reps=reps, warmup=3))
     finally:
-        gpu.free(x)
-        gpu.free(y)
+        for p in (x, y, scratch):
+            gpu.free(p)
 
 
 MOE = dict(E=256, top_k=8, I=512, H=2048, gate_up="q4g64", down="q5g64")
@@ -116,7 +118,8 @@ def bench_moe(gpu, k, Ms, reps: int, rows: list, kernels) -> None:
                             f"{MOE['gate_up']}/{MOE['down']} (graph replay)")
         for col in ("M", "path", "ms", "weight GB/s"):
             table.add_column(col, justify="right")
-        paths = ["small"] + [f"large {kern}" for kern in kernels]  # moe_small is mma.sync only
+        # moe_small is mma.sync only; the grouped banks are not dequantized (wgmma_ss is dense only)
+        paths = ["small"] + [f"large {kern}" for kern in kernels if kern != "wgmma_ss"]
         for M in Ms:
             for path in paths:
                 p, kern = (path.split() + ["mma"])[:2]
@@ -138,8 +141,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--moe-M", default="512,2048", help="tokens for the MoE bench, comma-separated ('' skips)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense gemm table")
-    ap.add_argument("--kernels", default=None, help="GEMM kernels to time, comma-separated (mma, wgmma); "
-                                                    "default: every one this GPU runs")
+    ap.add_argument("--kernels", default=None, help="GEMM kernels to time, comma-separated (mma, wgmma, wgmma_ss: "
+                                                    "dequantized first, timed with it); default: every one "
+                                                    "this GPU runs")
     args = ap.parse_args()
     try:
         gpu = Gpu(0)
@@ -151,11 +155,11 @@ def main() -> None:
     from ninfer_rt.gpu import gemm
 
     k = Kernels(gpu)
-    kernels = args.kernels.split(",") if args.kernels else ["mma"] + (["wgmma"] if gemm.wgmma_available(k) else [])
-    bad = [kern for kern in kernels if kern not in gemm.KERNELS[1:]]
-    if bad or ("wgmma" in kernels and not gemm.wgmma_available(k)):
-        sys.exit(f"gemm_bench: kernel {(bad or ['wgmma'])[0]!r} is not one this GPU runs "
-                 f"(mma{', wgmma' if gemm.wgmma_available(k) else ''})")
+    hopper = ["wgmma", "wgmma_ss"] if gemm.wgmma_available(k) else []
+    kernels = args.kernels.split(",") if args.kernels else ["mma"] + hopper
+    bad = [kern for kern in kernels if kern not in ["mma"] + hopper]
+    if bad:
+        sys.exit(f"gemm_bench: kernel {bad[0]!r} is not one this GPU runs ({', '.join(['mma'] + hopper)})")
     rng = np.random.default_rng(0)
     Ms = [int(m) for m in args.M.split(",")]
     rows = []
@@ -171,6 +175,8 @@ def main() -> None:
                 w = DeviceWeight(label, fmt, shape, base)
                 for M in Ms:
                     for kern in kernels:
+                        if kern == "wgmma_ss" and fmt == "bf16":
+                            continue  # nothing to dequantize
                         ms = time_gemm(gpu, k, w, M, args.reps, kern)
                         tflops = 2 * M * shape[0] * shape[1] / (ms * 1e-3) / 1e12
                         rows.append(dict(format=fmt, N=shape[0], K=shape[1], M=M, kernel=kern, ms=round(ms, 4),

@@ -16,6 +16,9 @@
 //     block barrier per stage frees the stage read two steps back for stage kt + S - 1.
 //   * Warp q's MMA rows g and g + 8 are weight rows 32(q>>1) + 8(q&1) + g and that + 16 of the tile: a gate row and
 //     its up row (interleave of 16 in 32, docs/format.md), so SwiGLU pairs them in registers.
+// Dequantized path (gemm_wgmma_dequant_<fmt>, then gemm_wgmma_ss; reference and epilogues as gemm_wgmma_<fmt>): one
+// pass writes the weight as bf16 RN(q · s) into a scratch, rows in dq_row order; then both operands go by TMA and
+// every wgmma reads both from shared memory, so a stage costs each thread a few instructions instead of a decode.
 // Numerics: every quantized format as RN(q · s) in bf16 (relative error <= 2^-9 per weight; gemm.cu keeps nibble
 // codes exact), x in bf16, fp32 sums; swiglu rounds its output to bf16.
 #include "wgmma.cuh"
@@ -46,6 +49,31 @@ struct WT {
     static constexpr int SMEM = ALIGN + STAGES * STAGE + BAR_BYTES + ROW_BYTES;
     static_assert(STAGES >= 3, "the pipeline refills the stage of tile kt - 1 while tile kt + 1 is read");
 };
+
+// The epilogue of a tile: d[4j + c] is (weight row n0 + ra + 16(c>>1), tile row 8j + 2t + (c&1)), ra the weight row
+// of warp q's MMA row g (wg_tile); rid as tile_rows wrote it.
+__device__ __forceinline__ void wg_store(const float (&d)[64], const int* rid, int n0, int N, float* __restrict__ y,
+                                         int ldy, const float* __restrict__ row_scale, int ydiv, int mode) {
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int ra = 32 * (warp >> 1) + 8 * (warp & 1) + g;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int cm = 0; cm < 2; ++cm) {
+            const int id = rid[8 * j + 2 * t + cm];
+            if (id < 0) continue;
+            const size_t yo = (size_t)(id / ydiv) * ldy;
+            if (mode == MODE_SWIGLU) {
+                const int nb = n0 + 32 * (warp >> 1);  // the 32-row block of ra: gate rows, then up rows
+                if (nb < N) store_act(y, yo + nb / 2 + 8 * (warp & 1) + g, d[4 * j + cm], d[4 * j + 2 + cm]);
+                continue;
+            }
+            const float rs = row_scale ? row_scale[id] : 1.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (n0 + ra + 16 * h < N) store_out(mode, y + yo, n0 + ra + 16 * h, rs * d[4 * j + 2 * h + cm]);
+        }
+}
 
 template <int BITS, int GROUP, bool XTMA>
 __device__ __forceinline__ void wg_tile(const TmaDesc* tmw, const TmaDesc* tmx, const uint8_t* __restrict__ qh,
@@ -199,24 +227,100 @@ __device__ __forceinline__ void wg_tile(const TmaDesc* tmw, const TmaDesc* tmx, 
     wg_pin(d, 64);
     cp_async_wait<0>();
 
-    // ---- epilogue: d[4j + c] is (n = n0 + ra + 16(c>>1), local m = 8j + 2t + (c&1))
+    wg_store(d, rid, n0, N, y, ldy, row_scale, ydiv, mode);
+}
+
+// ------------------------------------------------------------------------------------------------ dequantized path
+
+// A dense GEMM whose weights were dequantized to bf16 (gemm_wgmma_dequant_<fmt>): both operands by TMA into
+// 128-byte swizzled tiles, and every wgmma reads both from shared memory, so a stage costs each thread a barrier
+// wait, 4 wgmma issues and one block barrier. One stage: x [128 rows][128 B], then A [256 rows][128 B].
+constexpr int SS_A = WBN * 128, SS_X = WBM * 128, SS_STAGE = SS_A + SS_X;
+constexpr int SS_STAGES = (200 * 1024 - ALIGN - BAR_BYTES - ROW_BYTES) / SS_STAGE;
+constexpr int SS_SMEM = ALIGN + SS_STAGES * SS_STAGE + BAR_BYTES + ROW_BYTES;  // gemm.py ss_smem_bytes
+static_assert(SS_STAGES >= 3, "the pipeline refills the stage of tile kt - 1 while tile kt + 1 is read");
+
+// Scratch row p holds weight row dq_row(p): bits 3 and 4 of p swapped, so that warpgroup MMA row 16w + g + 8h of a
+// 64-row slice (what an A tile in shared memory gives warp w) is the weight row ra + 16h wg_store expects: a gate row
+// and its up row (interleave of 16 in 32) meet in one thread. An involution: the inverse is itself.
+__device__ __forceinline__ int dq_row(int p) { return (p & ~0x18) | ((p & 8) << 1) | ((p >> 1) & 8); }
+
+__device__ __forceinline__ void wg_tile_ss(const TmaDesc* tmw, const TmaDesc* tmx, int N, int K, int ntile,
+                                           float* __restrict__ y, int ldy, const float* __restrict__ row_scale,
+                                           int M, int m0, int mode) {
+    constexpr int S = SS_STAGES;
+    extern __shared__ __align__(16) uint8_t smem[];
+    require_dynamic_smem(SS_SMEM);
+    const uint32_t s0 = smem_addr(smem);
+    uint8_t* stages = smem + (((s0 + ALIGN - 1) & ~(uint32_t)(ALIGN - 1)) - s0);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(stages + S * SS_STAGE);
+    long long* xoff = reinterpret_cast<long long*>(stages + S * SS_STAGE + BAR_BYTES);
+    int* rid = reinterpret_cast<int*>(xoff + WBM);
+    const int tid = threadIdx.x, n0 = ntile * WBN, KT = (K + 63) / 64;
+
+    tile_rows(rid, xoff, nullptr, M, m0, 1, 0, WBM);
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) mbar_init(smem_addr(bars + s), 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    // stage kt into slot s (thread 0); k beyond K reads as zero in both operands
+    auto load = [&](int kt, int s) {
+        const uint32_t bar = smem_addr(bars + s), st = smem_addr(stages + s * SS_STAGE);
+        mbar_expect_tx(bar, SS_STAGE);
+        tma_load_2d(st, tmx, kt * 64, m0, bar);
+        tma_load_2d(st + SS_X, tmw, kt * 64, n0, bar);
+    };
+    if (tid == 0)
+        for (int s = 0; s < S - 1 && s < KT; ++s) load(s, s);
+
+    float d[64];
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    const uint32_t a_off = SS_X + (tid >> 7) * 64 * 128;  // this warpgroup's 64 weight rows
+    for (int kt = 0; kt < KT; ++kt) {
+        const int s = kt % S;
+        const uint32_t xs = smem_addr(stages + s * SS_STAGE);
+        mbar_wait(smem_addr(bars + s), (kt / S) & 1);
+        wg_fence();
 #pragma unroll
-        for (int cm = 0; cm < 2; ++cm) {
-            const int id = rid[8 * j + 2 * t + cm];
-            if (id < 0) continue;
-            const size_t yo = (size_t)(id / ydiv) * ldy;
-            if (mode == MODE_SWIGLU) {
-                const int nb = n0 + 32 * (warp >> 1);  // the 32-row block of ra: gate rows, then up rows
-                if (nb < N) store_act(y, yo + nb / 2 + 8 * (warp & 1) + g, d[4 * j + cm], d[4 * j + 2 + cm]);
-                continue;
-            }
-            const float rs = row_scale ? row_scale[id] : 1.f;
+        for (int h = 0; h < 4; ++h) wgmma_ss_n128(d, wg_desc(xs + a_off, h), wg_desc(xs, h));
+        wg_commit();
+        wg_wait<1>();     // this warpgroup's wgmmas of stage kt - 1 are done ...
+        __syncthreads();  // ... and every warpgroup's: its slot takes stage kt + S - 1
+        if (tid == 0 && kt + S - 1 < KT) load(kt + S - 1, (kt + S - 1) % S);
+    }
+    wg_wait<0>();
+    wg_pin(d, 64);
+    wg_store(d, rid, n0, N, y, ldy, row_scale, 1, mode);
+}
+
+// out row p (bf16 [rows, K], rows a multiple of 32) = RN(q · s) of weight row dq_row(p), zero past N: one thread per
+// row and 8 consecutive k, decoded as the mma.sync tiles decode (gemm.cuh) and scaled as wg_decode scales, so the
+// values are the ones the register path's MMAs take.
+template <int BITS, int GROUP>
+__device__ __forceinline__ void dequant_rows(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
+                                             const __half* __restrict__ sc, int kp, int N, int K, int rows,
+                                             uint16_t* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // (p, c, t): chunk c's k 8t..8t+7
+    const int KC = K / 32, t = (int)(i & 3), c = (int)((i >> 2) % KC);
+    const int p = (int)((i >> 2) / KC);
+    if (p >= rows) return;
+    const int r = dq_row(p);
+    uint32_t a[4] = {0u, 0u, 0u, 0u};
+    if (r < N) {
+        constexpr int QS = BITS == 8 ? 32 : 16, QH = BITS == 5 ? 4 : (BITS == 6 ? 8 : 0);
+        const uint8_t* wq = qs + (size_t)r * ((size_t)kp * QS / 32) + (size_t)c * QS;
+        const float s = __half2float(sc[(size_t)r * (kp / GROUP) + (c * 32) / GROUP]);
+        if constexpr (BITS == 8) {
+            decode_row_q8_scaled(wq, 0, t, s, a);
+        } else {
+            decode_row<BITS>(wq, QH ? qh + (size_t)r * ((size_t)kp * QH / 32) + (size_t)c * QH : nullptr, 0, t, a);
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                if (n0 + ra + 16 * h < N) store_out(mode, y + yo, n0 + ra + 16 * h, rs * d[4 * j + 2 * h + cm]);
+            for (int j = 0; j < 4; ++j) a[j] = scale_pair(a[j], s);
         }
+    }
+    *reinterpret_cast<uint4*>(out + (size_t)p * K + c * 32 + 8 * t) = make_uint4(a[0], a[1], a[2], a[3]);
 }
 
 }  // namespace
@@ -250,4 +354,22 @@ NINFER_QFORMATS(NINFER_GEMM_WG_DENSE)
 NINFER_GEMM_WG_DENSE(bf16, 16, 32)
 NINFER_QFORMATS(NINFER_GEMM_WG_MOE)
 NINFER_GEMM_WG_MOE(bf16, 16, 32)
+// Dequantized path: gemm_wgmma_dequant_<fmt>(qs, qh, sc, kp, N, K, rows, out), grid ceil(rows · K/8 / 256), block
+// 256; then gemm_wgmma_ss(N, K, y, ldy, row_scale, M, mode, tmw, tmx): grid (ceil(N / 256), ceil(M / 128)),
+// block 512, dynamic smem SS_SMEM; tmw over out as bf16 [rows, K], box 256 rows × 64 k, 128-byte swizzle.
+#define NINFER_GEMM_WG_DEQUANT(name, BITS, GROUP)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_dequant_##name(                                 \
+        const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int N, int K, int rows, uint16_t* out) {  \
+        ninfer_pdl_begin();                                                                                       \
+        dequant_rows<BITS, GROUP>(qs, qh, sc, kp, N, K, rows, out);                                               \
+    }
+NINFER_QFORMATS(NINFER_GEMM_WG_DEQUANT)
+
+extern "C" __global__ void __launch_bounds__(WNT, 1) gemm_wgmma_ss(int N, int K, float* y, int ldy,
+                                                                   const float* row_scale, int M, int mode,
+                                                                   const __grid_constant__ TmaDesc tmw,
+                                                                   const __grid_constant__ TmaDesc tmx) {
+    ninfer_pdl_begin();
+    wg_tile_ss(&tmw, &tmx, N, K, blockIdx.x, y, ldy, row_scale, M, blockIdx.y * WBM, mode);
+}
 #endif

@@ -388,6 +388,35 @@ def test_prefill_attention_plan(gpu, dtype, warps):
 
 
 @pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("M", [8192, 512])
+def test_prefill_gemm_dequantized_plan(gpu, M, monkeypatch):
+    """gemm.gemm with a scratch, 35B in_proj_qkv|z [12288, 2048] q8g32: on the H200 from WGMMA_SS_MIN_ROWS rows,
+    gemm_wgmma_dequant_q8g32 (a thread per 8 weights) into the scratch, then gemm_wgmma_ss over it: a TMA descriptor
+    of the scratch as bf16 [N, K] (box 256 rows × 64 k, 128-byte swizzle) and one of x, the wgmma grid, its shared
+    memory within the opt-in limit. Below that, or elsewhere, the register-path plan of test_prefill_gemm_plan."""
+    from ninfer_rt.gpu import gemm
+    from ninfer_rt.gpu.weights import DeviceWeight
+    maps = []
+    monkeypatch.setattr(gemm, "_MAPS", {})
+    monkeypatch.setattr(gemm, "tensor_map_2d", lambda base, **kw: maps.append((base, kw)) or object())
+    cc, sms, optin = GPUS[gpu]
+    k = fake_kernels(*cc, sm_count=sms, smem_optin=optin)
+    N, K = 12288, 2048
+    w = DeviceWeight("w", "q8g32", (N, K), 1 << 20)
+    scratch = 1 << 32
+    gemm.gemm(k, w, x=1 << 30, M=M, y=1 << 31, scratch=scratch, scratch_bytes=N * K * 2)
+    names = [fn for fn, *_ in k.gpu.launches]
+    if gpu == "H200" and M >= gemm.WGMMA_SS_MIN_ROWS:
+        assert [(fn, grid, block) for fn, grid, block, _ in k.gpu.launches] == [
+            ("gemm_wgmma_dequant_q8g32", N * K // 8 // 256, 256), ("gemm_wgmma_ss", (N // 256, M // 128), 512)]
+        assert maps[0] == (scratch, dict(dtype="bf16", inner=K, rows=N, row_bytes=2 * K, box_inner=64,
+                                         box_rows=256, swizzle_128b=True))
+        assert gemm.ss_smem_bytes() <= optin
+    else:
+        assert names == ["gemm_wgmma_q8g32" if gpu == "H200" else "gemm_q8g32"]
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
 @pytest.mark.parametrize("N, K, M", [(9216, 2048, 8192), (9216, 2048, 512), (2048, 4096, 512), (9216, 2048, 64)])
 def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
     """gemm.gemm and gemm.moe_grouped at the 35B-A3B's shapes on each target GPU. On the H200 (sm_90a cubin), from

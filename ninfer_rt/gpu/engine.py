@@ -106,6 +106,8 @@ class Buffers:
     logits: int = 0
     argmax: int = 0
     scratch: int = 0
+    wscratch: int = 0        # gemm "wgmma_ss": a quantized layer matrix dequantized to bf16 (0: none)
+    wscratch_bytes: int = 0
 
 
 class GpuModel:
@@ -219,6 +221,13 @@ class GpuModel:
             misc.argmax_scratch_bytes(self.logit_rows),
             gemm.moe_scratch_bytes(rows, s.num_experts_per_tok, s.num_experts) if s.is_moe else 0)
         b.scratch = self._alloc(scratch)
+        # the prefill GEMMs' dequantized weights (gemm "wgmma_ss", H100/H200): room for the largest layer matrix
+        ss = self.gemm_kernel == "wgmma_ss" or (self.gemm_kernel == "auto" and rows >= gemm.WGMMA_SS_MIN_ROWS)
+        if ss and gemm.wgmma_available(self.k):
+            b.wscratch_bytes = max((gemm.dequant_bytes(k_view(w)) for name, w in self.w.matrices.items()
+                                    if name.startswith(LM + "layers.") and w.quantized and len(w.shape) == 2),
+                                   default=0)
+            b.wscratch = self._alloc(b.wscratch_bytes) if b.wscratch_bytes else 0
         return b
 
     def free(self) -> None:
@@ -238,8 +247,11 @@ class GpuModel:
         w = k_view(w)
         if M > GEMV_MAX_ROWS:
             assert not norm_w, "the GEMM path takes normalised input"
+            kern = self.gemm_kernel
+            if kern == "wgmma_ss" and not (w.quantized and gemm.dequant_bytes(w) <= self.buf.wscratch_bytes):
+                kern = "wgmma"  # bf16 weights and the lm_head: nothing to dequantize, or no room
             gemm.gemm(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, stream=stream,
-                      kernel=self.gemm_kernel)
+                      kernel=kern, scratch=self.buf.wscratch, scratch_bytes=self.buf.wscratch_bytes)
         else:
             linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
                         norm_eps=self.spec.rms_norm_eps, stream=stream)

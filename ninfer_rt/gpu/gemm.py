@@ -19,10 +19,13 @@ nibble formats' codes are exact in bf16 and each fp16 group scale multiplies, in
 Two kernels compute this (`kernel`, KERNELS): "mma" (kernels/gemm.cu: mma.sync tiles, every GPU), numerics as
 above, and "wgmma" (kernels/gemm_wgmma.cu: Hopper's warpgroup MMA fed by TMA copies, sm_90a cubins only), which
 takes every quantized format as RN(q · s) in bf16: the nibble formats too, since its MMA accumulates straight into
-the registers it keeps. "auto" picks wgmma where `wgmma_available`, M >= WGMMA_MIN_ROWS and its tiles fill every
-SM at least once (14-36% less time than mma at the 35B's 8K-prefill shapes, perf.md v19); below, a tile is mostly
-empty or SMs idle (the wgmma tile has twice the weight rows, one block per SM), and mma keeps the nibble codes
-exact for decode batches.
+the registers it keeps. Its A operand comes two ways: decoded into registers each stage ("wgmma"), or, given a
+scratch ("wgmma_ss"), dequantized by one pass into a bf16 copy that TMA stages beside x, so the MMAs read both
+operands from shared memory and a stage costs each thread a handful of instructions (2x the rate at 8K rows).
+"auto" picks wgmma where `wgmma_available`, M >= WGMMA_MIN_ROWS and its tiles fill every SM at least once (14-36%
+less time than mma at the 35B's 8K-prefill shapes, perf.md v19), and the scratch form from WGMMA_SS_MIN_ROWS when
+the caller gave room; below, a tile is mostly empty or SMs idle (the wgmma tile has twice the weight rows, one block
+per SM), and mma keeps the nibble codes exact for decode batches.
 `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per expert,
 kernels/moe_gemm.cu's tiles of 32 slots.
 """
@@ -44,8 +47,11 @@ MODES = {"store": 0, "add": 1, "swiglu": 2}
 MODE_ATOMIC_ADD = 3
 GRID_Y_MAX = 65535
 SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
-KERNELS = ("auto", "mma", "wgmma")
+KERNELS = ("auto", "mma", "wgmma", "wgmma_ss")
 WGMMA_MIN_ROWS = 128  # "auto" takes wgmma from one full tile of x rows (tokens) up
+# "auto" dequantizes a quantized weight into the caller's scratch and runs gemm_wgmma_ss from this many x rows up
+# (perf.md v23: 1.5-2.3x faster than the register path at 512 rows with the pass included, wherever wgmma runs)
+WGMMA_SS_MIN_ROWS = 512
 # gemm_wgmma.cu WT<BITS>: tiles of 256 weight rows × 128 x rows, 512 threads, one block per H100/H200 SM; stages of
 # 64 k (x 128 rows × 128 B, then the planes), 1024-byte aligned, as many as fit 200 KB; then mbarriers and row ids
 WG_BN, WG_THREADS, WG_STAGE_BUDGET, WG_ALIGN, WG_BAR_BYTES, WG_KSTAGE = 256, 512, 200 * 1024, 1024, 64, 64
@@ -72,6 +78,18 @@ def smem_bytes(fmt: str, wgmma: bool = False) -> int:
     return RID_BYTES + min(MAX_STAGES, (STAGE_BUDGET - RID_BYTES) // stage) * stage
 
 
+def ss_smem_bytes() -> int:
+    """Dynamic shared memory of gemm_wgmma_ss (gemm_wgmma.cu SS_SMEM): stages of x [128][128 B] + A [256][128 B]."""
+    stage = (BM + WG_BN) * 2 * WG_KSTAGE
+    fixed = WG_ALIGN + WG_BAR_BYTES + RID_BYTES
+    return fixed + (WG_STAGE_BUDGET - fixed) // stage * stage
+
+
+def dequant_bytes(w) -> int:
+    """Scratch bytes `gemm` needs to dequantize the 2-D weight w for gemm_wgmma_ss: bf16 [round_up(N, 32), K]."""
+    return -(-int(w.shape[0]) // 32) * 32 * int(w.shape[1]) * 2
+
+
 def wgmma_available(k) -> bool:
     """Whether the wgmma tiles run here: a compute capability 9.0 GPU running its own sm_90a cubin."""
     info = k.gpu.info
@@ -82,10 +100,10 @@ def _use_wgmma(k, kernel: str, M: int, N: int, what: str) -> bool:
     """Whether a launch of M x rows against N weight rows takes the wgmma tiles (kernel: one of KERNELS)."""
     if kernel not in KERNELS:
         raise GpuError(f"{what}: kernel {kernel!r} is not one of {', '.join(KERNELS)}")
-    if kernel == "wgmma" and not wgmma_available(k):
-        raise GpuError(f"{what}: kernel 'wgmma' needs an H100/H200 (sm_90a); this GPU is {k.gpu.info.arch}")
+    if kernel.startswith("wgmma") and not wgmma_available(k):
+        raise GpuError(f"{what}: kernel {kernel!r} needs an H100/H200 (sm_90a); this GPU is {k.gpu.info.arch}")
     if kernel != "auto":
-        return kernel == "wgmma"
+        return kernel.startswith("wgmma")
     tiles = -(-int(N) // WG_BN) * -(-int(M) // BM)
     return M >= WGMMA_MIN_ROWS and wgmma_available(k) and tiles >= k.gpu.info.sm_count
 
@@ -144,11 +162,15 @@ def _prepare(k, name: str, fmt: str, smem: int | None = None) -> int:
 
 
 def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
-         mode: str = "store", row_scale: int = 0, stream=None, kernel: str = "auto") -> None:
+         mode: str = "store", row_scale: int = 0, stream=None, kernel: str = "auto", scratch: int = 0,
+         scratch_bytes: int = 0) -> None:
     """y (=, +=, swiglu) W·x for M rows of x; see the module docstring. Sizes are checked (GpuError).
 
     Pointers are device addresses: x (bf16) 16-byte aligned with ldx a multiple of 8; row_scale 0 for none.
     ldx defaults to K, ldy to N (N/2 for swiglu, which needs N % 32 == 0). kernel: one of KERNELS.
+    scratch (16-byte aligned, scratch_bytes long): where "wgmma_ss" dequantizes a quantized weight, bf16 in the
+    row order of gemm_wgmma.cu dq_row (dequant_bytes(w)); "auto" takes that path when it fits and M >=
+    WGMMA_SS_MIN_ROWS. Same numerics as "wgmma": the MMAs take RN(q · s).
     """
     what = f"gemm({w.name})"
     _check_weight(w, what)
@@ -176,6 +198,11 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
         raise GpuError(f"{what}: M={M} exceeds {GRID_Y_MAX * BM} rows per launch")
     if M == 0:
         return
+    ss = wg and _use_ss(kernel, w, M, scratch, scratch_bytes, what)
+    if ss:
+        _gemm_ss(k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=MODES[mode], row_scale=row_scale, grid=grid,
+                 scratch=scratch, stream=stream)
+        return
     name = f"gemm_{'wgmma_' if wg else ''}{w.fmt}"
     smem = _prepare(k, name, w.fmt, smem_bytes(w.fmt, wg))
     qs, qh, sc = w.planes()
@@ -184,6 +211,32 @@ def gemm(k, w, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | Non
     if wg:
         args += [_qs_map(w), _x_map(x, K, M, ldx)]
     k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
+
+
+def _use_ss(kernel: str, w, M: int, scratch: int, scratch_bytes: int, what: str) -> bool:
+    """Whether a wgmma launch dequantizes w into scratch and runs gemm_wgmma_ss (kernel "wgmma_ss", or "auto"
+    where it fits and pays)."""
+    fits = w.fmt != "bf16" and scratch and scratch % 16 == 0 and scratch_bytes >= dequant_bytes(w)
+    if kernel == "wgmma_ss" and not fits:
+        raise GpuError(f"{what}: kernel 'wgmma_ss' needs a quantized weight (this one is {w.fmt}) and a 16-byte "
+                       f"aligned scratch of {dequant_bytes(w)} bytes (given {scratch_bytes} at {scratch:#x})")
+    return bool(fits) and (kernel == "wgmma_ss" or (kernel == "auto" and M >= WGMMA_SS_MIN_ROWS))
+
+
+def _gemm_ss(k, w, *, x: int, M: int, y: int, ldx: int, ldy: int, mode: int, row_scale: int, grid, scratch: int,
+             stream) -> None:
+    """gemm_wgmma_dequant_<fmt> into scratch, then gemm_wgmma_ss on it (both operands by TMA, A from smem)."""
+    N, K = w.shape
+    rows = -(-N // 32) * 32
+    qs, qh, sc = w.planes()
+    k.launch(f"gemm_wgmma_dequant_{w.fmt}", -(-rows * K // 8 // 256), 256,
+             [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), i32(rows), ptr(scratch)], 0, stream)
+    smem = ss_smem_bytes()
+    k.opt_in_smem("gemm_wgmma_ss", smem)
+    tmw = _tensor_map(scratch, dtype="bf16", inner=K, rows=rows, row_bytes=2 * K, box_inner=WG_KSTAGE,
+                      box_rows=WG_BN, swizzle_128b=True)
+    args = [i32(N), i32(K), ptr(y), i32(ldy), ptr(row_scale), i32(M), i32(mode), tmw, _x_map(x, K, M, ldx)]
+    k.launch("gemm_wgmma_ss", grid, WG_THREADS, args, smem, stream)
 
 
 # ------------------------------------------------------------------------------------------------ grouped MoE

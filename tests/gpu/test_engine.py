@@ -64,14 +64,16 @@ def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
-@pytest.mark.parametrize("chunk, gemm_kernel", [(8, "auto"), (PROMPT, "mma"), (PROMPT, "wgmma")],
-                         ids=["gemv", "gemm", "wgmma"])
+@pytest.mark.parametrize("chunk, gemm_kernel",
+                         [(8, "auto"), (PROMPT, "mma"), (PROMPT, "wgmma"), (PROMPT, "wgmma_ss")],
+                         ids=["gemv", "gemm", "wgmma", "wgmma_ss"])
 def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk, gemm_kernel):
     """chunk 8: the decode kernels (GEMV on int16 x̂ codes, per-token MoE); chunk 160: the prefill kernels
     (tensor-core GEMM with bf16 activations: the mma.sync tiles, and on an H100/H200 the wgmma tiles with
-    bf16-rounded weights; grouped MoE, long-T attention and DeltaNet)."""
+    bf16-rounded weights, as registers or dequantized into a scratch (wgmma_ss); grouped MoE, long-T attention
+    and DeltaNet)."""
     from ninfer_rt.gpu import gemm
-    if gemm_kernel == "wgmma" and not gemm.wgmma_available(kernels):
+    if gemm_kernel.startswith("wgmma") and not gemm.wgmma_available(kernels):
         pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
     ids = prompt(PROMPT, 1)
     want = reference.logits(ids.tolist())

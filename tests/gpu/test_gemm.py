@@ -42,12 +42,18 @@ TOL_BF16X = 1e-4
 
 # ------------------------------------------------------------------------------------------------ helpers
 
-@pytest.fixture(params=["mma", "wgmma"])
+@pytest.fixture(params=["mma", "wgmma", "wgmma_ss"])
 def kernel(request, kernels):
-    """The GEMM kernel under test; wgmma only where it runs (gemm.wgmma_available)."""
-    if request.param == "wgmma" and not gemm.wgmma_available(kernels):
+    """The GEMM kernel under test; wgmma and wgmma_ss (dequantized into a scratch) only where they run
+    (gemm.wgmma_available)."""
+    if request.param.startswith("wgmma") and not gemm.wgmma_available(kernels):
         pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
     return request.param
+
+
+def dq_row(p):
+    """gemm_wgmma.cu dq_row: the weight row held by scratch row p (bits 3 and 4 swapped)."""
+    return (p & ~0x18) | ((p & 8) << 1) | ((p >> 1) & 8)
 
 
 def silu(z):
@@ -122,8 +128,13 @@ def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=Non
             np.full((M + pad_rows, ly), 0xFFFFFFFF, np.uint32).view(np.float32)
         yp = dev.empty(y0.nbytes)
     rs = rng.uniform(-2, 2, M).astype(np.float32) if row_scale else None
+    ss = {}
+    if kernel == "wgmma_ss":
+        if fmt == "bf16":
+            pytest.skip("wgmma_ss dequantizes quantized weights; bf16 ones take the register path")
+        ss = dict(scratch=dev.empty(gemm.dequant_bytes(w)), scratch_bytes=gemm.dequant_bytes(w))
     gemm.gemm(kernels, w, x=dev.put(f32_to_bf16_bits(x)), M=M, y=yp, ldx=ldx, ldy=ldy, mode=mode,
-              row_scale=dev.put(rs) if rs is not None else 0, kernel=kernel)
+              row_scale=dev.put(rs) if rs is not None else 0, kernel=kernel, **ss)
     got = dev.get(yp, y0.shape, y0.dtype)
     what = f"{fmt} [{N}, {K}] M={M} {mode}{' row_scale' if row_scale else ''} ({kernel})"
     untouched(got, y0, M, cols, what)
@@ -137,7 +148,7 @@ def run_gemm(kernels, dev, rng, fmt, N, K, M, *, mode="store", ldx=None, ldy=Non
 def kernel_weights(wv, fmt, kernel):
     """The weights the MMAs take: RN(W) in bf16 for q8 (and every quantized format on wgmma), W itself for bf16
     and for the exact nibble codes of the mma.sync tiles."""
-    return bf16_round(wv) if fmt.startswith("q8") or (kernel == "wgmma" and fmt != "bf16") else wv
+    return bf16_round(wv) if fmt.startswith("q8") or (kernel.startswith("wgmma") and fmt != "bf16") else wv
 
 
 def check_gemm(kernels, dev, rng, fmt, N, K, M, **kw):
@@ -195,6 +206,27 @@ def test_swiglu_35b(kernels, dev, rng, kernel):
     check_gemm(kernels, dev, rng, "q6g64", 1024, 2048, 300, mode="swiglu", kernel=kernel)
 
 
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_dequantized_weights(kernels, dev, rng, fmt):
+    """gemm_wgmma_dequant_<fmt>'s scratch against the oracle, exactly: row p holds RN(W) of weight row dq_row(p)
+    (one rounding of the exact q · s, what the register path's MMAs take), rows past N zero. N = 200: the last
+    32-row block is partial; K = 224: Kp = 256, so the chunks past K are not written."""
+    if not gemm.wgmma_available(kernels):
+        pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
+    N, K, M = 200, 224, 130
+    w, wv = dev.weight(fmt, (N, K), rng)
+    n = gemm.dequant_bytes(w)
+    scratch = dev.empty(n)
+    x = dev.put(f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32)))
+    gemm.gemm(kernels, w, x=x, M=M, y=dev.empty(M * N * 4), kernel="wgmma_ss", scratch=scratch, scratch_bytes=n)
+    got = bf16_bits_to_f32(dev.get(scratch, (n // (2 * K), K), np.uint16))
+    p = np.arange(got.shape[0])
+    want = np.zeros(got.shape, np.float32)
+    want[p[dq_row(p) < N]] = bf16_round(wv)[dq_row(p[dq_row(p) < N])]
+    bad = np.argwhere(got != want)
+    assert not len(bad), f"{fmt}: {len(bad)} dequantized weights differ, first [row {bad[0][0]}, k {bad[0][1]}]"
+
+
 def test_rejects_bad_calls(kernels):
     """Sizes and pointers are checked before anything is launched."""
     w = DeviceWeight("w", "q4g64", (64, 128), 1 << 20)
@@ -210,6 +242,8 @@ def test_rejects_bad_calls(kernels):
         (dict(x=x + 4), "aligned"),
         (dict(ldy=63), "ldy"),
         (dict(M=-1), "M=-1"),
+        (dict(w=DeviceWeight("w", "bf16", (64, 128), 1 << 20), kernel="wgmma_ss"), "wgmma_ss"),
+        (dict(kernel="wgmma_ss", scratch=1 << 23, scratch_bytes=64 * 128 * 2 - 2), "wgmma_ss"),
     ]
     for over, match in cases:
         args = dict(w=w, x=x, M=4, y=y) | over
