@@ -162,6 +162,23 @@ __device__ __forceinline__ void step_softmax(float (&s)[2][4], float (&m_run)[2]
     }
 }
 
+// The lane-partial softmax sums of rows g and g + 8 summed over their quad (every lane gets the row total).
+__device__ __forceinline__ void quad_total(float (&l_run)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
+    }
+}
+
+// Block row rr (< R; G query heads per token) of kv head kvh, split sp: its row in the partials (acc [., D],
+// ml) of attention.cu's scratch layout, also the output row when sp = 0; tt its token, j its head in the group.
+__device__ __forceinline__ size_t partial_row(int rr, int G, int sp, int M, int b, int T, int nH, int kvh, int& tt,
+                                              int& j) {
+    tt = rr / G, j = rr - tt * G;
+    return ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+}
+
 // The split's partials of the warp's rows r0 + g, r0 + g + 8 (those < R): unnormalised o into acc and (max, sum)
 // into ml (attention.cu's scratch layout). Lane t holds dims 8E·a + 2E·t .. + 2E of each V group a (its c0
 // columns, then its c1 columns), C the fragment geometry the PV products used.
@@ -170,17 +187,13 @@ __device__ __forceinline__ void store_partials(const float (&o)[D / 8][4], const
                                                int r0, int R, int G, int sp, int M, int b, int T, int nH, int kvh,
                                                float* __restrict__ acc, float2* __restrict__ ml) {
     const int g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
-    }
+    quad_total(l_run);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int rr = r0 + g + 8 * h;
         if (rr >= R) continue;
-        const int tt = rr / G, j = rr - tt * G;
-        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        int tt, j;
+        const size_t idx = partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j);
         float* dst = acc + idx * D;
 #pragma unroll
         for (int a = 0; a < C::NVG; ++a) {

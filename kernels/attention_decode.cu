@@ -367,8 +367,8 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
             const float4 a = reinterpret_cast<const float4*>(ored + (u * kFastRows + r) * D)[c4];
             sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
         }
-        const int tt = rr / G, j = rr - tt * G;
-        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        int tt, j;
+        const size_t idx = partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j);
         reinterpret_cast<float4*>(acc + idx * D)[c4] = sum;
     }
     if (tid < kFastRows && r0 + tid < R) {
@@ -383,9 +383,8 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
             const float2 e = ml_s[u * kFastRows + r];
             L += e.y * exp2f(e.x - base);
         }
-        const int tt = rr / G, j = rr - tt * G;
-        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
-        ml[idx] = make_float2(mx, L);
+        int tt, j;
+        ml[partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j)] = make_float2(mx, L);
     }
 }
 

@@ -258,17 +258,13 @@ __device__ __forceinline__ void wg_prefill(const float* __restrict__ q, const un
 
     // ---- unnormalised o into acc and (max, sum) into ml (attention.cu's scratch layout); or with one split (gate
     // given) what attn_combine would make of them, bit for bit: out = RN(o / l) · sigmoid(gate), 0 where l = 0
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 2);
-    }
+    quad_total(l_run);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int rr = r0 + g + 8 * h;
         if (rr >= R) continue;
-        const int tt = rr / G, j = rr - tt * G;
-        const size_t idx = ((size_t)sp * M + (size_t)b * T + tt) * nH + kvh * G + j;
+        int tt, j;
+        const size_t idx = partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j);
         const float* gr = gate ? gate + (size_t)(b * T + tt) * ld_gate + (size_t)(kvh * G + j) * D : nullptr;
         float* dst = gate ? out + idx * D : acc + idx * D;  // idx = the output row when sp = 0
 #pragma unroll

@@ -276,27 +276,26 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
     const float* ug = c + row0 * conv_dim + 2 * nk * DK + (size_t)h * dv + col0;
     float* Sg = ssm_state + ((size_t)slot[b] * nv + h) * DK * dv + col0;
 
-    // step-3 tiles: rows m3 + g (+8), columns 8(id % 4) + 2t (+1), id = warp·PW + x
+    // step-3 tiles x < PW: element e at row m3 + g + 8(e >> 1), column c3(x) + 2t + (e & 1), tile id warp·PW + x
     const int m3 = 16 * ((warp * PW) >> 2);
     const bool has3 = warp * PW < T3;
+    auto c3 = [&](int x) { return 8 * ((warp * PW + x) & 3); };
     float s3[PW][4];
 #pragma unroll
-    for (int x = 0; x < PW; ++x) {
-        const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
+    for (int x = 0; x < PW; ++x)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            s3[x][e] = has3 ? Sg[(size_t)(m3 + g + 8 * (e >> 1)) * dv + n0 + (e & 1)] : 0.f;
-    }
-    auto put_s = [&]() {  // the step-3 tiles into sS
+            s3[x][e] = has3 ? Sg[(size_t)(m3 + g + 8 * (e >> 1)) * dv + c3(x) + 2 * t + (e & 1)] : 0.f;
+    auto store_s = [&](float* base, size_t stride) {  // the step-3 tiles into S at base, rows stride apart
         if (!has3) return;
 #pragma unroll
-        for (int x = 0; x < PW; ++x) {
-            const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
-            *reinterpret_cast<float2*>(sS + (m3 + g) * SP + n0) = make_float2(s3[x][0], s3[x][1]);
-            *reinterpret_cast<float2*>(sS + (m3 + g + 8) * SP + n0) = make_float2(s3[x][2], s3[x][3]);
-        }
+        for (int x = 0; x < PW; ++x)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(base + (m3 + g + 8 * hh) * stride + c3(x) + 2 * t) =
+                    make_float2(s3[x][2 * hh], s3[x][2 * hh + 1]);
     };
-    put_s();
+    store_s(sS, SP);
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // sm_90+: one bulk copy per padded row, all completing on the stage's mbarrier, in place of ~3,600 16-byte
@@ -454,22 +453,14 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
 #pragma unroll
                 for (int x = 0; x < PW; ++x) {
                     uint32_t bh[2], bl[2];
-                    frag_b<SP>(sV + k0 * SP + 8 * ((warp * PW + x) & 3), g, t, bh, bl);
+                    frag_b<SP>(sV + k0 * SP + c3(x), g, t, bh, bl);
                     mma3(s3[x], ah, al, bh, bl);
                 }
             }
-            put_s();
+            store_s(sS, SP);
         }
     }
-#pragma unroll
-    for (int x = 0; x < PW; ++x) {
-        const int n0 = 8 * ((warp * PW + x) & 3) + 2 * t;
-        if (!has3) break;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            *reinterpret_cast<float2*>(Sg + (size_t)(m3 + g + 8 * hh) * dv + n0) =
-                make_float2(s3[x][2 * hh], s3[x][2 * hh + 1]);
-    }
+    store_s(Sg, dv);
 }
 
 }  // namespace
