@@ -22,7 +22,7 @@ def main() -> None:
     V = 248320
     logits = (np.random.default_rng(0).standard_normal(V) * 2.5).astype(np.float32)
     lp, out = gpu.alloc(logits.nbytes), gpu.alloc(4)
-    am, sm = gpu.alloc(misc.argmax_scratch_bytes(1)), gpu.alloc(misc.sample_scratch_bytes(1))
+    am, sm = gpu.alloc(misc.argmax_scratch_bytes(1)), gpu.alloc(misc.sample_scratch_bytes(1, V))
     params = misc.sample_params(0.8, 0, 0.95, 0.0, 3, 4)
     pp = gpu.alloc(params.nbytes)
     gpu.upload(lp, logits)

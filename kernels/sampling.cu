@@ -10,9 +10,11 @@
 // sample_hist / sample_rows: the distribution of ninfer_rt/sampling.py's Sampler.distribution (HF order:
 //   temperature -> top-k -> top-p -> min-p), then one draw. Candidates are capped at SAMPLE_CAND = 1024: with
 //   top_k = 0 or top_k > 1024 the sampler behaves as top_k = 1024 (vLLM / llama.cpp practice). The K-th largest
-//   key t is found by a radix select (11 + 11 + 10 bits; sample_hist builds the first-digit histogram over many
-//   blocks, sample_rows refines it); candidates are every key > t and the keys == t in index order, at most 1024
-//   in all (HF keeps all ties with the k-th value; only ties that overflow the cap are dropped). They are sorted
+//   key t is found by a radix select (11 + 11 + 10 bits): sample_hist builds the first-digit histogram over many
+//   blocks; sample_compact (as many blocks) picks the first digit b1 and copies every key whose digit is >= b1, with
+//   its index, into one segment per block, in index order (typically a few thousand of the row's entries);
+//   sample_rows refines the select over those; candidates are every key > t and the keys == t in index order, at
+//   most 1024 in all (HF keeps all ties with the k-th value; only ties that overflow the cap are dropped). They are sorted
 //   by (logit desc, index asc); probabilities, top-p and min-p are computed in fp64 as the reference does.
 //   The draw: u in [0, 1) from Philox4x32-10 with key = seed and counter = (step, 0), so a request draws the same
 //   numbers whatever row it occupies; the token is the inverse CDF of u over the kept tokens in sorted order.
@@ -22,6 +24,7 @@
 #define SAMPLE_THREADS 1024  // sample_rows: one block per row, one candidate per thread
 #define SAMPLE_CAND 1024     // candidate cap
 #define HIST_BINS 2048       // first radix digit: key bits 31..21
+#define MAX_SEGMENTS 256     // sample_compact blocks per row (misc.py: V <= 256 × its chunk)
 
 struct SampleParams {  // numpy twin: ninfer_rt.gpu.misc.SAMPLE_PARAMS
     float temperature;
@@ -283,6 +286,29 @@ __device__ __forceinline__ double philox_uniform(unsigned long long seed, unsign
     return static_cast<double>(bits) * 0x1.0p-53;
 }
 
+// K of a row: top_k capped at SAMPLE_CAND (0 = the cap), 1 when greedy, at most V.
+__device__ __forceinline__ int sample_k(const SampleParams& p, int V)
+{
+    const bool greedy = !(p.temperature > 0.f);
+    const int K = (p.top_k >= 1 && p.top_k <= SAMPLE_CAND) ? p.top_k : SAMPLE_CAND;
+    return min(greedy ? 1 : K, V);
+}
+
+// hist_pass over sample_compact's segments (cnt[s] entries at ents + s·chunk) instead of the row.
+__device__ __forceinline__ void hist_pass_compact(const int* cnt, const uint2* ents, int nseg, int chunk, int* h,
+                                                  uint32_t mmask, uint32_t mval, int shift, uint32_t bmask)
+{
+    for (int s = 0; s < nseg; ++s) {
+        const uint2* e = ents + static_cast<long long>(s) * chunk;
+        for (int j0 = 0; j0 < cnt[s]; j0 += blockDim.x) {
+            const int j = j0 + threadIdx.x;
+            const uint32_t key = j < cnt[s] ? e[j].x : 0u;
+            const bool ok = j < cnt[s] && (key & mmask) == mval;
+            hist_add(h, ok ? static_cast<int>((key >> shift) & bmask) : -1);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------ sampling kernels
 
 // grid (nsplit, M), block 512: hist[m, b] += count of keys of logits[m, chunk slice] whose top 11 bits are b.
@@ -304,11 +330,53 @@ extern "C" __global__ void __launch_bounds__(512) sample_hist(const float* logit
         if (h[i]) atomicAdd(&out[i], h[i]);
 }
 
-// grid M, block SAMPLE_THREADS. hist: sample_hist's output. tokens int32 [M] (or null): the drawn ids.
+// grid (nsplit, M), block 512, after sample_hist: block b copies the keys of logits[m, chunk slice] whose first digit
+// is >= b1 (the digit holding the row's K-th largest key), as (key, index) in index order, to
+// entries[m, b, 0 .. counts[m, b]); entries holds chunk slots per block.
+extern "C" __global__ void __launch_bounds__(512) sample_compact(const float* logits, long long ld, int V, int chunk,
+                                                                 const SampleParams* params, const int* hist,
+                                                                 int* counts, uint2* entries)
+{ ninfer_pdl_begin();
+    __shared__ int h[HIST_BINS];
+    __shared__ int red[33];
+    __shared__ int sel[2];
+    const int m = blockIdx.y, tid = threadIdx.x;
+    for (int i = tid; i < HIST_BINS; i += blockDim.x) h[i] = hist[static_cast<long long>(m) * HIST_BINS + i];
+    __syncthreads();
+    select_bin(h, HIST_BINS, sample_k(params[m], V), sel, red);
+    const uint32_t lo = static_cast<uint32_t>(sel[0]) << 21;  // keys >= lo: first digit >= b1
+    const float* row = logits + static_cast<long long>(m) * ld;
+    const bool vec = (reinterpret_cast<uintptr_t>(logits) & 15) == 0 && (ld & 3) == 0;
+    const int c0 = blockIdx.x * chunk, c1 = min(V, c0 + chunk), gend = (c1 + 3) >> 2;
+    uint2* seg = entries + (static_cast<long long>(m) * gridDim.x + blockIdx.x) * chunk;
+    int base = 0;
+    for (int g0 = c0 >> 2; g0 < gend; g0 += blockDim.x) {  // block-uniform bounds: every thread scans
+        const int g = g0 + tid;
+        float v[4];
+        load_group(row, V, vec, g, gend, v);
+        uint32_t key[4];
+        int n = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            key[q] = order_key(v[q]);
+            n += g < gend && (g << 2) + q < V && key[q] >= lo;
+        }
+        int tot;
+        int at = base + block_incl_scan(n, red, tot) - n;
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (g < gend && (g << 2) + q < V && key[q] >= lo) seg[at++] = make_uint2(key[q], (g << 2) + q);
+        base += tot;
+    }
+    if (tid == 0) counts[static_cast<long long>(m) * gridDim.x + blockIdx.x] = base;
+}
+
+// grid M, block SAMPLE_THREADS. hist: sample_hist's output; counts, entries: sample_compact's (nseg segments of
+// chunk slots). tokens int32 [M] (or null): the drawn ids.
 // probs fp32 [M, V] (or null): the final kept probabilities, zero for every dropped token.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
-sample_rows(const float* logits, long long ld, int V, const SampleParams* params, const int* hist, int* tokens,
-            float* probs)
+sample_rows(int V, const SampleParams* params, const int* hist, const int* counts, const uint2* entries, int nseg,
+            int chunk, int* tokens, float* probs)
 { ninfer_pdl_begin();
     __shared__ int h[HIST_BINS];
     __shared__ unsigned long long cand[SAMPLE_CAND];  // (~key << 32) | index: ascending = logit desc, index asc
@@ -316,14 +384,13 @@ sample_rows(const float* logits, long long ld, int V, const SampleParams* params
     __shared__ double redd[33];
     __shared__ int redi[33];
     __shared__ int sel[2];
+    __shared__ int cnt[MAX_SEGMENTS];
     const int m = blockIdx.x, tid = threadIdx.x;
-    const float* row = logits + static_cast<long long>(m) * ld;
-    const bool vec = (reinterpret_cast<uintptr_t>(logits) & 15) == 0 && (ld & 3) == 0;
-    const int n4 = (V + 3) >> 2;
     const SampleParams p = params[m];
     const bool greedy = !(p.temperature > 0.f);
-    int K = (p.top_k >= 1 && p.top_k <= SAMPLE_CAND) ? p.top_k : SAMPLE_CAND;
-    K = min(greedy ? 1 : K, V);
+    const int K = sample_k(p, V);
+    const uint2* ents = entries + static_cast<long long>(m) * nseg * chunk;
+    for (int i = tid; i < nseg; i += SAMPLE_THREADS) cnt[i] = counts[static_cast<long long>(m) * nseg + i];
 
     // Radix select of the K-th largest key t. Digit 1 (bits 31..21) from sample_hist.
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = hist[static_cast<long long>(m) * HIST_BINS + i];
@@ -335,7 +402,7 @@ sample_rows(const float* logits, long long ld, int V, const SampleParams* params
     // Digit 2 (bits 20..10) among keys whose digit 1 is b1.
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
     __syncthreads();
-    hist_pass<4>(row, V, vec, 0, n4, h, 0xffe00000u, b1 << 21, 10, 2047u);
+    hist_pass_compact(cnt, ents, nseg, chunk, h, 0xffe00000u, b1 << 21, 10, 2047u);
     __syncthreads();
     select_bin(h, HIST_BINS, rank, sel, redi);
     const uint32_t b2 = sel[0];
@@ -345,64 +412,42 @@ sample_rows(const float* logits, long long ld, int V, const SampleParams* params
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
     __syncthreads();
     const uint32_t pre = (b1 << 21) | (b2 << 10);
-    hist_pass<4>(row, V, vec, 0, n4, h, 0xfffffc00u, pre, 0, 1023u);
+    hist_pass_compact(cnt, ents, nseg, chunk, h, 0xfffffc00u, pre, 0, 1023u);
     __syncthreads();
     select_bin(h, 1024, rank, sel, redi);
     const uint32_t t = pre | static_cast<uint32_t>(sel[0]);
     G += sel[1];                              // G < K <= SAMPLE_CAND keys are > t
     const int N = min(G + h[sel[0]], SAMPLE_CAND);  // candidates: those, then ties with t in index order
 
-    // Gather, in index order: keys > t to slots [0, G), ties to slots [G, N). Per step of 4096 entries one
-    // block scan gives each thread its offsets; both counts (<= 4096 each) travel packed in one int.
+    // Gather, in index order (segment by segment): keys > t to slots [0, G), ties to slots [G, N). One block scan
+    // per step of SAMPLE_THREADS entries gives each its slot; both counts travel packed in one int.
     for (int i = tid; i < SAMPLE_CAND; i += SAMPLE_THREADS) cand[i] = ~0ull;
     int base_gt = 0, base_eq = 0;
-    for (int g0 = 0; g0 < n4; g0 += 2 * SAMPLE_THREADS) {
-        float v[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) load_group(row, V, vec, g0 + r * SAMPLE_THREADS + tid, n4, v[r]);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int g = g0 + r * SAMPLE_THREADS + tid;
-            uint32_t key[4];
-            int ngt = 0, neq = 0;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                key[q] = order_key(v[r][q]);
-                const bool ok = g < n4 && (g << 2) + q < V;
-                ngt += ok && key[q] > t;
-                neq += ok && key[q] == t;
-            }
-            const int packed = ngt | (neq << 16);
+    for (int sg = 0; sg < nseg && !(base_gt >= G && G + base_eq >= N); ++sg) {  // block-uniform
+        const uint2* e = ents + static_cast<long long>(sg) * chunk;
+        for (int j0 = 0; j0 < cnt[sg]; j0 += SAMPLE_THREADS) {
+            const int j = j0 + tid;
+            const uint2 en = j < cnt[sg] ? e[j] : make_uint2(0u, 0u);
+            const bool gt = j < cnt[sg] && en.x > t, eq = j < cnt[sg] && en.x == t;
+            const int packed = static_cast<int>(gt) | (static_cast<int>(eq) << 16);
             int tot;
             const int ex = block_incl_scan(packed, redi, tot) - packed;
-            int pg = base_gt + (ex & 0xffff), pe = G + base_eq + (ex >> 16);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int i = (g << 2) + q;
-                if (g < n4 && i < V) {
-                    const unsigned long long c =
-                        (static_cast<unsigned long long>(~key[q]) << 32) | static_cast<uint32_t>(i);
-                    if (key[q] > t) {
-                        if (pg < SAMPLE_CAND) cand[pg] = c;
-                        ++pg;
-                    } else if (key[q] == t) {
-                        if (pe < SAMPLE_CAND) cand[pe] = c;
-                        ++pe;
-                    }
-                }
-            }
+            const unsigned long long c = (static_cast<unsigned long long>(~en.x) << 32) | en.y;
+            if (gt && base_gt + (ex & 0xffff) < SAMPLE_CAND) cand[base_gt + (ex & 0xffff)] = c;
+            if (eq && G + base_eq + (ex >> 16) < SAMPLE_CAND) cand[G + base_eq + (ex >> 16)] = c;
             base_gt += tot & 0xffff;
             base_eq += tot >> 16;
         }
-        if (base_gt >= G && G + base_eq >= N) break;  // block-uniform: every candidate is placed
     }
     __syncthreads();
 
-    // Bitonic sort of the 1024 slots, ascending; empty slots (~0) sort last.
-    for (int k = 2; k <= SAMPLE_CAND; k <<= 1) {
+    // Bitonic sort of the first n2 >= N slots, ascending (the rest hold ~0, which sorts last already).
+    int n2 = 2;
+    while (n2 < N) n2 <<= 1;
+    for (int k = 2; k <= n2; k <<= 1) {
         for (int j = k >> 1; j > 0; j >>= 1) {
             const int l = tid ^ j;
-            if (l > tid) {
+            if (l > tid && l < n2) {
                 const unsigned long long a = cand[tid], b = cand[l];
                 if ((a > b) == ((tid & k) == 0)) {
                     cand[tid] = b;

@@ -84,22 +84,30 @@ def test_replay_ms_frees_the_graph_when_a_replay_fails(gpu, monkeypatch):
 
 def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
     """ninfer-rt bench's decode timer: one decode (it captures the bucket's graph), then rounds of replays of
-    that graph through the same eager_ms timer as the micro-benchmarks, per step, in seconds."""
-    from ninfer_rt.gpu.bench import _time_decode
+    that graph through the same eager_ms timer as the micro-benchmarks, per step, in seconds. sampled: the
+    decode draws under SAMPLED's record and the graph replayed is the drawing one."""
+    from ninfer_rt.gpu.bench import SAMPLED, _time_decode
 
     class FakeModel:
-        max_ctx = 1 << 20
+        max_ctx, sample_vocab = 1 << 20, 1000
 
         def __init__(self):
-            self.gpu, self.keys = gpu, []
+            self.gpu, self.keys, self.draws = gpu, [], []
 
-        def decode(self, tok, pos, slots):
+        def decode(self, tok, pos, slots, draw=None):
             gpu.log.append("decode")
+            self.draws.append(draw)
 
-        def step_graph(self, B, T, bucket):
-            self.keys.append((B, T, bucket))
+        def step_graph(self, B, T, bucket, logit_rows="last", draw=None):
+            self.keys.append((B, T, bucket, logit_rows, draw))
             return FakeGraph(gpu)
 
     m = FakeModel()
     assert _time_decode(m, 8192, rounds=3, reps=7) == pytest.approx(REPLAY_MS / 1e3)
-    assert m.keys == [(1, 1, 16384)] and gpu.log[0] == "decode" and gpu.log.count("replay") == 3 * 7
+    assert m.keys == [(1, 1, 16384, "last", None)] and m.draws == [None]
+    assert gpu.log[0] == "decode" and gpu.log.count("replay") == 3 * 7
+    assert _time_decode(m, 8192, rounds=3, reps=7, sampled=True) == pytest.approx(REPLAY_MS / 1e3)
+    assert m.keys[-1] == (1, 1, 16384, "last", ("sample", 1000))
+    vocab, rec = m.draws[-1]
+    assert vocab == 1000 and (rec["temperature"][0], rec["top_k"][0]) == pytest.approx(
+        (SAMPLED["temperature"], SAMPLED["top_k"]))

@@ -252,6 +252,27 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
     return k
 
 
+def test_sampler_plan():
+    """misc.sample on 2 rows of the family's 248,320-entry vocabulary: the histogram zeroed, then sample_hist and
+    sample_compact over 31 segments of 8192 entries per row, then one sample_rows block per row; the scratch holds
+    the histograms, the segment counts and a (key, index) slot for every entry. A vocabulary past 256 segments is
+    refused in one line."""
+    from ninfer_rt.gpu import misc
+    from ninfer_rt.gpu.driver import GpuError
+    k = fake_kernels(9, 0)
+    memsets = []
+    k.gpu.memset = lambda p, v, n, stream=None: memsets.append((p, v, n))
+    V, M, scratch = 248320, 2, 1 << 30
+    misc.sample(k, logits=1 << 20, ld=V, M=M, V=V, params=1 << 21, out=1 << 22, scratch=scratch)
+    assert memsets == [(scratch, 0, M * 2048 * 4)]
+    assert [(fn, grid, block) for fn, grid, block, _ in k.gpu.launches] == [
+        ("sample_hist", (31, M), 512), ("sample_compact", (31, M), 512), ("sample_rows", M, 1024)]
+    assert misc.sample_scratch_bytes(M, V) == M * (2048 * 4 + 31 * 4 + 4 + 31 * 8192 * 8)
+    with pytest.raises(GpuError, match="exceeds"):
+        misc.sample(k, logits=1 << 20, ld=257 * 8192, M=1, V=257 * 8192, params=1 << 21, out=1 << 22,
+                    scratch=scratch)
+
+
 @pytest.mark.parametrize("cc, targets, dv, want", [
     ((9, 0), TARGETS, 128, 4), ((12, 0), TARGETS, 128, 4), ((9, 0), TARGETS, 16, 4),
     ((9, 0), TARGETS, 24, 1), ((9, 0), TARGETS, 8, 1),      # dv/4 columns not whole warps of 4

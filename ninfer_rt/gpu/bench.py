@@ -6,7 +6,9 @@ several rounds. Prefill is timed end to end on a random prompt, twice: the secon
 captured, first-use costs paid, as llama-bench warms up) and the first beside it as the cold time. Bytes per
 decoded token count every weight byte the step reads (routed experts at top_k / E of their banks), the KV cache
 up to the context and the DeltaNet states read and written; divided by the step time and the copy bandwidth
-measured on the same GPU at the start, they give the fraction of the bandwidth ceiling reached.
+measured on the same GPU at the start, they give the fraction of the bandwidth ceiling reached. Decode steps
+take the arg-max; one more row times the step that draws its token on the device (SAMPLED: top-k, top-p), as
+the chat loop runs it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class BenchResult:
     # length (graphs captured, first-use costs paid, as llama-bench warms up); cold_seconds is that first run
     prefill: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)    # {context, ms_per_token, tok_s, bytes_per_token, ...}
+    decode_sampled: dict | None = None                   # {context, sampling, ms_per_token, tok_s}
 
 
 def builtin_spec(name: str):
@@ -117,13 +120,21 @@ def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[f
     return times
 
 
-def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
-    """Median seconds per decode step (graph replay) at context ctx."""
+# The sampled decode row: Qwen3's recommended thinking-mode sampling (generation_config.json)
+SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
+
+
+def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False) -> float:
+    """Median seconds per decode step (graph replay) at context ctx; sampled: the step draws its token on the
+    device under SAMPLED (the decode loop's graph), else it takes the arg-max."""
+    from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import context_bucket
 
     tok = np.array([17], np.int32)
-    model.decode(tok, [ctx], [0])  # captures the bucket's graph
-    graph = model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)))
+    draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
+    model.decode(tok, [ctx], [0], draw=draw)  # captures the bucket's graph
+    graph = model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
+                             ("sample", model.sample_vocab) if sampled else None)
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
 
@@ -208,6 +219,11 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
         res.decode.append(row)
         log(f"decode @ {ctx}: {1 / step:,.1f} tok/s, {nbytes / 1e9:.2f} GB/token, "
             f"{100 * nbytes / step / bw:.0f}% of copy bandwidth (ceiling {bw / nbytes:,.0f} tok/s)")
+    if res.decode:  # the same step drawing its token (top-k / top-p on the device), at the middle context
+        ctx = res.decode[len(res.decode) // 2]["context"]
+        step = _time_decode(model, ctx, sampled=True)
+        res.decode_sampled = {"context": ctx, "sampling": SAMPLED, "ms_per_token": step * 1e3, "tok_s": 1 / step}
+        log(f"decode @ {ctx}, sampled: {1 / step:,.1f} tok/s")
     free, total = gpu.mem_info()
     res.peak_gpu_bytes = total - free
     model.free()
@@ -243,5 +259,9 @@ def table(res: BenchResult):
         t.add_row(f"decode @ {d['context']:,}", f"{d['tok_s']:,.1f} tok/s",
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
                   f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
+    if res.decode_sampled:
+        d = res.decode_sampled
+        t.add_row(f"decode @ {d['context']:,}, sampled", f"{d['tok_s']:,.1f} tok/s",
+                  "drawn on the device: " + ", ".join(f"{k} {v}" for k, v in d["sampling"].items()))
     return t
 

@@ -154,7 +154,7 @@ class GpuModel:
         self._fork, self._join = Event(timing=False), Event(timing=False)
         # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
         self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
-        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(1), misc.argmax_scratch_bytes(1)))
+        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(1, self.V), misc.argmax_scratch_bytes(1)))
 
     # ------------------------------------------------------------------------------------------- memory
 

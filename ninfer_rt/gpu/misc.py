@@ -23,7 +23,8 @@ SAMPLE_MAX_CANDIDATES = 1024
 ARGMAX_MAX_SPLIT = 256      # partial results per row in the argmax scratch
 _ARGMAX_CHUNK = 2048        # entries per argmax block (256 threads × 2 float4)
 _HIST_BINS = 2048           # first radix digit of the sampler's select
-_HIST_CHUNK = 8192          # entries per sample_hist block (512 threads × 4 float4)
+_HIST_CHUNK = 8192          # entries per sample_hist / sample_compact block (512 threads × 4 float4)
+_MAX_SEGMENTS = 256         # sampling.cu MAX_SEGMENTS: sample_compact blocks per row
 _MAX_V = 1 << 30            # keeps 4 × (float4 group index) inside int32 in the kernels
 
 # One record per row of `sample`'s params array; layout = struct SampleParams in kernels/sampling.cu.
@@ -156,28 +157,35 @@ def sample_params(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p:
     return rec
 
 
-def sample_scratch_bytes(M: int) -> int:
-    """Bytes of device scratch `sample` / `sample_probs` need for M rows (a 2048-bin histogram per row)."""
-    return max(1, M) * _HIST_BINS * 4
+def sample_scratch_bytes(M: int, V: int) -> int:
+    """Bytes of device scratch `sample` / `sample_probs` need for M rows of V logits: per row a 2048-bin histogram,
+    then sample_compact's segment counts and (key, index) slots for every entry of the row, 8-byte aligned."""
+    nseg = -(-int(V) // _HIST_CHUNK)
+    return max(1, M) * (_HIST_BINS * 4 + _round_up(nseg * 4, 8) + nseg * _HIST_CHUNK * 8)
 
 
 def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scratch: int,
             tokens: int, probs: int, stream) -> None:
     _rows(name, M, V, ld)
     _need(bool(logits and params and scratch), f"{name}: logits, params and scratch must be device pointers")
+    nseg = -(-V // _HIST_CHUNK)
+    _need(nseg <= _MAX_SEGMENTS, f"{name}: V={V} exceeds the sampler's {_MAX_SEGMENTS * _HIST_CHUNK} entries")
     if M == 0:
         return
-    k.gpu.memset(scratch, 0, M * _HIST_BINS * 4, stream)  # sample_hist accumulates into it
-    nsplit = -(-V // _HIST_CHUNK)
-    k.launch("sample_hist", (nsplit, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(scratch)],
-             0, stream)
-    k.launch("sample_rows", M, 1024,
-             [ptr(logits), i64(ld), i32(V), ptr(params), ptr(scratch), ptr(tokens), ptr(probs)], 0, stream)
+    hist = scratch
+    counts = hist + M * _HIST_BINS * 4
+    entries = counts + _round_up(M * nseg * 4, 8)
+    k.gpu.memset(hist, 0, M * _HIST_BINS * 4, stream)  # sample_hist accumulates into it
+    k.launch("sample_hist", (nseg, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(hist)], 0, stream)
+    k.launch("sample_compact", (nseg, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(params),
+                                                ptr(hist), ptr(counts), ptr(entries)], 0, stream)
+    k.launch("sample_rows", M, 1024, [i32(V), ptr(params), ptr(hist), ptr(counts), ptr(entries), i32(nseg),
+                                      i32(_HIST_CHUNK), ptr(tokens), ptr(probs)], 0, stream)
 
 
 def sample(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, scratch: int, stream=None) -> None:
     """out int32 [M]: one token per row drawn from logits[m, :V] (fp32, row stride ld) under params[m]
-    (a device array of M SAMPLE_PARAMS records). scratch: sample_scratch_bytes(M) bytes."""
+    (a device array of M SAMPLE_PARAMS records). scratch: sample_scratch_bytes(M, V) bytes."""
     _need(bool(out), "sample: out must be a device pointer")
     _sample("sample", k, logits, ld, M, V, params, scratch, out, 0, stream)
 

@@ -171,7 +171,7 @@ def _run_sampler(kernels, dev, x: np.ndarray, params: np.ndarray, ld: int | None
     M, V = x.shape
     ld = V if ld is None else ld
     lp, pp = _put_rows(dev, x, ld), dev.put(params)
-    scratch = dev.empty(misc.sample_scratch_bytes(M))
+    scratch = dev.empty(misc.sample_scratch_bytes(M, V))
     if probs:
         out = dev.empty(M * V * 4)
         misc.sample_probs(kernels, logits=lp, ld=ld, M=M, V=V, params=pp, out=out, scratch=scratch)
