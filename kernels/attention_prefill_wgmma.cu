@@ -36,20 +36,7 @@ struct WgGeo {
     static constexpr int SMEM = 1024 + SCU + 2 * WA_KEYS * 4;  // + slack to align the base to 1024
 };
 
-// S (64 x 64 fp32: 32 per thread) += A (64 x 16 bf16 at adesc) · B (64 x 16 bf16 at bdesc), both K-major in smem
-__device__ __forceinline__ void wgmma_ss_n64(float* d, uint64_t adesc, uint64_t bdesc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
-        "}, %32, %33, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(adesc), "l"(bdesc));
-}
-
+// (wgmma_ss_n64: wgmma.cuh)
 template <int D>
 __device__ __forceinline__ void wg_prefill(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                            const unsigned char* __restrict__ vc, const float* __restrict__ ks,
