@@ -309,7 +309,7 @@ __device__ __forceinline__ void dequant_rows(const uint8_t* __restrict__ qs, con
     const int r = dq_row(p);
     uint32_t a[4] = {0u, 0u, 0u, 0u};
     if (r < N) {
-        constexpr int QS = BITS == 8 ? 32 : 16, QH = BITS == 5 ? 4 : (BITS == 6 ? 8 : 0);
+        constexpr int QS = WT<BITS>::QS, QH = WT<BITS>::QH;  // bytes of a row's 32-wide chunk in qs, qh
         const uint8_t* wq = qs + (size_t)r * ((size_t)kp * QS / 32) + (size_t)c * QS;
         const float s = __half2float(sc[(size_t)r * (kp / GROUP) + (c * 32) / GROUP]);
         if constexpr (BITS == 8) {
