@@ -32,7 +32,7 @@ kernels/moe_gemm.cu's tiles of 32 slots.
 
 from __future__ import annotations
 
-from ninfer_rt.formats import FORMATS
+from ninfer_rt.formats import FORMATS, round_up
 from ninfer_rt.gpu.driver import GpuError, i32, ptr, tensor_map_2d
 
 # tile constants of kernels/gemm.cu (BN, BM, BK, XS_STRIDE, RID_BYTES, Traits): keep in step
@@ -85,9 +85,14 @@ def ss_smem_bytes() -> int:
     return fixed + (WG_STAGE_BUDGET - fixed) // stage * stage
 
 
+def _dequant_rows(N: int) -> int:
+    """Rows of a dequantized copy: N padded to whole 32-row blocks (gemm_wgmma.cu dq_row permutes within them)."""
+    return round_up(int(N), 32)
+
+
 def dequant_bytes(w) -> int:
     """Scratch bytes `gemm` needs to dequantize the 2-D weight w for gemm_wgmma_ss: bf16 [round_up(N, 32), K]."""
-    return -(-int(w.shape[0]) // 32) * 32 * int(w.shape[1]) * 2
+    return _dequant_rows(w.shape[0]) * int(w.shape[1]) * 2
 
 
 def wgmma_available(k) -> bool:
@@ -227,7 +232,7 @@ def _gemm_ss(k, w, *, x: int, M: int, y: int, ldx: int, ldy: int, mode: int, row
              stream) -> None:
     """gemm_wgmma_dequant_<fmt> into scratch, then gemm_wgmma_ss on it (both operands by TMA, A from smem)."""
     N, K = w.shape
-    rows = -(-N // 32) * 32
+    rows = _dequant_rows(N)
     qs, qh, sc = w.planes()
     k.launch(f"gemm_wgmma_dequant_{w.fmt}", -(-rows * K // 8 // 256), 256,
              [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(N), i32(K), i32(rows), ptr(scratch)], 0, stream)

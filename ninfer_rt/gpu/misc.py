@@ -157,10 +157,15 @@ def sample_params(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p:
     return rec
 
 
+def _segments(V: int) -> int:
+    """sample_hist / sample_compact blocks per row of V logits."""
+    return -(-int(V) // _HIST_CHUNK)
+
+
 def sample_scratch_bytes(M: int, V: int) -> int:
     """Bytes of device scratch `sample` / `sample_probs` need for M rows of V logits: per row a 2048-bin histogram,
     then sample_compact's segment counts and (key, index) slots for every entry of the row, 8-byte aligned."""
-    nseg = -(-int(V) // _HIST_CHUNK)
+    nseg = _segments(V)
     return max(1, M) * (_HIST_BINS * 4 + _round_up(nseg * 4, 8) + nseg * _HIST_CHUNK * 8)
 
 
@@ -168,7 +173,7 @@ def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scr
             tokens: int, probs: int, stream) -> None:
     _rows(name, M, V, ld)
     _need(bool(logits and params and scratch), f"{name}: logits, params and scratch must be device pointers")
-    nseg = -(-V // _HIST_CHUNK)
+    nseg = _segments(V)
     _need(nseg <= _MAX_SEGMENTS, f"{name}: V={V} exceeds the sampler's {_MAX_SEGMENTS * _HIST_CHUNK} entries")
     if M == 0:
         return
