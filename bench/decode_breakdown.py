@@ -1,0 +1,122 @@
+"""What each kind of launch costs a decode step in the graph: the step recaptured with those launches left out.
+
+    python bench/decode_breakdown.py [--model qwen3.6-35b-a3b ...] [--context 8192] [--json PATH]
+
+Kernels timed alone, or serialized under ncu, overstate what a launch costs the step: in a decode graph,
+programmatic dependent launch overlaps each kernel's start with its predecessor's tail, and the MoE's shared
+expert runs on a side stream. Here each variant leaves out one kind of launch (the projections by tensor name,
+the other ops by wrapper), recaptures the decode graph and times one step (median of 5 rounds of 20 replays,
+best of 3); the step time minus the variant's is that launch kind's in-graph cost, summed over the layers.
+Left-out launches leave their outputs stale, which changes no launch shape or byte count (synthetic weights,
+routing by whatever logits the buffer holds), so the other kernels run as in the full step. Exits with a
+one-line message when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import open_gpu  # noqa: E402
+
+from ninfer_rt.gpu import attention, deltanet, misc, moe  # noqa: E402
+
+MODULES = {"attention": attention, "deltanet": deltanet, "misc": misc, "moe": moe}
+# (label, weight-name substrings whose projections are left out, module functions left out)
+VARIANTS = [
+    ("DeltaNet in_proj_qkv|z GEMV", ["in_proj_qkv"], []),
+    ("DeltaNet step", [], ["deltanet.step"]),
+    ("DeltaNet out_proj GEMV", ["linear_attn.out_proj"], []),
+    ("attention q|k|v|gate GEMV", ["q_proj"], []),
+    ("attention prepare (norms, RoPE, KV write)", [], ["attention.prepare"]),
+    ("attention decode", [], ["attention.decode"]),
+    ("attention o_proj GEMV", ["o_proj"], []),
+    ("MoE router GEMV", ["shared_expert_gate"], []),
+    ("MoE shared expert (side stream)", ["shared_expert.{gate", "shared_expert.down"], []),
+    ("MoE routed gate/up (with routing)", [], ["moe.gate_up_routed"]),
+    ("MoE routed down", [], ["moe.down"]),
+    ("MoE: all of it", ["shared_expert"], ["moe.gate_up_routed", "moe.down"]),
+    ("dense MLP gate|up GEMV", ["mlp.{gate_proj"], []),
+    ("dense MLP down GEMV", ["mlp.down_proj"], []),
+    ("lm_head GEMV and arg-max", ["lm_head", "embed_tokens"], ["misc.argmax"]),
+]
+
+
+def _skip_linear(model, names: list[str]):
+    """model._linear that launches nothing for weights whose name contains one of `names`."""
+    orig = type(model)._linear
+
+    def linear(w, **kw):
+        if any(n in w.name for n in names):
+            return
+        orig(model, w, **kw)
+    return linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=["qwen3.6-35b-a3b", "qwen3.6-27b"],
+                    help="synthetic model shapes (ninfer_rt/configs), recipe of the same name")
+    ap.add_argument("--context", type=int, default=8192, help="context length of the timed steps")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = ap.parse_args()
+
+    gpu, k, console = open_gpu("decode_breakdown")
+    from rich.table import Table
+
+    from ninfer_rt.gpu.bench import _time_decode, builtin_spec
+    from ninfer_rt.gpu.engine import GpuModel, context_bucket
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    rows = []
+    for name in args.model:
+        spec = builtin_spec(name)
+        weights = synthetic_weights(gpu, spec, load_recipe(name))
+        model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=context_bucket(args.context + 1), kv_dtype="int8")
+        tensor_names = " ".join(weights.matrices)
+        try:
+            for label, names, funcs in [("full step", [], [])] + VARIANTS:
+                if names and not any(n in tensor_names for n in names):
+                    continue  # nothing of this kind in this model
+                saved = {f: getattr(MODULES[f.split(".")[0]], f.split(".")[1]) for f in funcs}
+                for f in funcs:
+                    setattr(MODULES[f.split(".")[0]], f.split(".")[1], lambda *a, **kw: None)
+                model._linear = _skip_linear(model, names)
+                try:
+                    for g in model.graphs.values():
+                        g.destroy()
+                    model.graphs.clear()
+                    s = min(_time_decode(model, args.context) for _ in range(3))
+                finally:
+                    for f, fn in saved.items():
+                        setattr(MODULES[f.split(".")[0]], f.split(".")[1], fn)
+                    del model._linear
+                rows.append({"model": name, "left_out": label, "context": args.context, "ms": 1e3 * s})
+                console.print(f"{name} @{args.context} without {label}: {1e3 * s:.3f} ms/step", highlight=False)
+        finally:
+            model.free()
+            weights.free(gpu)
+
+    table = Table(title=f"decode step at {args.context:,} context, graph replay: cost of each launch kind")
+    for col in ("model", "left out", "ms / step", "in-graph cost ms", "share"):
+        table.add_column(col, justify="left" if col in ("model", "left out") else "right")
+    for r in rows:
+        full = next(b["ms"] for b in rows if b["model"] == r["model"] and b["left_out"] == "full step")
+        r["cost_ms"] = full - r["ms"]
+        table.add_row(r["model"], r["left_out"], f"{r['ms']:.3f}", f"{r['cost_ms']:.3f}",
+                      f"{100 * r['cost_ms'] / full:.1f}%")
+    console.print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": gpu.info.name, "arch": gpu.info.arch, "timing": "cuda-graph replay",
+                                         "rows": rows}, indent=1))
+        console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
