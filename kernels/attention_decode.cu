@@ -8,16 +8,23 @@
 //     takes query rows r = 8gi .. 8gi+7 of R = T*G (row r = token r/G, head kvh*G + r%G, as in attention.cu) and
 //     the keys [sp*cs, sp*cs + cs) of split sp (cs: the launch's, or with rt the sequence's own, split_keys). The split is walked in steps of 32 keys: warp w owns keys
 //     8w .. 8w+7 of every step and runs its own cp.async ring of NS stages (its 8 K rows, 8 V rows and int8
-//     scales), so the warps never wait on each other until the end. Per step a warp computes the 8x8 scores with
-//     fp32 FMAs (LPK lanes share a key, each holding CB bytes of it; q is read from shared memory in a layout that
-//     makes those reads conflict-free), reduces them over the LPK lanes with a select-free transpose (lane l's
-//     partial sum slot 8a+c holds key a^(l>>2), row c^(2(l&3)), so after the log2(LPK) shuffle levels lane L holds
-//     rows 2(L&3), 2(L&3)+1 of key L>>2), does the online softmax per row across the warp's 8 keys, and
-//     accumulates p*v with lane L owning dims D/32*L .. +D/32 of all 8 rows. At the end the 4 warps' (max, sum, o)
-//     are merged through shared memory and written as one split partial: acc[sp, m, h, :] (unnormalised, relative
-//     to the max), ml[sp, m, h] = (max in log2 units, sum), exactly the layout attention.cu's decode writes.
-//     Accuracy: products and sums in fp32 (K/V values are exact in fp32: bf16 bits or int8 code * scale with the
-//     scale applied to the score / to p), exp2 of the fast-math intrinsic as in attention.cu.
+//     scales), so the warps never wait on each other until the end; the stages holding only keys before the
+//     step's first new token are issued before the wait on prepare. Per step a warp computes the 8x8 scores:
+//       bf16 cache: fp32 FMAs (LPK lanes share a key, each holding CB bytes of it; q is read from shared memory in
+//       a layout that makes those reads conflict-free), reduced over the LPK lanes with a select-free transpose
+//       (lane l's partial sum slot 8a+c holds key a^(l>>2), row c^(2(l&3)), so after the log2(LPK) shuffle levels
+//       lane L holds rows 2(L&3), 2(L&3)+1 of key L>>2);
+//       int8 cache: int8 tensor cores (mma m16n8k32, rows 8-15 of the A tile zero), K codes as stored and q as
+//       three int8 code planes per row, q ≈ s·(c1 + c2/254 + c3/254²), summed exactly in int32 (lane 4g + t: row
+//       g, keys 2t, 2t+1);
+//     then the online softmax per row across the warp's 8 keys, and p*v on CUDA cores with lane L owning dims
+//     D/32*L .. +D/32 of all 8 rows. At the end the 4 warps' (max, sum, o) are merged through shared memory and
+//     written as one split partial: acc[sp, m, h, :] (unnormalised, relative to the max), ml[sp, m, h] = (max in
+//     log2 units, sum), exactly the layout attention.cu's decode writes.
+//     Accuracy: bf16 cache: products and sums in fp32 (K/V values are exact in fp32). int8 cache: q's codes are
+//     within max|q_row|·6.1e-8 of q per element (the fp32 rounding of q itself), the int32 sums exact, the scores
+//     then scaled in fp32 (q's row scale, the int8 key scale); p*v in fp32 with the value scale applied to p. exp2
+//     of the fast-math intrinsic as in attention.cu.
 // attn_combine_fast: grid (M, nH, D/32), block 8*SJ (SJ = 4..32 split lanes): thread (j, c4) folds the splits
 //     j, j+SJ, ... of its float4 column with an online max (all its loads independent of the arithmetic), then one
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
@@ -160,7 +167,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 const int r = ci / CH, ch = ci - r * CH;
                 const bool valid = kb + r < k_end;
                 const size_t off = (size_t)(valid ? kb + r : k_begin) * kstride + ch * 16;
-                cp_async16(smem_addr(kt + r * F::RB + ch * 16), kbase + off, valid);
+                cp_async16(smem_addr(kt + r * F::RB + (I8 ? k_chunk<F::RB>(r, ch) : ch) * 16), kbase + off, valid);
                 cp_async16(smem_addr(vt + r * F::RB + ch * 16), vbase + off, valid);
             }
         }
@@ -174,17 +181,28 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         }
     };
 
-    // the ring's first NS-1 stages (one group each, possibly empty, so that the wait counts hold)
-#pragma unroll
-    for (int s = 0; s < F::NS - 1; ++s) {
+    // the ring's first NS-1 stages (one group each, possibly empty, so that the wait counts hold). Those whose keys
+    // all precede the step's first new token p0 were written by earlier steps: they are issued before the wait on
+    // the previous kernel (prepare, which writes keys p0 ..), so they load while it runs
+    int s0 = 0;
+    for (; s0 < F::NS - 1 && s0 < nit && kw0 + s0 * kStepKeys + kWarpKeys <= p0; ++s0) {
+        issue(s0, kw0 + s0 * kStepKeys);
+        cp_async_commit();
+    }
+    ninfer_pdl_begin();  // q, and keys p0 .. are the previous kernel's
+    for (int s = s0; s < F::NS - 1; ++s) {
         if (s < nit) issue(s, kw0 + s * kStepKeys);
         cp_async_commit();
     }
 
-    // q of the 8 rows (zeros past R) into shared memory, while the first stages load. Float4 f4 of a row (dims
-    // 4f4 .. 4f4+3) is element e of run ch = l + LPK*i (l = ch % LPK): it goes to float4 (i*CDIM/4 + e)*LPK + l of
-    // the row, so the LPK lanes of a key read LPK consecutive float4s.
-    for (int f = tid; f < kFastRows * (D / 4); f += kFastWarps * 32) {
+    // q of the 8 rows (zeros past R) into shared memory, while the first stages load: int8 code planes for the
+    // tensor cores, or fp32: float4 f4 of a row (dims 4f4 .. 4f4+3) is element e of run ch = l + LPK*i
+    // (l = ch % LPK): it goes to float4 (i*CDIM/4 + e)*LPK + l of the row, so the LPK lanes of a key read LPK
+    // consecutive float4s.
+    int8_t* qc = reinterpret_cast<int8_t*>(q_s);
+    float* qsc = reinterpret_cast<float*>(qc + kQTerms * kFastRows * QCodes<D>::STRIDE);
+    if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
+    for (int f = tid; !I8 && f < kFastRows * (D / 4); f += kFastWarps * 32) {
         const int c = f / (D / 4), f4 = f - c * (D / 4), rr = r0 + c;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
         if (rr < R) {
@@ -203,13 +221,28 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     int koff[F::KPT];
 #pragma unroll
     for (int a = 0; a < F::KPT; ++a) koff[a] = (kg * F::KPT + (a ^ ka)) * F::RB + l * F::CB;
-    // after the reduction: rows 2(lane&3) + h of key lane>>2; keys < lim[h] are visible to row h
-    const int kk = lane >> 2;
+    // after the reduction: rows 2(lane&3) + h of key lane>>2; keys < lim[h] are visible to row h. int8 (mma):
+    // lane 4g + t holds row g's scores of keys 2t, 2t+1 (lim[0]), its q fragments in qa
+    const int kk = lane >> 2, mg = lane >> 2, mt = lane & 3;
     int lim[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + 2 * (lane & 3) + h;
+        const int rr = r0 + (I8 ? mg : 2 * (lane & 3) + h);
         lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
+    }
+    using QC = QCodes<D>;
+    const int8_t* qfrag = qc + mg * QC::STRIDE + 8 * mt;  // + plane term, block j: (term·8)·STRIDE + 32j
+    uint2 qa[I8 && QC::IN_REGS ? kQTerms : 1][I8 && QC::IN_REGS ? D / 32 : 1];
+    float q_scale = 0.f;
+    if constexpr (I8) {
+        if constexpr (QC::IN_REGS) {
+#pragma unroll
+            for (int term = 0; term < kQTerms; ++term)
+#pragma unroll
+                for (int j = 0; j < D / 32; ++j)
+                    qa[term][j] = *reinterpret_cast<const uint2*>(qfrag + term * kFastRows * QC::STRIDE + 32 * j);
+        }
+        q_scale = qsc[mg] * sc;
     }
 
     float o[kFastRows][F::DV];
@@ -232,6 +265,50 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         const unsigned char* vt = kt + kWarpKeys * F::RB;
         const int kb = kw0 + it * kStepKeys;
 
+        if constexpr (I8) {
+            // ---- int8: row mg's scores of keys 2mt, 2mt+1 from the exact int32 sums of the code planes
+            int sacc[kQTerms][4];
+#pragma unroll
+            for (int term = 0; term < kQTerms; ++term) sacc[term][0] = sacc[term][1] = sacc[term][2] = sacc[term][3] = 0;
+            const unsigned char* krow = kt + mg * F::RB + (mt & 1) * 8;
+#pragma unroll
+            for (int j = 0; j < D / 32; ++j) {
+                const uint2 kb8 = *reinterpret_cast<const uint2*>(krow + (k_chunk<F::RB>(mg, 2 * j + (mt >> 1)) << 4));
+#pragma unroll
+                for (int term = 0; term < kQTerms; ++term) {
+                    const uint2 a = QC::IN_REGS ? qa[QC::IN_REGS ? term : 0][QC::IN_REGS ? j : 0]
+                                                : *reinterpret_cast<const uint2*>(qfrag + term * kFastRows * QC::STRIDE + 32 * j);
+                    mma_s8(sacc[term], a.x, a.y, kb8.x, kb8.y);
+                }
+            }
+            const float2 ksc = *reinterpret_cast<const float2*>(sc_s + s * 2 * kWarpKeys + 2 * mt);
+            const float2 vsc = *reinterpret_cast<const float2*>(sc_s + s * 2 * kWarpKeys + kWarpKeys + 2 * mt);
+            float sv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float v = (float)sacc[0][e] + ((float)sacc[1][e] + (float)sacc[2][e] * (1.f / kQBase)) * (1.f / kQBase);
+                sv[e] = kb + 2 * mt + e < lim[0] ? v * q_scale * (e ? ksc.y : ksc.x) : kMasked;
+            }
+            float mx = fmaxf(sv[0], sv[1]);
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+            const float m_new = fmaxf(m_run[0], mx);
+            const float base = m_new == kMasked ? 0.f : m_new;
+            const float alpha = m_new == m_run[0] ? 1.f : exp2f(m_run[0] - base);
+            const float pa = exp2f(sv[0] - base), pb = exp2f(sv[1] - base);
+            l_run[0] = l_run[0] * alpha + pa + pb;
+            m_run[0] = m_new;
+            p_s[(2 * mt) * kFastRows + mg] = pa * vsc.x;  // p_s[key][row]
+            p_s[(2 * mt + 1) * kFastRows + mg] = pb * vsc.y;
+            if (__any_sync(kFull, alpha != 1.f)) {
+#pragma unroll
+                for (int r = 0; r < kFastRows; ++r) {
+                    const float ar = __shfl_sync(kFull, alpha, 4 * r);
+#pragma unroll
+                    for (int i = 0; i < F::DV; ++i) o[r][i] *= ar;
+                }
+            }
+        } else {
         // ---- scores: x[8a + c] = q[row c ^ kr] . k[key kg*KPT + (a ^ ka)] over this lane's runs
         float x[F::NV];
 #pragma unroll
@@ -307,6 +384,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 for (int i = 0; i < F::DV; ++i) o[r][i] *= ar;
             }
         }
+        }
         __syncwarp();  // p_s written by every lane
 
         // ---- o += p v: lane owns dims DV*lane .. +DV of the 8 rows
@@ -326,15 +404,21 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     cp_async_wait<0>();
 
     // ---- merge the 4 warps: (max, sum) per row through ml_s, o through the (now idle) stage buffers
+    if constexpr (I8) {  // row mg: the lane sums of its quad
+        l_run[0] += __shfl_xor_sync(kFull, l_run[0], 1);
+        l_run[0] += __shfl_xor_sync(kFull, l_run[0], 2);
+        if (mt == 0) ml_s[w * kFastRows + mg] = make_float2(m_run[0], l_run[0]);
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 4);
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 8);
-        l_run[h] += __shfl_xor_sync(kFull, l_run[h], 16);
-    }
-    if (lane < 4) {
-        ml_s[w * kFastRows + 2 * lane] = make_float2(m_run[0], l_run[0]);
-        ml_s[w * kFastRows + 2 * lane + 1] = make_float2(m_run[1], l_run[1]);
+        for (int h = 0; h < 2; ++h) {
+            l_run[h] += __shfl_xor_sync(kFull, l_run[h], 4);
+            l_run[h] += __shfl_xor_sync(kFull, l_run[h], 8);
+            l_run[h] += __shfl_xor_sync(kFull, l_run[h], 16);
+        }
+        if (lane < 4) {
+            ml_s[w * kFastRows + 2 * lane] = make_float2(m_run[0], l_run[0]);
+            ml_s[w * kFastRows + 2 * lane + 1] = make_float2(m_run[1], l_run[1]);
+        }
     }
     __syncthreads();  // ml_s complete; every warp done with its stages (its copies have landed)
 
@@ -404,7 +488,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS) NAME(                  \
         const float* q, const unsigned char* kc, const unsigned char* vc, const float* ks, const float* vs,      \
         const int* pos, const int* slot, float* acc, float2* ml, int T, int nH, int nKV, int M, int slots,       \
-        int max_ctx, int cs, int n_splits, float sc, int rt) { ninfer_pdl_begin();                               \
+        int max_ctx, int cs, int n_splits, float sc, int rt) {                                                   \
         fast_decode_impl<D, I8>(q, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, cs,        \
                                 n_splits, sc, rt);                                                                \
     }
