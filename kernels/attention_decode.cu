@@ -1,12 +1,14 @@
 // attention_decode.cu: gated attention decode for few query rows per kv head (decode, MTP verify: T·(nH/nKV)
-// small) on CUDA cores in plain fp32, and the merge of its split partials. Same contract as attn_decode_* +
+// small), on CUDA cores in fp32 (bf16 cache) or mma.sync tensor cores (int8 cache), and the merge of its split
+// partials. Same contract as attn_decode_* +
 // attn_combine of attention.cu (ops.gated_attention per sequence; see that file's header for the semantics, the
 // cache layout and the scratch layout), which stays the path for long T (prefill).
 //
 // attn_decode_fast_{bf16,int8}_d{D}: grid (ceil(R/8), n_splits, B*nKV), block 128 (4 warps), dynamic smem
 //     FastGeo<D, I8>::SMEM (ninfer_rt/gpu/attention.py _fast_smem computes the same number). Block (gi, sp, b*nKV+kvh)
 //     takes query rows r = 8gi .. 8gi+7 of R = T*G (row r = token r/G, head kvh*G + r%G, as in attention.cu) and
-//     the keys [sp*cs, sp*cs + cs) of split sp (cs: the launch's, or with rt the sequence's own, split_keys). The split is walked in steps of 32 keys: warp w owns keys
+//     the keys [sp*cs, sp*cs + cs) of split sp (cs: the launch's, or with rt the sequence's own, split_keys). The
+//     split is walked in steps of 32 keys: warp w owns keys
 //     8w .. 8w+7 of every step and runs its own cp.async ring of NS stages (its 8 K rows, 8 V rows and int8
 //     scales), so the warps never wait on each other until the end; the stages holding only keys before the
 //     step's first new token are issued before the wait on prepare. Per step a warp computes the 8x8 scores:
@@ -17,14 +19,16 @@
 //       int8 cache: int8 tensor cores (mma m16n8k32, rows 8-15 of the A tile zero), K codes as stored and q as
 //       three int8 code planes per row, q ≈ s·(c1 + c2/254 + c3/254²), summed exactly in int32 (lane 4g + t: row
 //       g, keys 2t, 2t+1);
-//     then the online softmax per row across the warp's 8 keys, and p*v on CUDA cores with lane L owning dims
-//     D/32*L .. +D/32 of all 8 rows. At the end the 4 warps' (max, sum, o) are merged through shared memory and
-//     written as one split partial: acc[sp, m, h, :] (unnormalised, relative to the max), ml[sp, m, h] = (max in
+//     then the online softmax per row across the warp's 8 keys, and p*v: bf16 cache, on CUDA cores with lane L
+//     owning dims D/32*L .. +D/32 of all 8 rows; int8 cache, o^T += V^T p^T on bf16 tensor cores (mma m16n8k8: the
+//     value codes are exact in bf16, p times the value scale goes in as hi + lo; pv_int8). K and V rows of int8
+//     stages are XOR-swizzled in 16-byte chunks (k_chunk, v_chunk). At the end the 4 warps' (max, sum, o) are
+//     merged through shared memory and written as one split partial: acc[sp, m, h, :] (unnormalised, relative to the max), ml[sp, m, h] = (max in
 //     log2 units, sum), exactly the layout attention.cu's decode writes.
 //     Accuracy: bf16 cache: products and sums in fp32 (K/V values are exact in fp32). int8 cache: q's codes are
 //     within max|q_row|·6.1e-8 of q per element (the fp32 rounding of q itself), the int32 sums exact, the scores
-//     then scaled in fp32 (q's row scale, the int8 key scale); p*v in fp32 with the value scale applied to p. exp2
-//     of the fast-math intrinsic as in attention.cu.
+//     then scaled in fp32 (q's row scale, the int8 key scale); p times the value scale within 2^-18 of itself in
+//     the p*v mma, which accumulates in fp32. exp2 of the fast-math intrinsic as in attention.cu.
 // attn_combine_fast: grid (M, nH, D/32), block 8*SJ (SJ = 4..32 split lanes): thread (j, c4) folds the splits
 //     j, j+SJ, ... of its float4 column with an online max (all its loads independent of the arithmetic), then one
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
@@ -67,37 +71,58 @@ struct FastGeo {
     static_assert(RB % 16 == 0 && STAGE % 16 == 0 && ST_OFF % 16 == 0 && P_OFF % 16 == 0, "16-byte alignment");
 };
 
-// DV consecutive elements of a cached row (int8 codes without their scale, or bf16) as exact floats
-template <int DV, bool I8>
-__device__ __forceinline__ void load_run(float* v, const unsigned char* p) {
-    if constexpr (I8) {
-        if constexpr (DV >= 4) {
-            uint32_t w[DV / 4];
-            lds<DV>(w, p);
+// DV consecutive bf16 elements of a cached row as exact floats
+template <int DV>
+__device__ __forceinline__ void load_run_bf16(float* v, const unsigned char* p) {
+    if constexpr (DV >= 2) {
+        uint32_t w[DV / 2];
+        lds<2 * DV>(w, p);
 #pragma unroll
-            for (int u = 0; u < DV / 4; ++u) {
-                const uint32_t x = w[u] ^ 0x80808080u;
-#pragma unroll
-                for (int z = 0; z < 4; ++z) v[4 * u + z] = i8_at(x, z);
-            }
-        } else if constexpr (DV == 2) {
-            const uint32_t x = (uint32_t)*reinterpret_cast<const uint16_t*>(p) ^ 0x8080u;
-            v[0] = i8_at(x, 0);
-            v[1] = i8_at(x, 1);
-        } else {
-            v[0] = i8_at((uint32_t)*p ^ 0x80u, 0);
+        for (int u = 0; u < DV / 2; ++u) {
+            v[2 * u] = __uint_as_float(w[u] << 16);
+            v[2 * u + 1] = __uint_as_float(w[u] & 0xffff0000u);
         }
     } else {
-        if constexpr (DV >= 2) {
-            uint32_t w[DV / 2];
-            lds<2 * DV>(w, p);
+        v[0] = __uint_as_float((uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16);
+    }
+}
+
+// D += A(16x8, row) * B(8x8, col), bf16 in, fp32 accumulate
+__device__ __forceinline__ void mma_bf16_k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
+// Where 16-byte chunk ch of V row r sits in an int8 ring stage: XOR-swizzled by the row, so the 4-byte runs of
+// rows 2t (and of rows 2t + 1) that pv_int8's lanes read fall in distinct banks.
+template <int RB>
+__device__ __forceinline__ int v_chunk(int r, int ch) { return ch ^ (r & (RB / 16 - 1)); }
+
+// int8 cache: o^T[dims, rows] += V^T[dims, 8 keys] · P^T[8 keys, 8 rows] on mma m16n8k8 (bf16), the value codes
+// exact in bf16, P^T's fragment (lane 4g + t: row g, keys 2t, 2t+1) = (xa, xb), the lane's p times the value
+// scale, as bf16 hi + lo (16 bits of the 24). m-tile pair pp: tile 2pp's rows g, g+8 are dims 32pp + 4g, +1 and
+// tile 2pp+1's dims +2, +3, so the lane reads one 4-byte run (dims 32pp + 4g ..) of each of its keys' V rows and
+// its C fragments o[pp][tile] hold rows 2t, 2t+1 of those dims.
+template <int D>
+__device__ __forceinline__ void pv_int8(float (&o)[D / 32][2][4], const unsigned char* vt, int g, int t, float xa,
+                                        float xb) {
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(xa, xb);
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(xa - __low2float(hi), xb - __high2float(hi));
+    const uint32_t bh = bf162_bits(hi), bl = bf162_bits(lo);
+    const unsigned char* r0 = vt + (2 * t) * D + 4 * (g & 3);
+    const unsigned char* r1 = r0 + D;
 #pragma unroll
-            for (int u = 0; u < DV / 2; ++u) {
-                v[2 * u] = __uint_as_float(w[u] << 16);
-                v[2 * u + 1] = __uint_as_float(w[u] & 0xffff0000u);
-            }
-        } else {
-            v[0] = __uint_as_float((uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16);
+    for (int pp = 0; pp < D / 32; ++pp) {
+        const int ch = 2 * pp + (g >> 2);
+        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r0 + (v_chunk<D>(2 * t, ch) << 4)) ^ 0x80808080u;
+        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(r1 + (v_chunk<D>(2 * t + 1, ch) << 4)) ^ 0x80808080u;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {  // tile 2pp + u: dims 32pp + 4g + 2u (row g) and + 1 (row g + 8)
+            const uint32_t a0 = pack_exact(i8_at(w0, 2 * u), i8_at(w1, 2 * u));
+            const uint32_t a1 = pack_exact(i8_at(w0, 2 * u + 1), i8_at(w1, 2 * u + 1));
+            mma_bf16_k8(o[pp][u], a0, a1, bh);
+            mma_bf16_k8(o[pp][u], a0, a1, bl);
         }
     }
 }
@@ -168,7 +193,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 const bool valid = kb + r < k_end;
                 const size_t off = (size_t)(valid ? kb + r : k_begin) * kstride + ch * 16;
                 cp_async16(smem_addr(kt + r * F::RB + (I8 ? k_chunk<F::RB>(r, ch) : ch) * 16), kbase + off, valid);
-                cp_async16(smem_addr(vt + r * F::RB + ch * 16), vbase + off, valid);
+                cp_async16(smem_addr(vt + r * F::RB + (I8 ? v_chunk<F::RB>(r, ch) : ch) * 16), vbase + off, valid);
             }
         }
         if constexpr (I8) {
@@ -245,12 +270,16 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         q_scale = qsc[mg] * sc;
     }
 
-    float o[kFastRows][F::DV];
+    // o: bf16 cache, lane L owns dims DV*L .. +DV of the 8 rows (o[row][i]); int8 cache, the mma's C fragments
+    // (o[p][tile][c], see pv_int8): lane 4g + t holds rows 2t, 2t+1 of dims 32p + 4g .. +3
+    float o[I8 ? D / 32 : kFastRows][I8 ? 2 : F::DV][I8 ? 4 : 1];
 #pragma unroll
-    for (int r = 0; r < kFastRows; ++r)
+    for (int r = 0; r < (I8 ? D / 32 : kFastRows); ++r)
 #pragma unroll
-        for (int i = 0; i < F::DV; ++i) o[r][i] = 0.f;
-    float m_run[2] = {kMasked, kMasked}, l_run[2] = {0.f, 0.f};  // l_run: this lane's key only, summed at the end
+        for (int i = 0; i < (I8 ? 2 : F::DV); ++i)
+#pragma unroll
+            for (int c = 0; c < (I8 ? 4 : 1); ++c) o[r][i][c] = 0.f;
+    float m_run[2] = {kMasked, kMasked}, l_run[2] = {0.f, 0.f};  // l_run: this lane's keys only, summed at the end
 
     for (int it = 0; it < nit; ++it) {
         cp_async_wait<F::NS - 2>();  // this step's stage (later ones may still be in flight)
@@ -266,7 +295,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         const int kb = kw0 + it * kStepKeys;
 
         if constexpr (I8) {
-            // ---- int8: row mg's scores of keys 2mt, 2mt+1 from the exact int32 sums of the code planes
+            // ---- scores: row mg's keys 2mt, 2mt+1 from the exact int32 sums of the code planes
             int sacc[kQTerms][4];
 #pragma unroll
             for (int term = 0; term < kQTerms; ++term) sacc[term][0] = sacc[term][1] = sacc[term][2] = sacc[term][3] = 0;
@@ -289,116 +318,105 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 const float v = (float)sacc[0][e] + ((float)sacc[1][e] + (float)sacc[2][e] * (1.f / kQBase)) * (1.f / kQBase);
                 sv[e] = kb + 2 * mt + e < lim[0] ? v * q_scale * (e ? ksc.y : ksc.x) : kMasked;
             }
+            // ---- online softmax of row mg over the warp's 8 keys (its quad's lanes)
             float mx = fmaxf(sv[0], sv[1]);
             mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
             const float m_new = fmaxf(m_run[0], mx);
-            const float base = m_new == kMasked ? 0.f : m_new;
+            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
             const float alpha = m_new == m_run[0] ? 1.f : exp2f(m_run[0] - base);
             const float pa = exp2f(sv[0] - base), pb = exp2f(sv[1] - base);
             l_run[0] = l_run[0] * alpha + pa + pb;
             m_run[0] = m_new;
-            p_s[(2 * mt) * kFastRows + mg] = pa * vsc.x;  // p_s[key][row]
-            p_s[(2 * mt + 1) * kFastRows + mg] = pb * vsc.y;
             if (__any_sync(kFull, alpha != 1.f)) {
+                const float a0 = __shfl_sync(kFull, alpha, 8 * mt), a1 = __shfl_sync(kFull, alpha, 8 * mt + 4);
 #pragma unroll
-                for (int r = 0; r < kFastRows; ++r) {
-                    const float ar = __shfl_sync(kFull, alpha, 4 * r);
+                for (int pp = 0; pp < D / 32; ++pp)
 #pragma unroll
-                    for (int i = 0; i < F::DV; ++i) o[r][i] *= ar;
-                }
+                    for (int u = 0; u < 2; ++u) {
+                        o[pp][u][0] *= a0, o[pp][u][2] *= a0;
+                        o[pp][u][1] *= a1, o[pp][u][3] *= a1;
+                    }
             }
+            // ---- o += p v on the tensor cores: P^T's fragment is this lane's (p · value scale) as bf16 hi + lo
+            pv_int8<D>(o, vt, mg, mt, pa * vsc.x, pb * vsc.y);
         } else {
-        // ---- scores: x[8a + c] = q[row c ^ kr] . k[key kg*KPT + (a ^ ka)] over this lane's runs
-        float x[F::NV];
+            // ---- scores: x[8a + c] = q[row c ^ kr] . k[key kg*KPT + (a ^ ka)] over this lane's runs
+            float x[F::NV];
 #pragma unroll
-        for (int n = 0; n < F::NV; ++n) x[n] = 0.f;
+            for (int n = 0; n < F::NV; ++n) x[n] = 0.f;
 #pragma unroll
-        for (int i = 0; i < F::CPL; ++i) {
-            uint32_t kw[F::KPT][F::CB / 4];
+            for (int i = 0; i < F::CPL; ++i) {
+                uint32_t kw[F::KPT][F::CB / 4];
 #pragma unroll
-            for (int a = 0; a < F::KPT; ++a) {
-                lds<F::CB>(kw[a], kt + koff[a] + F::LPK * F::CB * i);
-                if constexpr (I8) {
+                for (int a = 0; a < F::KPT; ++a) lds<F::CB>(kw[a], kt + koff[a] + F::LPK * F::CB * i);
 #pragma unroll
-                    for (int z = 0; z < F::CB / 4; ++z) kw[a][z] ^= 0x80808080u;
-                }
-            }
+                for (int e = 0; e < F::CDIM / 4; ++e) {
+                    float kf[F::KPT][4];
 #pragma unroll
-            for (int e = 0; e < F::CDIM / 4; ++e) {
-                float kf[F::KPT][4];
-#pragma unroll
-                for (int a = 0; a < F::KPT; ++a) {
-                    if constexpr (I8) {
-#pragma unroll
-                        for (int z = 0; z < 4; ++z) kf[a][z] = i8_at(kw[a][e], z);
-                    } else {
+                    for (int a = 0; a < F::KPT; ++a) {
                         kf[a][0] = __uint_as_float(kw[a][2 * e] << 16);
                         kf[a][1] = __uint_as_float(kw[a][2 * e] & 0xffff0000u);
                         kf[a][2] = __uint_as_float(kw[a][2 * e + 1] << 16);
                         kf[a][3] = __uint_as_float(kw[a][2 * e + 1] & 0xffff0000u);
                     }
-                }
 #pragma unroll
-                for (int c = 0; c < kFastRows; ++c) {
-                    const float4 qv = q4[(c ^ kr) * (D / 4) + (i * (F::CDIM / 4) + e) * F::LPK];
+                    for (int c = 0; c < kFastRows; ++c) {
+                        const float4 qv = q4[(c ^ kr) * (D / 4) + (i * (F::CDIM / 4) + e) * F::LPK];
 #pragma unroll
-                    for (int a = 0; a < F::KPT; ++a) {
-                        float& y = x[kFastRows * a + c];
-                        y = fmaf(qv.x, kf[a][0], y);
-                        y = fmaf(qv.y, kf[a][1], y);
-                        y = fmaf(qv.z, kf[a][2], y);
-                        y = fmaf(qv.w, kf[a][3], y);
+                        for (int a = 0; a < F::KPT; ++a) {
+                            float& y = x[kFastRows * a + c];
+                            y = fmaf(qv.x, kf[a][0], y);
+                            y = fmaf(qv.y, kf[a][1], y);
+                            y = fmaf(qv.z, kf[a][2], y);
+                            y = fmaf(qv.w, kf[a][3], y);
+                        }
                     }
                 }
             }
-        }
-        // sum over the LPK lanes of the key: level with lane stride sft keeps slots [0, 2 sft) and adds the
-        // partner's slots [2 sft, 4 sft), which hold the same (key, row) pairs (see the slot rule above)
-        transpose_sum<F::LPK / 2>(x);
+            // sum over the LPK lanes of the key: level with lane stride sft keeps slots [0, 2 sft) and adds the
+            // partner's slots [2 sft, 4 sft), which hold the same (key, row) pairs (see the slot rule above)
+            transpose_sum<F::LPK / 2>(x);
 
-        // ---- scores in log2 units (masked past each row's limit), online softmax over the warp's 8 keys
-        float fac = sc;
-        if constexpr (I8) fac *= sc_s[s * 2 * kWarpKeys + kk];
-        float pv[2], alpha[2];
+            // ---- scores in log2 units (masked past each row's limit), online softmax over the warp's 8 keys
+            float pv[2], alpha[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float sv = kb + kk < lim[h] ? x[h] * fac : kMasked;
-            float mx = fmaxf(sv, __shfl_xor_sync(kFull, sv, 4));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
-            const float m_new = fmaxf(m_run[h], mx);
-            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-            alpha[h] = m_new == m_run[h] ? 1.f : exp2f(m_run[h] - base);  // (a row that sees nothing: no rescale)
-            pv[h] = exp2f(sv - base);
-            l_run[h] = l_run[h] * alpha[h] + pv[h];
-            m_run[h] = m_new;
-        }
-        const float vfac = I8 ? sc_s[s * 2 * kWarpKeys + kWarpKeys + kk] : 1.f;
-        reinterpret_cast<float2*>(p_s)[lane] = make_float2(pv[0] * vfac, pv[1] * vfac);  // p_s[key][row]
-        if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int r = 0; r < kFastRows; ++r) {
-                const float ar = __shfl_sync(kFull, alpha[r & 1], r >> 1);
-#pragma unroll
-                for (int i = 0; i < F::DV; ++i) o[r][i] *= ar;
+            for (int h = 0; h < 2; ++h) {
+                const float sv = kb + kk < lim[h] ? x[h] * sc : kMasked;
+                float mx = fmaxf(sv, __shfl_xor_sync(kFull, sv, 4));
+                mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
+                mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
+                const float m_new = fmaxf(m_run[h], mx);
+                const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+                alpha[h] = m_new == m_run[h] ? 1.f : exp2f(m_run[h] - base);  // (a row that sees nothing: no rescale)
+                pv[h] = exp2f(sv - base);
+                l_run[h] = l_run[h] * alpha[h] + pv[h];
+                m_run[h] = m_new;
             }
-        }
-        }
-        __syncwarp();  // p_s written by every lane
+            reinterpret_cast<float2*>(p_s)[lane] = make_float2(pv[0], pv[1]);  // p_s[key][row]
+            if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int r = 0; r < kFastRows; ++r) {
+                    const float ar = __shfl_sync(kFull, alpha[r & 1], r >> 1);
+#pragma unroll
+                    for (int i = 0; i < F::DV; ++i) o[r][i][0] *= ar;
+                }
+            }
+            __syncwarp();  // p_s written by every lane
 
-        // ---- o += p v: lane owns dims DV*lane .. +DV of the 8 rows
+            // ---- o += p v: lane owns dims DV*lane .. +DV of the 8 rows
 #pragma unroll
-        for (int k2 = 0; k2 < kWarpKeys; ++k2) {
-            const float4 pa = reinterpret_cast<const float4*>(p_s)[2 * k2];
-            const float4 pb = reinterpret_cast<const float4*>(p_s)[2 * k2 + 1];
-            const float pr[kFastRows] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
-            float v[F::DV];
-            load_run<F::DV, I8>(v, vt + k2 * F::RB + lane * F::DV * F::ES);
+            for (int k2 = 0; k2 < kWarpKeys; ++k2) {
+                const float4 pa = reinterpret_cast<const float4*>(p_s)[2 * k2];
+                const float4 pb = reinterpret_cast<const float4*>(p_s)[2 * k2 + 1];
+                const float pr[kFastRows] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+                float v[F::DV];
+                load_run_bf16<F::DV>(v, vt + k2 * F::RB + lane * F::DV * F::ES);
 #pragma unroll
-            for (int r = 0; r < kFastRows; ++r)
+                for (int r = 0; r < kFastRows; ++r)
 #pragma unroll
-                for (int i = 0; i < F::DV; ++i) o[r][i] = fmaf(pr[r], v[i], o[r][i]);
+                    for (int i = 0; i < F::DV; ++i) o[r][i][0] = fmaf(pr[r], v[i], o[r][i][0]);
+            }
         }
     }
     cp_async_wait<0>();
@@ -422,22 +440,31 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     }
     __syncthreads();  // ml_s complete; every warp done with its stages (its copies have landed)
 
-    float* ored = reinterpret_cast<float*>(st);  // [warp][row][D]
-#pragma unroll
-    for (int r = 0; r < kFastRows; ++r) {
+    // this warp's o rescaled to the block's max of each row (row r's factor: warp_factor(r))
+    auto warp_factor = [&](int r) {
         float mx = kMasked;
 #pragma unroll
         for (int u = 0; u < kFastWarps; ++u) mx = fmaxf(mx, ml_s[u * kFastRows + r].x);
-        const float f = exp2f(ml_s[w * kFastRows + r].x - (mx == kMasked ? 0.f : mx));
-        float* dst = ored + (w * kFastRows + r) * D + lane * F::DV;
-        if constexpr (F::DV % 4 == 0) {
+        return exp2f(ml_s[w * kFastRows + r].x - (mx == kMasked ? 0.f : mx));
+    };
+    float* ored = reinterpret_cast<float*>(st);  // [warp][row][D]
+    if constexpr (I8) {
 #pragma unroll
-            for (int i = 0; i < F::DV; i += 4)
-                *reinterpret_cast<float4*>(dst + i) =
-                    make_float4(o[r][i] * f, o[r][i + 1] * f, o[r][i + 2] * f, o[r][i + 3] * f);
-        } else {
+        for (int e = 0; e < 2; ++e) {  // rows 2mt + e: C columns e (c0/c2 of the even row, c1/c3 of the odd)
+            const int r = 2 * mt + e;
+            const float f = warp_factor(r);
 #pragma unroll
-            for (int i = 0; i < F::DV; ++i) dst[i] = o[r][i] * f;
+            for (int pp = 0; pp < D / 32; ++pp)
+                *reinterpret_cast<float4*>(ored + (w * kFastRows + r) * D + 32 * pp + 4 * mg) =
+                    make_float4(o[pp][0][e] * f, o[pp][0][2 + e] * f, o[pp][1][e] * f, o[pp][1][2 + e] * f);
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < kFastRows; ++r) {
+            const float f = warp_factor(r);
+            float* dst = ored + (w * kFastRows + r) * D + lane * F::DV;
+#pragma unroll
+            for (int i = 0; i < F::DV; ++i) dst[i] = o[r][i][0] * f;
         }
     }
     __syncthreads();

@@ -115,6 +115,9 @@ def _check_attention(got, ref, scale, what, p_bf16=False):
     carry 24 bits) and it rounds only in fp32 accumulation (16-key mma steps, per-split running sums, the merge),
     like the fp32 oracle: both sit near 1e-7·scale. 1e-5·scale (+1e-6 of the row's largest scale) keeps a wide
     margin while a missing or extra key (weight >= 1/S of the row) would still show.
+    The CUDA-core decode on an int8 cache (attn_decode_fast_int8_*) multiplies K by three int8 code planes of q
+    (each element within max|q_row|·6.1e-8 of q) in exact int32 sums, and V by p times the value scale split into
+    bf16 hi + lo (within 2^-18 of it, relative): |δo| <= 2^-18·scale + the scores' ~1e-7, inside the same bound.
     p_bf16 (attn_prefill_*, against the oracle on bf16 q): each weight p_j (times the int8 value scale) is rounded
     to bf16 before the mma (unit roundoff 2^-8: |δp_j| <= 2^-8 p_j) while the normaliser sums the fp32 p_j, so
     |δo| <= 2^-8·scale more."""
