@@ -26,23 +26,24 @@ from gpu_common import open_gpu  # noqa: E402
 from ninfer_rt.gpu import attention, deltanet, misc, moe  # noqa: E402
 
 MODULES = {"attention": attention, "deltanet": deltanet, "misc": misc, "moe": moe}
-# (label, weight-name substrings whose projections are left out, module functions left out)
+# (label, weight-name substrings whose projections are left out, module functions left out, a tensor-name
+# substring the model must have for the variant to apply)
 VARIANTS = [
-    ("DeltaNet in_proj_qkv|z GEMV", ["in_proj_qkv"], []),
-    ("DeltaNet step", [], ["deltanet.step"]),
-    ("DeltaNet out_proj GEMV", ["linear_attn.out_proj"], []),
-    ("attention q|k|v|gate GEMV", ["q_proj"], []),
-    ("attention prepare (norms, RoPE, KV write)", [], ["attention.prepare"]),
-    ("attention decode", [], ["attention.decode"]),
-    ("attention o_proj GEMV", ["o_proj"], []),
-    ("MoE router GEMV", ["shared_expert_gate"], []),
-    ("MoE shared expert (side stream)", ["shared_expert.{gate", "shared_expert.down"], []),
-    ("MoE routed gate/up (with routing)", [], ["moe.gate_up_routed"]),
-    ("MoE routed down", [], ["moe.down"]),
-    ("MoE: all of it", ["shared_expert"], ["moe.gate_up_routed", "moe.down"]),
-    ("dense MLP gate|up GEMV", ["mlp.{gate_proj"], []),
-    ("dense MLP down GEMV", ["mlp.down_proj"], []),
-    ("lm_head GEMV and arg-max", ["lm_head", "embed_tokens"], ["misc.argmax"]),
+    ("DeltaNet in_proj_qkv|z GEMV", ["in_proj_qkv"], [], "in_proj_qkv"),
+    ("DeltaNet step", [], ["deltanet.step"], "linear_attn."),
+    ("DeltaNet out_proj GEMV", ["linear_attn.out_proj"], [], "linear_attn.out_proj"),
+    ("attention q|k|v|gate GEMV", ["q_proj"], [], "q_proj"),
+    ("attention prepare (norms, RoPE, KV write)", [], ["attention.prepare"], "self_attn."),
+    ("attention decode", [], ["attention.decode"], "self_attn."),
+    ("attention o_proj GEMV", ["o_proj"], [], "o_proj"),
+    ("MoE router GEMV", ["shared_expert_gate"], [], "shared_expert_gate"),
+    ("MoE shared expert (side stream)", ["shared_expert.{gate", "shared_expert.down"], [], "shared_expert.down"),
+    ("MoE routed gate/up (with routing)", [], ["moe.gate_up_routed"], "experts."),
+    ("MoE routed down", [], ["moe.down"], "experts."),
+    ("MoE: all of it", ["shared_expert"], ["moe.gate_up_routed", "moe.down"], "experts."),
+    ("dense MLP gate|up GEMV", ["mlp.{gate_proj"], [], "mlp.{gate_proj"),
+    ("dense MLP down GEMV", ["mlp.down_proj"], [], "mlp.down_proj"),
+    ("lm_head GEMV and arg-max", ["lm_head", "embed_tokens"], ["misc.argmax"], ""),
 ]
 
 
@@ -80,8 +81,8 @@ def main() -> None:
         model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=context_bucket(args.context + 1), kv_dtype="int8")
         tensor_names = " ".join(weights.matrices)
         try:
-            for label, names, funcs in [("full step", [], [])] + VARIANTS:
-                if names and not any(n in tensor_names for n in names):
+            for label, names, funcs, requires in [("full step", [], [], "")] + VARIANTS:
+                if requires not in tensor_names:
                     continue  # nothing of this kind in this model
                 saved = {f: getattr(MODULES[f.split(".")[0]], f.split(".")[1]) for f in funcs}
                 for f in funcs:
