@@ -5,7 +5,7 @@
 
 A kernel timed alone (bench/gemv_bench.py) is a poor guide to the step: in a decode graph, programmatic dependent
 launch overlaps each kernel's start with its predecessor's tail, which rewards early weight loads and punishes
-work done after the wait (perf.md v6). So each variant here sets planner constants of linear / attention /
+work done after the wait (perf-history.md v6). So each variant here sets planner constants of linear / attention /
 deltanet, recaptures the model's decode graph and times one step at each context (median of 5 rounds of 20
 replays, best of 3; the graph's context bucket as `ninfer-rt bench` has it); "default" runs first and last to
 show the drift. Exits with a one-line message when there is no GPU.

@@ -6,7 +6,7 @@ Builds the model's exact shapes and recipe with random weights (as `ninfer-rt be
 --tokens tokens once to warm up, then again with a CUDA event recorded before and after every launch. The step
 runs eagerly (the chunk is one token longer than the prompt, so no graph is captured) and the events serialize
 the launches: each kernel's time is its own, without the overlap programmatic dependent launch gives. The 35B's
-8K step sums to 348 ms against the 363 ms `ninfer-rt bench` measures for the whole prompt (perf.md v18). The
+8K step sums to 348 ms against the 363 ms `ninfer-rt bench` measures for the whole prompt (perf-history.md v18). The
 table sums each entry point over its launches. Exits with a one-line message when there is no GPU.
 """
 

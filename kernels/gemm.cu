@@ -17,7 +17,7 @@
 // "Pairing").
 //   * q8 weights meet the MMA as w = q · s rounded once to bf16 (gemm.cuh "scaled weights"), as a dequantizing
 //     GEMM would store them: relative error <= 2^-9 per weight, for 24% fewer instructions per MMA than
-//     splitting the byte into exact nibbles and scaling 32-wide partial sums (perf.md v16). Nibble codes are
+//     splitting the byte into exact nibbles and scaling 32-wide partial sums (perf-history.md v16). Nibble codes are
 //     exact in bf16 and their fp16 group scale is applied in fp32 to each 32-wide partial sum (acc += s · Σ_32
 //     q·x): nothing rounds there besides fp32 accumulation. x arrives in bf16; swiglu rounds its output.
 //   * Each thread owns 8 consecutive k of a row per 32-wide chunk, in bf16x2 registers of consecutive pairs: its B
@@ -54,7 +54,7 @@ struct Traits {
     static constexpr int QH_BYTES = BN * QH;
     static constexpr int SC_BYTES = SCALED ? BN * 4 : 0;  // fp32 scale of each row for this chunk
     static constexpr int CHUNK_BYTES = XS_BYTES + QS_BYTES + QH_BYTES + SC_BYTES;  // one 32-wide chunk's planes
-    // chunks per pipeline stage: q8 waits and syncs once per 64 k (+6-7%, perf.md v16); the nibble formats
+    // chunks per pipeline stage: q8 waits and syncs once per 64 k (+6-7%, perf-history.md v16); the nibble formats
     // measured 4-5% slower so (spills), bf16 would keep too few stages
     static constexpr int CH = BITS == 8 ? 2 : 1;
     static constexpr int STAGE_BYTES = CH * CHUNK_BYTES;
@@ -194,7 +194,7 @@ __device__ __forceinline__ void gemm_tile(const uint8_t* __restrict__ qs, const 
             const float* scs = reinterpret_cast<const float*>(wh + T::QH_BYTES);
             // q8: scaled weights in bf16 (gemm.cuh), straight into the accumulators; nibble formats: exact codes,
             // the scale applied in fp32 to each 32-wide partial sum (folding it into bf16 weights measured slower
-            // there, perf.md v16)
+            // there, perf-history.md v16)
             constexpr bool PARTIAL = T::SCALED && BITS != 8;
             uint32_t a[2][2][4];  // [16-row tile i][rows g, g+8][pair]
             float s[2][2];

@@ -13,7 +13,7 @@
 // Work split, balanced to one step: block b takes the contiguous row groups [b G / nb, (b + 1) G / nb), and its
 // ng · S steps are cut into 8 contiguous near-equal ranges, one per warp. Every warp streams the same number of
 // steps ±1 whatever N, K and the SM count are (dealing whole 8-group tiles left the busiest SM up to 1.6x the
-// average work: perf.md v13). A group wholly inside one warp's range is reduced and written by that warp; a
+// average work: perf-history.md v13). A group wholly inside one warp's range is reduced and written by that warp; a
 // group cut by range boundaries is summed after the loop by the warp holding its first step, from the partials
 // the warps sharing it left in shared memory, in warp order (deterministic).
 // Two register tiles ping-pong: a tile's 4·D 16-byte units (and scales) are issued a whole step ahead of their

@@ -178,7 +178,7 @@ def decode_splits(M: int, ctx_bucket: int, blocks: int, sm_count: int) -> int:
     (so decode_scratch_bytes still bounds the scratch). One wave of long, equal splits rather than several
     waves of short ones that each pay a q load, a ring fill and a merge, and the bucket's unused upper part
     costs nothing; but very long splits are bound by the fp32 dot products, and more blocks spread those more
-    evenly over the SMs (H200, perf.md v13: the 27B at 262K context 73 -> 86 tok/s with 4 blocks per SM, the
+    evenly over the SMs (H200, perf-history.md v13: the 27B at 262K context 73 -> 86 tok/s with 4 blocks per SM, the
     35B at 64K 411 -> 439 tok/s with 2)."""
     _need(blocks >= 1 and sm_count >= 1, f"attention: blocks={blocks} and sm_count={sm_count} must be >= 1")
     ns = max(1, _SPLIT_BLOCKS_PER_SM * sm_count // blocks)

@@ -207,7 +207,7 @@ def prefill(k, *, mixed: int, ld_mixed: int, ba: int, conv_w: int, A_log: int, d
     The delta rule runs in chunks of CHUNK tokens (ops.gated_delta_rule_chunked) where chunked_supported, else
     token by token as decode does; the conv and the norm are parallel over tokens either way. On the H200 at
     T = 4096 the mixer takes 1.14 ms per layer chunked against 3.00 token by token at the 35B's heads, 2.33
-    against 3.05 at the 27B's (perf.md v18).
+    against 3.05 at the 27B's (perf-history.md v18).
     """
     if B != 1:
         raise GpuError(f"deltanet.prefill: B={B}, prefill takes one sequence (B=1)")

@@ -252,7 +252,7 @@ SORT_THREADS = 1024
 SMALL_BN, SMALL_TM, SMALL_STAGES = 128, 32, 3
 SMALL_XSTRIDE = 32 * 2      # bytes of one staged bf16 x row per 32-wide chunk
 # moe_grouped runs moe_small when the average routed slots per expert, M·top_k / E, is at most this: the H200
-# crossover of the 35B banks lies between 32 (small 0.74 ms, large 0.82) and 40 (0.93, 0.89) (perf.md v10)
+# crossover of the 35B banks lies between 32 (small 0.74 ms, large 0.82) and 40 (0.93, 0.89) (perf-history.md v10)
 MOE_SMALL_MAX_AVG = 36
 MOE_PATHS = ("auto", "small", "large")
 

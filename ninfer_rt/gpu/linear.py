@@ -25,10 +25,12 @@ _ROWS = 4  # weight rows per warp
 _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
 _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
-_STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf.md v13)
+_STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf-history.md v13)
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth: most units per lane and row
-_STREAM_BLOCK_ROWS = 65536  # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf.md v11)
-_STREAM_K_MAX = 1 << 30  # at M = 1, longer K takes the block kernel; no limit below the slab's (perf.md v11 A/B)
+# at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11)
+_STREAM_BLOCK_ROWS = 65536
+# at M = 1, longer K takes the block kernel; no limit below the slab's (perf-history.md v11 A/B)
+_STREAM_K_MAX = 1 << 30
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
@@ -98,7 +100,7 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
 
     At m = 1 with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and no ks given,
     the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is faster only on
-    the lm_head, perf.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d
+    the lm_head, perf-history.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d
     and blocks override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
@@ -157,7 +159,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
     one step of it would leave lanes without a unit on every row (K < 32·d units), then 1.
     Blocks: every block stages all of x̂, and two blocks on one SM stage it twice there, so the second block
     per SM is taken only when it still leaves each warp _STREAM_STEPS_FOR_2 steps; else at most one block per
-    SM, and no more blocks than give every warp one step (the H200 sweep, perf.md v13: the 35B o_proj 5.5 ->
+    SM, and no more blocks than give every warp one step (the H200 sweep, perf-history.md v13: the 35B o_proj 5.5 ->
     4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape

@@ -566,7 +566,7 @@ def test_decode_invalid_slot(kernels, gpu, dev, rng, monkeypatch, fast):
 def test_decode_splits_rule():
     """The runtime split count: about _SPLIT_BLOCKS_PER_SM blocks per SM, twice that when a split would pass
     _SPLIT_LONG_KEYS keys, at least 1, and never more splits than the row-count rule (so the scratch bound
-    holds). The H200 cases measured in perf.md v13: the 35B (2 blocks per split) keeps 132 splits up to a
+    holds). The H200 cases measured in perf-history.md v13: the 35B (2 blocks per split) keeps 132 splits up to a
     262144 bucket; the 27B (4 blocks) takes 66 up to 131072 and 132 at 262144."""
     from ninfer_rt.gpu import attention
     lo, long_keys = attention._SPLIT_BLOCKS_PER_SM, attention._SPLIT_LONG_KEYS

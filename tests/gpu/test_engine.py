@@ -124,7 +124,7 @@ def clear_greedy_path(reference, monkeypatch, seeds=range(2, 12)):
     defined away from ties. With an fp32 cache the tiny MoE's nearly uniform router also flips on bf16 rounding.
     The margins are not a proof since decode takes int16 activation codes: a CPU simulation of those codes moved
     the tiny checkpoints' logits by up to 3e-4 (MoE) / 9e-4 (dense), and no seed of 2..41 keeps the MoE's gaps
-    above 1e-3 for 64 steps. The chosen path agrees on the H200 (docs/perf.md v11)."""
+    above 1e-3 for 64 steps. The chosen path agrees on the H200 (docs/perf-history.md v11)."""
     import torch
     from ninfer_rt.reference import model as ref_model
     from ninfer_rt.reference import ops

@@ -359,7 +359,7 @@ def test_stream_plans():
         p = linear.plan_gemv(w, 1, 132, stream=True, d=1, blocks=5)
         assert (p.d, p.kw_log2, p.blocks, p.grid) == (1, 0, 5, 1024)
         assert linear.plan_gemv(w, 1, 132, blocks=5000).blocks == 1024  # never more blocks than row groups
-    # the H200 sweep's shapes (perf.md v13): two blocks per SM for the 35B q|k|v|gate, one for its o_proj,
+    # the H200 sweep's shapes (perf-history.md v13): two blocks per SM for the 35B q|k|v|gate, one for its o_proj,
     # and 64 for the shared expert's gate|up (one step of 2 units per warp)
     for shape, blocks in [((9216, 2048), 264), ((2048, 4096), 132), ((1024, 2048), 64)]:
         assert linear.plan_gemv(DeviceWeight("w", "q8g32", shape, 0), 1, 132).blocks == blocks
