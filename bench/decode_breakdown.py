@@ -15,13 +15,12 @@ one-line message when there is no GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu  # noqa: E402
+from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
 
 from ninfer_rt.gpu import attention, deltanet, misc, moe  # noqa: E402
 
@@ -67,20 +66,13 @@ def main() -> None:
     args = ap.parse_args()
 
     gpu, k, console = open_gpu("decode_breakdown")
-    from rich.table import Table
-
-    from ninfer_rt.gpu.bench import _time_decode, builtin_spec
-    from ninfer_rt.gpu.engine import GpuModel, context_bucket
-    from ninfer_rt.gpu.loader import synthetic_weights
-    from ninfer_rt.recipe import load_recipe
+    from ninfer_rt.gpu.bench import _time_decode
+    from ninfer_rt.gpu.engine import context_bucket
 
     rows = []
     for name in args.model:
-        spec = builtin_spec(name)
-        weights = synthetic_weights(gpu, spec, load_recipe(name))
-        model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=context_bucket(args.context + 1), kv_dtype="int8")
-        tensor_names = " ".join(weights.matrices)
-        try:
+        with synthetic_model(gpu, k, name, context_bucket(args.context + 1)) as model:
+            tensor_names = " ".join(model.w.matrices)
             for label, names, funcs, requires in [("full step", [], [], "")] + VARIANTS:
                 if requires not in tensor_names:
                     continue  # nothing of this kind in this model
@@ -99,24 +91,14 @@ def main() -> None:
                     del model._linear
                 rows.append({"model": name, "left_out": label, "context": args.context, "ms": 1e3 * s})
                 console.print(f"{name} @{args.context} without {label}: {1e3 * s:.3f} ms/step", highlight=False)
-        finally:
-            model.free()
-            weights.free(gpu)
 
-    table = Table(title=f"decode step at {args.context:,} context, graph replay: cost of each launch kind")
-    for col in ("model", "left out", "ms / step", "in-graph cost ms", "share"):
-        table.add_column(col, justify="left" if col in ("model", "left out") else "right")
     for r in rows:
-        full = next(b["ms"] for b in rows if b["model"] == r["model"] and b["left_out"] == "full step")
-        r["cost_ms"] = full - r["ms"]
-        table.add_row(r["model"], r["left_out"], f"{r['ms']:.3f}", f"{r['cost_ms']:.3f}",
-                      f"{100 * r['cost_ms'] / full:.1f}%")
-    console.print(table)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": gpu.info.name, "arch": gpu.info.arch, "timing": "cuda-graph replay",
-                                         "rows": rows}, indent=1))
-        console.print(f"wrote {args.json}")
+        r["cost_ms"] = next(b["ms"] for b in rows if b["model"] == r["model"] and b["left_out"] == "full step") - r["ms"]
+    step_rows_out(console, gpu, f"decode step at {args.context:,} context, graph replay: cost of each launch kind",
+                  [("model", True), ("left out", True), ("ms / step", False), ("in-graph cost ms", False),
+                   ("share", False)],
+                  lambda r: (r["model"], r["left_out"], f"{r['ms']:.3f}", f"{r['cost_ms']:.3f}",
+                             f"{100 * r['cost_ms'] / (r['ms'] + r['cost_ms']):.1f}%"), rows, args.json)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """What every GPU micro-benchmark shares: the context, the built kernels, a console and a header line (open_gpu),
-timing direct launches (eager_ms, from ninfer_rt.gpu.bench) and a captured CUDA graph's replays (replay_ms)."""
+timing direct launches (eager_ms, from ninfer_rt.gpu.bench) and a captured CUDA graph's replays (replay_ms); for
+the decode-step benches, a synthetic model (synthetic_model) and their table and JSON (step_rows_out)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from ninfer_rt.gpu.bench import eager_ms  # noqa: F401  (the micro-benchmarks' eager timer, shared with ninfer-rt bench)
 
@@ -49,3 +53,41 @@ def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager
         return eager_ms(gpu, lambda: graph.launch(gpu.stream), rounds=rounds, reps=replays, warmup=warmup)
     finally:
         graph.destroy()
+
+
+@contextmanager
+def synthetic_model(gpu, k, name: str, max_ctx: int):
+    """A GpuModel of the synthetic weights of `name` (exact shapes, recipe of the same name), one slot, INT8 KV;
+    weights and buffers freed on exit."""
+    from ninfer_rt.gpu.bench import builtin_spec
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    spec = builtin_spec(name)
+    weights = synthetic_weights(gpu, spec, load_recipe(name))
+    model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype="int8")
+    try:
+        yield model
+    finally:
+        model.free()
+        weights.free(gpu)
+
+
+def step_rows_out(console, gpu, title: str, columns: list[tuple[str, bool]], cells, rows: list[dict],
+                  path: Path | None) -> None:
+    """Print a rich table of decode-step rows (columns: (name, left-justified); cells(row) -> strings), and write
+    the rows as JSON to `path` when given."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, left in columns:
+        table.add_column(col, justify="left" if left else "right")
+    for r in rows:
+        table.add_row(*cells(r))
+    console.print(table)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"device": gpu.info.name, "arch": gpu.info.arch, "timing": "cuda-graph replay",
+                                    "rows": rows}, indent=1))
+        console.print(f"wrote {path}")

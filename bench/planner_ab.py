@@ -14,13 +14,12 @@ show the drift. Exits with a one-line message when there is no GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu  # noqa: E402
+from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
 
 from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
@@ -63,51 +62,36 @@ def main() -> None:
                 if not args.only or not over or any(t in label for t in args.only)]
 
     gpu, k, console = open_gpu("planner_ab")
-    from rich.table import Table
-
-    from ninfer_rt.gpu.bench import _time_decode, builtin_spec
-    from ninfer_rt.gpu.engine import GpuModel, context_bucket
-    from ninfer_rt.gpu.loader import synthetic_weights
-    from ninfer_rt.recipe import load_recipe
+    from ninfer_rt.gpu.bench import _time_decode
+    from ninfer_rt.gpu.engine import context_bucket
 
     saved = {knob: getattr(MODULES[knob.split(".")[0]], knob.split(".")[1]) for knob in KNOBS}
     rows = []
     for name in args.model:
-        spec = builtin_spec(name)
-        weights = synthetic_weights(gpu, spec, load_recipe(name))
-        model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=context_bucket(max(args.context) + 1),
-                         kv_dtype="int8")
-        try:
-            for ctx in args.context:
-                for label, over in variants:
-                    for key, value in {**saved, **over}.items():
-                        _set(key, value)
-                    for g in model.graphs.values():
-                        g.destroy()
-                    model.graphs.clear()
-                    s = min(_time_decode(model, ctx) for _ in range(3))
-                    rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
-                                 "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
-                    console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
-        finally:
-            for key, value in saved.items():
-                _set(key, value)
-            model.free()
-            weights.free(gpu)
+        with synthetic_model(gpu, k, name, context_bucket(max(args.context) + 1)) as model:
+            try:
+                for ctx in args.context:
+                    for label, over in variants:
+                        for key, value in {**saved, **over}.items():
+                            _set(key, value)
+                        for g in model.graphs.values():
+                            g.destroy()
+                        model.graphs.clear()
+                        s = min(_time_decode(model, ctx) for _ in range(3))
+                        rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
+                                     "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
+                        console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
+            finally:
+                for key, value in saved.items():
+                    _set(key, value)
 
-    table = Table(title="decode step, graph replay (best of 3 medians)")
-    for col in ("model", "context", "variant", "ms / step", "tok/s", "vs default"):
-        table.add_column(col, justify="left" if col in ("model", "variant") else "right")
-    for r in rows:
+    def cells(r):
         base = next(b for b in rows if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))
-        table.add_row(r["model"], f"{r['context']:,}", r["variant"], f"{r['ms']:.3f}", f"{r['tok_s']:.1f}",
-                      f"{100 * (base['ms'] / r['ms'] - 1):+.1f}%")
-    console.print(table)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": gpu.info.name, "arch": gpu.info.arch, "timing": "cuda-graph replay",
-                                         "rows": rows}, indent=1))
-        console.print(f"wrote {args.json}")
+        return (r["model"], f"{r['context']:,}", r["variant"], f"{r['ms']:.3f}", f"{r['tok_s']:.1f}",
+                f"{100 * (base['ms'] / r['ms'] - 1):+.1f}%")
+    step_rows_out(console, gpu, "decode step, graph replay (best of 3 medians)",
+                  [("model", True), ("context", False), ("variant", True), ("ms / step", False), ("tok/s", False),
+                   ("vs default", False)], cells, rows, args.json)
 
 
 if __name__ == "__main__":

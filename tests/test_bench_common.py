@@ -111,3 +111,54 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
     vocab, rec = m.draws[-1]
     assert vocab == 1000 and (rec["temperature"][0], rec["top_k"][0]) == pytest.approx(
         (SAMPLED["temperature"], SAMPLED["top_k"]))
+
+
+def test_step_rows_out_prints_the_table_and_writes_the_rows(tmp_path):
+    """The decode-step benches' table and JSON: every row printed, the JSON exactly the rows and the device."""
+    import json
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from gpu_common import step_rows_out
+    console = Console(record=True, width=200)
+    gpu = SimpleNamespace(info=SimpleNamespace(name="Fake GPU", arch="sm_90a"))
+    rows = [{"model": "a", "ms": 1.25}, {"model": "b", "ms": 2.5}]
+    path = tmp_path / "sub" / "rows.json"
+    step_rows_out(console, gpu, "title", [("model", True), ("ms", False)], lambda r: (r["model"], f"{r['ms']:.2f}"),
+                  rows, path)
+    assert json.loads(path.read_text()) == {"device": "Fake GPU", "arch": "sm_90a", "timing": "cuda-graph replay",
+                                            "rows": rows}
+    text = console.export_text()
+    assert all(s in text for s in ("title", "1.25", "2.50", f"wrote {path}"))
+
+
+def test_synthetic_model_frees_its_buffers_and_weights_even_on_error(monkeypatch):
+    """synthetic_model builds the named config's weights and a one-slot INT8 model, and frees both on the way out,
+    also when the body raises."""
+    from ninfer_rt import recipe
+    from ninfer_rt.gpu import bench, engine, loader
+
+    from gpu_common import synthetic_model
+    log = []
+
+    class FakeModel:
+        def __init__(self, gpu, k, spec, weights, **kw):
+            log.append(("model", spec, kw))
+
+        def free(self):
+            log.append("model freed")
+
+    class FakeWeights:
+        def free(self, gpu):
+            log.append("weights freed")
+
+    monkeypatch.setattr(bench, "builtin_spec", lambda name: f"spec of {name}")
+    monkeypatch.setattr(recipe, "load_recipe", lambda name: f"recipe {name}")
+    monkeypatch.setattr(loader, "synthetic_weights", lambda gpu, spec, rec: FakeWeights())
+    monkeypatch.setattr(engine, "GpuModel", FakeModel)
+    with pytest.raises(RuntimeError):
+        with synthetic_model("gpu", "k", "qwen3.6-27b", 4096):
+            raise RuntimeError("inside")
+    assert log == [("model", "spec of qwen3.6-27b", {"slots": 1, "max_ctx": 4096, "kv_dtype": "int8"}),
+                   "model freed", "weights freed"]
