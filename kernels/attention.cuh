@@ -1,6 +1,6 @@
 // attention.cuh: device helpers shared by the attention kernels (attention_prepare.cu; attention.cu: the mma decode
-// and its combine; attention_prefill.cu: the mma prefill; attention_decode.cu: the decode for few query rows, its
-// int8 q codes, and its combine): the mma fragment geometry and the K/V tile swizzle among them. No op lives here.
+// and its combine; attention_prefill.cu: the mma prefill; attention_decode.cu: the CUDA-core decode for few query
+// rows and its combine): the mma fragment geometry and the K/V tile swizzle among them. No op lives here.
 #pragma once
 #include "common.cuh"
 
@@ -56,73 +56,6 @@ __device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
 // Two floats exactly representable in bf16 (small integers) -> packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_exact(float lo, float hi) {
     return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
-}
-
-// ---- int8 caches: q·k on the int8 tensor cores (mma m16n8k32, exact int32 sums)
-// q row c = s_c·(c1 + c2/254 + c3/254²) + e with codes c1..c3 in [-127, 127], s_c = max|q_c|/127 and
-// |e| <= s_c/(2·254²) = max|q_c|·6.1e-8 (the rounding of q itself), so three mmas per 32 dims give every score to
-// the fp32 path's accuracy. A-fragment k slots 4t..4t+3 / 16+4t.. of a 32-dim block are dims 8t..8t+3 / 8t+4..8t+7
-// (for q and k alike: the mma sums over k), so a lane's K fragment is one 8-byte run of its key's row.
-constexpr int kQTerms = 3;
-constexpr float kQBase = 254.f;
-
-// q code planes: rows of D bytes; at D = 256 padded by 32 (the 8-byte fragment reads of 16 lanes then hit
-// distinct banks), and read per mma there: 48 fragment registers would spill at 3 blocks per SM.
-template <int D>
-struct QCodes {
-    static constexpr bool IN_REGS = D <= 128;
-    static constexpr int STRIDE = D + (D == 256 ? 32 : 0);
-    static_assert(kQTerms * STRIDE + 4 <= D * 4, "a row's codes and scale fit its fp32 space");
-};
-
-__device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
-// Where 16-byte chunk ch of K row r sits in a ring stage: XOR-swizzled by the row, so the 8 keys' 8-byte runs that
-// one mma reads (lane 4g + t: key g, bytes 32j + 8t ..) fall in distinct banks.
-template <int RB>
-__device__ __forceinline__ int k_chunk(int r, int ch) { return ch ^ ((2 * r) & (RB / 16 - 1)); }
-
-// The block's ROWS query rows r0 .. (zeros past R) as kQTerms int8 code planes [term][row][STRIDE] and row scales
-// s[ROWS]: 16 threads per row (a block of 16·ROWS threads), each 16 consecutive dims.
-template <int D, int ROWS>
-__device__ __forceinline__ void stage_q_codes(const float* __restrict__ q, int b, int T, int nH, int kvh, int G,
-                                              int R, int r0, int8_t* codes, float* s) {
-    const int tid = threadIdx.x, c = tid >> 4, i0 = (tid & 15) * (D / 16);
-    const int rr = r0 + c;
-    float v[D / 16];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) v[i] = 0.f;
-    if (rr < R) {
-        const int tt = rr / G, j = rr - tt * G;
-        const float* src = q + ((size_t)(b * T + tt) * nH + kvh * G + j) * D + i0;
-#pragma unroll
-        for (int i = 0; i < D / 16; i += 2) {
-            const float2 x = *reinterpret_cast<const float2*>(src + i);
-            v[i] = x.x, v[i + 1] = x.y;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-    const float sr = amax > 0.f ? amax / 127.f : 1.f;
-    const float inv = 1.f / sr;
-    if ((tid & 15) == 0) s[c] = sr;
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-        float x = fminf(fmaxf(v[i] * inv, -127.f), 127.f);
-#pragma unroll
-        for (int term = 0; term < kQTerms; ++term) {
-            const float cq = fminf(fmaxf(rintf(x), -127.f), 127.f);
-            codes[(term * ROWS + c) * QCodes<D>::STRIDE + i0 + i] = (int8_t)(int)cq;
-            x = (x - cq) * kQBase;  // x - cq is exact (|x - cq| <= 1/2 and both near)
-        }
-    }
 }
 
 // Fragment geometry (lane = 4g + t). mma m16n8k16: A reg0 = (row g, k 2t..2t+1), reg1 = (row g+8, same k),

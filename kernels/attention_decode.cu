@@ -33,6 +33,7 @@
 //     j, j+SJ, ... of its float4 column with an online max (all its loads independent of the arithmetic), then one
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
 #include "attention.cuh"
+#include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
 
 namespace {
 
@@ -84,46 +85,6 @@ __device__ __forceinline__ void load_run_bf16(float* v, const unsigned char* p) 
         }
     } else {
         v[0] = __uint_as_float((uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16);
-    }
-}
-
-// D += A(16x8, row) * B(8x8, col), bf16 in, fp32 accumulate
-__device__ __forceinline__ void mma_bf16_k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(b));
-}
-
-// Where 16-byte chunk ch of V row r sits in an int8 ring stage: XOR-swizzled by the row, so the 4-byte runs of
-// rows 2t (and of rows 2t + 1) that pv_int8's lanes read fall in distinct banks.
-template <int RB>
-__device__ __forceinline__ int v_chunk(int r, int ch) { return ch ^ (r & (RB / 16 - 1)); }
-
-// int8 cache: o^T[dims, rows] += V^T[dims, 8 keys] · P^T[8 keys, 8 rows] on mma m16n8k8 (bf16), the value codes
-// exact in bf16, P^T's fragment (lane 4g + t: row g, keys 2t, 2t+1) = (xa, xb), the lane's p times the value
-// scale, as bf16 hi + lo (16 bits of the 24). m-tile pair pp: tile 2pp's rows g, g+8 are dims 32pp + 4g, +1 and
-// tile 2pp+1's dims +2, +3, so the lane reads one 4-byte run (dims 32pp + 4g ..) of each of its keys' V rows and
-// its C fragments o[pp][tile] hold rows 2t, 2t+1 of those dims.
-template <int D>
-__device__ __forceinline__ void pv_int8(float (&o)[D / 32][2][4], const unsigned char* vt, int g, int t, float xa,
-                                        float xb) {
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(xa, xb);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(xa - __low2float(hi), xb - __high2float(hi));
-    const uint32_t bh = bf162_bits(hi), bl = bf162_bits(lo);
-    const unsigned char* r0 = vt + (2 * t) * D + 4 * (g & 3);
-    const unsigned char* r1 = r0 + D;
-#pragma unroll
-    for (int pp = 0; pp < D / 32; ++pp) {
-        const int ch = 2 * pp + (g >> 2);
-        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r0 + (v_chunk<D>(2 * t, ch) << 4)) ^ 0x80808080u;
-        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(r1 + (v_chunk<D>(2 * t + 1, ch) << 4)) ^ 0x80808080u;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {  // tile 2pp + u: dims 32pp + 4g + 2u (row g) and + 1 (row g + 8)
-            const uint32_t a0 = pack_exact(i8_at(w0, 2 * u), i8_at(w1, 2 * u));
-            const uint32_t a1 = pack_exact(i8_at(w0, 2 * u + 1), i8_at(w1, 2 * u + 1));
-            mma_bf16_k8(o[pp][u], a0, a1, bh);
-            mma_bf16_k8(o[pp][u], a0, a1, bl);
-        }
     }
 }
 
