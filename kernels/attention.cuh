@@ -127,7 +127,7 @@ __device__ __forceinline__ float online_base(float mx, float& m_run, float& alph
     mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
     const float m_new = fmaxf(m_run, mx);
     const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-    alpha = exp2f(m_run - base);
+    alpha = m_new == m_run ? 1.f : exp2f(m_run - base);   // unmoved max (or still nothing visible): no rescale
     m_run = m_new;
     return base;
 }

@@ -280,15 +280,10 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 sv[e] = kb + 2 * mt + e < lim[0] ? v * q_scale * (e ? ksc.y : ksc.x) : kMasked;
             }
             // ---- online softmax of row mg over the warp's 8 keys (its quad's lanes)
-            float mx = fmaxf(sv[0], sv[1]);
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float m_new = fmaxf(m_run[0], mx);
-            const float base = m_new == kMasked ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-            const float alpha = m_new == m_run[0] ? 1.f : exp2f(m_run[0] - base);
+            float alpha;
+            const float base = online_base(fmaxf(sv[0], sv[1]), m_run[0], alpha);
             const float pa = exp2f(sv[0] - base), pb = exp2f(sv[1] - base);
             l_run[0] = l_run[0] * alpha + pa + pb;
-            m_run[0] = m_new;
             if (__any_sync(kFull, alpha != 1.f)) {
                 const float a0 = __shfl_sync(kFull, alpha, 8 * mt), a1 = __shfl_sync(kFull, alpha, 8 * mt + 4);
 #pragma unroll
@@ -383,9 +378,8 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     cp_async_wait<0>();
 
     // ---- merge the 4 warps: (max, sum) per row through ml_s, o through the (now idle) stage buffers
-    if constexpr (I8) {  // row mg: the lane sums of its quad
-        l_run[0] += __shfl_xor_sync(kFull, l_run[0], 1);
-        l_run[0] += __shfl_xor_sync(kFull, l_run[0], 2);
+    if constexpr (I8) {  // row mg: the lane sums of its quad (l_run[1] unused, 0)
+        quad_total(l_run);
         if (mt == 0) ml_s[w * kFastRows + mg] = make_float2(m_run[0], l_run[0]);
     } else {
 #pragma unroll
@@ -424,8 +418,15 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         for (int r = 0; r < kFastRows; ++r) {
             const float f = warp_factor(r);
             float* dst = ored + (w * kFastRows + r) * D + lane * F::DV;
+            if constexpr (F::DV % 4 == 0) {  // 16-byte stores (dst is 16-byte aligned then)
 #pragma unroll
-            for (int i = 0; i < F::DV; ++i) dst[i] = o[r][i][0] * f;
+                for (int i = 0; i < F::DV; i += 4)
+                    *reinterpret_cast<float4*>(dst + i) =
+                        make_float4(o[r][i][0] * f, o[r][i + 1][0] * f, o[r][i + 2][0] * f, o[r][i + 3][0] * f);
+            } else {
+#pragma unroll
+                for (int i = 0; i < F::DV; ++i) dst[i] = o[r][i][0] * f;
+            }
         }
     }
     __syncthreads();
