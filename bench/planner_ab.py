@@ -25,6 +25,7 @@ from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
 MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet}
 KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
+         "linear._STREAM_X_COPY_ABOVE",
          "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS",
          "deltanet.STEP_CLUSTER")
 # (label, planner constants to set, as module.name)
@@ -34,6 +35,8 @@ VARIANTS = [
     ("stream kernel, 1 block per SM", {"linear._STREAM_BLOCKS_PER_SM": 1}),
     ("stream kernel, 2 blocks per SM from 1 step per warp", {"linear._STREAM_STEPS_FOR_2": 1}),
     ("block kernel only", {"linear._STREAM_K_MAX": 0}),
+    ("stream kernel copies x by cp.async at every K", {"linear._STREAM_X_COPY_ABOVE": 0}),
+    ("stream kernel stages x from registers at every K", {"linear._STREAM_X_COPY_ABOVE": 1 << 30}),
     ("attention splits by the row-count rule (v12)", {"attention._SPLIT_BLOCKS_PER_SM": 0}),
     ("attention splits dealt at run time, ~1 block per SM", {"attention._SPLIT_BLOCKS_PER_SM": 1}),
     ("attention splits dealt at run time, ~4 blocks per SM", {"attention._SPLIT_BLOCKS_PER_SM": 4}),

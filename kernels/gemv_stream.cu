@@ -79,6 +79,40 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
     }
 }
 
+// The same staging from shared memory: x (and norm_w) were copied to xf (and gf) by cp.async, every byte in flight
+// at once and no register held (the weight tiles hold them): one L2 round trip instead of one per 4096 elements.
+template <int XQ>
+__device__ __forceinline__ void stage_m1_smem(void* xs, const float* xf, const float* gf, int K, float (*ssred)[8]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss = 0.f;
+    for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32) {
+        const int e = e0 + 4 * tid;
+        const bool on = e < K;  // K % 32 == 0: the 8 lanes of a chunk agree
+        const float4 v = on ? *reinterpret_cast<const float4*>(xf + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (gf && on) {
+            g = *reinterpret_cast<const float4*>(gf + e);
+            g.x += 1.f, g.y += 1.f, g.z += 1.f, g.w += 1.f;
+        }
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        const float4 h = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
+        if constexpr (XQ != 0)
+            store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
+        else if (on)
+            *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
+    }
+    if (gf) {
+        const float t = warp_sum(ss);
+        if (lane == 0) ssred[warp][0] = t;
+    }
+}
+
+// K fp32 values global -> shared by cp.async, 16 bytes per thread and step (16-byte aligned, K % 4 == 0)
+__device__ __forceinline__ void copy_f32_async(float* dst, const float* __restrict__ src, int K) {
+    for (int e = 4 * threadIdx.x; e < K; e += 4 * kWarps * 32) cp_async16(smem_addr(dst + e), src + e, true);
+    cp_async_commit();
+}
+
 template <int BITS>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
@@ -88,7 +122,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS>::value;
-    extern __shared__ float4 smem4[];  // [K / 32 chunks]: 36 floats (bf16 weights) or qchunk_bytes(1) bytes
+    // [K / 32 chunks]: 36 floats (bf16 weights) or qchunk_bytes(1) bytes; xvec == 2: then x [K] and norm_w [K]
+    extern __shared__ float4 smem4[];
     __shared__ float ssred[kWarps][8];
     __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
 
@@ -149,11 +184,20 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     };
     if (se - sb >= 1) issue_next(A);
     if (se - sb >= 2) issue_next(B);
-    // Weights are never written by earlier kernels, so their first steps are already in flight; only now wait
-    // for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
+    float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) +
+                                         (K >> 5) * (F::XQ != 0 ? qchunk_bytes(1) : 36 * 4));
+    float* gf = norm_w ? xf + K : nullptr;
+    if (xvec == 2 && gf) copy_f32_async(gf, norm_w, K);
+    // Weights (and norm_w) are never written by earlier kernels, so their first steps are already in flight;
+    // only now wait for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
 
-    if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
+    if (xvec == 2) {
+        copy_f32_async(xf, x, K);
+        cp_async_wait<0>();
+        __syncthreads();
+        stage_m1_smem<F::XQ>(smem4, xf, gf, K, ssred);
+    } else if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
     float inv = 1.f;
@@ -260,12 +304,13 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 
 // The M = 1 stream kernels gemv_{q4,q5,q6,q8,bf16}_s1: the same arguments (ldy, kw_log2 and ks unused), then d,
 // the units per lane and row of one register tile (1..StreamDepth). 2 blocks per SM: 128 registers hold two
-// tiles.
+// tiles. xvec: 0 scalar x loads, 1 float4 loads, 2 cp.async through K (+ K with norm_w) floats of shared memory
+// after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
-        gemv_##name##_s1(NINFER_GEMV_ARGS, int d) {                                                \
+        gemv_##name##_s1(NINFER_GEMV_ARGS, int d) {                                                        \
         gemv_stream_body<BITS>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode, eps,      \
-                               xvec, d);                                                      \
+                               xvec, d);                                                                   \
     }
 
 NINFER_GEMV_S1(q4, 4)

@@ -122,6 +122,7 @@ class DeviceInfo:
     total_memory: int
     l2_bytes: int
     max_smem_per_block_optin: int
+    max_smem_per_sm: int = 0  # shared memory of one SM, shared by its resident blocks (0: unknown)
 
     @property
     def arch(self) -> str:
@@ -269,6 +270,7 @@ class Gpu:
             total_memory=int(_check(d.cuDeviceTotalMem(self.device), "cuDeviceTotalMem")),
             l2_bytes=attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
             max_smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            max_smem_per_sm=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
         )
 
     # --- memory

@@ -86,7 +86,7 @@ def check_close(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 # ------------------------------------------------------------------------------------------------ one case
 
 def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: bool, ldx_pad: int = 0,
-             ldy_pad: int = 0, plan: dict | None = None, what: str = "") -> None:
+             ldy_pad: int = 0, plan: dict | None = None, what: str = "", x_copy: bool | None = None) -> None:
     """Launch one gemv (or, with plan overrides, one forced _launch_gemv) and compare with the oracle, including
     that no byte outside y[:, :N_out] is touched and x's columns past K are never read (they hold NaN)."""
     n, k = w.shape
@@ -107,10 +107,10 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
     else:
         p = linear.plan_gemv(w, M, kernels.gpu.info.sm_count, **plan)
         linear._launch_gemv(kernels, w, p, x=xp, y=yp, ldx=ldx, ldy=ldy, mode=mode, norm_w=nwp, norm_eps=EPS,
-                            row_scale=rsp)
+                            row_scale=rsp, x_copy=x_copy)
     got = dev.get(yp, (M, ldy))
     label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
-             f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}")
+             f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}{f' x_copy={x_copy}' if x_copy is not None else ''}")
     ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out],
                     codes=w.quantized)
     check_close(got[:, :n_out], ref, label)
@@ -186,7 +186,9 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
     staging of x. K = 2080 leaves the last step of each row group ragged. The block counts make every kind of
     warp range: 2 blocks (~25 row groups each: ranges cut groups, both register tiles in turn), 7, 37 (1-2
     groups per block, where a group is cut across several warps) and the default (one group per block here:
-    with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent)."""
+    with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent). Each case with
+    ldx % 4 == 0 runs with x staged from registers and with x (and norm_w) copied into shared memory by cp.async
+    (x_copy, xvec = 2)."""
     ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
     dmax = linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
     for d in sorted({1, dmax}):
@@ -194,8 +196,9 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
                                                    (2, "swiglu", True, False, 4), (37, "swiglu", False, False, 0),
                                                    (37, "store", False, True, 0), (None, "add", True, False, 0)]:
             w, wv = ws["swiglu" if mode == "swiglu" else "store"]
-            run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
-                     ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks})
+            for x_copy in (False, True) if ldx_pad % 4 == 0 else (False,):
+                run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
+                         ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks}, x_copy=x_copy)
 
 
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
@@ -210,12 +213,16 @@ def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
 
 def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
     """The stream kernel on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest K
-    its slab holds (18688), store and add, with the norm."""
-    for shape in ((40, 17408), (12, 18688)):
+    its slab holds (18688), store and add, with and without the norm, at 1 block per SM (the default plan for
+    these N) and 2 (sm_count + 1 blocks), x staged from registers and copied by cp.async (on the H200 the copy
+    fits beside the slab except with the norm at 2 blocks per SM, which then stages from registers)."""
+    for shape in ((544, 17408), (12, 18688)):
         w, wv = dev.weight("q5g64", shape, rng)
-        for mode in ("store", "add"):
-            run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=True, scale=True, what="stream cap",
-                     plan={"stream": True})
+        for mode, norm in (("store", True), ("add", False)):
+            for blocks in (None, kernels.gpu.info.sm_count + 1):
+                for x_copy in (False, True):
+                    run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=True, what="stream cap",
+                             plan={"stream": True, "blocks": blocks}, x_copy=x_copy)
 
 
 # ------------------------------------------------------------------------------------------------ embed
@@ -250,8 +257,14 @@ class FakeKernels:
     """Records launches instead of running them: the argument checks and the chunk loop need no GPU."""
 
     def __init__(self):
-        self.gpu = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+        # the H200's shared memory: 228 KiB per SM, 227 KiB per block
+        self.gpu = SimpleNamespace(info=SimpleNamespace(sm_count=132, max_smem_per_sm=233472,
+                                                        max_smem_per_block_optin=232448))
         self.calls = []
+        self.smem_opt_in = {}
+
+    def opt_in_smem(self, name, nbytes):
+        self.smem_opt_in[name] = max(nbytes, self.smem_opt_in.get(name, 0))
 
     def launch(self, name, grid, block, args, smem=0, stream=None):
         self.calls.append((name, grid, block, [a.value for a in args], smem))
@@ -374,3 +387,21 @@ def test_stream_launch_arguments():
     p = linear.plan_gemv(w, 1, 132)
     assert name == "gemv_q8_s1" == p.name and grid == (p.blocks,) and block == (256,) and smem == p.smem
     assert len(a) == 19 and a[18] == p.d and a[15] == 0 and a[13] == 1 and a[17] == 1
+    assert k.smem_opt_in == {}
+
+
+def test_stream_x_copy_launch():
+    """From K > _STREAM_X_COPY_ABOVE (4096) a stream plan copies x (and norm_w) after its slab (xvec = 2, K floats
+    each, the kernel opted in to the larger shared memory), where that fits beside the plan's blocks per SM."""
+    assert linear._STREAM_X_COPY_ABOVE == 4096
+    k = FakeKernels()
+    short, long = DeviceWeight("w", "q8g32", (9216, 2048), 1 << 20), DeviceWeight("d", "q5g64", (5120, 17408), 1 << 20)
+    linear.gemv(k, short, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
+    linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, mode="add")
+    linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
+    (_, _, _, a0, s0), (n1, _, _, a1, s1), (_, _, _, a2, s2) = k.calls
+    p0, p1 = linear.plan_gemv(short, 1, 132), linear.plan_gemv(long, 1, 132)
+    assert a0[17] == 1 and s0 == p0.smem  # K <= 4096: registers
+    assert p1.blocks == 264 and a1[17] == 2 and s1 == p1.smem + 4 * 17408  # 43.5 + 68 KB, twice per SM
+    assert k.smem_opt_in == {n1: s1}
+    assert a2[17] == 1 and s2 == p1.smem  # with norm_w: 43.5 + 136 KB does not fit twice per SM
