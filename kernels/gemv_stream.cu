@@ -36,6 +36,24 @@ struct Tile {
     Unit u[DM][kRows];
 };
 
+// x̂ elements e..e+3 = v · g into the slab xs (int16 chunk records by XQ, or fp32 chunks); ss += Σ v². on: e < K
+// (K % 32 == 0: the 8 lanes of a chunk agree).
+template <int XQ>
+__device__ __forceinline__ void code_x4(void* xs, int e, bool on, float4 v, float4 g, float& ss) {
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    const float4 h = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
+    if constexpr (XQ != 0)
+        store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
+    else if (on)
+        *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
+}
+
+// ssred[warp][0] = the warp's Σ x² (the norm's partials)
+__device__ __forceinline__ void store_ss(float ss, float (*ssred)[8], int lane, int warp) {
+    const float t = warp_sum(ss);
+    if (lane == 0) ssred[warp][0] = t;
+}
+
 // Stage x̂ = x (· (1 + norm_w)) of one row, all K, as gemv_body's float4 staging does (fp32 chunks or int16
 // chunk records by XQ), but with every load of up to 4096 elements in flight together; ssred[warp][0] = the
 // warp's Σ x² (norm only).
@@ -64,19 +82,10 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
 #pragma unroll
         for (int j = 0; j < XB; ++j) {
             const int e = e0 + 4 * (tid + kWarps * 32 * j);
-            const bool on = e < K;  // K % 32 == 0: the 8 lanes of a chunk agree
-            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-            const float4 h = make_float4(v[j].x * g[j].x, v[j].y * g[j].y, v[j].z * g[j].z, v[j].w * g[j].w);
-            if constexpr (XQ != 0)
-                store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
-            else if (on)
-                *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
+            code_x4<XQ>(xs, e, e < K, v[j], g[j], ss);
         }
     }
-    if (norm_w) {
-        const float t = warp_sum(ss);
-        if (lane == 0) ssred[warp][0] = t;
-    }
+    if (norm_w) store_ss(ss, ssred, lane, warp);
 }
 
 // The same staging from shared memory: x (and norm_w) were copied to xf (and gf) by cp.async, every byte in flight
@@ -87,24 +96,16 @@ __device__ __forceinline__ void stage_m1_smem(void* xs, const float* xf, const f
     float ss = 0.f;
     for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32) {
         const int e = e0 + 4 * tid;
-        const bool on = e < K;  // K % 32 == 0: the 8 lanes of a chunk agree
+        const bool on = e < K;
         const float4 v = on ? *reinterpret_cast<const float4*>(xf + e) : make_float4(0.f, 0.f, 0.f, 0.f);
         float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
         if (gf && on) {
             g = *reinterpret_cast<const float4*>(gf + e);
             g.x += 1.f, g.y += 1.f, g.z += 1.f, g.w += 1.f;
         }
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        const float4 h = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
-        if constexpr (XQ != 0)
-            store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
-        else if (on)
-            *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
+        code_x4<XQ>(xs, e, on, v, g, ss);
     }
-    if (gf) {
-        const float t = warp_sum(ss);
-        if (lane == 0) ssred[warp][0] = t;
-    }
+    if (gf) store_ss(ss, ssred, lane, warp);
 }
 
 // K fp32 values global -> shared by cp.async, 16 bytes per thread and step (16-byte aligned, K % 4 == 0)
