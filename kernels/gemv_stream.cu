@@ -284,6 +284,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         if (left >= 2) issue_next(B);
     }
 
+    // the old y of the cut group this warp writes (no other warp writes those rows), loaded before the barrier so
+    // that its L2 round trip overlaps the wait for the slower warps
+    const float yv_own = own >= 0 ? old_y(g0 + own) : 0.f;
     __syncthreads();  // every warp's partials are in part
     if (own >= 0) {
         // the warps sharing the group: this one (the group is its last) and the next ones whose ranges begin
@@ -297,7 +300,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             a += part[w][0][lane & 3];
             b += part[w][0][(lane & 1) + 2];
         }
-        write(g0 + own, a, b, old_y(g0 + own));
+        write(g0 + own, a, b, yv_own);
     }
 }
 
