@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
+from gpu_common import open_gpu, patched, step_rows_out, synthetic_model, time_fresh_step  # noqa: E402
 
 from ninfer_rt.gpu import attention, deltanet, misc, moe  # noqa: E402
 
@@ -46,6 +46,10 @@ VARIANTS = [
 ]
 
 
+def _launch_nothing(*args, **kwargs) -> None:
+    """Stands in for a left-out launch wrapper."""
+
+
 def _skip_linear(model, names: list[str]):
     """model._linear that launches nothing for weights whose name contains one of `names`."""
     orig = type(model)._linear
@@ -66,7 +70,6 @@ def main() -> None:
     args = ap.parse_args()
 
     gpu, k, console = open_gpu("decode_breakdown")
-    from ninfer_rt.gpu.bench import _time_decode
     from ninfer_rt.gpu.engine import context_bucket
 
     rows = []
@@ -76,18 +79,11 @@ def main() -> None:
             for label, names, funcs, requires in [("full step", [], [], "")] + VARIANTS:
                 if requires not in tensor_names:
                     continue  # nothing of this kind in this model
-                saved = {f: getattr(MODULES[f.split(".")[0]], f.split(".")[1]) for f in funcs}
-                for f in funcs:
-                    setattr(MODULES[f.split(".")[0]], f.split(".")[1], lambda *a, **kw: None)
                 model._linear = _skip_linear(model, names)
                 try:
-                    for g in model.graphs.values():
-                        g.destroy()
-                    model.graphs.clear()
-                    s = min(_time_decode(model, args.context) for _ in range(3))
+                    with patched(MODULES, {f: _launch_nothing for f in funcs}):
+                        s = time_fresh_step(model, args.context)
                 finally:
-                    for f, fn in saved.items():
-                        setattr(MODULES[f.split(".")[0]], f.split(".")[1], fn)
                     del model._linear
                 rows.append({"model": name, "left_out": label, "context": args.context, "ms": 1e3 * s})
                 console.print(f"{name} @{args.context} without {label}: {1e3 * s:.3f} ms/step", highlight=False)

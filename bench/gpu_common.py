@@ -1,6 +1,7 @@
 """What every GPU micro-benchmark shares: the context, the built kernels, a console and a header line (open_gpu),
 timing direct launches (eager_ms, from ninfer_rt.gpu.bench) and a captured CUDA graph's replays (replay_ms); for
-the decode-step benches, a synthetic model (synthetic_model) and their table and JSON (step_rows_out)."""
+the decode-step benches, a synthetic model (synthetic_model), module attributes set for a while (patched), one step
+timed on a fresh graph (time_fresh_step) and their table and JSON (step_rows_out)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,35 @@ def synthetic_model(gpu, k, name: str, max_ctx: int):
     finally:
         model.free()
         weights.free(gpu)
+
+
+@contextmanager
+def patched(modules: dict, settings: dict):
+    """Set module attributes named "module.attr" (module looked up in `modules`) to the values in `settings` for
+    the with-block; the old values are back afterwards, also when the body raises."""
+    def target(key: str):
+        module, attr = key.split(".")
+        return modules[module], attr
+
+    saved = {key: getattr(*target(key)) for key in settings}
+    try:
+        for key, value in settings.items():
+            setattr(*target(key), value)
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(*target(key), value)
+
+
+def time_fresh_step(model, ctx: int) -> float:
+    """Seconds per decode step at context ctx on a freshly captured graph (planner constants and left-out launches
+    only act at capture): the model's graphs destroyed, then the best of 3 medians of ninfer-rt bench's timer."""
+    from ninfer_rt.gpu.bench import _time_decode
+
+    for g in model.graphs.values():
+        g.destroy()
+    model.graphs.clear()
+    return min(_time_decode(model, ctx) for _ in range(3))
 
 
 def step_rows_out(console, gpu, title: str, columns: list[tuple[str, bool]], cells, rows: list[dict],

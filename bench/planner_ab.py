@@ -19,15 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
+from gpu_common import open_gpu, patched, step_rows_out, synthetic_model, time_fresh_step  # noqa: E402
 
 from ninfer_rt.gpu import attention, deltanet, linear  # noqa: E402
 
 MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet}
-KNOBS = ("linear._STREAM_BLOCK_ROWS", "linear._STREAM_K_MAX", "linear._STREAM_BLOCKS_PER_SM",
-         "linear._STREAM_X_COPY_ABOVE",
-         "linear._STREAM_STEPS_FOR_2", "attention._SPLIT_BLOCKS_PER_SM", "attention._SPLIT_LONG_KEYS",
-         "deltanet.STEP_CLUSTER")
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),
@@ -47,11 +43,6 @@ VARIANTS = [
 ]
 
 
-def _set(knob: str, value) -> None:
-    module, name = knob.split(".")
-    setattr(MODULES[module], name, value)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", nargs="+", default=["qwen3.6-35b-a3b", "qwen3.6-27b"],
@@ -65,28 +56,18 @@ def main() -> None:
                 if not args.only or not over or any(t in label for t in args.only)]
 
     gpu, k, console = open_gpu("planner_ab")
-    from ninfer_rt.gpu.bench import _time_decode
     from ninfer_rt.gpu.engine import context_bucket
 
-    saved = {knob: getattr(MODULES[knob.split(".")[0]], knob.split(".")[1]) for knob in KNOBS}
     rows = []
     for name in args.model:
         with synthetic_model(gpu, k, name, context_bucket(max(args.context) + 1)) as model:
-            try:
-                for ctx in args.context:
-                    for label, over in variants:
-                        for key, value in {**saved, **over}.items():
-                            _set(key, value)
-                        for g in model.graphs.values():
-                            g.destroy()
-                        model.graphs.clear()
-                        s = min(_time_decode(model, ctx) for _ in range(3))
-                        rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
-                                     "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
-                        console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
-            finally:
-                for key, value in saved.items():
-                    _set(key, value)
+            for ctx in args.context:
+                for label, over in variants:
+                    with patched(MODULES, over):
+                        s = time_fresh_step(model, ctx)
+                    rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
+                                 "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
+                    console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
 
     def cells(r):
         base = next(b for b in rows if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))

@@ -1,7 +1,8 @@
 """bench/gpu_common.replay_ms (the graph-replay timer every GPU micro-benchmark uses) and ninfer-rt bench's decode
 timer, on a scripted fake GPU:
 what it captures, how many replays it runs untimed and timed, what it divides by, and that the graph is freed.
-Oracle: a fake clock that advances a known time per replay."""
+Oracle: a fake clock that advances a known time per replay. Then the decode-step benches' other helpers in
+gpu_common (table and JSON, synthetic model, patched planner constants, a step timed on a fresh graph) on fakes."""
 
 from __future__ import annotations
 
@@ -162,3 +163,44 @@ def test_synthetic_model_frees_its_buffers_and_weights_even_on_error(monkeypatch
             raise RuntimeError("inside")
     assert log == [("model", "spec of qwen3.6-27b", {"slots": 1, "max_ctx": 4096, "kv_dtype": "int8"}),
                    "model freed", "weights freed"]
+
+
+def test_patched_sets_module_attributes_and_restores_them_even_on_error():
+    """patched sets "module.attr" names for the with-block and puts the old values back, also after a raise."""
+    from types import SimpleNamespace
+
+    from gpu_common import patched
+    mod = SimpleNamespace(A=1, B="b")
+    with patched({"m": mod}, {"m.A": 5}):
+        assert (mod.A, mod.B) == (5, "b")
+    assert (mod.A, mod.B) == (1, "b")
+    with pytest.raises(RuntimeError):
+        with patched({"m": mod}, {"m.A": 7, "m.B": None}):
+            assert (mod.A, mod.B) == (7, None)
+            raise RuntimeError("inside")
+    assert (mod.A, mod.B) == (1, "b")
+
+
+def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
+    """time_fresh_step destroys and forgets the model's graphs first (so the next decode recaptures), then returns
+    the least of three runs of ninfer-rt bench's decode timer at that context."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import bench
+
+    from gpu_common import time_fresh_step
+    log, times = [], iter([3.0, 1.0, 2.0])
+
+    class Graph:
+        def destroy(self):
+            log.append("destroy")
+
+    model = SimpleNamespace(graphs={"a": Graph(), "b": Graph()})
+
+    def fake_time_decode(m, ctx):
+        log.append(("time", ctx, len(m.graphs)))
+        return next(times)
+
+    monkeypatch.setattr(bench, "_time_decode", fake_time_decode)
+    assert time_fresh_step(model, 8192) == 1.0
+    assert log == ["destroy", "destroy"] + [("time", 8192, 0)] * 3
