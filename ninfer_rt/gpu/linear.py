@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ninfer_rt.formats import round_up
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
 from ninfer_rt.gpu.weights import DeviceWeight
 
@@ -126,7 +127,9 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         if k > ks_max:
             want = math.ceil(k / math.ceil(k / ks_max))  # equal slabs
             sweep = 32 * eu  # elements one warp covers per step
-            ks = _round_up(want, sweep) if _round_up(want, sweep) <= ks_max else _round_up(want, 256)
+            ks = round_up(want, sweep)
+            if ks > ks_max:
+                ks = round_up(want, 256)
     elif ks % 32 or not 32 <= ks <= ks_max:
         raise GpuError(f"gemv slab length must be a multiple of 32 in [32, {ks_max}] at M = {m}, got {ks}")
     ks = min(ks, k)
@@ -142,10 +145,6 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         raise GpuError(f"gemv kw_log2 must be 0..3, got {kw_log2}")
     return GemvPlan(name=f"gemv_{prefix}_m{m}", grid=math.ceil(groups * (1 << kw_log2) / _WARPS), kw_log2=kw_log2,
                     ks=ks, smem=(ks // 32) * cs4, gshift=int(math.log2(w.group)) if w.quantized else 5)
-
-
-def _round_up(a: int, b: int) -> int:
-    return (a + b - 1) // b * b
 
 
 def _stream_k_cap(w: DeviceWeight) -> int:

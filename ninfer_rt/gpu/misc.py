@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer_rt.formats import round_up
 from ninfer_rt.gpu.driver import GpuError, f32, i32, i64, ptr
 
 SAMPLE_MAX_CANDIDATES = 1024
@@ -34,10 +35,6 @@ SAMPLE_PARAMS = np.dtype({
     "offsets": [0, 4, 8, 12, 16, 24],
     "itemsize": 32,
 })
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 def _need(cond: bool, what: str) -> None:
@@ -65,7 +62,7 @@ def _row_strides(name: str, M: int, D: int, ldx: int | None, ldy: int | None) ->
 def _row_block(D: int) -> int:
     """Threads of a row-wise block (kernels/norm.cu, one block per row): one float4 of the row each, in whole
     warps, at most 1024."""
-    return min(1024, _round_up((D + 3) // 4, 32))
+    return min(1024, round_up((D + 3) // 4, 32))
 
 
 def rms_norm(k, *, x: int, y: int, M: int, D: int, w: int, eps: float,
@@ -110,7 +107,7 @@ def argmax_scratch_bytes(M: int) -> int:
 def _argmax_split(V: int) -> tuple[int, int]:
     """(chunk, nsplit): row slices of `chunk` entries (a multiple of 4), at most ARGMAX_MAX_SPLIT of them."""
     nsplit = min(ARGMAX_MAX_SPLIT, -(-V // _ARGMAX_CHUNK))
-    chunk = _round_up(-(-V // nsplit), 4)
+    chunk = round_up(-(-V // nsplit), 4)
     return chunk, -(-V // chunk)
 
 
@@ -131,7 +128,7 @@ def argmax(k, *, logits: int, ld: int, M: int, V: int, out: int, scratch: int = 
         chunk, nsplit = V, 1
     part_v = scratch
     part_i = scratch + M * ARGMAX_MAX_SPLIT * 4 if scratch else 0
-    block = 256 if nsplit > 1 else min(1024, _round_up((V + 3) // 4, 32))
+    block = 256 if nsplit > 1 else min(1024, round_up((V + 3) // 4, 32))
     k.launch("argmax_rows", (nsplit, M), block,
              [ptr(logits), i64(ld), i32(V), i32(chunk), ptr(part_v), ptr(part_i), ptr(out)], 0, stream)
     if nsplit > 1:
@@ -166,7 +163,7 @@ def sample_scratch_bytes(M: int, V: int) -> int:
     """Bytes of device scratch `sample` / `sample_probs` need for M rows of V logits: per row a 2048-bin histogram,
     then sample_compact's segment counts and (key, index) slots for every entry of the row, 8-byte aligned."""
     nseg = _segments(V)
-    return max(1, M) * (_HIST_BINS * 4 + _round_up(nseg * 4, 8) + nseg * _HIST_CHUNK * 8)
+    return max(1, M) * (_HIST_BINS * 4 + round_up(nseg * 4, 8) + nseg * _HIST_CHUNK * 8)
 
 
 def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scratch: int,
@@ -179,7 +176,7 @@ def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scr
         return
     hist = scratch
     counts = hist + M * _HIST_BINS * 4
-    entries = counts + _round_up(M * nseg * 4, 8)
+    entries = counts + round_up(M * nseg * 4, 8)
     k.gpu.memset(hist, 0, M * _HIST_BINS * 4, stream)  # sample_hist accumulates into it
     k.launch("sample_hist", (nseg, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(hist)], 0, stream)
     k.launch("sample_compact", (nseg, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(params),
