@@ -153,3 +153,45 @@ __device__ __forceinline__ void ninfer_pdl_begin() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// In-graph timeline, only in builds with -DNINFER_TIMELINE (bench/decode_timeline.py; never the runtime's build).
+// ninfer_pdl_begin() then also declares a stamp: lane 0 of every warp records its grid, block, SM, the call's
+// source line, and the global time at the call, after the wait, and at its exit, into this image's per-SM ring.
+#ifdef NINFER_TIMELINE
+#define NINFER_TL_SMS 256      // SM ids covered
+#define NINFER_TL_PER_SM 8192  // records per SM and image
+struct NinferTlRecord {
+    unsigned long long grid, pre, post, exit;
+    unsigned int block, warp, smid, line;
+};
+__device__ unsigned int ninfer_tl_count[NINFER_TL_SMS];
+__device__ NinferTlRecord ninfer_tl[NINFER_TL_SMS * NINFER_TL_PER_SM];
+
+__device__ __forceinline__ unsigned long long ninfer_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+struct NinferStamp {
+    unsigned long long pre, post;
+    unsigned int line;
+    __device__ explicit NinferStamp(unsigned int l) : pre(ninfer_clock()), post(0), line(l) {}
+    __device__ ~NinferStamp() {  // at the kernel's exit: the stamp lives in the kernel body's scope
+        if (threadIdx.x & 31) return;
+        NinferTlRecord r;
+        r.exit = ninfer_clock();
+        r.pre = pre, r.post = post, r.line = line, r.warp = threadIdx.x >> 5;
+        r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(r.grid));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(r.smid));
+        const unsigned int sm = r.smid % NINFER_TL_SMS, i = atomicAdd(&ninfer_tl_count[sm], 1u);
+        if (i < NINFER_TL_PER_SM) ninfer_tl[sm * NINFER_TL_PER_SM + i] = r;
+    }
+};
+// (ninfer_pdl_begin) in parentheses calls the function above, not this macro
+#define ninfer_pdl_begin() \
+    NinferStamp ninfer_stamp_(__LINE__); \
+    (ninfer_pdl_begin)(); \
+    ninfer_stamp_.post = ninfer_clock()
+#endif

@@ -1,6 +1,6 @@
-"""The GPU runtime's host side, on any machine: kernel builds for every target, launch-argument packing,
-the numpy RoPE twin, synthetic weight tables, which sampling settings the device draws, and one-line errors
-without a GPU."""
+"""The GPU runtime's host side, on any machine: kernel builds for every target (and the instrumented timeline
+build), launch-argument packing, the numpy RoPE twin, synthetic weight tables, which sampling settings the device
+draws, and one-line errors without a GPU."""
 
 from __future__ import annotations
 
@@ -475,3 +475,48 @@ def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
         if wg:
             assert maps[-1] == (dn.planes()[0], dict(dtype="u8", inner=256, rows=256 * 2048, row_bytes=256,
                                                      box_inner=32, box_rows=256))
+
+
+# ------------------------------------------------------------------------------------------ instrumented builds
+
+def test_defines_reach_the_compiler_and_the_cache_key(tmp_path, monkeypatch):
+    """build_kernels(defines=...) passes -D to every nvcc command and builds into another cache entry; without
+    defines the key is the one it always was (the runtime's cache stays valid)."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import build
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        return SimpleNamespace(returncode=0, stdout="Cuda compilation tools, release 0.0\n", stderr="")
+
+    monkeypatch.setattr(build, "nvcc_path", lambda: "/fake/nvcc")
+    monkeypatch.setattr(build.subprocess, "run", run)
+    plain = build.build_kernels(("sm_90a",), cache=tmp_path)
+    stamped = build.build_kernels(("sm_90a",), cache=tmp_path, defines=("NINFER_TIMELINE",))
+    n = len(build.sources())
+    compiles = [c for c in cmds if "-fatbin" in c]
+    assert len(compiles) == 2 * n and plain.directory != stamped.directory
+    assert not any("-DNINFER_TIMELINE" in c for c in compiles[:n])
+    assert all("-DNINFER_TIMELINE" in c for c in compiles[n:])
+    srcs = build.sources()
+    assert build.cache_key(srcs, ("sm_90a",), "nvcc x") == build.cache_key(srcs, ("sm_90a",), "nvcc x", ())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_timeline_build_keeps_every_entry_point(tmp_path):
+    """kernels/common.cuh's NINFER_TIMELINE stamps compile into a kernel file (norm.cu, a small one) with the
+    same entry points, plus the stamp ring bench/decode_timeline.py reads."""
+    import subprocess
+
+    from ninfer_rt.gpu.build import NVCC_FLAGS, kernels_dir
+    src = kernels_dir() / "norm.cu"
+    images = {}
+    for tag, extra in (("plain", []), ("stamped", ["-DNINFER_TIMELINE"])):
+        out = tmp_path / f"{tag}.cubin"
+        subprocess.run([shutil.which("nvcc"), "-cubin", "-arch=sm_90a", *NVCC_FLAGS, *extra, "-I", str(src.parent),
+                        "-o", str(out), str(src)], check=True, capture_output=True)
+        images[tag] = out.read_bytes()
+    assert elf_global_functions(images["stamped"]) == elf_global_functions(images["plain"])
+    assert b"ninfer_tl_count" in images["stamped"] and b"ninfer_tl_count" not in images["plain"]

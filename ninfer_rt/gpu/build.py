@@ -73,12 +73,14 @@ def _compiler_id(nvcc: str | None) -> str:
     return "nvrtc"
 
 
-def cache_key(srcs: list[Path], targets: tuple[str, ...], compiler: str) -> str:
+def cache_key(srcs: list[Path], targets: tuple[str, ...], compiler: str, defines: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     root = srcs[0].parent
     for p in sorted(list(root.glob("*.cu")) + list(root.glob("*.cuh"))):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(("|".join(targets) + "|" + compiler + "|" + " ".join(NVCC_FLAGS)).encode())
+    if defines:  # the default build's key stays what it was
+        h.update(("|-D" + " -D".join(defines)).encode())
     return h.hexdigest()[:16]
 
 
@@ -91,8 +93,8 @@ class BuildResult:
     cached: bool
 
 
-def _nvcc_one(nvcc: str, src: Path, out: Path, targets: tuple[str, ...], ptx: bool) -> None:
-    cmd = [nvcc, "-fatbin", *NVCC_FLAGS, *(_gencode(t) for t in targets)]
+def _nvcc_one(nvcc: str, src: Path, out: Path, targets: tuple[str, ...], ptx: bool, defines=()) -> None:
+    cmd = [nvcc, "-fatbin", *NVCC_FLAGS, *(f"-D{d}" for d in defines), *(_gencode(t) for t in targets)]
     if ptx:
         cmd.append(f"-gencode=arch={PTX_TARGET},code={PTX_TARGET}")
     cmd += ["-I", str(src.parent), "-o", str(out), str(src)]
@@ -119,7 +121,7 @@ def cuda_include_dir() -> Path | None:
     return next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
 
 
-def _nvrtc_one(src: Path, out: Path, target: str) -> None:
+def _nvrtc_one(src: Path, out: Path, target: str, defines=()) -> None:
     try:
         from cuda.bindings import nvrtc
     except ImportError:
@@ -143,7 +145,8 @@ def _nvrtc_one(src: Path, out: Path, target: str) -> None:
         raise GpuError(f"NVRTC is not usable ({str(e).splitlines()[0][:160]}): pip install 'ninfer[gpu]' "
                        "(nvidia-cuda-nvrtc) or put nvcc on PATH") from None
     opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"--use_fast_math",
-            f"-I{src.parent}".encode(), f"-I{include}".encode(), b"-default-device"]
+            f"-I{src.parent}".encode(), f"-I{include}".encode(), b"-default-device",
+            *(f"-D{d}".encode() for d in defines)]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
@@ -158,11 +161,13 @@ def _nvrtc_one(src: Path, out: Path, target: str) -> None:
 
 
 def build_kernels(targets=TARGETS, *, cache: Path | None = None, force: bool = False,
-                  use_nvcc: bool | None = None, jobs: int = 1, progress=None) -> BuildResult:
+                  use_nvcc: bool | None = None, jobs: int = 1, progress=None, defines=()) -> BuildResult:
     """Compile every kernels/*.cu for `targets` into the cache (or reuse a matching earlier build).
 
     use_nvcc None picks nvcc when it is on PATH, else NVRTC (one target only). progress(name) is called
-    before each source. Files appear atomically: a build goes to a temporary folder renamed into place.
+    before each source. defines: preprocessor macros (NAME or NAME=VALUE) for instrumented builds such as
+    NINFER_TIMELINE; they are part of the cache key. Files appear atomically: a build goes to a temporary folder
+    renamed into place.
     """
     targets = check_targets(targets)
     nvcc = nvcc_path() if use_nvcc in (None, True) else None
@@ -172,7 +177,8 @@ def build_kernels(targets=TARGETS, *, cache: Path | None = None, force: bool = F
         raise GpuError("NVRTC builds one target at a time: pass the GPU's target (e.g. --arch sm_90a)")
     srcs = sources()
     compiler = _compiler_id(nvcc)
-    key = cache_key(srcs, targets, compiler)
+    defines = tuple(defines)
+    key = cache_key(srcs, targets, compiler, defines)
     directory = (cache or cache_root()) / key
     images = {s.stem: directory / (s.stem + (".fatbin" if nvcc else ".cubin")) for s in srcs}
     if not force and all(p.is_file() for p in images.values()):
@@ -185,9 +191,9 @@ def build_kernels(targets=TARGETS, *, cache: Path | None = None, force: bool = F
                 progress(src.name)
             out = tmp / images[src.stem].name
             if nvcc:
-                _nvcc_one(nvcc, src, out, targets, ptx=True)
+                _nvcc_one(nvcc, src, out, targets, ptx=True, defines=defines)
             else:
-                _nvrtc_one(src, out, targets[0])
+                _nvrtc_one(src, out, targets[0], defines)
 
         if jobs > 1:  # nvcc processes, or NVRTC programs (thread-safe, one per source)
             from concurrent.futures import ThreadPoolExecutor

@@ -175,6 +175,12 @@ class Module:
             self._functions[name] = fn
         return fn
 
+    def global_address(self, name: str) -> tuple[int, int]:
+        """(device address, bytes) of the image's __device__ variable `name`."""
+        dptr, nbytes = _check(_driver().cuModuleGetGlobal(self.handle, name.encode()),
+                              f"cuModuleGetGlobal({self.name}:{name})")
+        return int(dptr), int(nbytes)
+
 
 class Graph:
     """An instantiated CUDA graph: replay with launch()."""
@@ -336,6 +342,13 @@ class Gpu:
         d = _driver()
         attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(d.cuFuncSetAttribute(fn, attr, int(nbytes)), "cuFuncSetAttribute")
+
+    def set_smem_carveout(self, fn, percent: int) -> None:
+        """Prefer `percent` of the SM's unified L1 / shared memory as shared memory for fn (-1: the driver's
+        choice). An SM runs one split at a time, so it can switch only when no block is resident."""
+        d = _driver()
+        attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        _check(d.cuFuncSetAttribute(fn, attr, int(percent)), "cuFuncSetAttribute(carveout)")
 
     def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None, cluster=None) -> None:
         """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream.
