@@ -1,0 +1,57 @@
+"""bench/decode_timeline.py's host side on hand-made stamps: how a launch's warps become its row (release, gap,
+work, tail, late blocks), how grids are matched to the launches the engine enqueued, and the labels. Oracle: the
+numbers worked out by hand from the stamps below (integer nanoseconds, so the µs values are exact decimals)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from decode_timeline import RECORD, _block_stats, _family, _launch_rows  # noqa: E402
+
+
+def stamps(rows) -> np.ndarray:
+    """Records from (grid, block, warp, pre, post, exit) tuples, in ns."""
+    r = np.zeros(len(rows), RECORD)
+    for i, (grid, block, warp, pre, post, exit_) in enumerate(rows):
+        r[i] = (grid, pre, post, exit_, block, warp, 0, 0)
+    return r
+
+
+def test_block_stats_separate_late_blocks_and_their_lag():
+    # block 0 waits from 0, released at 1000, its warps exit at 5000 and 5400; block 1 enters at 3000 (late: more
+    # than 500 ns after the release) and exits at 9000
+    r = stamps([(7, 0, 0, 0, 1000, 5000), (7, 0, 1, 100, 1000, 5400), (7, 1, 0, 3000, 3000, 9000)])
+    s = _block_stats(r)
+    assert s["late_blocks"] == 0.5 and s["last_out_was_late"]
+    assert s["exit_max"] == 8.0 and s["exit_p50"] == 6.2  # (5400 + 9000) / 2 - 1000 ns
+    assert s["late_exit_lag"] == pytest.approx(3.6)  # 9000 - 5400
+    assert s["warp_spread"] == pytest.approx(0.2)  # block 0: 400 ns, block 1: 0
+
+
+def test_launch_rows_match_grids_in_order_per_image_and_chain_the_gaps():
+    a = stamps([(5, 0, 0, 0, 500, 2000), (5, 1, 0, 0, 600, 2500),     # launch 0, image a
+                (9, 0, 0, 4000, 4000, 6000)])                          # launch 2, image a (later grid id)
+    b = stamps([(7, 0, 0, 2000, 3000, 3500), (7, 0, 1, 2100, 3000, 3600)])  # launch 1, image b
+    rows = _launch_rows([("gemv_q8_s1 w1", "a", "main"), ("moe_down_t1_q5g64", "b", "main"),
+                         ("gemv_q6_s1 w2", "a", "main")], {"a": a, "b": b})
+    assert [r["kernel"] for r in rows] == ["gemv_q8_s1 w1", "moe_down_t1_q5g64", "gemv_q6_s1 w2"]
+    assert [r["blocks"] for r in rows] == [2, 1, 1] and [r["warps"] for r in rows] == [2, 2, 1]
+    assert [r["release"] for r in rows] == [0.5, 3.0, 4.0]  # µs from the first stamp
+    assert [r["gap"] for r in rows] == [0.0, pytest.approx(0.5), pytest.approx(0.4)]  # release - previous last exit
+    assert [r["work"] for r in rows] == [2.0, pytest.approx(0.6), 2.0]
+
+
+def test_a_launch_without_stamps_stops_the_match():
+    with pytest.raises(SystemExit, match="no stamps"):
+        _launch_rows([("k", "a", "main"), ("k", "a", "main")], {"a": stamps([(5, 0, 0, 0, 1, 2)])})
+
+
+def test_family_drops_the_format_and_keeps_the_weight():
+    assert _family("gemv_q6_s1 mlp.down_proj.weight") == "gemv_*_s1 mlp.down_proj.weight"
+    assert _family("moe_gate_up_routed_t2_q4g64") == "moe_gate_up_routed_t2_*"
+    assert _family("attn_decode_fast_int8_d256") == "attn_decode_fast_int8_d256"
