@@ -248,7 +248,7 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
                             launches.append((fn, grid, block, cluster)),
                             set_max_dynamic_smem=lambda fn, nbytes: None)
     k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
-    k.modules, k._fns, k._smem = [Module()], {}, {}
+    k.modules, k._fns, k._smem, k._carveout = [Module()], {}, {}, {}
     return k
 
 
@@ -520,3 +520,22 @@ def test_the_timeline_build_keeps_every_entry_point(tmp_path):
         images[tag] = out.read_bytes()
     assert elf_global_functions(images["stamped"]) == elf_global_functions(images["plain"])
     assert b"ninfer_tl_count" in images["stamped"] and b"ninfer_tl_count" not in images["plain"]
+
+
+def test_a_carveout_preference_is_set_once_per_change(monkeypatch):
+    """kernels.SMEM_CARVEOUT reaches each entry point through one attribute call when it changes (None: -1, the
+    driver's choice, which needs no call on an entry point never given another)."""
+    from ninfer_rt.gpu import kernels
+    k = fake_kernels(9, 0)
+    calls = []
+    k.gpu.set_smem_carveout = lambda fn, percent: calls.append((fn, percent))
+    k.launch("a", 1, 32, [])
+    assert calls == []
+    monkeypatch.setattr(kernels, "SMEM_CARVEOUT", 100)
+    k.launch("a", 1, 32, [])
+    k.launch("a", 1, 32, [])
+    k.launch("b", 1, 32, [])
+    monkeypatch.setattr(kernels, "SMEM_CARVEOUT", None)
+    k.launch("a", 1, 32, [])
+    k.launch("a", 1, 32, [])
+    assert calls == [("a", 100), ("b", 100), ("a", -1)] and len(k.gpu.launches) == 6

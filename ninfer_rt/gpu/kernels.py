@@ -6,6 +6,11 @@ from ninfer_rt.gpu.build import TARGETS, BuildResult, build_kernels
 from ninfer_rt.gpu.driver import Gpu, GpuError
 
 
+# Shared-memory carveout every launch prefers, in percent of the SM's unified L1 / shared memory (None: the
+# driver's choice per kernel). Read at each launch (the decode graph's capture).
+SMEM_CARVEOUT: int | None = None
+
+
 class Kernels:
     """Every kernels/*.cu image loaded on `gpu`; `k.fn(name)` returns the CUfunction, `k.launch(...)` runs it."""
 
@@ -18,6 +23,7 @@ class Kernels:
         self.modules = [gpu.load_module(p.read_bytes(), stem) for stem, p in sorted(build.images.items())]
         self._fns: dict[str, object] = {}
         self._smem: dict[str, int] = {}  # dynamic shared memory each entry point is opted in to
+        self._carveout: dict[str, int] = {}  # the carveout preference each entry point was given (-1: none)
 
     def fn(self, name: str):
         f = self._fns.get(name)
@@ -50,4 +56,8 @@ class Kernels:
 
     def launch(self, name: str, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
         """Launch entry point `name` (Gpu.launch: cluster gives thread-block cluster dimensions, sm_90+)."""
+        want = -1 if SMEM_CARVEOUT is None else SMEM_CARVEOUT
+        if self._carveout.get(name, -1) != want:
+            self.gpu.set_smem_carveout(self.fn(name), want)
+            self._carveout[name] = want
         self.gpu.launch(self.fn(name), grid, block, args, smem, stream, cluster)
