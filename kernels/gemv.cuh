@@ -110,6 +110,12 @@ struct ReduceScatter<1, 0> {
     static __device__ __forceinline__ void run(float (&)[32], int) {}
 };
 
+// The zero-centred norm's gain 1 + w of 4 consecutive elements (the staging multiplies x by it).
+__device__ __forceinline__ float4 norm_gain4(float4 w) {
+    w.x += 1.f, w.y += 1.f, w.z += 1.f, w.w += 1.f;
+    return w;
+}
+
 // Stage rows [M0, M0 + MB) of x̂ slab [k0, k0 + kn) into xs; ss[m] += Σ x² of the elements this thread staged.
 // XQ 0 (bf16 weights): fp32 chunks of chunk_stride(M) floats; XQ 1 / 2 (quantized weights): int16 chunk
 // records of qchunk_bytes(M) (store_codes4). Loop bounds are warp-uniform (shuffles inside).
@@ -132,10 +138,7 @@ __device__ __forceinline__ void stage_rows(void* xs, const float* __restrict__ x
                 v[m] = on ? __ldg(reinterpret_cast<const float4*>(x + (long long)(M0 + m) * ldx + k0 + e))
                           : make_float4(0.f, 0.f, 0.f, 0.f);
             float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
-            if (norm_w && on) {
-                g = __ldg(reinterpret_cast<const float4*>(norm_w + k0 + e));
-                g.x += 1.f, g.y += 1.f, g.z += 1.f, g.w += 1.f;
-            }
+            if (norm_w && on) g = norm_gain4(__ldg(reinterpret_cast<const float4*>(norm_w + k0 + e)));
 #pragma unroll
             for (int m = 0; m < MB; ++m) {
                 ss[M0 + m] += v[m].x * v[m].x + v[m].y * v[m].y + v[m].z * v[m].z + v[m].w * v[m].w;

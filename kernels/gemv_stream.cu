@@ -74,10 +74,7 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
         for (int j = 0; j < XB; ++j) {
             const int e = e0 + 4 * (tid + kWarps * 32 * j);
             g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
-            if (norm_w && e < K) {
-                g[j] = __ldg(reinterpret_cast<const float4*>(norm_w + e));
-                g[j].x += 1.f, g[j].y += 1.f, g[j].z += 1.f, g[j].w += 1.f;
-            }
+            if (norm_w && e < K) g[j] = norm_gain4(__ldg(reinterpret_cast<const float4*>(norm_w + e)));
         }
 #pragma unroll
         for (int j = 0; j < XB; ++j) {
@@ -99,10 +96,7 @@ __device__ __forceinline__ void stage_m1_smem(void* xs, const float* xf, const f
         const bool on = e < K;
         const float4 v = on ? *reinterpret_cast<const float4*>(xf + e) : make_float4(0.f, 0.f, 0.f, 0.f);
         float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (gf && on) {
-            g = *reinterpret_cast<const float4*>(gf + e);
-            g.x += 1.f, g.y += 1.f, g.z += 1.f, g.w += 1.f;
-        }
+        if (gf && on) g = norm_gain4(*reinterpret_cast<const float4*>(gf + e));
         code_x4<XQ>(xs, e, on, v, g, ss);
     }
     if (gf) store_ss(ss, ssred, lane, warp);
