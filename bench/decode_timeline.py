@@ -32,7 +32,7 @@ import re
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ from gpu_common import synthetic_model, time_fresh_step  # noqa: E402
 RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("block", "<u4"),
                    ("warp", "<u4"), ("smid", "<u4"), ("line", "<u4")])  # NinferTlRecord
 PER_SM = 8192  # NINFER_TL_PER_SM
+LAST_OUT = 8  # blocks whose SMs each launch's row names: the last ones out
 
 
 def _records(gpu, k) -> dict[str, np.ndarray]:
@@ -81,16 +82,18 @@ def _image_of(k, name: str) -> str:
 
 
 def _block_stats(r: np.ndarray) -> dict:
-    """How one launch's blocks spread (µs): blocks entering after the release ("late": their SM was still busy
-    with the predecessor), block exits at the 50th/90th percentile and last, relative to the release; the mean
-    exit of late blocks minus that of the others; whether the last block out entered late; the mean spread of
-    warp exits inside a block."""
+    """How one launch's blocks spread (µs): the share of late blocks (the first warp reached its wait more than
+    0.5 µs after the release: not resident yet, or still issuing its pre-wait loads), block exits at the
+    50th/90th percentile and last, relative to the release; the mean exit of late blocks minus that of the
+    others; whether the last block out was late; the mean spread of warp exits inside a block; and the SMs of
+    the last LAST_OUT blocks out, to tell slow SMs from late starts."""
     order = np.argsort(r["block"], kind="stable")
     r = r[order]
     starts = np.flatnonzero(np.r_[True, r["block"][1:] != r["block"][:-1]])
     entry = np.minimum.reduceat(r["pre"], starts).astype(np.float64)
     exit_ = np.maximum.reduceat(r["exit"], starts).astype(np.float64)
     first_out = np.minimum.reduceat(r["exit"], starts).astype(np.float64)
+    sm = r["smid"][starts]
     release = float(r["post"].min())
     late = entry > release + 500  # ns
     lag = float(exit_[late].mean() - exit_[~late].mean()) / 1e3 if late.any() and (~late).any() else 0.0
@@ -98,7 +101,8 @@ def _block_stats(r: np.ndarray) -> dict:
     return {"late_blocks": float(late.mean()), "exit_p50": q(np.percentile(exit_, 50)),
             "exit_p90": q(np.percentile(exit_, 90)), "exit_max": q(exit_.max()), "late_exit_lag": round(lag, 3),
             "last_out_was_late": bool(late[np.argmax(exit_)]),
-            "warp_spread": round(float((exit_ - first_out).mean()) / 1e3, 3)}
+            "warp_spread": round(float((exit_ - first_out).mean()) / 1e3, 3),
+            "last_out_sms": [int(v) for v in sm[np.argsort(-exit_, kind="stable")[:LAST_OUT]]]}
 
 
 def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
@@ -167,6 +171,13 @@ def _tables(console, title: str, rows: list[dict]) -> None:
                       f"{mean('exit_p90'):.2f}", f"{mean('exit_max'):.2f}", f"{mean('late_exit_lag'):.2f}",
                       f"{100 * mean('last_out_was_late'):.0f}%", f"{mean('warp_spread'):.2f}")
     console.print(table)
+    gemvs = [r for r in rows if r["kernel"].startswith("gemv_") and "_s1" in r["kernel"]]
+    if gemvs:
+        seen = Counter(sm for r in gemvs for sm in r["last_out_sms"])
+        top = ", ".join(f"SM {sm} ×{n}" for sm, n in seen.most_common(8))
+        even = LAST_OUT * len(gemvs) / max(1, len(seen))
+        console.print(f"{title}: SMs among the last {LAST_OUT} blocks out of the {len(gemvs)} stream GEMVs, most "
+                      f"often: {top} (no SM preferred: ~{even:.1f} each over {len(seen)} SMs)", highlight=False)
 
 
 def main() -> None:
@@ -237,8 +248,9 @@ def main() -> None:
         main = [r for r in rows if r["stream"] == "main"]
         console.print(f"{name} @ {args.context}: stamped step {1e3 * step_s:.3f} ms (graph replay); the stamped "
                       f"replay: {len(rows)} launches, {span:.1f} µs from the first release to the last exit; main "
-                      f"stream Σ gap {sum(r['gap'] for r in main):.1f} µs, Σ work {sum(r['work'] for r in main):.1f} "
-                      f"µs; negative gaps (match check): {sum(r['gap'] < 0 for r in rows)}", highlight=False)
+                      f"stream Σ gap {sum(r['gap'] for r in main):.1f} µs, Σ work "
+                      f"{sum(r['work'] for r in main):.1f} µs; negative gaps (match check): "
+                      f"{sum(r['gap'] < 0 for r in rows)}", highlight=False)
         _tables(console, f"{name} @ {args.context:,}", rows)
         out["models"][name] = {"stamped_step_ms": 1e3 * step_s, "span_us": span, "launches": rows}
     if args.json:

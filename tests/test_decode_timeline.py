@@ -15,10 +15,10 @@ from decode_timeline import RECORD, _block_stats, _family, _launch_rows  # noqa:
 
 
 def stamps(rows) -> np.ndarray:
-    """Records from (grid, block, warp, pre, post, exit) tuples, in ns."""
+    """Records from (grid, block, warp, pre, post, exit) tuples, in ns; block b runs on SM 100 + b."""
     r = np.zeros(len(rows), RECORD)
     for i, (grid, block, warp, pre, post, exit_) in enumerate(rows):
-        r[i] = (grid, pre, post, exit_, block, warp, 0, 0)
+        r[i] = (grid, pre, post, exit_, block, warp, 100 + block, 0)
     return r
 
 
@@ -31,6 +31,7 @@ def test_block_stats_separate_late_blocks_and_their_lag():
     assert s["exit_max"] == 8.0 and s["exit_p50"] == 6.2  # (5400 + 9000) / 2 - 1000 ns
     assert s["late_exit_lag"] == pytest.approx(3.6)  # 9000 - 5400
     assert s["warp_spread"] == pytest.approx(0.2)  # block 0: 400 ns, block 1: 0
+    assert s["last_out_sms"] == [101, 100]  # the last block out first
 
 
 def test_launch_rows_match_grids_in_order_per_image_and_chain_the_gaps():
