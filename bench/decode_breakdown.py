@@ -89,7 +89,8 @@ def main() -> None:
                 console.print(f"{name} @{args.context} without {label}: {1e3 * s:.3f} ms/step", highlight=False)
 
     for r in rows:
-        r["cost_ms"] = next(b["ms"] for b in rows if b["model"] == r["model"] and b["left_out"] == "full step") - r["ms"]
+        full = next(b for b in rows if b["model"] == r["model"] and b["left_out"] == "full step")
+        r["cost_ms"] = full["ms"] - r["ms"]
     step_rows_out(console, gpu, f"decode step at {args.context:,} context, graph replay: cost of each launch kind",
                   [("model", True), ("left out", True), ("ms / step", False), ("in-graph cost ms", False),
                    ("share", False)],

@@ -72,7 +72,8 @@ def main() -> None:
                     console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
 
     def cells(r):
-        base = next(b for b in rows if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))
+        base = next(b for b in rows
+                    if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))
         return (r["model"], f"{r['context']:,}", r["variant"], f"{r['ms']:.3f}", f"{r['tok_s']:.1f}",
                 f"{100 * (base['ms'] / r['ms'] - 1):+.1f}%")
     step_rows_out(console, gpu, "decode step, graph replay (best of 3 medians)",

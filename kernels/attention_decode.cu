@@ -23,8 +23,8 @@
 //     owning dims D/32*L .. +D/32 of all 8 rows; int8 cache, o^T += V^T p^T on bf16 tensor cores (mma m16n8k8: the
 //     value codes are exact in bf16, p times the value scale goes in as hi + lo; pv_int8). K and V rows of int8
 //     stages are XOR-swizzled in 16-byte chunks (k_chunk, v_chunk). At the end the 4 warps' (max, sum, o) are
-//     merged through shared memory and written as one split partial: acc[sp, m, h, :] (unnormalised, relative to the max), ml[sp, m, h] = (max in
-//     log2 units, sum), exactly the layout attention.cu's decode writes.
+//     merged through shared memory and written as one split partial: acc[sp, m, h, :] (unnormalised, relative
+//     to the max), ml[sp, m, h] = (max in log2 units, sum), exactly the layout attention.cu's decode writes.
 //     Accuracy: bf16 cache: products and sums in fp32 (K/V values are exact in fp32). int8 cache: q's codes are
 //     within max|q_row|·6.1e-8 of q per element (the fp32 rounding of q itself), the int32 sums exact, the scores
 //     then scaled in fp32 (q's row scale, the int8 key scale); p times the value scale within 2^-18 of itself in

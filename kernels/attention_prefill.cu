@@ -8,8 +8,8 @@
 // (token, head-in-group) pairs r = t·G + j) and the W warps share each 16-key K/V tile of their split. An int8
 // tile is copied raw and converted once to bf16 codes (exact: |code| <= 127) by the whole block; its scales stay
 // outside the mma as in attn_decode_int8_*. Why: in decode's one-warp blocks every warp loaded and converted its
-// own tiles, W times the copies and the conversion work per query row (perf-history.md v18). W = 8 for an int8 cache (the
-// conversion is per block), 4 for bf16 (whose two tile stages and 8 warps' q would not fit the ~99 KB of
+// own tiles, W times the copies and the conversion work per query row (perf-history.md v18). W = 8 for an int8
+// cache (the conversion is per block), 4 for bf16 (whose two tile stages and 8 warps' q would not fit the ~99 KB of
 // sm_86/89/120).
 // Dynamic shared memory PrefillGeo<D, I8>::SMEM (attention.py _prefill_smem mirrors it).
 #include "attention.cuh"

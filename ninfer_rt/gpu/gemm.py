@@ -23,9 +23,9 @@ the registers it keeps. Its A operand comes two ways: decoded into registers eac
 scratch ("wgmma_ss"), dequantized by one pass into a bf16 copy that TMA stages beside x, so the MMAs read both
 operands from shared memory and a stage costs each thread a handful of instructions (2x the rate at 8K rows).
 "auto" picks wgmma where `wgmma_available`, M >= WGMMA_MIN_ROWS and its tiles fill every SM at least once (14-36%
-less time than mma at the 35B's 8K-prefill shapes, perf-history.md v19), and the scratch form from WGMMA_SS_MIN_ROWS when
-the caller gave room; below, a tile is mostly empty or SMs idle (the wgmma tile has twice the weight rows, one block
-per SM), and mma keeps the nibble codes exact for decode batches.
+less time than mma at the 35B's 8K-prefill shapes, perf-history.md v19), and the scratch form from
+WGMMA_SS_MIN_ROWS when the caller gave room; below, a tile is mostly empty or SMs idle (the wgmma tile has twice
+the weight rows, one block per SM), and mma keeps the nibble codes exact for decode batches.
 `moe_grouped` runs the same tiles over expert banks for prefill MoE (below), or, with few tokens per expert,
 kernels/moe_gemm.cu's tiles of 32 slots.
 """

@@ -110,7 +110,8 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
                             row_scale=rsp, x_copy=x_copy)
     got = dev.get(yp, (M, ldy))
     label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
-             f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}{f' x_copy={x_copy}' if x_copy is not None else ''}")
+             f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}"
+             f"{f' x_copy={x_copy}' if x_copy is not None else ''}")
     ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out],
                     codes=w.quantized)
     check_close(got[:, :n_out], ref, label)
