@@ -43,7 +43,6 @@ from gpu_common import synthetic_model, time_fresh_step  # noqa: E402
 
 RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("block", "<u4"),
                    ("warp", "<u4"), ("smid", "<u4"), ("line", "<u4")])  # NinferTlRecord
-PER_SM = 8192  # NINFER_TL_PER_SM
 LAST_OUT = 8  # blocks whose SMs each launch's row names: the last ones out
 
 
@@ -53,12 +52,14 @@ def _records(gpu, k) -> dict[str, np.ndarray]:
     for m in k.modules:
         cp, cn = m.global_address("ninfer_tl_count")
         counts = gpu.download(cp, (cn // 4,), np.uint32)
-        if counts.max() > PER_SM:
+        if not counts.any():  # no kernel of this image in the step
+            continue
+        rp, rn = m.global_address("ninfer_tl")
+        per_sm = rn // RECORD.itemsize // len(counts)  # NINFER_TL_PER_SM, as the image was built
+        if counts.max() > per_sm:
             sys.exit(f"decode_timeline: {m.name} overflowed its ring ({counts.max()} records on one SM)")
-        rp, _ = m.global_address("ninfer_tl")
-        recs = gpu.download(rp, (len(counts) * PER_SM,), RECORD).reshape(len(counts), PER_SM)
-        if counts.any():  # images with no kernel in the step have none
-            out[m.name] = np.concatenate([recs[s, :c] for s, c in enumerate(counts) if c])
+        recs = gpu.download(rp, (len(counts) * per_sm,), RECORD).reshape(len(counts), per_sm)
+        out[m.name] = np.concatenate([recs[s, :c] for s, c in enumerate(counts) if c])
     return out
 
 

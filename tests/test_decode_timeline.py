@@ -56,3 +56,31 @@ def test_family_drops_the_format_and_keeps_the_weight():
     assert _family("gemv_q6_s1 mlp.down_proj.weight") == "gemv_*_s1 mlp.down_proj.weight"
     assert _family("moe_gate_up_routed_t2_q4g64") == "moe_gate_up_routed_t2_*"
     assert _family("attn_decode_fast_int8_d256") == "attn_decode_fast_int8_d256"
+
+
+def test_records_read_each_image_ring_as_it_was_built():
+    """_records takes the ring's records per SM from the image's own sizes (NINFER_TL_PER_SM is not restated), the
+    first `count` of each SM's slice, and skips an image with no stamps without reading its ring."""
+    from types import SimpleNamespace
+
+    from decode_timeline import _records
+    ring = np.zeros(2 * 3, RECORD)  # 2 SMs x 3 records
+    ring["grid"] = np.arange(6)
+    mem = {1: np.array([2, 1], np.uint32), 2: ring, 3: np.zeros(2, np.uint32)}
+    reads = []
+
+    class Image:
+        def __init__(self, name, counts, recs):
+            self.name, self.counts, self.recs = name, counts, recs
+
+        def global_address(self, var):
+            return (self.counts, 8) if var == "ninfer_tl_count" else (self.recs, ring.nbytes)
+
+    def download(p, shape, dtype):
+        reads.append(p)
+        return mem[p].view(dtype).reshape(shape)
+
+    out = _records(SimpleNamespace(download=download),
+                   SimpleNamespace(modules=[Image("a", 1, 2), Image("b", 3, 4)]))
+    assert list(out) == ["a"] and out["a"]["grid"].tolist() == [0, 1, 3]  # SM 0: records 0, 1; SM 1: record 3
+    assert 4 not in reads
