@@ -1,0 +1,74 @@
+// moe_decode.cuh: what the MoE decode kernels share (moe.cu's fast paths, moe_fused.cu): the block shape, the
+// zero-centred RMSNorm of one row by a whole block, and the raw quantized 32-element chunks a thread loads into
+// registers before its activations are staged, then meets with the int16 activation codes (xcodes.cuh).
+#pragma once
+#include "common.cuh"
+#include "xcodes.cuh"  // int16 activation codes and dp2a dot products; quant.cuh
+
+#define MOE_THREADS 256   // gate_up and down blocks
+#define MOE_WARPS (MOE_THREADS / 32)
+#define MOE_DOWN_ROWS 8   // output rows of y per down block: H/8 blocks per token
+
+// Zero-centred RMSNorm as norm.cu: each thread adds Σ x² of its elements, ss_partial puts the warp sums in
+// s_red, and after the next barrier rms_scale gives every thread r = rsqrt(mean(x²) + eps), the same bits (the
+// xor-shuffle tree sums in one order up to commutation); h = (x · r) · (1 + w).
+__device__ __forceinline__ void ss_partial(float ss, float* s_red) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = ss;
+}
+
+__device__ __forceinline__ float rms_scale(const float* s_red, int H, float eps) {
+    const float ss = warp_sum((threadIdx.x & 31) < MOE_WARPS ? s_red[threadIdx.x & 31] : 0.f);
+    // correctly rounded divide and rsqrt: --use_fast_math would otherwise give 2-ulp approximations
+    return __frsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps));
+}
+
+__device__ __forceinline__ float norm_mul(float x, float r, float w) { return __fmul_rn(__fmul_rn(x, r), 1.f + w); }
+
+// The raw bytes of one 32-element chunk of one row, as loaded (decoded later by chunk_dots).
+template <int BITS>
+struct QChunk {
+    int4 a;                // codes (BITS 8: first 16 of 32 bytes)
+    int4 b;                // BITS 8: last 16 bytes
+    unsigned long long h;  // BITS 5: 32 high bits, BITS 6: 64
+    unsigned short s;      // fp16 scale bits
+};
+
+template <int BITS, int GROUP>
+__device__ __forceinline__ void qchunk_load(QChunk<BITS>& q, const uint8_t* qs, const uint8_t* qh, const __half* sc,
+                                            long long row, int kp, int c) {
+    const QRow r = q_row<BITS>(qs, qh, sc, row, kp, GROUP);
+    if constexpr (BITS == 8) {
+        const int4* p = reinterpret_cast<const int4*>(r.qs + 32LL * c);
+        q.a = __ldg(p);
+        q.b = __ldg(p + 1);
+    } else {
+        q.a = __ldg(reinterpret_cast<const int4*>(r.qs + 16LL * c));
+    }
+    if constexpr (BITS == 5) q.h = __ldg(reinterpret_cast<const uint32_t*>(r.qh) + c);
+    if constexpr (BITS == 6) q.h = __ldg(reinterpret_cast<const unsigned long long*>(r.qh) + c);
+    q.s = __ldg(reinterpret_cast<const unsigned short*>(r.sc) + (32 * c) / GROUP);
+}
+
+// A loaded chunk as the units compute_unit_q takes: nibble formats one unit of 32 elements, q8 two of 16 (half).
+template <int BITS>
+__device__ __forceinline__ Unit chunk_unit(const QChunk<BITS>& q, int half) {
+    Unit u;
+    u.q = half ? q.b : q.a;
+    u.h0 = (uint32_t)q.h;
+    u.h1 = (uint32_t)(q.h >> 32);
+    u.sc = q.s;
+    return u;
+}
+
+// acc[r][0] += W[r] chunk · x chunk for the 4 rows' loaded chunks q[r], x as the int16 chunk record rec.
+template <int BITS>
+__device__ __forceinline__ void chunk_dots(const QChunk<BITS> (&q)[4], const uint8_t* rec, float (&acc)[4][1]) {
+#pragma unroll
+    for (int half = 0; half < (BITS == 8 ? 2 : 1); ++half) {
+        Unit d[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) d[r] = chunk_unit<BITS>(q[r], half);
+        compute_unit_q<BITS, 1, 4>(d, rec, half, acc);
+    }
+}
