@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import open_gpu, patched, step_rows_out, synthetic_model, time_fresh_step  # noqa: E402
 
-from ninfer_rt.gpu import attention, deltanet, kernels, linear  # noqa: E402
+from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe  # noqa: E402
 
-MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels}
+MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe}
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),
@@ -41,6 +41,8 @@ VARIANTS = [
     ("DeltaNet step: one block per head (no cluster)", {"deltanet.STEP_CLUSTER": 1}),
     ("every kernel prefers the largest shared-memory carveout", {"kernels.SMEM_CARVEOUT": 100}),
     ("every kernel prefers the driver's carveout", {"kernels.SMEM_CARVEOUT": None}),
+    ("MoE after the router in separate launches, shared expert on a side stream (v30)",
+     {"moe.FUSED_DECODE": False}),
     ("default again", {}),
 ]
 

@@ -350,6 +350,12 @@ class Gpu:
         attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
         _check(d.cuFuncSetAttribute(fn, attr, int(percent)), "cuFuncSetAttribute(carveout)")
 
+    def max_active_blocks(self, fn, threads: int, smem: int) -> int:
+        """Blocks of fn (threads each, smem bytes of dynamic shared memory) one SM can hold at once."""
+        n = _check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, int(threads), int(smem)),
+                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return int(n)
+
     def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None, cluster=None) -> None:
         """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream.
 

@@ -205,6 +205,8 @@ class GpuModel:
             b.ids, b.wts, b.sscale = self._alloc(rows * k * 4), self._alloc(rows * k * f), self._alloc(rows * f)
             b.act = self._alloc(rows * k * s.moe_intermediate_size * f)  # fp32 (decode) or bf16 (prefill)
             b.shared_y = self._alloc(GEMV_MAX_ROWS * self.H * f)
+            self._moe_barrier = self._alloc(4)  # moe.fused's grid barrier: zero once, each launch leaves it ready
+            self.gpu.memset(self._moe_barrier, 0, 4)
             self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
         else:
             self.ffn_cols = round_up(s.intermediate_size, 32)
@@ -327,20 +329,31 @@ class GpuModel:
                 self._linear(shared_gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols)
                 self._linear(shared_down, x=act_s, M=M, y=b.x, mode="add", row_scale=b.sscale)
             else:
-                # decode: the shared expert needs only x, so it runs on the side stream beside the router and the
-                # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
-                self._fork.record(self.gpu.stream)
-                self.side.wait(self._fork)
-                self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=post,
-                             stream=self.side)
-                self._linear(shared_down, x=b.act_s, M=M, y=b.shared_y, stream=self.side)
-                self._join.record(self.side)
-                self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router, norm_w=nw)
-                moe.gate_up_routed(self.k, W(m + "experts.gate_up_proj"), x=b.x, norm_w=post, eps=s.rms_norm_eps,
-                                   logits=b.router, ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
-                self.gpu.stream.wait(self._join)
-                moe.down(self.k, W(m + "experts.down_proj"), act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k,
-                         y=b.x, extra=b.shared_y, extra_scale=b.sscale)
+                router = W(m + "{gate,shared_expert_gate}.weight")
+                gate_up, down = W(m + "experts.gate_up_proj"), W(m + "experts.down_proj")
+                # one token: the router GEMV, then the rest of the block in one launch (a grid barrier inside)
+                plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k) \
+                    if M == 1 and post % 16 == 0 else None
+                if plan is None:
+                    # the shared expert needs only x, so it runs on the side stream beside the router and the
+                    # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
+                    self._fork.record(self.gpu.stream)
+                    self.side.wait(self._fork)
+                    self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols,
+                                 norm_w=post, stream=self.side)
+                    self._linear(shared_down, x=b.act_s, M=M, y=b.shared_y, stream=self.side)
+                    self._join.record(self.side)
+                self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
+                if plan is not None:
+                    moe.fused(self.k, plan, gate_up, down, shared_gate_up, shared_down, x=b.x, norm_w=post,
+                              eps=s.rms_norm_eps, logits=b.router, E=E, top_k=k, act=b.act, act_s=b.act_s,
+                              barrier=self._moe_barrier, **routing)
+                else:
+                    moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps, logits=b.router,
+                                       ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
+                    self.gpu.stream.wait(self._join)
+                    moe.down(self.k, down, act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k, y=b.x,
+                             extra=b.shared_y, extra_scale=b.sscale)
         else:
             self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=act_s, mode="swiglu",
                          ldy=self.ffn_cols, norm_w=nw)

@@ -185,3 +185,69 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(act), ptr(ids), ptr(weights),
             i32(top_k), ptr(y), ptr(extra), ptr(extra_scale)]
     k.launch(name, (M, H // DOWN_ROWS), THREADS, args, smem, stream)
+
+
+# ------------------------------------------------------------------------------------------ one launch
+
+# Planner switch: decode a token's MoE block in one moe_fused launch where it applies (fused_kernel); False
+# keeps the router GEMV + gate_up_routed + down with the shared expert on a side stream (bench/planner_ab.py).
+FUSED_DECODE = True
+FUSED_I = 512  # the routed and shared intermediate sizes moe_fused.cu is written for
+
+
+def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
+                 shared_down: DeviceWeight, top_k: int) -> tuple[str, int, int] | None:
+    """The moe_fused entry point for these weights on this GPU, with its grid and dynamic shared memory, or None
+    when the MoE block must take the separate launches: FUSED_DECODE off, shapes or formats moe_fused.cu has no
+    entry for, or a grid the GPU cannot hold at once (its blocks meet at a grid-wide barrier)."""
+    if not FUSED_DECODE or not 1 <= top_k <= MAX_TOP_K or len(gate_up.shape) != 3:
+        return None
+    E, two_i, H = gate_up.shape
+    if (tuple(down.shape) != (E, H, FUSED_I) or two_i != 2 * FUSED_I or top_k > E or E > MAX_EXPERTS
+            or shared_down.fmt != shared_gate_up.fmt or tuple(shared_gate_up.shape) != (2 * FUSED_I, H)
+            or tuple(shared_down.shape) != (H, FUSED_I) or H % 1024 or H // 1024 not in FAST_T):
+        return None
+    name = f"moe_fused_t{H // 1024}_{gate_up.fmt}_{down.fmt}_{shared_gate_up.fmt}"
+    try:
+        fn = k.fn(name)
+    except GpuError:
+        return None  # no entry for this format triple
+    grid = max(top_k * FUSED_I // 16, FUSED_I // 2, H // DOWN_ROWS)
+    smem = max(2 * H // 32, (top_k + 1) * FUSED_I // 32) * QCHUNK  # phase 2's records reuse phase 1's bytes
+    if smem > k.gpu.info.max_smem_per_block_optin - SMEM_STATIC:
+        return None
+    k.opt_in_smem(name, smem)
+    if k.gpu.max_active_blocks(fn, THREADS, smem) * k.gpu.info.sm_count < grid:
+        return None
+    return name, grid, smem
+
+
+def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
+          shared_down: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, E: int, top_k: int, ids: int,
+          weights: int, shared_scale: int, act: int, act_s: int, barrier: int, stream=None) -> None:
+    """The sparse MoE block of one token after the router GEMV, in one launch (kernels/moe_fused.cu), x updated in
+    place:
+
+        h = rms_norm_zc(x, norm_w, eps); (ids, weights, shared_scale) = route(logits)
+        act[j] = SwiGLU_{ids[j]}(h), act_s = SwiGLU_shared(h)
+        x = fma(shared_scale, down_s(act_s), x + Σ_j weights[j] · down_{ids[j]}(act[j]))   (j = 0..k-1 in order)
+
+    as gate_up_routed, the shared expert's GEMVs and down with extra compute it (int16 codes of h, act, act_s).
+    plan: fused_kernel's answer for these weights. x, norm_w fp32 [H] (16-byte aligned); logits fp32 [E + 1]
+    (column E the shared-expert gate); ids / weights [top_k], shared_scale [1], act [top_k, I], act_s [I]
+    (outputs; act and act_s 16-byte aligned); barrier: a device u32, zero before the first launch, that no other
+    kernel touches while this one runs (each launch flips its top bit and leaves the rest as it found it).
+    """
+    name, grid, smem = plan
+    _check_logits("fused", E, top_k, E + 1)
+    _check_ptrs("fused", x=x, norm_w=norm_w, logits=logits, ids=ids, weights=weights, shared_scale=shared_scale,
+                act=act, act_s=act_s, barrier=barrier)
+    if (x | norm_w | act | act_s) % 16:
+        raise GpuError("moe.fused: x, norm_w, act and act_s must be 16-byte aligned")
+    args = []
+    for w in (gate_up, down, shared_gate_up, shared_down):
+        qs, qh, sc = w.planes()
+        args += [ptr(qs), ptr(qh), ptr(sc), i32(w.kp)]
+    args += [i32(E), i32(top_k), ptr(norm_w), f32(eps), ptr(logits), ptr(ids), ptr(weights), ptr(shared_scale),
+             ptr(act), ptr(act_s), ptr(x), ptr(barrier)]
+    k.launch(name, grid, THREADS, args, smem, stream)

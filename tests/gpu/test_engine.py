@@ -325,3 +325,58 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     assert [r["context"] for r in res.decode] == [0, 100] and all(r["tok_s"] > 0 for r in res.decode)
     assert res.decode[1]["bytes_per_token"] > res.decode[0]["bytes_per_token"] > 0
     assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 6
+
+
+def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monkeypatch):
+    """At the 35B-A3B's shapes (one attention + MoE layer, synthetic weights of recipe qwen3.6-35b-a3b), a one-token
+    decode runs the MoE block after the router GEMV as moe.fused (one launch, a grid barrier inside); the same 6
+    steps with moe.FUSED_DECODE off take gate_up_routed, the shared expert's GEMVs on the side stream and moe.down.
+    The two differ only where the shared expert's gate|up meets its input: int16 codes of h (fused) or of
+    x · (1 + w) rescaled after the dot (GEMV), each within 2^-14 of a chunk's largest value, so by ~2^-13 of the
+    shared expert's output, and through the final norm and lm_head by the same order relative to the logits. We
+    allow 2^-10 of the largest logit; a wrong pointer, row, gate or a missed barrier moves them by O(1)."""
+    import json
+
+    from ninfer_rt.config import ModelSpec
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.bench import CONFIGS
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    text = cfg["text_config"]
+    text["num_hidden_layers"], text["layer_types"] = 1, ["full_attention"]
+    spec = ModelSpec.from_config(cfg, "qwen3.6-35b-a3b, 1 layer")
+    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
+    ids = prompt(6, 5, vocab=1000)
+    plain = moe.fused
+    calls = []
+
+    def fused(*args, **kw):
+        calls.append(1)
+        plain(*args, **kw)
+
+    def run():
+        model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=64, kv_dtype="int8")
+        try:
+            out = []
+            for p in range(len(ids)):
+                model.decode(ids[p:p + 1], [p], [0])
+                out.append(model.logits(1)[0])
+            return np.stack(out)
+        finally:
+            model.free()
+
+    try:
+        monkeypatch.setattr(moe, "fused", fused)
+        one = run()
+        assert calls, "decode did not take moe.fused at the 35B-A3B's shapes"
+        calls.clear()
+        monkeypatch.setattr(moe, "FUSED_DECODE", False)
+        separate = run()
+        assert not calls
+    finally:
+        weights.free(gpu)
+    assert np.isfinite(one).all() and np.isfinite(separate).all()
+    np.testing.assert_allclose(one, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())

@@ -265,6 +265,7 @@ DIMS = {  # E, top_k, I, H
     "tiny4": (16, 4, 64, 64),
     "odd": (12, 3, 96, 160),  # 3 and 5 chunks of 32: lane groups of 4 and 8 with idle lanes
     "mid": (16, 4, 1024, 1024),  # fast paths at T = 1 (gate_up, H = 1024) and T = 2 (down, I = 1024)
+    "fused1": (64, 4, 512, 1024),  # test_moe_fused: moe_fused at T = 1
 }
 # "35b" and "mid" take the fast paths of q formats (gate_up H = 1024·T, down I = 512·T); the rest the general ones
 CASES = ([("35b", 1, "q4g64", "q5g64"), ("35b", 4, "q4g64", "q6g64"), ("35b", 4, "q4g32", "q5g64"),

@@ -1,0 +1,286 @@
+// moe_fused.cu: the sparse MoE block of one decode token in one launch after the router GEMV,
+// moe_fused_t{T}_{gu}_{dn}_{sh}: routing, the routed experts' gate/up and down, the shared expert's gate|up and
+// down and the residual add, with a grid-wide barrier in place of a kernel boundary and a side stream.
+//
+//   x fp32 [H] (the residual stream, updated in place), norm_w fp32 [H] (gain 1 + w), logits fp32 [E + 1] (the
+//   router GEMV's: columns 0..E-1 the router, column E the shared-expert gate) ->
+//   ids int32 [k], weights fp32 [k], shared_scale fp32 [1] (route_row, as moe_route), act fp32 [k, I],
+//   act_s fp32 [Is], and
+//   x[n] = fma(shared_scale, down_s(act_s)[n], x[n] + Σ_j weights[j] · down_{ids[j]}(act_j)[n]), j = 0..k-1 in order.
+// h = rms_norm_zc(x, norm_w) as moe_gate_up_routed_t* computes it; act_j = silu(g·ĥ)·(u·ĥ) with ĥ the int16 codes
+// of h (xcodes.cuh, in each weight format's order), act_s the same with the shared gate|up; the down products
+// meet the codes of act and act_s. Banks: routed gate/up [E, 2I, H] and down [E, H, I] as moe.cu; the shared
+// gate|up [2Is, H] (rows interleaved in tiles of 16, as one expert of a bank) and down [H, Is].
+// Reference: ninfer_rt.reference.ops.moe (shared expert included). H = 1024·T (T = 1, 2), I = Is = 512.
+//
+// Work split, nb = max(k·I/16, Is/2, H/8) blocks of 256 threads, every one resident at once (moe.py checks the
+// occupancy: a block waiting at the barrier for one that cannot start would wait forever). Every block routes
+// the token (warp 0, while its x loads are in flight; block 0 stores the routing) and normalises x itself.
+//   phase 1  block b < k·I/16: the routed gate/up tile b % (I/16) of expert j = b / (I/16), as gate_up_fast;
+//            block b < Is/2: act_s[2b], act_s[2b + 1] from their 2 gate and 2 up rows, thread t < 128·T one
+//            32-element chunk (row t / (32T), chunk t % (32T)), loaded before the kernel's wait;
+//   barrier  every act and act_s is written; phase 2's weights are loaded before it;
+//   phase 2  block b < H/8: x rows 8b..8b+7 as down_fast (warp w: experts w, w + 8, ..), plus the shared down's 8
+//            rows (thread t < 128: row t / 16, chunk t % 16).
+// An expert id outside [0, E) (fewer than k candidates) makes its act NaN and the token's x NaN.
+#include "common.cuh"
+#include "moe_decode.cuh"  // block shape, the block RMSNorm, raw chunks and their dots; xcodes.cuh
+#include "moe_route.cuh"   // route_row, route_store, MOE_MAX_K
+
+#define MOE_FUSED_I 512  // I and Is: 16 chunks of a down row, one per lane of a half warp
+
+// A grid-wide barrier on bar, a u32 in global memory that each launch finds with its top bit either way and
+// leaves flipped: block 0 adds 2^31 - (nb - 1), the others 1, so the nb additions sum to 2^31 (the low bits come
+// back to their value). The top bit cannot flip before this block arrives, so thread 0 reads it early
+// (grid_sense, after the kernel's wait), arrives with an addition whose result it does not wait for, and polls
+// until the bit differs. The fence before the addition makes the block's stores (published to thread 0 by the
+// block barrier) visible to every block whose acquire load sees the flip.
+__device__ __forceinline__ unsigned grid_sense(const unsigned* bar) {
+    return threadIdx.x == 0 ? __ldcg(bar) & 0x80000000u : 0u;
+}
+
+__device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned sense) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u);
+        unsigned now;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+        } while ((now & 0x80000000u) == sense);
+    }
+    __syncthreads();
+}
+
+// The dot of one loaded chunk of one row with the chunk record rec (q8: both 16-element halves).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot1(const QChunk<BITS>& q, const uint8_t* rec) {
+    float acc[1][1] = {{0.f}};
+#pragma unroll
+    for (int half = 0; half < (BITS == 8 ? 2 : 1); ++half) {
+        const Unit d[1] = {chunk_unit<BITS>(q, half)};
+        compute_unit_q<BITS, 1, 1>(d, rec, half, acc);
+    }
+    return acc[0][0];
+}
+
+// Planes of one weight tensor (or bank) as the kernel reads them.
+struct QPlanes {
+    const uint8_t* qs;
+    const uint8_t* qh;
+    const __half* sc;
+    int kp;
+};
+
+// x̂ order of a format's records: q8 natural, the nibble formats even-then-odd (xcodes.cuh)
+template <int BITS>
+__host__ __device__ constexpr int xq_of() { return BITS == 8 ? 1 : 2; }
+
+template <int GB, int GG, int DB, int DG, int SB, int SG, int T>
+__device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes sgu, QPlanes sdn, int E, int top_k,
+                                               const float* __restrict__ norm_w, float eps,
+                                               const float* __restrict__ logits, int* __restrict__ ids,
+                                               float* __restrict__ weights, float* __restrict__ shared_scale,
+                                               float* act, float* act_s, float* x, unsigned* bar) {
+    constexpr int H = 1024 * T, I = MOE_FUSED_I, NC = I / 32, CB = qchunk_bytes(1);
+    constexpr int XG = xq_of<GB>(), XD = xq_of<DB>(), XS = xq_of<SB>();
+    // dynamic smem, phase 1: ĥ for the routed gate/up, ĥ for the shared gate|up; phase 2 over the same bytes
+    // (every phase-1 read is before the grid barrier): act (k·NC records), act_s (NC records)
+    extern __shared__ float4 s_x4[];
+    uint8_t* s_hg = reinterpret_cast<uint8_t*>(s_x4);
+    uint8_t* s_hs = s_hg + (H / 32) * CB;
+    uint8_t* s_act = s_hg;
+    uint8_t* s_acs = s_act + top_k * NC * CB;
+    __shared__ float s_out[32];
+    __shared__ float s_red[MOE_WARPS];
+    __shared__ float s_sgp[MOE_WARPS];
+    __shared__ int s_e[MOE_MAX_K];
+    __shared__ float s_w[MOE_MAX_K];
+    __shared__ float s_sh[1];
+    __shared__ float s_part[MOE_MAX_K * MOE_DOWN_ROWS];
+    __shared__ float s_shp[MOE_DOWN_ROWS];
+    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool has_gu = b < top_k * (I / 16), has_sh = b < I / 2, has_dn = b < H / MOE_DOWN_ROWS;
+
+    // The shared gate|up chunk depends on nothing an earlier kernel writes: in flight before the wait.
+    // Row r of the group: output 2b + (r & 1), gate (r < 2) or its up row 16 further (the interleave).
+    const int sr = tid / (32 * T), sck = tid % (32 * T);
+    const bool sh_lane = has_sh && tid < 128 * T;
+    QChunk<SB> qsg;
+    if (sh_lane) {
+        const int i = 2 * b + (sr & 1);
+        qchunk_load<SB, SG>(qsg, sgu.qs, sgu.qh, sgu.sc, 32LL * (i >> 4) + (i & 15) + 16 * (sr >> 1), sgu.kp, sck);
+    }
+    ninfer_pdl_begin();
+    const unsigned sense = grid_sense(bar);
+
+    // x (x is rewritten in phase 2 by other blocks: L2 loads, not the read-only path), routing by warp 0, Σ x²
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float4 xr[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xr[t] = __ldcg(x4 + tid + MOE_THREADS * t);
+    if (warp == 0) {
+        const RouteRow r = route_row(logits, E, top_k);
+        if (lane < top_k) {
+            s_e[lane] = r.id >= 0 && r.id < E ? r.id : -1;
+            s_w[lane] = r.w;
+        }
+        if (lane == 0) s_sh[0] = r.shared;
+        if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
+    }
+    {
+        float ss = 0.f;
+#pragma unroll
+        for (int t = 0; t < T; ++t) ss += xr[t].x * xr[t].x + xr[t].y * xr[t].y + xr[t].z * xr[t].z + xr[t].w * xr[t].w;
+        ss_partial(ss, s_red);
+    }
+    __syncthreads();
+
+    // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly
+    const int pair = b / (I / 16), tile = b % (I / 16);
+    const int e = has_gu ? s_e[pair] : -1;
+    QChunk<GB> q[T][4];
+    if (e >= 0) {
+        const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+                qchunk_load<GB, GG>(q[t][r], gu.qs, gu.qh, gu.sc, row0 + r, gu.kp, lane + 32 * t);
+        }
+    }
+    {
+        const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+        const float rs = rms_scale(s_red, H, eps);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float4 g = __ldg(w4 + tid + MOE_THREADS * t);
+            const float4 h = make_float4(norm_mul(xr[t].x, rs, g.x), norm_mul(xr[t].y, rs, g.y),
+                                         norm_mul(xr[t].z, rs, g.z), norm_mul(xr[t].w, rs, g.w));
+            const int i4 = tid + MOE_THREADS * t;  // float4 i4: chunk i4 / 8, elements 4 (i4 % 8) ..
+            store_codes4<1, XG>(s_hg + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
+            store_codes4<1, XS>(s_hs + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
+        }
+    }
+    __syncthreads();
+    if (e >= 0) {
+        float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+#pragma unroll
+        for (int t = 0; t < T; ++t) chunk_dots<GB>(q[t], s_hg + (lane + 32 * t) * CB, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[r][0] = warp_sum(acc[r][0]);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
+        }
+    }
+    if (has_sh) {  // warps 0..4T-1 hold the rows' chunks (T warps a row), the others add 0
+        const float v = warp_sum(sh_lane ? chunk_dot1<SB>(qsg, s_hs + sck * CB) : 0.f);
+        if (lane == 0) s_sgp[warp] = v;
+    }
+    __syncthreads();
+    if (has_gu && tid < 16)
+        act[(long long)pair * I + tile * 16 + tid] =
+            e >= 0 ? siluf_(s_out[tid]) * s_out[16 + tid] : __int_as_float(0x7fc00000);
+    if (has_sh && tid < 2) {
+        float g = 0.f, u = 0.f;  // rows tid (gate) and tid + 2 (up), each summed over its T warps in order
+#pragma unroll
+        for (int w = 0; w < T; ++w) {
+            g += s_sgp[T * tid + w];
+            u += s_sgp[T * (tid + 2) + w];
+        }
+        act_s[2 * b + tid] = siluf_(g) * u;
+    }
+
+    // phase 2's weights and old x, before the barrier
+    const int n0 = b * MOE_DOWN_ROWS, half = lane >> 4, cl = lane & 15;
+    const float x0 = has_dn && tid < MOE_DOWN_ROWS ? __ldcg(x + n0 + tid) : 0.f;
+    QChunk<DB> qd[4];
+    auto issue = [&](int j) {  // expert j's 4 rows n0 + 4·half .. of this half warp, chunk cl
+        const int ej = s_e[j];
+        if (ej < 0) return;
+        const long long row0 = (long long)ej * H + n0 + 4 * half;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) qchunk_load<DB, DG>(qd[r], dn.qs, dn.qh, dn.sc, row0 + r, dn.kp, cl);
+    };
+    if (has_dn && warp < top_k) issue(warp);
+    QChunk<SB> qsd;
+    if (has_dn && tid < 128) qchunk_load<SB, SG>(qsd, sdn.qs, sdn.qh, sdn.sc, n0 + (tid >> 4), sdn.kp, tid & 15);
+
+    grid_barrier(bar, sense);  // every act and act_s is written
+    if (!has_dn) return;       // whole block, after its last barrier with the grid
+
+    // act (k·I) and act_s (I) as int16 chunk records; n4 = k·128 float4s: whole warps per pass (shuffles)
+    {
+        const float4* a4 = reinterpret_cast<const float4*>(act);
+        const int n4 = top_k * I / 4;
+        for (int i0 = 0; i0 < n4; i0 += 4 * MOE_THREADS) {
+            float4 v[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i4 = i0 + MOE_THREADS * c + tid;
+                if (i4 < n4) v[c] = __ldcg(a4 + i4);
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i4 = i0 + MOE_THREADS * c + tid;
+                if (i4 < n4) store_codes4<1, XD>(s_act + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[c], true);
+            }
+        }
+        if (tid < I / 4) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(act_s) + tid);
+            store_codes4<1, XS>(s_acs + (tid >> 3) * CB, 0, 4 * (tid & 7), v, true);
+        }
+    }
+    __syncthreads();
+    for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
+        if (j != warp) issue(j);
+        if (s_e[j] < 0) continue;  // the sum below turns NaN
+        float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+        chunk_dots<DB>(qd, s_act + (j * NC + cl) * CB, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // within a half
+        }
+        if (cl == 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r][0];
+        }
+    }
+    if (tid < 128) {  // shared down: row tid / 16, summed over the half warp
+        float v = chunk_dot1<SB>(qsd, s_acs + (tid & 15) * CB);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if ((tid & 15) == 0) s_shp[tid >> 4] = v;
+    }
+    __syncthreads();
+    if (tid < MOE_DOWN_ROWS) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j)
+            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + tid], total);
+        x[n0 + tid] = fmaf(s_sh[0], s_shp[tid], x0 + total);
+    }
+}
+
+// Entry points: moe_fused_t{T}_{gu}_{dn}_{sh} for the format triples of NINFER_MOE_FUSED_FORMATS (the recipes'
+// decode MoE; other banks take moe.cu's three launches). Two blocks per SM (<= 128 registers).
+#define NINFER_MOE_FUSED_FORMATS(X, T)                                                     \
+    X(T, q4g64, 4, 64, q5g64, 5, 64, q8g32, 8, 32) X(T, q4g64, 4, 64, q6g64, 6, 64, q8g32, 8, 32) \
+    X(T, q4g64, 4, 64, q4g64, 4, 64, q8g32, 8, 32) X(T, q8g32, 8, 32, q8g32, 8, 32, q8g32, 8, 32)
+
+#define MOE_FUSED_ENTRY(T, gn, GB, GG, dname, DB, DG, sn, SB, SG)                                           \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_fused_t##T##_##gn##_##dname##_##sn(      \
+        const uint8_t* gqs, const uint8_t* gqh, const __half* gsc, int gkp, const uint8_t* dqs,            \
+        const uint8_t* dqh, const __half* dsc, int dkp, const uint8_t* sgqs, const uint8_t* sgqh,          \
+        const __half* sgsc, int sgkp, const uint8_t* sdqs, const uint8_t* sdqh, const __half* sdsc,        \
+        int sdkp, int E, int top_k, const float* norm_w, float eps, const float* logits, int* ids,         \
+        float* weights, float* shared_scale, float* act, float* act_s, float* x, unsigned* bar) {          \
+        moe_fused_body<GB, GG, DB, DG, SB, SG, T>(                                                          \
+            QPlanes{gqs, gqh, gsc, gkp}, QPlanes{dqs, dqh, dsc, dkp}, QPlanes{sgqs, sgqh, sgsc, sgkp},       \
+            QPlanes{sdqs, sdqh, sdsc, sdkp}, E, top_k, norm_w, eps, logits, ids, weights, shared_scale, act,  \
+            act_s, x, bar);                                                                                 \
+    }
+
+NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ENTRY, 1)
+NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ENTRY, 2)
