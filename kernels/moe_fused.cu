@@ -13,21 +13,23 @@
 // gate|up [2Is, H] (rows interleaved in tiles of 16, as one expert of a bank) and down [H, Is].
 // Reference: ninfer_rt.reference.ops.moe (shared expert included). H = 1024·T (T = 1, 2), I = Is = 512.
 //
-// Work split, nb = max(k·I/16, Is/2, H/8) blocks of 256 threads, every one resident at once (moe.py checks the
+// Work split, nb = max(k·I/16, Is/2, H/16) blocks of 256 threads, every one resident at once (moe.py checks the
 // occupancy: a block waiting at the barrier for one that cannot start would wait forever). Every block routes
 // the token (warp 0, while its x loads are in flight; block 0 stores the routing) and normalises x itself.
 //   phase 1  block b < k·I/16: the routed gate/up tile b % (I/16) of expert j = b / (I/16), as gate_up_fast;
 //            block b < Is/2: act_s[2b], act_s[2b + 1] from their 2 gate and 2 up rows, thread t < 128·T one
 //            32-element chunk (row t / (32T), chunk t % (32T)), loaded before the kernel's wait;
 //   barrier  every act and act_s is written; phase 2's weights are loaded before it;
-//   phase 2  block b < H/8: x rows 8b..8b+7 as down_fast (warp w: experts w, w + 8, ..), plus the shared down's 8
-//            rows (thread t < 128: row t / 16, chunk t % 16).
+//   phase 2  block b < H/16: x rows 16b..16b+15 as down_fast does 8 (warp w: experts w, w + 8, ..), plus the
+//            shared down's 16 rows (thread t: row t / 16, chunk t % 16). The other blocks leave at the barrier, so
+//            the next kernel's blocks become resident (and load their first weights) during phase 2.
 // An expert id outside [0, E) (fewer than k candidates) makes its act NaN and the token's x NaN.
 #include "common.cuh"
 #include "moe_decode.cuh"  // block shape, the block RMSNorm, raw chunks and their dots; xcodes.cuh
 #include "moe_route.cuh"   // route_row, route_store, MOE_MAX_K
 
-#define MOE_FUSED_I 512  // I and Is: 16 chunks of a down row, one per lane of a half warp
+#define MOE_FUSED_I 512   // I and Is: 16 chunks of a down row, one per lane of a half warp
+#define MOE_FUSED_DR 16   // x rows per phase-2 block: half the blocks leave at the barrier (room for the next kernel)
 
 // A grid-wide barrier on bar, a u32 in global memory that each launch finds with its top bit either way and
 // leaves flipped: block 0 adds 2^31 - (nb - 1), the others 1, so the nb additions sum to 2^31 (the low bits come
@@ -97,10 +99,11 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     __shared__ int s_e[MOE_MAX_K];
     __shared__ float s_w[MOE_MAX_K];
     __shared__ float s_sh[1];
-    __shared__ float s_part[MOE_MAX_K * MOE_DOWN_ROWS];
-    __shared__ float s_shp[MOE_DOWN_ROWS];
+    constexpr int DR = MOE_FUSED_DR, DS = DR / 8;  // phase 2: x rows per block, sets of 8 rows per warp
+    __shared__ float s_part[MOE_MAX_K * DR];
+    __shared__ float s_shp[DR];
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bool has_gu = b < top_k * (I / 16), has_sh = b < I / 2, has_dn = b < H / MOE_DOWN_ROWS;
+    const bool has_gu = b < top_k * (I / 16), has_sh = b < I / 2, has_dn = b < H / DR;
 
     // The shared gate|up chunk depends on nothing an earlier kernel writes: in flight before the wait.
     // Row r of the group: output 2b + (r & 1), gate (r < 2) or its up row 16 further (the interleave).
@@ -193,19 +196,22 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     }
 
     // phase 2's weights and old x, before the barrier
-    const int n0 = b * MOE_DOWN_ROWS, half = lane >> 4, cl = lane & 15;
-    const float x0 = has_dn && tid < MOE_DOWN_ROWS ? __ldcg(x + n0 + tid) : 0.f;
-    QChunk<DB> qd[4];
-    auto issue = [&](int j) {  // expert j's 4 rows n0 + 4·half .. of this half warp, chunk cl
+    const int n0 = b * DR, half = lane >> 4, cl = lane & 15;
+    const float x0 = has_dn && tid < DR ? __ldcg(x + n0 + tid) : 0.f;
+    QChunk<DB> qd[DS][4];
+    auto issue = [&](int j) {  // expert j's rows n0 + 8s + 4·half .. +4 of this half warp, chunk cl
         const int ej = s_e[j];
         if (ej < 0) return;
-        const long long row0 = (long long)ej * H + n0 + 4 * half;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) qchunk_load<DB, DG>(qd[r], dn.qs, dn.qh, dn.sc, row0 + r, dn.kp, cl);
+        for (int s = 0; s < DS; ++s) {
+            const long long row0 = (long long)ej * H + n0 + 8 * s + 4 * half;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) qchunk_load<DB, DG>(qd[s][r], dn.qs, dn.qh, dn.sc, row0 + r, dn.kp, cl);
+        }
     };
     if (has_dn && warp < top_k) issue(warp);
-    QChunk<SB> qsd;
-    if (has_dn && tid < 128) qchunk_load<SB, SG>(qsd, sdn.qs, sdn.qh, sdn.sc, n0 + (tid >> 4), sdn.kp, tid & 15);
+    QChunk<SB> qsd;  // shared down: thread t < 16·DR row t / 16, chunk t % 16
+    if (has_dn && tid < 16 * DR) qchunk_load<SB, SG>(qsd, sdn.qs, sdn.qh, sdn.sc, n0 + (tid >> 4), sdn.kp, tid & 15);
 
     grid_barrier(bar, sense);  // every act and act_s is written
     if (!has_dn) return;       // whole block, after its last barrier with the grid
@@ -236,29 +242,32 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
         if (j != warp) issue(j);
         if (s_e[j] < 0) continue;  // the sum below turns NaN
-        float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
-        chunk_dots<DB>(qd, s_act + (j * NC + cl) * CB, acc);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
+        for (int s = 0; s < DS; ++s) {
+            float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+            chunk_dots<DB>(qd[s], s_act + (j * NC + cl) * CB, acc);
 #pragma unroll
-            for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // within a half
-        }
-        if (cl == 0) {
+            for (int r = 0; r < 4; ++r) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r][0];
+                for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // a half
+            }
+            if (cl == 0) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) s_part[j * DR + 8 * s + 4 * half + r] = acc[r][0];
+            }
         }
     }
-    if (tid < 128) {  // shared down: row tid / 16, summed over the half warp
+    if (tid < 16 * DR) {  // shared down: row tid / 16, summed over the half warp
         float v = chunk_dot1<SB>(qsd, s_acs + (tid & 15) * CB);
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if ((tid & 15) == 0) s_shp[tid >> 4] = v;
     }
     __syncthreads();
-    if (tid < MOE_DOWN_ROWS) {
+    if (tid < DR) {
         float total = 0.f;
         for (int j = 0; j < top_k; ++j)
-            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + tid], total);
+            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * DR + tid], total);
         x[n0 + tid] = fmaf(s_sh[0], s_shp[tid], x0 + total);
     }
 }

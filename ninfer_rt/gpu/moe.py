@@ -193,6 +193,7 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
 # keeps the router GEMV + gate_up_routed + down with the shared expert on a side stream (bench/planner_ab.py).
 FUSED_DECODE = True
 FUSED_I = 512  # the routed and shared intermediate sizes moe_fused.cu is written for
+FUSED_DOWN_ROWS = 16  # x rows per block of moe_fused's down phase (MOE_FUSED_DR)
 
 
 def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
@@ -212,7 +213,7 @@ def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: D
         fn = k.fn(name)
     except GpuError:
         return None  # no entry for this format triple
-    grid = max(top_k * FUSED_I // 16, FUSED_I // 2, H // DOWN_ROWS)
+    grid = max(top_k * FUSED_I // 16, FUSED_I // 2, H // FUSED_DOWN_ROWS)
     smem = max(2 * H // 32, (top_k + 1) * FUSED_I // 32) * QCHUNK  # phase 2's records reuse phase 1's bytes
     if smem > k.gpu.info.max_smem_per_block_optin - SMEM_STATIC:
         return None
