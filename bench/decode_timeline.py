@@ -86,8 +86,9 @@ def _block_stats(r: np.ndarray) -> dict:
     """How one launch's blocks spread (µs): the share of late blocks (the first warp reached its wait more than
     0.5 µs after the release: not resident yet, or still issuing its pre-wait loads), block exits at the
     50th/90th percentile and last, relative to the release; the mean exit of late blocks minus that of the
-    others; whether the last block out was late; the mean spread of warp exits inside a block; and the SMs of
-    the last LAST_OUT blocks out, to tell slow SMs from late starts."""
+    others; whether the last block out was late; the mean spread of warp exits inside a block; the SMs of the
+    last LAST_OUT blocks out, to tell slow SMs from late starts; and the rank correlation of the blocks' entries
+    with their index (1: blocks enter in index order, so a static split could give later ones less work)."""
     order = np.argsort(r["block"], kind="stable")
     r = r[order]
     starts = np.flatnonzero(np.r_[True, r["block"][1:] != r["block"][:-1]])
@@ -99,11 +100,14 @@ def _block_stats(r: np.ndarray) -> dict:
     late = entry > release + 500  # ns
     lag = float(exit_[late].mean() - exit_[~late].mean()) / 1e3 if late.any() and (~late).any() else 0.0
     q = lambda v: round((float(v) - release) / 1e3, 3)  # noqa: E731
+    rank = np.argsort(np.argsort(entry, kind="stable"), kind="stable").astype(np.float64)
+    order_corr = float(np.corrcoef(np.arange(rank.size), rank)[0, 1]) if rank.size > 1 else 0.0
     return {"late_blocks": float(late.mean()), "exit_p50": q(np.percentile(exit_, 50)),
             "exit_p90": q(np.percentile(exit_, 90)), "exit_max": q(exit_.max()), "late_exit_lag": round(lag, 3),
             "last_out_was_late": bool(late[np.argmax(exit_)]),
             "warp_spread": round(float((exit_ - first_out).mean()) / 1e3, 3),
-            "last_out_sms": [int(v) for v in sm[np.argsort(-exit_, kind="stable")[:LAST_OUT]]]}
+            "last_out_sms": [int(v) for v in sm[np.argsort(-exit_, kind="stable")[:LAST_OUT]]],
+            "entry_index_corr": round(order_corr, 3)}
 
 
 def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
@@ -164,13 +168,14 @@ def _tables(console, title: str, rows: list[dict]) -> None:
     console.print(table)
     table = Table(title=f"{title}: how blocks end, µs after the release (mean per launch)")
     for col in ("kernel", "stream", "late blocks", "exit p50", "p90", "last", "late blocks' lag", "last out late",
-                "warp spread"):
+                "warp spread", "entry ~ index"):
         table.add_column(col, justify="left" if col in ("kernel", "stream") else "right")
     for (kern, stream), rs in groups:
         mean = lambda key: statistics.fmean(float(r[key]) for r in rs)  # noqa: E731
         table.add_row(kern, stream, f"{100 * mean('late_blocks'):.0f}%", f"{mean('exit_p50'):.2f}",
                       f"{mean('exit_p90'):.2f}", f"{mean('exit_max'):.2f}", f"{mean('late_exit_lag'):.2f}",
-                      f"{100 * mean('last_out_was_late'):.0f}%", f"{mean('warp_spread'):.2f}")
+                      f"{100 * mean('last_out_was_late'):.0f}%", f"{mean('warp_spread'):.2f}",
+                      f"{mean('entry_index_corr'):+.2f}")
     console.print(table)
     gemvs = [r for r in rows if r["kernel"].startswith("gemv_") and "_s1" in r["kernel"]]
     if gemvs:

@@ -32,6 +32,9 @@ def test_block_stats_separate_late_blocks_and_their_lag():
     assert s["late_exit_lag"] == pytest.approx(3.6)  # 9000 - 5400
     assert s["warp_spread"] == pytest.approx(0.2)  # block 0: 400 ns, block 1: 0
     assert s["last_out_sms"] == [101, 100]  # the last block out first
+    assert s["entry_index_corr"] == pytest.approx(1.0)  # block 1 entered after block 0
+    r2 = stamps([(7, 0, 0, 900, 1000, 5000), (7, 1, 0, 0, 1000, 5000), (7, 2, 0, 500, 1000, 5000)])
+    assert _block_stats(r2)["entry_index_corr"] == pytest.approx(-0.5)  # entry ranks 2, 0, 1 against 0, 1, 2
 
 
 def test_launch_rows_match_grids_in_order_per_image_and_chain_the_gaps():
