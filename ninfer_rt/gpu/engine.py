@@ -149,7 +149,7 @@ class GpuModel:
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
-        # decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
+        # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self.side = gpu.new_stream()
         self._fork, self._join = Event(timing=False), Event(timing=False)
         # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
