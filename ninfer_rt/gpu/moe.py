@@ -9,9 +9,11 @@ column E) come from the plain GEMV over the fused [E+1, H] router; then
 
 gate_up_routed does route and gate_up in one launch, on the residual stream x with the post-attention RMSNorm
 applied in the kernel (the router GEMV fuses the same norm), so a decode layer needs no separate norm either.
-The shared expert is computed apart with the plain GEMV. Reference: ninfer_rt.reference.ops.moe. The fast paths
-(q banks at decode shapes) take x̂ and act as int16 codes per 32 elements (ninfer_rt.reference.ops.act_codes16)
-and exact integer dot products, as the decode GEMVs do; the general paths fp32.
+The shared expert is computed apart with the plain GEMV. One token (M = 1) can instead take `fused`
+(kernels/moe_fused.cu): after the router GEMV, routing, both gate/ups, a grid-wide barrier and both downs in one
+launch. Reference: ninfer_rt.reference.ops.moe. The fast paths (q banks at decode shapes) take x̂ and act as
+int16 codes per 32 elements (ninfer_rt.reference.ops.act_codes16) and exact integer dot products, as the decode
+GEMVs do; the general paths fp32.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
 QCHUNK = x_chunk_bytes(1, True)  # shared-memory bytes per 32 activations as int16 codes in the fast paths
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
-SMEM_STATIC = 1024  # upper bound of the kernels' static shared memory
+SMEM_STATIC = 2048  # upper bound of the kernels' static shared memory (moe_fused: 1.4 KB)
 
 
 def _check_ptrs(op: str, **ptrs: int) -> None:
