@@ -322,15 +322,7 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         store_codes4<1, XQ>(s_q + (i4 >> 3) * CB, 0, 4 * (i4 & 7), xr[t], true);
     }
     __syncthreads();
-    float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
-#pragma unroll
-    for (int t = 0; t < T; ++t) chunk_dots<BITS>(q[t], s_q + (lane + 32 * t) * CB, acc);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) acc[r][0] = warp_sum(acc[r][0]);
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
-    }
+    tile_dots<BITS, T>(q, s_q, s_out);
     __syncthreads();
     if (tid < 16) out[tid] = siluf_(s_out[tid]) * s_out[16 + tid];
 }
@@ -375,24 +367,8 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
         }
     };
     if (warp < top_k) issue(warp);
-    {
-        // n4 = top_k·128·T float4: a multiple of 32, so each pass is whole warps (the shuffles need them)
-        const float4* a4 = reinterpret_cast<const float4*>(act + (long long)m * top_k * I);
-        const int n4 = top_k * I / 4;
-        for (int i0 = 0; i0 < n4; i0 += 4 * MOE_THREADS) {
-            float4 v[4];
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int i4 = i0 + MOE_THREADS * b + tid;
-                if (i4 < n4) v[b] = __ldg(a4 + i4);
-            }
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int i4 = i0 + MOE_THREADS * b + tid;
-                if (i4 < n4) store_codes4<1, XQ>(s_q + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[b], true);
-            }
-        }
-    }
+    // top_k·128·T float4s: a multiple of 32
+    stage_codes<XQ, false>(s_q, reinterpret_cast<const float4*>(act + (long long)m * top_k * I), top_k * I / 4);
     __syncthreads();
     const int nc = I / 32;
     for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp

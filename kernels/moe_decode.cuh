@@ -72,3 +72,41 @@ __device__ __forceinline__ void chunk_dots(const QChunk<BITS> (&q)[4], const uin
         compute_unit_q<BITS, 1, 4>(d, rec, half, acc);
     }
 }
+
+// n4 float4s of src (a multiple of 32: every pass is whole warps, for the shuffles) as int16 chunk records in
+// dst (xcodes.cuh, XQ order), 4 loads a thread in flight per pass. L2: load through L2 only (src was written
+// by the same kernel), else by the read-only path.
+template <int XQ, bool L2>
+__device__ __forceinline__ void stage_codes(uint8_t* dst, const float4* __restrict__ src, int n4) {
+    constexpr int CB = qchunk_bytes(1);
+    for (int i0 = 0; i0 < n4; i0 += 4 * MOE_THREADS) {
+        float4 v[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int i4 = i0 + MOE_THREADS * b + threadIdx.x;
+            if (i4 < n4) v[b] = L2 ? __ldcg(src + i4) : __ldg(src + i4);
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int i4 = i0 + MOE_THREADS * b + threadIdx.x;
+            if (i4 < n4) store_codes4<1, XQ>(dst + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[b], true);
+        }
+    }
+}
+
+// A gate/up tile's 32 row dots: warp w's 4 rows (q[t][r]: chunk lane + 32t of row r) against the records xs, summed
+// over the warp; s_out[4w + r] = row r's total.
+template <int BITS, int T>
+__device__ __forceinline__ void tile_dots(const QChunk<BITS> (&q)[T][4], const uint8_t* xs, float* s_out) {
+    constexpr int CB = qchunk_bytes(1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+#pragma unroll
+    for (int t = 0; t < T; ++t) chunk_dots<BITS>(q[t], xs + (lane + 32 * t) * CB, acc);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[r][0] = warp_sum(acc[r][0]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
+    }
+}

@@ -166,17 +166,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         }
     }
     __syncthreads();
-    if (e >= 0) {
-        float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
-#pragma unroll
-        for (int t = 0; t < T; ++t) chunk_dots<GB>(q[t], s_hg + (lane + 32 * t) * CB, acc);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[r][0] = warp_sum(acc[r][0]);
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
-        }
-    }
+    if (e >= 0) tile_dots<GB, T>(q, s_hg, s_out);
     if (has_sh) {  // warps 0..4T-1 hold the rows' chunks (T warps a row), the others add 0
         const float v = warp_sum(sh_lane ? chunk_dot1<SB>(qsg, s_hs + sck * CB) : 0.f);
         if (lane == 0) s_sgp[warp] = v;
@@ -216,28 +206,9 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     grid_barrier(bar, sense);  // every act and act_s is written
     if (!has_dn) return;       // whole block, after its last barrier with the grid
 
-    // act (k·I) and act_s (I) as int16 chunk records; n4 = k·128 float4s: whole warps per pass (shuffles)
-    {
-        const float4* a4 = reinterpret_cast<const float4*>(act);
-        const int n4 = top_k * I / 4;
-        for (int i0 = 0; i0 < n4; i0 += 4 * MOE_THREADS) {
-            float4 v[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int i4 = i0 + MOE_THREADS * c + tid;
-                if (i4 < n4) v[c] = __ldcg(a4 + i4);
-            }
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int i4 = i0 + MOE_THREADS * c + tid;
-                if (i4 < n4) store_codes4<1, XD>(s_act + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[c], true);
-            }
-        }
-        if (tid < I / 4) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(act_s) + tid);
-            store_codes4<1, XS>(s_acs + (tid >> 3) * CB, 0, 4 * (tid & 7), v, true);
-        }
-    }
+    // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
+    stage_codes<XD, true>(s_act, reinterpret_cast<const float4*>(act), top_k * I / 4);
+    stage_codes<XS, true>(s_acs, reinterpret_cast<const float4*>(act_s), I / 4);
     __syncthreads();
     for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
         if (j != warp) issue(j);
