@@ -252,6 +252,33 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
     return k
 
 
+def test_fused_moe_plan_and_misuse():
+    """moe.fused_kernel on a made-up GPU with the 35B's MoE shapes: the entry point named by the format triple,
+    max(k·I/16, I/2, H/16) = 256 blocks, and dynamic shared memory max(2·H/32, (k+1)·I/32) int16 chunk records;
+    None when the SMs cannot hold every block at once (the grid barrier would wait forever). moe.fused launches
+    that plan and refuses misuse in one line before launching."""
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.driver import GpuError
+    from ninfer_rt.gpu.weights import DeviceWeight
+
+    k = fake_kernels(9, 0, smem_optin=227 * 1024)
+    k.gpu.max_active_blocks = lambda fn, threads, smem: 2
+    ws = (DeviceWeight("gu", "q4g64", (256, 1024, 2048), 256), DeviceWeight("dn", "q5g64", (256, 2048, 512), 256),
+          DeviceWeight("sgu", "q8g32", (1024, 2048), 256), DeviceWeight("sdn", "q8g32", (2048, 512), 256))
+    plan = moe.fused_kernel(k, *ws, 8)
+    assert plan == ("moe_fused_t2_q4g64_q5g64_q8g32", 256, max(2 * 2048 // 32, 9 * 512 // 32) * moe.QCHUNK)
+    ok = dict(x=1 << 20, norm_w=1 << 21, eps=1e-6, logits=1 << 22, E=256, top_k=8, ids=1 << 23, weights=1 << 24,
+              shared_scale=1 << 25, act=1 << 26, act_s=1 << 27, barrier=1 << 28)
+    moe.fused(k, plan, *ws, **ok)
+    assert k.gpu.launches == [(plan[0], 256, 256, None)]  # (entry point, grid, block, cluster)
+    for change, what in [(dict(x=(1 << 20) + 4), "16-byte aligned"), (dict(barrier=0), "barrier is a null pointer"),
+                         (dict(E=128), "holds 256 experts"), (dict(top_k=17), "top_k=17 outside")]:
+        with pytest.raises(GpuError, match=what):
+            moe.fused(k, plan, *ws, **{**ok, **change})
+    k.gpu.max_active_blocks = lambda fn, threads, smem: 1  # 132 blocks at once: fewer than 256
+    assert moe.fused_kernel(k, *ws, 8) is None
+
+
 def test_sampler_plan():
     """misc.sample on 2 rows of the family's 248,320-entry vocabulary: the histogram zeroed, then sample_hist and
     sample_compact over 31 segments of 8192 entries per row, then one sample_rows block per row; the scratch holds

@@ -242,6 +242,9 @@ def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeig
     kernel touches while this one runs (each launch flips its top bit and leaves the rest as it found it).
     """
     name, grid, smem = plan
+    if E != gate_up.shape[0]:
+        raise GpuError(f"moe.fused: E={E} router columns but bank {gate_up.name} holds {gate_up.shape[0]} experts")
+    _check_rows("fused", 1, top_k)
     _check_logits("fused", E, top_k, E + 1)
     _check_ptrs("fused", x=x, norm_w=norm_w, logits=logits, ids=ids, weights=weights, shared_scale=shared_scale,
                 act=act, act_s=act_s, barrier=barrier)
