@@ -16,8 +16,8 @@ Per launch, in µs:
     late     last warp entry minus release: warps that reached the wait only after it had been released (not
              resident yet, or still issuing their pre-wait loads)
 and how its blocks end (a block's entry is its first warp's, its exit its last warp's): the share of late blocks
-(entry more than 0.5 µs after the release), exit percentiles, how much later the late blocks end, and whether the
-last block out was a late one.
+(entry more than 0.5 µs after the release), exit percentiles, how much later the late blocks end, whether the
+last block out was a late one, and the rank correlation of the blocks' entries with their index.
 
 The stamps cost a few instructions and one atomic per warp, so the stamped step is somewhat slower than the
 plain one (its replay time is printed beside the table). A wrong match would show as a negative gap: their count
