@@ -60,8 +60,8 @@ def _row_strides(name: str, M: int, D: int, ldx: int | None, ldy: int | None) ->
 
 
 def _row_block(D: int) -> int:
-    """Threads of a row-wise block (kernels/norm.cu, one block per row): one float4 of the row each, in whole
-    warps, at most 1024."""
+    """Threads of a block that takes a whole row (kernels/norm.cu; argmax_rows when a row is one slice): one float4
+    of the row each, in whole warps, at most 1024."""
     return min(1024, round_up((D + 3) // 4, 32))
 
 
@@ -128,7 +128,7 @@ def argmax(k, *, logits: int, ld: int, M: int, V: int, out: int, scratch: int = 
         chunk, nsplit = V, 1
     part_v = scratch
     part_i = scratch + M * ARGMAX_MAX_SPLIT * 4 if scratch else 0
-    block = 256 if nsplit > 1 else min(1024, round_up((V + 3) // 4, 32))
+    block = 256 if nsplit > 1 else _row_block(V)
     k.launch("argmax_rows", (nsplit, M), block,
              [ptr(logits), i64(ld), i32(V), i32(chunk), ptr(part_v), ptr(part_i), ptr(out)], 0, stream)
     if nsplit > 1:
