@@ -220,12 +220,14 @@ def main() -> None:
     out = {"device": gpu.info.name, "arch": gpu.info.arch, "context": args.context, "models": {}}
     for name in args.model:
         with synthetic_model(gpu, k, name, context_bucket(args.context + 1)) as model:
-            launches = []
+            launches, images = [], {}  # images: entry point -> the image holding it, looked up once
             plain_launch, weight = k.launch, [""]
 
             def logged(fn, grid, block, a, smem=0, stream=None, cluster=None):
                 label = f"{fn} {weight[0]}".strip()
-                launches.append((label, _image_of(k, fn), "side" if stream is model.side else "main"))
+                if fn not in images:
+                    images[fn] = _image_of(k, fn)
+                launches.append((label, images[fn], "side" if stream is model.side else "main"))
                 plain_launch(fn, grid, block, a, smem, stream, cluster)
 
             plain_linear = type(model)._linear
