@@ -17,7 +17,8 @@ Per launch, in µs:
              resident yet, or still issuing their pre-wait loads)
 and how its blocks end (a block's entry is its first warp's, its exit its last warp's): the share of late blocks
 (entry more than 0.5 µs after the release), exit percentiles, how much later the late blocks end, whether the
-last block out was a late one, and the rank correlation of the blocks' entries with their index.
+last block out was a late one, and the rank correlation of the blocks' entries with their index. Kernels that
+place NINFER_TL_MARK(i) get a third table: per slot, when the warps reached it (median and last, after the release).
 
 The stamps cost a few instructions and one atomic per warp, so the stamped step is somewhat slower than the
 plain one (its replay time is printed beside the table). A wrong match would show as a negative gap: their count
@@ -41,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import synthetic_model, time_fresh_step  # noqa: E402
 
-RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("block", "<u4"),
-                   ("warp", "<u4"), ("smid", "<u4"), ("line", "<u4")])  # NinferTlRecord
+MARKS = 6  # NINFER_TL_MARKS
+RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("mark", "<u8", (MARKS,)),
+                   ("block", "<u4"), ("warp", "<u4"), ("smid", "<u4"), ("line", "<u4")])  # NinferTlRecord
 LAST_OUT = 8  # blocks whose SMs each launch's row names: the last ones out
 
 
@@ -110,6 +112,19 @@ def _block_stats(r: np.ndarray) -> dict:
             "entry_index_corr": round(order_corr, 3)}
 
 
+def _marks(r: np.ndarray) -> list:
+    """Per NINFER_TL_MARK slot, the warps that reached it: [p50, max] µs after the launch's release (None: no
+    warp did)."""
+    release = float(r["post"].min())
+    out = []
+    for i in range(MARKS):
+        m = r["mark"][:, i]
+        m = m[m != 0].astype(np.float64)
+        out.append(None if m.size == 0 else [round((float(np.percentile(m, 50)) - release) / 1e3, 3),
+                                             round((float(m.max()) - release) / 1e3, 3)])
+    return out
+
+
 def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
     """One row per enqueued launch (name, image, stream), matched to its grid's stamps: per image, grids in
     ascending grid id are the launches in enqueue order."""
@@ -126,7 +141,7 @@ def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
         rows.append({"kernel": name, "stream": stream, "warps": int(r.size), "blocks": int(np.unique(r["block"]).size),
                      "first_entry": int(r["pre"].min()), "last_entry": int(r["pre"].max()),
                      "release": int(r["post"].min()), "median_exit": int(np.median(r["exit"])),
-                     "last_exit": int(r["exit"].max()), **_block_stats(r)})
+                     "last_exit": int(r["exit"].max()), "marks": _marks(r), **_block_stats(r)})
     t0 = min(r["first_entry"] for r in rows)
     last_on = {}
     for r in rows:
@@ -177,6 +192,21 @@ def _tables(console, title: str, rows: list[dict]) -> None:
                       f"{100 * mean('last_out_was_late'):.0f}%", f"{mean('warp_spread'):.2f}",
                       f"{mean('entry_index_corr'):+.2f}")
     console.print(table)
+    marked = [(key, rs) for key, rs in groups if any(m is not None for m in rs[0]["marks"])]
+    if marked:
+        table = Table(title=f"{title}: NINFER_TL_MARK slots, µs after the release (mean per launch of the warps' "
+                            "median / last)")
+        table.add_column("kernel")
+        for i in range(MARKS):
+            table.add_column(f"mark {i}", justify="right")
+        for (kern, _), rs in marked:
+            cells = []
+            for i in range(MARKS):
+                got = [r["marks"][i] for r in rs if r["marks"][i] is not None]
+                cells.append("" if not got else f"{statistics.fmean(g[0] for g in got):.2f} / "
+                                                f"{statistics.fmean(g[1] for g in got):.2f}")
+            table.add_row(kern, *cells)
+        console.print(table)
     gemvs = [r for r in rows if r["kernel"].startswith("gemv_") and "_s1" in r["kernel"]]
     if gemvs:
         seen = Counter(sm for r in gemvs for sm in r["last_out_sms"])

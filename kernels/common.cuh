@@ -160,8 +160,9 @@ __device__ __forceinline__ void ninfer_pdl_begin() {
 #ifdef NINFER_TIMELINE
 #define NINFER_TL_SMS 256      // SM ids covered
 #define NINFER_TL_PER_SM 8192  // records per SM and image
+#define NINFER_TL_MARKS 6      // NINFER_TL_MARK slots per warp
 struct NinferTlRecord {
-    unsigned long long grid, pre, post, exit;
+    unsigned long long grid, pre, post, exit, mark[NINFER_TL_MARKS];
     unsigned int block, warp, smid, line;
 };
 __device__ unsigned int ninfer_tl_count[NINFER_TL_SMS];
@@ -173,15 +174,25 @@ __device__ __forceinline__ unsigned long long ninfer_clock() {
     return t;
 }
 
+// The time at a point of the program order: no memory access moves across it (a mark after a barrier or after a
+// loaded value's first use times the data's arrival, not the load's issue).
+__device__ __forceinline__ unsigned long long ninfer_clock_fenced() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");
+    return t;
+}
+
 struct NinferStamp {
-    unsigned long long pre, post;
+    unsigned long long pre, post, mark[NINFER_TL_MARKS];
     unsigned int line;
-    __device__ explicit NinferStamp(unsigned int l) : pre(ninfer_clock()), post(0), line(l) {}
+    __device__ explicit NinferStamp(unsigned int l) : pre(ninfer_clock()), post(0), mark{}, line(l) {}
     __device__ ~NinferStamp() {  // at the kernel's exit: the stamp lives in the kernel body's scope
         if (threadIdx.x & 31) return;
         NinferTlRecord r;
         r.exit = ninfer_clock();
         r.pre = pre, r.post = post, r.line = line, r.warp = threadIdx.x >> 5;
+#pragma unroll
+        for (int i = 0; i < NINFER_TL_MARKS; ++i) r.mark[i] = mark[i];
         r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(r.grid));
         asm volatile("mov.u32 %0, %%smid;" : "=r"(r.smid));
@@ -194,4 +205,9 @@ struct NinferStamp {
     NinferStamp ninfer_stamp_(__LINE__); \
     (ninfer_pdl_begin)(); \
     ninfer_stamp_.post = ninfer_clock()
+// NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
+// same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.
+#define NINFER_TL_MARK(i) (ninfer_stamp_.mark[i] = ninfer_clock_fenced())
+#else
+#define NINFER_TL_MARK(i) ((void)0)
 #endif

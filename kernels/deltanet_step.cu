@@ -253,6 +253,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     }
 
     // conv of this block's channels into sq/sk/sv (this block's copies); taps summed in order as deltanet_conv
+    NINFER_TL_MARK(0);  // b|a partial dots done
     cp_async_wait<0>();
     for (int ci = tid; ci < nch; ci += nt) {
         if (ci != tid) load_taps(channel(ci));  // more channels than threads (small dv at C = 1)
@@ -267,6 +268,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         }
     }
     __syncthreads();
+    NINFER_TL_MARK(1);  // conv done
     cluster_wait<C>();  // every block of the cluster has started: stores into its shared memory may begin
     if (tid < 3 * T) {  // this block's b|a sums into every block
         float v = 0.f;
@@ -281,6 +283,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     }
     // global stores (ring, state) wait until after the last barrier: its release fence would wait for them
     cluster_sync<C>();
+    NINFER_TL_MARK(2);
 
     // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
     const float q_scale = rsqrtf((float)DK);
@@ -322,6 +325,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     };
     if constexpr (C == 1) store_state();
     __syncthreads();
+    NINFER_TL_MARK(3);  // the delta rule done
 
     // Σ o² over this block's columns, one warp per token, into every block
     for (int t = warp; t < T; t += nw) {
@@ -331,6 +335,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         if (lane == 0) store_all<C>(&opart[c][t], ss);
     }
     cluster_sync<C>();
+    NINFER_TL_MARK(4);
 
     // y = (w · o·rsqrt(mean(o²) + eps)) · SiLU(z) for this block's columns
     for (int it = tid; it < T * cols; it += nt) {

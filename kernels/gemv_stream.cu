@@ -195,6 +195,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     } else if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
+    NINFER_TL_MARK(0);  // x̂ staged
     float inv = 1.f;
     if (norm_w) {
         float t = 0.f;
