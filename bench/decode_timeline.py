@@ -125,9 +125,19 @@ def _marks(r: np.ndarray) -> list:
     return out
 
 
-def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
+def _warp_records(r: np.ndarray) -> list[list]:
+    """Each warp's stamps as [block, warp, SM, entry, wait return, exit, mark 0..], µs after the release (marks
+    never reached: None)."""
+    release = float(r["post"].min())
+    us = lambda v: round((float(v) - release) / 1e3, 3)  # noqa: E731
+    return [[int(w["block"]), int(w["warp"]), int(w["smid"]), us(w["pre"]), us(w["post"]), us(w["exit"]),
+             *[us(m) if m else None for m in w["mark"]]] for w in np.sort(r, order=["block", "warp"])]
+
+
+def _launch_rows(launches, recs: dict[str, np.ndarray], keep: str | None = None) -> list[dict]:
     """One row per enqueued launch (name, image, stream), matched to its grid's stamps: per image, grids in
-    ascending grid id are the launches in enqueue order."""
+    ascending grid id are the launches in enqueue order. Launches whose label contains keep also carry every
+    warp's stamps."""
     grids = {img: sorted(set(r["grid"].tolist())) for img, r in recs.items()}
     taken = defaultdict(int)
     rows = []
@@ -142,6 +152,8 @@ def _launch_rows(launches, recs: dict[str, np.ndarray]) -> list[dict]:
                      "first_entry": int(r["pre"].min()), "last_entry": int(r["pre"].max()),
                      "release": int(r["post"].min()), "median_exit": int(np.median(r["exit"])),
                      "last_exit": int(r["exit"].max()), "marks": _marks(r), **_block_stats(r)})
+        if keep and keep in name:
+            rows[-1]["warp_records"] = _warp_records(r)
     t0 = min(r["first_entry"] for r in rows)
     last_on = {}
     for r in rows:
@@ -225,6 +237,8 @@ def main() -> None:
     ap.add_argument("--smem-carveout", type=int, default=None,
                     help="shared-memory carveout (percent) every kernel prefers; default: the runtime's")
     ap.add_argument("--json", type=Path, help="also write every launch's row as JSON here")
+    ap.add_argument("--warps", metavar="TEXT",
+                    help="in the JSON, every warp's stamps of the launches whose label contains TEXT")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -281,7 +295,7 @@ def main() -> None:
             _reset(gpu, k)
             graph.launch(gpu.stream)
             gpu.synchronize()
-            rows = _launch_rows(launches, _records(gpu, k))
+            rows = _launch_rows(launches, _records(gpu, k), args.warps)
         span = max(r["last_exit"] for r in rows) - min(r["release"] for r in rows)
         main = [r for r in rows if r["stream"] == "main"]
         console.print(f"{name} @ {args.context}: stamped step {1e3 * step_s:.3f} ms (graph replay); the stamped "

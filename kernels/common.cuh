@@ -174,8 +174,9 @@ __device__ __forceinline__ unsigned long long ninfer_clock() {
     return t;
 }
 
-// The time at a point of the program order: no memory access moves across it (a mark after a barrier or after a
-// loaded value's first use times the data's arrival, not the load's issue).
+// The time at a point of the program order: no memory access moves across it (a mark after a loaded value's first
+// use times the data's arrival, not the load's issue). ptxas may still read it before a block barrier just above
+// it: a warp that waits there then shows its arrival, and the last warp the release.
 __device__ __forceinline__ unsigned long long ninfer_clock_fenced() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");

@@ -153,6 +153,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
                 qchunk_load<GB, GG>(q[t][r], gu.qs, gu.qh, gu.sc, row0 + r, gu.kp, lane + 32 * t);
         }
     }
+    NINFER_TL_MARK(1);  // the tile's loads issued
     {
         const float4* w4 = reinterpret_cast<const float4*>(norm_w);
         const float rs = rms_scale(s_red, H, eps);
@@ -167,13 +168,14 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         }
     }
     __syncthreads();
+    NINFER_TL_MARK(2);  // h staged
     if (e >= 0) tile_dots<GB, T>(q, s_hg, s_out);
     if (has_sh) {  // warps 0..4T-1 hold the rows' chunks (T warps a row), the others add 0
         const float v = warp_sum(sh_lane ? chunk_dot1<SB>(qsg, s_hs + sck * CB) : 0.f);
         if (lane == 0) s_sgp[warp] = v;
     }
     __syncthreads();
-    NINFER_TL_MARK(1);  // the gate/up tile's weights arrived and are summed
+    NINFER_TL_MARK(3);  // the gate/up tile's weights arrived and are summed
     if (has_gu && tid < 16)
         act[(long long)pair * I + tile * 16 + tid] =
             e >= 0 ? siluf_(s_out[tid]) * s_out[16 + tid] : __int_as_float(0x7fc00000);
@@ -205,16 +207,15 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     QChunk<SB> qsd;  // shared down: thread t < 16·DR row t / 16, chunk t % 16
     if (has_dn && tid < 16 * DR) qchunk_load<SB, SG>(qsd, sdn.qs, sdn.qh, sdn.sc, n0 + (tid >> 4), sdn.kp, tid & 15);
 
-    NINFER_TL_MARK(2);         // phase 2's loads issued
     grid_barrier(bar, sense);  // every act and act_s is written
-    NINFER_TL_MARK(3);
+    NINFER_TL_MARK(4);
     if (!has_dn) return;       // whole block, after its last barrier with the grid
 
     // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
     stage_codes<XD, true>(s_act, reinterpret_cast<const float4*>(act), top_k * I / 4);
     stage_codes<XS, true>(s_acs, reinterpret_cast<const float4*>(act_s), I / 4);
     __syncthreads();
-    NINFER_TL_MARK(4);  // act staged
+    NINFER_TL_MARK(5);  // act staged
     for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
         if (j != warp) issue(j);
         if (s_e[j] < 0) continue;  // the sum below turns NaN
@@ -240,7 +241,6 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         if ((tid & 15) == 0) s_shp[tid >> 4] = v;
     }
     __syncthreads();
-    NINFER_TL_MARK(5);  // the down rows summed
     if (tid < DR) {
         float total = 0.f;
         for (int j = 0; j < top_k; ++j)
