@@ -27,7 +27,7 @@ __device__ __forceinline__ float exp_accurate(float x) {
 // Order: larger logit first, equal logits by lower index; ±0 and subnormals compare equal (the build flushes
 // them: --use_fast_math), so they tie and go by index; NaN is never picked, -inf is (last, weight 0); when no
 // candidate is left a round yields (id 0x7fffffff, logit -inf).
-// Lane holds logits lane + 32s (s < 16) in registers as order-preserving uint32 keys (0 = not a candidate); a
+// Lane holds logits lane + 32s (s < SLOTS) in registers as order-preserving uint32 keys (0 = not a candidate); a
 // round takes each lane's best by a slot tree (lower slot wins ties), the warp max key by one redux, the
 // lowest index holding it by a second, and the owner lane marks that slot taken.
 #define ROUTE_SLOTS (MOE_MAX_E / 32)
@@ -50,33 +50,34 @@ struct RouteRow {
     float shared;  // every lane: sigmoid(l[E])
 };
 
-// Route one row l[0..E] with the whole calling warp (E <= MOE_MAX_E, top_k <= 32, both warp-uniform).
-__device__ __forceinline__ RouteRow route_row(const float* __restrict__ l, int E, int top_k) {
+// Route one row l[0..E] with the whole calling warp, E <= 32·SLOTS (route_row picks SLOTS).
+template <int SLOTS>
+__device__ __forceinline__ RouteRow route_row_slots(const float* __restrict__ l, int E, int top_k) {
     const int lane = threadIdx.x & 31;
     const float g = __ldg(l + E);
     // Every load issued before any is used: unconditional loads (past E, of l[E]), so that the compiler cannot
     // put each one in a branch with its use (that made 8 L2 round trips in series: ~3.5 µs per decode MoE).
-    float v[ROUTE_SLOTS];
+    float v[SLOTS];
 #pragma unroll
-    for (int s = 0; s < ROUTE_SLOTS; ++s) v[s] = __ldg(l + min(lane + 32 * s, E));
-    uint32_t key[ROUTE_SLOTS];
+    for (int s = 0; s < SLOTS; ++s) v[s] = __ldg(l + min(lane + 32 * s, E));
+    uint32_t key[SLOTS];
 #pragma unroll
-    for (int s = 0; s < ROUTE_SLOTS; ++s) key[s] = lane + 32 * s < E ? route_key(v[s]) : 0u;
+    for (int s = 0; s < SLOTS; ++s) key[s] = lane + 32 * s < E ? route_key(v[s]) : 0u;
     uint32_t taken = 0;  // bit s: slot s already picked
     float top = 0.f;
     RouteRow r = {0, 0.f, 0.f};
     for (int j = 0; j < top_k; ++j) {
-        uint32_t k2[ROUTE_SLOTS];
-        int s2[ROUTE_SLOTS];
+        uint32_t k2[SLOTS];
+        int s2[SLOTS];
 #pragma unroll
-        for (int s = 0; s < ROUTE_SLOTS; ++s) {
+        for (int s = 0; s < SLOTS; ++s) {
             k2[s] = ((taken >> s) & 1u) ? 0u : key[s];
             s2[s] = s;
         }
 #pragma unroll
-        for (int st = 1; st < ROUTE_SLOTS; st <<= 1) {
+        for (int st = 1; st < SLOTS; st <<= 1) {
 #pragma unroll
-            for (int s = 0; s < ROUTE_SLOTS; s += 2 * st) {
+            for (int s = 0; s < SLOTS; s += 2 * st) {
                 if (k2[s + st] > k2[s]) { k2[s] = k2[s + st]; s2[s] = s2[s + st]; }
             }
         }
@@ -93,6 +94,12 @@ __device__ __forceinline__ RouteRow route_row(const float* __restrict__ l, int E
     const float e = exp_accurate(-fabsf(g));  // sigmoid without overflow in exp: the exponent is always <= 0
     r.shared = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
     return r;
+}
+
+// Route one row l[0..E] with the whole calling warp (E <= MOE_MAX_E, top_k <= 32, both warp-uniform). Rows of at
+// most 256 experts (the family's) take 8 slots a lane: each round's slot tree is half as long, same choices.
+__device__ __forceinline__ RouteRow route_row(const float* __restrict__ l, int E, int top_k) {
+    return E <= 256 ? route_row_slots<8>(l, E, top_k) : route_row_slots<ROUTE_SLOTS>(l, E, top_k);
 }
 
 // Row m's outputs: ids int32 [., top_k], weights fp32 [., top_k], shared_scale fp32 [.] (from the routing warp).
