@@ -11,15 +11,40 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from decode_timeline import RECORD, _block_stats, _family, _launch_rows  # noqa: E402
+from decode_timeline import MARKS, RECORD, _block_stats, _family, _launch_rows, _marks, _warp_records  # noqa: E402
 
 
-def stamps(rows) -> np.ndarray:
-    """Records from (grid, block, warp, pre, post, exit) tuples, in ns; block b runs on SM 100 + b."""
+def stamps(rows, marks=None) -> np.ndarray:
+    """Records from (grid, block, warp, pre, post, exit) tuples, in ns; block b runs on SM 100 + b; marks[i]: row
+    i's NINFER_TL_MARK times by slot (0: not reached)."""
     r = np.zeros(len(rows), RECORD)
     for i, (grid, block, warp, pre, post, exit_) in enumerate(rows):
-        r[i] = (grid, pre, post, exit_, block, warp, 100 + block, 0)
+        m = [0] * MARKS
+        for slot, t in (marks or {}).get(i, {}).items():
+            m[slot] = t
+        r[i] = (grid, pre, post, exit_, m, block, warp, 100 + block, 0)
     return r
+
+
+def test_the_record_is_the_header_struct():
+    """RECORD mirrors NinferTlRecord in kernels/common.cuh: 4 + NINFER_TL_MARKS u64, then 4 u32, no padding."""
+    import re
+    header = (Path(__file__).resolve().parents[1] / "kernels" / "common.cuh").read_text()
+    assert int(re.search(r"#define NINFER_TL_MARKS (\d+)", header).group(1)) == MARKS
+    assert RECORD.itemsize == 8 * (4 + MARKS) + 4 * 4
+
+
+def test_marks_are_reported_per_slot_after_the_release():
+    # released at 1000 ns; slot 0 reached by three warps at 1500, 2000, 4000; slot 2 by one at 1256; the rest never
+    r = stamps([(3, 0, 0, 0, 1000, 5000), (3, 0, 1, 0, 1200, 5000), (3, 1, 0, 0, 1100, 5000)],
+               marks={0: {0: 1500, 2: 1256}, 1: {0: 2000}, 2: {0: 4000}})
+    m = _marks(r)
+    assert m[0] == [1.0, 3.0] and m[2] == [0.256, 0.256]  # [median, last] µs after the release
+    assert m[1] is None and all(v is None for v in m[3:])
+    w = _warp_records(r)
+    assert [x[:3] for x in w] == [[0, 0, 100], [0, 1, 100], [1, 0, 101]]  # by block, then warp
+    assert w[1][3:7] == [-1.0, 0.2, 4.0, 1.0]  # entry, wait return, exit, mark 0: µs after the release
+    assert w[0][8] == 0.256 and w[0][7] is None and w[1][8] is None
 
 
 def test_block_stats_separate_late_blocks_and_their_lag():
@@ -48,6 +73,9 @@ def test_launch_rows_match_grids_in_order_per_image_and_chain_the_gaps():
     assert [r["release"] for r in rows] == [0.5, 3.0, 4.0]  # µs from the first stamp
     assert [r["gap"] for r in rows] == [0.0, pytest.approx(0.5), pytest.approx(0.4)]  # release - previous last exit
     assert [r["work"] for r in rows] == [2.0, pytest.approx(0.6), 2.0]
+    kept = _launch_rows([("gemv_q8_s1 w1", "a", "main"), ("moe_down_t1_q5g64", "b", "main"),
+                         ("gemv_q6_s1 w2", "a", "main")], {"a": a, "b": b}, keep="moe_down")
+    assert ["warp_records" in r for r in kept] == [False, True, False] and len(kept[1]["warp_records"]) == 2
 
 
 def test_a_launch_without_stamps_stops_the_match():
