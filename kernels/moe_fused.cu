@@ -15,7 +15,8 @@
 //
 // Work split, nb = max(k·I/16, Is/2, H/16) blocks of 256 threads, every one resident at once (moe.py checks the
 // occupancy: a block waiting at the barrier for one that cannot start would wait forever). Every block routes
-// the token (warp 0, while its x loads are in flight; block 0 stores the routing) and normalises x itself.
+// the token (warp 0, while its x loads are in flight; block 0 stores the routing) and normalises x itself (the
+// gain loaded before the kernel's wait).
 //   phase 1  block b < k·I/16: the routed gate/up tile b % (I/16) of expert j = b / (I/16), as gate_up_fast;
 //            block b < Is/2: act_s[2b], act_s[2b + 1] from their 2 gate and 2 up rows, thread t < 128·T one
 //            32-element chunk (row t / (32T), chunk t % (32T)), loaded before the kernel's wait;
@@ -114,6 +115,10 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         const int i = 2 * b + (sr & 1);
         qchunk_load<SB, SG>(qsg, sgu.qs, sgu.qh, sgu.sc, 32LL * (i >> 4) + (i & 15) + 16 * (sr >> 1), sgu.kp, sck);
     }
+    // so is the norm's gain: loaded after the wait it came in behind the gate/up tile, and held up its dots
+    float4 gain[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) gain[t] = __ldg(reinterpret_cast<const float4*>(norm_w) + tid + MOE_THREADS * t);
     ninfer_pdl_begin();
     const unsigned sense = grid_sense(bar);
 
@@ -155,11 +160,10 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     }
     NINFER_TL_MARK(1);  // the tile's loads issued
     {
-        const float4* w4 = reinterpret_cast<const float4*>(norm_w);
         const float rs = rms_scale(s_red, H, eps);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            const float4 g = __ldg(w4 + tid + MOE_THREADS * t);
+            const float4 g = gain[t];
             const float4 h = make_float4(norm_mul(xr[t].x, rs, g.x), norm_mul(xr[t].y, rs, g.y),
                                          norm_mul(xr[t].z, rs, g.z), norm_mul(xr[t].w, rs, g.w));
             const int i4 = tid + MOE_THREADS * t;  // float4 i4: chunk i4 / 8, elements 4 (i4 % 8) ..
