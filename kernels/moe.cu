@@ -242,9 +242,7 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
     block_dots<BITS, GROUP, MOE_DOWN_ROWS, 1>(qs, qh, sc, kp, s_e, top_k, H, n0, s_act, xstride, nc, s_part);
     __syncthreads();
     if (threadIdx.x < MOE_DOWN_ROWS) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j)
-            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + threadIdx.x], total);
+        const float total = expert_sum(s_e, s_w, s_part + threadIdx.x, MOE_DOWN_ROWS, top_k);
         const long long i = (long long)m * H + n0 + threadIdx.x;
         y[i] = add_extra(y[i] + total, extra, extra_scale, m, i);
     }
@@ -263,7 +261,8 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
 // records (xcodes.cuh; 8 consecutive threads hold one chunk) and meets the weight codes in dp2a. Dynamic smem:
 // H/32 records of qchunk_bytes(1). ROUTED: warp 0 routes while the x loads are in flight; every thread adds
 // its Σ x² before the barrier that publishes the id, issues its weight loads right after it, then normalises
-// its own x (norm_w read then: an L2 hit behind the weight loads) and stores the codes.
+// its own x (the gain norm_w loaded before the kernel's wait: ninfer_pdl_begin is called here) and stores the
+// codes.
 template <int BITS, int GROUP, int T, bool ROUTED>
 __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                              int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
@@ -275,9 +274,15 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
     __shared__ float s_red[MOE_WARPS];
     __shared__ int s_e[1];
     const int pair = blockIdx.x, tile = blockIdx.y;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const int m = pair / top_k;
     const float4* xm = reinterpret_cast<const float4*>(x + (long long)m * H);  // H / 4 = 256·T float4
+    float4 g[T];  // ROUTED: the norm's gain, a weight: loaded before the wait (after it, it came in behind the tile)
+    if constexpr (ROUTED) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) g[t] = __ldg(reinterpret_cast<const float4*>(rt.norm_w) + tid + MOE_THREADS * t);
+    }
+    ninfer_pdl_begin();
     float4 xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = __ldg(xm + tid + MOE_THREADS * t);
@@ -298,23 +303,12 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         if (tid < 16) out[tid] = __int_as_float(0x7fc00000);
         return;
     }
-    const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
     QChunk<BITS> q[T][4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-        for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[t][r], qs, qh, sc, row0 + r, kp, lane + 32 * t);
-    }
+    tile_load<BITS, GROUP, T>(q, qs, qh, sc, kp, e, I, tile);
     if constexpr (ROUTED) {
-        const float4* w4 = reinterpret_cast<const float4*>(rt.norm_w);
-        float4 g[T];
-#pragma unroll
-        for (int t = 0; t < T; ++t) g[t] = __ldg(w4 + tid + MOE_THREADS * t);
         const float r = rms_scale(s_red, H, rt.eps);
 #pragma unroll
-        for (int t = 0; t < T; ++t)
-            xr[t] = make_float4(norm_mul(xr[t].x, r, g[t].x), norm_mul(xr[t].y, r, g[t].y),
-                                norm_mul(xr[t].z, r, g[t].z), norm_mul(xr[t].w, r, g[t].w));
+        for (int t = 0; t < T; ++t) xr[t] = norm_mul4(xr[t], r, g[t]);
     }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
@@ -377,21 +371,11 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
         float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
 #pragma unroll
         for (int t = 0; t < T; ++t) chunk_dots<BITS>(q[t], s_q + (j * nc + cl + 16 * t) * CB, acc);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // within a half
-        }
-        if (cl == 0) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) s_part[j * MOE_DOWN_ROWS + 4 * half + r] = acc[r][0];
-        }
+        half_rows_store(acc, s_part + j * MOE_DOWN_ROWS);
     }
     __syncthreads();
     if (tid < MOE_DOWN_ROWS) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j)
-            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * MOE_DOWN_ROWS + tid], total);
+        const float total = expert_sum(s_e, s_w, s_part + tid, MOE_DOWN_ROWS, top_k);
         y[yi] = add_extra(y0 + total, extra, extra_scale, m, yi);
     }
 }
@@ -431,12 +415,12 @@ MOE_ENTRY(bf16, 16, 32)
 #define MOE_FAST_ENTRY_T(name, BITS, GROUP, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_gate_up_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,    \
-                              int I, const float* x, const int* ids, int top_k, float* act) { ninfer_pdl_begin(); \
+                              int I, const float* x, const int* ids, int top_k, float* act) {              \
         gate_up_fast<BITS, GROUP, T, false>(qs, qh, sc, kp, E, H, I, x, ids, top_k, act, MoeRouted{});         \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_gate_up_routed_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,   \
-                                     int H, int I, const float* x, MOE_ROUTED_PARAMS) { ninfer_pdl_begin();   \
+                                     int H, int I, const float* x, MOE_ROUTED_PARAMS) {                       \
         gate_up_fast<BITS, GROUP, T, true>(qs, qh, sc, kp, E, H, I, x, nullptr, top_k, act, MOE_ROUTED_ARGS);  \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \

@@ -25,6 +25,10 @@ __device__ __forceinline__ float rms_scale(const float* s_red, int H, float eps)
 
 __device__ __forceinline__ float norm_mul(float x, float r, float w) { return __fmul_rn(__fmul_rn(x, r), 1.f + w); }
 
+__device__ __forceinline__ float4 norm_mul4(float4 x, float r, float4 w) {
+    return make_float4(norm_mul(x.x, r, w.x), norm_mul(x.y, r, w.y), norm_mul(x.z, r, w.z), norm_mul(x.w, r, w.w));
+}
+
 // The raw bytes of one 32-element chunk of one row, as loaded (decoded later by chunk_dots).
 template <int BITS>
 struct QChunk {
@@ -94,6 +98,20 @@ __device__ __forceinline__ void stage_codes(uint8_t* dst, const float4* __restri
     }
 }
 
+// A gate/up tile's weights into registers: warp w's bank rows e·2I + 32·tile + 4w .. +4 (a tile's 16 gate rows
+// and their 16 up rows: moe.cu's interleave), lane the chunks lane + 32t (t < T), all 4·T loads in flight.
+template <int BITS, int GROUP, int T>
+__device__ __forceinline__ void tile_load(QChunk<BITS> (&q)[T][4], const uint8_t* qs, const uint8_t* qh,
+                                          const __half* sc, int kp, int e, int I, int tile) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) qchunk_load<BITS, GROUP>(q[t][r], qs, qh, sc, row0 + r, kp, lane + 32 * t);
+    }
+}
+
 // A gate/up tile's 32 row dots: warp w's 4 rows (q[t][r]: chunk lane + 32t of row r) against the records xs, summed
 // over the warp; s_out[4w + r] = row r's total.
 template <int BITS, int T>
@@ -109,4 +127,28 @@ __device__ __forceinline__ void tile_dots(const QChunk<BITS> (&q)[T][4], const u
 #pragma unroll
         for (int r = 0; r < 4; ++r) s_out[4 * warp + r] = acc[r][0];
     }
+}
+
+// The down projections' per-half-warp rows: half h = lane / 16 holds 4 rows' partial dots in acc (lane % 16 its
+// chunks); the 16 lanes' sum of row r goes to dst[4h + r].
+__device__ __forceinline__ void half_rows_store(float (&acc)[4][1], float* dst) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // within a half
+    }
+    if ((lane & 15) == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dst[4 * (lane >> 4) + r] = acc[r][0];
+    }
+}
+
+// Σ_j w[j] · part[j·stride] over the k experts in order j = 0..k-1 (one fma each, deterministic); NaN when an
+// expert's id was invalid (s_e[j] < 0).
+__device__ __forceinline__ float expert_sum(const int* s_e, const float* s_w, const float* part, int stride,
+                                            int top_k) {
+    float total = 0.f;
+    for (int j = 0; j < top_k; ++j) total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], part[j * stride], total);
+    return total;
 }

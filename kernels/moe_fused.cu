@@ -15,8 +15,8 @@
 //
 // Work split, nb = max(k·I/16, Is/2, H/16) blocks of 256 threads, every one resident at once (moe.py checks the
 // occupancy: a block waiting at the barrier for one that cannot start would wait forever). Every block routes
-// the token (warp 0, while its x loads are in flight; block 0 stores the routing) and normalises x itself (the
-// gain loaded before the kernel's wait).
+// the token (all its warps by route_row_block where E <= 256, else warp 0 by route_row; block 0 stores the
+// routing) and normalises x itself (the gain loaded before the kernel's wait).
 //   phase 1  block b < k·I/16: the routed gate/up tile b % (I/16) of expert j = b / (I/16), as gate_up_fast;
 //            block b < Is/2: act_s[2b], act_s[2b + 1] from their 2 gate and 2 up rows, thread t < 128·T one
 //            32-element chunk (row t / (32T), chunk t % (32T)), loaded before the kernel's wait;
@@ -100,6 +100,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     __shared__ int s_e[MOE_MAX_K];
     __shared__ float s_w[MOE_MAX_K];
     __shared__ float s_sh[1];
+    __shared__ RouteBlockSmem<MOE_THREADS> s_route;
     constexpr int DR = MOE_FUSED_DR, DS = DR / 8;  // phase 2: x rows per block, sets of 8 rows per warp
     __shared__ float s_part[MOE_MAX_K * DR];
     __shared__ float s_shp[DR];
@@ -127,8 +128,10 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     float4 xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = __ldcg(x4 + tid + MOE_THREADS * t);
+    RouteRow r;
+    if (E <= MOE_THREADS) r = route_row_block<MOE_THREADS>(logits, E, top_k, s_route);
+    else if (warp == 0) r = route_row(logits, E, top_k);
     if (warp == 0) {
-        const RouteRow r = route_row(logits, E, top_k);
         if (lane < top_k) {
             s_e[lane] = r.id >= 0 && r.id < E ? r.id : -1;
             s_w[lane] = r.w;
@@ -149,23 +152,13 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     const int pair = b / (I / 16), tile = b % (I / 16);
     const int e = has_gu ? s_e[pair] : -1;
     QChunk<GB> q[T][4];
-    if (e >= 0) {
-        const long long row0 = (long long)e * (2LL * I) + 32LL * tile + 4 * warp;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-                qchunk_load<GB, GG>(q[t][r], gu.qs, gu.qh, gu.sc, row0 + r, gu.kp, lane + 32 * t);
-        }
-    }
+    if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
     NINFER_TL_MARK(1);  // the tile's loads issued
     {
         const float rs = rms_scale(s_red, H, eps);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            const float4 g = gain[t];
-            const float4 h = make_float4(norm_mul(xr[t].x, rs, g.x), norm_mul(xr[t].y, rs, g.y),
-                                         norm_mul(xr[t].z, rs, g.z), norm_mul(xr[t].w, rs, g.w));
+            const float4 h = norm_mul4(xr[t], rs, gain[t]);
             const int i4 = tid + MOE_THREADS * t;  // float4 i4: chunk i4 / 8, elements 4 (i4 % 8) ..
             store_codes4<1, XG>(s_hg + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
             store_codes4<1, XS>(s_hs + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
@@ -227,15 +220,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         for (int s = 0; s < DS; ++s) {
             float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
             chunk_dots<DB>(qd[s], s_act + (j * NC + cl) * CB, acc);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-#pragma unroll
-                for (int o = 8; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);  // a half
-            }
-            if (cl == 0) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) s_part[j * DR + 8 * s + 4 * half + r] = acc[r][0];
-            }
+            half_rows_store(acc, s_part + j * DR + 8 * s);
         }
     }
     if (tid < 16 * DR) {  // shared down: row tid / 16, summed over the half warp
@@ -246,9 +231,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     }
     __syncthreads();
     if (tid < DR) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j)
-            total = s_e[j] < 0 ? __int_as_float(0x7fc00000) : fmaf(s_w[j], s_part[j * DR + tid], total);
+        const float total = expert_sum(s_e, s_w, s_part + tid, DR, top_k);
         x[n0 + tid] = fmaf(s_sh[0], s_shp[tid], x0 + total);
     }
 }

@@ -1,6 +1,6 @@
-// moe_route.cuh: softmax top-k routing of one row by one warp (route_row), shared by moe_route and the routed
-// gate_up entry points of moe.cu, so both choose the same experts and give the same weights and shared-expert
-// scale to the bit.
+// moe_route.cuh: softmax top-k routing of one row by one warp (route_row: moe_route and the routed gate_up entry
+// points of moe.cu) or by a whole block (route_row_block: moe_fused.cu), so that all choose the same experts and
+// give the same weights and shared-expert scale to the bit.
 //
 // A row is logits fp32 [E + 1]: columns 0..E-1 router logits, column E the shared-expert gate logit.
 // Matches ninfer_rt.reference.ops.moe: p = softmax(logits[:E]); (w, e) = topk(p, k); w / Σw; sigmoid(logits[E]).
@@ -50,6 +50,16 @@ struct RouteRow {
     float shared;  // every lane: sigmoid(l[E])
 };
 
+// The last steps of a routing, on the calling warp: lane j < top_k holds its choice's exp(logit - top) in r.w,
+// divided here by their sum; every lane gets sigmoid(g), g the shared-expert gate logit.
+__device__ __forceinline__ void route_finish(RouteRow& r, int top_k, float g) {
+    const int lane = threadIdx.x & 31;
+    const float total = warp_sum(lane < top_k ? r.w : 0.f);
+    if (lane < top_k) r.w = __fdiv_rn(r.w, total);
+    const float e = exp_accurate(-fabsf(g));  // sigmoid without overflow in exp: the exponent is always <= 0
+    r.shared = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
+}
+
 // Route one row l[0..E] with the whole calling warp, E <= 32·SLOTS (route_row picks SLOTS).
 template <int SLOTS>
 __device__ __forceinline__ RouteRow route_row_slots(const float* __restrict__ l, int E, int top_k) {
@@ -89,10 +99,7 @@ __device__ __forceinline__ RouteRow route_row_slots(const float* __restrict__ l,
         if (j == 0) top = bv;
         if (lane == j) { r.id = bi; r.w = exp_accurate(bv - top); }
     }
-    const float total = warp_sum(lane < top_k ? r.w : 0.f);
-    if (lane < top_k) r.w = __fdiv_rn(r.w, total);
-    const float e = exp_accurate(-fabsf(g));  // sigmoid without overflow in exp: the exponent is always <= 0
-    r.shared = g >= 0.f ? __fdiv_rn(1.f, 1.f + e) : __fdiv_rn(e, 1.f + e);
+    route_finish(r, top_k, g);
     return r;
 }
 
@@ -100,6 +107,81 @@ __device__ __forceinline__ RouteRow route_row_slots(const float* __restrict__ l,
 // most 256 experts (the family's) take 8 slots a lane: each round's slot tree is half as long, same choices.
 __device__ __forceinline__ RouteRow route_row(const float* __restrict__ l, int E, int top_k) {
     return E <= 256 ? route_row_slots<8>(l, E, top_k) : route_row_slots<ROUTE_SLOTS>(l, E, top_k);
+}
+
+// Routing of one row by a whole block of NT threads (E <= NT: one logit a thread; top_k <= MOE_MAX_K), the same
+// choices, weights and shared scale as route_row to the bit, in two rank passes instead of top_k serial rounds:
+//   1. a thread's rank in its warp = keys above it + equal keys at lower lanes (match_any); the warp's first
+//      top_k go to its KP candidate slots (KP = 4, 8 or 16 >= top_k), in rank order;
+//   2. a candidate's rank among all 8·KP = its keys above + equal keys at lower slots (slot order is index order
+//      among equal keys), counted by NT / (8·KP) threads; ranks below top_k are the choices, in order.
+// Every thread must call it (two block barriers); the result is valid in warp 0.
+template <int NT>
+struct RouteBlockSmem {
+    __align__(16) uint32_t key[NT];
+    __align__(16) uint32_t ckey[NT / 32 * MOE_MAX_K];  // candidate keys (0: empty slot)
+    int cidx[NT / 32 * MOE_MAX_K];                     // their expert ids
+    uint32_t sel_id[MOE_MAX_K];                        // the choices in order
+    uint32_t sel_key[MOE_MAX_K];
+};
+
+template <int NT>
+__device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l, int E, int top_k,
+                                                    RouteBlockSmem<NT>& sm) {
+    static_assert(NT == 256, "pass 2's split (P = 32 / KP threads a candidate, KP²/4 slots each) is for 8 warps");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float v = __ldg(l + min(tid, E));
+    const float g = warp == 0 ? __ldg(l + E) : 0.f;
+    const uint32_t key = tid < E ? route_key(v) : 0u;
+    const int kp = top_k <= 4 ? 4 : (top_k <= 8 ? 8 : 16);
+    sm.key[tid] = key;
+    if (lane < kp) sm.ckey[warp * kp + lane] = 0u;
+    if (tid < top_k) {
+        sm.sel_id[tid] = 0x7fffffffu;  // route_row's id when no candidate is left
+        sm.sel_key[tid] = 0u;
+    }
+    __syncwarp();
+    int above = 0;
+    const uint4* k4 = reinterpret_cast<const uint4*>(sm.key + 32 * warp);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint4 q = k4[i];
+        above += (q.x > key) + (q.y > key) + (q.z > key) + (q.w > key);
+    }
+    const int rank1 = above + __popc(__match_any_sync(0xffffffffu, key) & ((1u << lane) - 1u));
+    if (key != 0u && rank1 < top_k) {
+        sm.ckey[warp * kp + rank1] = key;
+        sm.cidx[warp * kp + rank1] = tid;
+    }
+    __syncthreads();
+    const int nc = NT / 32 * kp, P = NT / nc, span = nc / P;  // P threads a candidate, span slots each
+    const int c = tid / P, d0 = (tid % P) * span;
+    const uint32_t kc = sm.ckey[c];
+    int rank2 = 0;
+#pragma unroll 4
+    for (int d = d0; d < d0 + span; d += 4) {
+        const uint4 q = *reinterpret_cast<const uint4*>(sm.ckey + d);
+        rank2 += (q.x > kc) + (q.y > kc) + (q.z > kc) + (q.w > kc);
+        rank2 += (q.x == kc && d < c) + (q.y == kc && d + 1 < c) + (q.z == kc && d + 2 < c) + (q.w == kc && d + 3 < c);
+    }
+    for (int o = 1; o < P; o <<= 1) rank2 += __shfl_xor_sync(0xffffffffu, rank2, o);
+    if (d0 == 0 && kc != 0u && rank2 < top_k) {
+        sm.sel_id[rank2] = (uint32_t)sm.cidx[c];
+        sm.sel_key[rank2] = kc;
+    }
+    __syncthreads();
+    RouteRow r = {0, 0.f, 0.f};
+    if (warp == 0) {  // route_row's last steps on the same values
+        const uint32_t K = lane < top_k ? sm.sel_key[lane] : 0u;
+        const float bv = K != 0u ? route_val(K) : -INFINITY;
+        const float top = __shfl_sync(0xffffffffu, bv, 0);
+        if (lane < top_k) {
+            r.id = (int)sm.sel_id[lane];
+            r.w = exp_accurate(bv - top);
+        }
+        route_finish(r, top_k, g);
+    }
+    return r;
 }
 
 // Row m's outputs: ids int32 [., top_k], weights fp32 [., top_k], shared_scale fp32 [.] (from the routing warp).

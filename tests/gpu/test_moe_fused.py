@@ -5,8 +5,9 @@ Inputs as test_moe_routed.py's chain: the residual x (not normalised), its norm 
 torch expression ops.moe evaluates (no near-ties), banks holding exactly the chosen experts (the others 0xFF:
 NaN scales), and a shared expert whose gate|up is interleaved as one expert of a bank. Each launch is checked
 against:
-  routing  moe_route on the same logits: ids, weights and shared_scale equal to the bit (one device function),
-           and ids equal to torch.topk's
+  routing  moe_route on the same logits: ids, weights and shared_scale equal to the bit (route_row_block and
+           route_row end in the same device function), and ids equal to torch.topk's; on rows of ties, ±0, NaN
+           and -inf, ids equal to a stable arg-sort's
   act      the routed act and the shared act_s against silu(h·g)·(h·u) in torch fp32 (test_moe.act_oracle), with
            the int16 code error of the kernel's h per element added (test_moe_routed's module docstring)
   x        x_after - x_before against ops.moe(rms_norm_zc(x)): the routed part within test_moe.chain_tol, the
@@ -124,6 +125,56 @@ def test_fused_moe_matches_ops_moe(kernels, dev, rng, dims, fmt_gu, fmt_down):
     x2 = launch(kernels, dev, plan, weights, x[0], norm_w, logits[0], E, k, barrier)[0]
     np.testing.assert_array_equal(x2.view(np.uint32), x1.view(np.uint32), err_msg="a second launch differs")
     assert int(dev.get(barrier, (1,), np.uint32)[0]) == 0, "the barrier word after two launches must be 0"
+
+
+def tie_rows(rng, E: int) -> np.ndarray:
+    """Router logit rows [8, E + 1] that make routing orders hard: all equal, few distinct values (exact ties),
+    ±0 and subnormals (one key), NaN (never picked; fewer than k candidates), -inf (picked last), and distinct
+    values; column E, the shared-expert gate, from -8 to 8."""
+    rows = np.zeros((8, E + 1), np.float32)
+    rows[1, :E] = rng.integers(0, 3, E)
+    rows[2, :E] = 50.0
+    rows[3, :E] = rng.choice(np.array([0.0, -0.0, 1e-40, -1e-40, 1.0], np.float32), E)
+    rows[4, :E] = np.nan
+    rows[4, rng.choice(E, 3, replace=False)] = [1.5, -2.0, 0.25]
+    rows[5, :E] = np.where(rng.random(E) < 0.5, np.nan, rng.integers(-2, 2, E) * 0.5)
+    rows[6, :E] = -np.inf
+    rows[6, rng.choice(E, 2, replace=False)] = [3.0, 7.0]
+    rows[7, :E] = rng.standard_normal(E)
+    rows[:, E] = rng.uniform(-8, 8, len(rows))
+    return rows
+
+
+@pytest.mark.parametrize("E,k", [(256, 8), (256, 3), (200, 8), (16, 8), (512, 8)])
+def test_fused_moe_routing_ties_nan_inf(kernels, dev, rng, E, k):
+    """The fused kernel's routing (the whole block's two rank passes where E <= 256, warp 0's rounds above) gives
+    moe_route's ids, weights and shared_scale to the bit on rows of ties, ±0, NaN and -inf, and its ids are a
+    stable arg-sort's (larger first, equal values by lower index, NaN never)."""
+    from ninfer_rt.gpu import moe
+    H = 1024
+    gu, _ = bank(dev, "q4g64", E, 2 * I, H, [0], rng)  # only the routing is compared: the other experts are NaN
+    dn, _ = bank(dev, "q4g64", E, H, I, [0], rng)
+    sgu, sdn, *_ = shared_expert(dev, rng, H)
+    weights = (gu, dn, sgu, sdn)
+    plan = moe.fused_kernel(kernels, *weights, k)
+    assert plan is not None, f"no moe_fused launch for E = {E}, k = {k}"
+    barrier = dev.empty(4, poison=False)
+    x, norm_w = residual(rng, 1, H)
+    for i, row in enumerate(tie_rows(rng, E)):
+        _, ids, w, ss, _, _ = launch(kernels, dev, plan, weights, x[0], norm_w, row, E, k, barrier)
+        r_ids, r_w, r_ss = dev.empty(k * 4), dev.empty(k * 4), dev.empty(4)
+        moe.route(kernels, logits=put(dev, row[None]), ld=E + 1, M=1, E=E, top_k=k, ids=r_ids, weights=r_w,
+                  shared_scale=r_ss)
+        np.testing.assert_array_equal(ids, dev.get(r_ids, (k,), np.int32), err_msg=f"row {i}: ids vs moe_route")
+        np.testing.assert_array_equal(w.view(np.uint32), dev.get(r_w, (k,)).view(np.uint32),
+                                      err_msg=f"row {i}: weights' bits vs moe_route")
+        np.testing.assert_array_equal(ss.view(np.uint32), dev.get(r_ss, (1,)).view(np.uint32),
+                                      err_msg=f"row {i}: shared_scale's bits vs moe_route")
+        # the oracle: numpy's stable arg-sort, with ±0 and subnormals as one value (the kernels flush them)
+        flushed = np.where(np.abs(row[:E]) < np.finfo(np.float32).tiny, 0, row[:E])
+        order = np.argsort(-flushed, kind="stable")[:k]  # NaN sorts last
+        want = np.where(np.isnan(flushed[order]), 0x7FFFFFFF, order)
+        np.testing.assert_array_equal(ids, want, err_msg=f"row {i}: ids vs a stable arg-sort")
 
 
 def test_fused_moe_bad_ids_give_nan(kernels, dev, rng):
