@@ -108,7 +108,7 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* __restri
     cp_async_commit();
 }
 
-template <int BITS>
+template <int BITS, bool BULK>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
@@ -182,15 +182,33 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) +
                                          (K >> 5) * (F::XQ != 0 ? qchunk_bytes(1) : 36 * 4));
     float* gf = norm_w ? xf + K : nullptr;
-    if (xvec == 2 && gf) copy_f32_async(gf, norm_w, K);
+    // BULK (sm_90+, xvec 2): the copies by the copy engine, one bulk copy each, completing on an mbarrier after
+    // them (16 bytes more); their requests do not wait for free miss slots in the SM's load path as cp.async's do
+    [[maybe_unused]] const uint32_t bar = smem_addr(xf + K * (gf ? 2 : 1));
+    if constexpr (BULK) {
+        if (xvec == 2) {
+            if (threadIdx.x == 0) {
+                mbar_init(bar, 1);
+                mbar_init_fence();
+                mbar_expect_tx(bar, 4u * K * (gf ? 2u : 1u));
+                if (gf) bulk_copy_g2s(smem_addr(gf), norm_w, 4u * K, bar);
+            }
+            __syncthreads();  // the barrier initialised before any thread waits on it
+        }
+    } else if (xvec == 2 && gf) copy_f32_async(gf, norm_w, K);
     // Weights (and norm_w) are never written by earlier kernels, so their first steps are already in flight;
     // only now wait for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
 
     if (xvec == 2) {
-        copy_f32_async(xf, x, K);
-        cp_async_wait<0>();
-        __syncthreads();
+        if constexpr (BULK) {
+            if (threadIdx.x == 0) bulk_copy_g2s(smem_addr(xf), x, 4u * K, bar);
+            mbar_wait(bar, 0);
+        } else {
+            copy_f32_async(xf, x, K);
+            cp_async_wait<0>();
+            __syncthreads();
+        }
         stage_m1_smem<F::XQ>(smem4, xf, gf, K, ssred);
     } else if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
@@ -305,11 +323,22 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // the units per lane and row of one register tile (1..StreamDepth). 2 blocks per SM: 128 registers hold two
 // tiles. xvec: 0 scalar x loads, 1 float4 loads, 2 cp.async through K (+ K with norm_w) floats of shared memory
 // after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
+// gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define NINFER_GEMV_BULK false  // no copy engine: _s1b is _s1 (linear.py launches it on sm_90+ only)
+#else
+#define NINFER_GEMV_BULK true
+#endif
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1(NINFER_GEMV_ARGS, int d) {                                                        \
-        gemv_stream_body<BITS>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode, eps,      \
-                               xvec, d);                                                                   \
+        gemv_stream_body<BITS, false>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode,    \
+                                      eps, xvec, d);                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s1b(NINFER_GEMV_ARGS, int d) {                                                       \
+        gemv_stream_body<BITS, NINFER_GEMV_BULK>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift,    \
+                                                 ldx, mode, eps, xvec, d);                                 \
     }
 
 NINFER_GEMV_S1(q4, 4)

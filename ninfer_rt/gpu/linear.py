@@ -35,6 +35,10 @@ _STREAM_K_MAX = 1 << 30
 # at M = 1, K past this (one pass of the register staging) copies x (and norm_w) into shared memory by cp.async, one
 # L2 round trip, where it fits beside the plan's blocks per SM; shorter K stages from registers (perf.md v26)
 _STREAM_X_COPY_ABOVE = 4096
+# on sm_90+ the copies are bulk copies by the copy engine instead (gemv_*_s1b), at K past this: their requests do not
+# wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf.md v33)
+_STREAM_X_BULK = True
+_STREAM_X_BULK_ABOVE = 0
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
@@ -228,32 +232,36 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
 
 
 def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
-                 norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None) -> None:
+                 norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None,
+                 x_bulk: bool | None = None) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
-    with x_copy True / False to force a stream kernel's cp.async copy of x on / off where it would fit)."""
+    with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
+    force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
     xvec = 1 if x % 16 == 0 and ldx % 4 == 0 and norm_w % 16 == 0 else 0
-    smem = plan.smem
-    if plan.stream and xvec and (kk > _STREAM_X_COPY_ABOVE if x_copy is None else x_copy):
-        extra = _stream_x_copy_bytes(k.gpu.info, plan, kk, bool(norm_w))
-        if extra:  # x (and norm_w) through shared memory by cp.async (kernels/gemv_stream.cu stage_m1_smem)
-            xvec, smem = 2, smem + extra
-            k.opt_in_smem(plan.name, smem)
+    smem, name = plan.smem, plan.name
+    bulk = plan.stream and (_STREAM_X_BULK if x_bulk is None else x_bulk) and k.gpu.info.major >= 9
+    above = _STREAM_X_BULK_ABOVE if bulk else _STREAM_X_COPY_ABOVE
+    if plan.stream and xvec and (kk > above if x_copy is None else x_copy):
+        extra = _stream_x_copy_bytes(k.gpu.info, plan, kk, bool(norm_w), bulk)
+        if extra:  # x (and norm_w) through shared memory by cp.async or bulk copies (gemv_stream.cu stage_m1_smem)
+            xvec, smem, name = 2, smem + extra, name + ("b" if bulk else "")
+            k.opt_in_smem(name, smem)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
             i32(plan.ks), i32(xvec)]
     if plan.stream:
         args.append(i32(plan.d))
-    k.launch(plan.name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
+    k.launch(name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
 
 
-def _stream_x_copy_bytes(info, plan: GemvPlan, k: int, norm: bool) -> int:
-    """Shared memory for a stream GEMV's fp32 copies of x (and norm_w), K floats each, when they fit beside the
-    slab without costing the plan its blocks per SM (the SM's shared memory less 1 KiB reserved and 1 KiB of
-    static per block); else 0, and the kernel stages x̂ from registers."""
-    extra = 4 * k * (2 if norm else 1)
+def _stream_x_copy_bytes(info, plan: GemvPlan, k: int, norm: bool, bulk: bool = False) -> int:
+    """Shared memory for a stream GEMV's fp32 copies of x (and norm_w), K floats each (bulk: and their 16-byte
+    mbarrier), when they fit beside the slab without costing the plan its blocks per SM (the SM's shared memory
+    less 1 KiB reserved and 1 KiB of static per block); else 0, and the kernel stages x̂ from registers."""
+    extra = 4 * k * (2 if norm else 1) + (16 if bulk else 0)
     per_sm = -(-plan.blocks // max(1, info.sm_count))
     budget = min(info.max_smem_per_block_optin, info.max_smem_per_sm // per_sm - 2048)  # 0 when unknown
     return extra if plan.smem + extra <= budget else 0

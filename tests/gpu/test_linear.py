@@ -86,7 +86,8 @@ def check_close(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 # ------------------------------------------------------------------------------------------------ one case
 
 def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: bool, ldx_pad: int = 0,
-             ldy_pad: int = 0, plan: dict | None = None, what: str = "", x_copy: bool | None = None) -> None:
+             ldy_pad: int = 0, plan: dict | None = None, what: str = "", x_copy: bool | None = None,
+             x_bulk: bool | None = None) -> None:
     """Launch one gemv (or, with plan overrides, one forced _launch_gemv) and compare with the oracle, including
     that no byte outside y[:, :N_out] is touched and x's columns past K are never read (they hold NaN)."""
     n, k = w.shape
@@ -107,11 +108,11 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
     else:
         p = linear.plan_gemv(w, M, kernels.gpu.info.sm_count, **plan)
         linear._launch_gemv(kernels, w, p, x=xp, y=yp, ldx=ldx, ldy=ldy, mode=mode, norm_w=nwp, norm_eps=EPS,
-                            row_scale=rsp, x_copy=x_copy)
+                            row_scale=rsp, x_copy=x_copy, x_bulk=x_bulk)
     got = dev.get(yp, (M, ldy))
     label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
              f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}"
-             f"{f' x_copy={x_copy}' if x_copy is not None else ''}")
+             f"{f' x_copy={x_copy}' if x_copy is not None else ''}{f' x_bulk={x_bulk}' if x_bulk else ''}")
     ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out],
                     codes=w.quantized)
     check_close(got[:, :n_out], ref, label)
@@ -181,6 +182,10 @@ def test_gemv_model_shapes(kernels, dev, rng, fmt, shape, mode, norm):
 STREAM_FORMATS = ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"]  # one per stream kernel (code width)
 
 
+# the stream kernel's ways of staging x: from registers, copied by cp.async, copied by bulk copies (sm_90+)
+X_STAGINGS = ((False, False), (True, False), (True, True))
+
+
 @pytest.mark.parametrize("fmt", STREAM_FORMATS)
 def test_gemv_stream_plans(kernels, dev, rng, fmt):
     """The M = 1 stream kernel under forced plans, d in {1, most}, in every mode, with the float4 and the scalar
@@ -189,7 +194,7 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
     groups per block, where a group is cut across several warps) and the default (one group per block here:
     with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent). Each case with
     ldx % 4 == 0 runs with x staged from registers and with x (and norm_w) copied into shared memory by cp.async
-    (x_copy, xvec = 2)."""
+    (x_copy, xvec = 2) and by bulk copies (x_bulk: gemv_*_s1b on sm_90+)."""
     ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
     dmax = linear._STREAM_DEPTH[16 if fmt == "bf16" else int(fmt[1])]
     for d in sorted({1, dmax}):
@@ -197,9 +202,10 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
                                                    (2, "swiglu", True, False, 4), (37, "swiglu", False, False, 0),
                                                    (37, "store", False, True, 0), (None, "add", True, False, 0)]:
             w, wv = ws["swiglu" if mode == "swiglu" else "store"]
-            for x_copy in (False, True) if ldx_pad % 4 == 0 else (False,):
+            for x_copy, x_bulk in X_STAGINGS if ldx_pad % 4 == 0 else X_STAGINGS[:1]:
                 run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
-                         ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks}, x_copy=x_copy)
+                         ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks}, x_copy=x_copy,
+                         x_bulk=x_bulk)
 
 
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
@@ -215,15 +221,15 @@ def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
 def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
     """The stream kernel on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest K
     its slab holds (18688), store and add, with and without the norm, at 1 block per SM (the default plan for
-    these N) and 2 (sm_count + 1 blocks), x staged from registers and copied by cp.async (on the H200 the copy
-    fits beside the slab except with the norm at 2 blocks per SM, which then stages from registers)."""
+    these N) and 2 (sm_count + 1 blocks), x staged from registers and copied by cp.async or bulk copies (on the
+    H200 the copy fits beside the slab except with the norm at 2 blocks per SM, which then stages from registers)."""
     for shape in ((544, 17408), (12, 18688)):
         w, wv = dev.weight("q5g64", shape, rng)
         for mode, norm in (("store", True), ("add", False)):
             for blocks in (None, kernels.gpu.info.sm_count + 1):
-                for x_copy in (False, True):
+                for x_copy, x_bulk in X_STAGINGS:
                     run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=True, what="stream cap",
-                             plan={"stream": True, "blocks": blocks}, x_copy=x_copy)
+                             plan={"stream": True, "blocks": blocks}, x_copy=x_copy, x_bulk=x_bulk)
 
 
 # ------------------------------------------------------------------------------------------------ embed
@@ -260,7 +266,7 @@ class FakeKernels:
     def __init__(self):
         # the H200's shared memory: 228 KiB per SM, 227 KiB per block
         self.gpu = SimpleNamespace(info=SimpleNamespace(sm_count=132, max_smem_per_sm=233472,
-                                                        max_smem_per_block_optin=232448))
+                                                        max_smem_per_block_optin=232448, major=9))
         self.calls = []
         self.smem_opt_in = {}
 
@@ -380,8 +386,10 @@ def test_stream_plans():
 
 
 def test_stream_launch_arguments():
-    """A stream plan launches `blocks` blocks with the block kernel's arguments and d appended."""
+    """A stream plan launches `blocks` blocks with the block kernel's arguments and d appended (on an sm_80 GPU, so
+    x is staged from registers: no copy, test_stream_x_copy_launch)."""
     k = FakeKernels()
+    k.gpu.info.major = 8
     w = DeviceWeight("w", "q8g32", (12288, 2048), 1 << 20)
     linear.gemv(k, w, x=1 << 24, M=1, y=1 << 26, mode="add", norm_w=1 << 28)
     (name, grid, block, a, smem), = k.calls
@@ -392,17 +400,25 @@ def test_stream_launch_arguments():
 
 
 def test_stream_x_copy_launch():
-    """From K > _STREAM_X_COPY_ABOVE (4096) a stream plan copies x (and norm_w) after its slab (xvec = 2, K floats
-    each, the kernel opted in to the larger shared memory), where that fits beside the plan's blocks per SM."""
-    assert linear._STREAM_X_COPY_ABOVE == 4096
-    k = FakeKernels()
+    """A stream plan copies x (and norm_w) after its slab (xvec = 2, K floats each, the kernel opted in to the larger
+    shared memory) where that fits beside the plan's blocks per SM: on sm_90+ at every K by bulk copies
+    (gemv_*_s1b, 16 bytes more for the mbarrier), before sm_90 by cp.async from K > _STREAM_X_COPY_ABOVE (4096)."""
+    assert linear._STREAM_X_COPY_ABOVE == 4096 and linear._STREAM_X_BULK and linear._STREAM_X_BULK_ABOVE == 0
     short, long = DeviceWeight("w", "q8g32", (9216, 2048), 1 << 20), DeviceWeight("d", "q5g64", (5120, 17408), 1 << 20)
-    linear.gemv(k, short, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
-    linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, mode="add")
-    linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
-    (_, _, _, a0, s0), (n1, _, _, a1, s1), (_, _, _, a2, s2) = k.calls
     p0, p1 = linear.plan_gemv(short, 1, 132), linear.plan_gemv(long, 1, 132)
-    assert a0[17] == 1 and s0 == p0.smem  # K <= 4096: registers
-    assert p1.blocks == 264 and a1[17] == 2 and s1 == p1.smem + 4 * 17408  # 43.5 + 68 KB, twice per SM
-    assert k.smem_opt_in == {n1: s1}
-    assert a2[17] == 1 and s2 == p1.smem  # with norm_w: 43.5 + 136 KB does not fit twice per SM
+    assert p1.blocks == 264
+    for major in (9, 8):
+        k = FakeKernels()
+        k.gpu.info.major = major
+        linear.gemv(k, short, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
+        linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, mode="add")
+        linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
+        (n0, _, _, a0, s0), (n1, _, _, a1, s1), (n2, _, _, a2, s2) = k.calls
+        b, mbar = ("b", 16) if major >= 9 else ("", 0)
+        if major >= 9:  # K <= 4096 too: 8 + 8 KB and the mbarrier
+            assert n0 == p0.name + "b" and a0[17] == 2 and s0 == p0.smem + 8 * 2048 + 16
+        else:  # K <= 4096: registers
+            assert n0 == p0.name and a0[17] == 1 and s0 == p0.smem
+        assert n1 == p1.name + b and a1[17] == 2 and s1 == p1.smem + 4 * 17408 + mbar  # 43.5 + 68 KB, twice per SM
+        assert k.smem_opt_in[n1] == s1
+        assert n2 == p1.name and a2[17] == 1 and s2 == p1.smem  # with norm_w: 43.5 + 136 KB does not fit twice
