@@ -33,7 +33,7 @@ _STREAM_BLOCK_ROWS = 65536
 # at M = 1, longer K takes the block kernel; no limit below the slab's (perf-history.md v11 A/B)
 _STREAM_K_MAX = 1 << 30
 # at M = 1, K past this (one pass of the register staging) copies x (and norm_w) into shared memory by cp.async, one
-# L2 round trip, where it fits beside the plan's blocks per SM; shorter K stages from registers (perf.md v26)
+# L2 round trip, where it fits beside the plan's blocks per SM; shorter K stages from registers (perf-history.md v26)
 _STREAM_X_COPY_ABOVE = 4096
 # on sm_90+ the copies are bulk copies by the copy engine instead (gemv_*_s1b), at K past this: their requests do not
 # wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf.md v33)
