@@ -123,7 +123,8 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     ninfer_pdl_begin();
     const unsigned sense = grid_sense(bar);
 
-    // x (x is rewritten in phase 2 by other blocks: L2 loads, not the read-only path), routing by warp 0, Σ x²
+    // x (x is rewritten in phase 2 by other blocks: L2 loads, not the read-only path), the routing (every warp;
+    // warp 0 alone where E > 256), Σ x²
     const float4* x4 = reinterpret_cast<const float4*>(x);
     float4 xr[T];
 #pragma unroll
