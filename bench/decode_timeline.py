@@ -84,6 +84,11 @@ def _image_of(k, name: str) -> str:
     raise KeyError(name)
 
 
+def _after(t, release: float) -> float:
+    """A stamp (ns) as µs after the launch's release, rounded to the ns."""
+    return round((float(t) - release) / 1e3, 3)
+
+
 def _block_stats(r: np.ndarray) -> dict:
     """How one launch's blocks spread (µs): the share of late blocks (the first warp reached its wait more than
     0.5 µs after the release: not resident yet, or still issuing its pre-wait loads), block exits at the
@@ -101,7 +106,7 @@ def _block_stats(r: np.ndarray) -> dict:
     release = float(r["post"].min())
     late = entry > release + 500  # ns
     lag = float(exit_[late].mean() - exit_[~late].mean()) / 1e3 if late.any() and (~late).any() else 0.0
-    q = lambda v: round((float(v) - release) / 1e3, 3)  # noqa: E731
+    q = lambda v: _after(v, release)  # noqa: E731
     rank = np.argsort(np.argsort(entry, kind="stable"), kind="stable").astype(np.float64)
     order_corr = float(np.corrcoef(np.arange(rank.size), rank)[0, 1]) if rank.size > 1 else 0.0
     return {"late_blocks": float(late.mean()), "exit_p50": q(np.percentile(exit_, 50)),
@@ -120,8 +125,7 @@ def _marks(r: np.ndarray) -> list:
     for i in range(MARKS):
         m = r["mark"][:, i]
         m = m[m != 0].astype(np.float64)
-        out.append(None if m.size == 0 else [round((float(np.percentile(m, 50)) - release) / 1e3, 3),
-                                             round((float(m.max()) - release) / 1e3, 3)])
+        out.append(None if m.size == 0 else [_after(np.percentile(m, 50), release), _after(m.max(), release)])
     return out
 
 
@@ -129,7 +133,7 @@ def _warp_records(r: np.ndarray) -> list[list]:
     """Each warp's stamps as [block, warp, SM, entry, wait return, exit, mark 0..], µs after the release (marks
     never reached: None)."""
     release = float(r["post"].min())
-    us = lambda v: round((float(v) - release) / 1e3, 3)  # noqa: E731
+    us = lambda v: _after(v, release)  # noqa: E731
     return [[int(w["block"]), int(w["warp"]), int(w["smid"]), us(w["pre"]), us(w["post"]), us(w["exit"]),
              *[us(m) if m else None for m in w["mark"]]] for w in np.sort(r, order=["block", "warp"])]
 
