@@ -98,6 +98,18 @@ def ref_routing(logits: "torch.Tensor", top_k: int):
     return e.numpy(), (w / w.sum(-1, keepdim=True)).numpy()
 
 
+INVALID = 0x7FFFFFFF  # route_row's id when no candidate is left (all remaining logits NaN)
+
+
+def stable_topk_ids(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """The routing's ids as a stable arg-sort gives them, for logits [M, E] (int64 [M, top_k]): larger first,
+    equal values by lower index, ±0 and subnormals as one value (the kernels flush them), NaN never picked
+    (INVALID in the slots left without a candidate)."""
+    flushed = np.where(np.abs(logits) < np.finfo(np.float32).tiny, 0, logits)
+    order = np.argsort(-flushed, axis=-1, kind="stable")[:, :top_k]  # NaN sorts last
+    return np.where(np.isnan(np.take_along_axis(flushed, order, -1)), INVALID, order)
+
+
 def well_separated(logits: np.ndarray, top_k: int, rel: float = 1e-4) -> bool:
     """True when the top k+1 softmax probabilities of every row differ pairwise by more than `rel`, so the
     device's and torch's rounding cannot order them differently."""
@@ -248,7 +260,7 @@ def test_route_ties(kernels, dev, rng):
     M = logits.shape[0]
     ids, w, ss = dev.empty(M * top_k * 4), dev.empty(M * top_k * 4), dev.empty(M * 4)
     moe.route(kernels, logits=put(dev, logits), ld=E + 1, M=M, E=E, top_k=top_k, ids=ids, weights=w, shared_scale=ss)
-    want_ids = np.stack([np.argsort(-row[:E], kind="stable")[:top_k] for row in logits])
+    want_ids = stable_topk_ids(logits[:, :E], top_k)
     sel = np.take_along_axis(logits[:, :E].astype(np.float64), want_ids, -1)
     want_w = np.exp(sel - sel[:, :1])
     want_w /= want_w.sum(-1, keepdims=True)

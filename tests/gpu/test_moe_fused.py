@@ -23,8 +23,8 @@ import pytest
 
 from ninfer_rt.gpu.weights import DeviceWeight
 
-from .test_moe import (DIMS, DOT, ROUTE_REL, U, act_bound, act_oracle, assert_close, bank, chain_tol, codes, put,
-                       routed_case, routed_oracle)
+from .test_moe import (DIMS, DOT, INVALID, ROUTE_REL, U, act_bound, act_oracle, assert_close, bank, chain_tol, codes,
+                       put, routed_case, routed_oracle, stable_topk_ids)
 from .test_moe_routed import EPS, NORM, norm_ref, residual
 
 torch = pytest.importorskip("torch")
@@ -170,11 +170,8 @@ def test_fused_moe_routing_ties_nan_inf(kernels, dev, rng, E, k):
                                       err_msg=f"row {i}: weights' bits vs moe_route")
         np.testing.assert_array_equal(ss.view(np.uint32), dev.get(r_ss, (1,)).view(np.uint32),
                                       err_msg=f"row {i}: shared_scale's bits vs moe_route")
-        # the oracle: numpy's stable arg-sort, with ±0 and subnormals as one value (the kernels flush them)
-        flushed = np.where(np.abs(row[:E]) < np.finfo(np.float32).tiny, 0, row[:E])
-        order = np.argsort(-flushed, kind="stable")[:k]  # NaN sorts last
-        want = np.where(np.isnan(flushed[order]), 0x7FFFFFFF, order)
-        np.testing.assert_array_equal(ids, want, err_msg=f"row {i}: ids vs a stable arg-sort")
+        np.testing.assert_array_equal(ids, stable_topk_ids(row[None, :E], k)[0],
+                                      err_msg=f"row {i}: ids vs a stable arg-sort")
 
 
 def test_fused_moe_bad_ids_give_nan(kernels, dev, rng):
@@ -194,7 +191,7 @@ def test_fused_moe_bad_ids_give_nan(kernels, dev, rng):
     x, norm_w = residual(rng, 1, H)
     x1, ids, _, _, act, act_s = launch(kernels, dev, plan, weights, x[0], norm_w, logits, E, k,
                                        dev.empty(4, poison=False))
-    assert sorted(ids[:3]) == sorted(live) and (ids[3:] == 0x7FFFFFFF).all()
+    assert sorted(ids[:3]) == sorted(live) and (ids[3:] == INVALID).all()
     assert np.isfinite(act[:3]).all() and np.isnan(act[3:]).all() and np.isfinite(act_s).all() and np.isnan(x1).all()
 
 

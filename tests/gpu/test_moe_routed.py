@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_moe import (CASES, DIMS, DOT, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol, codes,
-                       fast_down, fast_gate_up, put, ref_routing, routed_case, routed_oracle)
+from .test_moe import (CASES, DIMS, DOT, INVALID, ROUTE_CASES, ROUTE_REL, act_oracle, assert_close, bank, chain_tol,
+                       codes, fast_down, fast_gate_up, put, ref_routing, routed_case, routed_oracle, stable_topk_ids)
 
 torch = pytest.importorskip("torch")
 
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.gpu
 
 NORM = 5e-6  # relative error of h allowed between the kernel and ops.rms_norm_zc, see the module docstring
 EPS = 1e-6
-INVALID = 0x7FFFFFFF  # route_row's id when no candidate is left (all remaining logits NaN)
 # "generic": moe_gate_up_routed_<f> (H = 64); "fast": moe_gate_up_routed_t1_<f> (H = 1024); "unaligned": H = 1024
 # with norm_w not 16-byte aligned, which must fall back to the generic kernel
 PATHS = {"generic": 64, "fast": 1024, "unaligned": 1024}
@@ -142,11 +141,7 @@ def test_routed_ties_nan_inf(kernels, dev, rng, path):
     logits[6, rng.choice(E, 2, replace=False)] = [3.0, 7.0]
     logits[:, E] = rng.uniform(-8, 8, len(logits))
     M = len(logits)
-    want_ids = np.full((M, k), INVALID, np.int64)
-    for m, row in enumerate(logits[:, :E]):
-        order = np.argsort(-row, kind="stable")[:k]  # NaN sorts last
-        keep = ~np.isnan(row[order])
-        want_ids[m, keep] = order[keep]
+    want_ids = stable_topk_ids(logits[:, :E], k)
     x, norm_w = residual(rng, M, H)
     gu, gu_vals = bank(dev, "q6g64", E, 2 * I, H, range(E), rng)
     gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
