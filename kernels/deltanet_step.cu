@@ -14,9 +14,11 @@
 //   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P lanes per column;
 //   norm    y of its columns.
 // The blocks exchange through distributed shared memory: each stores its b|a partial sums and its q/k channels
-// into every block of the cluster (itself included), then a cluster barrier; then its Σ o² partials and a
-// second barrier. Every block sums the C partials in rank order, so all get the same b, a and rms(o); nothing is
-// read from another block after the last barrier, so a block may exit at once.
+// into every block of the cluster (itself included), then a cluster barrier; then its Σ o² partials by st.async,
+// each block waiting on its own mbarrier for the C sums (no second cluster barrier: its release would wait for
+// the state and ring stores, which now go out right after the first). Every block sums the C partials in rank
+// order, so all get the same b, a and rms(o); a block receives everything it reads before it goes on, so it may
+// exit at once.
 // Before waiting on its predecessor (ninfer_pdl_begin) a block loads what earlier kernels wrote and the weights:
 // its state slice and b|a weights into registers, conv ring rows, A_log, dt_bias, norm weights into shared
 // memory (cp.async), its first channel's conv taps; after the wait, the step's own inputs (mixed, z, x).
@@ -109,6 +111,24 @@ __device__ __forceinline__ void copy4_to_others(const float* p, int self) {
 #endif
 }
 
+// v into the shared variable p of every block of the cluster (itself included) by st.async, each store completing 4
+// bytes on the same block's mbarrier bar: a receiver waits on its own mbarrier, with no cluster barrier (whose
+// release would wait for the sender's global stores).
+template <int C>
+__device__ __forceinline__ void store_all_async(float* p, float v, uint64_t* bar) {
+#if DN_CLUSTERS
+    const uint32_t a = smem_addr(p), mb = smem_addr(bar);
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+        uint32_t ra, rb;
+        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
+        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(mb), "r"(r));
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra),
+                     "r"(__float_as_uint(v)), "r"(rb) : "memory");
+    }
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ the step
 
 // grid (C·nv, B) with clusters (C, 1, 1): block x = h·C + c. Block of P·dv/C threads: lane = jj + (32/P)·p,
@@ -141,6 +161,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     __shared__ float red[MAXC / L][3 * DN_STEP_T];              // per warp: Σ x², Σ b, Σ a of each token
     __shared__ float part[C][3 * DN_STEP_T];                    // the same per block of the cluster
     __shared__ float opart[C][DN_STEP_T];                       // per block: Σ o² over its columns
+    __shared__ uint64_t obar;                                   // C > 1: opart's C·T stores arrived
     __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
     __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
@@ -151,6 +172,13 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     const int conv_dim = 2 * nk * DK + nv * dv;
     const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
     cluster_begin<C>();
+#if DN_CLUSTERS
+    if (C > 1 && tid == 0) {  // ready before this block's arrival at the first cluster barrier: senders wait for it
+        mbar_init(smem_addr(&obar), 1);
+        mbar_init_fence();
+        mbar_expect_tx(smem_addr(&obar), 4u * C * T);
+    }
+#endif
 
     // Before the wait. The state slice and the ring rows before p0 were written by this layer's previous step,
     // long finished; the rest are weights. The state loads go first: they are the most.
@@ -281,9 +309,19 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             copy4_to_others<C>((e < QK / 4 ? sq[t] : sk[t]) + c * QK + 4 * (e % (QK / 4)), c);
         }
     }
-    // global stores (ring, state) wait until after the last barrier: its release fence would wait for them
+    // global stores (ring, state) wait until after this barrier: its release fence would wait for them. No
+    // barrier with release semantics follows (the Σ o² exchange completes on obar), so they go right after it.
     cluster_sync<C>();
     NINFER_TL_MARK(2);
+    // the new positions among the last Kc - 1 into the ring, each channel by its block; only the first value
+    // head of a key head writes the q/k channels
+    const bool own_qk = h % (nv / nk) == 0;
+    for (int ci = tid; ci < nch; ci += nt) {
+        if (ci < 2 * QK && !own_qk) continue;
+        const int ch = channel(ci);
+        for (int t = max(0, T - (Kc - 1)); t < T; ++t)
+            ring0[(size_t)row_of(t) * conv_dim + ch] = seq[DN_KMAX - 1 + t][ci];
+    }
 
     // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
     const float q_scale = rsqrtf((float)DK);
@@ -314,27 +352,32 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const float ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
         if (p == 0) so[t][jc] = ov;
     }
-    // The new state: after the last cluster barrier where there is one (its release fence would wait for these
-    // stores), else now. Through an opaque copy of S, so that the compiler recomputes the R addresses here
-    // rather than holding them in registers from the loads on (which spilled).
-    auto store_state = [&]() {
+    // The new state, now: its stores drain while o is normalised. Through an opaque copy of S, so that the
+    // compiler recomputes the R addresses here rather than holding them in registers from the loads on (which
+    // spilled).
+    {
         float* S2;
         asm("mov.b64 %0, %1;" : "=l"(S2) : "l"(S));
 #pragma unroll
         for (int r = 0; r < R; ++r) S2[(size_t)(P * r + p) * dv] = s[r];
-    };
-    if constexpr (C == 1) store_state();
+    }
     __syncthreads();
     NINFER_TL_MARK(3);  // the delta rule done
 
-    // Σ o² over this block's columns, one warp per token, into every block
+    // Σ o² over this block's columns, one warp per token, into every block; then wait for all C blocks' sums
     for (int t = warp; t < T; t += nw) {
         float ss = 0.f;
         for (int j = lane; j < cols; j += 32) ss = fmaf(so[t][j], so[t][j], ss);
         ss = warp_sum(ss);
-        if (lane == 0) store_all<C>(&opart[c][t], ss);
+        if (lane == 0) {
+            if constexpr (C == 1) store_all<C>(&opart[c][t], ss);
+            else store_all_async<C>(&opart[c][t], ss, &obar);
+        }
     }
-    cluster_sync<C>();
+    if constexpr (C == 1) __syncthreads();
+#if DN_CLUSTERS
+    else mbar_wait(smem_addr(&obar), 0);
+#endif
     NINFER_TL_MARK(4);
 
     // y = (w · o·rsqrt(mean(o²) + eps)) · SiLU(z) for this block's columns
@@ -345,16 +388,6 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         for (int r = 0; r < C; ++r) ss += opart[r][t];
         const float inv = rsqrtf(ss / (float)dv + eps);
         out[(row0 + t) * nv * dv + (size_t)h * dv + col0 + j] = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
-    }
-    if constexpr (C > 1) store_state();
-    // the new positions among the last Kc - 1 into the ring, each channel by its block; only the first value
-    // head of a key head writes the q/k channels
-    const bool own_qk = h % (nv / nk) == 0;
-    for (int ci = tid; ci < nch; ci += nt) {
-        if (ci < 2 * QK && !own_qk) continue;
-        const int ch = channel(ci);
-        for (int t = max(0, T - (Kc - 1)); t < T; ++t)
-            ring0[(size_t)row_of(t) * conv_dim + ch] = seq[DN_KMAX - 1 + t][ci];
     }
 }
 
