@@ -297,10 +297,12 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         if (left >= 2) issue_next(B);
     }
 
+    NINFER_TL_MARK(1);  // this warp's steps done
     // the old y of the cut group this warp writes (no other warp writes those rows), loaded before the barrier so
     // that its L2 round trip overlaps the wait for the slower warps
     const float yv_own = own >= 0 ? old_y(g0 + own) : 0.f;
     __syncthreads();  // every warp's partials are in part
+    NINFER_TL_MARK(2);  // the block's steps done
     if (own >= 0) {
         // the warps sharing the group: this one (the group is its last) and the next ones whose ranges begin
         // inside it (for them it is the first group); warps with empty ranges hold nothing
