@@ -168,6 +168,8 @@ SHAPES = [
     ("q6g64", (16384, 2048), "store", True),  # lm_head rows (a slice of 248320)
     ("q4g64", (4096, 5120), "swiglu", True),  # 27B gate|up rows (a slice of 34816)
     ("q5g64", (5120, 17408), "add", False),  # 27B down_proj
+    ("q8g32", (5120, 6144), "add", False),  # 27B out_proj / o_proj + residual
+    ("q8g32", (4096, 5120), "store", True),  # 27B in_proj_qkv|z rows (a slice of 16384), fused input norm
 ]
 
 
@@ -208,10 +210,12 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
                          x_bulk=x_bulk)
 
 
-@pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096))])
+@pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096)),
+                                       ("q8g64", (300, 6144))])
 def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
     """The stream kernel's x̂ staging over more than one pass of 4096 elements, up to the longest K it takes
-    (10240 here), with the norm (its Σx² spans the passes), default plans."""
+    (10240 here), with the norm (its Σx² spans the passes), default plans: at K = 4096 four elements a thread,
+    past it one chunk a thread (gemv_stream.cu kChunkCoderMinK), for both code orders (q8, nibble formats)."""
     w, wv = dev.weight(fmt, shape, rng)
     assert linear.plan_gemv(w, 1, kernels.gpu.info.sm_count).stream
     for mode, ldx_pad in [("store", 0), ("add", 1)]:
