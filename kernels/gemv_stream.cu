@@ -115,7 +115,15 @@ __device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // 8-block b: elements 8b..8b+7 -> 16 code bytes at 16b
         const int b = (j + rot) & 3;
-        const float4 h0 = chunk_h4(xc, gc, 2 * b), h1 = chunk_h4(xc, gc, 2 * b + 1);
+        // lanes l and l + 4 share b: the one with bit 2 set reads the 8-block's halves the other way round, so the
+        // 8 lanes of a load hit 8 distinct bank groups
+        const int o = (rot >> 2) & 1;
+        float4 h0 = chunk_h4(xc, gc, 2 * b + o), h1 = chunk_h4(xc, gc, 2 * b + 1 - o);
+        if (o) {
+            const float4 t = h0;
+            h0 = h1;
+            h1 = t;
+        }
         const uint32_t f0 = q16_bits(h0.x, qs.inv), f1 = q16_bits(h0.y, qs.inv), f2 = q16_bits(h0.z, qs.inv),
                        f3 = q16_bits(h0.w, qs.inv), f4 = q16_bits(h1.x, qs.inv), f5 = q16_bits(h1.y, qs.inv),
                        f6 = q16_bits(h1.z, qs.inv), f7 = q16_bits(h1.w, qs.inv);
