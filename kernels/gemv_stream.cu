@@ -154,9 +154,9 @@ __device__ __forceinline__ void stage_m1_smem(void* xs, const float* xf, const f
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss = 0.f;
     if (XQ != 0 && K >= kChunkCoderMinK) {
+        uint8_t* rec = reinterpret_cast<uint8_t*>(xs);
         for (int c = tid; c < (K >> 5); c += kWarps * 32)
-            code_chunk<XQ>(reinterpret_cast<uint8_t*>(xs) + c * qchunk_bytes(1), xf + 32 * c, gf ? gf + 32 * c : nullptr,
-                           lane, ss);
+            code_chunk<XQ>(rec + c * qchunk_bytes(1), xf + 32 * c, gf ? gf + 32 * c : nullptr, lane, ss);
     } else {
         for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32) {
             const int e = e0 + 4 * tid;
