@@ -85,14 +85,17 @@ __device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__
     if (norm_w) store_ss(ss, ssred, lane, warp);
 }
 
-// x̂ h = x · g of one 32-element chunk from shared memory (xc, and the norm's gc: g = 1 + gc; none: g = 1), float4 q.
-__device__ __forceinline__ float4 chunk_h4(const float* xc, const float* gc, int q) {
-    float4 v = *reinterpret_cast<const float4*>(xc + 4 * q);
+// x̂ h = x · g of one 32-element chunk from shared memory (xc, and the norm's gc: g = 1 + gc; none: g = 1), float4 q;
+// v: its x, already loaded.
+__device__ __forceinline__ float4 chunk_h4(float4 v, const float* gc, int q) {
     if (gc) {
         const float4 g = norm_gain4(*reinterpret_cast<const float4*>(gc + 4 * q));
         v = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
     }
     return v;
+}
+__device__ __forceinline__ float4 chunk_h4(const float* xc, const float* gc, int q) {
+    return chunk_h4(*reinterpret_cast<const float4*>(xc + 4 * q), gc, q);
 }
 
 // One chunk record (int16 codes by XQ, as store_codes4 writes them) of a 32-element chunk coded by one thread:
@@ -107,17 +110,17 @@ __device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const 
         const int q = (j + rot) & 7;
         const float4 v = *reinterpret_cast<const float4*>(xc + 4 * q);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        const float4 h = gc ? chunk_h4(xc, gc, q) : v;
+        const float4 h = chunk_h4(v, gc, q);
         am = fmax_nan(am, fmax_nan(fmax_nan(fabsf(h.x), fabsf(h.y)), fmax_nan(fabsf(h.z), fabsf(h.w))));
     }
     const QScale qs = chunk_scale(am);
     int sq = 0;
+    // lanes l and l + 4 share each b below: the one with bit 2 set reads the 8-block's halves the other way round,
+    // so the 8 lanes of a load hit 8 distinct bank groups
+    const int o = (rot >> 2) & 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // 8-block b: elements 8b..8b+7 -> 16 code bytes at 16b
         const int b = (j + rot) & 3;
-        // lanes l and l + 4 share b: the one with bit 2 set reads the 8-block's halves the other way round, so the
-        // 8 lanes of a load hit 8 distinct bank groups
-        const int o = (rot >> 2) & 1;
         float4 h0 = chunk_h4(xc, gc, 2 * b + o), h1 = chunk_h4(xc, gc, 2 * b + 1 - o);
         if (o) {
             const float4 t = h0;
