@@ -499,7 +499,6 @@ extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
                       int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits, int rt) {
-    ninfer_pdl_begin();
     __shared__ float red_m[8];
     __shared__ float4 part_o[8][8];
     __shared__ float part_l[8];
@@ -508,8 +507,10 @@ extern "C" __global__ void __launch_bounds__(256)
     const int lane = tid & 31, wp = tid >> 5, nw = blockDim.x >> 5;
     const int col = 32 * blockIdx.z + 4 * c4;
     const size_t row = (size_t)m * nH + h, per_split = (size_t)M * nH;
+    // Before the wait: the gate (qkvg, written before prepare, which the decode waited on) and the positions
+    // (uploaded before the graph ran); only acc and ml are the decode's.
     float g[4] = {0.f, 0.f, 0.f, 0.f};
-    if (tid < 8) {  // the finishing threads fetch their gate values first, off the critical path
+    if (tid < 8) {  // the finishing threads hold their gate values
         const float* gp = gate + (size_t)m * ld_gate + (size_t)h * D + col;
 #pragma unroll
         for (int z = 0; z < 4; ++z) g[z] = gp[z];
@@ -518,6 +519,7 @@ extern "C" __global__ void __launch_bounds__(256)
     cs = split_keys(cs, n_splits, p0 + T, rt);
     const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
     const int ns = (keys + cs - 1) / cs;
+    ninfer_pdl_begin();
 
     float mloc = kMasked, L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -66,6 +66,8 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
     __shared__ float x_s[4][D];
     const int m = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = m / T, t = m - b * T;
+    // Before the wait: the positions (uploaded before the graph ran), the rotation and the norm's gains do not
+    // depend on the predecessor, which only writes qkvg; the double-precision cos/sin chain is the longest part.
     const int p = pos[b] + t, sl = slot[b];
     const int half = rot / 2;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
@@ -74,8 +76,16 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
         cos_s[j] = __fmul_rn(c, rope_scale);
         sin_s[j] = __fmul_rn(s, rope_scale);
     }
-    __syncthreads();
     const int u = blockIdx.y * 4 + warp;
+    const bool is_v = u >= nH + nKV;
+    float gain[PER];
+    if (u < nH + nKV) {
+        const float* w = u < nH ? q_norm : k_norm;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) gain[i] = __fadd_rn(1.f, w[lane + 32 * i]);
+    }
+    ninfer_pdl_begin();
+    __syncthreads();
     if (u >= nH + 2 * nKV) return;
 
     float x[PER];
@@ -83,9 +93,7 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
 #pragma unroll
     for (int i = 0; i < PER; ++i) x[i] = src[lane + 32 * i];
 
-    const bool is_v = u >= nH + nKV;
     if (!is_v) {
-        const float* w = u < nH ? q_norm : k_norm;
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
@@ -93,7 +101,7 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
         // same operation order as ops.rms_norm_zc: x * (1 / sqrt(mean + eps)), then * (1 + w)
         const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
 #pragma unroll
-        for (int i = 0; i < PER; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv), __fadd_rn(1.f, w[lane + 32 * i]));
+        for (int i = 0; i < PER; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv), gain[i]);
         if (half > 0) {
 #pragma unroll
             for (int i = 0; i < PER; ++i) x_s[warp][lane + 32 * i] = x[i];
@@ -148,7 +156,7 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
     extern "C" __global__ void __launch_bounds__(128) attn_prepare_d##D(                                         \
         const float* qkvg, int ld, const float* q_norm, const float* k_norm, const float* inv_freq,              \
         float rope_scale, int rot, const int* pos, const int* slot, int T, int nH, int nKV, float eps, void* kc,  \
-        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) { ninfer_pdl_begin();                         \
+        void* vc, float* ks, float* vs, int slots, int max_ctx, int int8, float* q_out) {                \
         prepare_impl<D>(qkvg, ld, q_norm, k_norm, inv_freq, rope_scale, rot, pos, slot, T, nH, nKV, eps, kc, vc, \
                         ks, vs, slots, max_ctx, int8, q_out);                                                     \
     }
