@@ -43,6 +43,8 @@ VARIANTS = [
     ("attention splits dealt at run time, ~2 blocks per SM at any length",
      {"attention._SPLIT_LONG_KEYS": 1 << 30}),
     ("DeltaNet step: one block per head (no cluster)", {"deltanet.STEP_CLUSTER": 1}),
+    ("DeltaNet step: b|a dots before the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 1 << 30}),
+    ("DeltaNet step: b|a dots after the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 0}),
     ("every kernel prefers the largest shared-memory carveout", {"kernels.SMEM_CARVEOUT": 100}),
     ("every kernel prefers the driver's carveout", {"kernels.SMEM_CARVEOUT": None}),
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",

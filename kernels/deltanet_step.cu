@@ -21,7 +21,9 @@
 // exit at once.
 // Before waiting on its predecessor (ninfer_pdl_begin) a block loads what earlier kernels wrote and the weights:
 // its state slice and b|a weights into registers, conv ring rows, A_log, dt_bias, norm weights into shared
-// memory (cp.async), its first channel's conv taps; after the wait, the step's own inputs (mixed, z, x).
+// memory (cp.async), its first channel's conv taps, and the x its first b|a products need (x is the in_proj's
+// input, two kernels back), then, where the planner asks (ba_early), the b|a dots themselves; after the wait,
+// the step's own inputs (mixed, z).
 // Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
 // them to the ring, each channel from one block, at positions no block of the step reads.
 #include "common.cuh"
@@ -144,7 +146,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                                           const float* __restrict__ norm_w, float eps,
                                           float* __restrict__ ssm_state, const int* __restrict__ slot,
                                           const int* __restrict__ pos, float* __restrict__ out, int T, int nk,
-                                          int nv, int dv, int Kc) {
+                                          int nv, int dv, int Kc, int ba_early) {
     constexpr int P = C == 1 ? 4 : 8;          // lanes per column of S
     constexpr int R = DK / P;                  // rows of S per lane
     constexpr int L = 32 / P;                  // columns per warp
@@ -229,10 +231,70 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     for (int j = tid; j < cols; j += nt) cp_async_small<4>(smem_addr(&snw[j]), norm_w + col0 + j, true);
     if (tid < 2) cp_async_small<4>(smem_addr(&sAdt[tid]), (tid == 0 ? A_log : dt_bias) + h, true);
 
+    // x, the layer input, was written by the kernel before the in_proj GEMV that precedes this one (whose
+    // blocks all passed their own wait before this launch began): its first TP tokens' PRE elements load now
+    // (C > 1: at C = 1, 512 threads a block, holding them spilled)
+    constexpr bool XPRE = C > 1;
+    const float* xb = x + (size_t)b * T * H;
+    float xv0[XPRE ? TP : 1][XPRE ? PRE : 1];
+#pragma unroll
+    for (int t = 0; t < (XPRE ? TP : 0); ++t)
+#pragma unroll
+        for (int n = 0; n < PRE; ++n) xv0[t][n] = t < T && g0 + n * G < H ? xb[(size_t)t * H + g0 + n * G] : 0.f;
+
+    // b|a of every token: this thread's share of the dots, then per warp (red). Before the wait where the planner
+    // asks (ba_early: x is readable then, see above), else after the step's own loads are issued. The C = 1
+    // kernels always compute after (one copy of the loop: two spilled at dk = 32 on sm_120a; they run where
+    // clusters are not, mostly GPUs without the programmatic launch, whose wait is nothing).
+    auto ba_partials = [&]() {
+        for (int t0 = 0; t0 < T; t0 += TP) {
+            float acc[3 * TP];
+#pragma unroll
+            for (int i = 0; i < 3 * TP; ++i) acc[i] = 0.f;
+            auto dot_x = [&](int t, float xv, float fbk, float fak) {
+                acc[3 * t] = fmaf(xv, xv, acc[3 * t]);
+                acc[3 * t + 1] = fmaf(fbk, xv, acc[3 * t + 1]);
+                acc[3 * t + 2] = fmaf(fak, xv, acc[3 * t + 2]);
+            };
+            auto dot = [&](int k, float fbk, float fak) {
+#pragma unroll
+                for (int t = 0; t < TP; ++t)
+                    if (t0 + t < T) dot_x(t, xb[(size_t)(t0 + t) * H + k], fbk, fak);
+            };
+#pragma unroll
+            for (int n = 0; n < PRE; ++n) {
+                if (g0 + n * G >= H) continue;
+                if (XPRE && t0 == 0) {  // x loaded before the wait
+#pragma unroll
+                    for (int t = 0; t < TP; ++t)
+                        if (t < T) dot_x(t, xv0[XPRE ? t : 0][XPRE ? n : 0], fb[n], fa[n]);
+                } else {
+                    dot(g0 + n * G, fb[n], fa[n]);
+                }
+            }
+#pragma unroll(C == 1 ? 2 : 1)  // the family's H needs no more at C = 4
+            for (int k = g0 + PRE * G; k < H; k += G) {
+                const float gk = 1.f + in_norm_w[k];
+                dot(k, bf16_to_f32(wb[k]) * gk, bf16_to_f32(wa[k]) * gk);
+            }
+#pragma unroll
+            for (int i = 0; i < 3 * TP; ++i) {
+                if (3 * t0 + i < 3 * T) {
+                    const float v = warp_sum(acc[i]);
+                    if (lane == 0) red[warp][3 * t0 + i] = v;
+                }
+            }
+        }
+    };
+    const bool early = C > 1 && ba_early;
+    if constexpr (C > 1) {
+        if (early) ba_partials();
+    }
+
     ninfer_pdl_begin();
 
     // The predecessor's outputs: the step's conv inputs into seq, and z of this block's columns into sz
-    // (cp.async, issued before the b|a loads so that they overlap)
+    // (cp.async, issued before any b|a loads so that they overlap)
     const size_t row0 = (size_t)b * T;  // first row of sequence b
     const float* xm = mixed + row0 * ld_mixed;
     for (int ci = tid; ci < nch; ci += nt) {
@@ -245,40 +307,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         cp_async_small<4>(smem_addr(&sz[t][j]), xm + (size_t)t * ld_mixed + conv_dim + (size_t)h * dv + col0 + j, true);
     }
     cp_async_commit();
-
-    // b|a of every token: this thread's share of the dots, then per warp
-    const float* xb = x + row0 * H;
-    for (int t0 = 0; t0 < T; t0 += TP) {
-        float acc[3 * TP];
-#pragma unroll
-        for (int i = 0; i < 3 * TP; ++i) acc[i] = 0.f;
-        auto dot = [&](int k, float fbk, float fak) {
-#pragma unroll
-            for (int t = 0; t < TP; ++t) {
-                if (t0 + t < T) {
-                    const float xv = xb[(size_t)(t0 + t) * H + k];
-                    acc[3 * t] = fmaf(xv, xv, acc[3 * t]);
-                    acc[3 * t + 1] = fmaf(fbk, xv, acc[3 * t + 1]);
-                    acc[3 * t + 2] = fmaf(fak, xv, acc[3 * t + 2]);
-                }
-            }
-        };
-#pragma unroll
-        for (int n = 0; n < PRE; ++n)
-            if (g0 + n * G < H) dot(g0 + n * G, fb[n], fa[n]);
-#pragma unroll(C == 1 ? 2 : 1)  // the family's H needs no more at C = 4
-        for (int k = g0 + PRE * G; k < H; k += G) {
-            const float gk = 1.f + in_norm_w[k];
-            dot(k, bf16_to_f32(wb[k]) * gk, bf16_to_f32(wa[k]) * gk);
-        }
-#pragma unroll
-        for (int i = 0; i < 3 * TP; ++i) {
-            if (3 * t0 + i < 3 * T) {
-                const float v = warp_sum(acc[i]);
-                if (lane == 0) red[warp][3 * t0 + i] = v;
-            }
-        }
-    }
+    if (!early) ba_partials();
 
     // conv of this block's channels into sq/sk/sv (this block's copies); taps summed in order as deltanet_conv
     NINFER_TL_MARK(0);  // b|a partial dots done
@@ -398,9 +427,9 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
         int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
         const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out, int T,     \
-        int nk, int nv, int dv, int Kc) {                                                                         \
+        int nk, int nv, int dv, int Kc, int ba_early) {                                                           \
         step_impl<DK, C>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log,         \
-                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, T, nk, nv, dv, Kc);                     \
+                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, T, nk, nv, dv, Kc, ba_early);           \
     }
 // deltanet_step_dk{DK} (one block per head) and deltanet_step_dk{DK}_c{DN_STEP_CLUSTER} (a cluster per head)
 #define DN_STEP(DK)                                 \

@@ -27,6 +27,9 @@ STEP_T = 8                        # DN_STEP_T in deltanet_step.cu: most tokens p
 STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
+# the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
+# (H200, perf.md v36: before is 0.3% faster a decode step at the 35B-A3B's H = 2048, after 0.1% at the 27B's 5120)
+STEP_BA_EARLY_MAX_H = 4096
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
 CHUNK_THREADS = 256               # threads of a chunked prep or state block
@@ -246,7 +249,7 @@ def step_cluster(k, *, dv: int) -> int:
 def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight, mixed: int, ld_mixed: int,
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
          B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
-         cluster: int | None = None) -> None:
+         cluster: int | None = None, ba_early: bool | None = None) -> None:
     """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
 
     x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
@@ -258,6 +261,9 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     where dv allows, else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
     grid (nv, B), one block of 4·dv threads per head; C = STEP_CLUSTER is deltanet_step_dk{dk}_c{C}, grid
     (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with 8·dv/C threads.
+    ba_early: whether the clustered kernel computes its b|a dots before its wait on the previous kernel (x is
+    written two kernels back) or after issuing the loads of mixed and z; None: H <= STEP_BA_EARLY_MAX_H. Timing
+    only: the same operations in the same order either way.
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -279,5 +285,6 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
-              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc)], 0, stream,
+              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc),
+              i32(H <= STEP_BA_EARLY_MAX_H if ba_early is None else ba_early)], 0, stream,
              cluster=(C, 1, 1) if C > 1 else None)

@@ -97,9 +97,9 @@ class Layer:
         ba = (h @ torch.from_numpy(self.w_ba).T).numpy()
         return mixed, ba, x
 
-    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None):
+    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None, ba_early=None):
         """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv].
-        cluster: the step's blocks per head (None: deltanet.step's own choice)."""
+        cluster, ba_early: the step's blocks per head and b|a position (None: deltanet.step's own choice)."""
         from ninfer_rt.gpu import deltanet
         from ninfer_rt.gpu.weights import DeviceWeight
         d, dev = self.d, self.dev
@@ -113,7 +113,7 @@ class Layer:
         if mode == "step":
             w_ba = DeviceWeight("in_proj_b|a", "bf16", (2 * d["nv"], self.H), self.p["w_ba_bits"])
             deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
-                          cluster=cluster, **common)
+                          cluster=cluster, ba_early=ba_early, **common)
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
             scratch = dev.empty(deltanet.chunked_scratch_bytes(B, T, self.cd, d["nv"], d["dk"]))  # >= decode's
@@ -167,9 +167,10 @@ def assert_close(name, got, ref, rtol=RTOL):
                     f"got {got[w]:.7g}, ref {ref[w]:.7g}; {int((err > rtol).sum())} of {err.size} elements over")
 
 
-def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256, cluster=None):
+def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256, cluster=None, ba_early=None):
     """Run len(Ts) consecutive steps (step i has Ts[i] tokens per sequence, through modes[i], default decode)
-    and check every output and state against the reference carried alongside (cluster: for mode step)."""
+    and check every output and state against the reference carried alongside (cluster, ba_early: for mode step).
+    Returns the outputs."""
     import torch
     d = STEP_DIMS[dims]
     modes = modes or ["decode"] * len(Ts)
@@ -180,9 +181,11 @@ def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256,
     ref_conv = {s: torch.from_numpy(ring_window(L.conv_state[s], L.pos[s], Kc)) for s in slots}
     ref_ssm = {s: torch.from_numpy(L.ssm_state[s].copy()) for s in slots}
     conv_before = L.conv_state
+    outs = []
     for step, (T, mode) in enumerate(zip(Ts, modes)):
         mixed, ba, x = L.inputs(rng, B * T, fused=mode == "step")
-        out = L.run(kernels, mode, mixed, ba, x, slots, B, T, cluster)
+        out = L.run(kernels, mode, mixed, ba, x, slots, B, T, cluster, ba_early)
+        outs.append(out)
         conv_dev, ssm_dev = L.device_states()
         for b, s in enumerate(slots):
             rows = slice(b * T, (b + 1) * T)
@@ -204,6 +207,7 @@ def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256,
             assert np.array_equal(conv_dev[s], L.conv_state[s]), f"conv_state slot {s} (not in use) was written"
             assert np.array_equal(ssm_dev[s], L.ssm_state[s]), f"ssm_state slot {s} (not in use) was written"
         conv_before = conv_dev
+    return outs
 
 
 @pytest.mark.parametrize("Ts", [(1, 1, 1), (4, 4), (8, 8), (1, 8, 3)], ids=lambda t: "T" + "-".join(map(str, t)))
@@ -291,6 +295,20 @@ def test_step(kernels, recorder, dev, rng, dims, B, Ts):
         recorder.names.clear()
         check_steps(recorder, dev, rng, dims, B, Ts, modes=["step"] * len(Ts), H=H, cluster=C)
         assert recorder.names == [step_kernel(dims, C)] * len(Ts), recorder.names
+
+
+@pytest.mark.parametrize("dims", ["35b", "27b"])
+def test_step_ba_before_or_after_the_wait(kernels, dev, dims):
+    """The clustered step's b|a dots before its wait or after it (ba_early): both match the reference, and
+    their outputs agree bit for bit (the same operations in the same order), at the 35B's and 27B's H, T = 1
+    and T = 3 (tokens past the first pair: x loaded in the loop)."""
+    if STEP_CLUSTER not in step_clusters(kernels, dims):
+        pytest.skip(f"no thread-block clusters on {kernels.gpu.info.arch}")
+    H = {"35b": 2048, "27b": 5120}[dims]
+    got = [check_steps(kernels, dev, np.random.default_rng(7), dims, 2, (1, 3), modes=["step"] * 2, H=H,
+                       cluster=STEP_CLUSTER, ba_early=early) for early in (False, True)]
+    for a, b in zip(*got):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{dims}: b|a before the wait changed y"
 
 
 def test_step_picks_the_cluster(kernels, recorder, dev, rng):
