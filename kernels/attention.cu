@@ -303,20 +303,39 @@ extern "C" __global__ void __launch_bounds__(256)
     const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
     const int ns = (keys + cs - 1) / cs;
     const size_t row = (size_t)m * nH + h, per_split = (size_t)M * nH;
+    // loads in batches of NB splits a thread, all issued before their use: one L2 round trip per batch, not per split
+    constexpr int NB = 4;
     float mx = kMasked;
-    for (int sp = j; sp < ns; sp += SJ) mx = fmaxf(mx, ml[sp * per_split + row].x);
+    for (int s0 = j; s0 < ns; s0 += NB * SJ) {
+        float e[NB];
+#pragma unroll
+        for (int u = 0; u < NB; ++u) e[u] = s0 + u * SJ < ns ? ml[(s0 + u * SJ) * per_split + row].x : kMasked;
+#pragma unroll
+        for (int u = 0; u < NB; ++u) mx = fmaxf(mx, e[u]);
+    }
     mx = block_max(mx, red);
     for (int zb = blockIdx.z; zb < D / 32; zb += gridDim.z) {
         const int col = 32 * zb + 4 * c4;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         float L = 0.f;
-#pragma unroll 4
-        for (int sp = j; sp < ns; sp += SJ) {
-            const float2 e = ml[sp * per_split + row];
-            const float w = exp2f(e.x - mx);
-            const float4 a = *reinterpret_cast<const float4*>(acc + (sp * per_split + row) * D + col);
-            L += e.y * w;
-            o.x += a.x * w, o.y += a.y * w, o.z += a.z * w, o.w += a.w * w;
+        for (int s0 = j; s0 < ns; s0 += NB * SJ) {
+            float2 e[NB];
+            float4 a[NB];
+#pragma unroll
+            for (int u = 0; u < NB; ++u) {
+                const int sp = s0 + u * SJ;
+                if (sp < ns) {
+                    e[u] = ml[sp * per_split + row];
+                    a[u] = *reinterpret_cast<const float4*>(acc + (sp * per_split + row) * D + col);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < NB; ++u) {
+                if (s0 + u * SJ >= ns) break;
+                const float w = exp2f(e[u].x - mx);
+                L += e[u].y * w;
+                o.x += a[u].x * w, o.y += a[u].y * w, o.z += a[u].z * w, o.w += a[u].w * w;
+            }
         }
         part[threadIdx.x] = o;
         if (c4 == 0) lpart[j] = L;

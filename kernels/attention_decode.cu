@@ -30,7 +30,7 @@
 //     then scaled in fp32 (q's row scale, the int8 key scale); p times the value scale within 2^-18 of itself in
 //     the p*v mma, which accumulates in fp32. exp2 of the fast-math intrinsic as in attention.cu.
 // attn_combine_fast: grid (M, nH, D/32), block 8*SJ (SJ = 4..32 split lanes): thread (j, c4) folds the splits
-//     j, j+SJ, ... of its float4 column with an online max (all its loads independent of the arithmetic), then one
+//     j, j+SJ, ... of its float4 column with an online max (4 splits' loads in flight before their folds), then one
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
 #include "attention.cuh"
 #include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
@@ -523,16 +523,32 @@ extern "C" __global__ void __launch_bounds__(256)
 
     float mloc = kMasked, L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int sp = j; sp < ns; sp += SJ) {
-        const size_t i = (size_t)sp * per_split + row;
-        const float2 e = ml[i];
-        const float4 a = *reinterpret_cast<const float4*>(acc + i * D + col);
-        const float nm = fmaxf(mloc, e.x);
-        const float f = exp2f(mloc - nm), wt = exp2f(e.x - nm);
-        o.x = o.x * f + a.x * wt, o.y = o.y * f + a.y * wt, o.z = o.z * f + a.z * wt, o.w = o.w * f + a.w * wt;
-        L = L * f + e.y * wt;
-        mloc = nm;
+    // NB splits a thread per batch, every load issued before the first fold: a loop of one split an iteration
+    // (the remainder of an unrolled one, all of it at 8K's 4 splits a thread) waited one L2 round trip per split.
+    // NB = 8 took 99 registers, too many for a block to become resident beside two decode blocks (PDL)
+    constexpr int NB = 4;
+    for (int s0 = j; s0 < ns; s0 += NB * SJ) {
+        float2 e[NB];
+        float4 a[NB];
+#pragma unroll
+        for (int u = 0; u < NB; ++u) {
+            const int sp = s0 + u * SJ;
+            if (sp < ns) {
+                const size_t i = (size_t)sp * per_split + row;
+                e[u] = ml[i];
+                a[u] = *reinterpret_cast<const float4*>(acc + i * D + col);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NB; ++u) {
+            if (s0 + u * SJ >= ns) break;
+            const float nm = fmaxf(mloc, e[u].x);
+            const float f = exp2f(mloc - nm), wt = exp2f(e[u].x - nm);
+            o.x = o.x * f + a[u].x * wt, o.y = o.y * f + a[u].y * wt, o.z = o.z * f + a[u].z * wt,
+            o.w = o.w * f + a[u].w * wt;
+            L = L * f + e[u].y * wt;
+            mloc = nm;
+        }
     }
     float mx = warp_max(mloc);
     if (lane == 0) red_m[wp] = mx;

@@ -497,6 +497,7 @@ FAST_CASES = [  # the CUDA-core path at every head dim, with rows that fill 1..8
     ("d64", "int8", (0, 31, 32), 1, (0,)),
     ("27b", "bf16", (700,), 1, (0,)),
     ("27b", "int8", (33, 4100), 5, (0, 1)),
+    ("35b", "int8", (9000,), 1, (0,)),  # ~2 splits per SM: the combine's threads fold 4 or 5 (two load batches)
     ("tiny", "bf16", (0, 7, 8, 9), 2, (0,)),
 ]
 
