@@ -245,10 +245,11 @@ struct StateGeo {
 };
 
 // grid (dv / DN_COLS, nv, B), kThreads: a block owns DN_COLS columns of one head's S (columns are independent in
-// the delta rule) and walks the chunks in order, the three products with S on tensor cores in 3xTF32 (perf.md v22:
-// 4% faster than v18's fp32 FMAs; both are latency-bound at 8 warps per SM). Each chunk's record and U columns are
-// copied (bulk copies on sm_90+, else cp.async) into one of STAGES stages, the next chunk's while this one computes
-// (STAGES = 2), else prefetched into L2; the chunk after that is prefetched into L2 either way.
+// the delta rule) and walks the chunks in order, the three products with S on tensor cores in 3xTF32
+// (perf-history.md v22: 4% faster than v18's fp32 FMAs; both are latency-bound at 8 warps per SM). Each chunk's
+// record and U columns are copied (bulk copies on sm_90+, else cp.async) into one of STAGES stages, the next
+// chunk's while this one computes (STAGES = 2), else prefetched into L2; the chunk after that is prefetched into L2
+// either way.
 //   1. [W; QG] S (2C × DK times DK × 32): warp w the 16 rows 16(w / 2) and columns 16(w % 2) .. + 15; the W rows
 //      give V' = U − W S (into shared memory), the QG rows stay in registers for o.
 //   2. o = QG S + QK V' (the QG warps; QK is lower triangular), written for the chunk's real rows.
@@ -299,7 +300,7 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // sm_90+: one bulk copy per padded row, all completing on the stage's mbarrier, in place of ~3,600 16-byte
-    // cp.async a chunk (perf.md v22: 39.7 -> 38.1 ms at the 35B's 8K chunk)
+    // cp.async a chunk (perf-history.md v22: 39.7 -> 38.1 ms at the 35B's 8K chunk)
     __shared__ __align__(8) uint64_t bars[2];
     if (tid == 0) {
         mbar_init(smem_addr(bars), 1), mbar_init(smem_addr(bars + 1), 1);
@@ -365,7 +366,7 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
     };
     auto wait_chunk = [&](int) { cp_async_wait<0>(); };
 #endif
-    // chunk ci's record and U rows into L2, a chunk or two before they are copied (perf.md v22: 38.1 -> 37.6 ms)
+    // chunk ci's record and U rows into L2, a chunk or two before they are copied (perf-history.md v22: 38.1 -> 37.6 ms)
     auto prefetch = [&](int ci) {
         if (ci >= nchunks) return;
         const char* src = reinterpret_cast<const char*>(recs + (size_t)ci * nv * R::FLOATS);

@@ -50,7 +50,7 @@ SUPPORTED = tuple(f for f, v in FORMATS.items() if v.is_quantized) + ("bf16",)
 KERNELS = ("auto", "mma", "wgmma", "wgmma_ss")
 WGMMA_MIN_ROWS = 128  # "auto" takes wgmma from one full tile of x rows (tokens) up
 # "auto" dequantizes a quantized weight into the caller's scratch and runs gemm_wgmma_ss from this many x rows up
-# (perf.md v23: 1.3-2.0x faster than the register path at 512 rows, the pass included, where wgmma runs)
+# (perf-history.md v23: 1.3-2.0x faster than the register path at 512 rows, the pass included, where wgmma runs)
 WGMMA_SS_MIN_ROWS = 512
 # gemm_wgmma.cu WT<BITS>: tiles of 256 weight rows × 128 x rows, 512 threads, one block per H100/H200 SM; stages of
 # 64 k (x 128 rows × 128 B, then the planes), 1024-byte aligned, as many as fit 200 KB; then mbarriers and row ids

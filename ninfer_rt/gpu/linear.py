@@ -36,7 +36,7 @@ _STREAM_K_MAX = 1 << 30
 # L2 round trip, where it fits beside the plan's blocks per SM; shorter K stages from registers (perf-history.md v26)
 _STREAM_X_COPY_ABOVE = 4096
 # on sm_90+ the copies are bulk copies by the copy engine instead (gemv_*_s1b), at K past this: their requests do not
-# wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf.md v33)
+# wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf-history.md v33)
 _STREAM_X_BULK = True
 _STREAM_X_BULK_ABOVE = 0
 _EMBED_THREADS = 128
