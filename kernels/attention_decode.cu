@@ -200,6 +200,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         reinterpret_cast<float4*>(q_s)[c * (D / 4) + (i * (F::CDIM / 4) + e) * F::LPK + l] = x;
     }
     __syncthreads();
+    NINFER_TL_MARK(0);  // q staged
 
     // QK roles: lane = kg*LPK + l; partial sum slot 8a + c is key kg*KPT + (a ^ ka), row c ^ kr
     const int kg = lane / F::LPK, l = lane % F::LPK, ka = l >> 2, kr = 2 * (l & 3);
@@ -394,6 +395,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         }
     }
     __syncthreads();  // ml_s complete; every warp done with its stages (its copies have landed)
+    NINFER_TL_MARK(1);  // the block's keys done
 
     // this warp's o rescaled to the block's max of each row (row r's factor: warp_factor(r))
     auto warp_factor = [&](int r) {
@@ -430,6 +432,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         }
     }
     __syncthreads();
+    NINFER_TL_MARK(2);  // the warps' o merged in shared memory
 
     for (int f = tid; f < kFastRows * (D / 4); f += kFastWarps * 32) {
         const int r = f / (D / 4), c4 = f - r * (D / 4), rr = r0 + r;
@@ -550,9 +553,11 @@ extern "C" __global__ void __launch_bounds__(256)
             mloc = nm;
         }
     }
+    NINFER_TL_MARK(0);  // this thread's splits folded
     float mx = warp_max(mloc);
     if (lane == 0) red_m[wp] = mx;
     __syncthreads();
+    NINFER_TL_MARK(1);  // the block's max
     mx = red_m[0];
     for (int u = 1; u < nw; ++u) mx = fmaxf(mx, red_m[u]);
     const float f = exp2f(mloc - mx);
@@ -569,6 +574,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (lane < 8) part_o[wp][lane] = o;
     if (lane == 0) part_l[wp] = L;
     __syncthreads();
+    NINFER_TL_MARK(2);  // the block's partial sums
     if (tid < 8) {
         float4 s4 = part_o[0][tid];
         float Ls = part_l[0];
