@@ -321,14 +321,7 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int s0 = j; s0 < ns; s0 += NB * SJ) {
             float2 e[NB];
             float4 a[NB];
-#pragma unroll
-            for (int u = 0; u < NB; ++u) {
-                const int sp = s0 + u * SJ;
-                if (sp < ns) {
-                    e[u] = ml[sp * per_split + row];
-                    a[u] = *reinterpret_cast<const float4*>(acc + (sp * per_split + row) * D + col);
-                }
-            }
+            load_splits<NB>(acc, ml, per_split, row, D, col, s0, SJ, ns, e, a);
 #pragma unroll
             for (int u = 0; u < NB; ++u) {
                 if (s0 + u * SJ >= ns) break;

@@ -526,22 +526,13 @@ extern "C" __global__ void __launch_bounds__(256)
 
     float mloc = kMasked, L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    // NB splits a thread per batch, every load issued before the first fold: a loop of one split an iteration
-    // (the remainder of an unrolled one, all of it at 8K's 4 splits a thread) waited one L2 round trip per split.
-    // NB = 8 took 99 registers, too many for a block to become resident beside two decode blocks (PDL)
+    // NB splits a thread per batch (load_splits; 8 took 99 registers, too many for a block to become resident
+    // beside two decode blocks, where it waits on them)
     constexpr int NB = 4;
     for (int s0 = j; s0 < ns; s0 += NB * SJ) {
         float2 e[NB];
         float4 a[NB];
-#pragma unroll
-        for (int u = 0; u < NB; ++u) {
-            const int sp = s0 + u * SJ;
-            if (sp < ns) {
-                const size_t i = (size_t)sp * per_split + row;
-                e[u] = ml[i];
-                a[u] = *reinterpret_cast<const float4*>(acc + i * D + col);
-            }
-        }
+        load_splits<NB>(acc, ml, per_split, row, D, col, s0, SJ, ns, e, a);
 #pragma unroll
         for (int u = 0; u < NB; ++u) {
             if (s0 + u * SJ >= ns) break;
