@@ -366,7 +366,7 @@ __device__ __forceinline__ void state_impl(const float* __restrict__ c, const fl
     };
     auto wait_chunk = [&](int) { cp_async_wait<0>(); };
 #endif
-    // chunk ci's record and U rows into L2, a chunk or two before they are copied (perf-history.md v22: 38.1 -> 37.6 ms)
+    // chunk ci's record and U rows into L2 a chunk or two before their copy (perf-history.md v22: 38.1 -> 37.6 ms)
     auto prefetch = [&](int ci) {
         if (ci >= nchunks) return;
         const char* src = reinterpret_cast<const char*>(recs + (size_t)ci * nv * R::FLOATS);
