@@ -131,6 +131,30 @@ __device__ __forceinline__ void store_all_async(float* p, float v, uint64_t* bar
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------ state tile
+
+// A block's 32 columns of S (rows 128-byte lines in global memory) staged in shared memory as [DK][32] floats, the
+// 16-byte granule g of row i at granule g ^ (i & 7). Written by the delta rule's lanes (column jc, rows P·r + p: the
+// 32 lanes of a warp hit 32 banks), read a line at a time: one global store instruction per 4 rows instead of one
+// per 8 row pieces of 16 bytes (perf.md v38).
+template <int R, int P>
+__device__ __forceinline__ void state_tile_put(float* tile, const float (&s)[R], int jc, int p) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = P * r + p;
+        tile[32 * i + 4 * ((jc >> 2) ^ (i & 7)) + (jc & 3)] = s[r];
+    }
+}
+
+// The tile's DK rows to S (row i at S + i·ld), thread t: granule t % 8 of rows t / 8 + (nt / 8)·n.
+template <int DK>
+__device__ __forceinline__ void state_tile_store(const float* tile, float* S, int ld, int tid, int nt) {
+    const int g = tid & 7;
+    for (int i = tid >> 3; i < DK; i += nt >> 3)
+        *reinterpret_cast<float4*>(S + (size_t)i * ld + 4 * g) =
+            *reinterpret_cast<const float4*>(tile + 32 * i + 4 * (g ^ (i & 7)));
+}
+
 // ------------------------------------------------------------------------------------------------ the step
 
 // grid (C·nv, B) with clusters (C, 1, 1): block x = h·C + c. Block of P·dv/C threads: lane = jj + (32/P)·p,
@@ -157,8 +181,15 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // dv = 128 the cluster's 1024 threads cover H <= 6144 so (the family: 2048 to 5120)
     constexpr int PRE = C == 1 ? 4 : 6;
     constexpr int TP = 2;                      // tokens per b|a pass: 3·TP accumulators
-    __shared__ __align__(16) float sq[DN_STEP_T][DK], sk[DN_STEP_T][DK];  // q, k of the key head: all DK
-    __shared__ float sv[DN_STEP_T][MAXC], so[DN_STEP_T][MAXC];  // v and o of this block's columns
+    // q, k of the key head (all DK) and v of this block's columns; after the delta rule the same bytes stage the
+    // new state for coalesced stores (state_tile), where this block's S rows are 128-byte lines
+    constexpr bool TILE = C > 1 && DK % 32 == 0;  // and cols == 32 (run time: dv = 128)
+    constexpr int QKV = (2 * DK + MAXC) * DN_STEP_T;
+    __shared__ __align__(16) float sqkv[TILE && DK * 32 > QKV ? DK * 32 : QKV];
+    float(*sq)[DK] = reinterpret_cast<float(*)[DK]>(sqkv);
+    float(*sk)[DK] = reinterpret_cast<float(*)[DK]>(sqkv + DN_STEP_T * DK);
+    float(*sv)[MAXC] = reinterpret_cast<float(*)[MAXC]>(sqkv + 2 * DN_STEP_T * DK);
+    __shared__ float so[DN_STEP_T][MAXC];                       // o of this block's columns
     __shared__ float seq[DN_KMAX - 1 + DN_STEP_T][MAXCH];       // conv inputs: row i is position p0 - DN_KMAX + 1 + i
     __shared__ float red[MAXC / L][3 * DN_STEP_T];              // per warp: Σ x², Σ b, Σ a of each token
     __shared__ float part[C][3 * DN_STEP_T];                    // the same per block of the cluster
@@ -381,16 +412,22 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const float ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
         if (p == 0) so[t][jc] = ov;
     }
-    // The new state, now: its stores drain while o is normalised. Through an opaque copy of S, so that the
-    // compiler recomputes the R addresses here rather than holding them in registers from the loads on (which
+    // The new state, now: its stores drain while o is normalised. Where the block's columns are one 128-byte line
+    // of each row, through shared memory (state_tile); else straight from the registers, through an opaque copy
+    // of S, so that the compiler recomputes the R addresses here rather than holding them from the loads (which
     // spilled).
-    {
+    if (TILE && cols == 32) {
+        __syncthreads();  // every warp is done with sq, sk, sv, whose bytes the tile reuses
+        state_tile_put<R, P>(sqkv, s, jc, p);
+        __syncthreads();
+        state_tile_store<DK>(sqkv, ssm_state + ((size_t)sl * nv + h) * DK * dv + col0, dv, tid, nt);
+    } else {
         float* S2;
         asm("mov.b64 %0, %1;" : "=l"(S2) : "l"(S));
 #pragma unroll
         for (int r = 0; r < R; ++r) S2[(size_t)(P * r + p) * dv] = s[r];
+        __syncthreads();
     }
-    __syncthreads();
     NINFER_TL_MARK(3);  // the delta rule done
 
     // Σ o² over this block's columns, one warp per token, into every block; then wait for all C blocks' sums
