@@ -407,30 +407,26 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         sba[tid][1] = __expf(-__expf(sAdt[0]) * softplusf_(rn * sa + sAdt[1]));
     }
     __syncthreads();
+    NINFER_TL_MARK(5);  // q̂, k̂, β and e^g ready
 
     for (int t = 0; t < T; ++t) {
         const float ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
         if (p == 0) so[t][jc] = ov;
     }
     // The new state, now: its stores drain while o is normalised. Where the block's columns are one 128-byte line
-    // of each row, through shared memory (state_tile); else straight from the registers, through an opaque copy
-    // of S, so that the compiler recomputes the R addresses here rather than holding them from the loads (which
-    // spilled).
-    if (TILE && cols == 32) {
-        __syncthreads();  // every warp is done with sq, sk, sv, whose bytes the tile reuses
-        state_tile_put<R, P>(sqkv, s, jc, p);
-        __syncthreads();
-        state_tile_store<DK>(sqkv, ssm_state + ((size_t)sl * nv + h) * DK * dv + col0, dv, tid, nt);
-    } else {
+    // of each row, through shared memory (state_tile), after this block's Σ o² has gone out; else straight from the
+    // registers, through an opaque copy of S, so that the compiler recomputes the R addresses here rather than
+    // holding them from the loads (which spilled).
+    const bool tile = TILE && cols == 32;
+    if (!tile) {
         float* S2;
         asm("mov.b64 %0, %1;" : "=l"(S2) : "l"(S));
 #pragma unroll
         for (int r = 0; r < R; ++r) S2[(size_t)(P * r + p) * dv] = s[r];
-        __syncthreads();
     }
-    NINFER_TL_MARK(3);  // the delta rule done
+    __syncthreads();  // so is complete (and every warp is done with sq, sk, sv, whose bytes the tile reuses)
 
-    // Σ o² over this block's columns, one warp per token, into every block; then wait for all C blocks' sums
+    // Σ o² over this block's columns, one warp per token, into every block
     for (int t = warp; t < T; t += nw) {
         float ss = 0.f;
         for (int j = lane; j < cols; j += 32) ss = fmaf(so[t][j], so[t][j], ss);
@@ -440,6 +436,13 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             else store_all_async<C>(&opart[c][t], ss, &obar);
         }
     }
+    if (tile) {
+        state_tile_put<R, P>(sqkv, s, jc, p);
+        __syncthreads();
+        state_tile_store<DK>(sqkv, ssm_state + ((size_t)sl * nv + h) * DK * dv + col0, dv, tid, nt);
+    }
+    NINFER_TL_MARK(3);  // the delta rule done, Σ o² sent, the state's stores issued
+    // then wait for all C blocks' sums
     if constexpr (C == 1) __syncthreads();
 #if DN_CLUSTERS
     else mbar_wait(smem_addr(&obar), 0);
