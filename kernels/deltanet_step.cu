@@ -16,9 +16,9 @@
 // The blocks exchange through distributed shared memory: each stores its b|a partial sums and its q/k channels
 // into every block of the cluster (itself included), then a cluster barrier; then its Σ o² partials by st.async,
 // each block waiting on its own mbarrier for the C sums (no second cluster barrier: its release would wait for
-// the state and ring stores, which now go out right after the first). Every block sums the C partials in rank
-// order, so all get the same b, a and rms(o); a block receives everything it reads before it goes on, so it may
-// exit at once.
+// the state and ring stores, which go out after the first, the state's once the Σ o² partials are sent). Every
+// block sums the C partials in rank order, so all get the same b, a and rms(o); a block receives everything it
+// reads before it goes on, so it may exit at once.
 // Before waiting on its predecessor (ninfer_pdl_begin) a block loads what earlier kernels wrote and the weights:
 // its state slice and b|a weights into registers, conv ring rows, A_log, dt_bias, norm weights into shared
 // memory (cp.async), its first channel's conv taps, and the x its first b|a products need (x is the in_proj's
