@@ -215,7 +215,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 
     // Before the wait. The state slice and the ring rows before p0 were written by this layer's previous step,
     // long finished; the rest are weights. The state loads go first: they are the most.
-    float* S = ssm_state + ((size_t)sl * nv + h) * DK * dv + col0 + jc;
+    float* const Sb = ssm_state + ((size_t)sl * nv + h) * DK * dv + col0;  // this block's columns of S
+    float* S = Sb + jc;
     float s[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r] = S[(size_t)(P * r + p) * dv];
@@ -439,7 +440,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     if (tile) {
         state_tile_put<R, P>(sqkv, s, jc, p);
         __syncthreads();
-        state_tile_store<DK>(sqkv, ssm_state + ((size_t)sl * nv + h) * DK * dv + col0, dv, tid, nt);
+        state_tile_store<DK>(sqkv, Sb, dv, tid, nt);
     }
     NINFER_TL_MARK(3);  // the delta rule done, Σ o² sent, the state's stores issued
     // then wait for all C blocks' sums
