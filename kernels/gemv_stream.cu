@@ -104,7 +104,7 @@ __device__ __forceinline__ float4 chunk_h4(const float* xc, const float* gc, int
 // One chunk record (int16 codes by XQ, as store_codes4 writes them) of a 32-element chunk coded by one thread:
 // a first sweep finds its largest |h| (and ss += Σ x²), a second codes its 8-blocks, both starting at rot (the
 // lane), so lanes on consecutive chunks (128 bytes apart) spread over the banks. No shuffles: coding the 27B's
-// K = 6144 after its copy was in took 1.6-1.9 µs with 8 lanes a chunk (code_x4), 0.8 with this (perf.md v35).
+// K = 6144 after its copy was in took 1.6-1.9 µs with 8 lanes a chunk (code_x4), 0.8 with this (perf-history.md v35).
 template <int XQ>
 __device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const float* gc, int rot, float& ss) {
     float am = 0.f;
@@ -149,7 +149,7 @@ __device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const 
 }
 
 // K past which stage_m1_smem codes a chunk per thread: at K = 2048 (2 warps of 8 have a chunk) the 35B's q8 GEMVs
-// with the norm lost 0.6-0.8 µs each, and at 4096 the 35B gained nothing (perf.md v35)
+// with the norm lost 0.6-0.8 µs each, and at 4096 the 35B gained nothing (perf-history.md v35)
 constexpr int kChunkCoderMinK = 4097;
 
 // The same staging from shared memory: x (and norm_w) were copied to xf (and gf) by cp.async or bulk copies, every

@@ -28,7 +28,8 @@ STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
-# (H200, perf.md v36: before is 0.3% faster a decode step at the 35B-A3B's H = 2048, after 0.1% at the 27B's 5120)
+# (H200, perf-history.md v36: before is 0.3% faster a decode step at the 35B-A3B's H = 2048,
+# after 0.1% at the 27B's 5120)
 STEP_BA_EARLY_MAX_H = 4096
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
