@@ -27,9 +27,6 @@ _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with
 _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf-history.md v13)
-# block slots a stream GEMV at 2 blocks per SM leaves free, so that none of its blocks waits for the SMs that its
-# predecessor holds longest (v39's timeline: those late blocks are often the last out); 0: every slot
-_STREAM_SPARE_SLOTS = 0
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth: most units per lane and row
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11)
 _STREAM_BLOCK_ROWS = 65536
@@ -169,8 +166,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
     Blocks: every block stages all of x̂, and two blocks on one SM stage it twice there, so the second block
     per SM is taken only when it still leaves each warp _STREAM_STEPS_FOR_2 steps; else at most one block per
     SM, and no more blocks than give every warp one step (the H200 sweep, perf-history.md v13: the 35B o_proj 5.5 ->
-    4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two). At two per SM, _STREAM_SPARE_SLOTS (at most
-    one per SM) of the slots stay free."""
+    4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if k > _stream_k_cap(w):
@@ -186,8 +182,7 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
         sms = max(1, sm_count)
         steps = groups * -(-nu // (32 * d))  # in all: row groups x steps per group
         per_sm = _STREAM_BLOCKS_PER_SM if steps >= _STREAM_STEPS_FOR_2 * _WARPS * _STREAM_BLOCKS_PER_SM * sms else 1
-        slots = per_sm * sms - (min(_STREAM_SPARE_SLOTS, sms) if per_sm > 1 else 0)
-        blocks = max(1, min(slots, -(-steps // _WARPS)))
+        blocks = max(1, min(per_sm * sms, -(-steps // _WARPS)))
     elif blocks < 1:
         raise GpuError(f"stream gemv blocks must be >= 1, got {blocks}")
     return GemvPlan(name=f"gemv_{prefix}_s1", grid=groups, kw_log2=0, ks=k,

@@ -339,12 +339,11 @@ def test_plan_fits_shared_memory():
     assert linear.plan_gemv(DeviceWeight("w", "q5g64", (5120, 17408), 0), 1, 132).ks == 17408
 
 
-def test_stream_plans(monkeypatch):
+def test_stream_plans():
     """M = 1 with all of K in one slab takes the stream kernel: d the format's deepest register tile unless K
     is shorter than one step of it; 2 blocks per SM when each warp still gets 2 steps, else at most one per SM
     and one step per warp; M = 2, a slab or K-split override, K past the slab or N >= _STREAM_BLOCK_ROWS
-    (65536, the lm_head) keeps the block kernel. _STREAM_SPARE_SLOTS leaves that many of the 2-per-SM slots
-    free (at most one per SM) and never touches the one-per-SM plans."""
+    (65536, the lm_head) keeps the block kernel."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
@@ -376,13 +375,6 @@ def test_stream_plans(monkeypatch):
                     dict(blocks=0), dict(stream=False, d=1), dict(ks=1024, blocks=4)):
             with pytest.raises(GpuError):
                 linear.plan_gemv(w, 1, 132, **bad)
-        # [8192, 512]: 2,048 steps of one step a group, one block per SM at 132 SMs whatever is spared
-        big, one_per_sm = DeviceWeight("w", fmt, (34816, 5120), 0), DeviceWeight("w", fmt, (8192, 512), 0)
-        for spare, sms in ((8, 132), (200, 132), (3, 2)):
-            monkeypatch.setattr(linear, "_STREAM_SPARE_SLOTS", spare)
-            assert linear.plan_gemv(big, 1, sms).blocks == 2 * sms - min(spare, sms)
-            assert linear.plan_gemv(one_per_sm, 1, 132).blocks == 132
-        monkeypatch.setattr(linear, "_STREAM_SPARE_SLOTS", 0)
         cap = 10240 if bits == 16 else 18688  # 46 KB of x̂: 36 fp32 or 80 bytes of int16 codes per 32 elements
         assert linear.plan_gemv(DeviceWeight("w", fmt, (64, cap), 0), 1, 132).stream
         assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), 1, 132).stream
