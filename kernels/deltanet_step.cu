@@ -13,12 +13,11 @@
 //   conv    q and k channels [c·dk/C, (c+1)·dk/C) of key head h / (nv/nk), and the v channels of its columns;
 //   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P lanes per column;
 //   norm    y of its columns.
-// The blocks exchange through distributed shared memory: each stores its b|a partial sums and its q/k channels
-// into every block of the cluster (itself included), then a cluster barrier; then its Σ o² partials by st.async,
-// each block waiting on its own mbarrier for the C sums (no second cluster barrier: its release would wait for
-// the state and ring stores, which go out after the first, the state's once the Σ o² partials are sent). Every
-// block sums the C partials in rank order, so all get the same b, a and rms(o); a block receives everything it
-// reads before it goes on, so it may exit at once.
+// The blocks exchange through distributed shared memory by st.async, each block waiting on its own mbarrier for
+// what it receives: first its b|a partial sums (into every block, itself included) and its q/k channels (into the
+// others), then its Σ o² partials. No cluster barrier: its release would wait for the state loads and the ring and
+// state stores in flight. Every block sums the C partials in rank order, so all get the same b, a and rms(o); a
+// block receives everything it reads before it goes on, so it may exit at once.
 // Before waiting on its predecessor (ninfer_pdl_begin) a block loads what earlier kernels wrote and the weights:
 // its state slice and b|a weights into registers, conv ring rows, A_log, dt_bias, norm weights into shared
 // memory (cp.async), its first channel's conv taps, and the x its first b|a products need (x is the in_proj's
@@ -96,19 +95,22 @@ __device__ __forceinline__ void store_all(float* p, float v) {
     }
 }
 
-// The 4 floats at p (16-byte aligned, this block's copy) into the same place of every other block.
+// The 4 floats at p (16-byte aligned, this block's copy) into the same place of every other block by st.async, each
+// store completing 16 bytes on that block's mbarrier bar (as store_all_async).
 template <int C>
-__device__ __forceinline__ void copy4_to_others(const float* p, int self) {
+__device__ __forceinline__ void copy4_to_others_async(const float* p, int self, uint64_t* bar) {
 #if DN_CLUSTERS
     const float4 v = *reinterpret_cast<const float4*>(p);
-    const uint32_t a = smem_addr(p);
+    const uint32_t a = smem_addr(p), mb = smem_addr(bar);
 #pragma unroll
     for (int r = 0; r < C; ++r) {
         if (r == self) continue;
-        uint32_t ra;
+        uint32_t ra, rb;
         asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
-        asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(ra), "f"(v.x), "f"(v.y), "f"(v.z),
-                     "f"(v.w) : "memory");
+        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(mb), "r"(r));
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                     ::"r"(ra), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                     "r"(__float_as_uint(v.w)), "r"(rb) : "memory");
     }
 #endif
 }
@@ -195,6 +197,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     __shared__ float part[C][3 * DN_STEP_T];                    // the same per block of the cluster
     __shared__ float opart[C][DN_STEP_T];                       // per block: Σ o² over its columns
     __shared__ uint64_t obar;                                   // C > 1: opart's C·T stores arrived
+    __shared__ uint64_t xbar;                                   // C > 1: the b|a sums and q/k channels arrived
     __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
     __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
@@ -204,14 +207,16 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     const int hk = h / (nv / nk);
     const int conv_dim = 2 * nk * DK + nv * dv;
     const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
-    cluster_begin<C>();
 #if DN_CLUSTERS
-    if (C > 1 && tid == 0) {  // ready before this block's arrival at the first cluster barrier: senders wait for it
+    if (C > 1 && tid == 0) {  // ready before this block's arrival (cluster_begin): senders wait for it (cluster_wait)
         mbar_init(smem_addr(&obar), 1);
+        mbar_init(smem_addr(&xbar), 1);
         mbar_init_fence();
         mbar_expect_tx(smem_addr(&obar), 4u * C * T);
+        mbar_expect_tx(smem_addr(&xbar), 4u * (3 * C * T + (C - 1) * 2 * T * QK));
     }
 #endif
+    cluster_begin<C>();
 
     // Before the wait. The state slice and the ring rows before p0 were written by this layer's previous step,
     // long finished; the rest are weights. The state loads go first: they are the most.
@@ -362,18 +367,19 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     if (tid < 3 * T) {  // this block's b|a sums into every block
         float v = 0.f;
         for (int w = 0; w < nw; ++w) v += red[w][tid];
-        store_all<C>(&part[c][tid], v);
+        if constexpr (C == 1) store_all<C>(&part[c][tid], v);
+        else store_all_async<C>(&part[c][tid], v, &xbar);
     }
+    // C > 1: the exchange completes on xbar, not on a cluster barrier, whose release would wait for this thread's
+    // loads and stores in flight (the state's, the ring's below); each block waits only for what it receives
     if constexpr (C > 1) {  // this block's q, k channels into the other blocks, 4 floats a store
         for (int i = tid; i < 2 * T * (QK / 4); i += nt) {
             const int t = i / (2 * (QK / 4)), e = i - t * 2 * (QK / 4);
-            copy4_to_others<C>((e < QK / 4 ? sq[t] : sk[t]) + c * QK + 4 * (e % (QK / 4)), c);
+            copy4_to_others_async<C>((e < QK / 4 ? sq[t] : sk[t]) + c * QK + 4 * (e % (QK / 4)), c, &xbar);
         }
+    } else {
+        __syncthreads();
     }
-    // global stores (ring, state) wait until after this barrier: its release fence would wait for them. No
-    // barrier with release semantics follows (the Σ o² exchange completes on obar), so they go right after it.
-    cluster_sync<C>();
-    NINFER_TL_MARK(2);
     // the new positions among the last Kc - 1 into the ring, each channel by its block; only the first value
     // head of a key head writes the q/k channels
     const bool own_qk = h % (nv / nk) == 0;
@@ -384,6 +390,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             ring0[(size_t)row_of(t) * conv_dim + ch] = seq[DN_KMAX - 1 + t][ci];
     }
 
+#if DN_CLUSTERS
+    if constexpr (C > 1) mbar_wait(smem_addr(&xbar), 0);  // the other blocks' b|a sums and q/k channels are in
+#endif
+    NINFER_TL_MARK(2);  // the cluster's b|a sums and q/k channels are in
     // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
     const float q_scale = rsqrtf((float)DK);
     for (int vi = warp; vi < 2 * T; vi += nw) {
