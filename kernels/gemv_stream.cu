@@ -105,8 +105,10 @@ __device__ __forceinline__ float4 chunk_h4(const float* xc, const float* gc, int
 // a first sweep finds its largest |h| (and ss += Σ x²), a second codes its 8-blocks, both starting at rot (the
 // lane), so lanes on consecutive chunks (128 bytes apart) spread over the banks. No shuffles: coding the 27B's
 // K = 6144 after its copy was in took 1.6-1.9 µs with 8 lanes a chunk (code_x4), 0.8 with this (perf-history.md v35).
+// With the norm, the first sweep writes h over x in place (the chunk is this thread's alone), so the second reads h
+// without the gain.
 template <int XQ>
-__device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const float* gc, int rot, float& ss) {
+__device__ __forceinline__ void code_chunk(uint8_t* rec, float* xc, const float* gc, int rot, float& ss) {
     float am = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -114,8 +116,10 @@ __device__ __forceinline__ void code_chunk(uint8_t* rec, const float* xc, const 
         const float4 v = *reinterpret_cast<const float4*>(xc + 4 * q);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         const float4 h = chunk_h4(v, gc, q);
+        if (gc) *reinterpret_cast<float4*>(xc + 4 * q) = h;
         am = fmax_nan(am, fmax_nan(fmax_nan(fabsf(h.x), fabsf(h.y)), fmax_nan(fabsf(h.z), fabsf(h.w))));
     }
+    gc = nullptr;  // xc holds h now
     const QScale qs = chunk_scale(am);
     int sq = 0;
     // lanes l and l + 4 share each b below: the one with bit 2 set reads the 8-block's halves the other way round,
@@ -156,7 +160,7 @@ constexpr int kChunkCoderMinK = 4097;
 // byte in flight at once and no register held (the weight tiles hold them): one L2 round trip instead of one per
 // 4096 elements. Int16 codes from K = kChunkCoderMinK: one thread per chunk (code_chunk); else 4 elements a thread.
 template <int XQ>
-__device__ __forceinline__ void stage_m1_smem(void* xs, const float* xf, const float* gf, int K, float (*ssred)[8]) {
+__device__ __forceinline__ void stage_m1_smem(void* xs, float* xf, const float* gf, int K, float (*ssred)[8]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss = 0.f;
     if (XQ != 0 && K >= kChunkCoderMinK) {
