@@ -65,38 +65,8 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-// Barrier over all threads of the cluster; shared-memory stores before it (into any block) are seen after it.
-template <int C>
-__device__ __forceinline__ void cluster_sync() {
-    if constexpr (C == 1) {
-        __syncthreads();
-    } else {
-#if DN_CLUSTERS
-        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-    }
-}
-
-// v into the shared variable p (this block's copy) of every block of the cluster.
-template <int C>
-__device__ __forceinline__ void store_all(float* p, float v) {
-    if constexpr (C == 1) {
-        *p = v;
-    } else {
-#if DN_CLUSTERS
-        const uint32_t a = smem_addr(p);
-#pragma unroll
-        for (int r = 0; r < C; ++r) {
-            uint32_t ra;
-            asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
-            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-        }
-#endif
-    }
-}
-
 // The 4 floats at p (16-byte aligned, this block's copy) into the same place of every other block by st.async, each
-// store completing 16 bytes on that block's mbarrier bar (as store_all_async).
+// store completing 16 bytes on that block's mbarrier bar (as store_all).
 template <int C>
 __device__ __forceinline__ void copy4_to_others_async(const float* p, int self, uint64_t* bar) {
 #if DN_CLUSTERS
@@ -115,22 +85,27 @@ __device__ __forceinline__ void copy4_to_others_async(const float* p, int self, 
 #endif
 }
 
-// v into the shared variable p of every block of the cluster (itself included) by st.async, each store completing 4
-// bytes on the same block's mbarrier bar: a receiver waits on its own mbarrier, with no cluster barrier (whose
-// release would wait for the sender's global stores).
+// v into the shared variable p of every block of the cluster (itself included). C > 1: by st.async, each store
+// completing 4 bytes on the same block's mbarrier bar: a receiver waits on its own mbarrier, with no cluster barrier
+// (whose release would wait for the sender's global stores). C = 1: a plain store (the caller's block barrier
+// publishes it; bar unused).
 template <int C>
-__device__ __forceinline__ void store_all_async(float* p, float v, uint64_t* bar) {
+__device__ __forceinline__ void store_all(float* p, float v, uint64_t* bar) {
+    if constexpr (C == 1) {
+        *p = v;
+    } else {
 #if DN_CLUSTERS
-    const uint32_t a = smem_addr(p), mb = smem_addr(bar);
+        const uint32_t a = smem_addr(p), mb = smem_addr(bar);
 #pragma unroll
-    for (int r = 0; r < C; ++r) {
-        uint32_t ra, rb;
-        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
-        asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(mb), "r"(r));
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra),
-                     "r"(__float_as_uint(v)), "r"(rb) : "memory");
-    }
+        for (int r = 0; r < C; ++r) {
+            uint32_t ra, rb;
+            asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(r));
+            asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(mb), "r"(r));
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra),
+                         "r"(__float_as_uint(v)), "r"(rb) : "memory");
+        }
 #endif
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ state tile
@@ -367,8 +342,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     if (tid < 3 * T) {  // this block's b|a sums into every block
         float v = 0.f;
         for (int w = 0; w < nw; ++w) v += red[w][tid];
-        if constexpr (C == 1) store_all<C>(&part[c][tid], v);
-        else store_all_async<C>(&part[c][tid], v, &xbar);
+        store_all<C>(&part[c][tid], v, &xbar);
     }
     // C > 1: the exchange completes on xbar, not on a cluster barrier, whose release would wait for this thread's
     // loads and stores in flight (the state's, the ring's below); each block waits only for what it receives
@@ -443,8 +417,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         for (int j = lane; j < cols; j += 32) ss = fmaf(so[t][j], so[t][j], ss);
         ss = warp_sum(ss);
         if (lane == 0) {
-            if constexpr (C == 1) store_all<C>(&opart[c][t], ss);
-            else store_all_async<C>(&opart[c][t], ss, &obar);
+            store_all<C>(&opart[c][t], ss, &obar);
         }
     }
     if (tile) {
