@@ -25,8 +25,12 @@
 // the step's own inputs (mixed, z).
 // Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
 // them to the ring, each channel from one block, at positions no block of the step reads.
+// xrec (where a block holds 32 columns: dv / C == 32): y also as out_proj's x̂, one int16 chunk record per 32
+// columns (xcodes.cuh, in out_proj's XQ order xq), record (row · nv·dv + h·dv + col0) / 32, so out_proj copies
+// them instead of coding y itself (reference: act_records16).
 #include "common.cuh"
 #include "deltanet.cuh"
+#include "xcodes.cuh"  // the chunk records of y for out_proj (xrec)
 
 #define DN_STEP_T 8        // most tokens per sequence in one step (the ring must hold Kc - 1 + T rows)
 #define DN_STEP_COLS 128   // largest dv
@@ -138,6 +142,25 @@ __device__ __forceinline__ void state_tile_store(const float* tile, float* S, in
 // a warp owns 32/P adjacent columns (jj) of S and the P lanes of a column split its DK rows (delta_step).
 // P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
 // at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave).
+// The chunk record of 32 values, value j in lane j of the warp, as the GEMVs code x̂ (code_chunk): the largest
+// |v| (NaN kept) gives the scale, the codes go in XQ order (1 natural, 2 each 8-block's even then odd elements),
+// then (d, Σq).
+__device__ __forceinline__ void warp_chunk_record(uint8_t* rec, float v, int xq) {
+    const int lane = threadIdx.x & 31;
+    float am = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
+    const QScale qs = chunk_scale(am);
+    const uint32_t f = q16_bits(v, qs.inv);
+    int sq = (int)(short)(f & 0xFFFFu);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const int e = lane & 7;
+    const int at = xq == 1 ? lane : (lane & ~7) + ((e & 1) ? 4 + (e >> 1) : (e >> 1));
+    reinterpret_cast<unsigned short*>(rec)[at] = (unsigned short)f;
+    if (lane == 0) *reinterpret_cast<float2*>(rec + 64) = make_float2(qs.d, __int_as_float(sq));
+}
+
 template <int DK, int C>
 __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
                                           float eps_in, const uint16_t* __restrict__ w_ba,
@@ -146,8 +169,9 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                                           const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                                           const float* __restrict__ norm_w, float eps,
                                           float* __restrict__ ssm_state, const int* __restrict__ slot,
-                                          const int* __restrict__ pos, float* __restrict__ out, int T, int nk,
-                                          int nv, int dv, int Kc, int ba_early) {
+                                          const int* __restrict__ pos, float* __restrict__ out,
+                                          uint8_t* __restrict__ xrec, int xq, int T, int nk, int nv, int dv, int Kc,
+                                          int ba_early) {
     constexpr int P = C == 1 ? 4 : 8;          // lanes per column of S
     constexpr int R = DK / P;                  // rows of S per lane
     constexpr int L = 32 / P;                  // columns per warp
@@ -440,7 +464,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #pragma unroll
         for (int r = 0; r < C; ++r) ss += opart[r][t];
         const float inv = rsqrtf(ss / (float)dv + eps);
-        out[(row0 + t) * nv * dv + (size_t)h * dv + col0 + j] = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
+        const size_t at = (row0 + t) * nv * dv + (size_t)h * dv + col0 + j;
+        const float yv = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
+        out[at] = yv;
+        if (xrec) warp_chunk_record(xrec + (at >> 5) * qchunk_bytes(1), yv, xq);  // cols 32: the warp is a chunk
     }
 }
 
@@ -450,10 +477,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     extern "C" __global__ void __launch_bounds__((C == 1 ? 4 : 8) * DN_STEP_COLS / C, C == 1 ? 1 : 2) NAME(      \
         const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
         int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
-        const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out, int T,     \
-        int nk, int nv, int dv, int Kc, int ba_early) {                                                           \
+        const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out,            \
+        uint8_t* xrec, int xq, int T, int nk, int nv, int dv, int Kc, int ba_early) {                             \
         step_impl<DK, C>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log,         \
-                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, T, nk, nv, dv, Kc, ba_early);           \
+                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early); \
     }
 // deltanet_step_dk{DK} (one block per head) and deltanet_step_dk{DK}_c{DN_STEP_CLUSTER} (a cluster per head)
 #define DN_STEP(DK)                                 \

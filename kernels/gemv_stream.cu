@@ -186,7 +186,7 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* __restri
     cp_async_commit();
 }
 
-template <int BITS, bool BULK>
+template <int BITS, bool BULK, bool REC = false>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
@@ -262,8 +262,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 
     // Ask L2 for x and norm_w first, so their lines are not queued behind the weights (x is usually in L2
     // already, norm_w rarely); then issue the first two steps, then stage x̂ while they are in flight.
-    prefetch_l2_span(x, (size_t)K * 4, threadIdx.x, kWarps * 32);
-    if (norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
+    prefetch_l2_span(x, REC ? (size_t)(K >> 5) * qchunk_bytes(1) : (size_t)K * 4, threadIdx.x, kWarps * 32);
+    if (!REC && norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
     Tile<DM> A, B;
     int ig = fg, it = sb - fg * S;  // the next step to issue
     auto issue_next = [&](Tile<DM>& T) {
@@ -274,16 +274,19 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     if (se - sb >= 2) issue_next(B);
     float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) +
                                          (K >> 5) * (F::XQ != 0 ? qchunk_bytes(1) : 36 * 4));
-    float* gf = norm_w ? xf + K : nullptr;
+    float* gf = !REC && norm_w ? xf + K : nullptr;
+    // REC (xvec 2, no norm): x is x̂ already, the K/32 chunk records its producer wrote, copied straight into the
+    // slab (its mbarrier where xf would start)
+    constexpr int XC = REC ? qchunk_bytes(1) : 0;
     // BULK (sm_90+, xvec 2): the copies by the copy engine, one bulk copy each, completing on an mbarrier after
     // them (16 bytes more); their requests do not wait for free miss slots in the SM's load path as cp.async's do
-    [[maybe_unused]] const uint32_t bar = smem_addr(xf + K * (gf ? 2 : 1));
+    [[maybe_unused]] const uint32_t bar = smem_addr(REC ? xf : xf + K * (gf ? 2 : 1));
     if constexpr (BULK) {
-        if (xvec == 2) {
+        if (REC || xvec == 2) {
             if (threadIdx.x == 0) {
                 mbar_init(bar, 1);
                 mbar_init_fence();
-                mbar_expect_tx(bar, 4u * K * (gf ? 2u : 1u));
+                mbar_expect_tx(bar, REC ? (K >> 5) * XC : 4u * K * (gf ? 2u : 1u));
                 if (gf) bulk_copy_g2s(smem_addr(gf), norm_w, 4u * K, bar);
             }
             __syncthreads();  // the barrier initialised before any thread waits on it
@@ -293,9 +296,10 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // only now wait for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
 
-    if (xvec == 2) {
+    if (REC || xvec == 2) {
         if constexpr (BULK) {
-            if (threadIdx.x == 0) bulk_copy_g2s(smem_addr(xf), x, 4u * K, bar);
+            if (threadIdx.x == 0)
+                bulk_copy_g2s(REC ? smem_addr(smem4) : smem_addr(xf), x, REC ? (K >> 5) * XC : 4u * K, bar);
             // while x̂ is staged, DRAM streams this warp's next steps into L2 (not more: 4 steps lost 1.4%)
             int pg = ig, pt = it;
             for (int p = 0; p < min(kL2Steps, se - sb - 2); ++p) {
@@ -305,17 +309,17 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             mbar_wait(bar, 0);
             NINFER_TL_MARK(3);  // x (and norm_w) copied in
         } else {
-            copy_f32_async(xf, x, K);
+            copy_f32_async(REC ? reinterpret_cast<float*>(smem4) : xf, x, REC ? (K >> 5) * XC / 4 : K);
             cp_async_wait<0>();
             __syncthreads();
         }
-        stage_m1_smem<F::XQ>(smem4, xf, gf, K, ssred);
+        if constexpr (!REC) stage_m1_smem<F::XQ>(smem4, xf, gf, K, ssred);
     } else if (xvec) stage_m1_vec<F::XQ>(smem4, x, norm_w, K, ssred);
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
     NINFER_TL_MARK(0);  // x̂ staged
     float inv = 1.f;
-    if (norm_w) {
+    if (!REC && norm_w) {
         float t = 0.f;
         for (int w = 0; w < kWarps; ++w) t += ssred[w][0];
         inv = rsqrtf(t / (float)K + eps);
@@ -426,6 +430,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // tiles. xvec: 0 scalar x loads, 1 float4 loads, 2 cp.async through K (+ K with norm_w) floats of shared memory
 // after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
 // gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
+// gemv_<code>_s1r (quantized codes): x is x̂ itself, K/32 chunk records (qchunk_bytes(1) each, in the weights' XQ
+// order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b (sm_90+) or _s1
+// copy x (xvec 2; no norm, 16 bytes of shared memory after the slab), without coding (linear.gemv x_records).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define NINFER_GEMV_BULK false  // no copy engine: _s1b is _s1 (linear.py launches it on sm_90+ only)
 #else
@@ -443,8 +450,19 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                                                  ldx, mode, eps, xvec, d);                                 \
     }
 
+#define NINFER_GEMV_S1R(name, BITS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s1r(NINFER_GEMV_ARGS, int d) {                                                       \
+        gemv_stream_body<BITS, NINFER_GEMV_BULK, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp,      \
+                                                       gshift, ldx, mode, eps, xvec, d);                   \
+    }
+
 NINFER_GEMV_S1(q4, 4)
 NINFER_GEMV_S1(q5, 5)
 NINFER_GEMV_S1(q6, 6)
 NINFER_GEMV_S1(q8, 8)
 NINFER_GEMV_S1(bf16, 16)
+NINFER_GEMV_S1R(q4, 4)
+NINFER_GEMV_S1R(q5, 5)
+NINFER_GEMV_S1R(q6, 6)
+NINFER_GEMV_S1R(q8, 8)

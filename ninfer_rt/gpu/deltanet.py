@@ -25,6 +25,9 @@ CONV_THREADS = 256
 NORM_WARPS = 4
 STEP_T = 8                        # DN_STEP_T in deltanet_step.cu: most tokens per sequence of one fused step
 STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
+# planner switch: the engine has a one-token step write out_proj's x̂ records (records_fit), so out_proj copies
+# them instead of coding y (perf.md v41); False: out_proj codes the fp32 y itself
+STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
@@ -247,10 +250,18 @@ def step_cluster(k, *, dv: int) -> int:
     return 1
 
 
+def records_fit(k, *, dv: int, cluster: int | None = None) -> bool:
+    """Whether `step` can write out_records for this dv: each block holds 32 columns (dv / C == 32: the family's
+    dv = 128 on clusters of 4)."""
+    C = step_cluster(k, dv=dv) if cluster is None else cluster
+    return dv % C == 0 and dv // C == 32
+
+
 def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight, mixed: int, ld_mixed: int,
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
          B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
-         cluster: int | None = None, ba_early: bool | None = None) -> None:
+         cluster: int | None = None, ba_early: bool | None = None, out_records: int = 0,
+         records_order: int = 0) -> None:
     """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
 
     x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
@@ -265,6 +276,9 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     ba_early: whether the clustered kernel computes its b|a dots before its wait on the previous kernel (x is
     written two kernels back) or after issuing the loads of mixed and z; None: H <= STEP_BA_EARLY_MAX_H. Timing
     only: the same operations in the same order either way.
+    out_records (with records_order 1 or 2, linear.records_order of out_proj): also write out as out_proj's x̂,
+    B·T·nv·dv/32 int16 chunk records (reference.ops.act_records16 of out, 16-byte aligned), for linear.gemv's
+    x_records; only where a block holds 32 columns (records_fit).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -282,10 +296,14 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"own cubin); this GPU is {k.gpu.info.arch}")
     if not cluster_fits(dv, C):
         raise GpuError(f"deltanet.step: dv={dv} does not split into whole warps over cluster={C} blocks")
+    if out_records and (records_order not in (1, 2) or dv // C != 32 or out_records % 16):
+        raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
+                       f"a block (dv / cluster = {dv} / {C}) and a 16-byte aligned buffer")
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
-              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), i32(T), i32(nk), i32(nv), i32(dv), i32(Kc),
+              ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), ptr(out_records), i32(records_order), i32(T), i32(nk),
+              i32(nv), i32(dv), i32(Kc),
               i32(H <= STEP_BA_EARLY_MAX_H if ba_early is None else ba_early)], 0, stream,
              cluster=(C, 1, 1) if C > 1 else None)

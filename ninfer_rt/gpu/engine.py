@@ -199,6 +199,8 @@ class GpuModel:
         self.o_cols = max(s.num_attention_heads * s.head_dim, s.value_dim)
         b.o = self._alloc(rows * self.o_cols * f)
         b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
+        # one token's DeltaNet output as out_proj's x̂ chunk records (deltanet.step out_records)
+        b.o_rec = self._alloc(max(s.value_dim // 32, 1) * linear.x_chunk_bytes(1, True))
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
             b.router = self._alloc(rows * (E + 1) * f)
@@ -296,17 +298,26 @@ class GpuModel:
                          ssm_state=self.ssm_state[i], slot=self.slot, pos=self.pos, B=B, T=T,
                          nk=s.linear_num_key_heads, nv=s.linear_num_value_heads, dk=s.linear_key_head_dim,
                          dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim, eps=s.rms_norm_eps, out=b.o)
+            out_w, rec = k_view(W(d + "out_proj.weight")), 0
             if M <= GEMV_MAX_ROWS and deltanet.step_supported(w_ba, T=T, dk=s.linear_key_head_dim,
                                                               dv=s.linear_value_head_dim,
                                                               Kc=s.linear_conv_kernel_dim):
-                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm
-                deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer)
+                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; one token's y
+                # also as out_proj's x̂ records where both kernels can (out_proj then skips the coding)
+                if (M == 1 and deltanet.STEP_OUT_RECORDS and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
+                        and linear.records_fit(out_w, self.gpu.info.sm_count)):
+                    rec = b.o_rec
+                deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
+                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0)
             else:
                 self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
                 # one sequence's prompt chunk: the delta rule in chunks, not token by token
                 run = deltanet.prefill if B == 1 and T > deltanet.STEP_T else deltanet.decode
                 run(self.k, ba=b.ba, scratch=b.scratch, **mixer)
-            self._linear(W(d + "out_proj.weight"), x=self._o_input(M, s.value_dim), M=M, y=b.x, mode="add")
+            if rec:
+                linear.gemv(self.k, out_w, x=rec, M=1, y=b.x, mode="add", x_records=True)
+            else:
+                self._linear(out_w, x=self._o_input(M, s.value_dim), M=M, y=b.x, mode="add")
         post = P(p + "post_attention_layernorm.weight")
         if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)
             src, nw = b.x, post

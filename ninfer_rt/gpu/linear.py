@@ -190,8 +190,21 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
                     gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups))
 
 
+def records_order(w: DeviceWeight) -> int:
+    """The order of x̂'s codes in a chunk record for this quantized weight (kernels/xcodes.cuh XQ): 1 natural
+    (q8), 2 each 8-block's even then odd elements (the nibble formats' low and high nibbles)."""
+    return 1 if w.bits == 8 else 2
+
+
+def records_fit(w: DeviceWeight, sm_count: int) -> bool:
+    """Whether `gemv` can take this weight's x as chunk records (x_records) at M = 1: quantized codes and a stream
+    plan (K in one slab, fewer than _STREAM_BLOCK_ROWS rows)."""
+    return w.quantized and plan_gemv(w, 1, sm_count).stream
+
+
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
-         mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None) -> None:
+         mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None,
+         x_records: bool = False) -> None:
     """y = s_m · W x̂ for M activation rows (device pointers; fp32 row-major).
 
     w: [N, K] weight, q{4,5,6,8}g{32,64,128} or bf16, K % 32 == 0. x: fp32 [M, ldx] (K columns read; ldx
@@ -200,6 +213,9 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     y[m, :N] += ...; "swiglu": W's rows are gate/up tiles of 16 and y[m, j] = silu(gate_j·x̂)·(up_j·x̂) for
     j < N/2 (row_scale ignored). ldy defaults to N (N/2 for swiglu). y must not overlap x. M > 8 runs in chunks
     of 8 rows (weights re-read per chunk).
+    x_records: x is x̂ itself, K/32 int16 chunk records in this weight's order (reference.ops.act_records16,
+    16-byte aligned), as a producer kernel wrote them (the DeltaNet step for out_proj): M = 1, no norm, and a
+    weight records_fit takes; the kernel copies them instead of coding x (gemv_*_s1r), the same y to the bit.
     """
     n, kk = _check_matrix(w, "gemv")
     eu = _code(w)[2]  # the format has a kernel
@@ -224,6 +240,19 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     if M == 0:
         return
     sm_count = k.gpu.info.sm_count
+    if x_records:
+        if M != 1 or norm_w or x % 16 or not records_fit(w, sm_count):
+            raise GpuError(f"{w.name}: gemv x_records needs M = 1, no norm, a 16-byte aligned x and a quantized "
+                           f"weight with a stream plan; got M = {M}, norm_w={norm_w:#x}, x={x:#x}, {w.fmt}")
+        plan = plan_gemv(w, 1, sm_count)
+        name, smem = f"gemv_{_code(w)[0]}_s1r", plan.smem + 16  # the copy's mbarrier after the slab
+        k.opt_in_smem(name, smem)
+        qs, qh, sc = w.planes()
+        args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(0), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
+                i32(plan.gshift), i32(kk), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(0), i32(plan.ks), i32(2),
+                i32(plan.d)]
+        k.launch(name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
+        return
     for m0 in range(0, M, MAX_M):
         mc = min(MAX_M, M - m0)
         _launch_gemv(k, w, plan_gemv(w, mc, sm_count), x=x + 4 * m0 * ldx, y=y + 4 * m0 * ldy, ldx=ldx,

@@ -56,6 +56,25 @@ def act_codes16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int32).reshape(x.shape), d
 
 
+def act_records16(x: torch.Tensor, order: int) -> torch.Tensor:
+    """x as the decode GEMVs stage x̂ for quantized weights, one chunk record per 32 elements (kernels/xcodes.cuh
+    qchunk_bytes(1) = 80 bytes): the 32 int16 codes of act_codes16 (order 1: natural, for q8 weights; 2: each
+    8-block's even then odd elements, the nibble formats' order), then d (fp32) and Σq (int32), then 8 bytes
+    of padding that no kernel reads (zero here). Little-endian. x [K] fp32, K % 32 == 0 -> uint8 [K/32, 80].
+    """
+    q, d = act_codes16(x.reshape(-1))
+    qc = q.reshape(-1, 32)                                                       # qc: [K/32, 32]
+    if order == 2:
+        qc = qc.reshape(-1, 4, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1, 32)
+    elif order != 1:
+        raise ValueError(f"act_records16: order must be 1 or 2, got {order}")
+    rec = torch.zeros(qc.shape[0], 80, dtype=torch.uint8)
+    rec[:, :64] = qc.to(torch.int16).contiguous().view(torch.uint8)
+    rec[:, 64:68] = d.float().reshape(-1, 1).contiguous().view(torch.uint8)
+    rec[:, 68:72] = qc.sum(-1, dtype=torch.int32).reshape(-1, 1).contiguous().view(torch.uint8)
+    return rec
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet output norm, not centred, SiLU-gated: y = ((w · n.to(dt)) · SiLU(z.float())).to(dt).
 

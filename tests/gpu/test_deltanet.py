@@ -97,9 +97,10 @@ class Layer:
         ba = (h @ torch.from_numpy(self.w_ba).T).numpy()
         return mixed, ba, x
 
-    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None, ba_early=None):
+    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None, ba_early=None, records_order=0):
         """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv].
-        cluster, ba_early: the step's blocks per head and b|a position (None: deltanet.step's own choice)."""
+        cluster, ba_early: the step's blocks per head and b|a position (None: deltanet.step's own choice);
+        records_order (step): also out_proj's x̂ records of out in that order, kept in self.records."""
         from ninfer_rt.gpu import deltanet
         from ninfer_rt.gpu.weights import DeviceWeight
         d, dev = self.d, self.dev
@@ -112,8 +113,12 @@ class Layer:
                       nv=d["nv"], dk=d["dk"], dv=d["dv"], Kc=d["Kc"], eps=EPS, out=out)
         if mode == "step":
             w_ba = DeviceWeight("in_proj_b|a", "bf16", (2 * d["nv"], self.H), self.p["w_ba_bits"])
+            n_rec = M * d["nv"] * d["dv"] // 32
+            rec = dev.empty(n_rec * 80) if records_order else 0
             deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
-                          cluster=cluster, ba_early=ba_early, **common)
+                          cluster=cluster, ba_early=ba_early, out_records=rec, records_order=records_order,
+                          **common)
+            self.records = dev.get(rec, (n_rec, 80), np.uint8) if records_order else None
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
             scratch = dev.empty(deltanet.chunked_scratch_bytes(B, T, self.cd, d["nv"], d["dk"]))  # >= decode's
@@ -167,10 +172,11 @@ def assert_close(name, got, ref, rtol=RTOL):
                     f"got {got[w]:.7g}, ref {ref[w]:.7g}; {int((err > rtol).sum())} of {err.size} elements over")
 
 
-def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256, cluster=None, ba_early=None):
+def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256, cluster=None, ba_early=None,
+                records_order=0):
     """Run len(Ts) consecutive steps (step i has Ts[i] tokens per sequence, through modes[i], default decode)
-    and check every output and state against the reference carried alongside (cluster, ba_early: for mode step).
-    Returns the outputs."""
+    and check every output and state against the reference carried alongside (cluster, ba_early, records_order:
+    for mode step). Returns the outputs (with records_order: (out, records) pairs)."""
     import torch
     d = STEP_DIMS[dims]
     modes = modes or ["decode"] * len(Ts)
@@ -184,8 +190,8 @@ def check_steps(kernels, dev, rng, dims, B, Ts, modes=None, n_slots=None, H=256,
     outs = []
     for step, (T, mode) in enumerate(zip(Ts, modes)):
         mixed, ba, x = L.inputs(rng, B * T, fused=mode == "step")
-        out = L.run(kernels, mode, mixed, ba, x, slots, B, T, cluster, ba_early)
-        outs.append(out)
+        out = L.run(kernels, mode, mixed, ba, x, slots, B, T, cluster, ba_early, records_order)
+        outs.append((out, L.records) if records_order else out)
         conv_dev, ssm_dev = L.device_states()
         for b, s in enumerate(slots):
             rows = slice(b * T, (b + 1) * T)
@@ -309,6 +315,35 @@ def test_step_ba_before_or_after_the_wait(kernels, dev, dims):
                        cluster=STEP_CLUSTER, ba_early=early) for early in (False, True)]
     for a, b in zip(*got):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{dims}: b|a before the wait changed y"
+
+
+@pytest.mark.parametrize("dims", ["35b", "27b", "gva3"])
+def test_step_writes_out_proj_records(kernels, dev, dims):
+    """out_records: the step also writes y as out_proj's x̂, whose record bytes (codes, d, Σq) equal
+    reference.ops.act_records16 of the step's own y in both orders (the codes are exact functions of y), at
+    2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's dv = 128 on a
+    cluster of 4, dv = 32 in one block); y is the same bits as without records."""
+    import torch
+
+    from ninfer_rt.gpu import deltanet
+    from ninfer_rt.reference.ops import act_records16
+    dv = STEP_DIMS[dims]["dv"]
+    Cs = [C for C in step_clusters(kernels, dims) if deltanet.records_fit(kernels, dv=dv, cluster=C)]
+    if not Cs:
+        pytest.skip(f"no block of 32 columns at dv = {dv} on {kernels.gpu.info.arch}")
+    H = {"35b": 2048, "27b": 5120}.get(dims, 256)
+    for C in Cs:
+        plain = check_steps(kernels, dev, np.random.default_rng(5), dims, 2, (1, 3), modes=["step"] * 2, H=H,
+                            cluster=C)
+        for order in (1, 2):
+            got = check_steps(kernels, dev, np.random.default_rng(5), dims, 2, (1, 3), modes=["step"] * 2, H=H,
+                              cluster=C, records_order=order)
+            for t, ((out, rec), ref_out) in enumerate(zip(got, plain)):
+                assert np.array_equal(out.view(np.uint32), ref_out.view(np.uint32)), f"{dims} C={C}: y changed"
+                want = act_records16(torch.from_numpy(out), order).numpy()
+                bad = np.argwhere(rec[:, :72] != want[:, :72])
+                assert bad.size == 0, (f"{dims} C={C} order {order} step {t}: record {bad[0][0]} byte {bad[0][1]}: "
+                                       f"got {rec[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
 
 
 def test_step_picks_the_cluster(kernels, recorder, dev, rng):

@@ -380,3 +380,57 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
         weights.free(gpu)
     assert np.isfinite(one).all() and np.isfinite(separate).all()
     np.testing.assert_allclose(one, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
+
+
+def test_deltanet_out_records_give_the_same_logits(gpu, kernels, monkeypatch):
+    """At the 35B-A3B's shapes (one DeltaNet + MoE layer, synthetic weights of recipe qwen3.6-35b-a3b), a one-token
+    decode has the DeltaNet step write out_proj's x̂ as chunk records and out_proj copy them (x_records) where
+    both kernels can (deltanet.records_fit: a cluster of 4 per head on sm_90+); with deltanet.STEP_OUT_RECORDS
+    off out_proj codes the fp32 y itself. The codes are the same, so the 6 steps' logits are the same bits."""
+    import json
+
+    from ninfer_rt.config import ModelSpec
+    from ninfer_rt.gpu import deltanet, linear
+    from ninfer_rt.gpu.bench import CONFIGS
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    text = cfg["text_config"]
+    text["num_hidden_layers"], text["layer_types"] = 1, ["linear_attention"]
+    spec = ModelSpec.from_config(cfg, "qwen3.6-35b-a3b, 1 DeltaNet layer")
+    if not deltanet.records_fit(kernels, dv=spec.linear_value_head_dim):
+        pytest.skip(f"the step holds no 32-column blocks on {kernels.gpu.info.arch}")
+    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
+    ids = prompt(6, 5, vocab=1000)
+    plain, calls = linear.gemv, []
+
+    def gemv(*args, **kw):
+        calls.append(kw.get("x_records", False))
+        plain(*args, **kw)
+
+    def run():
+        model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=64, kv_dtype="int8")
+        try:
+            out = []
+            for p in range(len(ids)):
+                model.decode(ids[p:p + 1], [p], [0])
+                out.append(model.logits(1)[0])
+            return np.stack(out)
+        finally:
+            model.free()
+
+    try:
+        monkeypatch.setattr(linear, "gemv", gemv)
+        with_records = run()
+        assert any(calls), "decode did not give out_proj its x as records at the 35B-A3B's shapes"
+        calls.clear()
+        monkeypatch.setattr(deltanet, "STEP_OUT_RECORDS", False)
+        without = run()
+        assert not any(calls)
+    finally:
+        weights.free(gpu)
+    assert np.isfinite(without).all()
+    assert np.array_equal(with_records.view(np.uint32), without.view(np.uint32)), \
+        "out_proj's records changed the logits"
