@@ -34,6 +34,7 @@
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
 #include "attention.cuh"
 #include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
+#include "xcodes.cuh"                 // chunk_record_store: o_proj's x̂ records (xrec)
 
 namespace {
 
@@ -497,11 +498,13 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
 // grid (M, nH, D/32), block 8*SJ with SJ in {4, 8, 16, 32}. Same result as attn_combine (attention.cu):
 // out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
 // the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0. rt: the decode's runtime split
-// (split_keys), so cs is the sequence's own.
+// (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as o_proj's x̂ chunk
+// record (row·D + 32·z) / 32 in XQ order xq (chunk_record_store; reference act_records16).
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
-                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits, int rt) {
+                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits, int rt,
+                      uint8_t* __restrict__ xrec, int xq) {
     __shared__ float red_m[8];
     __shared__ float4 part_o[8][8];
     __shared__ float part_l[8];
@@ -575,8 +578,10 @@ extern "C" __global__ void __launch_bounds__(256)
             Ls += part_l[u];
         }
         const float r[4] = {s4.x, s4.y, s4.z, s4.w};
+        float v[4];
         float* dst = out + row * D + col;
 #pragma unroll
-        for (int z = 0; z < 4; ++z) dst[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
+        for (int z = 0; z < 4; ++z) dst[z] = v[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
+        if (xrec) chunk_record_store<4>(xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1), v, xq, 0xffu);
     }
 }

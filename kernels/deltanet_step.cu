@@ -142,25 +142,6 @@ __device__ __forceinline__ void state_tile_store(const float* tile, float* S, in
 // a warp owns 32/P adjacent columns (jj) of S and the P lanes of a column split its DK rows (delta_step).
 // P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
 // at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave).
-// The chunk record of 32 values, value j in lane j of the warp, as the GEMVs code x̂ (code_chunk): the largest
-// |v| (NaN kept) gives the scale, the codes go in XQ order (1 natural, 2 each 8-block's even then odd elements),
-// then (d, Σq).
-__device__ __forceinline__ void warp_chunk_record(uint8_t* rec, float v, int xq) {
-    const int lane = threadIdx.x & 31;
-    float am = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
-    const QScale qs = chunk_scale(am);
-    const uint32_t f = q16_bits(v, qs.inv);
-    int sq = (int)(short)(f & 0xFFFFu);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    const int e = lane & 7;
-    const int at = xq == 1 ? lane : (lane & ~7) + ((e & 1) ? 4 + (e >> 1) : (e >> 1));
-    reinterpret_cast<unsigned short*>(rec)[at] = (unsigned short)f;
-    if (lane == 0) *reinterpret_cast<float2*>(rec + 64) = make_float2(qs.d, __int_as_float(sq));
-}
-
 template <int DK, int C>
 __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
                                           float eps_in, const uint16_t* __restrict__ w_ba,
@@ -467,7 +448,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const size_t at = (row0 + t) * nv * dv + (size_t)h * dv + col0 + j;
         const float yv = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
         out[at] = yv;
-        if (xrec) warp_chunk_record(xrec + (at >> 5) * qchunk_bytes(1), yv, xq);  // cols 32: the warp is a chunk
+        if (xrec) {  // cols 32: the warp is a chunk
+            const float v1[1] = {yv};
+            chunk_record_store<1>(xrec + (at >> 5) * qchunk_bytes(1), v1, xq, 0xffffffffu);
+        }
     }
 }
 

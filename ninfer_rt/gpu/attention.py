@@ -46,6 +46,9 @@ _FAST_ROWS = 8                   # query rows per block of the CUDA-core decode 
 _FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
 _FAST_MAX_ROWS = 64              # T·(nH/nKV) up to this takes the CUDA-core decode; 0 forces the tensor-core one
 _PREFILL_WGMMA = True            # prefill on an int8 cache takes the wgmma kernel where it runs (False: mma.sync)
+# planner switch: the engine has the CUDA-core decode's combine write o_proj's x̂ records (one token), so o_proj
+# copies them instead of coding o (perf.md v41); False: o_proj codes the fp32 o itself
+COMBINE_OUT_RECORDS = True
 _WG_ROWS, _WG_THREADS = 128, 256  # attn_prefill_wgmma_*: query rows and threads per block
 _WG_HEAD_DIMS = (64, 128, 256)
 
@@ -200,7 +203,8 @@ def decode_scratch_bytes(M: int, nH: int, d: int, ctx_bucket: int) -> int:
 
 
 def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int, cache: KVCache,
-           out: int, scratch: int, ctx_bucket: int, stream=None) -> None:
+           out: int, scratch: int, ctx_bucket: int, stream=None, out_records: int = 0,
+           records_order: int = 0) -> bool:
     """Gated causal attention of M = B·T query tokens against their cache slots (keys written by prepare).
 
     q fp32 [M, nH, d] (prepare's q_out); gate fp32 rows of stride ld_gate (the gate columns of qkvg);
@@ -209,9 +213,22 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     softmax fp32 with scale d^-0.5, times sigmoid(gate). ctx_bucket >= max_b(pos[b] + T) fixes the launch
     (clamped to max_ctx); keys at or past it are never read. scratch: decode_scratch_bytes(M, nH, d, ctx_bucket)
     bytes (or a bound for a larger M / bucket). Rows of a sequence with an invalid slot come out 0.
+    out_records (with records_order 1 or 2, linear.records_order of o_proj; 16-byte aligned): where the CUDA-core
+    path runs, its combine also writes out as o_proj's x̂, M·nH·d/32 int16 chunk records (reference.ops.
+    act_records16 of out) for linear.gemv's x_records. Returns whether it wrote them.
     """
-    _launch(k, _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
-                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket), stream)
+    launches = _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
+                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket)
+    wrote = bool(out_records) and launches[-1][0] == "attn_combine_fast"
+    if out_records:
+        _need(records_order in (1, 2) and out_records % 16 == 0,
+              f"attention.decode: out_records needs records_order 1 or 2 (got {records_order}) and a 16-byte "
+              "aligned buffer")
+    if wrote:
+        name, grid, block, args, smem = launches[-1]
+        launches[-1] = (name, grid, block, args[:-2] + [ptr(out_records), i32(records_order)], smem)
+    _launch(k, launches, stream)
+    return wrote
 
 
 def _launch(k, launches: list[tuple], stream) -> None:
@@ -258,7 +275,7 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
         rt = [i32(int(runtime))]
         return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
                  args + rt, smem),
-                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt, 0)]
+                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt + [ptr(0), i32(0)], 0)]
     # with few splits one combine block covers all d columns
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
     if exact:

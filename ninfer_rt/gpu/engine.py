@@ -199,8 +199,8 @@ class GpuModel:
         self.o_cols = max(s.num_attention_heads * s.head_dim, s.value_dim)
         b.o = self._alloc(rows * self.o_cols * f)
         b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
-        # one token's DeltaNet output as out_proj's x̂ chunk records (deltanet.step out_records)
-        b.o_rec = self._alloc(max(s.value_dim // 32, 1) * linear.x_chunk_bytes(1, True))
+        # one token's mixer output as out_proj's / o_proj's x̂ chunk records (deltanet.step, attention.decode)
+        b.o_rec = self._alloc(max(self.o_cols // 32, 1) * linear.x_chunk_bytes(1, True))
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
             b.router = self._alloc(rows * (E + 1) * f)
@@ -282,12 +282,19 @@ class GpuModel:
             attend = dict(q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot, T=T,
                           nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
                           ctx_bucket=ctx_bucket)
+            o_w, rec = k_view(W(a + "o_proj.weight")), False
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
+            elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(o_w, self.gpu.info.sm_count):
+                # one token: o also as o_proj's x̂ records where the combine can write them
+                rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
+                                       records_order=linear.records_order(o_w))
             else:
                 attention.decode(self.k, B=B, **attend)
-            self._linear(W(a + "o_proj.weight"), x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M,
-                         y=b.x, mode="add")
+            if rec:
+                linear.gemv(self.k, o_w, x=b.o_rec, M=1, y=b.x, mode="add", x_records=True)
+            else:
+                self._linear(o_w, x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M, y=b.x, mode="add")
         else:
             d = p + "linear_attn."
             cols = s.conv_dim + s.value_dim

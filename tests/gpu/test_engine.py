@@ -382,15 +382,18 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
     np.testing.assert_allclose(one, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
 
 
-def test_deltanet_out_records_give_the_same_logits(gpu, kernels, monkeypatch):
-    """At the 35B-A3B's shapes (one DeltaNet + MoE layer, synthetic weights of recipe qwen3.6-35b-a3b), a one-token
-    decode has the DeltaNet step write out_proj's x̂ as chunk records and out_proj copy them (x_records) where
-    both kernels can (deltanet.records_fit: a cluster of 4 per head on sm_90+); with deltanet.STEP_OUT_RECORDS
-    off out_proj codes the fp32 y itself. The codes are the same, so the 6 steps' logits are the same bits."""
+@pytest.mark.parametrize("layer", ["linear_attention", "full_attention"])
+def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, layer):
+    """At the 35B-A3B's shapes (one DeltaNet or attention layer + MoE, synthetic weights of recipe
+    qwen3.6-35b-a3b), a one-token decode has the mixer write out_proj's / o_proj's x̂ as chunk records and the
+    projection copy them (x_records): the DeltaNet step where a block holds 32 columns (a cluster of 4 per head,
+    sm_90+), the attention decode's combine on its CUDA-core path. With deltanet.STEP_OUT_RECORDS /
+    attention.COMBINE_OUT_RECORDS off the projection codes the fp32 output itself. The codes are the same, so the
+    6 steps' logits are the same bits."""
     import json
 
     from ninfer_rt.config import ModelSpec
-    from ninfer_rt.gpu import deltanet, linear
+    from ninfer_rt.gpu import attention, deltanet, linear
     from ninfer_rt.gpu.bench import CONFIGS
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
@@ -398,10 +401,11 @@ def test_deltanet_out_records_give_the_same_logits(gpu, kernels, monkeypatch):
 
     cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
     text = cfg["text_config"]
-    text["num_hidden_layers"], text["layer_types"] = 1, ["linear_attention"]
-    spec = ModelSpec.from_config(cfg, "qwen3.6-35b-a3b, 1 DeltaNet layer")
-    if not deltanet.records_fit(kernels, dv=spec.linear_value_head_dim):
+    text["num_hidden_layers"], text["layer_types"] = 1, [layer]
+    spec = ModelSpec.from_config(cfg, f"qwen3.6-35b-a3b, 1 {layer} layer")
+    if layer == "linear_attention" and not deltanet.records_fit(kernels, dv=spec.linear_value_head_dim):
         pytest.skip(f"the step holds no 32-column blocks on {kernels.gpu.info.arch}")
+    switch = (deltanet, "STEP_OUT_RECORDS") if layer == "linear_attention" else (attention, "COMBINE_OUT_RECORDS")
     weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
     ids = prompt(6, 5, vocab=1000)
     plain, calls = linear.gemv, []
@@ -424,13 +428,12 @@ def test_deltanet_out_records_give_the_same_logits(gpu, kernels, monkeypatch):
     try:
         monkeypatch.setattr(linear, "gemv", gemv)
         with_records = run()
-        assert any(calls), "decode did not give out_proj its x as records at the 35B-A3B's shapes"
+        assert any(calls), f"decode did not give the {layer} layer's projection its x as records"
         calls.clear()
-        monkeypatch.setattr(deltanet, "STEP_OUT_RECORDS", False)
+        monkeypatch.setattr(*switch, False)
         without = run()
         assert not any(calls)
     finally:
         weights.free(gpu)
     assert np.isfinite(without).all()
-    assert np.array_equal(with_records.view(np.uint32), without.view(np.uint32)), \
-        "out_proj's records changed the logits"
+    assert np.array_equal(with_records.view(np.uint32), without.view(np.uint32)), "the records changed the logits"
