@@ -327,6 +327,34 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 6
 
 
+def one_layer_35b(layer: str):
+    """The 35B-A3B's spec cut to one layer of `layer` (+ its MoE block), for synthetic weights of its recipe."""
+    import json
+
+    from ninfer_rt.config import ModelSpec
+    from ninfer_rt.gpu.bench import CONFIGS
+
+    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    text = cfg["text_config"]
+    text["num_hidden_layers"], text["layer_types"] = 1, [layer]
+    return ModelSpec.from_config(cfg, f"qwen3.6-35b-a3b, 1 {layer} layer")
+
+
+def decode_each(gpu, kernels, spec, weights, ids) -> np.ndarray:
+    """Logits [len(ids), V] of decoding ids one token a step in a fresh model (int8 KV, one slot)."""
+    from ninfer_rt.gpu.engine import GpuModel
+
+    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=64, kv_dtype="int8")
+    try:
+        out = []
+        for p in range(len(ids)):
+            model.decode(ids[p:p + 1], [p], [0])
+            out.append(model.logits(1)[0])
+        return np.stack(out)
+    finally:
+        model.free()
+
+
 def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monkeypatch):
     """At the 35B-A3B's shapes (one attention + MoE layer, synthetic weights of recipe qwen3.6-35b-a3b), a one-token
     decode runs the MoE block after the router GEMV as moe.fused (one launch, a grid barrier inside); the same 6
@@ -335,19 +363,11 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
     x · (1 + w) rescaled after the dot (GEMV), each within 2^-14 of a chunk's largest value, so by ~2^-13 of the
     shared expert's output, and through the final norm and lm_head by the same order relative to the logits. We
     allow 2^-10 of the largest logit; a wrong pointer, row, gate or a missed barrier moves them by O(1)."""
-    import json
-
-    from ninfer_rt.config import ModelSpec
     from ninfer_rt.gpu import moe
-    from ninfer_rt.gpu.bench import CONFIGS
-    from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
-    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
-    text = cfg["text_config"]
-    text["num_hidden_layers"], text["layer_types"] = 1, ["full_attention"]
-    spec = ModelSpec.from_config(cfg, "qwen3.6-35b-a3b, 1 layer")
+    spec = one_layer_35b("full_attention")
     weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
     ids = prompt(6, 5, vocab=1000)
     plain = moe.fused
@@ -357,24 +377,13 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
         calls.append(1)
         plain(*args, **kw)
 
-    def run():
-        model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=64, kv_dtype="int8")
-        try:
-            out = []
-            for p in range(len(ids)):
-                model.decode(ids[p:p + 1], [p], [0])
-                out.append(model.logits(1)[0])
-            return np.stack(out)
-        finally:
-            model.free()
-
     try:
         monkeypatch.setattr(moe, "fused", fused)
-        one = run()
+        one = decode_each(gpu, kernels, spec, weights, ids)
         assert calls, "decode did not take moe.fused at the 35B-A3B's shapes"
         calls.clear()
         monkeypatch.setattr(moe, "FUSED_DECODE", False)
-        separate = run()
+        separate = decode_each(gpu, kernels, spec, weights, ids)
         assert not calls
     finally:
         weights.free(gpu)
@@ -390,19 +399,11 @@ def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, layer):
     sm_90+), the attention decode's combine on its CUDA-core path. With deltanet.STEP_OUT_RECORDS /
     attention.COMBINE_OUT_RECORDS off the projection codes the fp32 output itself. The codes are the same, so the
     6 steps' logits are the same bits."""
-    import json
-
-    from ninfer_rt.config import ModelSpec
     from ninfer_rt.gpu import attention, deltanet, linear
-    from ninfer_rt.gpu.bench import CONFIGS
-    from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
-    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
-    text = cfg["text_config"]
-    text["num_hidden_layers"], text["layer_types"] = 1, [layer]
-    spec = ModelSpec.from_config(cfg, f"qwen3.6-35b-a3b, 1 {layer} layer")
+    spec = one_layer_35b(layer)
     if layer == "linear_attention" and not deltanet.records_fit(kernels, dv=spec.linear_value_head_dim):
         pytest.skip(f"the step holds no 32-column blocks on {kernels.gpu.info.arch}")
     switch = (deltanet, "STEP_OUT_RECORDS") if layer == "linear_attention" else (attention, "COMBINE_OUT_RECORDS")
@@ -414,24 +415,13 @@ def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, layer):
         calls.append(kw.get("x_records", False))
         plain(*args, **kw)
 
-    def run():
-        model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=64, kv_dtype="int8")
-        try:
-            out = []
-            for p in range(len(ids)):
-                model.decode(ids[p:p + 1], [p], [0])
-                out.append(model.logits(1)[0])
-            return np.stack(out)
-        finally:
-            model.free()
-
     try:
         monkeypatch.setattr(linear, "gemv", gemv)
-        with_records = run()
+        with_records = decode_each(gpu, kernels, spec, weights, ids)
         assert any(calls), f"decode did not give the {layer} layer's projection its x as records"
         calls.clear()
         monkeypatch.setattr(*switch, False)
-        without = run()
+        without = decode_each(gpu, kernels, spec, weights, ids)
         assert not any(calls)
     finally:
         weights.free(gpu)
