@@ -431,8 +431,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
 // gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
 // gemv_<code>_s1r (quantized codes): x is x̂ itself, K/32 chunk records (qchunk_bytes(1) each, in the weights' XQ
-// order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b (sm_90+) or _s1
-// copy x (xvec 2; no norm, 16 bytes of shared memory after the slab), without coding (linear.gemv x_records).
+// order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b copies x (xvec 2;
+// no norm, 16 bytes of shared memory after the slab), without coding (linear.gemv x_records, which launches it on
+// sm_90+ only: the cp.async copy older GPUs' builds compile is not reached by any test).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define NINFER_GEMV_BULK false  // no copy engine: _s1b is _s1 (linear.py launches it on sm_90+ only)
 #else

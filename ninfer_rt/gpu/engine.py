@@ -285,7 +285,7 @@ class GpuModel:
             o_w, rec = k_view(W(a + "o_proj.weight")), False
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
-            elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(o_w, self.gpu.info.sm_count):
+            elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w):
                 # one token: o also as o_proj's x̂ records where the combine can write them
                 rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
                                        records_order=linear.records_order(o_w))
@@ -312,7 +312,7 @@ class GpuModel:
                 # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; one token's y
                 # also as out_proj's x̂ records where both kernels can (out_proj then skips the coding)
                 if (M == 1 and deltanet.STEP_OUT_RECORDS and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
-                        and linear.records_fit(out_w, self.gpu.info.sm_count)):
+                        and linear.records_fit(self.k, out_w)):
                     rec = b.o_rec
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
                               out_records=rec, records_order=linear.records_order(out_w) if rec else 0)

@@ -196,10 +196,11 @@ def records_order(w: DeviceWeight) -> int:
     return 1 if w.bits == 8 else 2
 
 
-def records_fit(w: DeviceWeight, sm_count: int) -> bool:
-    """Whether `gemv` can take this weight's x as chunk records (x_records) at M = 1: quantized codes and a stream
-    plan (K in one slab, fewer than _STREAM_BLOCK_ROWS rows)."""
-    return w.quantized and plan_gemv(w, 1, sm_count).stream
+def records_fit(k, w: DeviceWeight) -> bool:
+    """Whether `gemv` takes this weight's x as chunk records (x_records) at M = 1 on this GPU: quantized codes, a
+    stream plan (K in one slab, fewer than _STREAM_BLOCK_ROWS rows) and the bulk-copy kernel (sm_90+; the tested
+    one: gemv_*_s1r built for older GPUs copies by cp.async, and no test reaches that path on the H200)."""
+    return k.gpu.info.major >= 9 and w.quantized and plan_gemv(w, 1, k.gpu.info.sm_count).stream
 
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
@@ -241,9 +242,10 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
         return
     sm_count = k.gpu.info.sm_count
     if x_records:
-        if M != 1 or norm_w or x % 16 or not records_fit(w, sm_count):
+        if M != 1 or norm_w or x % 16 or not records_fit(k, w):
             raise GpuError(f"{w.name}: gemv x_records needs M = 1, no norm, a 16-byte aligned x and a quantized "
-                           f"weight with a stream plan; got M = {M}, norm_w={norm_w:#x}, x={x:#x}, {w.fmt}")
+                           f"weight with a stream plan on sm_90+; got M = {M}, norm_w={norm_w:#x}, x={x:#x}, "
+                           f"{w.fmt}, compute capability {k.gpu.info.major}.x")
         plan = plan_gemv(w, 1, sm_count)
         name, smem = f"gemv_{_code(w)[0]}_s1r", plan.smem + 16  # the copy's mbarrier after the slab
         k.opt_in_smem(name, smem)
