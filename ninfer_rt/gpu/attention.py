@@ -217,18 +217,15 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     path runs, its combine also writes out as o_proj's x̂, M·nH·d/32 int16 chunk records (reference.ops.
     act_records16 of out) for linear.gemv's x_records. Returns whether it wrote them.
     """
-    launches = _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
-                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket)
-    wrote = bool(out_records) and launches[-1][0] == "attn_combine_fast"
     if out_records:
         _need(records_order in (1, 2) and out_records % 16 == 0,
               f"attention.decode: out_records needs records_order 1 or 2 (got {records_order}) and a 16-byte "
               "aligned buffer")
-    if wrote:
-        name, grid, block, args, smem = launches[-1]
-        launches[-1] = (name, grid, block, args[:-2] + [ptr(out_records), i32(records_order)], smem)
+    launches = _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
+                                cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket,
+                                out_records=out_records, records_order=records_order)
     _launch(k, launches, stream)
-    return wrote
+    return bool(out_records) and launches[-1][0] == "attn_combine_fast"
 
 
 def _launch(k, launches: list[tuple], stream) -> None:
@@ -238,10 +235,12 @@ def _launch(k, launches: list[tuple], stream) -> None:
 
 
 def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int,
-                     cache: KVCache, out: int, scratch: int, ctx_bucket: int, exact: bool = True) -> list[tuple]:
+                     cache: KVCache, out: int, scratch: int, ctx_bucket: int, exact: bool = True,
+                     out_records: int = 0, records_order: int = 0) -> list[tuple]:
     """decode()'s two launches, checked, as (entry point, grid, block, args, dynamic smem): the partials, then
     their merge (bench/attention_bench.py times them apart). exact=False: the tensor-core path rounds q and p to
-    bf16 (attn_prefill_*)."""
+    bf16 (attn_prefill_*). out_records, records_order: decode's, passed to attn_combine_fast (the other merges
+    write no records)."""
     name = "attention.decode"
     _check_heads(name, nH, cache)
     _check_batch(name, B, T)
@@ -275,7 +274,7 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
         rt = [i32(int(runtime))]
         return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
                  args + rt, smem),
-                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt + [ptr(0), i32(0)], 0)]
+                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt + [ptr(out_records), i32(records_order)], 0)]
     # with few splits one combine block covers all d columns
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
     if exact:

@@ -296,7 +296,7 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"own cubin); this GPU is {k.gpu.info.arch}")
     if not cluster_fits(dv, C):
         raise GpuError(f"deltanet.step: dv={dv} does not split into whole warps over cluster={C} blocks")
-    if out_records and (records_order not in (1, 2) or dv // C != 32 or out_records % 16):
+    if out_records and (records_order not in (1, 2) or not records_fit(k, dv=dv, cluster=C) or out_records % 16):
         raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
                        f"a block (dv / cluster = {dv} / {C}) and a 16-byte aligned buffer")
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")

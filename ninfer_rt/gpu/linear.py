@@ -246,14 +246,8 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
             raise GpuError(f"{w.name}: gemv x_records needs M = 1, no norm, a 16-byte aligned x and a quantized "
                            f"weight with a stream plan on sm_90+; got M = {M}, norm_w={norm_w:#x}, x={x:#x}, "
                            f"{w.fmt}, compute capability {k.gpu.info.major}.x")
-        plan = plan_gemv(w, 1, sm_count)
-        name, smem = f"gemv_{_code(w)[0]}_s1r", plan.smem + 16  # the copy's mbarrier after the slab
-        k.opt_in_smem(name, smem)
-        qs, qh, sc = w.planes()
-        args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(0), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
-                i32(plan.gshift), i32(kk), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(0), i32(plan.ks), i32(2),
-                i32(plan.d)]
-        k.launch(name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
+        _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=kk, ldy=ldy, mode=mode, norm_w=0,
+                     norm_eps=norm_eps, row_scale=row_scale, stream=stream, x_records=True)
         return
     for m0 in range(0, M, MAX_M):
         mc = min(MAX_M, M - m0)
@@ -264,10 +258,11 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
 
 def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
                  norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None,
-                 x_bulk: bool | None = None) -> None:
+                 x_bulk: bool | None = None, x_records: bool = False) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
-    force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK)."""
+    force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK). x_records: x is the
+    K/32 chunk records gemv checked, copied into the slab by gemv_*_s1r."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
@@ -275,7 +270,10 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     smem, name = plan.smem, plan.name
     bulk = plan.stream and (_STREAM_X_BULK if x_bulk is None else x_bulk) and k.gpu.info.major >= 9
     above = _STREAM_X_BULK_ABOVE if bulk else _STREAM_X_COPY_ABOVE
-    if plan.stream and xvec and (kk > above if x_copy is None else x_copy):
+    if x_records:  # the records' copy completes on an mbarrier after the slab
+        xvec, smem, name = 2, smem + 16, name + "r"
+        k.opt_in_smem(name, smem)
+    elif plan.stream and xvec and (kk > above if x_copy is None else x_copy):
         extra = _stream_x_copy_bytes(k.gpu.info, plan, kk, bool(norm_w), bulk)
         if extra:  # x (and norm_w) through shared memory by cp.async or bulk copies (gemv_stream.cu stage_m1_smem)
             xvec, smem, name = 2, smem + extra, name + ("b" if bulk else "")
