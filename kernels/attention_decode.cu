@@ -34,7 +34,7 @@
 //     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
 #include "attention.cuh"
 #include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
-#include "xcodes.cuh"                 // chunk_record_store: o_proj's x̂ records (xrec)
+#include "xcodes.cuh"                 // store_codes4: o_proj's x̂ records (xrec)
 
 namespace {
 
@@ -499,7 +499,7 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
 // out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
 // the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0. rt: the decode's runtime split
 // (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as o_proj's x̂ chunk
-// record (row·D + 32·z) / 32 in XQ order xq (chunk_record_store; reference act_records16).
+// record (row·D + 32·z) / 32 in XQ order xq (store_codes4; reference act_records16).
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
@@ -569,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (lane == 0) part_l[wp] = L;
     __syncthreads();
     NINFER_TL_MARK(2);  // the block's partial sums
+    float v[4] = {0.f, 0.f, 0.f, 0.f};  // lanes 8..31 of warp 0 code zeros for store_codes4's full-mask shuffles
     if (tid < 8) {
         float4 s4 = part_o[0][tid];
         float Ls = part_l[0];
@@ -578,10 +579,14 @@ extern "C" __global__ void __launch_bounds__(256)
             Ls += part_l[u];
         }
         const float r[4] = {s4.x, s4.y, s4.z, s4.w};
-        float v[4];
         float* dst = out + row * D + col;
 #pragma unroll
         for (int z = 0; z < 4; ++z) dst[z] = v[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
-        if (xrec) chunk_record_store<4>(xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1), v, xq, 0xffu);
+    }
+    if (xrec && wp == 0) {  // lane i < 8 holds chunk offsets 4i..4i+3
+        uint8_t* rec = xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1);
+        const float4 h4 = make_float4(v[0], v[1], v[2], v[3]);
+        if (xq == 1) store_codes4<1, 1>(rec, 0, 4 * lane, h4, lane < 8);
+        else store_codes4<1, 2>(rec, 0, 4 * lane, h4, lane < 8);
     }
 }

@@ -448,9 +448,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const size_t at = (row0 + t) * nv * dv + (size_t)h * dv + col0 + j;
         const float yv = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
         out[at] = yv;
-        if (xrec) {  // cols 32: the warp is a chunk
-            const float v1[1] = {yv};
-            chunk_record_store<1>(xrec + (at >> 5) * qchunk_bytes(1), v1, xq, 0xffffffffu);
+        if (xrec) {  // cols 32: the warp is a chunk, lane j its element j
+            uint8_t* rec = xrec + (at >> 5) * qchunk_bytes(1);
+            if (xq == 1) store_code1<1, 1>(rec, 0, j, yv, true);
+            else store_code1<1, 2>(rec, 0, j, yv, true);
         }
     }
 }

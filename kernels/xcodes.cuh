@@ -40,34 +40,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
     return d;
 }
 
-// A producer's chunk record of 32 values (as the GEMVs code x̂: the largest |v| with NaN kept gives the scale, the
-// codes go in XQ order xq, then (d, Σq)), the values held V a lane by L = 32/V consecutive lanes from a multiple
-// of L (mask: those lanes, all taking part): lane l holds elements V·(l % L) .. + V - 1 in v. Lets a kernel
-// whose block ends with a chunk of x for a GEMV hand it over coded (linear.gemv x_records).
-template <int V>
-__device__ __forceinline__ void chunk_record_store(uint8_t* rec, const float (&v)[V], int xq, unsigned mask) {
-    constexpr int L = 32 / V;
-    const int l = threadIdx.x % L;
-    float am = 0.f;
-#pragma unroll
-    for (int z = 0; z < V; ++z) am = fmax_nan(am, fabsf(v[z]));
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(mask, am, o));
-    const QScale qs = chunk_scale(am);
-    int sq = 0;
-#pragma unroll
-    for (int z = 0; z < V; ++z) {
-        const uint32_t f = q16_bits(v[z], qs.inv);
-        sq += (int)(short)(f & 0xFFFFu);
-        const int e = V * l + z, i = e & 7;  // xq 2: each 8-block's even elements, then its odd ones
-        reinterpret_cast<unsigned short*>(rec)[xq == 1 ? e : (e & ~7) + ((i & 1) ? 4 + (i >> 1) : (i >> 1))] =
-            (unsigned short)f;
-    }
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(mask, sq, o);
-    if (l == 0) *reinterpret_cast<float2*>(rec + 64) = make_float2(qs.d, __int_as_float(sq));
-}
-
 // One unit of one row as loaded: 16 code bytes, high bits (q5: 32 bits, q6: 64 bits), fp16 scale bits.
 struct Unit {
     int4 q;
