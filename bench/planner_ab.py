@@ -51,6 +51,7 @@ VARIANTS = [
     ("DeltaNet step: b|a dots after the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 0}),
     ("DeltaNet step: out_proj codes y itself (no x̂ records from the step)", {"deltanet.STEP_OUT_RECORDS": False}),
     ("attention: o_proj codes o itself (no x̂ records from the combine)", {"attention.COMBINE_OUT_RECORDS": False}),
+    ("dense MLP: the down codes act itself (no x̂ records from the gate/up)", {"linear.SWIGLU_OUT_RECORDS": False}),
     ("every kernel prefers the largest shared-memory carveout", {"kernels.SMEM_CARVEOUT": 100}),
     ("every kernel prefers the driver's carveout", {"kernels.SMEM_CARVEOUT": None}),
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",

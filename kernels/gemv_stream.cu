@@ -186,12 +186,21 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* __restri
     cp_async_commit();
 }
 
-template <int BITS, bool BULK, bool REC = false>
+// *cnt += n at gpu scope with acquire-release order (this block's earlier y stores go out first; other blocks'
+// stores counted before are visible after it); returns the old count
+__device__ __forceinline__ unsigned count_groups(unsigned* cnt, unsigned n) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(cnt), "r"(n) : "memory");
+    return old;
+}
+
+template <int BITS, bool BULK, bool REC = false, bool WREC = false>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
                                                  const float* __restrict__ row_scale, int N, int K, int kp,
-                                                 int gshift, int ldx, int mode, float eps, int xvec, int D) {
+                                                 int gshift, int ldx, int mode, float eps, int xvec, int D,
+                                                 uint8_t* yrec = nullptr, unsigned* ycnt = nullptr, int yq = 0) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS>::value;
@@ -421,6 +430,27 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         }
         write(g0 + own, a, b, yv_own);
     }
+    if constexpr (WREC) {
+        // swiglu: y's 32-element chunks also as the down projection's x̂ records. A chunk's 16 row groups may
+        // span blocks; the block whose count completes the chunk codes it from y, as the down's coder would,
+        // and re-arms the counter for the next launch (acq_rel: the other blocks' y stores are visible to it).
+        __syncthreads();  // every y store of this block made
+        for (int c = (g0 >> 4) + warp; c <= (g1 - 1) >> 4; c += kWarps) {
+            unsigned done = 0;
+            if (lane == 0) {
+                const unsigned n = (unsigned)(min(g1, 16 * c + 16) - max(g0, 16 * c));
+                done = count_groups(ycnt + c, n) + n == 16u;
+            }
+            if (__shfl_sync(kFull, done, 0)) {
+                __syncwarp();  // lane 0's acquire before the lanes' loads
+                const float v = __ldcg(y + 32 * c + lane);
+                uint8_t* rec = yrec + (size_t)c * qchunk_bytes(1);
+                if (yq == 1) store_code1<1, 1>(rec, 0, lane, v, true);
+                else store_code1<1, 2>(rec, 0, lane, v, true);
+                if (lane == 0) ycnt[c] = 0u;
+            }
+        }
+    }
 }
 
 }  // namespace
@@ -458,6 +488,17 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                                                        gshift, ldx, mode, eps, xvec, d);                   \
     }
 
+// gemv_<code>_s1bw: _s1b in swiglu mode that also writes y's K/32 chunk records (yrec, in the down projection's
+// XQ order yq) by the last of a chunk's row groups to finish, counted in ycnt[N/64] (zero before the launch, zero
+// after it): linear.gemv y_records; N % 64 == 0.
+#define NINFER_GEMV_S1W(name, BITS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_##name##_s1bw(                              \
+        NINFER_GEMV_ARGS, int d, uint8_t* __restrict__ yrec, unsigned* __restrict__ ycnt, int yq) {       \
+        gemv_stream_body<BITS, NINFER_GEMV_BULK, false, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K,   \
+                                                              kp, gshift, ldx, mode, eps, xvec, d, yrec,   \
+                                                              ycnt, yq);                                   \
+    }
+
 NINFER_GEMV_S1(q4, 4)
 NINFER_GEMV_S1(q5, 5)
 NINFER_GEMV_S1(q6, 6)
@@ -467,3 +508,7 @@ NINFER_GEMV_S1R(q4, 4)
 NINFER_GEMV_S1R(q5, 5)
 NINFER_GEMV_S1R(q6, 6)
 NINFER_GEMV_S1R(q8, 8)
+NINFER_GEMV_S1W(q4, 4)
+NINFER_GEMV_S1W(q5, 5)
+NINFER_GEMV_S1W(q6, 6)
+NINFER_GEMV_S1W(q8, 8)

@@ -102,6 +102,8 @@ class Buffers:
     sscale: int = 0
     act: int = 0
     act_s: int = 0
+    act_rec: int = 0   # decode: the dense SwiGLU output as the down's x̂ chunk records, and their counters
+    act_cnt: int = 0
     tokens: int = 0
     logits: int = 0
     argmax: int = 0
@@ -216,6 +218,11 @@ class GpuModel:
         b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
         self.gpu.memset(b.act_s16, 0, rows * self.ffn_cols * 2)
+        # one token's dense SwiGLU output as the down's x̂ records, and the gate/up's chunk counters (zero once;
+        # each launch leaves them zero)
+        b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
+        b.act_cnt = self._alloc(self.ffn_cols // 32 * 4)
+        self.gpu.memset(b.act_cnt, 0, self.ffn_cols // 32 * 4)
         b.tokens = self._alloc(rows * 4)
         b.logits = self._alloc(self.logit_rows * self.V * f)
         b.argmax = self._alloc(self.logit_rows * 4)
@@ -373,9 +380,16 @@ class GpuModel:
                     moe.down(self.k, down, act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k, y=b.x,
                              extra=b.shared_y, extra_scale=b.sscale)
         else:
-            self._linear(W(m + "{gate_proj,up_proj}.weight"), x=src, M=M, y=act_s, mode="swiglu",
-                         ldy=self.ffn_cols, norm_w=nw)
-            self._linear(W(m + "down_proj.weight"), x=act_s, M=M, y=b.x, mode="add")
+            gate_up, down = k_view(W(m + "{gate_proj,up_proj}.weight")), k_view(W(m + "down_proj.weight"))
+            if (M == 1 and linear.SWIGLU_OUT_RECORDS and linear.y_records_fit(self.k, gate_up)
+                    and linear.records_fit(self.k, down)):
+                # the gate/up's blocks code act into the down's x̂ records as they finish its chunks
+                linear.gemv(self.k, gate_up, x=src, M=1, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw,
+                            norm_eps=s.rms_norm_eps, y_records=(b.act_rec, b.act_cnt, linear.records_order(down)))
+                linear.gemv(self.k, down, x=b.act_rec, M=1, y=b.x, mode="add", x_records=True)
+            else:
+                self._linear(gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw)
+                self._linear(down, x=act_s, M=M, y=b.x, mode="add")
 
     def _o_input(self, M: int, D: int) -> int:
         """The mixer output o [M, D] as the next projection reads it: fp32 for the GEMV, bf16 for the GEMM."""

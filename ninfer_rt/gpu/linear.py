@@ -39,6 +39,9 @@ _STREAM_X_COPY_ABOVE = 4096
 # wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf-history.md v33)
 _STREAM_X_BULK = True
 _STREAM_X_BULK_ABOVE = 0
+# at M = 1, a dense SwiGLU's gate/up writes the down's x̂ chunk records as its blocks finish them (y_records), so
+# the down copies them instead of coding K = intermediate elements in every block (perf.md v42)
+SWIGLU_OUT_RECORDS = True
 _EMBED_THREADS = 128
 _MAX_GRID_Y = 65535
 
@@ -203,9 +206,17 @@ def records_fit(k, w: DeviceWeight) -> bool:
     return k.gpu.info.major >= 9 and w.quantized and plan_gemv(w, 1, k.gpu.info.sm_count).stream
 
 
+def y_records_fit(k, w: DeviceWeight) -> bool:
+    """Whether a swiglu `gemv` of this gate/up weight at M = 1 can also write its output as chunk records
+    (y_records): a quantized weight with a stream plan on sm_90+ (where records are read), N % 64 == 0 (whole
+    chunks of 32 outputs) and the bulk-copy staging that gemv_*_s1bw is built on."""
+    return (k.gpu.info.major >= 9 and w.quantized and w.shape[0] % 64 == 0 and _STREAM_X_BULK
+            and plan_gemv(w, 1, k.gpu.info.sm_count).stream)
+
+
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
          mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None,
-         x_records: bool = False) -> None:
+         x_records: bool = False, y_records: tuple[int, int, int] | None = None) -> None:
     """y = s_m · W x̂ for M activation rows (device pointers; fp32 row-major).
 
     w: [N, K] weight, q{4,5,6,8}g{32,64,128} or bf16, K % 32 == 0. x: fp32 [M, ldx] (K columns read; ldx
@@ -217,6 +228,11 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     x_records: x is x̂ itself, K/32 int16 chunk records in this weight's order (reference.ops.act_records16,
     16-byte aligned), as a producer kernel wrote them (the DeltaNet step for out_proj): M = 1, no norm, and a
     weight records_fit takes; the kernel copies them instead of coding x (gemv_*_s1r), the same y to the bit.
+    y_records (records, counters, order), swiglu only: y's N/64 chunks also as chunk records in XQ order `order`
+    (the down projection's records_order) at `records` (16-byte aligned, N/64 · 80 bytes), each coded by the block
+    that finishes the chunk's last row group, counted in `counters` (uint32 [N/64], zero before the launch and
+    left zero: zero them once); M = 1, a weight y_records_fit takes (gemv_*_s1bw). The down then reads them with
+    x_records, the same y to the bit.
     """
     n, kk = _check_matrix(w, "gemv")
     eu = _code(w)[2]  # the format has a kernel
@@ -249,6 +265,16 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
         _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=kk, ldy=ldy, mode=mode, norm_w=0,
                      norm_eps=norm_eps, row_scale=row_scale, stream=stream, x_records=True)
         return
+    if y_records is not None:
+        rec, cnt, order = y_records
+        if mode != "swiglu" or M != 1 or not y_records_fit(k, w) or rec % 16 or cnt % 4 or order not in (1, 2):
+            raise GpuError(f"{w.name}: gemv y_records needs mode swiglu, M = 1, a quantized weight with N % 64 == 0 "
+                           f"and a stream plan on sm_90+, 16-byte aligned records, aligned counters, order 1 or 2; "
+                           f"got {mode}, M = {M}, N = {n}, {w.fmt}, compute capability {k.gpu.info.major}.x, "
+                           f"records={rec:#x}, counters={cnt:#x}, order {order}")
+        _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=ldx, ldy=ldy, mode=mode, norm_w=norm_w,
+                     norm_eps=norm_eps, row_scale=0, stream=stream, x_bulk=True, y_records=y_records)
+        return
     for m0 in range(0, M, MAX_M):
         mc = min(MAX_M, M - m0)
         _launch_gemv(k, w, plan_gemv(w, mc, sm_count), x=x + 4 * m0 * ldx, y=y + 4 * m0 * ldy, ldx=ldx,
@@ -258,11 +284,13 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
 
 def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
                  norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None,
-                 x_bulk: bool | None = None, x_records: bool = False) -> None:
+                 x_bulk: bool | None = None, x_records: bool = False,
+                 y_records: tuple[int, int, int] | None = None) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
     force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK). x_records: x is the
-    K/32 chunk records gemv checked, copied into the slab by gemv_*_s1r."""
+    K/32 chunk records gemv checked, copied into the slab by gemv_*_s1r. y_records: gemv's checked (records,
+    counters, order), written by gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
@@ -278,11 +306,16 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
         if extra:  # x (and norm_w) through shared memory by cp.async or bulk copies (gemv_stream.cu stage_m1_smem)
             xvec, smem, name = 2, smem + extra, name + ("b" if bulk else "")
             k.opt_in_smem(name, smem)
+    if y_records is not None:
+        name = plan.name + "bw"
+        k.opt_in_smem(name, smem)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
             i32(plan.ks), i32(xvec)]
     if plan.stream:
         args.append(i32(plan.d))
+    if y_records is not None:
+        args += [ptr(y_records[0]), ptr(y_records[1]), i32(y_records[2])]
     k.launch(name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
 
 

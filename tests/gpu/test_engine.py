@@ -327,17 +327,18 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 6
 
 
-def one_layer_35b(layer: str):
-    """The 35B-A3B's spec cut to one layer of `layer` (+ its MoE block), for synthetic weights of its recipe."""
+def one_layer(layer: str, model: str = "qwen3.6-35b-a3b"):
+    """A bench model's spec cut to one layer of `layer` (+ its MLP or MoE block), for synthetic weights of its
+    recipe."""
     import json
 
     from ninfer_rt.config import ModelSpec
     from ninfer_rt.gpu.bench import CONFIGS
 
-    cfg = json.loads((CONFIGS / "qwen3.6-35b-a3b.json").read_text())
+    cfg = json.loads((CONFIGS / f"{model}.json").read_text())
     text = cfg["text_config"]
     text["num_hidden_layers"], text["layer_types"] = 1, [layer]
-    return ModelSpec.from_config(cfg, f"qwen3.6-35b-a3b, 1 {layer} layer")
+    return ModelSpec.from_config(cfg, f"{model}, 1 {layer} layer")
 
 
 def decode_each(gpu, kernels, spec, weights, ids) -> np.ndarray:
@@ -367,7 +368,7 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
-    spec = one_layer_35b("full_attention")
+    spec = one_layer("full_attention")
     weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
     ids = prompt(6, 5, vocab=1000)
     plain = moe.fused
@@ -391,37 +392,42 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
     np.testing.assert_allclose(one, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
 
 
-@pytest.mark.parametrize("layer", ["linear_attention", "full_attention"])
-def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, layer):
-    """At the 35B-A3B's shapes (one DeltaNet or attention layer + MoE, synthetic weights of recipe
-    qwen3.6-35b-a3b), a one-token decode has the mixer write out_proj's / o_proj's x̂ as chunk records and the
-    projection copy them (x_records): the DeltaNet step where a block holds 32 columns (a cluster of 4 per head,
-    sm_90+), the attention decode's combine on its CUDA-core path. With deltanet.STEP_OUT_RECORDS /
-    attention.COMBINE_OUT_RECORDS off the projection codes the fp32 output itself. The codes are the same, so the
-    6 steps' logits are the same bits."""
+@pytest.mark.parametrize("model,layer,switch", [
+    ("qwen3.6-35b-a3b", "linear_attention", "deltanet.STEP_OUT_RECORDS"),
+    ("qwen3.6-35b-a3b", "full_attention", "attention.COMBINE_OUT_RECORDS"),
+    ("qwen3.6-27b", "linear_attention", "linear.SWIGLU_OUT_RECORDS"),
+])
+def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, model, layer, switch):
+    """At a bench model's shapes (one layer + its MLP or MoE block, synthetic weights of its recipe), a one-token
+    decode has a producer write its consumer's x̂ as chunk records and the consumer copy them (x_records): the
+    DeltaNet step for out_proj where a block holds 32 columns (a cluster of 4 per head, sm_90+), the attention
+    combine for o_proj on its CUDA-core path, the dense MLP's gate/up for its down (y_records). With the switch
+    off the consumer codes the fp32 output itself. The codes are the same, so the 6 steps' logits are the same
+    bits."""
     from ninfer_rt.gpu import attention, deltanet, linear
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
-    spec = one_layer_35b(layer)
+    spec = one_layer(layer, model)
     if kernels.gpu.info.major < 9 or (layer == "linear_attention"
                                       and not deltanet.records_fit(kernels, dv=spec.linear_value_head_dim)):
         pytest.skip(f"no x̂ records on {kernels.gpu.info.arch} (linear.records_fit, deltanet.records_fit)")
-    switch = (deltanet, "STEP_OUT_RECORDS") if layer == "linear_attention" else (attention, "COMBINE_OUT_RECORDS")
-    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
+    module, name = switch.split(".")
+    weights = synthetic_weights(gpu, spec, load_recipe(model))
     ids = prompt(6, 5, vocab=1000)
     plain, calls = linear.gemv, []
+    probe = "y_records" if name == "SWIGLU_OUT_RECORDS" else "x_records"  # the switch's own launches
 
     def gemv(*args, **kw):
-        calls.append(kw.get("x_records", False))
+        calls.append(bool(kw.get(probe)))
         plain(*args, **kw)
 
     try:
         monkeypatch.setattr(linear, "gemv", gemv)
         with_records = decode_each(gpu, kernels, spec, weights, ids)
-        assert any(calls), f"decode did not give the {layer} layer's projection its x as records"
+        assert any(calls), f"decode did not run the {switch} records"
         calls.clear()
-        monkeypatch.setattr(*switch, False)
+        monkeypatch.setattr({"attention": attention, "deltanet": deltanet, "linear": linear}[module], name, False)
         without = decode_each(gpu, kernels, spec, weights, ids)
         assert not any(calls)
     finally:

@@ -281,50 +281,6 @@ class FakeKernels:
         self.calls.append((name, grid, block, [a.value for a in args], smem))
 
 
-@pytest.mark.parametrize("fmt,shape", [("q8g32", (2048, 4096)), ("q6g64", (5120, 6144)), ("q5g64", (203, 2080)),
-                                       ("q4g128", (96, 352))])
-def test_gemv_x_records(kernels, dev, rng, fmt, shape):
-    """x_records: x given as its chunk records (reference.ops.act_records16, as the DeltaNet step writes them for
-    out_proj) gives y to the bit of x itself (the same codes and the same plan, so the same sums in the same
-    order), store and add, at the 35B's and 27B's out_proj shapes and two small ones (N past a block's rows, K
-    with a padded last group)."""
-    import torch
-
-    from ninfer_rt.reference.ops import act_records16
-    w, _ = dev.weight(fmt, shape, rng)
-    n, k = shape
-    x = rng.standard_normal(k).astype(np.float32)
-    rec = act_records16(torch.from_numpy(x), linear.records_order(w)).numpy()
-    if not linear.records_fit(kernels, w):
-        pytest.skip(f"x_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
-    y0 = rng.standard_normal(n).astype(np.float32)
-    for mode in ("store", "add"):
-        ys = [dev.put(y0) for _ in range(2)]
-        linear.gemv(kernels, w, x=dev.put(x), M=1, y=ys[0], mode=mode)
-        linear.gemv(kernels, w, x=dev.put(rec), M=1, y=ys[1], mode=mode, x_records=True)
-        a, b = (dev.get(p, (n,)) for p in ys)
-        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
-            f"{fmt} {shape} {mode}: x_records changed y (first at {int(np.argmax(a != b))})"
-
-
-def test_gemv_x_records_errors():
-    """x_records takes one row of a quantized weight with a stream plan, no norm, a 16-byte aligned x, on sm_90+."""
-    k = FakeKernels()
-    w = DeviceWeight("w", "q8g32", (64, 256), 1 << 20)
-    for bad in (dict(M=2), dict(norm_w=1 << 12), dict(x=4100), dict(w=DeviceWeight("w", "bf16", (64, 256), 1 << 20))):
-        kw = {**dict(x=4096, M=1, y=8192), **bad}
-        with pytest.raises(GpuError, match="x_records"):
-            linear.gemv(k, kw.pop("w", w), x_records=True, **kw)
-    k.gpu.info.major = 8  # the cp.async copy of the records is untested: not taken
-    with pytest.raises(GpuError, match="sm_90"):
-        linear.gemv(k, w, x=4096, M=1, y=8192, x_records=True)
-    k.gpu.info.major = 9
-    assert not k.calls
-    linear.gemv(k, w, x=4096, M=1, y=8192, x_records=True)
-    name, _, _, args, smem = k.calls[0]
-    assert name == "gemv_q8_s1r" and args[17] == 2 and smem == linear.plan_gemv(w, 1, 132).smem + 16
-
-
 def test_gemv_argument_errors():
     k = FakeKernels()
     w = DeviceWeight("w", "q4g64", (64, 256), 1 << 20)

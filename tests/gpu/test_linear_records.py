@@ -1,0 +1,128 @@
+"""x̂ chunk records between kernels (linear.gemv x_records / y_records; kernels/gemv_stream.cu _s1r, _s1bw).
+
+Oracles: y from records is compared to the bit with y from x itself (the same codes, plan and sums, so the same
+bits); records a kernel writes are compared byte for byte with reference.ops.act_records16 of that kernel's own
+fp32 output (the coding is exact integer and power-of-two arithmetic, so bit-exact), and that output to the bit
+with the plain launch's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer_rt.gpu import linear
+from ninfer_rt.gpu.driver import GpuError
+from ninfer_rt.gpu.weights import DeviceWeight
+from .test_linear import FakeKernels
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("fmt,shape", [("q8g32", (2048, 4096)), ("q6g64", (5120, 6144)), ("q5g64", (203, 2080)),
+                                       ("q4g128", (96, 352))])
+def test_gemv_x_records(kernels, dev, rng, fmt, shape):
+    """x_records: x given as its chunk records (reference.ops.act_records16, as the DeltaNet step writes them for
+    out_proj) gives y to the bit of x itself (the same codes and the same plan, so the same sums in the same
+    order), store and add, at the 35B's and 27B's out_proj shapes and two small ones (N past a block's rows, K
+    with a padded last group)."""
+    import torch
+
+    from ninfer_rt.reference.ops import act_records16
+    w, _ = dev.weight(fmt, shape, rng)
+    n, k = shape
+    x = rng.standard_normal(k).astype(np.float32)
+    rec = act_records16(torch.from_numpy(x), linear.records_order(w)).numpy()
+    if not linear.records_fit(kernels, w):
+        pytest.skip(f"x_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
+    y0 = rng.standard_normal(n).astype(np.float32)
+    for mode in ("store", "add"):
+        ys = [dev.put(y0) for _ in range(2)]
+        linear.gemv(kernels, w, x=dev.put(x), M=1, y=ys[0], mode=mode)
+        linear.gemv(kernels, w, x=dev.put(rec), M=1, y=ys[1], mode=mode, x_records=True)
+        a, b = (dev.get(p, (n,)) for p in ys)
+        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
+            f"{fmt} {shape} {mode}: x_records changed y (first at {int(np.argmax(a != b))})"
+
+
+def test_gemv_x_records_errors():
+    """x_records takes one row of a quantized weight with a stream plan, no norm, a 16-byte aligned x, on sm_90+."""
+    k = FakeKernels()
+    w = DeviceWeight("w", "q8g32", (64, 256), 1 << 20)
+    for bad in (dict(M=2), dict(norm_w=1 << 12), dict(x=4100), dict(w=DeviceWeight("w", "bf16", (64, 256), 1 << 20))):
+        kw = {**dict(x=4096, M=1, y=8192), **bad}
+        with pytest.raises(GpuError, match="x_records"):
+            linear.gemv(k, kw.pop("w", w), x_records=True, **kw)
+    k.gpu.info.major = 8  # the cp.async copy of the records is untested: not taken
+    with pytest.raises(GpuError, match="sm_90"):
+        linear.gemv(k, w, x=4096, M=1, y=8192, x_records=True)
+    k.gpu.info.major = 9
+    assert not k.calls
+    linear.gemv(k, w, x=4096, M=1, y=8192, x_records=True)
+    name, _, _, args, smem = k.calls[0]
+    assert name == "gemv_q8_s1r" and args[17] == 2 and smem == linear.plan_gemv(w, 1, 132).smem + 16
+
+
+# 27B gate|up (a slice of 34816 rows, and all of it), the shapes past and below one chunk per block
+@pytest.mark.parametrize("fmt,shape", [("q4g64", (34816, 5120)), ("q4g64", (4096, 5120)), ("q8g32", (128, 256)),
+                                       ("q5g64", (1984, 2080)), ("q6g128", (640, 352))])
+def test_gemv_y_records(kernels, dev, rng, fmt, shape):
+    """y_records: a swiglu gemv also writes its output's chunk records, each by the block that finished the chunk's
+    last row group (its 16 row groups span blocks wherever a block holds fewer). They equal act_records16 of the
+    launch's own y in both orders, y equals the plain launch's to the bit, the counters are zero again, and a
+    second launch on new x writes new records (the counters re-armed). The down then takes them as x_records."""
+    import torch
+
+    from ninfer_rt.reference.ops import act_records16
+    w, _ = dev.weight(fmt, shape, rng)
+    if not linear.y_records_fit(kernels, w):
+        pytest.skip(f"y_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
+    n, k = shape
+    norm = dev.put((0.1 * rng.standard_normal(k)).astype(np.float32))
+    cnt = dev.put(np.zeros(n // 64, np.uint32))
+    for order in (1, 2, 2):
+        x = dev.put(rng.standard_normal(k).astype(np.float32))
+        ys = [dev.put(rng.standard_normal(n // 2).astype(np.float32)) for _ in range(2)]
+        rec = dev.put(np.full((n // 64, 80), 0xA5, np.uint8))
+        linear.gemv(kernels, w, x=x, M=1, y=ys[0], mode="swiglu", norm_w=norm)
+        linear.gemv(kernels, w, x=x, M=1, y=ys[1], mode="swiglu", norm_w=norm, y_records=(rec, cnt, order))
+        a, b = (dev.get(p, (n // 2,)) for p in ys)
+        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
+            f"{fmt} {shape}: y_records changed y"
+        got = dev.get(rec, (n // 64, 80), np.uint8)
+        want = act_records16(torch.from_numpy(b), order).numpy()
+        bad = np.flatnonzero((got[:, :72] != want[:, :72]).any(1))
+        assert bad.size == 0, f"{fmt} {shape} order {order}: {bad.size} of {n // 64} records differ, first chunk {bad[0]}"
+        assert not dev.get(cnt, (n // 64,), np.uint32).any(), "the counters were not left at zero"
+    # the records as the down's x̂ (K = n/2), against the down from y itself
+    down, _ = dev.weight("q5g64", (256, n // 2), rng)
+    if linear.records_fit(kernels, down):
+        zs = [dev.put(np.zeros(256, np.float32)) for _ in range(2)]
+        linear.gemv(kernels, down, x=ys[1], M=1, y=zs[0])
+        linear.gemv(kernels, down, x=rec, M=1, y=zs[1], x_records=True)
+        c, d = (dev.get(p, (256,)) for p in zs)
+        assert np.array_equal(c.view(np.uint32), d.view(np.uint32)), f"{fmt} {shape}: the down from the records"
+
+
+def test_gemv_y_records_errors():
+    """y_records takes a swiglu of one row, a quantized weight with N % 64 == 0 and a stream plan on sm_90+,
+    aligned records and counters, order 1 or 2; the launch is gemv_*_s1bw with the three extra arguments."""
+    k = FakeKernels()
+    w = DeviceWeight("w", "q4g64", (128, 256), 1 << 20)
+    ok = dict(x=4096, M=1, y=8192, mode="swiglu", y_records=(1 << 16, 1 << 18, 2))
+    for bad in (dict(M=2), dict(mode="store"), dict(w=DeviceWeight("w", "q4g64", (96, 256), 1 << 20)),
+                dict(w=DeviceWeight("w", "bf16", (128, 256), 1 << 20)), dict(y_records=((1 << 16) + 8, 1 << 18, 2)),
+                dict(y_records=(1 << 16, (1 << 18) + 2, 2)), dict(y_records=(1 << 16, 1 << 18, 3))):
+        kw = {**ok, **bad}
+        with pytest.raises(GpuError, match="y_records"):
+            linear.gemv(k, kw.pop("w", w), **kw)
+    k.gpu.info.major = 8
+    with pytest.raises(GpuError, match="sm_90"):
+        linear.gemv(k, w, **ok)
+    k.gpu.info.major = 9
+    assert not k.calls
+    linear.gemv(k, w, **ok)
+    name, _, _, args, smem = k.calls[0]
+    plan = linear.plan_gemv(w, 1, 132)
+    assert name == "gemv_q4_s1bw" and args[-3:] == [1 << 16, 1 << 18, 2] and args[18] == plan.d
+    assert smem == k.smem_opt_in[name] >= plan.smem
