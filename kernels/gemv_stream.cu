@@ -435,6 +435,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         // span blocks; the block whose count completes the chunk codes it from y, as the down's coder would,
         // and re-arms the counter for the next launch (acq_rel: the other blocks' y stores are visible to it).
         __syncthreads();  // every y store of this block made
+        NINFER_TL_MARK(4);
         for (int c = (g0 >> 4) + warp; c <= (g1 - 1) >> 4; c += kWarps) {
             unsigned done = 0;
             if (lane == 0) {
@@ -450,6 +451,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                 if (lane == 0) ycnt[c] = 0u;
             }
         }
+        NINFER_TL_MARK(5);  // the records this block completed are written
     }
 }
 
