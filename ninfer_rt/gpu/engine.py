@@ -214,15 +214,15 @@ class GpuModel:
             self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
         else:
             self.ffn_cols = round_up(s.intermediate_size, 32)
+            # one token's SwiGLU output as the down's x̂ records, and the gate/up's chunk counters (zero once;
+            # each launch leaves them zero)
+            b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
+            b.act_cnt = self._alloc(self.ffn_cols // 32 * 4)
+            self.gpu.memset(b.act_cnt, 0, self.ffn_cols // 32 * 4)
         # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
         b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
         self.gpu.memset(b.act_s16, 0, rows * self.ffn_cols * 2)
-        # one token's dense SwiGLU output as the down's x̂ records, and the gate/up's chunk counters (zero once;
-        # each launch leaves them zero)
-        b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
-        b.act_cnt = self._alloc(self.ffn_cols // 32 * 4)
-        self.gpu.memset(b.act_cnt, 0, self.ffn_cols // 32 * 4)
         b.tokens = self._alloc(rows * 4)
         b.logits = self._alloc(self.logit_rows * self.V * f)
         b.argmax = self._alloc(self.logit_rows * 4)

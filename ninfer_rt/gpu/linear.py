@@ -210,8 +210,7 @@ def y_records_fit(k, w: DeviceWeight) -> bool:
     """Whether a swiglu `gemv` of this gate/up weight at M = 1 can also write its output as chunk records
     (y_records): a quantized weight with a stream plan on sm_90+ (where records are read), N % 64 == 0 (whole
     chunks of 32 outputs) and the bulk-copy staging that gemv_*_s1bw is built on."""
-    return (k.gpu.info.major >= 9 and w.quantized and w.shape[0] % 64 == 0 and _STREAM_X_BULK
-            and plan_gemv(w, 1, k.gpu.info.sm_count).stream)
+    return records_fit(k, w) and w.shape[0] % 64 == 0 and _STREAM_X_BULK
 
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
