@@ -1,6 +1,7 @@
 // attention.cuh: device helpers shared by the attention kernels (attention_prepare.cu; attention.cu: the mma decode
 // and its combine; attention_prefill.cu: the mma prefill; attention_decode.cu: the CUDA-core decode for few query
-// rows and its combine): the mma fragment geometry and the K/V tile swizzle among them. No op lives here.
+// rows, attention_combine.cu its combine): the mma fragment geometry and the K/V tile swizzle among them. No op
+// lives here.
 #pragma once
 #include "common.cuh"
 

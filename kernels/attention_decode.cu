@@ -1,8 +1,8 @@
 // attention_decode.cu: gated attention decode for few query rows per kv head (decode, MTP verify: T·(nH/nKV)
-// small), on CUDA cores in fp32 (bf16 cache) or mma.sync tensor cores (int8 cache), and the merge of its split
-// partials. Same contract as attn_decode_* +
-// attn_combine of attention.cu (ops.gated_attention per sequence; see that file's header for the semantics, the
-// cache layout and the scratch layout), which stays the path for long T (prefill).
+// small), on CUDA cores in fp32 (bf16 cache) or mma.sync tensor cores (int8 cache); its split partials are merged
+// by attn_combine_fast (attention_combine.cu). Same contract as attn_decode_* + attn_combine of attention.cu
+// (ops.gated_attention per sequence; see that file's header for the semantics, the cache layout and the scratch
+// layout), which stays the path for long T (prefill).
 //
 // attn_decode_fast_{bf16,int8}_d{D}: grid (ceil(R/8), n_splits, B*nKV), block 128 (4 warps), dynamic smem
 //     FastGeo<D, I8>::SMEM (ninfer_rt/gpu/attention.py _fast_smem computes the same number). Block (gi, sp, b*nKV+kvh)
@@ -29,12 +29,13 @@
 //     within max|q_row|·6.1e-8 of q per element (the fp32 rounding of q itself), the int32 sums exact, the scores
 //     then scaled in fp32 (q's row scale, the int8 key scale); p times the value scale within 2^-18 of itself in
 //     the p*v mma, which accumulates in fp32. exp2 of the fast-math intrinsic as in attention.cu.
-// attn_combine_fast: grid (M, nH, D/32), block 8*SJ (SJ = 4..32 split lanes): thread (j, c4) folds the splits
-//     j, j+SJ, ... of its float4 column with an online max (4 splits' loads in flight before their folds), then one
-//     block max, a shuffle + shared-memory sum over j, and out = o / l * sigmoid(gate) as attn_combine.
+// attn_decode_fast_prep_int8_d{D}: the int8 decode for one token per sequence (T = 1) that does attn_prepare_d{D}'s
+//     work itself, one launch fewer: q is prepare's qkvg; every block norms and rotates its query rows into q's
+//     codes, and the block of row group 0 whose split holds the token's position writes its kv head's new k and v
+//     rows first (prepare's own per-head code: attention_prep.cuh), then issues its ring stages that read them.
+//     Same q, cache rows and partials as attn_prepare_d{D} then attn_decode_fast_int8_d{D}, bit for bit.
 #include "attention.cuh"
-#include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
-#include "xcodes.cuh"                 // store_codes4: o_proj's x̂ records (xrec)
+#include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v; prepare's steps
 
 namespace {
 
@@ -98,14 +99,18 @@ __device__ __forceinline__ void transpose_sum(float* x) {
     if constexpr (SFT > 1) transpose_sum<SFT / 2>(x);
 }
 
-template <int D, bool I8>
+// PREP (int8, T = 1): q is qkvg, and the block does prepare's work first (stage_q_prep); the cache pointers are
+// then written (the entry point's own, writable).
+template <int D, bool I8, bool PREP = false>
 __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                  const unsigned char* __restrict__ vc, const float* __restrict__ ks,
                                                  const float* __restrict__ vs, const int* __restrict__ pos,
                                                  const int* __restrict__ slot, float* __restrict__ acc,
                                                  float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
-                                                 int max_ctx, int cs, int n_splits, float sc, int rt) {
+                                                 int max_ctx, int cs, int n_splits, float sc, int rt,
+                                                 const PrepArgs pa = {}) {
     using F = FastGeo<D, I8>;
+    static_assert(!PREP || I8, "the fused prepare is built for the int8 cache");
     extern __shared__ __align__(16) unsigned char fast_smem[];
     uint32_t dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -176,11 +181,25 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         issue(s0, kw0 + s0 * kStepKeys);
         cp_async_commit();
     }
-    ninfer_pdl_begin();  // q, and keys p0 .. are the previous kernel's
-    for (int s = s0; s < F::NS - 1; ++s) {
-        if (s < nit) issue(s, kw0 + s * kStepKeys);
-        cp_async_commit();
+    auto issue_rest = [&]() {  // the first stages that hold keys p0 ..
+        for (int s = s0; s < F::NS - 1; ++s) {
+            if (s < nit) issue(s, kw0 + s * kStepKeys);
+            cp_async_commit();
+        }
+    };
+    // PREP: the rotation of p0 (in p's space, unused by the int8 path) and the norms' gains; the split holding p0
+    // (row group 0) writes its k and v
+    float* rope_s = reinterpret_cast<float*>(fast_smem + F::P_OFF);
+    float gq[PREP ? D / 32 : 1], gk[PREP ? D / 32 : 1];
+    const bool kv_here = PREP && gi == 0 && k_begin <= p0 && p0 < k_begin + cs && p0 < max_ctx;
+    if constexpr (PREP) {
+        rope_table(rope_s, rope_s + D / 2, p0, pa.inv_freq, pa.rope_scale, pa.rot / 2, tid, kFastWarps * 32);
+        norm_gain_row<D>(gq, pa.q_norm, lane);
+        if (kv_here && w == 2) norm_gain_row<D>(gk, pa.k_norm, lane);
+        __syncthreads();  // the table before any warp's rope
     }
+    ninfer_pdl_begin();  // q, and keys p0 .. are the previous kernel's
+    if constexpr (!PREP) issue_rest();
 
     // q of the 8 rows (zeros past R) into shared memory, while the first stages load: int8 code planes for the
     // tensor cores, or fp32: float4 f4 of a row (dims 4f4 .. 4f4+3) is element e of run ch = l + LPK*i
@@ -188,7 +207,13 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     // consecutive float4s.
     int8_t* qc = reinterpret_cast<int8_t*>(q_s);
     float* qsc = reinterpret_cast<float*>(qc + kQTerms * kFastRows * QCodes<D>::STRIDE);
-    if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
+    if constexpr (PREP) {
+        stage_q_prep<D, kFastRows>(q, pa, b, nH, nKV, kvh, G, R, r0, kv_here, ((size_t)sl * max_ctx + p0) * nKV + kvh,
+                                   const_cast<unsigned char*>(kc), const_cast<unsigned char*>(vc),
+                                   const_cast<float*>(ks), const_cast<float*>(vs), q_s, rope_s, rope_s + D / 2, gq,
+                                   gk, qc, qsc);
+        issue_rest();  // after the new k and v rows are written
+    } else if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
     for (int f = tid; !I8 && f < kFastRows * (D / 4); f += kFastWarps * 32) {
         const int c = f / (D / 4), f4 = f - c * (D / 4), rr = r0 + c;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -495,100 +520,21 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d64, 64, true)
 NINFER_FAST_DECODE(attn_decode_fast_int8_d128, 128, true)
 NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
 
-// grid (M, nH, D/32), block 8*SJ with SJ in {4, 8, 16, 32}. Same result as attn_combine (attention.cu):
-// out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
-// the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0. rt: the decode's runtime split
-// (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as o_proj's x̂ chunk
-// record (row·D + 32·z) / 32 in XQ order xq (store_codes4; reference act_records16).
-extern "C" __global__ void __launch_bounds__(256)
-    attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
-                      int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
-                      int T, int M, int nH, int D, int slots, int max_ctx, int cs, int n_splits, int rt,
-                      uint8_t* __restrict__ xrec, int xq) {
-    __shared__ float red_m[8];
-    __shared__ float4 part_o[8][8];
-    __shared__ float part_l[8];
-    const int m = blockIdx.x, h = blockIdx.y, b = m / T, t = m - b * T;
-    const int tid = threadIdx.x, c4 = tid & 7, j = tid >> 3, SJ = blockDim.x >> 3;
-    const int lane = tid & 31, wp = tid >> 5, nw = blockDim.x >> 5;
-    const int col = 32 * blockIdx.z + 4 * c4;
-    const size_t row = (size_t)m * nH + h, per_split = (size_t)M * nH;
-    // Before the wait: the gate (qkvg, written before prepare, which the decode waited on) and the positions
-    // (uploaded before the graph ran); only acc and ml are the decode's.
-    float g[4] = {0.f, 0.f, 0.f, 0.f};
-    if (tid < 8) {  // the finishing threads hold their gate values
-        const float* gp = gate + (size_t)m * ld_gate + (size_t)h * D + col;
-#pragma unroll
-        for (int z = 0; z < 4; ++z) g[z] = gp[z];
+// attn_decode_fast_prep_int8_d{D}: attn_decode_fast_int8_d{D} for one token per sequence (T = 1) that does
+// attn_prepare_d{D}'s work itself (one launch fewer): q is prepare's qkvg, and prepare's other arguments follow.
+#define NINFER_FAST_DECODE_PREP(D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS)                        \
+        attn_decode_fast_prep_int8_d##D(const float* qkvg, unsigned char* kc, unsigned char* vc, float* ks,     \
+                                        float* vs, const int* pos, const int* slot, float* acc, float2* ml, int T, \
+                                        int nH, int nKV, int M, int slots, int max_ctx, int cs, int n_splits,    \
+                                        float sc, int rt, int ld, const float* q_norm, const float* k_norm,      \
+                                        const float* inv_freq, float rope_scale, int rot, float eps) {            \
+        fast_decode_impl<D, true, true>(qkvg, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, \
+                                        cs, n_splits, sc, rt,                                                    \
+                                        PrepArgs{ld, q_norm, k_norm, inv_freq, rope_scale, rot, eps});           \
     }
-    const int p0 = pos[b], sl = slot[b];
-    cs = split_keys(cs, n_splits, p0 + T, rt);
-    const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
-    const int ns = (keys + cs - 1) / cs;
-    ninfer_pdl_begin();
 
-    float mloc = kMasked, L = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    // NB splits a thread per batch (load_splits; 8 took 99 registers, too many for a block to become resident
-    // beside two decode blocks, where it waits on them)
-    constexpr int NB = 4;
-    for (int s0 = j; s0 < ns; s0 += NB * SJ) {
-        float2 e[NB];
-        float4 a[NB];
-        load_splits<NB>(acc, ml, per_split, row, D, col, s0, SJ, ns, e, a);
-#pragma unroll
-        for (int u = 0; u < NB; ++u) {
-            if (s0 + u * SJ >= ns) break;
-            const float nm = fmaxf(mloc, e[u].x);
-            const float f = exp2f(mloc - nm), wt = exp2f(e[u].x - nm);
-            o.x = o.x * f + a[u].x * wt, o.y = o.y * f + a[u].y * wt, o.z = o.z * f + a[u].z * wt,
-            o.w = o.w * f + a[u].w * wt;
-            L = L * f + e[u].y * wt;
-            mloc = nm;
-        }
-    }
-    NINFER_TL_MARK(0);  // this thread's splits folded
-    float mx = warp_max(mloc);
-    if (lane == 0) red_m[wp] = mx;
-    __syncthreads();
-    NINFER_TL_MARK(1);  // the block's max
-    mx = red_m[0];
-    for (int u = 1; u < nw; ++u) mx = fmaxf(mx, red_m[u]);
-    const float f = exp2f(mloc - mx);
-    o.x *= f, o.y *= f, o.z *= f, o.w *= f;
-    L *= f;
-#pragma unroll
-    for (int s = 8; s < 32; s <<= 1) {  // lanes of the same column c4 (j differs in bits 0, 1 within the warp)
-        o.x += __shfl_xor_sync(kFull, o.x, s);
-        o.y += __shfl_xor_sync(kFull, o.y, s);
-        o.z += __shfl_xor_sync(kFull, o.z, s);
-        o.w += __shfl_xor_sync(kFull, o.w, s);
-        L += __shfl_xor_sync(kFull, L, s);
-    }
-    if (lane < 8) part_o[wp][lane] = o;
-    if (lane == 0) part_l[wp] = L;
-    __syncthreads();
-    NINFER_TL_MARK(2);  // the block's partial sums
-    float v[4] = {0.f, 0.f, 0.f, 0.f};  // lanes 8..31 of warp 0 code zeros for store_codes4's full-mask shuffles
-    if (tid < 8) {
-        float4 s4 = part_o[0][tid];
-        float Ls = part_l[0];
-        for (int u = 1; u < nw; ++u) {
-            const float4 a = part_o[u][tid];
-            s4.x += a.x, s4.y += a.y, s4.z += a.z, s4.w += a.w;
-            Ls += part_l[u];
-        }
-        const float r[4] = {s4.x, s4.y, s4.z, s4.w};
-        float* dst = out + row * D + col;
-#pragma unroll
-        for (int z = 0; z < 4; ++z) dst[z] = v[z] = Ls > 0.f ? __fdiv_rn(r[z], Ls) * sigmoidf_(g[z]) : 0.f;
-    }
-    NINFER_TL_MARK(3);  // out written (warp 0)
-    if (xrec && wp == 0) {  // lane i < 8 holds chunk offsets 4i..4i+3
-        uint8_t* rec = xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1);
-        const float4 h4 = make_float4(v[0], v[1], v[2], v[3]);
-        if (xq == 1) store_codes4<1, 1>(rec, 0, 4 * lane, h4, lane < 8);
-        else store_codes4<1, 2>(rec, 0, 4 * lane, h4, lane < 8);
-    }
-    NINFER_TL_MARK(4);  // the records written (warp 0)
-}
+NINFER_FAST_DECODE_PREP(32)
+NINFER_FAST_DECODE_PREP(64)
+NINFER_FAST_DECODE_PREP(128)
+NINFER_FAST_DECODE_PREP(256)
