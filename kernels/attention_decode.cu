@@ -29,13 +29,8 @@
 //     within max|q_row|·6.1e-8 of q per element (the fp32 rounding of q itself), the int32 sums exact, the scores
 //     then scaled in fp32 (q's row scale, the int8 key scale); p times the value scale within 2^-18 of itself in
 //     the p*v mma, which accumulates in fp32. exp2 of the fast-math intrinsic as in attention.cu.
-// attn_decode_fast_prep_int8_d{D}: the int8 decode for one token per sequence (T = 1) that does attn_prepare_d{D}'s
-//     work itself, one launch fewer: q is prepare's qkvg; every block norms and rotates its query rows into q's
-//     codes, and the block of row group 0 whose split holds the token's position writes its kv head's new k and v
-//     rows first (prepare's own per-head code: attention_prep.cuh), then issues its ring stages that read them.
-//     Same q, cache rows and partials as attn_prepare_d{D} then attn_decode_fast_int8_d{D}, bit for bit.
 #include "attention.cuh"
-#include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v; prepare's steps
+#include "attention_decode_int8.cuh"  // the int8 cache's q codes and tensor-core q·k, p·v
 
 namespace {
 
@@ -99,18 +94,14 @@ __device__ __forceinline__ void transpose_sum(float* x) {
     if constexpr (SFT > 1) transpose_sum<SFT / 2>(x);
 }
 
-// PREP (int8, T = 1): q is qkvg, and the block does prepare's work first (stage_q_prep); the cache pointers are
-// then written (the entry point's own, writable).
-template <int D, bool I8, bool PREP = false>
+template <int D, bool I8>
 __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                  const unsigned char* __restrict__ vc, const float* __restrict__ ks,
                                                  const float* __restrict__ vs, const int* __restrict__ pos,
                                                  const int* __restrict__ slot, float* __restrict__ acc,
                                                  float2* __restrict__ ml, int T, int nH, int nKV, int M, int slots,
-                                                 int max_ctx, int cs, int n_splits, float sc, int rt,
-                                                 const PrepArgs pa = {}) {
+                                                 int max_ctx, int cs, int n_splits, float sc, int rt) {
     using F = FastGeo<D, I8>;
-    static_assert(!PREP || I8, "the fused prepare is built for the int8 cache");
     extern __shared__ __align__(16) unsigned char fast_smem[];
     uint32_t dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -181,25 +172,11 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         issue(s0, kw0 + s0 * kStepKeys);
         cp_async_commit();
     }
-    auto issue_rest = [&]() {  // the first stages that hold keys p0 ..
-        for (int s = s0; s < F::NS - 1; ++s) {
-            if (s < nit) issue(s, kw0 + s * kStepKeys);
-            cp_async_commit();
-        }
-    };
-    // PREP: the rotation of p0 (in p's space, unused by the int8 path) and the norms' gains; the split holding p0
-    // (row group 0) writes its k and v
-    float* rope_s = reinterpret_cast<float*>(fast_smem + F::P_OFF);
-    float gq[PREP ? D / 32 : 1], gk[PREP ? D / 32 : 1];
-    const bool kv_here = PREP && gi == 0 && k_begin <= p0 && p0 < k_begin + cs && p0 < max_ctx;
-    if constexpr (PREP) {
-        rope_table(rope_s, rope_s + D / 2, p0, pa.inv_freq, pa.rope_scale, pa.rot / 2, tid, kFastWarps * 32);
-        norm_gain_row<D>(gq, pa.q_norm, lane);
-        if (kv_here && w == 2) norm_gain_row<D>(gk, pa.k_norm, lane);
-        __syncthreads();  // the table before any warp's rope
-    }
     ninfer_pdl_begin();  // q, and keys p0 .. are the previous kernel's
-    if constexpr (!PREP) issue_rest();
+    for (int s = s0; s < F::NS - 1; ++s) {
+        if (s < nit) issue(s, kw0 + s * kStepKeys);
+        cp_async_commit();
+    }
 
     // q of the 8 rows (zeros past R) into shared memory, while the first stages load: int8 code planes for the
     // tensor cores, or fp32: float4 f4 of a row (dims 4f4 .. 4f4+3) is element e of run ch = l + LPK*i
@@ -207,13 +184,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     // consecutive float4s.
     int8_t* qc = reinterpret_cast<int8_t*>(q_s);
     float* qsc = reinterpret_cast<float*>(qc + kQTerms * kFastRows * QCodes<D>::STRIDE);
-    if constexpr (PREP) {
-        stage_q_prep<D, kFastRows>(q, pa, b, nH, nKV, kvh, G, R, r0, kv_here, ((size_t)sl * max_ctx + p0) * nKV + kvh,
-                                   const_cast<unsigned char*>(kc), const_cast<unsigned char*>(vc),
-                                   const_cast<float*>(ks), const_cast<float*>(vs), q_s, rope_s, rope_s + D / 2, gq,
-                                   gk, qc, qsc);
-        issue_rest();  // after the new k and v rows are written
-    } else if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
+    if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
     for (int f = tid; !I8 && f < kFastRows * (D / 4); f += kFastWarps * 32) {
         const int c = f / (D / 4), f4 = f - c * (D / 4), rr = r0 + c;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -519,22 +490,3 @@ NINFER_FAST_DECODE(attn_decode_fast_int8_d32, 32, true)
 NINFER_FAST_DECODE(attn_decode_fast_int8_d64, 64, true)
 NINFER_FAST_DECODE(attn_decode_fast_int8_d128, 128, true)
 NINFER_FAST_DECODE(attn_decode_fast_int8_d256, 256, true)
-
-// attn_decode_fast_prep_int8_d{D}: attn_decode_fast_int8_d{D} for one token per sequence (T = 1) that does
-// attn_prepare_d{D}'s work itself (one launch fewer): q is prepare's qkvg, and prepare's other arguments follow.
-#define NINFER_FAST_DECODE_PREP(D)                                                                                \
-    extern "C" __global__ void __launch_bounds__(kFastWarps * 32, NINFER_FAST_MIN_BLOCKS)                        \
-        attn_decode_fast_prep_int8_d##D(const float* qkvg, unsigned char* kc, unsigned char* vc, float* ks,     \
-                                        float* vs, const int* pos, const int* slot, float* acc, float2* ml, int T, \
-                                        int nH, int nKV, int M, int slots, int max_ctx, int cs, int n_splits,    \
-                                        float sc, int rt, int ld, const float* q_norm, const float* k_norm,      \
-                                        const float* inv_freq, float rope_scale, int rot, float eps) {            \
-        fast_decode_impl<D, true, true>(qkvg, kc, vc, ks, vs, pos, slot, acc, ml, T, nH, nKV, M, slots, max_ctx, \
-                                        cs, n_splits, sc, rt,                                                    \
-                                        PrepArgs{ld, q_norm, k_norm, inv_freq, rope_scale, rot, eps});           \
-    }
-
-NINFER_FAST_DECODE_PREP(32)
-NINFER_FAST_DECODE_PREP(64)
-NINFER_FAST_DECODE_PREP(128)
-NINFER_FAST_DECODE_PREP(256)

@@ -3,7 +3,6 @@
 // K and V rows in a ring stage (k_chunk, v_chunk). Included by attention_decode.cu only; no op lives here.
 #pragma once
 #include "attention.cuh"
-#include "attention_prep.cuh"  // prepare's per-head steps, for the decode that does its work
 
 namespace {
 
@@ -35,12 +34,26 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a2, ui
 template <int RB>
 __device__ __forceinline__ int k_chunk(int r, int ch) { return ch ^ ((2 * r) & (RB / 16 - 1)); }
 
-// Thread tid's D/16 consecutive dims v of row c = tid / 16 (zeros past R) as kQTerms int8 code planes
-// [term][row][STRIDE] and row scales s[ROWS]: 16 threads per row (a block of 16·ROWS threads).
+// The block's ROWS query rows r0 .. (zeros past R) as kQTerms int8 code planes [term][row][STRIDE] and row scales
+// s[ROWS]: 16 threads per row (a block of 16·ROWS threads), each 16 consecutive dims.
 template <int D, int ROWS>
-__device__ __forceinline__ void code_q_rows(const float (&v)[D / 16], int8_t* codes, float* s) {
+__device__ __forceinline__ void stage_q_codes(const float* __restrict__ q, int b, int T, int nH, int kvh, int G,
+                                              int R, int r0, int8_t* codes, float* s) {
     const int tid = threadIdx.x, c = tid >> 4, i0 = (tid & 15) * (D / 16);
+    const int rr = r0 + c;
+    float v[D / 16];
     float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) v[i] = 0.f;
+    if (rr < R) {
+        const int tt = rr / G, j = rr - tt * G;
+        const float* src = q + ((size_t)(b * T + tt) * nH + kvh * G + j) * D + i0;
+#pragma unroll
+        for (int i = 0; i < D / 16; i += 2) {
+            const float2 x = *reinterpret_cast<const float2*>(src + i);
+            v[i] = x.x, v[i + 1] = x.y;
+        }
+    }
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
@@ -73,98 +86,6 @@ __device__ __forceinline__ void code_q_rows(const float (&v)[D / 16], int8_t* co
         else if constexpr (NB == 4) *reinterpret_cast<uint32_t*>(dst) = w[term][0];
         else *reinterpret_cast<uint16_t*>(dst) = (uint16_t)w[term][0];
     }
-}
-
-// The block's ROWS query rows r0 .. (zeros past R) of q fp32 [B·T, nH, D] as code_q_rows' planes and scales.
-template <int D, int ROWS>
-__device__ __forceinline__ void stage_q_codes(const float* __restrict__ q, int b, int T, int nH, int kvh, int G,
-                                              int R, int r0, int8_t* codes, float* s) {
-    const int tid = threadIdx.x, c = tid >> 4, i0 = (tid & 15) * (D / 16);
-    const int rr = r0 + c;
-    float v[D / 16];
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) v[i] = 0.f;
-    if (rr < R) {
-        const int tt = rr / G, j = rr - tt * G;
-        const float* src = q + ((size_t)(b * T + tt) * nH + kvh * G + j) * D + i0;
-#pragma unroll
-        for (int i = 0; i < D / 16; i += 2) {
-            const float2 x = *reinterpret_cast<const float2*>(src + i);
-            v[i] = x.x, v[i + 1] = x.y;
-        }
-    }
-    code_q_rows<D, ROWS>(v, codes, s);
-}
-
-// ---- the decode that does prepare's work for one token per sequence (attn_decode_fast_prep_int8_*)
-
-// prepare's arguments beyond the decode's (the kernel's q is qkvg, prepare's input)
-struct PrepArgs {
-    int ld;                  // qkvg's row stride, floats
-    const float* q_norm;     // zero-centred RMSNorm weights [D]
-    const float* k_norm;
-    const float* inv_freq;   // [rot / 2]
-    float rope_scale;
-    int rot;
-    float eps;
-};
-
-// Prepare's work in the decode block of sequence b (one token, T = 1), kv head kvh, query rows r0 .. r0 + 7 (heads
-// kvh·G + r): rope(rms_norm_zc(q)) of each row r0 + c < R into q_s row c (fp32 [8][D]); with kv (the block whose
-// split holds the token's position; cache row kv_row) warps 2 and 3 also write its k and v head into the cache.
-// Warp w takes rows w and w + 4, all its loads first; q_s row w is its rope scratch. norm_rope_row and
-// cache_row_store are prepare's own, so q and the cache rows are prepare's to the bit.
-template <int D>
-__device__ __forceinline__ void prep_rows(const float* __restrict__ qkvg, const PrepArgs& pa, int b, int nH, int nKV,
-                                          int kvh, int G, int R, int r0, bool kv, size_t kv_row, void* kc, void* vc,
-                                          float* ks, float* vs, float* q_s, const float* cos_s, const float* sin_s,
-                                          const float (&gq)[D / 32], const float (&gk)[D / 32]) {
-    constexpr int PER = D / 32;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, half = pa.rot / 2;
-    const float* src = qkvg + (size_t)b * pa.ld;  // q, k, v columns are contiguous: head unit u at u·D
-    const int kind = kv && w >= 2 ? w - 1 : 0;    // 1: the k head, 2: the v head
-    float x[2][PER], xk[PER];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = r0 + w + 4 * h;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) x[h][i] = rr < R ? src[(size_t)(kvh * G + rr) * D + lane + 32 * i] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) xk[i] = kind ? src[(size_t)(nH + (kind - 1) * nKV + kvh) * D + lane + 32 * i] : 0.f;
-    if (kind == 1) {
-        norm_rope_row<D>(xk, gk, q_s + w * D, cos_s, sin_s, half, pa.rot, pa.eps, lane);
-        __syncwarp();  // the scratch read before row w reuses it
-    }
-    if (kind) cache_row_store<D>(xk, kind == 1 ? kc : vc, kind == 1 ? ks : vs, kv_row, true, lane);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int c = w + 4 * h;
-        if (r0 + c >= R) continue;
-        norm_rope_row<D>(x[h], gq, q_s + c * D, cos_s, sin_s, half, pa.rot, pa.eps, lane);
-        __syncwarp();  // every lane's rope reads of the row before it is overwritten
-#pragma unroll
-        for (int i = 0; i < PER; ++i) q_s[c * D + lane + 32 * i] = x[h][i];
-    }
-}
-
-// prep_rows, then its q rows as code_q_rows' planes and scales (codes and s share q_s's space); the cache rows
-// are visible to the block's copies issued after it returns
-template <int D, int ROWS>
-__device__ __forceinline__ void stage_q_prep(const float* __restrict__ qkvg, const PrepArgs& pa, int b, int nH,
-                                             int nKV, int kvh, int G, int R, int r0, bool kv, size_t kv_row, void* kc,
-                                             void* vc, float* ks, float* vs, float* q_s, const float* cos_s,
-                                             const float* sin_s, const float (&gq)[D / 32], const float (&gk)[D / 32],
-                                             int8_t* codes, float* s) {
-    prep_rows<D>(qkvg, pa, b, nH, nKV, kvh, G, R, r0, kv, kv_row, kc, vc, ks, vs, q_s, cos_s, sin_s, gq, gk);
-    __threadfence_block();
-    __syncthreads();
-    const int tid = threadIdx.x, c = tid >> 4, i0 = (tid & 15) * (D / 16);
-    float v[D / 16];
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) v[i] = r0 + c < R ? q_s[c * D + i0 + i] : 0.f;
-    __syncthreads();  // every row read before its codes overwrite it
-    code_q_rows<D, ROWS>(v, codes, s);
 }
 
 // D += A(16x8, row) * B(8x8, col), bf16 in, fp32 accumulate

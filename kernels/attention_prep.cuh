@@ -1,7 +1,5 @@
-// attention_prep.cuh: prepare's per-head steps, shared by attn_prepare_d* (attention_prepare.cu) and the int8
-// decode that does prepare's work itself for one token (attention_decode.cu, attn_decode_fast_prep_*): the RoPE
-// table of a position, q/k RMSNorm + RoPE of one head held by a warp, and one k or v head into the cache. One
-// implementation, so the fused decode's q and cache rows are prepare's to the bit. No op lives here.
+// attention_prep.cuh: attn_prepare_d*'s per-head steps (attention_prepare.cu): the RoPE table of a position, q/k
+// RMSNorm + RoPE of one head held by a warp, and one k or v head into the cache. No op lives here.
 #pragma once
 #include "attention.cuh"
 

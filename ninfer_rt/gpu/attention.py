@@ -49,9 +49,6 @@ _PREFILL_WGMMA = True            # prefill on an int8 cache takes the wgmma kern
 # planner switch: the engine has the CUDA-core decode's combine write o_proj's x̂ records (one token), so o_proj
 # copies them instead of coding o (perf.md v41); False: o_proj codes the fp32 o itself
 COMBINE_OUT_RECORDS = True
-# planner switch: decode(prep=...) of one token per sequence on the int8 CUDA-core path runs prepare's work in its
-# decode kernel (attn_decode_fast_prep_int8_*: one launch fewer, the same bits); False: prepare's own launch first
-FUSED_PREPARE = True
 _WG_ROWS, _WG_THREADS = 128, 256  # attn_prefill_wgmma_*: query rows and threads per block
 _WG_HEAD_DIMS = (64, 128, 256)
 
@@ -144,34 +141,20 @@ def prepare(k, *, qkvg: int, ld: int, q_norm: int, k_norm: int, inv_freq: int, r
     name = "attention.prepare"
     _check_heads(name, nH, cache)
     _check_batch(name, B, T)
-    _check_prepare(name, qkvg=qkvg, ld=ld, q_norm=q_norm, k_norm=k_norm, inv_freq=inv_freq, rot=rot, nH=nH,
-                   cache=cache)
-    _check_ptrs(name, pos=pos, slot=slot, q_out=q_out)
-    d, nKV, int8 = cache.d, cache.nKV, cache.dtype == "int8"
+    d, nKV = cache.d, cache.nKV
+    _need(rot % 2 == 0 and 0 <= rot <= d, f"{name}: rot={rot} must be even and in [0, d={d}]")
+    _need(ld >= (2 * nH + 2 * nKV) * d, f"{name}: ld={ld} is smaller than the q|k|v|gate width "
+                                        f"{(2 * nH + 2 * nKV) * d}")
+    _check_ptrs(name, qkvg=qkvg, q_norm=q_norm, k_norm=k_norm, pos=pos, slot=slot, q_out=q_out,
+                k_cache=cache.k, v_cache=cache.v)
+    _need(rot == 0 or bool(inv_freq), f"{name}: inv_freq is a null pointer")
+    int8 = cache.dtype == "int8"
+    _need(not int8 or (cache.k_scale and cache.v_scale), f"{name}: int8 cache without scale arrays")
     M, units = B * T, nH + 2 * nKV
     args = [ptr(qkvg), i32(ld), ptr(q_norm), ptr(k_norm), ptr(inv_freq), f32(rope_scale), i32(rot), ptr(pos),
             ptr(slot), i32(T), i32(nH), i32(nKV), f32(eps), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale),
             ptr(cache.v_scale), i32(cache.slots), i32(cache.max_ctx), i32(int(int8)), ptr(q_out)]
     k.launch(f"attn_prepare_d{d}", (M, (units + 3) // 4), 128, args, stream=stream)
-
-
-def _check_prepare(name: str, *, qkvg: int, ld: int, q_norm: int, k_norm: int, inv_freq: int, rot: int, nH: int,
-                   cache: KVCache) -> None:
-    """prepare's own arguments, for prepare and for the decode that does its work."""
-    d, nKV = cache.d, cache.nKV
-    _need(rot % 2 == 0 and 0 <= rot <= d, f"{name}: rot={rot} must be even and in [0, d={d}]")
-    _need(ld >= (2 * nH + 2 * nKV) * d, f"{name}: ld={ld} is smaller than the q|k|v|gate width "
-                                        f"{(2 * nH + 2 * nKV) * d}")
-    _check_ptrs(name, qkvg=qkvg, q_norm=q_norm, k_norm=k_norm, k_cache=cache.k, v_cache=cache.v)
-    _need(rot == 0 or bool(inv_freq), f"{name}: inv_freq is a null pointer")
-    _need(cache.dtype != "int8" or (cache.k_scale and cache.v_scale), f"{name}: int8 cache without scale arrays")
-
-
-def fused_prepare(k, *, T: int, nH: int, cache: KVCache) -> bool:
-    """Whether decode(prep=...) runs prepare's work in its decode kernel: FUSED_PREPARE, one token per sequence,
-    an int8 cache, and the CUDA-core path (attn_decode_fast_prep_int8_d*)."""
-    return (FUSED_PREPARE and T == 1 and cache.dtype == "int8"
-            and bool(_fast_path(k, nH // cache.nKV, cache.d, cache.dtype, prep=True)))
 
 
 # ------------------------------------------------------------------------------------------ decode
@@ -221,7 +204,7 @@ def decode_scratch_bytes(M: int, nH: int, d: int, ctx_bucket: int) -> int:
 
 def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int, cache: KVCache,
            out: int, scratch: int, ctx_bucket: int, stream=None, out_records: int = 0,
-           records_order: int = 0, prep: dict | None = None) -> bool:
+           records_order: int = 0) -> bool:
     """Gated causal attention of M = B·T query tokens against their cache slots (keys written by prepare).
 
     q fp32 [M, nH, d] (prepare's q_out); gate fp32 rows of stride ld_gate (the gate columns of qkvg);
@@ -233,21 +216,14 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     out_records (with records_order 1 or 2, linear.records_order of o_proj; 16-byte aligned): where the CUDA-core
     path runs, its combine also writes out as o_proj's x̂, M·nH·d/32 int16 chunk records (reference.ops.
     act_records16 of out) for linear.gemv's x_records. Returns whether it wrote them.
-    prep: prepare()'s own arguments (qkvg, ld, q_norm, k_norm, inv_freq, rope_scale, rot, eps), q being its q_out:
-    this step's prepare, which runs first, unless fused_prepare() holds: then the decode kernel does its work
-    (attn_decode_fast_prep_int8_*: the same cache rows and output bits, q_out not written).
     """
     if out_records:
         _need(records_order in (1, 2) and out_records % 16 == 0,
               f"attention.decode: out_records needs records_order 1 or 2 (got {records_order}) and a 16-byte "
               "aligned buffer")
-    fused = prep is not None and fused_prepare(k, T=T, nH=nH, cache=cache)
-    if prep is not None and not fused:
-        prepare(k, **prep, pos=pos, slot=slot, B=B, T=T, nH=nH, cache=cache, q_out=q, stream=stream)
     launches = _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
                                 cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket,
-                                out_records=out_records, records_order=records_order,
-                                prep=prep if fused else None)
+                                out_records=out_records, records_order=records_order)
     _launch(k, launches, stream)
     return bool(out_records) and launches[-1][0] == "attn_combine_fast"
 
@@ -260,11 +236,11 @@ def _launch(k, launches: list[tuple], stream) -> None:
 
 def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int,
                      cache: KVCache, out: int, scratch: int, ctx_bucket: int, exact: bool = True,
-                     out_records: int = 0, records_order: int = 0, prep: dict | None = None) -> list[tuple]:
+                     out_records: int = 0, records_order: int = 0) -> list[tuple]:
     """decode()'s two launches, checked, as (entry point, grid, block, args, dynamic smem): the partials, then
     their merge (bench/attention_bench.py times them apart). exact=False: the tensor-core path rounds q and p to
     bf16 (attn_prefill_*). out_records, records_order: decode's, passed to attn_combine_fast (the other merges
-    write no records). prep (where fused_prepare holds): the partials kernel does prepare's work, q unread."""
+    write no records)."""
     name = "attention.decode"
     _check_heads(name, nH, cache)
     _check_batch(name, B, T)
@@ -296,17 +272,8 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
     if smem:
         rt = [i32(int(runtime))]
-        fast = (f"attn_decode_fast_{cache.dtype}_d{d}", args + rt)
-        if prep is not None:
-            _need(T == 1 and cache.dtype == "int8", f"{name}: prep is fused for one token on an int8 cache only")
-            _check_prepare(name, qkvg=prep["qkvg"], ld=prep["ld"], q_norm=prep["q_norm"], k_norm=prep["k_norm"],
-                           inv_freq=prep["inv_freq"], rot=prep["rot"], nH=nH, cache=cache)
-            smem = _fast_path(k, T * G, d, cache.dtype, prep=True)
-            fast = (f"attn_decode_fast_prep_int8_d{d}",
-                    [ptr(prep["qkvg"])] + args[1:] + rt
-                    + [i32(prep["ld"]), ptr(prep["q_norm"]), ptr(prep["k_norm"]), ptr(prep["inv_freq"]),
-                       f32(prep["rope_scale"]), i32(prep["rot"]), f32(prep["eps"])])
-        return [(fast[0], (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS, fast[1], smem),
+        return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
+                 args + rt, smem),
                 ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt + [ptr(out_records), i32(records_order)], 0)]
     # with few splits one combine block covers all d columns
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
@@ -367,16 +334,15 @@ def _fast_smem(d: int, dtype: str) -> int:
     return 8 * d * 4 + 4 * ns * 16 * rb + 4 * 8 * 8 * 4 + 4 * ns * 16 * 4 + 4 * 8 * 8
 
 
-def _fast_path(k, rows: int, d: int, dtype: str, prep: bool = False) -> int:
+def _fast_path(k, rows: int, d: int, dtype: str) -> int:
     """The CUDA-core decode's dynamic shared memory when it takes these `rows` query rows per kv head (opting its
-    kernel, or with prep its attn_decode_fast_prep_* twin, in above 48 KiB once per Kernels object), or 0 for the
-    tensor-core path."""
+    kernel in above 48 KiB once per Kernels object), or 0 for the tensor-core path."""
     if rows > _FAST_MAX_ROWS:
         return 0
     smem = _fast_smem(d, dtype)
     if smem > k.gpu.info.max_smem_per_block_optin:
         return 0
-    k.opt_in_smem(f"attn_decode_fast_prep_{dtype}_d{d}" if prep else f"attn_decode_fast_{dtype}_d{d}", smem)
+    k.opt_in_smem(f"attn_decode_fast_{dtype}_d{d}", smem)
     return smem
 
 

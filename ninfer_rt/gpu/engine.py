@@ -281,24 +281,23 @@ class GpuModel:
             a = p + "self_attn."
             self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=src, M=M, y=b.mixed, ldy=self.qkvg_cols,
                          norm_w=nw)
-            # prepare's work (q/k norm, RoPE, the new k and v into the cache): its own launch, or the decode's
-            prep = dict(qkvg=b.mixed, ld=self.qkvg_cols, q_norm=P(a + "q_norm.weight"), k_norm=P(a + "k_norm.weight"),
-                        inv_freq=self.inv_freq, rope_scale=self.rope_scale, rot=s.rotary_dim, eps=s.rms_norm_eps)
+            attention.prepare(self.k, qkvg=b.mixed, ld=self.qkvg_cols, q_norm=P(a + "q_norm.weight"),
+                              k_norm=P(a + "k_norm.weight"), inv_freq=self.inv_freq, rope_scale=self.rope_scale,
+                              rot=s.rotary_dim, pos=self.pos, slot=self.slot, B=B, T=T,
+                              nH=s.num_attention_heads, eps=s.rms_norm_eps, cache=self.kv[i], q_out=b.q)
             gate = b.mixed + 4 * (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
             attend = dict(q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot, T=T,
                           nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
                           ctx_bucket=ctx_bucket)
             o_w, rec = k_view(W(a + "o_proj.weight")), False
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
-                attention.prepare(self.k, **prep, pos=self.pos, slot=self.slot, B=B, T=T, nH=s.num_attention_heads,
-                                  cache=self.kv[i], q_out=b.q)
                 attention.prefill(self.k, **attend)
             elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w):
                 # one token: o also as o_proj's x̂ records where the combine can write them
-                rec = attention.decode(self.k, B=B, **attend, prep=prep, out_records=b.o_rec,
+                rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
                                        records_order=linear.records_order(o_w))
             else:
-                attention.decode(self.k, B=B, **attend, prep=prep)
+                attention.decode(self.k, B=B, **attend)
             if rec:
                 linear.gemv(self.k, o_w, x=b.o_rec, M=1, y=b.x, mode="add", x_records=True)
             else:

@@ -434,34 +434,3 @@ def test_out_records_give_the_same_logits(gpu, kernels, monkeypatch, model, laye
         weights.free(gpu)
     assert np.isfinite(without).all()
     assert np.array_equal(with_records.view(np.uint32), without.view(np.uint32)), "the records changed the logits"
-
-
-@pytest.mark.parametrize("model", ["qwen3.6-35b-a3b", "qwen3.6-27b"])
-def test_fused_prepare_gives_the_same_logits(gpu, kernels, monkeypatch, model):
-    """At a bench model's shapes (one attention layer + its MLP or MoE block), a one-token decode with prepare's
-    work done by the int8 decode kernel (attention.FUSED_PREPARE) and with prepare's own launch: the same q codes
-    and cache rows, so the 6 steps' logits are the same bits."""
-    from ninfer_rt.gpu import attention
-    from ninfer_rt.gpu.loader import synthetic_weights
-    from ninfer_rt.recipe import load_recipe
-
-    spec = one_layer("full_attention", model)
-    weights = synthetic_weights(gpu, spec, load_recipe(model))
-    ids = prompt(6, 5, vocab=1000)
-    plain, calls = attention.prepare, []
-
-    def prepare(*args, **kw):
-        calls.append(1)
-        plain(*args, **kw)
-
-    try:
-        monkeypatch.setattr(attention, "prepare", prepare)
-        fused = decode_each(gpu, kernels, spec, weights, ids)
-        assert not calls, "prepare ran its own launch with FUSED_PREPARE set"
-        monkeypatch.setattr(attention, "FUSED_PREPARE", False)
-        separate = decode_each(gpu, kernels, spec, weights, ids)
-        assert calls, "prepare did not run with FUSED_PREPARE off"
-    finally:
-        weights.free(gpu)
-    assert np.isfinite(separate).all()
-    assert np.array_equal(fused.view(np.uint32), separate.view(np.uint32)), "the fused prepare changed the logits"
