@@ -95,12 +95,15 @@ def patched(modules: dict, settings: dict):
 
 def time_fresh_step(model, ctx: int) -> float:
     """Seconds per decode step at context ctx on a freshly captured graph (planner constants and left-out launches
-    only act at capture): the model's graphs destroyed, then the best of 3 medians of ninfer-rt bench's timer."""
+    only act at capture): the model's graphs destroyed and its shared carveout planned again, then the best of 3
+    medians of ninfer-rt bench's timer."""
     from ninfer_rt.gpu.bench import _time_decode
 
     for g in model.graphs.values():
         g.destroy()
     model.graphs.clear()
+    model.k.shared_carveout, model.k.shared_names, model.k._unshared = 0, set(), set()
+    model._carveout_planned.clear()
     return min(_time_decode(model, ctx) for _ in range(3))
 
 

@@ -123,6 +123,7 @@ class DeviceInfo:
     l2_bytes: int
     max_smem_per_block_optin: int
     max_smem_per_sm: int = 0  # shared memory of one SM, shared by its resident blocks (0: unknown)
+    reserved_smem_per_block: int = 1024  # shared memory the system takes from the SM for each resident block
 
     @property
     def arch(self) -> str:
@@ -277,6 +278,7 @@ class Gpu:
             l2_bytes=attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
             max_smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             max_smem_per_sm=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+            reserved_smem_per_block=attr(A.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
         )
 
     # --- memory
@@ -349,6 +351,12 @@ class Gpu:
         d = _driver()
         attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
         _check(d.cuFuncSetAttribute(fn, attr, int(percent)), "cuFuncSetAttribute(carveout)")
+
+    def static_smem(self, fn) -> int:
+        """Bytes of static shared memory fn declares (beside a launch's dynamic shared memory)."""
+        d = _driver()
+        attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        return int(_check(d.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute(shared size)"))
 
     def max_active_blocks(self, fn, threads: int, smem: int) -> int:
         """Blocks of fn (threads each, smem bytes of dynamic shared memory) one SM can hold at once."""

@@ -33,7 +33,7 @@ from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
 from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe
 from ninfer_rt.gpu.driver import Event, Gpu
-from ninfer_rt.gpu.kernels import Kernels
+from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
 from ninfer_rt.gpu.weights import DeviceWeight
 
@@ -151,6 +151,7 @@ class GpuModel:
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
+        self._carveout_planned: set[tuple] = set()  # the decode steps (B, T) the shared carveout holds
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self.side = gpu.new_stream()
         self._fork, self._join = Event(timing=False), Event(timing=False)
@@ -489,6 +490,8 @@ class GpuModel:
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
         """
         self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
+        if B * T <= GEMV_MAX_ROWS and (B, T) not in self._carveout_planned:
+            self._plan_carveout(B, T, bucket, logit_rows, draw)
         if not graph:
             self._step(B, T, bucket, logit_rows, draw)
             return
@@ -502,6 +505,18 @@ class GpuModel:
                 g = self.gpu.end_capture()
             self.graphs[key] = g
         g.launch(self.gpu.stream)
+
+    def _plan_carveout(self, B: int, T: int, bucket: int, logit_rows: str, draw: tuple | None) -> None:
+        """A dry run of the decode step (its launches recorded, none enqueued), so that the kernels' shared
+        carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured."""
+        real, rec = self.k, LaunchRecorder(self.k)
+        self.k = rec
+        try:
+            self._step(B, T, bucket, logit_rows, draw)
+        finally:
+            self.k = real
+        real.share_carveout(rec.launches)
+        self._carveout_planned.add((B, T))
 
     def prefill(self, tokens: np.ndarray, slot: int, start: int = 0, all_logits: bool = False):
         """Run a prompt through one sequence's slot from position `start`, in chunks.

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import math
+
 from ninfer_rt.gpu.build import TARGETS, BuildResult, build_kernels
 from ninfer_rt.gpu.driver import Gpu, GpuError
 
 
 # Shared-memory carveout every launch prefers, in percent of the SM's unified L1 / shared memory (None: the
-# driver's choice per kernel). Read at each launch (the decode graph's capture).
+# driver's choice per kernel, or a shared one below). Read at each launch (the decode graph's capture).
 SMEM_CARVEOUT: int | None = None
+# Planner switch: the launches of a decode step whose entry point starts with one of these ("": all) share one
+# carveout, the smallest SM configuration that holds each one's blocks per SM (GpuModel plans it by a dry run
+# before the step first runs), so an SM never drains to switch between two of them (perf.md v43: the 27B -2.8%,
+# the 35B -0.6% at 8K); (): the driver's choice per kernel
+SHARED_CARVEOUT: tuple[str, ...] = ("gemv_",)
+# ... except launches that alone need more than this share of the SM (the attention decode's 3 blocks of 76 KB):
+# the others would keep almost no L1 (the GEMVs at the largest carveout: +0.7% on the 27B, v43)
+SHARED_CARVEOUT_MAX = 0.5
+
+# The shared-memory capacities (KiB) an SM can be configured to (sm_80-sm_120; a GPU has those up to its
+# max_smem_per_sm): a preference between two is taken to the nearer one, so share_carveout asks for one exactly.
+CARVEOUT_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
+
+
+class LaunchRecorder:
+    """A Kernels stand-in that records each launch's (entry point, grid, block, dynamic smem) instead of
+    enqueueing it: a step's dry run. Everything else is the wrapped Kernels'."""
+
+    def __init__(self, kernels: "Kernels"):
+        self.k, self.launches = kernels, []
+
+    def launch(self, name: str, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
+        self.launches.append((name, grid, block, smem))
+
+    def __getattr__(self, attr):
+        return getattr(self.k, attr)
 
 
 class Kernels:
@@ -24,6 +52,9 @@ class Kernels:
         self._fns: dict[str, object] = {}
         self._smem: dict[str, int] = {}  # dynamic shared memory each entry point is opted in to
         self._carveout: dict[str, int] = {}  # the carveout preference each entry point was given (-1: none)
+        self.shared_carveout = 0  # percent the shared entry points prefer (0: not planned yet)
+        self.shared_names: set[str] = set()  # those entry points
+        self._unshared: set[str] = set()  # planned entry points too large to share
 
     def fn(self, name: str):
         f = self._fns.get(name)
@@ -56,8 +87,40 @@ class Kernels:
 
     def launch(self, name: str, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
         """Launch entry point `name` (Gpu.launch: cluster gives thread-block cluster dimensions, sm_90+)."""
-        want = -1 if SMEM_CARVEOUT is None else SMEM_CARVEOUT
+        want = SMEM_CARVEOUT
+        if want is None:
+            want = self.shared_carveout if self.shared_carveout and name in self.shared_names else -1
         if self._carveout.get(name, -1) != want:
             self.gpu.set_smem_carveout(self.fn(name), want)
             self._carveout[name] = want
         self.gpu.launch(self.fn(name), grid, block, args, smem, stream, cluster)
+
+    def share_carveout(self, launches: list[tuple[str, object, object, int]]) -> int:
+        """Raise shared_carveout to hold, for every launch among `launches` (LaunchRecorder's) whose entry point
+        starts with one of SHARED_CARVEOUT, its blocks per SM (its grid over the SMs, at most its occupancy: a
+        grid of several waves needs no more) with their dynamic, static and reserved shared memory: the smallest
+        of CARVEOUT_KIB that does, as a percent of the SM's shared memory rounded up; entry points with a launch
+        that alone needs more than SHARED_CARVEOUT_MAX of the SM keep the driver's choice. Returns it."""
+        info = self.gpu.info
+        if not SHARED_CARVEOUT or info.max_smem_per_sm <= 0:
+            return self.shared_carveout
+        needs: dict[str, int] = {}
+        for name, grid, block, smem in launches:
+            if not name.startswith(SHARED_CARVEOUT):
+                continue
+            blocks = math.prod(grid) if isinstance(grid, (tuple, list)) else int(grid)
+            threads = math.prod(block) if isinstance(block, (tuple, list)) else int(block)
+            fn = self.fn(name)
+            per_sm = min(-(-blocks // info.sm_count), self.gpu.max_active_blocks(fn, threads, smem))
+            needs[name] = max(needs.get(name, 0),
+                              per_sm * (smem + self.gpu.static_smem(fn) + info.reserved_smem_per_block))
+        limit = SHARED_CARVEOUT_MAX * info.max_smem_per_sm
+        self._unshared |= {n for n, b in needs.items() if b > limit}
+        shared = {n: b for n, b in needs.items() if n not in self._unshared}
+        if not shared:
+            return self.shared_carveout
+        need = max(shared.values())
+        cap = next((c for c in CARVEOUT_KIB if c * 1024 >= need), info.max_smem_per_sm // 1024)
+        self.shared_carveout = max(self.shared_carveout, min(100, -(-100 * cap * 1024 // info.max_smem_per_sm)))
+        self.shared_names = (self.shared_names | set(shared)) - self._unshared
+        return self.shared_carveout
