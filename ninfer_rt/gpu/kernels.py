@@ -21,7 +21,7 @@ SHARED_CARVEOUT: tuple[str, ...] = ("gemv_",)
 SHARED_CARVEOUT_MAX = 0.5
 
 # The shared-memory capacities (KiB) an SM can be configured to (sm_80-sm_120; a GPU has those up to its
-# max_smem_per_sm): a preference between two is taken to the nearer one, so share_carveout asks for one exactly.
+# max_smem_per_sm): the driver maps a preference to one of them, so share_carveout asks for one exactly.
 CARVEOUT_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 
 
