@@ -102,8 +102,7 @@ def time_fresh_step(model, ctx: int) -> float:
     for g in model.graphs.values():
         g.destroy()
     model.graphs.clear()
-    model.k.shared_carveout, model.k.shared_names, model.k._unshared = 0, set(), set()
-    model._carveout_planned.clear()
+    model.forget_carveout()
     return min(_time_decode(model, ctx) for _ in range(3))
 
 

@@ -182,8 +182,9 @@ def test_patched_sets_module_attributes_and_restores_them_even_on_error():
 
 
 def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
-    """time_fresh_step destroys and forgets the model's graphs first (so the next decode recaptures), then returns
-    the least of three runs of ninfer-rt bench's decode timer at that context."""
+    """time_fresh_step destroys and forgets the model's graphs and its shared carveout's plan first (so the next
+    decode plans and recaptures), then returns the least of three runs of ninfer-rt bench's decode timer at that
+    context."""
     from types import SimpleNamespace
 
     from ninfer_rt.gpu import bench
@@ -195,7 +196,7 @@ def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
         def destroy(self):
             log.append("destroy")
 
-    model = SimpleNamespace(graphs={"a": Graph(), "b": Graph()})
+    model = SimpleNamespace(graphs={"a": Graph(), "b": Graph()}, forget_carveout=lambda: log.append("forget"))
 
     def fake_time_decode(m, ctx):
         log.append(("time", ctx, len(m.graphs)))
@@ -203,4 +204,4 @@ def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
 
     monkeypatch.setattr(bench, "_time_decode", fake_time_decode)
     assert time_fresh_step(model, 8192) == 1.0
-    assert log == ["destroy", "destroy"] + [("time", 8192, 0)] * 3
+    assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 0)] * 3

@@ -518,6 +518,12 @@ class GpuModel:
         real.share_carveout(rec.launches)
         self._carveout_planned.add((B, T))
 
+    def forget_carveout(self) -> None:
+        """Forget the shared carveout's plan (the kernels' and which steps it holds): the next decode step plans it
+        again (planner A/Bs change constants that act only then)."""
+        self.k.reset_shared_carveout()
+        self._carveout_planned.clear()
+
     def prefill(self, tokens: np.ndarray, slot: int, start: int = 0, all_logits: bool = False):
         """Run a prompt through one sequence's slot from position `start`, in chunks.
 

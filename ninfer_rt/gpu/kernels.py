@@ -95,6 +95,11 @@ class Kernels:
             self._carveout[name] = want
         self.gpu.launch(self.fn(name), grid, block, args, smem, stream, cluster)
 
+    def reset_shared_carveout(self) -> None:
+        """Back to no shared carveout: every entry point's next launch takes the driver's choice until the next
+        share_carveout."""
+        self.shared_carveout, self.shared_names, self._unshared = 0, set(), set()
+
     def share_carveout(self, launches: list[tuple[str, object, object, int]]) -> int:
         """Raise shared_carveout to hold, for every launch among `launches` (LaunchRecorder's) whose entry point
         starts with one of SHARED_CARVEOUT, its blocks per SM (its grid over the SMs, at most its occupancy: a
