@@ -13,8 +13,8 @@ from ninfer_rt.gpu.driver import Gpu, GpuError
 SMEM_CARVEOUT: int | None = None
 # Planner switch: the launches of a decode step whose entry point starts with one of these ("": all) share one
 # carveout, the smallest SM configuration that holds each one's blocks per SM (GpuModel plans it by a dry run
-# before the step first runs), so an SM never drains to switch between two of them (perf.md v43: the 27B -2.8%,
-# the 35B -0.6% at 8K); (): the driver's choice per kernel
+# before the step first runs), so an SM never drains to switch between two of them (perf.md v43: the 27B -3.0% at
+# 8K, the 35B -0.6 to -0.9% at 64K-262K); (): the driver's choice per kernel
 SHARED_CARVEOUT: tuple[str, ...] = ("gemv_",)
 # ... except launches that alone need more than this share of the SM (the attention decode's 3 blocks of 76 KB):
 # the others would keep almost no L1 (the GEMVs at the largest carveout: +0.7% on the 27B, v43)
