@@ -51,8 +51,10 @@ struct FastGeo {
     static constexpr int NV = kFastRows * KPT;                  // partial dot products per lane (= 2 LPK)
     static constexpr int DV = D / 32;                           // dims per lane (PV)
     static constexpr int STAGE = 2 * kWarpKeys * RB;            // one warp's 8 K rows then 8 V rows
-    static constexpr int NS_RAW = 16384 / STAGE;
-    static constexpr int NS = NS_RAW < 2 ? 2 : NS_RAW > 4 ? 4 : NS_RAW;  // ring stages per warp
+    // ring stages per warp: 5 for an int8 cache at D = 256, so a split of 128 keys (4 steps, the 27B at 8K) is in
+    // flight before the wait instead of its last step's refill costing a round trip after it (perf.md v44)
+    static constexpr int NS_RAW = 20480 / STAGE;
+    static constexpr int NS = NS_RAW < 2 ? 2 : NS_RAW > 5 ? 5 : NS_RAW;
     // dynamic shared memory: q (permuted fp32 rows) | stages [warp][stage] | p [warp][key][row] |
     // scales [warp][stage][k 0..7, v 0..7] | (max, sum) [warp][row]
     static constexpr int Q_OFF = 0;
@@ -243,6 +245,8 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     for (int it = 0; it < nit; ++it) {
         cp_async_wait<F::NS - 2>();  // this step's stage (later ones may still be in flight)
         __syncwarp();                // ... every lane's copies visible; every lane done with the previous step
+        if (it == 0) NINFER_TL_MARK(3);        // the warp's first stage landed
+        if (it == nit - 1) NINFER_TL_MARK(4);  // ... and its last
         {
             const int nx = it + F::NS - 1;  // refill the stage the previous step used
             if (nx < nit) issue(nx % F::NS, kw0 + nx * kStepKeys);

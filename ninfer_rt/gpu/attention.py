@@ -327,10 +327,10 @@ def _fast_smem(d: int, dtype: str) -> int:
     """Dynamic shared memory of attn_decode_fast_{dtype}_d{d}: FastGeo<d, int8>::SMEM of attention_decode.cu.
 
     q (8 rows fp32) | 4 warps x NS stages x (8 K rows + 8 V rows) | p (4 x 8 x 8 fp32) | scales (4 x NS x 16 fp32)
-    | (max, sum) (4 x 8 float2), NS = clamp(16384 // (16 · row bytes), 2, 4).
+    | (max, sum) (4 x 8 float2), NS = clamp(20480 // (16 · row bytes), 2, 5).
     """
     rb = d * _ELEM[dtype]
-    ns = min(4, max(2, 16384 // (16 * rb)))
+    ns = min(5, max(2, 20480 // (16 * rb)))
     return 8 * d * 4 + 4 * ns * 16 * rb + 4 * 8 * 8 * 4 + 4 * ns * 16 * 4 + 4 * 8 * 8
 
 

@@ -16,7 +16,7 @@ SMEM_CARVEOUT: int | None = None
 # before the step first runs), so an SM never drains to switch between two of them (perf.md v43: the 27B -3.0% at
 # 8K, the 35B -0.6 to -0.9% at 64K-262K); (): the driver's choice per kernel
 SHARED_CARVEOUT: tuple[str, ...] = ("gemv_",)
-# ... except launches that alone need more than this share of the SM (the attention decode's 3 blocks of 76 KB):
+# ... except launches that alone need more than this share of the SM (the attention decode's 2 blocks of 91 KB):
 # the others would keep almost no L1 (the GEMVs at the largest carveout: +0.7% on the 27B, v43)
 SHARED_CARVEOUT_MAX = 0.5
 
