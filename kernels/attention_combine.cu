@@ -100,8 +100,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (xrec && wp == 0) {  // lane i < 8 holds chunk offsets 4i..4i+3
         uint8_t* rec = xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1);
         const float4 h4 = make_float4(v[0], v[1], v[2], v[3]);
-        if (xq == 1) store_codes4<1, 1>(rec, 0, 4 * lane, h4, lane < 8);
-        else store_codes4<1, 2>(rec, 0, 4 * lane, h4, lane < 8);
+        store_codes4_xq(xq, rec, 4 * lane, h4, lane < 8);
     }
     NINFER_TL_MARK(4);  // the records written (warp 0)
 }

@@ -450,8 +450,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         out[at] = yv;
         if (xrec) {  // cols 32: the warp is a chunk, lane j its element j
             uint8_t* rec = xrec + (at >> 5) * qchunk_bytes(1);
-            if (xq == 1) store_code1<1, 1>(rec, 0, j, yv, true);
-            else store_code1<1, 2>(rec, 0, j, yv, true);
+            store_code1_xq(xq, rec, j, yv, true);
         }
     }
 }

@@ -446,8 +446,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                 __syncwarp();  // lane 0's acquire before the lanes' loads
                 const float v = __ldcg(y + 32 * c + lane);
                 uint8_t* rec = yrec + (size_t)c * qchunk_bytes(1);
-                if (yq == 1) store_code1<1, 1>(rec, 0, lane, v, true);
-                else store_code1<1, 2>(rec, 0, lane, v, true);
+                store_code1_xq(yq, rec, lane, v, true);
                 if (lane == 0) ycnt[c] = 0u;
             }
         }

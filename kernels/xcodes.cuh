@@ -170,4 +170,15 @@ __device__ __forceinline__ void store_code1(uint8_t* rec, int m, int lane, float
     }
 }
 
+// One-row records in the order a consumer chooses at run time (xq: its XQ, 1 or 2), for producers that feed
+// weights of either kind (the DeltaNet step, the attention combine, the SwiGLU GEMV's y records)
+__device__ __forceinline__ void store_codes4_xq(int xq, uint8_t* rec, int c4, float4 h, bool on) {
+    if (xq == 1) store_codes4<1, 1>(rec, 0, c4, h, on);
+    else store_codes4<1, 2>(rec, 0, c4, h, on);
+}
+__device__ __forceinline__ void store_code1_xq(int xq, uint8_t* rec, int lane, float h, bool on) {
+    if (xq == 1) store_code1<1, 1>(rec, 0, lane, h, on);
+    else store_code1<1, 2>(rec, 0, lane, h, on);
+}
+
 }  // namespace
