@@ -127,7 +127,6 @@ __device__ __forceinline__ void cache_row_store(const float (&x)[D / 32], void* 
     if (lane == 0) scales[row] = scale;
 }
 
-
 // ------------------------------------------------------------------------------------------------ prepare
 
 // grid (M, ceil((nH + 2 nKV) / 4)), block 128: warp w of block y handles head unit u = 4y + w of row m

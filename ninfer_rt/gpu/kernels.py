@@ -29,7 +29,7 @@ class LaunchRecorder:
     """A Kernels stand-in that records each launch's (entry point, grid, block, dynamic smem) instead of
     enqueueing it: a step's dry run. Everything else is the wrapped Kernels'."""
 
-    def __init__(self, kernels: "Kernels"):
+    def __init__(self, kernels: Kernels):
         self.k, self.launches = kernels, []
 
     def launch(self, name: str, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
