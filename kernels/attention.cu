@@ -318,18 +318,11 @@ extern "C" __global__ void __launch_bounds__(256)
         const int col = 32 * zb + 4 * c4;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         float L = 0.f;
-        for (int s0 = j; s0 < ns; s0 += NB * SJ) {
-            float2 e[NB];
-            float4 a[NB];
-            load_splits<NB>(acc, ml, per_split, row, D, col, s0, SJ, ns, e, a);
-#pragma unroll
-            for (int u = 0; u < NB; ++u) {
-                if (s0 + u * SJ >= ns) break;
-                const float w = exp2f(e[u].x - mx);
-                L += e[u].y * w;
-                o.x += a[u].x * w, o.y += a[u].y * w, o.z += a[u].z * w, o.w += a[u].w * w;
-            }
-        }
+        for_each_split<NB>(acc, ml, per_split, row, D, col, j, SJ, ns, [&](float2 e, float4 a) {
+            const float w = exp2f(e.x - mx);
+            L += e.y * w;
+            o.x += a.x * w, o.y += a.y * w, o.z += a.z * w, o.w += a.w * w;
+        });
         part[threadIdx.x] = o;
         if (c4 == 0) lpart[j] = L;
         __syncthreads();

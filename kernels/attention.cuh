@@ -214,20 +214,29 @@ __device__ __forceinline__ void store_partials(const float (&o)[D / 8][4], const
     }
 }
 
-// The combines' loads of NB splits s0, s0 + SJ, .. (those < ns) of one partial row: (max, sum) into e[u] and the
-// float4 at column col of o into a[u], all issued before any use (a loop of one split an iteration waited one L2
-// round trip per split). Entries past ns are left unset.
-template <int NB>
-__device__ __forceinline__ void load_splits(const float* __restrict__ acc, const float2* __restrict__ ml,
-                                            size_t per_split, size_t row, int D, int col, int s0, int SJ, int ns,
-                                            float2 (&e)[NB], float4 (&a)[NB]) {
+// The combines' walk over one partial row's splits j, j + SJ, .. < ns: fold(e, a) for each, with e its (max, sum)
+// and a the float4 at column col of its o, in split order. The loads go in batches of NB splits, all issued before
+// the batch's folds (a loop of one split an iteration waited one L2 round trip per split).
+template <int NB, typename Fold>
+__device__ __forceinline__ void for_each_split(const float* __restrict__ acc, const float2* __restrict__ ml,
+                                               size_t per_split, size_t row, int D, int col, int j, int SJ, int ns,
+                                               Fold fold) {
+    for (int s0 = j; s0 < ns; s0 += NB * SJ) {
+        float2 e[NB];
+        float4 a[NB];
 #pragma unroll
-    for (int u = 0; u < NB; ++u) {
-        const int sp = s0 + u * SJ;
-        if (sp < ns) {
-            const size_t i = (size_t)sp * per_split + row;
-            e[u] = ml[i];
-            a[u] = *reinterpret_cast<const float4*>(acc + i * D + col);
+        for (int u = 0; u < NB; ++u) {
+            const int sp = s0 + u * SJ;
+            if (sp < ns) {
+                const size_t i = (size_t)sp * per_split + row;
+                e[u] = ml[i];
+                a[u] = *reinterpret_cast<const float4*>(acc + i * D + col);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NB; ++u) {
+            if (s0 + u * SJ >= ns) break;
+            fold(e[u], a[u]);
         }
     }
 }

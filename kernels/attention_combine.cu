@@ -42,24 +42,15 @@ extern "C" __global__ void __launch_bounds__(256)
 
     float mloc = kMasked, L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    // NB splits a thread per batch (load_splits; 8 took 99 registers, too many for a block to become resident
+    // 4 splits a thread per batch (for_each_split; 8 took 99 registers, too many for a block to become resident
     // beside two decode blocks, where it waits on them)
-    constexpr int NB = 4;
-    for (int s0 = j; s0 < ns; s0 += NB * SJ) {
-        float2 e[NB];
-        float4 a[NB];
-        load_splits<NB>(acc, ml, per_split, row, D, col, s0, SJ, ns, e, a);
-#pragma unroll
-        for (int u = 0; u < NB; ++u) {
-            if (s0 + u * SJ >= ns) break;
-            const float nm = fmaxf(mloc, e[u].x);
-            const float f = exp2f(mloc - nm), wt = exp2f(e[u].x - nm);
-            o.x = o.x * f + a[u].x * wt, o.y = o.y * f + a[u].y * wt, o.z = o.z * f + a[u].z * wt,
-            o.w = o.w * f + a[u].w * wt;
-            L = L * f + e[u].y * wt;
-            mloc = nm;
-        }
-    }
+    for_each_split<4>(acc, ml, per_split, row, D, col, j, SJ, ns, [&](float2 e, float4 a) {
+        const float nm = fmaxf(mloc, e.x);
+        const float f = exp2f(mloc - nm), wt = exp2f(e.x - nm);
+        o.x = o.x * f + a.x * wt, o.y = o.y * f + a.y * wt, o.z = o.z * f + a.z * wt, o.w = o.w * f + a.w * wt;
+        L = L * f + e.y * wt;
+        mloc = nm;
+    });
     NINFER_TL_MARK(0);  // this thread's splits folded
     float mx = warp_max(mloc);
     if (lane == 0) red_m[wp] = mx;
