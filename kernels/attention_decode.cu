@@ -469,8 +469,8 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
 
 // ------------------------------------------------------------------------------------------------ entry points
 
-// 3 blocks (12 warps) per SM where the shared memory holds them (Hopper: 3 x 75 KB of 228 KB) caps the registers at
-// 168; elsewhere the shared memory allows 1 (sm_86/89/120) or 2 (sm_80) blocks, so the registers stay uncapped.
+// 3 blocks (12 warps) per SM where the shared memory holds them (Hopper: 3 x 75 KB of 228 KB; the int8 d256 ring's
+// 92.7 KB holds 2, its 160 registers under the cap of 168 either way); elsewhere 1 (sm_86/89/120) or 2 (sm_80).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
 #define NINFER_FAST_MIN_BLOCKS 3
 #else

@@ -469,7 +469,7 @@ def test_decode_fast(kernels, gpu, dev, rng, dims, dtype, pos, T, extras):
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_decode_long_splits(kernels, gpu, dev, rng, monkeypatch, dtype):
-    """Splits of 256 keys: each warp of the CUDA-core decode walks 8 steps, so its cp.async ring (4 int8 / 2 bf16
+    """Splits of 256 keys: each warp of the CUDA-core decode walks 8 steps, so its cp.async ring (5 int8 / 2 bf16
     stages) wraps around; once with one query row group at ~70K context, once with 8 row groups over 4 sequences
     (the row-count rule's splits, not dealt at run time)."""
     from ninfer_rt.gpu import attention
