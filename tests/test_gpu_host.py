@@ -1,6 +1,6 @@
 """The GPU runtime's host side, on any machine: kernel builds for every target (and the instrumented timeline
-build), launch-argument packing, the numpy RoPE twin, synthetic weight tables, which sampling settings the device
-draws, and one-line errors without a GPU."""
+build, and the stream GEMVs' static shared memory), launch-argument packing, the numpy RoPE twin, synthetic weight
+tables, which sampling settings the device draws, and one-line errors without a GPU."""
 
 from __future__ import annotations
 
@@ -49,6 +49,30 @@ def test_every_kernel_compiles_for_every_target(tmp_path):
         assert sorted(elf_sms(path.read_bytes())) == want, stem
     again = build_kernels(TARGETS, cache=tmp_path)  # same sources and compiler: the cache answers
     assert again.cached and again.directory == res.directory
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_stream_gemvs_keep_their_dynamic_shared_memory_on_128_bytes(tmp_path):
+    """The stream GEMVs bulk-copy x̂ (or x and norm_w) into dynamic shared memory, which starts after their static
+    shared memory: a 4-byte static flag that moved it 16 bytes off a 128-byte boundary cost the 27B's step ~8%
+    (perf.md v47). ptxas's report for every gemv_*_s1* entry point on sm_90a: static bytes a multiple of 128."""
+    import re
+    import subprocess
+
+    from ninfer_rt.gpu.build import NVCC_FLAGS, kernels_dir
+    src = kernels_dir() / "gemv_stream.cu"
+    out = subprocess.run([shutil.which("nvcc"), "-cubin", *NVCC_FLAGS, "-arch=sm_90a", "-Xptxas=-v", f"-I{src.parent}",
+                          "-o", str(tmp_path / "g.cubin"), str(src)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    static, fn = {}, None
+    for line in out.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            fn = m.group(1)
+        elif fn and (m := re.search(r"(\d+) bytes smem", line)):
+            static[fn] = int(m.group(1))
+    assert len(static) >= 18 and all(f.startswith("gemv_") and "_s1" in f for f in static), sorted(static)
+    off = {f: b for f, b in static.items() if b % 128}
+    assert not off, f"static shared memory not a multiple of 128 bytes: {off}"
 
 
 def elf_global_functions(cubin: bytes) -> set[str]:
