@@ -33,11 +33,16 @@ class AbError(Exception):
     """A one-line reason the A/B cannot go on."""
 
 
+def _last_line(text: str) -> str:
+    """A child's last output line: its one-line reason."""
+    return (text.strip().splitlines() or ["(no output)"])[-1]
+
+
 def extract_tree(rev: str, dest: Path, repo: Path = ROOT) -> Path:
     """REV's TREE_PATHS (those it has) under dest, by git archive; returns dest."""
     have = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev], capture_output=True, text=True)
     if have.returncode:
-        raise AbError(f"git cannot read revision {rev!r} in {repo}: {have.stderr.strip().splitlines()[-1:]}")
+        raise AbError(f"git cannot read revision {rev!r} in {repo}: {_last_line(have.stderr)}")
     paths = [p for p in TREE_PATHS if p in have.stdout.split()]
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, *paths], capture_output=True)
@@ -77,7 +82,7 @@ def _build(trees: dict[str, tuple[Path, Path]], arch: list[str], jobs: int) -> N
     for name, p in procs.items():
         out, _ = p.communicate()
         if p.returncode:
-            raise AbError(f"the {name} tree's kernels did not build: {(out.strip().splitlines() or ['?'])[-1]}")
+            raise AbError(f"the {name} tree's kernels did not build: {_last_line(out)}")
 
 
 def _step_rows(tree: Path, cache: Path, model: str, contexts: list[int]) -> list[dict]:
@@ -88,7 +93,7 @@ def _step_rows(tree: Path, cache: Path, model: str, contexts: list[int]) -> list
                *map(str, contexts), "--only", NO_VARIANT, "--json", str(out)]
         p = subprocess.run(cmd, cwd=tree, env=tree_env(tree, cache), capture_output=True, text=True)
         if p.returncode or not out.exists():
-            raise AbError(f"planner_ab.py failed in {tree}: {(p.stdout + p.stderr).strip().splitlines()[-1:]}")
+            raise AbError(f"planner_ab.py failed in {tree}: {_last_line(p.stdout + p.stderr)}")
         return [r for r in json.loads(out.read_text()) if r["variant"] in ("default", "default again")]
 
 
