@@ -85,6 +85,14 @@ def _build(trees: dict[str, tuple[Path, Path]], arch: list[str], jobs: int) -> N
             raise AbError(f"the {name} tree's kernels did not build: {_last_line(out)}")
 
 
+def default_rows(doc) -> list[dict]:
+    """The "default" and "default again" rows of a planner_ab.py --json document ({"device": ..., "rows": [...]},
+    as gpu_common.step_rows_out writes it)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise AbError("planner_ab.py's JSON has no list of rows")
+    return [r for r in doc["rows"] if r.get("variant") in ("default", "default again")]
+
+
 def _step_rows(tree: Path, cache: Path, model: str, contexts: list[int]) -> list[dict]:
     """planner_ab.py's default rows for one model, run from `tree` in a child process."""
     with tempfile.TemporaryDirectory() as d:
@@ -94,7 +102,7 @@ def _step_rows(tree: Path, cache: Path, model: str, contexts: list[int]) -> list
         p = subprocess.run(cmd, cwd=tree, env=tree_env(tree, cache), capture_output=True, text=True)
         if p.returncode or not out.exists():
             raise AbError(f"planner_ab.py failed in {tree}: {_last_line(p.stdout + p.stderr)}")
-        return [r for r in json.loads(out.read_text()) if r["variant"] in ("default", "default again")]
+        return default_rows(json.loads(out.read_text()))
 
 
 def main() -> None:

@@ -58,3 +58,26 @@ def test_misuse_is_one_line(argv, what):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "tree_ab.py"), *argv], capture_output=True, text=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and what in p.stderr, p.stderr
+
+
+def test_default_rows_read_what_planner_ab_writes(tmp_path):
+    """The rows come from the JSON planner_ab.py writes through gpu_common.step_rows_out (its writer, not a copy of
+    its layout): only the "default" and "default again" rows; a document without rows is one AbError."""
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import gpu_common
+
+    rows = [{"model": "m", "variant": v, "context": 8192, "ms": ms}
+            for v, ms in (("default", 5.5), ("a variant", 5.4), ("default again", 5.6))]
+    gpu = SimpleNamespace(info=SimpleNamespace(name="GPU", arch="sm_90a"))
+    out = tmp_path / "rows.json"
+    gpu_common.step_rows_out(Console(file=io.StringIO()), gpu, "t", [("variant", True)], lambda r: (r["variant"],),
+                             rows, out)
+    assert [r["ms"] for r in tree_ab.default_rows(json.loads(out.read_text()))] == [5.5, 5.6]
+    for bad in ([], {"rows": None}, {"device": "GPU"}):
+        with pytest.raises(tree_ab.AbError, match="rows"):
+            tree_ab.default_rows(bad)
