@@ -1,7 +1,8 @@
-"""bench/tree_ab.py's host side: the base tree from git, the summary of the rows, and one-line misuse.
+"""bench/tree_ab.py's host side: the base tree from git, the rows it reads from planner_ab.py's JSON, the summary of
+the rows, and one-line misuse.
 
-Oracles: `git show REV:path` for the extracted files; medians of hand-picked odd-length lists (the middle value)
-for the summary; the timing itself needs a GPU and is not run here."""
+Oracles: `git show REV:path` for the extracted files; gpu_common's own JSON writer for the rows; medians of
+hand-picked odd-length lists (the middle value) for the summary; the timing itself needs a GPU and is not run here."""
 
 from __future__ import annotations
 
