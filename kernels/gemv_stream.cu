@@ -186,13 +186,19 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* __restri
     cp_async_commit();
 }
 
-// *cnt += n at gpu scope with acquire-release order (this block's earlier y stores go out first; other blocks'
-// stores counted before are visible after it); returns the old count
-__device__ __forceinline__ unsigned count_groups(unsigned* cnt, unsigned n) {
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(cnt), "r"(n) : "memory");
-    return old;
+// y's (value, 1) pairs for the chunk records (WREC): 64-bit relaxed accesses at gpu scope, so a pair is written and
+// read whole (PTX memory model: morally strong, single-copy atomic)
+__device__ __forceinline__ unsigned long long ld_pair(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
 }
+// no "memory" clobber: the pairs are stored in the stream loop, where one would pin the weight loads around it;
+// the block barrier before the pairs are read orders them
+__device__ __forceinline__ void st_pair(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v));
+}
+__device__ __forceinline__ bool pair_set(unsigned long long p) { return (unsigned)(p >> 32) == 1u; }
 
 template <int BITS, bool BULK, bool REC = false, bool WREC = false>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
@@ -200,7 +206,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                                                  float* y, const float* __restrict__ norm_w,
                                                  const float* __restrict__ row_scale, int N, int K, int kp,
                                                  int gshift, int ldx, int mode, float eps, int xvec, int D,
-                                                 uint8_t* yrec = nullptr, unsigned* ycnt = nullptr, int yq = 0) {
+                                                 uint8_t* yrec = nullptr, unsigned long long* ybox = nullptr,
+                                                 unsigned* ycnt = nullptr, int yq = 0) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS>::value;
@@ -210,7 +217,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool swiglu = mode == 2;
+    const bool swiglu = WREC || mode == 2;  // WREC: swiglu only, so its kernels drop the other modes' code
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
     const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
     const int g1 = (int)((long long)(blockIdx.x + 1) * G / gridDim.x);
@@ -304,6 +311,12 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // Weights (and norm_w) are never written by earlier kernels, so their first steps are already in flight;
     // only now wait for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
     ninfer_pdl_begin();
+    if constexpr (WREC) {
+        // the other parity's counters of this block's chunks back to zero: the launch before this one (that
+        // parity) has finished, the one after it starts after this one does
+        const int c0 = g0 >> 4, nc = ((g1 - 1) >> 4) - c0 + 1;
+        if ((int)threadIdx.x < nc) ycnt[(1 - ((yq >> 2) & 1)) * (N >> 6) + c0 + threadIdx.x] = 0u;
+    }
 
     if (REC || xvec == 2) {
         if constexpr (BULK) {
@@ -346,7 +359,12 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             }
         } else {
             const int j = 16 * (g >> 3) + 2 * (g & 7) + lane;
-            if (lane < 2 && j < N / 2) y[j] = siluf_(a * inv) * (b * inv);
+            if (lane < 2 && j < N / 2) {
+                const float v = siluf_(a * inv) * (b * inv);
+                // WREC: y only as the records' pairs (y stored too cost the 27B 1.3%, perf.md v49)
+                if constexpr (WREC) st_pair(ybox + j, 1ull << 32 | __float_as_uint(v));
+                else y[j] = v;
+            }
         }
     };
     auto old_y = [&](int g) {  // a plain load: y is written by this kernel (this element by this lane only)
@@ -431,23 +449,35 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         write(g0 + own, a, b, yv_own);
     }
     if constexpr (WREC) {
-        // swiglu: y's 32-element chunks also as the down projection's x̂ records. A chunk's 16 row groups may
-        // span blocks; the block whose count completes the chunk codes it from y, as the down's coder would,
-        // and re-arms the counter for the next launch (acq_rel: the other blocks' y stores are visible to it).
-        __syncthreads();  // every y store of this block made
+        // swiglu: y's 32-element chunks also as the down projection's x̂ records. A chunk's 16 row groups may span
+        // blocks; every block published its y as (value, 1) pairs in ybox, and a block that reads all 32 pairs of
+        // a chunk set codes it and clears them. The block finishing a chunk last usually sees the others' pairs at
+        // its first load: one round trip, where a count and a reload were three (perf.md v48). Blocks that do not
+        // see them all count in on one counter, whose order no two blocks can both miss (one address), so every
+        // chunk is coded; blocks that both code it write the same bytes. A block that waits for others' pairs
+        // needs them resident: the stream plan launches at most the blocks an SM holds at once.
+        unsigned* cnt = ycnt + ((yq >> 2) & 1) * (N >> 6);  // this launch's parity's counters
+        yq &= 3;
+        __syncthreads();  // every pair of this block stored (bar.sync orders them before these loads)
         NINFER_TL_MARK(4);
         for (int c = (g0 >> 4) + warp; c <= (g1 - 1) >> 4; c += kWarps) {
-            unsigned done = 0;
-            if (lane == 0) {
-                const unsigned n = (unsigned)(min(g1, 16 * c + 16) - max(g0, 16 * c));
-                done = count_groups(ycnt + c, n) + n == 16u;
+            unsigned long long* box = ybox + 32 * c + lane;
+            unsigned long long p = ld_pair(box);
+            if (!__all_sync(kFull, pair_set(p))) {
+                // not all published yet: the blocks that find so count in (one atomic); the first is done, a
+                // later one waits for the pairs of those counted before it (stored before their count), or
+                // until its own pairs are cleared (a block that found them all coded the chunk)
+                unsigned old = 0;
+                if (lane == 0) old = atomicAdd(cnt + c, 1u);
+                if (__shfl_sync(kFull, old, 0) == 0u) continue;
+                const int gl = 16 * c + (lane >> 1);
+                const bool mine = gl >= g0 && gl < g1;
+                while (!__all_sync(kFull, pair_set(p = ld_pair(box))) && __all_sync(kFull, !mine || pair_set(p)))
+                    __nanosleep(64);
             }
-            if (__shfl_sync(kFull, done, 0)) {
-                __syncwarp();  // lane 0's acquire before the lanes' loads
-                const float v = __ldcg(y + 32 * c + lane);
-                uint8_t* rec = yrec + (size_t)c * qchunk_bytes(1);
-                store_code1_xq(yq, rec, lane, v, true);
-                if (lane == 0) ycnt[c] = 0u;
+            if (__all_sync(kFull, pair_set(p))) {
+                store_code1_xq(yq, yrec + (size_t)c * qchunk_bytes(1), lane, __uint_as_float((unsigned)p), true);
+                st_pair(box, 0ull);
             }
         }
         NINFER_TL_MARK(5);  // the records this block completed are written
@@ -489,15 +519,16 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                                                        gshift, ldx, mode, eps, xvec, d);                   \
     }
 
-// gemv_<code>_s1bw: _s1b in swiglu mode that also writes y's K/32 chunk records (yrec, in the down projection's
-// XQ order yq) by the last of a chunk's row groups to finish, counted in ycnt[N/64] (zero before the launch, zero
-// after it): linear.gemv y_records; N % 64 == 0.
+// gemv_<code>_s1bw: _s1b in swiglu mode (mode and y unused) that writes y as its N/64 chunk records instead (yrec,
+// in the down projection's XQ order yq), each by a block that sees the chunk's 32 (value, 1) pairs in ybox[N/2]
+// (uint64, zero before the launch, zero after it), with counters ycnt[2][N/64]: linear.gemv y_records; N % 64 == 0.
 #define NINFER_GEMV_S1W(name, BITS)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 2) gemv_##name##_s1bw(                              \
-        NINFER_GEMV_ARGS, int d, uint8_t* __restrict__ yrec, unsigned* __restrict__ ycnt, int yq) {       \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s1bw(NINFER_GEMV_ARGS, int d, uint8_t* __restrict__ yrec, unsigned long long* ybox,   \
+                           unsigned* ycnt, int yq) {                                                       \
         gemv_stream_body<BITS, NINFER_GEMV_BULK, false, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K,   \
                                                               kp, gshift, ldx, mode, eps, xvec, d, yrec,   \
-                                                              ycnt, yq);                                   \
+                                                              ybox, ycnt, yq);                             \
     }
 
 NINFER_GEMV_S1(q4, 4)

@@ -102,7 +102,8 @@ class Buffers:
     sscale: int = 0
     act: int = 0
     act_s: int = 0
-    act_rec: int = 0   # decode: the dense SwiGLU output as the down's x̂ chunk records, and their counters
+    act_rec: int = 0   # decode: the dense SwiGLU output as the down's x̂ chunk records, as (value, 1) pairs, and
+    act_pairs: int = 0  # the chunk counters of the two parities
     act_cnt: int = 0
     tokens: int = 0
     logits: int = 0
@@ -215,11 +216,12 @@ class GpuModel:
             self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
         else:
             self.ffn_cols = round_up(s.intermediate_size, 32)
-            # one token's SwiGLU output as the down's x̂ records, and the gate/up's chunk counters (zero once;
-            # each launch leaves them zero)
+            # one token's SwiGLU output as the down's x̂ records, as the gate/up's (value, 1) pairs and its two
+            # parities of chunk counters (zero once; the launches keep them so)
             b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
-            b.act_cnt = self._alloc(self.ffn_cols // 32 * 4)
-            self.gpu.memset(b.act_cnt, 0, self.ffn_cols // 32 * 4)
+            b.act_pairs = self._alloc(self.ffn_cols * 8 + self.ffn_cols // 32 * 8)
+            b.act_cnt = b.act_pairs + self.ffn_cols * 8
+            self.gpu.memset(b.act_pairs, 0, self.ffn_cols * 8 + self.ffn_cols // 32 * 8)
         # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
         b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
@@ -384,9 +386,11 @@ class GpuModel:
             gate_up, down = k_view(W(m + "{gate_proj,up_proj}.weight")), k_view(W(m + "down_proj.weight"))
             if (M == 1 and linear.SWIGLU_OUT_RECORDS and linear.y_records_fit(self.k, gate_up)
                     and linear.records_fit(self.k, down)):
-                # the gate/up's blocks code act into the down's x̂ records as they finish its chunks
+                # the gate/up's blocks code act into the down's x̂ records as they finish its chunks; consecutive
+                # layers alternate the counters' parity (an odd layer count only costs a wait now and then)
+                rec = (b.act_rec, b.act_pairs, b.act_cnt, linear.records_order(down), i & 1)
                 linear.gemv(self.k, gate_up, x=src, M=1, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw,
-                            norm_eps=s.rms_norm_eps, y_records=(b.act_rec, b.act_cnt, linear.records_order(down)))
+                            norm_eps=s.rms_norm_eps, y_records=rec)
                 linear.gemv(self.k, down, x=b.act_rec, M=1, y=b.x, mode="add", x_records=True)
             else:
                 self._linear(gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw)

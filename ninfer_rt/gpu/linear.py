@@ -215,7 +215,7 @@ def y_records_fit(k, w: DeviceWeight) -> bool:
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
          mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None,
-         x_records: bool = False, y_records: tuple[int, int, int] | None = None) -> None:
+         x_records: bool = False, y_records: tuple[int, int, int, int, int] | None = None) -> None:
     """y = s_m · W x̂ for M activation rows (device pointers; fp32 row-major).
 
     w: [N, K] weight, q{4,5,6,8}g{32,64,128} or bf16, K % 32 == 0. x: fp32 [M, ldx] (K columns read; ldx
@@ -227,11 +227,13 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     x_records: x is x̂ itself, K/32 int16 chunk records in this weight's order (reference.ops.act_records16,
     16-byte aligned), as a producer kernel wrote them (the DeltaNet step for out_proj): M = 1, no norm, and a
     weight records_fit takes; the kernel copies them instead of coding x (gemv_*_s1r), the same y to the bit.
-    y_records (records, counters, order), swiglu only: y's N/64 chunks also as chunk records in XQ order `order`
-    (the down projection's records_order) at `records` (16-byte aligned, N/64 · 80 bytes), each coded by the block
-    that finishes the chunk's last row group, counted in `counters` (uint32 [N/64], zero before the launch and
-    left zero: zero them once); M = 1, a weight y_records_fit takes (gemv_*_s1bw). The down then reads them with
-    x_records, the same y to the bit.
+    y_records (records, pairs, counters, order, parity), swiglu only: y's N/64 chunks as chunk records instead of y
+    (y is not written), in XQ order `order` (the down projection's records_order) at `records` (16-byte aligned,
+    N/64 · 80 bytes), each coded by a block that finds the chunk's values published as (value, 1) pairs in `pairs`
+    (uint64 [N/2], 8-byte aligned, zero before the launch and left zero: zero them once); `counters` (uint32
+    [2, N/64], zero once) settle which block codes a chunk whose pairs none found complete at first; consecutive
+    launches on the same buffers alternate `parity` (0, 1): each zeroes the other's counters. M = 1, a weight
+    y_records_fit takes (gemv_*_s1bw). The down then reads the records with x_records, the same y to the bit.
     """
     n, kk = _check_matrix(w, "gemv")
     eu = _code(w)[2]  # the format has a kernel
@@ -265,12 +267,14 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
                      norm_eps=norm_eps, row_scale=row_scale, stream=stream, x_records=True)
         return
     if y_records is not None:
-        rec, cnt, order = y_records
-        if mode != "swiglu" or M != 1 or not y_records_fit(k, w) or rec % 16 or cnt % 4 or order not in (1, 2):
+        rec, pairs, cnt, order, parity = y_records
+        if (mode != "swiglu" or M != 1 or not y_records_fit(k, w) or rec % 16 or pairs % 8 or cnt % 4
+                or order not in (1, 2) or parity not in (0, 1)):
             raise GpuError(f"{w.name}: gemv y_records needs mode swiglu, M = 1, a quantized weight with N % 64 == 0 "
-                           f"and a stream plan on sm_90+, 16-byte aligned records, aligned counters, order 1 or 2; "
-                           f"got {mode}, M = {M}, N = {n}, {w.fmt}, compute capability {k.gpu.info.major}.x, "
-                           f"records={rec:#x}, counters={cnt:#x}, order {order}")
+                           f"and a stream plan on sm_90+, 16-byte aligned records, 8-byte aligned pairs, aligned "
+                           f"counters, order 1 or 2, parity 0 or 1; got {mode}, M = {M}, N = {n}, {w.fmt}, "
+                           f"compute capability {k.gpu.info.major}.x, records={rec:#x}, pairs={pairs:#x}, "
+                           f"counters={cnt:#x}, order {order}, parity {parity}")
         _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=ldx, ldy=ldy, mode=mode, norm_w=norm_w,
                      norm_eps=norm_eps, row_scale=0, stream=stream, x_bulk=True, y_records=y_records)
         return
@@ -284,12 +288,12 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
 def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
                  norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None,
                  x_bulk: bool | None = None, x_records: bool = False,
-                 y_records: tuple[int, int, int] | None = None) -> None:
+                 y_records: tuple[int, int, int, int, int] | None = None) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
     force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK). x_records: x is the
     K/32 chunk records gemv checked, copied into the slab by gemv_*_s1r. y_records: gemv's checked (records,
-    counters, order), written by gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
+    pairs, counters, order, parity), written by gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
@@ -314,7 +318,8 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     if plan.stream:
         args.append(i32(plan.d))
     if y_records is not None:
-        args += [ptr(y_records[0]), ptr(y_records[1]), i32(y_records[2])]
+        rec, pairs, cnt, order, parity = y_records
+        args += [ptr(rec), ptr(pairs), ptr(cnt), i32(order | parity << 2)]
     k.launch(name, (plan.launch_blocks,), (_THREADS,), args, smem, stream)
 
 

@@ -67,10 +67,12 @@ def test_gemv_x_records_errors():
 @pytest.mark.parametrize("fmt,shape", [("q4g64", (34816, 5120)), ("q4g64", (4096, 5120)), ("q8g32", (128, 256)),
                                        ("q5g64", (1984, 2080)), ("q6g128", (640, 352))])
 def test_gemv_y_records(kernels, dev, rng, fmt, shape):
-    """y_records: a swiglu gemv also writes its output's chunk records, each by the block that finished the chunk's
-    last row group (its 16 row groups span blocks wherever a block holds fewer). They equal act_records16 of the
-    launch's own y in both orders, y equals the plain launch's to the bit, the counters are zero again, and a
-    second launch on new x writes new records (the counters re-armed). The down then takes them as x_records."""
+    """y_records: a swiglu gemv writes its output as chunk records instead of y, each coded by a block that finds
+    the chunk's 32 (value, 1) pairs published (its 16 row groups span blocks wherever a block holds fewer). They
+    equal act_records16 of the plain launch's y (the same sums, so the same bits) in both orders, y is left as it
+    was, the pairs are zero again, and every later launch on new x writes new records. Which block codes a chunk
+    shared by blocks depends on timing, so the 27B's whole gate|up runs 16 launches. The down then takes the
+    records as x_records."""
     import torch
 
     from ninfer_rt.reference.ops import act_records16
@@ -79,26 +81,29 @@ def test_gemv_y_records(kernels, dev, rng, fmt, shape):
         pytest.skip(f"y_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
     n, k = shape
     norm = dev.put((0.1 * rng.standard_normal(k)).astype(np.float32))
-    cnt = dev.put(np.zeros(n // 64, np.uint32))
-    for order in (1, 2, 2):
+    pairs = dev.put(np.zeros(n // 2, np.uint64))
+    cnt = dev.put(np.zeros(2 * (n // 64), np.uint32))
+    for i, order in enumerate((1, 2) * 8 if shape == (34816, 5120) else (1, 2, 2)):
         x = dev.put(rng.standard_normal(k).astype(np.float32))
-        ys = [dev.put(rng.standard_normal(n // 2).astype(np.float32)) for _ in range(2)]
+        y1 = rng.standard_normal(n // 2).astype(np.float32)
+        ys = [dev.put(rng.standard_normal(n // 2).astype(np.float32)), dev.put(y1)]
         rec = dev.put(np.full((n // 64, 80), 0xA5, np.uint8))
         linear.gemv(kernels, w, x=x, M=1, y=ys[0], mode="swiglu", norm_w=norm)
-        linear.gemv(kernels, w, x=x, M=1, y=ys[1], mode="swiglu", norm_w=norm, y_records=(rec, cnt, order))
+        linear.gemv(kernels, w, x=x, M=1, y=ys[1], mode="swiglu", norm_w=norm,
+                    y_records=(rec, pairs, cnt, order, i & 1))
         a, b = (dev.get(p, (n // 2,)) for p in ys)
-        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
-            f"{fmt} {shape}: y_records changed y"
+        assert np.isfinite(a).all() and np.array_equal(b, y1), f"{fmt} {shape}: y_records wrote y"
         got = dev.get(rec, (n // 64, 80), np.uint8)
-        want = act_records16(torch.from_numpy(b), order).numpy()
+        want = act_records16(torch.from_numpy(a), order).numpy()
         bad = np.flatnonzero((got[:, :72] != want[:, :72]).any(1))
-        assert bad.size == 0, f"{fmt} {shape} order {order}: {bad.size} of {n // 64} records differ, first chunk {bad[0]}"
-        assert not dev.get(cnt, (n // 64,), np.uint32).any(), "the counters were not left at zero"
+        assert bad.size == 0, \
+            f"{fmt} {shape} order {order}: {bad.size} of {n // 64} records differ, first chunk {bad[0]}"
+        assert not dev.get(pairs, (n // 2,), np.uint64).any(), "the pairs were not left at zero"
     # the records as the down's x̂ (K = n/2), against the down from y itself
     down, _ = dev.weight("q5g64", (256, n // 2), rng)
     if linear.records_fit(kernels, down):
         zs = [dev.put(np.zeros(256, np.float32)) for _ in range(2)]
-        linear.gemv(kernels, down, x=ys[1], M=1, y=zs[0])
+        linear.gemv(kernels, down, x=ys[0], M=1, y=zs[0])
         linear.gemv(kernels, down, x=rec, M=1, y=zs[1], x_records=True)
         c, d = (dev.get(p, (256,)) for p in zs)
         assert np.array_equal(c.view(np.uint32), d.view(np.uint32)), f"{fmt} {shape}: the down from the records"
@@ -106,13 +111,17 @@ def test_gemv_y_records(kernels, dev, rng, fmt, shape):
 
 def test_gemv_y_records_errors():
     """y_records takes a swiglu of one row, a quantized weight with N % 64 == 0 and a stream plan on sm_90+,
-    aligned records and counters, order 1 or 2; the launch is gemv_*_s1bw with the three extra arguments."""
+    16-byte aligned records, 8-byte aligned pairs, aligned counters, order 1 or 2, parity 0 or 1; the launch is
+    gemv_*_s1bw with the four extra arguments."""
     k = FakeKernels()
     w = DeviceWeight("w", "q4g64", (128, 256), 1 << 20)
-    ok = dict(x=4096, M=1, y=8192, mode="swiglu", y_records=(1 << 16, 1 << 18, 2))
+    ok = dict(x=4096, M=1, y=8192, mode="swiglu", y_records=(1 << 16, 1 << 18, 1 << 17, 2, 1))
     for bad in (dict(M=2), dict(mode="store"), dict(w=DeviceWeight("w", "q4g64", (96, 256), 1 << 20)),
-                dict(w=DeviceWeight("w", "bf16", (128, 256), 1 << 20)), dict(y_records=((1 << 16) + 8, 1 << 18, 2)),
-                dict(y_records=(1 << 16, (1 << 18) + 2, 2)), dict(y_records=(1 << 16, 1 << 18, 3))):
+                dict(w=DeviceWeight("w", "bf16", (128, 256), 1 << 20)),
+                dict(y_records=((1 << 16) + 8, 1 << 18, 1 << 17, 2, 1)),
+                dict(y_records=(1 << 16, (1 << 18) + 4, 1 << 17, 2, 1)),
+                dict(y_records=(1 << 16, 1 << 18, (1 << 17) + 2, 2, 1)),
+                dict(y_records=(1 << 16, 1 << 18, 1 << 17, 3, 1)), dict(y_records=(1 << 16, 1 << 18, 1 << 17, 2, 2))):
         kw = {**ok, **bad}
         with pytest.raises(GpuError, match="y_records"):
             linear.gemv(k, kw.pop("w", w), **kw)
@@ -124,5 +133,6 @@ def test_gemv_y_records_errors():
     linear.gemv(k, w, **ok)
     name, _, _, args, smem = k.calls[0]
     plan = linear.plan_gemv(w, 1, 132)
-    assert name == "gemv_q4_s1bw" and args[-3:] == [1 << 16, 1 << 18, 2] and args[18] == plan.d
+    # the counters' parity rides in the order argument's bit 2
+    assert name == "gemv_q4_s1bw" and args[-4:] == [1 << 16, 1 << 18, 1 << 17, 2 | 1 << 2] and args[18] == plan.d
     assert smem == k.smem_opt_in[name] >= plan.smem
