@@ -361,7 +361,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             const int j = 16 * (g >> 3) + 2 * (g & 7) + lane;
             if (lane < 2 && j < N / 2) {
                 const float v = siluf_(a * inv) * (b * inv);
-                // WREC: y only as the records' pairs (y stored too cost the 27B 1.3%, perf.md v49)
+                // WREC: y only as the records' pairs (with y stored too and the mode read at run time, the 27B
+                // ran 1.3% slower: perf.md v49)
                 if constexpr (WREC) st_pair(ybox + j, 1ull << 32 | __float_as_uint(v));
                 else y[j] = v;
             }

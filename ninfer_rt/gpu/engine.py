@@ -386,8 +386,8 @@ class GpuModel:
             gate_up, down = k_view(W(m + "{gate_proj,up_proj}.weight")), k_view(W(m + "down_proj.weight"))
             if (M == 1 and linear.SWIGLU_OUT_RECORDS and linear.y_records_fit(self.k, gate_up)
                     and linear.records_fit(self.k, down)):
-                # the gate/up's blocks code act into the down's x̂ records as they finish its chunks; consecutive
-                # layers alternate the counters' parity (an odd layer count only costs a wait now and then)
+                # the gate/up's blocks code act straight into the down's x̂ records (act_s is not written);
+                # consecutive layers alternate the counters' parity (an odd layer count only costs a wait now and then)
                 rec = (b.act_rec, b.act_pairs, b.act_cnt, linear.records_order(down), i & 1)
                 linear.gemv(self.k, gate_up, x=src, M=1, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw,
                             norm_eps=s.rms_norm_eps, y_records=rec)
