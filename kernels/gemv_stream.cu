@@ -450,7 +450,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         write(g0 + own, a, b, yv_own);
     }
     if constexpr (WREC) {
-        // swiglu: y's 32-element chunks also as the down projection's x̂ records. A chunk's 16 row groups may span
+        // swiglu: y's 32-element chunks as the down projection's x̂ records. A chunk's 16 row groups may span
         // blocks; every block published its y as (value, 1) pairs in ybox, and a block that reads all 32 pairs of
         // a chunk set codes it and clears them. The block finishing a chunk last usually sees the others' pairs at
         // its first load: one round trip, where a count and a reload were three (perf.md v48). Blocks that do not

@@ -102,9 +102,9 @@ class Buffers:
     sscale: int = 0
     act: int = 0
     act_s: int = 0
-    act_rec: int = 0   # decode: the dense SwiGLU output as the down's x̂ chunk records, as (value, 1) pairs, and
-    act_pairs: int = 0  # the chunk counters of the two parities
-    act_cnt: int = 0
+    act_rec: int = 0    # decode: the dense SwiGLU output as the down's x̂ chunk records,
+    act_pairs: int = 0  # as the gate/up's (value, 1) pairs of it,
+    act_cnt: int = 0    # and the gate/up's chunk counters of two parities
     tokens: int = 0
     logits: int = 0
     argmax: int = 0
@@ -219,9 +219,10 @@ class GpuModel:
             # one token's SwiGLU output as the down's x̂ records, as the gate/up's (value, 1) pairs and its two
             # parities of chunk counters (zero once; the launches keep them so)
             b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
-            b.act_pairs = self._alloc(self.ffn_cols * 8 + self.ffn_cols // 32 * 8)
-            b.act_cnt = b.act_pairs + self.ffn_cols * 8
-            self.gpu.memset(b.act_pairs, 0, self.ffn_cols * 8 + self.ffn_cols // 32 * 8)
+            pair_bytes, cnt_bytes = self.ffn_cols * 8, 2 * (self.ffn_cols // 32) * 4  # uint64 [F], uint32 [2, F/32]
+            b.act_pairs = self._alloc(pair_bytes + cnt_bytes)
+            b.act_cnt = b.act_pairs + pair_bytes
+            self.gpu.memset(b.act_pairs, 0, pair_bytes + cnt_bytes)
         # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
         b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
         self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
