@@ -31,9 +31,9 @@ STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
-# (H200, perf-history.md v36: before is 0.3% faster a decode step at the 35B-A3B's H = 2048,
-# after 0.1% at the 27B's 5120)
-STEP_BA_EARLY_MAX_H = 4096
+# (H200: v36 found before 0.3% faster a decode step at the 35B-A3B's H = 2048; on v49's kernels after is faster
+# there, perf.md v50, as it was at the 27B's 5120)
+STEP_BA_EARLY_MAX_H = 0
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block
 CHUNK_THREADS = 256               # threads of a chunked prep or state block
