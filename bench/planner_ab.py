@@ -53,7 +53,7 @@ VARIANTS = [
     ("attention: o_proj codes o itself (no x̂ records from the combine)", {"attention.COMBINE_OUT_RECORDS": False}),
     ("dense MLP: the down codes act itself (no x̂ records from the gate/up)", {"linear.SWIGLU_OUT_RECORDS": False}),
     ("every kernel prefers the largest shared-memory carveout", {"kernels.SMEM_CARVEOUT": 100}),
-    ("no shared carveout (the driver's choice per kernel)", {"kernels.SHARED_CARVEOUT": ()}),
+    ("the GEMVs share one carveout (v43-v49)", {"kernels.SHARED_CARVEOUT": ("gemv_",)}),
     ("shared carveout for every decode-step kernel but those needing more than half an SM",
      {"kernels.SHARED_CARVEOUT": ("",)}),
     ("one shared carveout for every decode-step kernel, the attention decode's included",
