@@ -18,7 +18,8 @@ Per launch, in µs:
 and how its blocks end (a block's entry is its first warp's, its exit its last warp's): the share of late blocks
 (entry more than 0.5 µs after the release), exit percentiles, how much later the late blocks end, whether the
 last block out was a late one, and the rank correlation of the blocks' entries with their index. Kernels that
-place NINFER_TL_MARK(i) get a third table: per slot, when the warps reached it (median and last, after the release).
+place NINFER_TL_MARK(i) get a third table: when the warps' own waits returned, then per slot when the warps reached
+it (median and last, after the release), so a mark late after the release is told from a late wait.
 
 The stamps cost a few instructions and one atomic per warp, so the stamped step is somewhat slower than the
 plain one (its replay time is printed beside the table). A wrong match would show as a negative gap: their count
@@ -129,6 +130,13 @@ def _marks(r: np.ndarray) -> list:
     return out
 
 
+def _wait_return(r: np.ndarray) -> list[float]:
+    """When the warps' waits on the predecessor returned: [p50, max] µs after the launch's release (its first)."""
+    release = float(r["post"].min())
+    post = r["post"].astype(np.float64)
+    return [_after(np.percentile(post, 50), release), _after(post.max(), release)]
+
+
 def _warp_records(r: np.ndarray) -> list[list]:
     """Each warp's stamps as [block, warp, SM, entry, wait return, exit, mark 0..], µs after the release (marks
     never reached: None)."""
@@ -155,7 +163,8 @@ def _launch_rows(launches, recs: dict[str, np.ndarray], keep: str | None = None)
         rows.append({"kernel": name, "stream": stream, "warps": int(r.size), "blocks": int(np.unique(r["block"]).size),
                      "first_entry": int(r["pre"].min()), "last_entry": int(r["pre"].max()),
                      "release": int(r["post"].min()), "median_exit": int(np.median(r["exit"])),
-                     "last_exit": int(r["exit"].max()), "marks": _marks(r), **_block_stats(r)})
+                     "last_exit": int(r["exit"].max()), "marks": _marks(r), "wait_return": _wait_return(r),
+                     **_block_stats(r)})
         if keep and keep in name:
             rows[-1]["warp_records"] = _warp_records(r)
     t0 = min(r["first_entry"] for r in rows)
@@ -213,10 +222,12 @@ def _tables(console, title: str, rows: list[dict]) -> None:
         table = Table(title=f"{title}: NINFER_TL_MARK slots, µs after the release (mean per launch of the warps' "
                             "median / last)")
         table.add_column("kernel")
+        table.add_column("wait returned", justify="right")
         for i in range(MARKS):
             table.add_column(f"mark {i}", justify="right")
         for (kern, _), rs in marked:
-            cells = []
+            cells = [f"{statistics.fmean(r['wait_return'][0] for r in rs):.2f} / "
+                     f"{statistics.fmean(r['wait_return'][1] for r in rs):.2f}"]
             for i in range(MARKS):
                 got = [r["marks"][i] for r in rs if r["marks"][i] is not None]
                 cells.append("" if not got else f"{statistics.fmean(g[0] for g in got):.2f} / "

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from decode_timeline import MARKS, RECORD, _block_stats, _family, _launch_rows, _marks, _warp_records  # noqa: E402
+from decode_timeline import (MARKS, RECORD, _block_stats, _family, _launch_rows, _marks, _wait_return,  # noqa: E402
+                             _warp_records)
 
 
 def stamps(rows, marks=None) -> np.ndarray:
@@ -41,6 +42,7 @@ def test_marks_are_reported_per_slot_after_the_release():
     m = _marks(r)
     assert m[0] == [1.0, 3.0] and m[2] == [0.256, 0.256]  # [median, last] µs after the release
     assert m[1] is None and all(v is None for v in m[3:])
+    assert _wait_return(r) == [0.1, 0.2]  # the warps' own waits returned at 1000, 1200, 1100: median, last
     w = _warp_records(r)
     assert [x[:3] for x in w] == [[0, 0, 100], [0, 1, 100], [1, 0, 101]]  # by block, then warp
     assert w[1][3:7] == [-1.0, 0.2, 4.0, 1.0]  # entry, wait return, exit, mark 0: µs after the release
