@@ -118,6 +118,12 @@ def _block_stats(r: np.ndarray) -> dict:
             "entry_index_corr": round(order_corr, 3)}
 
 
+def _p50_last(t: np.ndarray, release: float) -> list[float]:
+    """Stamps (ns) as [p50, max] µs after the release."""
+    t = t.astype(np.float64)
+    return [_after(np.percentile(t, 50), release), _after(t.max(), release)]
+
+
 def _marks(r: np.ndarray) -> list:
     """Per NINFER_TL_MARK slot, the warps that reached it: [p50, max] µs after the launch's release (None: no
     warp did)."""
@@ -125,16 +131,13 @@ def _marks(r: np.ndarray) -> list:
     out = []
     for i in range(MARKS):
         m = r["mark"][:, i]
-        m = m[m != 0].astype(np.float64)
-        out.append(None if m.size == 0 else [_after(np.percentile(m, 50), release), _after(m.max(), release)])
+        out.append(None if not (m != 0).any() else _p50_last(m[m != 0], release))
     return out
 
 
 def _wait_return(r: np.ndarray) -> list[float]:
     """When the warps' waits on the predecessor returned: [p50, max] µs after the launch's release (its first)."""
-    release = float(r["post"].min())
-    post = r["post"].astype(np.float64)
-    return [_after(np.percentile(post, 50), release), _after(post.max(), release)]
+    return _p50_last(r["post"], float(r["post"].min()))
 
 
 def _warp_records(r: np.ndarray) -> list[list]:
@@ -225,13 +228,14 @@ def _tables(console, title: str, rows: list[dict]) -> None:
         table.add_column("wait returned", justify="right")
         for i in range(MARKS):
             table.add_column(f"mark {i}", justify="right")
+        def cell(got: list) -> str:  # the mean over launches of [p50, last] pairs
+            if not got:
+                return ""
+            return f"{statistics.fmean(g[0] for g in got):.2f} / {statistics.fmean(g[1] for g in got):.2f}"
+
         for (kern, _), rs in marked:
-            cells = [f"{statistics.fmean(r['wait_return'][0] for r in rs):.2f} / "
-                     f"{statistics.fmean(r['wait_return'][1] for r in rs):.2f}"]
-            for i in range(MARKS):
-                got = [r["marks"][i] for r in rs if r["marks"][i] is not None]
-                cells.append("" if not got else f"{statistics.fmean(g[0] for g in got):.2f} / "
-                                                f"{statistics.fmean(g[1] for g in got):.2f}")
+            cells = [cell([r["wait_return"] for r in rs])]
+            cells += [cell([r["marks"][i] for r in rs if r["marks"][i] is not None]) for i in range(MARKS)]
             table.add_row(kern, *cells)
         console.print(table)
     gemvs = [r for r in rows if r["kernel"].startswith("gemv_") and "_s1" in r["kernel"]]
