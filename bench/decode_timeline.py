@@ -131,7 +131,8 @@ def _marks(r: np.ndarray) -> list:
     out = []
     for i in range(MARKS):
         m = r["mark"][:, i]
-        out.append(None if not (m != 0).any() else _p50_last(m[m != 0], release))
+        m = m[m != 0]
+        out.append(_p50_last(m, release) if m.size else None)
     return out
 
 
