@@ -2,11 +2,12 @@
 
     python bench/decode_timeline.py [--model qwen3.6-35b-a3b ...] [--context 8192] [--json PATH]
 
-The kernels are rebuilt with -DNINFER_TIMELINE (kernels/common.cuh): ninfer_pdl_begin() then records, for lane 0
-of every warp, the global time when the warp called it (its "entry": after whatever the kernel issues before the
-wait, such as a GEMV's first weight tiles), when the wait on the predecessor returned, and when the warp exited,
-with its grid id and block. One replay of the real decode graph (synthetic weights, INT8 KV) is stamped after
-warm-up replays, and each grid is matched to the launch the engine enqueued (same image, grids in launch order).
+The kernels are rebuilt with -DNINFER_TIMELINE (kernels/common.cuh): ninfer_pdl_begin() (or _early) then records,
+for lane 0 of every warp, the global time when the warp called it (its "entry": after whatever the kernel issues
+before the wait, such as a GEMV's first weight tiles), when the wait on the predecessor returned, and when the warp
+exited, with its grid id and block. One replay of the real decode graph (synthetic weights, INT8 KV) is stamped
+after warm-up replays, and each grid is matched to the launch the engine enqueued (same image, grids in launch
+order).
 Per launch, in µs:
 
     release  first return from the PDL wait (the predecessor finished and its writes are visible)

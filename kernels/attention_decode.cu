@@ -174,7 +174,9 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         issue(s0, kw0 + s0 * kStepKeys);
         cp_async_commit();
     }
-    ninfer_pdl_begin();  // q, and keys p0 .. are the previous kernel's
+    // q, and keys p0 .. are the previous kernel's. Waits before letting the combine launch: the combine reads the
+    // gate (q|k|v|gate's) before its own wait (a trigger first cost +0.1% with the gate after it, perf.md v53)
+    ninfer_pdl_begin();
     for (int s = s0; s < F::NS - 1; ++s) {
         if (s < nit) issue(s, kw0 + s * kStepKeys);
         cp_async_commit();

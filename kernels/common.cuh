@@ -154,6 +154,17 @@ __device__ __forceinline__ void ninfer_pdl_begin() {
 #endif
 }
 
+// ninfer_pdl_begin_early(): the same two steps the other way round. The next kernel may start launching while this
+// one still waits, so its blocks take the room this kernel leaves and issue their pre-wait loads early. Only for a
+// kernel whose successor reads, before its own wait, nothing this kernel's predecessor writes: the successor's
+// pre-wait section may now run while that predecessor still does (each use says why its successor qualifies).
+__device__ __forceinline__ void ninfer_pdl_begin_early() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // In-graph timeline, only in builds with -DNINFER_TIMELINE (bench/decode_timeline.py; never the runtime's build).
 // ninfer_pdl_begin() then also declares a stamp: lane 0 of every warp records its grid, block, SM, the call's
 // source line, and the global time at the call, after the wait, and at its exit, into this image's per-SM ring.
@@ -201,10 +212,14 @@ struct NinferStamp {
         if (i < NINFER_TL_PER_SM) ninfer_tl[sm * NINFER_TL_PER_SM + i] = r;
     }
 };
-// (ninfer_pdl_begin) in parentheses calls the function above, not this macro
+// (ninfer_pdl_begin) in parentheses calls the function above, not this macro (the same for _early)
 #define ninfer_pdl_begin() \
     NinferStamp ninfer_stamp_(__LINE__); \
     (ninfer_pdl_begin)(); \
+    ninfer_stamp_.post = ninfer_clock()
+#define ninfer_pdl_begin_early() \
+    NinferStamp ninfer_stamp_(__LINE__); \
+    (ninfer_pdl_begin_early)(); \
     ninfer_stamp_.post = ninfer_clock()
 // NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
 // same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.

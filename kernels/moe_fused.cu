@@ -120,7 +120,9 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     float4 gain[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) gain[t] = __ldg(reinterpret_cast<const float4*>(norm_w) + tid + MOE_THREADS * t);
-    ninfer_pdl_begin();
+    // the next layer's GEMV (or lm_head's) reads only weights and gains before its wait: it may start launching
+    // now; this grid is wholly resident before it can (perf.md v53)
+    ninfer_pdl_begin_early();
     const unsigned sense = grid_sense(bar);
 
     // x (x is rewritten in phase 2 by other blocks: L2 loads, not the read-only path), the routing (every warp;

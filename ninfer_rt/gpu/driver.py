@@ -221,7 +221,7 @@ class Gpu:
     """One device's primary context, with a default stream and tracked allocations.
 
     pdl: launch kernels with programmatic dependent launch, so each kernel's launch overlaps the end of the one
-    before it (every kernel in kernels/ begins with ninfer_pdl_begin, which waits for its predecessor). None
+    before it (every kernel in kernels/ begins with ninfer_pdl_begin or _early, which waits for its predecessor). None
     turns it on for compute capability 9.0 and newer, where the hardware has it.
     """
 
