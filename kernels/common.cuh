@@ -212,15 +212,13 @@ struct NinferStamp {
         if (i < NINFER_TL_PER_SM) ninfer_tl[sm * NINFER_TL_PER_SM + i] = r;
     }
 };
-// (ninfer_pdl_begin) in parentheses calls the function above, not this macro (the same for _early)
-#define ninfer_pdl_begin() \
+// (begin) in parentheses calls the function of that name above, not the macro below that names it
+#define NINFER_TL_STAMPED(begin) \
     NinferStamp ninfer_stamp_(__LINE__); \
-    (ninfer_pdl_begin)(); \
+    (begin)(); \
     ninfer_stamp_.post = ninfer_clock()
-#define ninfer_pdl_begin_early() \
-    NinferStamp ninfer_stamp_(__LINE__); \
-    (ninfer_pdl_begin_early)(); \
-    ninfer_stamp_.post = ninfer_clock()
+#define ninfer_pdl_begin() NINFER_TL_STAMPED(ninfer_pdl_begin)
+#define ninfer_pdl_begin_early() NINFER_TL_STAMPED(ninfer_pdl_begin_early)
 // NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
 // same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.
 #define NINFER_TL_MARK(i) (ninfer_stamp_.mark[i] = ninfer_clock_fenced())
