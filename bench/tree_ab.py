@@ -3,12 +3,15 @@
     python bench/tree_ab.py --base REV | --base-tree PATH [--model qwen3.6-27b ...] [--context 8192 ...]
                             [--rounds 2] [--arch sm_90a] [--work /tmp/tree_ab] [--json PATH]
     python bench/tree_ab.py --base REV --extract-only --work .dbg/ab   # the base tree only, to carry elsewhere
+    python bench/tree_ab.py --base-tree .dbg/ab/base --variant .dbg/ab/v1 .dbg/ab/v2   # more trees in one call
 
 planner_ab.py compares planner constants within one build; a kernel change needs two builds. This extracts REV's
 ninfer_rt, kernels, bench and recipes (`git archive`) under --work, builds both trees' kernels at once, each into its
 own kernel cache, then times each model's step in alternating processes, one tree after the other (the order
 flips every round, so drift between processes cancels): planner_ab.py's "default" rows, best of 3 medians each.
-The table gives each tree's range over the rounds and the change of this checkout against REV. Where there is no git
+The table gives each tree's range over the rounds and the change of this checkout against REV. --variant adds
+more trees (named by their directory), built with the two and timed in the same rounds, the order rotating every
+round, so several kernel changes share one build and one call. Where there is no git
 history (the device machine's copy of a checkout), extract the base tree beforehand and pass --base-tree. Bad
 input (no git, an unknown revision, a failed build or run) exits with one line.
 """
@@ -72,8 +75,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The trees in the order round r times them: rotated by r, so over len(names) rounds each tree takes every
+    place once (two trees alternate), and drift between processes falls on all alike."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def _build(trees: dict[str, tuple[Path, Path]], arch: list[str], jobs: int) -> None:
-    """Both trees' kernels at once, each into its cache."""
+    """Every tree's kernels at once, each into its cache."""
     cmd = [sys.executable, "-m", "ninfer_rt.cli", "build-kernels", "--jobs", str(jobs),
            *(a for t in arch for a in ("--arch", t))]
     procs = {name: subprocess.Popen(cmd, cwd=tree, env=tree_env(tree, cache), stdout=subprocess.PIPE,
@@ -113,6 +123,8 @@ def main() -> None:
     ap.add_argument("--extract-only", action="store_true", help="with --base: extract the tree to WORK/base, stop")
     ap.add_argument("--model", nargs="+", default=["qwen3.6-27b"], help="synthetic model shapes, recipe of the same name")
     ap.add_argument("--context", type=int, nargs="+", default=[8192], help="context lengths of the timed steps")
+    ap.add_argument("--variant", type=Path, nargs="+", default=[],
+                    help="more source trees timed in the same rounds, each named by its directory")
     ap.add_argument("--rounds", type=int, default=2, help="processes per tree and model, alternating")
     ap.add_argument("--arch", nargs="+", default=[], help="kernel targets to build (default: build-kernels' own)")
     ap.add_argument("--jobs", type=int, default=6, help="compiler processes per tree")
@@ -133,11 +145,15 @@ def main() -> None:
                 print(base)
                 return
         trees = {"new": (ROOT, args.work / "cache-new"), "base": (base, args.work / "cache-base")}
+        for v in args.variant:
+            if v.name in trees or not (v / "bench" / "planner_ab.py").is_file():
+                raise AbError(f"--variant {v}: not a source tree, or its name {v.name!r} is taken")
+            trees[v.name] = (v.resolve(), args.work / f"cache-{v.name}")
         _build(trees, args.arch, args.jobs)
-        rows = []
+        rows, names = [], list(trees)
         for r in range(args.rounds):
             for model in args.model:
-                for name in (("new", "base") if r % 2 == 0 else ("base", "new")):
+                for name in round_order(names, r):
                     for row in _step_rows(*trees[name], model, args.context):
                         rows.append({**row, "tree": name, "round": r + 1})
                         print(f"round {r + 1} {name} {model} @{row['context']}: {row['ms']:.3f} ms/step", flush=True)

@@ -82,3 +82,13 @@ def test_default_rows_read_what_planner_ab_writes(tmp_path):
     for bad in ([], {"rows": None}, {"device": "GPU"}):
         with pytest.raises(tree_ab.AbError, match="rows"):
             tree_ab.default_rows(bad)
+
+
+def test_rounds_rotate_every_tree_through_every_place():
+    """Two trees alternate; with more, over len(names) rounds each tree is timed once in every place."""
+    assert [tree_ab.round_order(["new", "base"], r) for r in range(3)] == [["new", "base"], ["base", "new"],
+                                                                           ["new", "base"]]
+    names = ["new", "base", "a", "b"]
+    orders = [tree_ab.round_order(names, r) for r in range(len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert all(sorted(o[i] for o in orders) == sorted(names) for i in range(len(names)))
