@@ -52,7 +52,7 @@ struct FastGeo {
     static constexpr int DV = D / 32;                           // dims per lane (PV)
     static constexpr int STAGE = 2 * kWarpKeys * RB;            // one warp's 8 K rows then 8 V rows
     // ring stages per warp: 5 for an int8 cache at D = 256, so a split of 128 keys (4 steps, the 27B at 8K) is in
-    // flight before the wait instead of its last step's refill costing a round trip after it (perf.md v44)
+    // flight before the wait instead of its last step's refill costing a round trip after it (perf-history.md v44)
     static constexpr int NS_RAW = 20480 / STAGE;
     static constexpr int NS = NS_RAW < 2 ? 2 : NS_RAW > 5 ? 5 : NS_RAW;
     // dynamic shared memory: q (permuted fp32 rows) | stages [warp][stage] | p [warp][key][row] |

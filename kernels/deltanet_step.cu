@@ -117,7 +117,7 @@ __device__ __forceinline__ void store_all(float* p, float v, uint64_t* bar) {
 // A block's 32 columns of S (rows 128-byte lines in global memory) staged in shared memory as [DK][32] floats, the
 // 16-byte granule g of row i at granule g ^ (i & 7). Written by the delta rule's lanes (column jc, rows P·r + p: the
 // 32 lanes of a warp hit 32 banks), read a line at a time: one global store instruction per 4 rows instead of one
-// per 8 row pieces of 16 bytes (perf.md v38).
+// per 8 row pieces of 16 bytes (perf-history.md v38).
 template <int R, int P>
 __device__ __forceinline__ void state_tile_put(float* tile, const float (&s)[R], int jc, int p) {
 #pragma unroll

@@ -25,7 +25,7 @@
 
 namespace {
 
-// Steps past the two register tiles that a warp asks L2 for after the wait, on the bulk-copy path (perf.md v39)
+// Steps past the two register tiles that a warp asks L2 for after the wait, on the bulk-copy path (perf-history.md v39)
 constexpr int kL2Steps = 2;
 
 // Units per lane and row in one register tile: 2 where a unit is 4-5 registers, 1 for q5/q6 (6-7 registers).
@@ -362,7 +362,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             if (lane < 2 && j < N / 2) {
                 const float v = siluf_(a * inv) * (b * inv);
                 // WREC: y only as the records' pairs (with y stored too and the mode read at run time, the 27B
-                // ran 1.3% slower: perf.md v49)
+                // ran 1.3% slower: perf-history.md v49)
                 if constexpr (WREC) st_pair(ybox + j, 1ull << 32 | __float_as_uint(v));
                 else y[j] = v;
             }
@@ -453,10 +453,10 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         // swiglu: y's 32-element chunks as the down projection's x̂ records. A chunk's 16 row groups may span
         // blocks; every block published its y as (value, 1) pairs in ybox, and a block that reads all 32 pairs of
         // a chunk set codes it and clears them. The block finishing a chunk last usually sees the others' pairs at
-        // its first load: one round trip, where a count and a reload were three (perf.md v48). Blocks that do not
-        // see them all count in on one counter, whose order no two blocks can both miss (one address), so every
-        // chunk is coded; blocks that both code it write the same bytes. A block that waits for others' pairs
-        // needs them resident: the stream plan launches at most the blocks an SM holds at once.
+        // its first load: one round trip, where a count and a reload were three (perf-history.md v48). Blocks that
+        // do not see them all count in on one counter, whose order no two blocks can both miss (one address), so
+        // every chunk is coded; blocks that both code it write the same bytes. A block that waits for others'
+        // pairs needs them resident: the stream plan launches at most the blocks an SM holds at once.
         unsigned* cnt = ycnt + ((yq >> 2) & 1) * (N >> 6);  // this launch's parity's counters
         yq &= 3;
         __syncthreads();  // every pair of this block stored (bar.sync orders them before these loads)

@@ -55,7 +55,7 @@ def test_every_kernel_compiles_for_every_target(tmp_path):
 def test_stream_gemvs_keep_their_dynamic_shared_memory_on_128_bytes(tmp_path):
     """The stream GEMVs bulk-copy x̂ (or x and norm_w) into dynamic shared memory, which starts after their static
     shared memory: a 4-byte static flag that moved it 16 bytes off a 128-byte boundary cost the 27B's step ~8%
-    (perf.md v47). ptxas's report for every gemv_*_s1* entry point on sm_90a: static bytes a multiple of 128."""
+    (perf-history.md v47). ptxas's report for every gemv_*_s1* entry point on sm_90a: static bytes a multiple of 128."""
     import re
     import subprocess
 

@@ -47,7 +47,7 @@ _FAST_THREADS = 128              # its block (kFastWarps = 4 warps)
 _FAST_MAX_ROWS = 64              # T·(nH/nKV) up to this takes the CUDA-core decode; 0 forces the tensor-core one
 _PREFILL_WGMMA = True            # prefill on an int8 cache takes the wgmma kernel where it runs (False: mma.sync)
 # planner switch: the engine has the CUDA-core decode's combine write o_proj's x̂ records (one token), so o_proj
-# copies them instead of coding o (perf.md v41); False: o_proj codes the fp32 o itself
+# copies them instead of coding o (perf-history.md v41); False: o_proj codes the fp32 o itself
 COMBINE_OUT_RECORDS = True
 _WG_ROWS, _WG_THREADS = 128, 256  # attn_prefill_wgmma_*: query rows and threads per block
 _WG_HEAD_DIMS = (64, 128, 256)

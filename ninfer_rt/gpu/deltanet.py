@@ -26,13 +26,13 @@ NORM_WARPS = 4
 STEP_T = 8                        # DN_STEP_T in deltanet_step.cu: most tokens per sequence of one fused step
 STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 # planner switch: the engine has a one-token step write out_proj's x̂ records (records_fit), so out_proj copies
-# them instead of coding y (perf.md v41); False: out_proj codes the fp32 y itself
+# them instead of coding y (perf-history.md v41); False: out_proj codes the fp32 y itself
 STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
 # (H200: v36 found before 0.3% faster a decode step at the 35B-A3B's H = 2048; on v49's kernels after is faster
-# there, perf.md v50, as it was at the 27B's 5120)
+# there, perf-history.md v50, as it was at the 27B's 5120)
 STEP_BA_EARLY_MAX_H = 0
 CHUNK = 32                        # DN_CHUNK in deltanet_chunked.cu: tokens per chunk of the prefill delta rule
 CHUNK_COLS = 32                   # DN_COLS: columns of S per chunked block

@@ -15,7 +15,7 @@ SMEM_CARVEOUT: int | None = None
 # carveout, the smallest SM configuration that holds each one's blocks per SM (GpuModel plans it by a dry run
 # before the step first runs), so an SM never drains to switch between two of them; (): the driver's choice per
 # kernel. v43 measured ("gemv_",) 3.0% faster on the 27B at 8K; on v50's kernels () is 0.2-0.5% faster on both
-# models at 8K and 262K, on two machines (perf.md v50)
+# models at 8K and 262K, on two machines (perf-history.md v50)
 SHARED_CARVEOUT: tuple[str, ...] = ()
 # ... except launches that alone need more than this share of the SM (the attention decode's 2 blocks of 91 KB):
 # the others would keep almost no L1 (the GEMVs at the largest carveout: +0.7% on the 27B, v43)
