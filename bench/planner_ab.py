@@ -95,7 +95,8 @@ def main() -> None:
                         s = time_fresh_step(model, ctx)
                     rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
                                  "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
-                    console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False)
+                    # one line each, whatever the terminal width (logs are grepped for "ms/step")
+                    console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False, soft_wrap=True)
 
     def cells(r):
         base = next(b for b in rows
