@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(256)
     cs = split_keys(cs, n_splits, p0 + T, rt);
     const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
     const int ns = (keys + cs - 1) / cs;
-    // o_proj's GEMV after it reads only weights before its wait: it may start launching now (perf.md v53)
+    // o_proj's GEMV after it reads only weights before its wait: it may start launching now (perf-history.md v53)
     ninfer_pdl_begin_early();
 
     float mloc = kMasked, L = 0.f;

@@ -175,7 +175,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         cp_async_commit();
     }
     // q, and keys p0 .. are the previous kernel's. Waits before letting the combine launch: the combine reads the
-    // gate (q|k|v|gate's) before its own wait (a trigger first cost +0.1% with the gate after it, perf.md v53)
+    // gate (q|k|v|gate's) before its own wait (a trigger first cost +0.1% with the gate after it, perf-history.md v53)
     ninfer_pdl_begin();
     for (int s = s0; s < F::NS - 1; ++s) {
         if (s < nit) issue(s, kw0 + s * kStepKeys);

@@ -153,7 +153,7 @@ __device__ __forceinline__ void prepare_impl(const float* __restrict__ qkvg, int
     float gain[PER];
     if (u < nH + nKV) norm_gain_row<D>(gain, u < nH ? q_norm : k_norm, lane);
     // The decode after it reads, before its wait, only the positions and cache rows of earlier steps: it may start
-    // launching now, and its ring of those rows fills during this kernel (perf.md v53)
+    // launching now, and its ring of those rows fills during this kernel (perf-history.md v53)
     ninfer_pdl_begin_early();
     __syncthreads();
     if (u >= nH + 2 * nKV) return;

@@ -308,7 +308,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         if (early) ba_partials();
     }
 
-    // out_proj's GEMV after it reads only weights before its wait: it may start launching now (perf.md v53)
+    // out_proj's GEMV after it reads only weights before its wait: it may start launching now (perf-history.md v53)
     ninfer_pdl_begin_early();
 
     // The predecessor's outputs: the step's conv inputs into seq, and z of this block's columns into sz

@@ -121,7 +121,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 #pragma unroll
     for (int t = 0; t < T; ++t) gain[t] = __ldg(reinterpret_cast<const float4*>(norm_w) + tid + MOE_THREADS * t);
     // the next layer's GEMV (or lm_head's) reads only weights and gains before its wait: it may start launching
-    // now; this grid is wholly resident before it can (perf.md v53)
+    // now; this grid is wholly resident before it can (perf-history.md v53)
     ninfer_pdl_begin_early();
     const unsigned sense = grid_sense(bar);
 
