@@ -40,3 +40,44 @@ __device__ __forceinline__ float delta_step(float (&s)[DK / P], const float* kt,
     for (int m = 32 / P; m < 32; m <<= 1) os += __shfl_xor_sync(0xffffffffu, os, m);
     return os;
 }
+
+// delta_step for "row lanes": lane = column j, the P warps of the block split its DK rows (rows i = P·r + p, p the
+// warp), so that a warp's access to a row of S is one 128-byte line. The column sums cross the warps through d2
+// (shared, two [P][3][32] buffers, token t's by its parity), one block barrier a token:
+// u = Sᵀk̂ and w = Sᵀq̂ of the old S and q̂·k̂ are summed together, then o_j = e^g w_j + (q̂·k̂) Δ_j (= Σ_i S'_ij q̂_i).
+// ba: β, e^g; v: v_j (shared, read after the barrier). Every thread of the block must call it.
+template <int DK, int P>
+__device__ __forceinline__ float delta_step_rows(float (&s)[DK / P], const float* kt, const float* qt,
+                                                 const float* ba, const float* v, int p, int lane, float (*d2)[P][3][32], int t) {
+    constexpr int R = DK / P;
+    static_assert(R % 2 == 0, "rows per thread: a multiple of 2");
+    float u = 0.f, w = 0.f, qk = 0.f, u2 = 0.f, w2 = 0.f, qk2 = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; r += 2) {
+        const float k0 = kt[P * r + p], q0 = qt[P * r + p];
+        const float k1 = kt[P * (r + 1) + p], q1 = qt[P * (r + 1) + p];
+        u = fmaf(s[r], k0, u);
+        w = fmaf(s[r], q0, w);
+        qk = fmaf(q0, k0, qk);
+        u2 = fmaf(s[r + 1], k1, u2);
+        w2 = fmaf(s[r + 1], q1, w2);
+        qk2 = fmaf(q1, k1, qk2);
+    }
+    float(*d)[3][32] = d2[t & 1];  // this token's buffer: the previous token's may still be read
+    d[p][0][lane] = u + u2;
+    d[p][1][lane] = w + w2;
+    d[p][2][lane] = qk + qk2;
+    __syncthreads();
+    float U = 0.f, W = 0.f, QK = 0.f;
+#pragma unroll
+    for (int q = 0; q < P; ++q) {  // in warp order: every column's sums the same way
+        U += d[q][0][lane];
+        W += d[q][1][lane];
+        QK += d[q][2][lane];
+    }
+    const float beta = ba[0], decay = ba[1];
+    const float delta = beta * (*v - decay * U);
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = fmaf(s[r], decay, kt[P * r + p] * delta);
+    return fmaf(decay, W, QK * delta);
+}

@@ -11,7 +11,7 @@
 // sm_90+ (deltanet_step_dk*_c4), or one block (C = 1, deltanet_step_dk*, any GPU). Block c of the C does
 //   b|a     1/C of the H-long dots (element k by thread k mod (C·threads) of the cluster);
 //   conv    q and k channels [c·dk/C, (c+1)·dk/C) of key head h / (nv/nk), and the v channels of its columns;
-//   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P lanes per column;
+//   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P threads per column;
 //   norm    y of its columns.
 // The blocks exchange through distributed shared memory by st.async, each block waiting on its own mbarrier for
 // what it receives: first its b|a partial sums (into every block, itself included) and its q/k channels (into the
@@ -112,36 +112,14 @@ __device__ __forceinline__ void store_all(float* p, float v, uint64_t* bar) {
     }
 }
 
-// ------------------------------------------------------------------------------------------------ state tile
-
-// A block's 32 columns of S (rows 128-byte lines in global memory) staged in shared memory as [DK][32] floats, the
-// 16-byte granule g of row i at granule g ^ (i & 7). Written by the delta rule's lanes (column jc, rows P·r + p: the
-// 32 lanes of a warp hit 32 banks), read a line at a time: one global store instruction per 4 rows instead of one
-// per 8 row pieces of 16 bytes (perf-history.md v38).
-template <int R, int P>
-__device__ __forceinline__ void state_tile_put(float* tile, const float (&s)[R], int jc, int p) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int i = P * r + p;
-        tile[32 * i + 4 * ((jc >> 2) ^ (i & 7)) + (jc & 3)] = s[r];
-    }
-}
-
-// The tile's DK rows to S (row i at S + i·ld), thread t: granule t % 8 of rows t / 8 + (nt / 8)·n.
-template <int DK>
-__device__ __forceinline__ void state_tile_store(const float* tile, float* S, int ld, int tid, int nt) {
-    const int g = tid & 7;
-    for (int i = tid >> 3; i < DK; i += nt >> 3)
-        *reinterpret_cast<float4*>(S + (size_t)i * ld + 4 * g) =
-            *reinterpret_cast<const float4*>(tile + 32 * i + 4 * (g ^ (i & 7)));
-}
-
 // ------------------------------------------------------------------------------------------------ the step
 
 // grid (C·nv, B) with clusters (C, 1, 1): block x = h·C + c. Block of P·dv/C threads: lane = jj + (32/P)·p,
 // a warp owns 32/P adjacent columns (jj) of S and the P lanes of a column split its DK rows (delta_step).
 // P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
-// at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave).
+// at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave). There, with
+// 32 columns a block, "row lanes" instead: lane = column, warp = p, so that every load and store of S is one
+// 128-byte line, and the column sums cross the warps through shared memory (perf.md v56: the 35B -0.4%).
 template <int DK, int C>
 __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
                                           float eps_in, const uint16_t* __restrict__ w_ba,
@@ -163,11 +141,9 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // dv = 128 the cluster's 1024 threads cover H <= 6144 so (the family: 2048 to 5120)
     constexpr int PRE = C == 1 ? 4 : 6;
     constexpr int TP = 2;                      // tokens per b|a pass: 3·TP accumulators
-    // q, k of the key head (all DK) and v of this block's columns; after the delta rule the same bytes stage the
-    // new state for coalesced stores (state_tile), where this block's S rows are 128-byte lines
-    constexpr bool TILE = C > 1 && DK % 32 == 0;  // and cols == 32 (run time: dv = 128)
+    // q, k of the key head (all DK) and v of this block's columns
     constexpr int QKV = (2 * DK + MAXC) * DN_STEP_T;
-    __shared__ __align__(16) float sqkv[TILE && DK * 32 > QKV ? DK * 32 : QKV];
+    __shared__ __align__(16) float sqkv[QKV];
     float(*sq)[DK] = reinterpret_cast<float(*)[DK]>(sqkv);
     float(*sk)[DK] = reinterpret_cast<float(*)[DK]>(sqkv + DN_STEP_T * DK);
     float(*sv)[MAXC] = reinterpret_cast<float(*)[MAXC]>(sqkv + 2 * DN_STEP_T * DK);
@@ -181,9 +157,14 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
     __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
-    const int jj = lane % L, p = lane / L, jc = warp * L + jj;
     const int c = blockIdx.x % C, h = blockIdx.x / C, b = blockIdx.y;
     const int cols = dv / C, col0 = c * cols;  // this block's columns of S
+    // row lanes (C > 1, 32 columns, P warps): lane = column, warp = the row phase p, so that each load and store of
+    // S is one 128-byte line; the column sums cross the warps through shared memory (dred) instead of shuffles
+    const bool rl = C > 1 && cols == 32 && nw == P;
+    const int jj = lane % L, p = rl ? warp : lane / L, jc = rl ? lane : warp * L + jj;
+    // row lanes' sums over each warp's rows, by token parity: Σ S k̂, Σ S q̂, Σ q̂ k̂
+    __shared__ float dred[2][P][3][32];
     const int hk = h / (nv / nk);
     const int conv_dim = 2 * nk * DK + nv * dv;
     const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
@@ -401,21 +382,24 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     NINFER_TL_MARK(5);  // q̂, k̂, β and e^g ready
 
     for (int t = 0; t < T; ++t) {
-        const float ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
+        float ov;
+        if (rl) {
+            ov = delta_step_rows<DK, P>(s, sk[t], sq[t], sba[t], &sv[t][jc], p, lane, dred, t);
+        } else {
+            ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
+        }
         if (p == 0) so[t][jc] = ov;
     }
-    // The new state, now: its stores drain while o is normalised. Where the block's columns are one 128-byte line
-    // of each row, through shared memory (state_tile), after this block's Σ o² has gone out; else straight from the
-    // registers, through an opaque copy of S, so that the compiler recomputes the R addresses here rather than
-    // holding them from the loads (which spilled).
-    const bool tile = TILE && cols == 32;
-    if (!tile) {
+    // The new state, now: its stores drain while o is normalised (row lanes: a 128-byte line a warp instruction).
+    // Through an opaque copy of S, so that the compiler recomputes the R addresses here rather than holding them
+    // from the loads (which spilled).
+    {
         float* S2;
         asm("mov.b64 %0, %1;" : "=l"(S2) : "l"(S));
 #pragma unroll
         for (int r = 0; r < R; ++r) S2[(size_t)(P * r + p) * dv] = s[r];
     }
-    __syncthreads();  // so is complete (and every warp is done with sq, sk, sv, whose bytes the tile reuses)
+    __syncthreads();  // so is complete
 
     // Σ o² over this block's columns, one warp per token, into every block
     for (int t = warp; t < T; t += nw) {
@@ -425,11 +409,6 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         if (lane == 0) {
             store_all<C>(&opart[c][t], ss, &obar);
         }
-    }
-    if (tile) {
-        state_tile_put<R, P>(sqkv, s, jc, p);
-        __syncthreads();
-        state_tile_store<DK>(sqkv, Sb, dv, tid, nt);
     }
     NINFER_TL_MARK(3);  // the delta rule done, Σ o² sent, the state's stores issued
     // then wait for all C blocks' sums
