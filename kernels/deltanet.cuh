@@ -44,11 +44,12 @@ __device__ __forceinline__ float delta_step(float (&s)[DK / P], const float* kt,
 // delta_step for "row lanes": lane = column j, the P warps of the block split its DK rows (rows i = P·r + p, p the
 // warp), so that a warp's access to a row of S is one 128-byte line. The column sums cross the warps through d2
 // (shared, two [P][3][32] buffers, token t's by its parity), one block barrier a token:
-// u = Sᵀk̂ and w = Sᵀq̂ of the old S and q̂·k̂ are summed together, then o_j = e^g w_j + (q̂·k̂) Δ_j (= Σ_i S'_ij q̂_i).
-// ba: β, e^g; v: v_j (shared, read after the barrier). Every thread of the block must call it.
+// u = Sᵀk̂ and w = Sᵀq̂ of the old S and q̂·k̂ are summed together, then o_j = e^g w_j + (q̂·k̂) Δ_j
+// (= Σ_i S'_ij q̂_i). ba: β, e^g; v: v_j (shared, read after the barrier). Every thread of the block must call it.
 template <int DK, int P>
 __device__ __forceinline__ float delta_step_rows(float (&s)[DK / P], const float* kt, const float* qt,
-                                                 const float* ba, const float* v, int p, int lane, float (*d2)[P][3][32], int t) {
+                                                 const float* ba, const float* v, int p, int lane,
+                                                 float (*d2)[P][3][32], int t) {
     constexpr int R = DK / P;
     static_assert(R % 2 == 0, "rows per thread: a multiple of 2");
     float u = 0.f, w = 0.f, qk = 0.f, u2 = 0.f, w2 = 0.f, qk2 = 0.f;
