@@ -142,6 +142,17 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         if (lane == 0) s_sh[0] = r.shared;
         if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
     }
+    __syncthreads();
+    NINFER_TL_MARK(0);  // routed
+
+    // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly.
+    // Σ x² after the issue: ptxas gives x's loads the scoreboard of the loads before the wait, so x's first use
+    // waits for those DRAM loads too; before the issue that wait held the tile up ~0.6 µs (perf.md v57).
+    const int pair = b / (I / 16), tile = b % (I / 16);
+    const int e = has_gu ? s_e[pair] : -1;
+    QChunk<GB> q[T][4];
+    if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
+    NINFER_TL_MARK(1);  // the tile's loads issued
     {
         float ss = 0.f;
 #pragma unroll
@@ -149,14 +160,6 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         ss_partial(ss, s_red);
     }
     __syncthreads();
-    NINFER_TL_MARK(0);  // routed, x loaded
-
-    // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly
-    const int pair = b / (I / 16), tile = b % (I / 16);
-    const int e = has_gu ? s_e[pair] : -1;
-    QChunk<GB> q[T][4];
-    if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
-    NINFER_TL_MARK(1);  // the tile's loads issued
     {
         const float rs = rms_scale(s_red, H, eps);
 #pragma unroll

@@ -133,7 +133,7 @@ __device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l,
     const float v = __ldg(l + min(tid, E));
     const float g = warp == 0 ? __ldg(l + E) : 0.f;
     const uint32_t key = tid < E ? route_key(v) : 0u;
-    const int kp = top_k <= 4 ? 4 : (top_k <= 8 ? 8 : 16);
+    const int lk = top_k <= 4 ? 2 : (top_k <= 8 ? 3 : 4), kp = 1 << lk;  // kp = 4, 8 or 16
     sm.key[tid] = key;
     if (lane < kp) sm.ckey[warp * kp + lane] = 0u;
     if (tid < top_k) {
@@ -154,8 +154,10 @@ __device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l,
         sm.cidx[warp * kp + rank1] = tid;
     }
     __syncthreads();
-    const int nc = NT / 32 * kp, P = NT / nc, span = nc / P;  // P threads a candidate, span slots each
-    const int c = tid / P, d0 = (tid % P) * span;
+    // 8·kp candidates, P = 32 / kp threads a candidate, span = kp² / 4 slots each. Shifts, not divisions: an
+    // integer division is a call, and ptxas waits on every load in flight before a call (the pre-wait weights too).
+    const int lp = 5 - lk, ls = 2 * lk - 2, P = 1 << lp, span = 1 << ls;
+    const int c = tid >> lp, d0 = (tid & (P - 1)) << ls;
     const uint32_t kc = sm.ckey[c];
     int rank2 = 0;
 #pragma unroll 4
