@@ -1,0 +1,84 @@
+"""Which scoreboard each SASS instruction sets and waits on, from `cuobjdump -sass` output (sm_70 and later).
+
+    cuobjdump -sass -fun moe_fused_t2_q4g64_q5g64_q8g32 kernels.cubin > k.sass
+    python bench/sass_waits.py k.sass [--start 0x2000] [--end 0x4000] [--all]
+
+A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
+up at issue and down when its result lands; a later instruction names a wait mask and stalls until every scoreboard
+in it is back to zero. So a wait on a scoreboard waits for every load ptxas put on it, however early (perf.md v57:
+a call's wait on the pre-wait loads' scoreboard held the fused MoE's routing ~1.3 µs). The fields sit in the control
+bits of each instruction's second 64-bit word, in the layout public reverse engineering gives for Volta and later
+(not documented by NVIDIA): stall 41-44, yield 45, write scoreboard 46-48, read scoreboard 49-51, wait mask 52-57
+(7 = none for the two scoreboards). Without --all only instructions that set a scoreboard or wait on one are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_FIRST = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;?\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
+_SECOND = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
+
+
+@dataclass(frozen=True)
+class Instr:
+    addr: int
+    text: str
+    stall: int
+    write_sb: int | None  # scoreboard its result counts on
+    read_sb: int | None   # scoreboard guarding its source registers
+    wait: frozenset[int]  # scoreboards it waits on before issue
+
+
+def decode_control(hi: int) -> tuple[int, int | None, int | None, frozenset[int]]:
+    """(stall, write scoreboard, read scoreboard, wait set) from an instruction's second 64-bit word."""
+    wb, rb, mask = (hi >> 46) & 7, (hi >> 49) & 7, (hi >> 52) & 63
+    wait = frozenset(i for i in range(6) if mask >> i & 1)
+    return (hi >> 41) & 15, None if wb == 7 else wb, None if rb == 7 else rb, wait
+
+
+def parse(text: str) -> list[Instr]:
+    """Every instruction of a cuobjdump listing: a line with its address, text and first word, then its second."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines[:-1]):
+        m, m2 = _FIRST.match(line), _SECOND.match(lines[i + 1])
+        if m and m2:
+            out.append(Instr(int(m.group(1), 16), m.group(2), *decode_control(int(m2.group(1), 16))))
+    return out
+
+
+def describe(ins: Instr) -> str:
+    wait = "".join(str(i) for i in sorted(ins.wait)) or "-"
+    sets = "-" if ins.write_sb is None else str(ins.write_sb)
+    return f"{ins.addr:05x}  wait {wait:<6} sets {sets}  {ins.text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sass", type=Path, help="cuobjdump -sass output")
+    ap.add_argument("--start", type=lambda s: int(s, 0), default=0, help="first address (e.g. 0x2000)")
+    ap.add_argument("--end", type=lambda s: int(s, 0), default=1 << 40, help="last address")
+    ap.add_argument("--all", action="store_true", help="every instruction, not only those that set or wait")
+    args = ap.parse_args(argv)
+    try:
+        text = args.sass.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"sass_waits: cannot read {args.sass}: {e}", file=sys.stderr)
+        return 2
+    instrs = parse(text)
+    if not instrs:
+        print(f"sass_waits: {args.sass} holds no cuobjdump -sass instructions", file=sys.stderr)
+        return 2
+    for ins in instrs:
+        if args.start <= ins.addr <= args.end and (args.all or ins.wait or ins.write_sb is not None):
+            print(describe(ins))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""bench/sass_waits.py: the scoreboards decoded from a real `cuobjdump -sass` excerpt (moe_fused_t2_q4g64_q5g64_q8g32 at
+3901c4c, sm_90a, nvcc 13.0), and one-line misuse.
+
+Oracles, independent of the decoder: a consumer of a load's register must wait on the scoreboard the load sets (ptxas
+emits correct code); fixed-latency arithmetic sets no scoreboard, a global load does."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import sass_waits  # noqa: E402
+
+# x's load (R32..R35), the routing's division call, and Σ x²'s first multiply of R33 (cuobjdump's lines, padding cut)
+EXCERPT = """\
+    Function : moe_fused_t2_q4g64_q5g64_q8g32
+    /*0480*/ LDG.E.128.STRONG.GPU R32, desc[UR8][R16.64] ; /* 0x0000000810207981 */
+    /* 0x000568000c1efd00 */
+    /*2da0*/ CALL.REL.NOINC 0x12000 ; /* 0x000000f000947944 */
+    /* 0x021fea0003c00000 */
+    /*4640*/ FMUL.FTZ R13, R33, R33 ; /* 0x00000021210d7220 */
+    /* 0x021fe20000410000 */
+"""
+
+
+def test_consumer_waits_on_its_load_s_scoreboard():
+    ld, call, fmul = sass_waits.parse(EXCERPT)
+    assert (ld.addr, call.addr, fmul.addr) == (0x480, 0x2DA0, 0x4640)
+    assert fmul.text == "FMUL.FTZ R13, R33, R33"
+    assert ld.write_sb is not None and ld.write_sb in fmul.wait  # R33 comes from the load
+    assert fmul.write_sb is None  # fixed latency
+    assert ld.write_sb in call.wait  # the call waits for the same loads (perf.md v57)
+
+
+def test_misuse_is_one_line(tmp_path, capsys):
+    junk = tmp_path / "k.sass"
+    junk.write_text("not a listing\n")
+    assert sass_waits.main([str(junk)]) == 2
+    assert sass_waits.main([str(tmp_path / "missing.sass")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("sass_waits: ") for line in err)
+
+
+def test_listing_filters_to_scoreboard_users(tmp_path, capsys):
+    f = tmp_path / "k.sass"
+    f.write_text(EXCERPT)
+    assert sass_waits.main([str(f), "--start", "0x2000"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["02da0", "04640"]
