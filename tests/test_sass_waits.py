@@ -13,9 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import sass_waits  # noqa: E402
 
-# x's load (R32..R35), the routing's division call, and Σ x²'s first multiply of R33 (cuobjdump's lines, padding cut)
+# the gain's load before the PDL wait (ACQBULK), x's load after it (R32..R35), the routing's division call, and Σ x²'s
+# first multiply of R33 (cuobjdump's lines, padding cut)
 EXCERPT = """\
     Function : moe_fused_t2_q4g64_q5g64_q8g32
+    /*0050*/ LDG.E.128.CONSTANT R36, desc[UR8][R2.64] ; /* 0x0000000802247981 */
+    /* 0x000168000c1e9d00 */
+    /*0400*/ ACQBULK ; /* 0x000000000000782e */
+    /* 0x000fe20000000000 */
     /*0480*/ LDG.E.128.STRONG.GPU R32, desc[UR8][R16.64] ; /* 0x0000000810207981 */
     /* 0x000568000c1efd00 */
     /*2da0*/ CALL.REL.NOINC 0x12000 ; /* 0x000000f000947944 */
@@ -26,7 +31,7 @@ EXCERPT = """\
 
 
 def test_consumer_waits_on_its_load_s_scoreboard():
-    ld, call, fmul = sass_waits.parse(EXCERPT)
+    gain, acq, ld, call, fmul = sass_waits.parse(EXCERPT)
     assert (ld.addr, call.addr, fmul.addr) == (0x480, 0x2DA0, 0x4640)
     assert fmul.text == "FMUL.FTZ R13, R33, R33"
     assert ld.write_sb is not None and ld.write_sb in fmul.wait  # R33 comes from the load
@@ -49,3 +54,13 @@ def test_listing_filters_to_scoreboard_users(tmp_path, capsys):
     assert sass_waits.main([str(f), "--start", "0x2000"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["02da0", "04640"]
+
+
+def test_pdl_lists_waits_on_loads_from_before_the_wait():
+    """The call waits on the gain's scoreboard after ACQBULK: reported with the gain's address. It always runs (no
+    branch here), so the multiply after it waits on x's load alone and is not reported."""
+    instrs = sass_waits.parse(EXCERPT)
+    assert instrs[0].write_sb == instrs[2].write_sb  # the gain and x share a scoreboard, as ptxas chose
+    found = sass_waits.pdl_waits(instrs)
+    rows = [(ins.addr, k, early, cond) for ins, k, early, cond in found]
+    assert rows == [(0x2DA0, instrs[0].write_sb, [0x50], False)]
