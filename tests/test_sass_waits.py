@@ -1,13 +1,19 @@
 """bench/sass_waits.py: the scoreboards decoded from a real `cuobjdump -sass` excerpt (moe_fused_t2_q4g64_q5g64_q8g32 at
-3901c4c, sm_90a, nvcc 13.0), and one-line misuse.
+3901c4c, sm_90a, nvcc 13.0), words of a cubin named as cuobjdump names them, a cubin's functions, one-line misuse.
 
 Oracles, independent of the decoder: a consumer of a load's register must wait on the scoreboard the load sets (ptxas
-emits correct code); fixed-latency arithmetic sets no scoreboard, a global load does."""
+emits correct code); fixed-latency arithmetic sets no scoreboard, a global load does; cuobjdump's text for the same
+words; the PTX's entry names for the same source."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -64,3 +70,44 @@ def test_pdl_lists_waits_on_loads_from_before_the_wait():
     found = sass_waits.pdl_waits(instrs)
     rows = [(ins.addr, k, early, cond) for ins, k, early, cond in found]
     assert rows == [(0x2DA0, instrs[0].write_sb, [0x50], False)]
+
+
+# Words as cuobjdump prints them (address, its text, first and second word): a backward and a forward branch from
+# deltanet_step_dk128_c4, the PDL wait, a predicated load, and a never-executed shared load from moe_fused.
+WORDS = [
+    (0x2380, "@!P3 BRA 0x1e30", 0xFFFFFFF800A8B947, 0x004FEA000383FFFF),
+    (0x04D0, "@!P0 BRA 0x2360", 0x0000001C00A08947, 0x004FEA0003800000),
+    (0x0400, "ACQBULK", 0x000000000000782E, 0x000FE20000000000),
+    (0x0050, "LDG", 0x0000000802247981, 0x000168000C1E9D00),
+    (0x1A60, "@!PT LDS", 0x00000000FFFFF984, 0x000FE20000000800),
+]
+
+
+@pytest.mark.parametrize("addr,text,lo,hi", WORDS)
+def test_decode_word_names_as_cuobjdump(addr, text, lo, hi):
+    """The opcode's name, its predicate and a branch's target as cuobjdump prints them (the oracle), the control
+    bits as the text parser decodes them from the same second word."""
+    ins = sass_waits.decode_word("f", addr, lo, hi)
+    assert ins.text == text
+    assert (ins.stall, ins.write_sb, ins.read_sb, ins.wait) == sass_waits.decode_control(hi)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cubin_functions_are_the_ptx_entries(tmp_path):
+    """An sm_90a cubin of kernels/norm.cu: one function per .entry of the same source's PTX (the oracle), each with
+    contiguous 16-byte instructions, an EXIT, and every branch target inside the function."""
+    src, cubin, ptx = ROOT / "kernels" / "norm.cu", tmp_path / "norm.cubin", tmp_path / "norm.ptx"
+    flags = ["-O3", "-std=c++17", "--use_fast_math", f"-I{ROOT / 'kernels'}", "-arch=sm_90a"]
+    for kind, out in (("-cubin", cubin), ("-ptx", ptx)):
+        subprocess.run(["nvcc", kind, *flags, "-o", str(out), str(src)], check=True, capture_output=True)
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
+    instrs = sass_waits.parse_cubin(cubin.read_bytes())
+    assert {i.function for i in instrs} == entries
+    for fn in entries:
+        body = [i for i in instrs if i.function == fn]
+        assert [i.addr for i in body] == list(range(0, 16 * len(body), 16))
+        assert any(i.text.endswith("EXIT") for i in body)
+        for i in body:
+            m = re.match(r"^(@!?P\d )?BRA (0x[0-9a-f]+)$", i.text)
+            if m:
+                assert 0 <= int(m.group(2), 16) < 16 * len(body)
