@@ -1,7 +1,7 @@
 """Which scoreboard each SASS instruction sets and waits on, from `cuobjdump -sass` output (sm_70 and later).
 
     cuobjdump -sass -fun moe_fused_t2_q4g64_q5g64_q8g32 kernels.cubin > k.sass
-    python bench/sass_waits.py k.sass [--start 0x2000] [--end 0x4000] [--all]
+    python bench/sass_waits.py k.sass [--function NAME] [--start 0x2000] [--end 0x4000] [--all]
     python bench/sass_waits.py k.sass --pdl    # waits after the PDL wait on loads issued before it
     nvcc -cubin -arch=sm_90a ... -o k.cubin; python bench/sass_waits.py k.cubin --pdl   # no cuobjdump needed
 
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("sass", type=Path, help="cuobjdump -sass output, or an sm_90a cubin")
     ap.add_argument("--start", type=lambda s: int(s, 0), default=0, help="first address (e.g. 0x2000)")
     ap.add_argument("--end", type=lambda s: int(s, 0), default=1 << 40, help="last address")
+    ap.add_argument("--function", help="only the functions whose name contains this")
     ap.add_argument("--all", action="store_true", help="every instruction, not only those that set or wait")
     ap.add_argument("--pdl", action="store_true",
                     help="only the waits after the PDL wait that still count loads issued before it")
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if not instrs:
         print(f"sass_waits: {args.sass} holds no instructions (cuobjdump -sass output or a cubin)", file=sys.stderr)
         return 2
+    if args.function:
+        instrs = [i for i in instrs if args.function in i.function]
     if args.pdl:
         for ins, k, early, cond in pdl_waits(instrs):
             loads = ", ".join(f"{a:05x}" for a in early[:4]) + (f" (+{len(early) - 4})" if len(early) > 4 else "")
