@@ -96,10 +96,12 @@ def test_decode_word_names_as_cuobjdump(addr, text, lo, hi):
 def test_cubin_functions_are_the_ptx_entries(tmp_path):
     """An sm_90a cubin of kernels/norm.cu: one function per .entry of the same source's PTX (the oracle), each with
     contiguous 16-byte instructions, an EXIT, and every branch target inside the function."""
-    src, cubin, ptx = ROOT / "kernels" / "norm.cu", tmp_path / "norm.cubin", tmp_path / "norm.ptx"
-    flags = ["-O3", "-std=c++17", "--use_fast_math", f"-I{ROOT / 'kernels'}", "-arch=sm_90a"]
+    from ninfer_rt.gpu.build import NVCC_FLAGS, kernels_dir
+
+    src, cubin, ptx = kernels_dir() / "norm.cu", tmp_path / "norm.cubin", tmp_path / "norm.ptx"
     for kind, out in (("-cubin", cubin), ("-ptx", ptx)):
-        subprocess.run(["nvcc", kind, *flags, "-o", str(out), str(src)], check=True, capture_output=True)
+        subprocess.run(["nvcc", kind, *NVCC_FLAGS, "-arch=sm_90a", f"-I{kernels_dir()}", "-o", str(out), str(src)],
+                       check=True, capture_output=True)
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
     instrs = sass_waits.parse_cubin(cubin.read_bytes())
     assert {i.function for i in instrs} == entries
