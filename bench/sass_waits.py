@@ -70,12 +70,13 @@ def parse(text: str) -> list[Instr]:
 
 
 def _skippable(instrs: list[Instr]) -> set[int]:
-    """Addresses a forward branch can jump over (the body of an if, either arm): waits there may not run."""
+    """Addresses a forward branch of one function can jump over (the body of an if, either arm): waits there may
+    not run. Instructions are 16 bytes apart."""
     out: set[int] = set()
     for ins in instrs:
         m = re.match(r"^(@!?P\d+\s+)?BRA\s+(0x[0-9a-f]+)", ins.text)
         if m and int(m.group(2), 16) > ins.addr:
-            out.update(i.addr for i in instrs if ins.addr < i.addr < int(m.group(2), 16) and i.function == ins.function)
+            out.update(range(ins.addr + 16, int(m.group(2), 16), 16))
     return out
 
 
@@ -141,11 +142,11 @@ def pdl_waits(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
     """(instruction, scoreboard, addresses of the loads before the PDL wait it waits for, may be skipped), after
     that wait, in address order: a load adds itself to its scoreboard, a wait that always runs clears it."""
     out: list[tuple[Instr, int, list[int], bool]] = []
-    pending: dict[int, list[tuple[int, bool]]] = {}
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
         skip = _skippable(body)
-        pending, after = {k: [] for k in range(6)}, False
+        pending: dict[int, list[tuple[int, bool]]] = {k: [] for k in range(6)}  # scoreboard: (load address, after)
+        after = False
         for ins in body:
             for k in sorted(ins.wait):
                 early = [a for a, late in pending[k] if not late]
