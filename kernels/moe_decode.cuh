@@ -98,6 +98,30 @@ __device__ __forceinline__ void stage_codes(uint8_t* dst, const float4* __restri
     }
 }
 
+// stage_codes at compile-time counts, of src (N4 float4s) and, where NS4 > 0, of a second row src2 (NS4 float4s,
+// NS4 <= MOE_THREADS) into dst2: every load is issued before the first is used. Over stage_codes' run-time count,
+// ptxas makes the loop's first load wait on the scoreboard it shares with the weight loads issued before it, so x
+// was requested only once they had landed (perf.md v58).
+template <int XQ, int XQ2, bool L2, int N4, int NS4>
+__device__ __forceinline__ void stage_codes_fixed(uint8_t* dst, const float* src, uint8_t* dst2 = nullptr,
+                                                  const float* src2 = nullptr) {
+    static_assert(N4 % MOE_THREADS == 0 && NS4 % 32 == 0 && NS4 <= MOE_THREADS, "whole warps in every pass");
+    constexpr int CB = qchunk_bytes(1), P = N4 / MOE_THREADS;
+    const float4* a4 = reinterpret_cast<const float4*>(src);
+    const int tid = threadIdx.x;
+    float4 v[P], vs = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int p = 0; p < P; ++p) v[p] = L2 ? __ldcg(a4 + MOE_THREADS * p + tid) : __ldg(a4 + MOE_THREADS * p + tid);
+    const float4* s4 = reinterpret_cast<const float4*>(src2);
+    if (tid < NS4) vs = L2 ? __ldcg(s4 + tid) : __ldg(s4 + tid);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int i4 = MOE_THREADS * p + tid;
+        store_codes4<1, XQ>(dst + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[p], true);
+    }
+    if (tid < NS4) store_codes4<1, XQ2>(dst2 + (tid >> 3) * CB, 0, 4 * (tid & 7), vs, true);
+}
+
 // A gate/up tile's weights into registers: warp w's bank rows e·2I + 32·tile + 4w .. +4 (a tile's 16 gate rows
 // and their 16 up rows: moe.cu's interleave), lane the chunks lane + 32t (t < T), all 4·T loads in flight.
 template <int BITS, int GROUP, int T>

@@ -31,7 +31,7 @@
 
 #define MOE_FUSED_I 512   // I and Is: 16 chunks of a down row, one per lane of a half warp
 #define MOE_FUSED_DR 16   // x rows per phase-2 block: half the blocks leave at the barrier (room for the next kernel)
-#define MOE_FUSED_K 8     // the top-k whose act staging is unrolled (stage_act_fixed); others take stage_codes' loop
+#define MOE_FUSED_K 8     // the top-k whose act staging has compile-time counts (stage_codes_fixed)
 
 // A grid-wide barrier on bar, a u32 in global memory that each launch finds with its top bit either way and
 // leaves flipped: block 0 adds 2^31 - (nb - 1), the others 1, so the nb additions sum to 2^31 (the low bits come
@@ -54,27 +54,6 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, unsigned sense) {
         } while ((now & 0x80000000u) == sense);
     }
     __syncthreads();
-}
-
-// stage_codes for act (N4 float4s) and act_s (NS4) at compile-time counts: every load is issued before the first
-// use. Over a run-time count, ptxas makes the loop's first load wait on the scoreboard it shares with phase 2's
-// weights, so act was requested only once they had landed (perf.md v58).
-template <int XA, int XS, int N4, int NS4>
-__device__ __forceinline__ void stage_act_fixed(uint8_t* s_act, uint8_t* s_acs, const float* act, const float* act_s) {
-    static_assert(N4 % MOE_THREADS == 0 && NS4 % 32 == 0 && NS4 <= MOE_THREADS, "whole warps in every pass");
-    constexpr int CB = qchunk_bytes(1), P = N4 / MOE_THREADS;
-    const float4* a4 = reinterpret_cast<const float4*>(act);
-    const int tid = threadIdx.x;
-    float4 v[P], vs = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int p = 0; p < P; ++p) v[p] = __ldcg(a4 + MOE_THREADS * p + tid);
-    if (tid < NS4) vs = __ldcg(reinterpret_cast<const float4*>(act_s) + tid);
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const int i4 = MOE_THREADS * p + tid;
-        store_codes4<1, XA>(s_act + (i4 >> 3) * CB, 0, 4 * (i4 & 7), v[p], true);
-    }
-    if (tid < NS4) store_codes4<1, XS>(s_acs + (tid >> 3) * CB, 0, 4 * (tid & 7), vs, true);
 }
 
 // The dot of one loaded chunk of one row with the chunk record rec (q8: both 16-element halves).
@@ -238,7 +217,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 
     // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
     if (top_k == MOE_FUSED_K) {
-        stage_act_fixed<XD, XS, MOE_FUSED_K * I / 4, I / 4>(s_act, s_acs, act, act_s);
+        stage_codes_fixed<XD, XS, true, MOE_FUSED_K * I / 4, I / 4>(s_act, act, s_acs, act_s);
     } else {
         stage_codes<XD, true>(s_act, reinterpret_cast<const float4*>(act), top_k * I / 4);
         stage_codes<XS, true>(s_acs, reinterpret_cast<const float4*>(act_s), I / 4);
