@@ -3,6 +3,7 @@
     cuobjdump -sass -fun moe_fused_t2_q4g64_q5g64_q8g32 kernels.cubin > k.sass
     python bench/sass_waits.py k.sass [--function NAME] [--start 0x2000] [--end 0x4000] [--all]
     python bench/sass_waits.py k.sass --pdl    # waits after the PDL wait on loads issued before it
+    python bench/sass_waits.py k.sass --held-loads   # loads whose issue waits for earlier loads
     nvcc -cubin -arch=sm_90a ... -o k.cubin; python bench/sass_waits.py k.cubin --pdl   # no cuobjdump needed
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
@@ -15,6 +16,8 @@ bits of each instruction's second 64-bit word, in the layout public reverse engi
 --pdl lists, per function, the instructions after the PDL wait (griddepcontrol.wait: ACQBULK) whose wait still counts
 loads issued before it, in address order; a wait that a forward branch can jump over is marked and clears nothing.
 A triage list, to read against the code (a scoreboard also counts instructions that name it as their read scoreboard).
+--held-loads lists the loads and cp.async copies whose own issue waits on a scoreboard that still counts earlier
+loads: their request leaves only once those land (v58: a loop over a run-time count did this to act's staging).
 A cubin (ELF) is read directly: each instruction's control bits, a branch's target, and the opcode names cuobjdump
 13.0 gives on sm_90a for the opcodes seen in v57's listings (`op<code>` for others), so the triage runs where nvcc is
 and cuobjdump is not (the device's cuobjdump listing of moe_fused and this decoding of the same source's cubin
@@ -34,6 +37,7 @@ _FIRST = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;?\s*/\* (0x[0-9a-f]{16
 _SECOND = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _LOAD = re.compile(r"^(@!?P[0-9T]\s+)?(LDG|LD|ATOMG|ATOM|RED)\b")  # memory, not the constant or shared loads
+_ISSUE = re.compile(r"^(@!?P[0-9T]\s+)?(LDG|LD|LDGSTS)\b")  # requests whose issue a wait can hold up
 
 
 @dataclass(frozen=True)
@@ -138,27 +142,43 @@ def parse_cubin(data: bytes) -> list[Instr]:
     return out
 
 
-def pdl_waits(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
-    """(instruction, scoreboard, addresses of the loads before the PDL wait it waits for, may be skipped), after
-    that wait, in address order: a load adds itself to its scoreboard, a wait that always runs clears it."""
-    out: list[tuple[Instr, int, list[int], bool]] = []
+def _waits(instrs: list[Instr]):
+    """Per function, in address order: (instruction, scoreboard, the loads still counted on it as (address, issued
+    after the PDL wait), whether a forward branch can skip the instruction, whether it is after the PDL wait) for each
+    scoreboard an instruction waits on. A load adds itself to its scoreboard; a wait that always runs clears it."""
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
         skip = _skippable(body)
-        pending: dict[int, list[tuple[int, bool]]] = {k: [] for k in range(6)}  # scoreboard: (load address, after)
+        pending: dict[int, list[tuple[int, bool]]] = {k: [] for k in range(6)}
         after = False
         for ins in body:
             for k in sorted(ins.wait):
-                early = [a for a, late in pending[k] if not late]
-                if after and early:
-                    out.append((ins, k, early, ins.addr in skip))
+                if pending[k]:
+                    yield ins, k, pending[k], ins.addr in skip, after
                 if ins.addr not in skip:
                     pending[k] = []
             if ins.text.split()[0] == "ACQBULK":
                 after = True
             if ins.write_sb is not None and _LOAD.match(ins.text):
-                pending[ins.write_sb].append((ins.addr, after))
+                pending[ins.write_sb] = [*pending[ins.write_sb], (ins.addr, after)]
+
+
+def pdl_waits(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
+    """(instruction, scoreboard, addresses of the loads before the PDL wait it waits for, may be skipped), after
+    that wait, in address order."""
+    out = []
+    for ins, k, pend, cond, after in _waits(instrs):
+        early = [a for a, late in pend if not late]
+        if after and early:
+            out.append((ins, k, early, cond))
     return out
+
+
+def held_loads(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
+    """(load, scoreboard, addresses of the earlier loads it waits for, may be skipped): memory loads and cp.async
+    copies whose issue waits on a scoreboard that still counts other loads, so their request goes out only once those
+    land (perf.md v58: a loop's first load of act waited for phase 2's weights)."""
+    return [(ins, k, [a for a, _ in pend], cond) for ins, k, pend, cond, _ in _waits(instrs) if _ISSUE.match(ins.text)]
 
 
 def describe(ins: Instr) -> str:
@@ -176,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="every instruction, not only those that set or wait")
     ap.add_argument("--pdl", action="store_true",
                     help="only the waits after the PDL wait that still count loads issued before it")
+    ap.add_argument("--held-loads", action="store_true",
+                    help="only the loads and cp.async copies whose issue waits for earlier loads")
     args = ap.parse_args(argv)
     try:
         data = args.sass.read_bytes()
@@ -188,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.function:
         instrs = [i for i in instrs if args.function in i.function]
-    if args.pdl:
-        for ins, k, early, cond in pdl_waits(instrs):
-            loads = ", ".join(f"{a:05x}" for a in early[:4]) + (f" (+{len(early) - 4})" if len(early) > 4 else "")
+    if args.pdl or args.held_loads:
+        what = "loads before the wait" if args.pdl else "earlier loads"
+        for ins, k, early, cond in (pdl_waits if args.pdl else held_loads)(instrs):
+            if args.pdl:  # the first loads issued; the held load's: the last (the latest ones hold it up longest)
+                loads = ", ".join(f"{a:05x}" for a in early[:4]) + (f" (+{len(early) - 4})" if len(early) > 4 else "")
+            else:
+                loads = (f"(+{len(early) - 4}) " if len(early) > 4 else "") + ", ".join(f"{a:05x}" for a in early[-4:])
             tag = " (in a branch)" if cond else ""
-            print(f"{ins.function}  {describe(ins)}{tag}   <- scoreboard {k}: loads before the wait at {loads}")
+            print(f"{ins.function}  {describe(ins)}{tag}   <- scoreboard {k}: {what} at {loads}")
         return 0
     for ins in instrs:
         if args.start <= ins.addr <= args.end and (args.all or ins.wait or ins.write_sb is not None):

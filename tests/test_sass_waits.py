@@ -113,3 +113,28 @@ def test_cubin_functions_are_the_ptx_entries(tmp_path):
             m = re.match(r"^(@!?P\d )?BRA (0x[0-9a-f]+)$", i.text)
             if m:
                 assert 0 <= int(m.group(2), 16) < 16 * len(body)
+
+
+# moe_fused_t2_q4g64_q5g64_q8g32's words (sm_90a, nvcc 13.0) around its grid barrier: at 6d90a77 a phase-2 weight load,
+# the barrier's poll and the invalidate after it, a parameter load, and act's first load inside stage_codes' loop;
+# at 17992aa the same kernel's first three act loads at compile-time counts (perf.md v58)
+BARRIER_OLD = [(0x7F70, 0x0000000842117981, 0x000364000C1E9500), (0x8060, 0x00000008403D7981, 0x002EE8000C1EF900),
+               (0x8070, 0x00000000FF00798F, 0x008FE20002000000), (0x81C0, 0x0000B200FF528B82, 0x01FEF00000000A00),
+               (0x8210, 0x0000000852448981, 0x020762000C1EFD00)]
+ACT_NEW = [(0x9DE0, 0x0000000858387981, 0x001EE2000C1EFD00), (0x9E00, 0x00100008583C7981, 0x000F22000C1EFD00),
+           (0x9E30, 0x0030000858487981, 0x004F6C000C1EFD00)]
+
+
+def test_held_loads_are_loads_waiting_on_earlier_loads():
+    """A load is held exactly when its wait mask names a scoreboard an earlier load still counts: act's load in the
+    loop waits on the weights' scoreboard 5 (reported with the weight load), the poll's and the parameter load's
+    waits are not loads' issue waits on loads; at compile-time counts act's loads wait on nothing a load set."""
+    old = [sass_waits.decode_word("f", a, lo, hi) for a, lo, hi in BARRIER_OLD]
+    assert [i.text for i in old] == ["LDG", "LDG", "CCTL", "@!P0 LDC", "@!P0 LDG"]
+    weight, act = old[0], old[-1]
+    assert weight.write_sb in act.wait  # ptxas's control bits, the oracle
+    rows = [(ins.addr, k, early, cond) for ins, k, early, cond in sass_waits.held_loads(old)]
+    assert rows == [(0x8210, weight.write_sb, [0x7F70], False)]
+    new = [weight] + [sass_waits.decode_word("f", a, lo, hi) for a, lo, hi in ACT_NEW]
+    assert all(weight.write_sb not in i.wait for i in new[1:])
+    assert sass_waits.held_loads(new) == []
