@@ -4,6 +4,7 @@
     python bench/sass_waits.py k.sass [--function NAME] [--start 0x2000] [--end 0x4000] [--all]
     python bench/sass_waits.py k.sass --pdl    # waits after the PDL wait on loads issued before it
     python bench/sass_waits.py k.sass --held-loads   # loads whose issue waits for earlier loads
+    python bench/sass_waits.py k.sass --loop-drains  # waits in a loop on the loads of the same pass
     nvcc -cubin -arch=sm_90a ... -o k.cubin; python bench/sass_waits.py k.cubin --pdl   # no cuobjdump needed
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
@@ -18,6 +19,8 @@ loads issued before it, in address order; a wait that a forward branch can jump 
 A triage list, to read against the code (a scoreboard also counts instructions that name it as their read scoreboard).
 --held-loads lists the loads and cp.async copies whose own issue waits on a scoreboard that still counts earlier
 loads: their request leaves only once those land (v58: a loop over a run-time count did this to act's staging).
+--loop-drains lists, per loop (a backward branch), the waits on loads issued earlier in the same pass: those loads
+are not in flight across the wait (v58: the stream GEMVs' ping-pong drains the tile it has just refilled).
 A cubin (ELF) is read directly: each instruction's control bits, a branch's target, and the opcode names cuobjdump
 13.0 gives on sm_90a for the opcodes seen in v57's listings (`op<code>` for others), so the triage runs where nvcc is
 and cuobjdump is not (the device's cuobjdump listing of moe_fused and this decoding of the same source's cubin
@@ -181,6 +184,32 @@ def held_loads(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
     return [(ins, k, [a for a, _ in pend], cond) for ins, k, pend, cond, _ in _waits(instrs) if _ISSUE.match(ins.text)]
 
 
+def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
+    """(instruction, loop start, loop end, scoreboard, loads issued before it in the same pass) for each wait inside
+    a loop (a backward branch's target up to the branch) on a scoreboard that loads issued earlier in the same pass
+    still count: the wait drains the requests the loop just made, so they are not in flight across it (perf.md v58:
+    the stream GEMVs' ping-pong waits for the tile it has just refilled)."""
+    out = []
+    for fn in dict.fromkeys(i.function for i in instrs):
+        body = [i for i in instrs if i.function == fn]
+        for br in body:
+            m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
+            if not m or int(m.group(1), 16) >= br.addr:
+                continue
+            lo = int(m.group(1), 16)
+            issued = {k: 0 for k in range(6)}
+            for ins in body:
+                if not lo <= ins.addr <= br.addr:
+                    continue
+                for k in sorted(ins.wait):
+                    if issued[k]:
+                        out.append((ins, lo, br.addr, k, issued[k]))
+                    issued[k] = 0
+                if ins.write_sb is not None and _LOAD.match(ins.text):
+                    issued[ins.write_sb] += 1
+    return out
+
+
 def describe(ins: Instr) -> str:
     wait = "".join(str(i) for i in sorted(ins.wait)) or "-"
     sets = "-" if ins.write_sb is None else str(ins.write_sb)
@@ -198,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the waits after the PDL wait that still count loads issued before it")
     ap.add_argument("--held-loads", action="store_true",
                     help="only the loads and cp.async copies whose issue waits for earlier loads")
+    ap.add_argument("--loop-drains", action="store_true",
+                    help="only the waits in a loop on loads issued earlier in the same pass")
     args = ap.parse_args(argv)
     try:
         data = args.sass.read_bytes()
@@ -210,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.function:
         instrs = [i for i in instrs if args.function in i.function]
+    if args.loop_drains:
+        for ins, lo, hi, k, n in loop_drains(instrs):
+            print(f"{ins.function}  loop {lo:05x}-{hi:05x}  {describe(ins)}   <- scoreboard {k}: {n} loads of this pass")
+        return 0
     if args.pdl or args.held_loads:
         what = "loads before the wait" if args.pdl else "earlier loads"
         for ins, k, early, cond in (pdl_waits if args.pdl else held_loads)(instrs):

@@ -138,3 +138,16 @@ def test_held_loads_are_loads_waiting_on_earlier_loads():
     new = [weight] + [sass_waits.decode_word("f", a, lo, hi) for a, lo, hi in ACT_NEW]
     assert all(weight.write_sb not in i.wait for i in new[1:])
     assert sass_waits.held_loads(new) == []
+
+
+def test_loop_drains_are_waits_on_loads_of_the_same_pass():
+    """A loop from 0x10 to the backward branch at 0x50: a wait on a scoreboard that a load of the same pass set is a
+    drain (reported with how many such loads); the load before the loop, a wait on a scoreboard no load of the pass
+    set, and a second wait after the first cleared it are not."""
+    def ins(addr, text, write_sb=None, wait=()):
+        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
+
+    body = [ins(0x00, "LDG", 4), ins(0x10, "LDG", 5), ins(0x20, "LDG", 5), ins(0x30, "IDP", wait=(4, 5)),
+            ins(0x40, "FADD", wait=(5,)), ins(0x50, "@P0 BRA 0x10")]
+    rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
+    assert rows == [(0x30, 0x10, 0x50, 5, 2)]
