@@ -188,10 +188,12 @@ def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     """(instruction, loop start, loop end, scoreboard, loads issued before it in the same pass) for each wait inside
     a loop (a backward branch's target up to the branch) on a scoreboard that loads issued earlier in the same pass
     still count: the wait drains the requests the loop just made, so they are not in flight across it (perf.md v58:
-    the stream GEMVs' ping-pong waits for the tile it has just refilled)."""
+    the stream GEMVs' ping-pong waits for the tile it has just refilled). An instruction inside nested loops is
+    reported for the innermost one that finds the drain."""
     out = []
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
+        found: dict[tuple[int, int], tuple[Instr, int, int, int, int]] = {}
         for br in body:
             m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
             if not m or int(m.group(1), 16) >= br.addr:
@@ -202,11 +204,13 @@ def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
                 if not lo <= ins.addr <= br.addr:
                     continue
                 for k in sorted(ins.wait):
-                    if issued[k]:
-                        out.append((ins, lo, br.addr, k, issued[k]))
+                    old = found.get((ins.addr, k))
+                    if issued[k] and (old is None or br.addr - lo < old[2] - old[1]):
+                        found[(ins.addr, k)] = (ins, lo, br.addr, k, issued[k])
                     issued[k] = 0
                 if ins.write_sb is not None and _LOAD.match(ins.text):
                     issued[ins.write_sb] += 1
+        out += [found[key] for key in sorted(found)]
     return out
 
 

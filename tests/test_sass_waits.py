@@ -151,3 +151,14 @@ def test_loop_drains_are_waits_on_loads_of_the_same_pass():
             ins(0x40, "FADD", wait=(5,)), ins(0x50, "@P0 BRA 0x10")]
     rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
     assert rows == [(0x30, 0x10, 0x50, 5, 2)]
+
+
+def test_loop_drains_name_the_innermost_loop():
+    """A drain inside two loops (0x10-0x40 within 0x00-0x50) is reported once, for the inner loop."""
+    def ins(addr, text, write_sb=None, wait=()):
+        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
+
+    body = [ins(0x00, "NOP"), ins(0x10, "LDG", 5), ins(0x20, "IDP", wait=(5,)), ins(0x30, "NOP"),
+            ins(0x40, "@P0 BRA 0x10"), ins(0x50, "@P1 BRA 0x0")]
+    rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
+    assert rows == [(0x20, 0x10, 0x40, 5, 1)]
