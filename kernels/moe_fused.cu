@@ -31,7 +31,6 @@
 
 #define MOE_FUSED_I 512   // I and Is: 16 chunks of a down row, one per lane of a half warp
 #define MOE_FUSED_DR 16   // x rows per phase-2 block: half the blocks leave at the barrier (room for the next kernel)
-#define MOE_FUSED_K 8     // the top-k whose act staging has compile-time counts (stage_codes_fixed)
 
 // A grid-wide barrier on bar, a u32 in global memory that each launch finds with its top bit either way and
 // leaves flipped: block 0 adds 2^31 - (nb - 1), the others 1, so the nb additions sum to 2^31 (the low bits come
@@ -216,8 +215,8 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     if (!has_dn) return;       // whole block, after its last barrier with the grid
 
     // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
-    if (top_k == MOE_FUSED_K) {
-        stage_codes_fixed<XD, XS, true, MOE_FUSED_K * I / 4, I / 4>(s_act, act, s_acs, act_s);
+    if (top_k == MOE_STAGE_K) {
+        stage_codes_fixed<XD, XS, true, MOE_STAGE_K * I / 4, I / 4>(s_act, act, s_acs, act_s);
     } else {
         stage_codes<XD, true>(s_act, reinterpret_cast<const float4*>(act), top_k * I / 4);
         stage_codes<XS, true>(s_acs, reinterpret_cast<const float4*>(act_s), I / 4);
