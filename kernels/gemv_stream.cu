@@ -18,8 +18,9 @@
 // the warps sharing it left in shared memory, in warp order (deterministic).
 // Two register tiles ping-pong: a tile's 4·D 16-byte units (and scales) are issued a whole step ahead of their
 // use, the first two before the kernel waits on its predecessor and stages x̂ (all of K, once per block), so a
-// warp keeps 4·D to 8·D units in flight from its first instruction to its last. In "add" mode the old y is
-// loaded before a group's last step is decoded. Same semantics as gemv_body at M = 1 (the caller guarantees
+// warp keeps 4·D to 8·D units in flight from its first instruction to its last. "add" mode adds each output to y
+// in L2 (red.global.add). Launches whose steps are all whole (not swiglu) run a copy of the loop without the
+// per-unit range test. Same semantics as gemv_body at M = 1 (the caller guarantees
 // K <= the x̂ smem capacity and 1 <= D <= StreamDepth; blocks without a row group return at once); sums differ
 // from gemv_body's only in order.
 
@@ -32,6 +33,13 @@ constexpr int kL2Steps = 2;
 template <int BITS>
 struct StreamDepth {
     static constexpr int value = (BITS == 5 || BITS == 6) ? 1 : 2;
+};
+
+// A loop copy's tag: true where every unit of every step is in range (D == DM, nu % (32 DM) == 0), so no unit
+// is tested. At 128 registers, the test's branch made ptxas wait on the tile just refilled (perf.md v59).
+template <bool B>
+struct StepsFull {
+    static constexpr bool value = B;
 };
 
 template <int DM>
@@ -249,15 +257,15 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             ++g;
         }
     };
-    // Issue the loads of step t of local row group gl into T.
-    auto issue = [&](Tile<DM>& T, int gl, int t) {
+    // Issue the loads of step t of local row group gl into T (full: a StepsFull tag).
+    auto issue = [&](Tile<DM>& T, int gl, int t, auto full) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) rows.oq[r] = (unsigned)row_of(g0 + gl, r) * nuq;
         const int ub = t * D * 32 + lane;
 #pragma unroll
         for (int d = 0; d < DM; ++d) {
             const int u = ub + 32 * d;
-            if (d < D && u < nu) rows.load(T.u[d], u);
+            if (decltype(full)::value || (d < D && u < nu)) rows.load(T.u[d], u);
         }
     };
 
@@ -282,12 +290,12 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     if (!REC && norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
     Tile<DM> A, B;
     int ig = fg, it = sb - fg * S;  // the next step to issue
-    auto issue_next = [&](Tile<DM>& T) {
-        issue(T, ig, it);
+    auto issue_next = [&](Tile<DM>& T, auto full) {
+        issue(T, ig, it, full);
         advance(ig, it);
     };
-    if (se - sb >= 1) issue_next(A);
-    if (se - sb >= 2) issue_next(B);
+    if (se - sb >= 1) issue_next(A, StepsFull<false>{});
+    if (se - sb >= 2) issue_next(B, StepsFull<false>{});
     float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) +
                                          (K >> 5) * (F::XQ != 0 ? qchunk_bytes(1) : 36 * 4));
     float* gf = !REC && norm_w ? xf + K : nullptr;
@@ -348,14 +356,17 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     }
 
     // Outputs of row group g from its row totals: lane q < 4 holds a = row q (swiglu: lane q < 2 also b = its
-    // up row q + 2); yv is the old y of lane's row in "add" mode.
-    auto write = [&](int g, float a, float b, float yv) {
+    // up row q + 2). "add" mode adds to y in L2 (one lane owns each element: the same rounding as a load, an add
+    // and a store, ftz both ways). A loaded old y took a register on the tiles' scoreboard: its reuse in the other
+    // half of the ping-pong waited for the tile just issued, every step (perf.md v58).
+    auto write = [&](int g, float a, float b) {
         if (!swiglu) {
             const int n = kRows * g + lane;
             if (lane < kRows && n < N) {
                 float val = a * inv;
                 if (row_scale) val *= __ldg(row_scale);  // read here, not held across the loop (q8 spilled)
-                y[n] = mode == 1 ? yv + val : val;
+                if (mode == 1) atomicAdd(y + n, val);
+                else y[n] = val;
             }
         } else {
             const int j = 16 * (g >> 3) + 2 * (g & 7) + lane;
@@ -368,10 +379,6 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             }
         }
     };
-    auto old_y = [&](int g) {  // a plain load: y is written by this kernel (this element by this lane only)
-        const int n = kRows * g + lane;
-        return mode == 1 && lane < kRows && n < N ? y[n] : 0.f;
-    };
 
     float acc[kRows][1];
 #pragma unroll
@@ -379,18 +386,15 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     int cg = fg, ct = sb - fg * S, left = se - sb;  // the next step to consume, and how many are left
     int own = -1;  // a cut row group whose first step is this warp's: summed after the loop
 
-    auto consume = [&](const Tile<DM>& T) {
+    auto consume = [&](const Tile<DM>& T, auto full) {
         const bool last = ct == S - 1 || left == 1;  // the group's last step in this warp's range
         const bool starts_here = cg != fg || !head_cut;  // the group's first step is in this warp's range
         const bool whole = starts_here && ct == S - 1;
-        // the old y, loaded now and used after this step's decode (it is in L2: the residual stream was just
-        // written) -- a register held across the decode, not across the steps
-        const float yv = whole && last ? old_y(g0 + cg) : 0.f;
         const int ub = ct * D * 32 + lane;
 #pragma unroll
         for (int d = 0; d < DM; ++d) {
             const int u = ub + 32 * d;
-            if (d < D && u < nu) {
+            if (decltype(full)::value || (d < D && u < nu)) {
                 const int le = u * EU;
                 const uint8_t* xb = reinterpret_cast<const uint8_t*>(smem4);
                 if constexpr (F::XQ != 0)
@@ -409,7 +413,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             if (whole) {
                 const float a = __shfl_sync(kFull, v[0], 8 * (lane & 3));
                 const float b = __shfl_sync(kFull, v[0], 8 * (lane & 1) + 16);
-                write(g0 + cg, a, b, yv);
+                write(g0 + cg, a, b);
             } else {
                 if ((lane & 7) == 0) part[warp][cg == fg ? 0 : 1][lane >> 3] = v[0];
                 if (starts_here) own = cg;
@@ -421,18 +425,20 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 
     // Ping-pong: consume one register tile, refill it with the step two ahead (if the range has one: the other
     // tile holds the step after this one), then the same with the other.
-    while (left > 0) {
-        consume(A);
-        if (left >= 2) issue_next(A);
-        if (left <= 0) break;
-        consume(B);
-        if (left >= 2) issue_next(B);
-    }
+    auto run = [&](auto full) {
+        while (left > 0) {
+            consume(A, full);
+            if (left >= 2) issue_next(A, full);
+            if (left <= 0) break;
+            consume(B, full);
+            if (left >= 2) issue_next(B, full);
+        }
+    };
+    // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up 5% slower (perf.md v59)
+    if (!swiglu && D == DM && nu % (32 * DM) == 0) run(StepsFull<true>{});
+    else run(StepsFull<false>{});
 
     NINFER_TL_MARK(1);  // this warp's steps done
-    // the old y of the cut group this warp writes (no other warp writes those rows), loaded before the barrier so
-    // that its L2 round trip overlaps the wait for the slower warps
-    const float yv_own = own >= 0 ? old_y(g0 + own) : 0.f;
     __syncthreads();  // every warp's partials are in part
     NINFER_TL_MARK(2);  // the block's steps done
     if (own >= 0) {
@@ -447,7 +453,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             a += part[w][0][lane & 3];
             b += part[w][0][(lane & 1) + 2];
         }
-        write(g0 + own, a, b, yv_own);
+        write(g0 + own, a, b);
     }
     if constexpr (WREC) {
         // swiglu: y's 32-element chunks as the down projection's x̂ records. A chunk's 16 row groups may span
