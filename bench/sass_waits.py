@@ -5,6 +5,7 @@
     python bench/sass_waits.py k.sass --pdl    # waits after the PDL wait on loads issued before it
     python bench/sass_waits.py k.sass --held-loads   # loads whose issue waits for earlier loads
     python bench/sass_waits.py k.sass --loop-drains  # waits in a loop on the loads of the same pass
+    python bench/sass_waits.py k.sass --dot-loops 64  # each loop with 64+ dots: its loads and its drains
     nvcc -cubin -arch=sm_90a ... -o k.cubin; python bench/sass_waits.py k.cubin --pdl   # no cuobjdump needed
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
@@ -21,6 +22,8 @@ A triage list, to read against the code (a scoreboard also counts instructions t
 loads: their request leaves only once those land (v58: a loop over a run-time count did this to act's staging).
 --loop-drains lists, per loop (a backward branch), the waits on loads issued earlier in the same pass: those loads
 are not in flight across the wait (v58: the stream GEMVs' ping-pong drains the tile it has just refilled).
+--dot-loops lists each loop holding at least MIN_DOTS dot instructions, with its loads and its drains, so the copies
+of one loop in a kernel read apart (v59: a whole-steps copy that drains nothing beside a tested copy that does).
 A cubin (ELF) is read directly: each instruction's control bits, a branch's target, and the opcode names cuobjdump
 13.0 gives on sm_90a for the opcodes seen in v57's listings (`op<code>` for others), so the triage runs where nvcc is
 and cuobjdump is not (the device's cuobjdump listing of moe_fused and this decoding of the same source's cubin
@@ -214,6 +217,29 @@ def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     return out
 
 
+def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, int, int, int, list]]:
+    """(function, loop start, loop end, dots, loads, drains) for each loop whose body holds at least min_dots dot
+    instructions (IDP, HFMA2, FFMA): a GEMV's main loops. drains: loop_drains' rows that name this loop. It tells
+    apart the copies of one loop in a kernel (perf.md v59: the whole-steps copy drains nothing, the tested one does)."""
+    drains = loop_drains(instrs)
+    out = []
+    for fn in dict.fromkeys(i.function for i in instrs):
+        body = [i for i in instrs if i.function == fn]
+        for br in body:
+            m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
+            if not m or int(m.group(1), 16) >= br.addr:
+                continue
+            lo = int(m.group(1), 16)
+            inside = [i for i in body if lo <= i.addr <= br.addr]
+            dots = sum(i.text.split()[-1] in ("IDP", "HFMA2", "FFMA") for i in inside)
+            if dots < min_dots:
+                continue
+            loads = sum(i.write_sb is not None and bool(_LOAD.match(i.text)) for i in inside)
+            mine = [d for d in drains if d[0].function == fn and (d[1], d[2]) == (lo, br.addr)]
+            out.append((fn, lo, br.addr, dots, loads, mine))
+    return out
+
+
 def describe(ins: Instr) -> str:
     wait = "".join(str(i) for i in sorted(ins.wait)) or "-"
     sets = "-" if ins.write_sb is None else str(ins.write_sb)
@@ -233,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the loads and cp.async copies whose issue waits for earlier loads")
     ap.add_argument("--loop-drains", action="store_true",
                     help="only the waits in a loop on loads issued earlier in the same pass")
+    ap.add_argument("--dot-loops", type=int, metavar="MIN_DOTS", default=None,
+                    help="each loop with at least MIN_DOTS dot instructions: its dots, loads and drains")
     args = ap.parse_args(argv)
     try:
         data = args.sass.read_bytes()
@@ -245,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.function:
         instrs = [i for i in instrs if args.function in i.function]
+    if args.dot_loops is not None:
+        for fn, lo, hi, dots, loads, mine in dot_loops(instrs, args.dot_loops):
+            what = ", ".join(f"{d[0].addr:05x} {d[0].text.split()[-1]} on {d[3]} ({d[4]} loads)" for d in mine)
+            print(f"{fn}  loop {lo:05x}-{hi:05x}  dots {dots:4d}  loads {loads:3d}  drains: {what or 'none'}")
+        return 0
     if args.loop_drains:
         for ins, lo, hi, k, n in loop_drains(instrs):
             print(f"{ins.function}  loop {lo:05x}-{hi:05x}  {describe(ins)}   <- scoreboard {k}: {n} loads of this pass")

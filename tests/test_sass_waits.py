@@ -162,3 +162,20 @@ def test_loop_drains_name_the_innermost_loop():
             ins(0x40, "@P0 BRA 0x10"), ins(0x50, "@P1 BRA 0x0")]
     rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
     assert rows == [(0x20, 0x10, 0x40, 5, 1)]
+
+
+def test_dot_loops_count_each_loop_and_name_its_drains():
+    """Two copies of a loop: the first (0x10-0x60) waits on its own refill, the second (0x70-0xc0) on a load of
+    the previous pass only. Each is listed with its dots and loads, and only the first with a drain; a loop with
+    fewer dots than asked for (0xd0-0xe0) is left out."""
+    def ins(addr, text, write_sb=None, wait=()):
+        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
+
+    body = [ins(0x10, "IDP"), ins(0x20, "IDP"), ins(0x30, "LDG", 5), ins(0x40, "IMAD", wait=(5,)),
+            ins(0x50, "IDP"), ins(0x60, "@P0 BRA 0x10"),
+            ins(0x70, "IDP", wait=(5,)), ins(0x80, "IDP"), ins(0x90, "FFMA"), ins(0xa0, "LDG", 5),
+            ins(0xb0, "NOP"), ins(0xc0, "@P0 BRA 0x70"),
+            ins(0xd0, "IDP"), ins(0xe0, "@P1 BRA 0xd0")]
+    rows = [(lo, hi, dots, loads, [(d[0].addr, d[3], d[4]) for d in mine])
+            for _, lo, hi, dots, loads, mine in sass_waits.dot_loops(body, min_dots=3)]
+    assert rows == [(0x10, 0x60, 3, 1, [(0x40, 5, 1)]), (0x70, 0xc0, 3, 1, [])]
