@@ -208,7 +208,7 @@ __device__ __forceinline__ void st_pair(unsigned long long* p, unsigned long lon
 }
 __device__ __forceinline__ bool pair_set(unsigned long long p) { return (unsigned)(p >> 32) == 1u; }
 
-template <int BITS, bool BULK, bool REC = false, bool WREC = false>
+template <int BITS, bool BULK, bool REC = false, bool WREC = false, bool SW = false>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
@@ -225,7 +225,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool swiglu = WREC || mode == 2;  // WREC: swiglu only, so its kernels drop the other modes' code
+    const bool swiglu = WREC || SW || mode == 2;  // WREC, SW: swiglu only, so their kernels drop the other modes' code
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
     const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
     const int g1 = (int)((long long)(blockIdx.x + 1) * G / gridDim.x);
@@ -434,7 +434,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             if (left >= 2) issue_next(B, full);
         }
     };
-    // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up 5% slower (perf.md v59)
+    // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up slower (perf.md v59)
     if (!swiglu && D == DM && nu % (32 * DM) == 0) run(StepsFull<true>{});
     else run(StepsFull<false>{});
 
@@ -498,6 +498,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // tiles. xvec: 0 scalar x loads, 1 float4 loads, 2 cp.async through K (+ K with norm_w) floats of shared memory
 // after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
 // gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
+// gemv_<code>_s1s / _s1bs: _s1 / _s1b for swiglu only (linear.py launches them for every M = 1 stream swiglu): a
+// second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf.md v59).
 // gemv_<code>_s1r (quantized codes): x is x̂ itself, K/32 chunk records (qchunk_bytes(1) each, in the weights' XQ
 // order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b copies x (xvec 2;
 // no norm, 16 bytes of shared memory after the slab), without coding (linear.gemv x_records, which launches it on
@@ -517,6 +519,19 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         gemv_##name##_s1b(NINFER_GEMV_ARGS, int d) {                                                       \
         gemv_stream_body<BITS, NINFER_GEMV_BULK>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift,    \
                                                  ldx, mode, eps, xvec, d);                                 \
+    }
+
+#define NINFER_GEMV_S1S(name, BITS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s1s(NINFER_GEMV_ARGS, int d) {                                                       \
+        gemv_stream_body<BITS, false, false, false, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp,   \
+                                                          gshift, ldx, mode, eps, xvec, d);                \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s1bs(NINFER_GEMV_ARGS, int d) {                                                      \
+        gemv_stream_body<BITS, NINFER_GEMV_BULK, false, false, true>(qs, qh, sc, x, y, norm_w, row_scale,  \
+                                                                     N, K, kp, gshift, ldx, mode, eps,     \
+                                                                     xvec, d);                             \
     }
 
 #define NINFER_GEMV_S1R(name, BITS)                                                                        \
@@ -543,6 +558,11 @@ NINFER_GEMV_S1(q5, 5)
 NINFER_GEMV_S1(q6, 6)
 NINFER_GEMV_S1(q8, 8)
 NINFER_GEMV_S1(bf16, 16)
+NINFER_GEMV_S1S(q4, 4)
+NINFER_GEMV_S1S(q5, 5)
+NINFER_GEMV_S1S(q6, 6)
+NINFER_GEMV_S1S(q8, 8)
+NINFER_GEMV_S1S(bf16, 16)
 NINFER_GEMV_S1R(q4, 4)
 NINFER_GEMV_S1R(q5, 5)
 NINFER_GEMV_S1R(q6, 6)

@@ -303,14 +303,15 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     above = _STREAM_X_BULK_ABOVE if bulk else _STREAM_X_COPY_ABOVE
     if x_records:  # the records' copy completes on an mbarrier after the slab
         xvec, smem, name = 2, smem + 16, name + "r"
-        k.opt_in_smem(name, smem)
     elif plan.stream and xvec and (kk > above if x_copy is None else x_copy):
         extra = _stream_x_copy_bytes(k.gpu.info, plan, kk, bool(norm_w), bulk)
         if extra:  # x (and norm_w) through shared memory by cp.async or bulk copies (gemv_stream.cu stage_m1_smem)
             xvec, smem, name = 2, smem + extra, name + ("b" if bulk else "")
-            k.opt_in_smem(name, smem)
     if y_records is not None:
         name = plan.name + "bw"
+    elif plan.stream and mode == "swiglu" and not x_records:
+        name += "s"  # swiglu at M = 1 streams through a kernel of its own, _s1s / _s1bs (perf.md v59)
+    if smem != plan.smem or name != plan.name:
         k.opt_in_smem(name, smem)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
