@@ -187,6 +187,14 @@ def held_loads(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
     return [(ins, k, [a for a, _ in pend], cond) for ins, k, pend, cond, _ in _waits(instrs) if _ISSUE.match(ins.text)]
 
 
+def _back_edges(body: list[Instr]):
+    """(loop start, the backward branch) for each branch of one function to an earlier address."""
+    for br in body:
+        m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
+        if m and int(m.group(1), 16) < br.addr:
+            yield int(m.group(1), 16), br
+
+
 def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     """(instruction, loop start, loop end, scoreboard, loads issued before it in the same pass) for each wait inside
     a loop (a backward branch's target up to the branch) on a scoreboard that loads issued earlier in the same pass
@@ -197,11 +205,7 @@ def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
         found: dict[tuple[int, int], tuple[Instr, int, int, int, int]] = {}
-        for br in body:
-            m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
-            if not m or int(m.group(1), 16) >= br.addr:
-                continue
-            lo = int(m.group(1), 16)
+        for lo, br in _back_edges(body):
             issued = {k: 0 for k in range(6)}
             for ins in body:
                 if not lo <= ins.addr <= br.addr:
@@ -225,11 +229,7 @@ def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, i
     out = []
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
-        for br in body:
-            m = re.search(r"BRA (0x[0-9a-f]+)$", br.text)
-            if not m or int(m.group(1), 16) >= br.addr:
-                continue
-            lo = int(m.group(1), 16)
+        for lo, br in _back_edges(body):
             inside = [i for i in body if lo <= i.addr <= br.addr]
             dots = sum(i.text.split()[-1] in ("IDP", "HFMA2", "FFMA") for i in inside)
             if dots < min_dots:

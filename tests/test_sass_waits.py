@@ -140,26 +140,25 @@ def test_held_loads_are_loads_waiting_on_earlier_loads():
     assert sass_waits.held_loads(new) == []
 
 
+def _ins(addr, text, write_sb=None, wait=()):
+    """An instruction of function f with the given scoreboards (the loop tests' listings)."""
+    return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
+
+
 def test_loop_drains_are_waits_on_loads_of_the_same_pass():
     """A loop from 0x10 to the backward branch at 0x50: a wait on a scoreboard that a load of the same pass set is a
     drain (reported with how many such loads); the load before the loop, a wait on a scoreboard no load of the pass
     set, and a second wait after the first cleared it are not."""
-    def ins(addr, text, write_sb=None, wait=()):
-        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
-
-    body = [ins(0x00, "LDG", 4), ins(0x10, "LDG", 5), ins(0x20, "LDG", 5), ins(0x30, "IDP", wait=(4, 5)),
-            ins(0x40, "FADD", wait=(5,)), ins(0x50, "@P0 BRA 0x10")]
+    body = [_ins(0x00, "LDG", 4), _ins(0x10, "LDG", 5), _ins(0x20, "LDG", 5), _ins(0x30, "IDP", wait=(4, 5)),
+            _ins(0x40, "FADD", wait=(5,)), _ins(0x50, "@P0 BRA 0x10")]
     rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
     assert rows == [(0x30, 0x10, 0x50, 5, 2)]
 
 
 def test_loop_drains_name_the_innermost_loop():
     """A drain inside two loops (0x10-0x40 within 0x00-0x50) is reported once, for the inner loop."""
-    def ins(addr, text, write_sb=None, wait=()):
-        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
-
-    body = [ins(0x00, "NOP"), ins(0x10, "LDG", 5), ins(0x20, "IDP", wait=(5,)), ins(0x30, "NOP"),
-            ins(0x40, "@P0 BRA 0x10"), ins(0x50, "@P1 BRA 0x0")]
+    body = [_ins(0x00, "NOP"), _ins(0x10, "LDG", 5), _ins(0x20, "IDP", wait=(5,)), _ins(0x30, "NOP"),
+            _ins(0x40, "@P0 BRA 0x10"), _ins(0x50, "@P1 BRA 0x0")]
     rows = [(i.addr, lo, hi, k, n) for i, lo, hi, k, n in sass_waits.loop_drains(body)]
     assert rows == [(0x20, 0x10, 0x40, 5, 1)]
 
@@ -168,14 +167,11 @@ def test_dot_loops_count_each_loop_and_name_its_drains():
     """Two copies of a loop: the first (0x10-0x60) waits on its own refill, the second (0x70-0xc0) on a load of
     the previous pass only. Each is listed with its dots and loads, and only the first with a drain; a loop with
     fewer dots than asked for (0xd0-0xe0) is left out."""
-    def ins(addr, text, write_sb=None, wait=()):
-        return sass_waits.Instr("f", addr, text, 0, write_sb, None, frozenset(wait))
-
-    body = [ins(0x10, "IDP"), ins(0x20, "IDP"), ins(0x30, "LDG", 5), ins(0x40, "IMAD", wait=(5,)),
-            ins(0x50, "IDP"), ins(0x60, "@P0 BRA 0x10"),
-            ins(0x70, "IDP", wait=(5,)), ins(0x80, "IDP"), ins(0x90, "FFMA"), ins(0xa0, "LDG", 5),
-            ins(0xb0, "NOP"), ins(0xc0, "@P0 BRA 0x70"),
-            ins(0xd0, "IDP"), ins(0xe0, "@P1 BRA 0xd0")]
+    body = [_ins(0x10, "IDP"), _ins(0x20, "IDP"), _ins(0x30, "LDG", 5), _ins(0x40, "IMAD", wait=(5,)),
+            _ins(0x50, "IDP"), _ins(0x60, "@P0 BRA 0x10"),
+            _ins(0x70, "IDP", wait=(5,)), _ins(0x80, "IDP"), _ins(0x90, "FFMA"), _ins(0xa0, "LDG", 5),
+            _ins(0xb0, "NOP"), _ins(0xc0, "@P0 BRA 0x70"),
+            _ins(0xd0, "IDP"), _ins(0xe0, "@P1 BRA 0xd0")]
     rows = [(lo, hi, dots, loads, [(d[0].addr, d[3], d[4]) for d in mine])
             for _, lo, hi, dots, loads, mine in sass_waits.dot_loops(body, min_dots=3)]
     assert rows == [(0x10, 0x60, 3, 1, [(0x40, 5, 1)]), (0x70, 0xc0, 3, 1, [])]
