@@ -225,7 +225,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool swiglu = WREC || SW || mode == 2;  // WREC, SW: swiglu only, so their kernels drop the other modes' code
+    // WREC, SW: swiglu only; _s1 / _s1b: store and add only (linear.py sends their swiglu to _s1s / _s1bs); _s1r: all
+    const bool swiglu = WREC || SW || (REC && mode == 2);
+    if (!REC && !WREC && !SW && mode == 2) __trap();  // a swiglu launch of a kernel without its code
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
     const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
     const int g1 = (int)((long long)(blockIdx.x + 1) * G / gridDim.x);
@@ -499,7 +501,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
 // gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
 // gemv_<code>_s1s / _s1bs: _s1 / _s1b for swiglu only (linear.py launches them for every M = 1 stream swiglu): a
-// second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf.md v59).
+// second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf.md v59). _s1 / _s1b
+// then carry no swiglu code (they trap on mode 2): 6% fewer instructions, both models' steps -0.4 to -0.5% (v60).
 // gemv_<code>_s1r (quantized codes): x is x̂ itself, K/32 chunk records (qchunk_bytes(1) each, in the weights' XQ
 // order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b copies x (xvec 2;
 // no norm, 16 bytes of shared memory after the slab), without coding (linear.gemv x_records, which launches it on
