@@ -362,7 +362,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // Outputs of row group g from its row totals: lane q < 4 holds a = row q (swiglu: lane q < 2 also b = its
     // up row q + 2). "add" mode adds to y in L2 (one lane owns each element: the same rounding as a load, an add
     // and a store, ftz both ways). A loaded old y took a register on the tiles' scoreboard: its reuse in the other
-    // half of the ping-pong waited for the tile just issued, every step (perf.md v58).
+    // half of the ping-pong waited for the tile just issued, every step (perf-history.md v58).
     auto write = [&](int g, float a, float b) {
         if (!swiglu) {
             const int n = kRows * g + lane;

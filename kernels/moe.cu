@@ -362,7 +362,7 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
     };
     if (warp < top_k) issue(warp);
     // top_k·128·T float4s: a multiple of 32. The recipes' top-k at compile-time counts, so act is requested with
-    // the weights (stage_codes_fixed): -29% at M = 8, +5% at M = 1, where moe_fused runs instead (perf.md v58)
+    // the weights (stage_codes_fixed): -29% at M = 8, +5% at M = 1, where moe_fused runs instead (perf-history.md v58)
     const float* act_m = act + (long long)m * top_k * I;
     if (top_k == MOE_STAGE_K && I == 512 * T) stage_codes_fixed<XQ, XQ, false, MOE_STAGE_K * 128 * T, 0>(s_q, act_m);
     else stage_codes<XQ, false>(s_q, reinterpret_cast<const float4*>(act_m), top_k * I / 4);

@@ -101,7 +101,7 @@ __device__ __forceinline__ void stage_codes(uint8_t* dst, const float4* __restri
 // stage_codes at compile-time counts, of src (N4 float4s) and, where NS4 > 0, of a second row src2 (NS4 float4s,
 // NS4 <= MOE_THREADS) into dst2: every load is issued before the first is used. Over stage_codes' run-time count,
 // ptxas makes the loop's first load wait on the scoreboard it shares with the weight loads issued before it, so the
-// rows were requested only once those had landed (perf.md v58). The kernels take it at top-k MOE_STAGE_K.
+// rows were requested only once those had landed (perf-history.md v58). The kernels take it at top-k MOE_STAGE_K.
 #define MOE_STAGE_K 8
 template <int XQ, int XQ2, bool L2, int N4, int NS4>
 __device__ __forceinline__ void stage_codes_fixed(uint8_t* dst, const float* src, uint8_t* dst2 = nullptr,

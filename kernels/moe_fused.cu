@@ -147,7 +147,7 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 
     // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly.
     // Σ x² after the issue: ptxas gives x's loads the scoreboard of the loads before the wait, so x's first use
-    // waits for those DRAM loads too; before the issue that wait held the tile up ~0.6 µs (perf.md v57).
+    // waits for those DRAM loads too; before the issue that wait held the tile up ~0.6 µs (perf-history.md v57).
     const int pair = b / (I / 16), tile = b % (I / 16);
     const int e = has_gu ? s_e[pair] : -1;
     QChunk<GB> q[T][4];
