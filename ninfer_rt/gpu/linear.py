@@ -39,6 +39,9 @@ _STREAM_X_COPY_ABOVE = 4096
 # wait behind the weight loads in flight for the SM's miss slots, so they pay at every K (perf-history.md v33)
 _STREAM_X_BULK = True
 _STREAM_X_BULK_ABOVE = 0
+# ... except at K up to this, where sm_90+ copies x by cp.async (the 35B -1.1 to -1.6% at 0-262K; past it the 27B
+# loses 8.6% by cp.async), once the kernels stopped asking L2 for x before their wait (perf.md v60)
+_STREAM_X_ASYNC_UPTO = 4096
 # at M = 1, a dense SwiGLU's gate/up writes the down's x̂ chunk records as its blocks finish them (y_records), so
 # the down copies them instead of coding K = intermediate elements in every block (perf-history.md v42)
 SWIGLU_OUT_RECORDS = True
@@ -291,8 +294,9 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
                  y_records: tuple[int, int, int, int, int] | None = None) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
-    force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK). x_records: x is the
-    K/32 chunk records gemv checked, copied into the slab by gemv_*_s1r. y_records: gemv's checked (records,
+    force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK past K =
+    _STREAM_X_ASYNC_UPTO, cp.async up to it). x_records: x is the K/32 chunk records gemv checked, copied into the
+    slab by gemv_*_s1r. y_records: gemv's checked (records,
     pairs, counters, order, parity), written by gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
@@ -301,6 +305,8 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     smem, name = plan.smem, plan.name
     bulk = plan.stream and (_STREAM_X_BULK if x_bulk is None else x_bulk) and k.gpu.info.major >= 9
     above = _STREAM_X_BULK_ABOVE if bulk else _STREAM_X_COPY_ABOVE
+    if bulk and x_bulk is None and kk <= _STREAM_X_ASYNC_UPTO:
+        bulk, above = False, 0  # a short K on sm_90+: the cp.async copy (y_records asks for bulk: _s1bw has no other)
     if x_records:  # the records' copy completes on an mbarrier after the slab
         xvec, smem, name = 2, smem + 16, name + "r"
     elif plan.stream and xvec and (kk > above if x_copy is None else x_copy):

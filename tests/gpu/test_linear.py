@@ -405,9 +405,11 @@ def test_stream_launch_arguments():
 
 def test_stream_x_copy_launch():
     """A stream plan copies x (and norm_w) after its slab (xvec = 2, K floats each, the kernel opted in to the larger
-    shared memory) where that fits beside the plan's blocks per SM: on sm_90+ at every K by bulk copies
-    (gemv_*_s1b, 16 bytes more for the mbarrier), before sm_90 by cp.async from K > _STREAM_X_COPY_ABOVE (4096)."""
+    shared memory) where that fits beside the plan's blocks per SM: on sm_90+ at every K, by cp.async up to
+    _STREAM_X_ASYNC_UPTO (4096) and by bulk copies past it (gemv_*_s1b, 16 bytes more for the mbarrier); before
+    sm_90 by cp.async from K > _STREAM_X_COPY_ABOVE (4096)."""
     assert linear._STREAM_X_COPY_ABOVE == 4096 and linear._STREAM_X_BULK and linear._STREAM_X_BULK_ABOVE == 0
+    assert linear._STREAM_X_ASYNC_UPTO == 4096
     short, long = DeviceWeight("w", "q8g32", (9216, 2048), 1 << 20), DeviceWeight("d", "q5g64", (5120, 17408), 1 << 20)
     p0, p1 = linear.plan_gemv(short, 1, 132), linear.plan_gemv(long, 1, 132)
     assert p1.blocks == 264
@@ -419,8 +421,8 @@ def test_stream_x_copy_launch():
         linear.gemv(k, long, x=1 << 24, M=1, y=1 << 26, norm_w=1 << 28)
         (n0, _, _, a0, s0), (n1, _, _, a1, s1), (n2, _, _, a2, s2) = k.calls
         b, mbar = ("b", 16) if major >= 9 else ("", 0)
-        if major >= 9:  # K <= 4096 too: 8 + 8 KB and the mbarrier
-            assert n0 == p0.name + "b" and a0[17] == 2 and s0 == p0.smem + 8 * 2048 + 16
+        if major >= 9:  # K <= 4096 too, by cp.async: 8 + 8 KB
+            assert n0 == p0.name and a0[17] == 2 and s0 == p0.smem + 8 * 2048
         else:  # K <= 4096: registers
             assert n0 == p0.name and a0[17] == 1 and s0 == p0.smem
         assert n1 == p1.name + b and a1[17] == 2 and s1 == p1.smem + 4 * 17408 + mbar  # 43.5 + 68 KB, twice per SM

@@ -136,3 +136,5 @@ def test_gemv_y_records_errors():
     # the counters' parity rides in the order argument's bit 2
     assert name == "gemv_q4_s1bw" and args[-4:] == [1 << 16, 1 << 18, 1 << 17, 2 | 1 << 2] and args[18] == plan.d
     assert smem == k.smem_opt_in[name] >= plan.smem
+    # x copied the only way _s1bw copies it, by a bulk copy with its mbarrier, though K <= _STREAM_X_ASYNC_UPTO
+    assert args[17] == 2 and smem == plan.smem + 4 * 256 + 16
