@@ -45,6 +45,8 @@ VARIANTS = [
     ("stream kernel stages x as v32: registers to K = 4096, cp.async past it", {"linear._STREAM_X_BULK": False}),
     ("stream kernel copies x by bulk copies past K = 4096 only", {"linear._STREAM_X_BULK_ABOVE": 4096}),
     ("stream kernel copies x by bulk copies at every K on sm_90+ (v33-v59)", {"linear._STREAM_X_ASYNC_UPTO": 0}),
+    ("stream kernel copies x by cp.async at every K, the gate|up's records kept",
+     {"linear._STREAM_X_ASYNC_UPTO": 1 << 30}),
     ("attention splits by the row-count rule (v12)", {"attention._SPLIT_BLOCKS_PER_SM": 0}),
     ("attention splits dealt at run time, ~1 block per SM", {"attention._SPLIT_BLOCKS_PER_SM": 1}),
     ("attention splits dealt at run time, ~4 blocks per SM", {"attention._SPLIT_BLOCKS_PER_SM": 4}),
