@@ -296,8 +296,8 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
     force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK past K =
     _STREAM_X_ASYNC_UPTO, cp.async up to it). x_records: x is the K/32 chunk records gemv checked, copied into the
-    slab by gemv_*_s1r. y_records: gemv's checked (records,
-    pairs, counters, order, parity), written by gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
+    slab by gemv_*_s1r. y_records: gemv's checked (records, pairs, counters, order, parity), written by
+    gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
