@@ -227,7 +227,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // WREC, SW: swiglu only; _s1 / _s1b: store and add only (linear.py sends their swiglu to _s1s / _s1bs); _s1r: all
     const bool swiglu = WREC || SW || (REC && mode == 2);
-    if (!REC && !WREC && !SW && mode == 2) __trap();  // a swiglu launch of a kernel without its code
+    if (mode == 2 && !swiglu) __trap();  // a swiglu launch of a kernel without its code (_s1, _s1b)
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
     const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
     const int g1 = (int)((long long)(blockIdx.x + 1) * G / gridDim.x);
@@ -500,8 +500,10 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // The M = 1 stream kernels gemv_{q4,q5,q6,q8,bf16}_s1: the same arguments (ldy, kw_log2 and ks unused), then d,
 // the units per lane and row of one register tile (1..StreamDepth). 2 blocks per SM: 128 registers hold two
 // tiles. xvec: 0 scalar x loads, 1 float4 loads, 2 cp.async through K (+ K with norm_w) floats of shared memory
-// after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass).
-// gemv_<code>_s1b (sm_90+): the same with xvec 2's copies made by bulk copies (16 bytes more shared memory).
+// after the slab (x, norm_w and that memory 16-byte aligned; linear.py takes it past one 4096-element pass before
+// sm_90, up to it on sm_90+).
+// gemv_<code>_s1b (sm_90+; linear.py's default past K = 4096): the same with xvec 2's copies made by bulk copies
+// (16 bytes more shared memory).
 // gemv_<code>_s1s / _s1bs: _s1 / _s1b for swiglu only (linear.py launches them for every M = 1 stream swiglu): a
 // second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf.md v59). _s1 / _s1b
 // then carry no swiglu code (they trap on mode 2): 6% fewer instructions, both models' steps -0.4 to -0.5% (v60).
