@@ -224,7 +224,8 @@ def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
 def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, int, int, int, list]]:
     """(function, loop start, loop end, dots, loads, drains) for each loop whose body holds at least min_dots dot
     instructions (IDP, HFMA2, FFMA): a GEMV's main loops. drains: loop_drains' rows that name this loop. It tells
-    apart the copies of one loop in a kernel (perf.md v59: the whole-steps copy drains nothing, the tested one does)."""
+    apart the copies of one loop in a kernel (perf-history.md v59: the whole-steps copy drains nothing, the tested
+    one does)."""
     drains = loop_drains(instrs)
     out = []
     for fn in dict.fromkeys(i.function for i in instrs):

@@ -36,7 +36,7 @@ struct StreamDepth {
 };
 
 // A loop copy's tag: true where every unit of every step is in range (D == DM, nu % (32 DM) == 0), so no unit
-// is tested. At 128 registers, the test's branch made ptxas wait on the tile just refilled (perf.md v59).
+// is tested. At 128 registers, the test's branch made ptxas wait on the tile just refilled (perf-history.md v59).
 template <bool B>
 struct StepsFull {
     static constexpr bool value = B;
@@ -438,7 +438,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             if (left >= 2) issue_next(B, full);
         }
     };
-    // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up slower (perf.md v59)
+    // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up slower (perf-history.md v59)
     if (!swiglu && D == DM && nu % (32 * DM) == 0) run(StepsFull<true>{});
     else run(StepsFull<false>{});
 
@@ -505,7 +505,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 // gemv_<code>_s1b (sm_90+; linear.py's default past K = 4096): the same with xvec 2's copies made by bulk copies
 // (16 bytes more shared memory).
 // gemv_<code>_s1s / _s1bs: _s1 / _s1b for swiglu only (linear.py launches them for every M = 1 stream swiglu): a
-// second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf.md v59). _s1 / _s1b
+// second loop in the kernel that also serves store/add made its swiglu loop 5% slower (perf-history.md v59). _s1 / _s1b
 // then carry no swiglu code (they trap on mode 2): 6% fewer instructions, both models' steps -0.4 to -0.5% (v60).
 // gemv_<code>_s1r (quantized codes): x is x̂ itself, K/32 chunk records (qchunk_bytes(1) each, in the weights' XQ
 // order, as act_records16 lays them out) written by x's producer, copied into the slab as _s1b copies x (xvec 2;

@@ -316,7 +316,7 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     if y_records is not None:
         name = plan.name + "bw"
     elif plan.stream and mode == "swiglu" and not x_records:
-        name += "s"  # swiglu at M = 1 streams through a kernel of its own, _s1s / _s1bs (perf.md v59)
+        name += "s"  # swiglu at M = 1 streams through a kernel of its own, _s1s / _s1bs (perf-history.md v59)
     if smem != plan.smem or name != plan.name:
         k.opt_in_smem(name, smem)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
