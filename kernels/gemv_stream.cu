@@ -289,7 +289,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // Ask L2 for x̂'s records and norm_w first, so their lines are not queued behind the weights (norm_w is rarely
     // in L2); then issue the first two steps, then stage x̂ while they are in flight. A raw x is not asked for: it
     // is in L2 already, and asking before the wait for lines the predecessor still adds to delayed the release
-    // (the 27B's norm GEMVs 0.3-0.6 µs, -1.2% a step: perf.md v60).
+    // (the 27B's norm GEMVs 0.3-0.6 µs, -1.2% a step: perf-history.md v60).
     if (REC) prefetch_l2_span(x, (size_t)(K >> 5) * qchunk_bytes(1), threadIdx.x, kWarps * 32);
     if (!REC && norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
     Tile<DM> A, B;

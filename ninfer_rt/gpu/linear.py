@@ -40,7 +40,7 @@ _STREAM_X_COPY_ABOVE = 4096
 _STREAM_X_BULK = True
 _STREAM_X_BULK_ABOVE = 0
 # ... except at K up to this, where sm_90+ copies x by cp.async (the 35B -1.1 to -1.6% at 0-262K; past it the 27B
-# loses 8.6% by cp.async), once the kernels stopped asking L2 for x before their wait (perf.md v60)
+# loses 8.6% by cp.async), once the kernels stopped asking L2 for x before their wait (perf-history.md v60)
 _STREAM_X_ASYNC_UPTO = 4096
 # at M = 1, a dense SwiGLU's gate/up writes the down's x̂ chunk records as its blocks finish them (y_records), so
 # the down copies them instead of coding K = intermediate elements in every block (perf-history.md v42)
