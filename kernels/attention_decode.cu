@@ -245,6 +245,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     float m_run[2] = {kMasked, kMasked}, l_run[2] = {0.f, 0.f};  // l_run: this lane's keys only, summed at the end
 
     for (int it = 0; it < nit; ++it) {
+        if (it == nit - 1) NINFER_TL_MARK(5);  // the warp at its last stage's wait (mark 4 - 5: waiting for data)
         cp_async_wait<F::NS - 2>();  // this step's stage (later ones may still be in flight)
         __syncwarp();                // ... every lane's copies visible; every lane done with the previous step
         if (it == 0) NINFER_TL_MARK(3);        // the warp's first stage landed
