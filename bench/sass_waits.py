@@ -10,7 +10,7 @@
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
 up at issue and down when its result lands; a later instruction names a wait mask and stalls until every scoreboard
-in it is back to zero. So a wait on a scoreboard waits for every load ptxas put on it, however early (perf.md v57:
+in it is back to zero. So a wait on a scoreboard waits for every load ptxas put on it, however early (perf-history.md v57:
 a call's wait on the pre-wait loads' scoreboard held the fused MoE's routing ~1.3 µs). The fields sit in the control
 bits of each instruction's second 64-bit word, in the layout public reverse engineering gives for Volta and later
 (not documented by NVIDIA): stall 41-44, yield 45, write scoreboard 46-48, read scoreboard 49-51, wait mask 52-57
@@ -183,7 +183,7 @@ def pdl_waits(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
 def held_loads(instrs: list[Instr]) -> list[tuple[Instr, int, list[int], bool]]:
     """(load, scoreboard, addresses of the earlier loads it waits for, may be skipped): memory loads and cp.async
     copies whose issue waits on a scoreboard that still counts other loads, so their request goes out only once those
-    land (perf.md v58: a loop's first load of act waited for phase 2's weights)."""
+    land (perf-history.md v58: a loop's first load of act waited for phase 2's weights)."""
     return [(ins, k, [a for a, _ in pend], cond) for ins, k, pend, cond, _ in _waits(instrs) if _ISSUE.match(ins.text)]
 
 
@@ -198,7 +198,7 @@ def _back_edges(body: list[Instr]):
 def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     """(instruction, loop start, loop end, scoreboard, loads issued before it in the same pass) for each wait inside
     a loop (a backward branch's target up to the branch) on a scoreboard that loads issued earlier in the same pass
-    still count: the wait drains the requests the loop just made, so they are not in flight across it (perf.md v58:
+    still count: the wait drains the requests the loop just made, so they are not in flight across it (perf-history.md v58:
     the stream GEMVs' ping-pong waits for the tile it has just refilled). An instruction inside nested loops is
     reported for the innermost one that finds the drain."""
     out = []

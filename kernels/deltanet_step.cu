@@ -119,7 +119,7 @@ __device__ __forceinline__ void store_all(float* p, float v, uint64_t* bar) {
 // P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
 // at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave). There, with
 // 32 columns a block, "row lanes" instead: lane = column, warp = p, so that every load and store of S is one
-// 128-byte line, and the column sums cross the warps through shared memory (perf.md v56: the 35B -0.4%).
+// 128-byte line, and the column sums cross the warps through shared memory (perf-history.md v56: the 35B -0.4%).
 template <int DK, int C>
 __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
                                           float eps_in, const uint16_t* __restrict__ w_ba,

@@ -42,7 +42,7 @@ def test_consumer_waits_on_its_load_s_scoreboard():
     assert fmul.text == "FMUL.FTZ R13, R33, R33"
     assert ld.write_sb is not None and ld.write_sb in fmul.wait  # R33 comes from the load
     assert fmul.write_sb is None  # fixed latency
-    assert ld.write_sb in call.wait  # the call waits for the same loads (perf.md v57)
+    assert ld.write_sb in call.wait  # the call waits for the same loads (perf-history.md v57)
 
 
 def test_misuse_is_one_line(tmp_path, capsys):
@@ -117,7 +117,7 @@ def test_cubin_functions_are_the_ptx_entries(tmp_path):
 
 # moe_fused_t2_q4g64_q5g64_q8g32's words (sm_90a, nvcc 13.0) around its grid barrier: at 6d90a77 a phase-2 weight load,
 # the barrier's poll and the invalidate after it, a parameter load, and act's first load inside stage_codes' loop;
-# at 17992aa the same kernel's first three act loads at compile-time counts (perf.md v58)
+# at 17992aa the same kernel's first three act loads at compile-time counts (perf-history.md v58)
 BARRIER_OLD = [(0x7F70, 0x0000000842117981, 0x000364000C1E9500), (0x8060, 0x00000008403D7981, 0x002EE8000C1EF900),
                (0x8070, 0x00000000FF00798F, 0x008FE20002000000), (0x81C0, 0x0000B200FF528B82, 0x01FEF00000000A00),
                (0x8210, 0x0000000852448981, 0x020762000C1EFD00)]
