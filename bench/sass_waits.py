@@ -10,11 +10,12 @@
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
 up at issue and down when its result lands; a later instruction names a wait mask and stalls until every scoreboard
-in it is back to zero. So a wait on a scoreboard waits for every load ptxas put on it, however early (perf-history.md v57:
-a call's wait on the pre-wait loads' scoreboard held the fused MoE's routing ~1.3 µs). The fields sit in the control
-bits of each instruction's second 64-bit word, in the layout public reverse engineering gives for Volta and later
-(not documented by NVIDIA): stall 41-44, yield 45, write scoreboard 46-48, read scoreboard 49-51, wait mask 52-57
-(7 = none for the two scoreboards). Without --all only instructions that set a scoreboard or wait on one are listed.
+in it is back to zero. So a wait on a scoreboard waits for every load ptxas put on it, however early
+(perf-history.md v57: a call's wait on the pre-wait loads' scoreboard held the fused MoE's routing ~1.3 µs). The
+fields sit in the control bits of each instruction's second 64-bit word, in the layout public reverse engineering
+gives for Volta and later (not documented by NVIDIA): stall 41-44, yield 45, write scoreboard 46-48, read
+scoreboard 49-51, wait mask 52-57 (7 = none for the two scoreboards). Without --all only instructions that set a
+scoreboard or wait on one are listed.
 --pdl lists, per function, the instructions after the PDL wait (griddepcontrol.wait: ACQBULK) whose wait still counts
 loads issued before it, in address order; a wait that a forward branch can jump over is marked and clears nothing.
 A triage list, to read against the code (a scoreboard also counts instructions that name it as their read scoreboard).
@@ -198,9 +199,9 @@ def _back_edges(body: list[Instr]):
 def loop_drains(instrs: list[Instr]) -> list[tuple[Instr, int, int, int, int]]:
     """(instruction, loop start, loop end, scoreboard, loads issued before it in the same pass) for each wait inside
     a loop (a backward branch's target up to the branch) on a scoreboard that loads issued earlier in the same pass
-    still count: the wait drains the requests the loop just made, so they are not in flight across it (perf-history.md v58:
-    the stream GEMVs' ping-pong waits for the tile it has just refilled). An instruction inside nested loops is
-    reported for the innermost one that finds the drain."""
+    still count: the wait drains the requests the loop just made, so they are not in flight across it
+    (perf-history.md v58: the stream GEMVs' ping-pong waits for the tile it has just refilled). An instruction inside
+    nested loops is reported for the innermost one that finds the drain."""
     out = []
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]
