@@ -432,12 +432,26 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     auto run = [&](auto full) {
         while (left > 0) {
             consume(A, full);
+            if constexpr (!WREC) NINFER_TL_MARK(5);  // this warp's latest tile A consumed (its first: mark 5 - mark 0)
             if (left >= 2) issue_next(A, full);
             if (left <= 0) break;
             consume(B, full);
             if (left >= 2) issue_next(B, full);
         }
     };
+#ifdef NINFER_TIMELINE
+    if constexpr (!WREC) {  // mark 4: tile A's codes in registers (a use that waits for their loads)
+        if (se - sb >= 1) {
+            unsigned s = 0;
+#pragma unroll
+            for (int d = 0; d < DM; ++d)
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) s ^= (unsigned)A.u[d][r].q.x ^ (unsigned)A.u[d][r].q.w;
+            asm volatile("" ::"r"(s));
+            NINFER_TL_MARK(4);
+        }
+    }
+#endif
     // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up slower (perf-history.md v59)
     if (!swiglu && D == DM && nu % (32 * DM) == 0) run(StepsFull<true>{});
     else run(StepsFull<false>{});
