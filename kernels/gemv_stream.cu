@@ -390,6 +390,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     int cg = fg, ct = sb - fg * S, left = se - sb;  // the next step to consume, and how many are left
     int own = -1;  // a cut row group whose first step is this warp's: summed after the loop
 
+#ifdef NINFER_TIMELINE
+    bool tl_first = true;  // mark 5: the first consume's dots summed
+#endif
     auto consume = [&](const Tile<DM>& T, auto full) {
         const bool last = ct == S - 1 || left == 1;  // the group's last step in this warp's range
         const bool starts_here = cg != fg || !head_cut;  // the group's first step is in this warp's range
@@ -407,6 +410,15 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                     compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * 36 + (le & 31), acc);
             }
         }
+#ifdef NINFER_TIMELINE
+        if constexpr (!WREC) {
+            if (tl_first) {
+                NINFER_TL_USE(acc[0][0] + acc[kRows - 1][0]);
+                NINFER_TL_MARK(5);
+                tl_first = false;
+            }
+        }
+#endif
         if (last) {
             float v[32];
 #pragma unroll
@@ -432,7 +444,6 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     auto run = [&](auto full) {
         while (left > 0) {
             consume(A, full);
-            if constexpr (!WREC) NINFER_TL_MARK(5);  // this warp's latest tile A consumed (its first: mark 5 - mark 0)
             if (left >= 2) issue_next(A, full);
             if (left <= 0) break;
             consume(B, full);
@@ -440,14 +451,15 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         }
     };
 #ifdef NINFER_TIMELINE
-    if constexpr (!WREC) {  // mark 4: tile A's codes in registers (a use that waits for their loads)
+    // mark 4: tile A's codes in registers (NINFER_TL_USE waits for their loads)
+    if constexpr (!WREC) {
         if (se - sb >= 1) {
             unsigned s = 0;
 #pragma unroll
             for (int d = 0; d < DM; ++d)
 #pragma unroll
-                for (int r = 0; r < kRows; ++r) s ^= (unsigned)A.u[d][r].q.x ^ (unsigned)A.u[d][r].q.w;
-            asm volatile("" ::"r"(s));
+                for (int r = 0; r < kRows; ++r) s ^= (unsigned)A.u[d][r].q.x ^ (unsigned)A.u[d][r].q.w ^ A.u[d][r].sc;
+            NINFER_TL_USE(__uint_as_float(s));
             NINFER_TL_MARK(4);
         }
     }
