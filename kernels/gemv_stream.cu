@@ -411,12 +411,10 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             }
         }
 #ifdef NINFER_TIMELINE
-        if constexpr (!WREC) {
-            if (tl_first) {
-                NINFER_TL_USE(acc[0][0] + acc[kRows - 1][0]);
-                NINFER_TL_MARK(5);
-                tl_first = false;
-            }
+        if (!WREC && tl_first) {
+            NINFER_TL_USE(acc[0][0] + acc[kRows - 1][0]);
+            NINFER_TL_MARK(5);
+            tl_first = false;
         }
 #endif
         if (last) {
@@ -451,17 +449,15 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         }
     };
 #ifdef NINFER_TIMELINE
-    // mark 4: tile A's codes in registers (NINFER_TL_USE waits for their loads)
-    if constexpr (!WREC) {
-        if (se - sb >= 1) {
-            unsigned s = 0;
+    if (!WREC && se - sb >= 1) {  // mark 4: tile A's codes in registers (NINFER_TL_USE waits for their loads)
+        unsigned s = 0;
 #pragma unroll
-            for (int d = 0; d < DM; ++d)
-#pragma unroll
-                for (int r = 0; r < kRows; ++r) s ^= (unsigned)A.u[d][r].q.x ^ (unsigned)A.u[d][r].q.w ^ A.u[d][r].sc;
-            NINFER_TL_USE(__uint_as_float(s));
-            NINFER_TL_MARK(4);
+        for (int d = 0; d < DM * kRows; ++d) {
+            const Unit& u = A.u[d / kRows][d % kRows];
+            s ^= (unsigned)u.q.x ^ u.sc;
         }
+        NINFER_TL_USE(__uint_as_float(s));
+        NINFER_TL_MARK(4);
     }
 #endif
     // swiglu keeps the tested loop: its whole-steps copy made the 27B's q4 gate|up slower (perf-history.md v59)
