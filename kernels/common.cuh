@@ -179,7 +179,7 @@ struct NinferTlRecord {
 __device__ unsigned int ninfer_tl_count[NINFER_TL_SMS];
 __device__ NinferTlRecord ninfer_tl[NINFER_TL_SMS * NINFER_TL_PER_SM];
 // A mark after a register value's arrival needs a use that reaches ptxas (an empty asm does not): a store here on a
-// condition it cannot decide. NINFER_TL_USE(v): the mark after it waits for v.
+// condition it cannot decide. NINFER_TL_USE(v), v any number: the mark after it waits for v.
 __device__ unsigned int ninfer_tl_sink;
 #define NINFER_TL_USE(v) do { if (__float_as_uint((float)(v)) == 0x7fbadbadu) ninfer_tl_sink = 1u; } while (0)
 
