@@ -11,6 +11,7 @@ a failing driver call is a GpuError naming the call and the CUDA error.
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -333,6 +334,18 @@ class Gpu:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    @contextmanager
+    def profiled(self):
+        """Only the work inside is profiled by a tool started with profiling off (`ncu --profile-from-start off`):
+        cuProfilerStart before it, cuProfilerStop after it, the stream synchronized on both sides."""
+        self.synchronize()
+        _check(_driver().cuProfilerStart(), "cuProfilerStart")
+        try:
+            yield
+        finally:
+            self.synchronize()
+            _check(_driver().cuProfilerStop(), "cuProfilerStop")
 
     # --- code
     def load_module(self, image: bytes, name: str = "module") -> Module:
