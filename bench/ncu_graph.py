@@ -26,8 +26,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import open_gpu, synthetic_model  # noqa: E402
@@ -44,13 +42,12 @@ def main() -> None:
     if args.context < 1 or args.launches < 1 or args.warmup < 0:
         sys.exit("ncu_graph: --context and --launches must be at least 1, --warmup at least 0")
 
+    from ninfer_rt.gpu.bench import decode_step_graph
     from ninfer_rt.gpu.engine import context_bucket
 
     gpu, k, console = open_gpu("ncu_graph")
-    bucket = context_bucket(args.context + 1)
-    with synthetic_model(gpu, k, args.model, bucket) as model:
-        model.decode(np.array([17], np.int32), [args.context], [0])  # captures the bucket's graph
-        graph = model.step_graph(1, 1, min(model.max_ctx, bucket), "last", None)
+    with synthetic_model(gpu, k, args.model, context_bucket(args.context + 1)) as model:
+        graph = decode_step_graph(model, args.context)
         for _ in range(args.warmup):
             graph.launch(gpu.stream)
         with gpu.profiled():

@@ -39,22 +39,33 @@ class Instr:
         return words[0].split(".")[0] if words else "?"
 
 
+def stall_totals(instrs: list[Instr]) -> Counter:
+    """Samples per stall reason over instrs."""
+    c: Counter = Counter()
+    for i in instrs:
+        c.update(i.stalls)
+    return c
+
+
 @dataclass
 class Region:
-    first: int
-    last: int
     executed: int
     instrs: list[Instr]
+
+    @property
+    def first(self) -> int:
+        return self.instrs[0].address
+
+    @property
+    def last(self) -> int:
+        return self.instrs[-1].address
 
     @property
     def samples(self) -> int:
         return sum(i.samples for i in self.instrs)
 
     def stalls(self) -> Counter:
-        c: Counter = Counter()
-        for i in self.instrs:
-            c.update(i.stalls)
-        return c
+        return stall_totals(self.instrs)
 
 
 def _int(v: str) -> int:
@@ -102,9 +113,8 @@ def regions(instrs: list[Instr]) -> list[Region]:
     for i in instrs:
         if out and out[-1].executed == i.executed:
             out[-1].instrs.append(i)
-            out[-1].last = i.address
         else:
-            out.append(Region(i.address, i.address, i.executed, [i]))
+            out.append(Region(i.executed, [i]))
     return [g for g in out if g.executed > 0]
 
 
@@ -128,15 +138,12 @@ def main() -> None:
     except ValueError as e:
         sys.exit(f"ncu_regions: {e}")
     base = instrs[0].address
-    n = sum(i.samples for i in instrs) or 1
-    reasons: Counter = Counter()
-    for i in instrs:
-        reasons.update(i.stalls)
     ex, sa = by_opcode(instrs)
-    ne = sum(ex.values()) or 1
-    print(f"{name}: {sum(i.samples for i in instrs)} samples, {sum(ex.values())} warp instructions executed")
-    print("stall reasons, % of samples:", ", ".join(f"{k} {100 * v / n:.1f}" for k, v in reasons.most_common(args.top)))
-    print("executed by opcode, %:", ", ".join(f"{k} {100 * v / ne:.1f}" for k, v in ex.most_common(args.top)))
+    n, ne = sum(sa.values()), sum(ex.values())
+    print(f"{name}: {n} samples, {ne} warp instructions executed")
+    print("stall reasons, % of samples:", ", ".join(f"{k} {100 * v / max(n, 1):.1f}"
+                                                    for k, v in stall_totals(instrs).most_common(args.top)))
+    print("executed by opcode, %:", ", ".join(f"{k} {100 * v / max(ne, 1):.1f}" for k, v in ex.most_common(args.top)))
     print("samples by opcode:", ", ".join(f"{k} {v}" for k, v in sa.most_common(args.top)))
     print("regions (offsets from the first instruction; runs of one execution count):")
     for g in regions(instrs):

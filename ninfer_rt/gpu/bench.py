@@ -124,17 +124,23 @@ def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[f
 SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 
 
-def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False) -> float:
-    """Median seconds per decode step (graph replay) at context ctx; sampled: the step draws its token on the
-    device under SAMPLED (the decode loop's graph), else it takes the arg-max."""
+def decode_step_graph(model, ctx: int, sampled: bool = False):
+    """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
+    sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
+    arg-max."""
     from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import context_bucket
 
     tok = np.array([17], np.int32)
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
-    model.decode(tok, [ctx], [0], draw=draw)  # captures the bucket's graph
-    graph = model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
-                             ("sample", model.sample_vocab) if sampled else None)
+    model.decode(tok, [ctx], [0], draw=draw)
+    return model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
+                            ("sample", model.sample_vocab) if sampled else None)
+
+
+def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False) -> float:
+    """Median seconds per decode step (graph replay) at context ctx; sampled: as decode_step_graph."""
+    graph = decode_step_graph(model, ctx, sampled)
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
 
