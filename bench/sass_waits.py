@@ -6,6 +6,7 @@
     python bench/sass_waits.py k.sass --held-loads   # loads whose issue waits for earlier loads
     python bench/sass_waits.py k.sass --loop-drains  # waits in a loop on the loads of the same pass
     python bench/sass_waits.py k.sass --dot-loops 64  # each loop with 64+ dots: its loads and its drains
+    python bench/sass_waits.py k.sass --loop-mix 200  # each loop of 200+ instructions: its opcodes by count
     nvcc -cubin -arch=sm_90a ... -o k.cubin; python bench/sass_waits.py k.cubin --pdl   # no cuobjdump needed
 
 A variable-latency instruction (a global or shared load, a shuffle, MUFU) names a write scoreboard (0-5), counted
@@ -37,6 +38,7 @@ import argparse
 import re
 import struct
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +94,13 @@ def _skippable(instrs: list[Instr]) -> set[int]:
 
 
 # sm_90a opcodes (an instruction's low 12 bits) and the names cuobjdump 13.0 gives them: every opcode in the
-# listings of moe_fused and deltanet_step (v57). Others show as op<code>.
+# listings of moe_fused and deltanet_step (v57) and of the attention kernels (v69, against cuobjdump 13.5's
+# listings of the same cubins). Others show as op<code>.
 OPCODES = {
+    0x20F: "VIMNMX3", 0x237: "IMMA", 0x23C: "HMMA", 0x23E: "F2FP", 0x287: "USEL", 0x28C: "UISETP", 0x292: "ULOP3",
+    0x2A5: "UIMAD", 0x3C6: "FENCE", 0x416: "PRMT", 0x430: "HADD2", 0x446: "VIADDMNMX", 0x806: "VOTE",
+    0x809: "FMNMX", 0x846: "VIADDMNMX", 0x8A5: "UIMAD", 0x9C5: "WARPGROUP", 0x9F0: "HGMMA", 0xC0F: "VIMNMX3",
+    0xC13: "IABS", 0xC20: "FMUL", 0xC27: "IMAD", 0xC48: "VIMNMX", 0xDF0: "HGMMA", 0xE46: "VIADDMNMX",
     0x202: "MOV", 0x207: "SEL", 0x208: "FSEL", 0x209: "FMNMX", 0x20B: "FSETP", 0x20C: "ISETP", 0x210: "IADD3",
     0x211: "LEA", 0x212: "LOP3", 0x213: "IABS", 0x219: "SHF", 0x220: "FMUL", 0x221: "FADD", 0x223: "FFMA",
     0x224: "IMAD", 0x225: "IMAD", 0x226: "IDP", 0x227: "IMAD", 0x230: "HADD2", 0x245: "I2FP", 0x246: "VIADDMNMX",
@@ -242,6 +249,26 @@ def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, i
     return out
 
 
+def loop_mix(instrs: list[Instr], min_len: int = 64) -> list[tuple[str, int, int, Counter]]:
+    """(function, loop start, loop end, opcodes) for each loop of at least min_len instructions, opcodes counted by
+    their first name part (IMMA.16832.S8.S8 -> IMMA): where a loop's issue slots go, read without a device
+    (perf.md v69: the int8 decode's 32-key step, 723 instructions a warp on sm_90a, 515 after v69a)."""
+    out = []
+    for fn in dict.fromkeys(i.function for i in instrs):
+        body = [i for i in instrs if i.function == fn]
+        for lo, br in _back_edges(body):
+            ops = Counter(_opcode(i.text) for i in body if lo <= i.addr <= br.addr)
+            if sum(ops.values()) >= min_len:
+                out.append((fn, lo, br.addr, ops))
+    return out
+
+
+def _opcode(text: str) -> str:
+    """An instruction's opcode without its guard predicate and modifiers: '@!P0 BRA 0x10' -> 'BRA'."""
+    words = text.split()
+    return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
+
+
 def describe(ins: Instr) -> str:
     wait = "".join(str(i) for i in sorted(ins.wait)) or "-"
     sets = "-" if ins.write_sb is None else str(ins.write_sb)
@@ -263,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the waits in a loop on loads issued earlier in the same pass")
     ap.add_argument("--dot-loops", type=int, metavar="MIN_DOTS", default=None,
                     help="each loop with at least MIN_DOTS dot instructions: its dots, loads and drains")
+    ap.add_argument("--loop-mix", type=int, metavar="MIN_INSTRS", default=None,
+                    help="each loop of at least MIN_INSTRS instructions: its size and its opcodes by count")
     args = ap.parse_args(argv)
     try:
         data = args.sass.read_bytes()
@@ -279,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         for fn, lo, hi, dots, loads, mine in dot_loops(instrs, args.dot_loops):
             what = ", ".join(f"{d[0].addr:05x} {d[0].text.split()[-1]} on {d[3]} ({d[4]} loads)" for d in mine)
             print(f"{fn}  loop {lo:05x}-{hi:05x}  dots {dots:4d}  loads {loads:3d}  drains: {what or 'none'}")
+        return 0
+    if args.loop_mix is not None:
+        for fn, lo, hi, ops in loop_mix(instrs, args.loop_mix):
+            mix = " ".join(f"{op} {n}" for op, n in ops.most_common())
+            print(f"{fn}  loop {lo:05x}-{hi:05x}  {sum(ops.values())} instructions: {mix}")
         return 0
     if args.loop_drains:
         for ins, lo, hi, k, n in loop_drains(instrs):

@@ -80,6 +80,12 @@ WORDS = [
     (0x0400, "ACQBULK", 0x000000000000782E, 0x000FE20000000000),
     (0x0050, "LDG", 0x0000000802247981, 0x000168000C1E9D00),
     (0x1A60, "@!PT LDS", 0x00000000FFFFF984, 0x000FE20000000800),
+    # attn_decode_fast_int8_d256 (v69): the int8 and bf16 mmas, a PRMT with its constant as the immediate, and the
+    # fp16 variant's HADD2 with two immediates
+    (0x46A0, "IMMA", 0x0000005058587237, 0x010FE20000405CFF),
+    (0x59F0, "HMMA", 0x0000006D501C723C, 0x080FE2000004101C),
+    (0x57A0, "PRMT", 0x4B00000052567416, 0x000FE40000000057),
+    (0x45E0, "HADD2", 0xE480E48055517430, 0x000FE20000000000),
 ]
 
 
@@ -175,3 +181,14 @@ def test_dot_loops_count_each_loop_and_name_its_drains():
     rows = [(lo, hi, dots, loads, [(d[0].addr, d[3], d[4]) for d in mine])
             for _, lo, hi, dots, loads, mine in sass_waits.dot_loops(body, min_dots=3)]
     assert rows == [(0x10, 0x60, 3, 1, [(0x40, 5, 1)]), (0x70, 0xc0, 3, 1, [])]
+
+
+def test_loop_mix_counts_each_long_loop_by_opcode():
+    """Counted by hand: the outer loop 0x10-0x90 holds 9 instructions (its inner loop's included), the inner
+    0x30-0x60 holds 4, below the minimum of 5; opcodes lose their predicate and modifiers."""
+    body = [_ins(0x0, "MOV"), _ins(0x10, "IMMA.16832.S8.S8"), _ins(0x20, "IMMA.16832.S8.S8"),
+            _ins(0x30, "PRMT"), _ins(0x40, "HMMA.1688.F32.BF16"), _ins(0x50, "PRMT"), _ins(0x60, "@P1 BRA 0x30"),
+            _ins(0x70, "LDS.128"), _ins(0x80, "@!P0 LDS.64"), _ins(0x90, "@P0 BRA 0x10"), _ins(0xa0, "EXIT")]
+    rows = sass_waits.loop_mix(body, min_len=5)
+    assert [(lo, hi) for _, lo, hi, _ in rows] == [(0x10, 0x90)]
+    assert dict(rows[0][3]) == {"IMMA": 2, "PRMT": 2, "HMMA": 1, "BRA": 2, "LDS": 2}
