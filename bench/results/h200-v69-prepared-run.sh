@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# v69's device calls (perf.md v69): the int8 decode with fewer instructions a key (v69a) and, on top, p·v on fp16
+# (v69b), each against HEAD's kernels.
+#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + each diff
+#   on the device, four calls of ~5-8 min, each with carry=[".dbg"]:
+#     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
+#     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
+#     bash bench/results/h200-v69-prepared-run.sh tests-v69a
+#     bash bench/results/h200-v69-prepared-run.sh ab27 timeline   # tree_ab, 27B at 8K; v69b's decode marks at 8K
+# tests run from inside the variant's tree (cwd first on sys.path, so ninfer_rt and kernels are the variant's) with
+# this checkout's tests. Kernel caches stay under .dbg while the machine is warm; logs go to $OUT.
+set -uo pipefail
+ROOT=$PWD
+OUT=${OUT:-/tmp/ninfer-v69}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+VARIANTS="v69a v69b"
+diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
+
+for phase in "$@"; do
+  case $phase in
+    prepare)
+      rm -rf .dbg/ab && mkdir -p .dbg/ab
+      for v in $VARIANTS; do
+        python3 bench/tree_ab.py --base HEAD --extract-only --work ".dbg/ab/x-$v" > /dev/null || exit 1
+        mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v"
+        git apply --directory=".dbg/ab/$v" --include=".dbg/ab/$v/kernels/*" "$(diff_of "$v")" || exit 1
+      done
+      ls .dbg/ab ;;
+    tests-*)  # from inside the variant's tree, so `import ninfer_rt` is the variant's (cwd first on sys.path)
+      v=${phase#tests-}
+      (cd ".dbg/ab/$v" && export PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/cache-$v" &&
+       python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 &&
+       timeout 450 python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/gpu/test_attention.py" \
+         "$ROOT/tests/gpu/test_attention_records.py" "$ROOT/tests/gpu/test_engine.py" 2>&1 | tail -15) \
+        | tee "$OUT/tests-$v.txt" ;;
+    ab35|ab27)
+      if [ "$phase" = ab35 ]; then args="--model qwen3.6-35b-a3b --context 8192 65536 262143"
+      else args="--model qwen3.6-27b --context 8192"; fi
+      PYTHONPATH=$ROOT timeout 560 python3 .dbg/ab/v69a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v69b \
+        $args --rounds 2 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" --json "$OUT/$phase.json" 2>&1 \
+        | tail -16 | tee "$OUT/$phase.txt" ;;
+    timeline)
+      (cd .dbg/ab/v69b && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/cache-tl" timeout 300 python3 bench/decode_timeline.py \
+        --model qwen3.6-35b-a3b --context 8192 --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tail -60) \
+        | tee "$OUT/timeline-v69b-8k.txt" ;;
+    *) echo "unknown phase $phase (prepare, ab35, tests-VARIANT, ab27, timeline)"; exit 2 ;;
+  esac
+done
