@@ -6,7 +6,8 @@
 #     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69a
-#     bash bench/results/h200-v69-prepared-run.sh ab27 timeline   # tree_ab, 27B at 8K; v69b's decode marks at 8K
+#     bash bench/results/h200-v69-prepared-run.sh ab27 planner timeline   # tree_ab, 27B at 8K; v69b's attention
+#       splits swept (a faster step may want fewer, longer splits) and its decode marks, 35B at 8K
 # tests run from inside the variant's tree (cwd first on sys.path, so ninfer_rt and kernels are the variant's) with
 # this checkout's tests. Kernel caches stay under .dbg while the machine is warm; logs go to $OUT.
 set -uo pipefail
@@ -16,6 +17,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 VARIANTS="v69a v69b"
 diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
+# in_tree V CACHE CMD...: CMD inside variant V's tree, its ninfer_rt on the path, kernels cached in .dbg/CACHE
+in_tree() { local v=$1 c=$2; shift 2; (cd ".dbg/ab/$v" && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/$c" "$@"); }
 
 for phase in "$@"; do
   case $phase in
@@ -29,10 +32,9 @@ for phase in "$@"; do
       ls .dbg/ab ;;
     tests-*)  # from inside the variant's tree, so `import ninfer_rt` is the variant's (cwd first on sys.path)
       v=${phase#tests-}
-      (cd ".dbg/ab/$v" && export PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/cache-$v" &&
-       python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 &&
-       timeout 450 python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/gpu/test_attention.py" \
-         "$ROOT/tests/gpu/test_attention_records.py" "$ROOT/tests/gpu/test_engine.py" 2>&1 | tail -15) \
+      { in_tree "$v" "cache-$v" python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1
+        in_tree "$v" "cache-$v" timeout 450 python3 -m pytest -q -p no:cacheprovider \
+          "$ROOT"/tests/gpu/test_{attention,attention_records,engine}.py 2>&1 | tail -15; } \
         | tee "$OUT/tests-$v.txt" ;;
     ab35|ab27)
       if [ "$phase" = ab35 ]; then args="--model qwen3.6-35b-a3b --context 8192 65536 262143"
@@ -40,10 +42,12 @@ for phase in "$@"; do
       PYTHONPATH=$ROOT timeout 560 python3 .dbg/ab/v69a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v69b \
         $args --rounds 2 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" --json "$OUT/$phase.json" 2>&1 \
         | tail -16 | tee "$OUT/$phase.txt" ;;
+    planner)
+      in_tree v69b cache-v69b timeout 300 python3 bench/planner_ab.py --model qwen3.6-35b-a3b --context 8192 65536 \
+        --only "attention splits" --json "$OUT/planner-v69b.json" 2>&1 | tail -20 | tee "$OUT/planner-v69b.txt" ;;
     timeline)
-      (cd .dbg/ab/v69b && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/cache-tl" timeout 300 python3 bench/decode_timeline.py \
-        --model qwen3.6-35b-a3b --context 8192 --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tail -60) \
-        | tee "$OUT/timeline-v69b-8k.txt" ;;
-    *) echo "unknown phase $phase (prepare, ab35, tests-VARIANT, ab27, timeline)"; exit 2 ;;
+      in_tree v69b cache-tl timeout 300 python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 \
+        --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tail -60 | tee "$OUT/timeline-v69b-8k.txt" ;;
+    *) echo "unknown phase $phase (prepare, ab35, tests-VARIANT, ab27, planner, timeline)"; exit 2 ;;
   esac
 done
