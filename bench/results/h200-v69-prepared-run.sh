@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # v69's device calls (perf.md v69): the int8 decode with fewer instructions a key (v69a) and, on top, p·v on fp16
 # (v69b), each against HEAD's kernels.
-#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + each diff
+#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + a diff
 #   on the device, four calls of ~5-8 min, each with carry=[".dbg"]:
 #     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69a
 #     bash bench/results/h200-v69-prepared-run.sh ab27 planner timeline   # tree_ab, 27B at 8K; v69b's attention
 #       splits swept (a faster step may want fewer, longer splits) and its decode marks, 35B at 8K
-# tests run from inside the variant's tree (cwd first on sys.path, so ninfer_rt and kernels are the variant's) with
-# this checkout's tests. Kernel caches stay under .dbg while the machine is warm; logs go to $OUT.
+# tests run inside the variant's tree (cwd first on sys.path): its ninfer_rt, kernels and tests. Kernel caches stay
+# under .dbg while the machine is warm; logs go to $OUT.
 set -uo pipefail
 ROOT=$PWD
 OUT=${OUT:-/tmp/ninfer-v69}
@@ -26,16 +26,16 @@ for phase in "$@"; do
       rm -rf .dbg/ab && mkdir -p .dbg/ab
       for v in $VARIANTS; do
         python3 bench/tree_ab.py --base HEAD --extract-only --work ".dbg/ab/x-$v" > /dev/null || exit 1
-        mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v"
-        git apply --directory=".dbg/ab/$v" --include=".dbg/ab/$v/kernels/*" "$(diff_of "$v")" || exit 1
+        mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v" && rm -rf ".dbg/ab/$v/bench/results"
+        git archive HEAD tests | tar -x -C ".dbg/ab/$v"  # the variant's tests run from its own tree
+        git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
       done
       ls .dbg/ab ;;
-    tests-*)  # from inside the variant's tree, so `import ninfer_rt` is the variant's (cwd first on sys.path)
+    tests-*)  # inside the variant's tree: its ninfer_rt, kernels and tests (cwd first on sys.path)
       v=${phase#tests-}
       { in_tree "$v" "cache-$v" python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1
         in_tree "$v" "cache-$v" timeout 450 python3 -m pytest -q -p no:cacheprovider \
-          "$ROOT"/tests/gpu/test_{attention,attention_records,engine}.py 2>&1 | tail -15; } \
-        | tee "$OUT/tests-$v.txt" ;;
+          tests/gpu/test_{attention,attention_records,engine}.py 2>&1 | tail -15; } | tee "$OUT/tests-$v.txt" ;;
     ab35|ab27)
       if [ "$phase" = ab35 ]; then args="--model qwen3.6-35b-a3b --context 8192 65536 262143"
       else args="--model qwen3.6-27b --context 8192"; fi
