@@ -252,7 +252,7 @@ def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, i
 def loop_mix(instrs: list[Instr], min_len: int = 64) -> list[tuple[str, int, int, Counter]]:
     """(function, loop start, loop end, opcodes) for each loop of at least min_len instructions, opcodes counted by
     their first name part (IMMA.16832.S8.S8 -> IMMA): where a loop's issue slots go, read without a device
-    (perf.md v69: the int8 decode's 32-key loop, 723 instructions a warp on sm_90a, 530 after v69a)."""
+    (perf.md v69: the int8 decode's 32-key loop, 723 instructions a warp on sm_90a, 537 after v69a)."""
     out = []
     for fn in dict.fromkeys(i.function for i in instrs):
         body = [i for i in instrs if i.function == fn]

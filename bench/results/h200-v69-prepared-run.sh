@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # v69's device calls (perf.md v69): the int8 decode with fewer instructions a key (v69a) and, on top, p·v on fp16
 # (v69b), each against HEAD's kernels.
-#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + a diff
+#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare prebuild   # .dbg/ab/{v69a,v69b}: HEAD +
+#                    a diff; then the three trees' sm_90a kernels built here (~10 min on 2 cores) into .dbg/abwork
 #   on the device, four calls of ~5-8 min, each with carry=[".dbg"]:
 #     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
@@ -17,8 +18,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 VARIANTS="v69a v69b"
 diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
-# in_tree V CACHE CMD...: CMD inside variant V's tree, its ninfer_rt on the path, kernels cached in .dbg/CACHE
-in_tree() { local v=$1 c=$2; shift 2; (cd ".dbg/ab/$v" && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/$c" "$@"); }
+# in_tree V CACHE CMD...: CMD inside variant V's tree, its ninfer_rt on the path, kernels cached in .dbg/abwork/CACHE
+# (tree_ab's names: cache-new is v69a's, whose tree_ab.py runs, cache-v69b and cache-base)
+in_tree() { local v=$1 c=$2; shift 2; (cd ".dbg/ab/$v" && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/$c" "$@"); }
+cache_of() { [ "$1" = v69a ] && echo cache-new || echo "cache-$1"; }
 
 for phase in "$@"; do
   case $phase in
@@ -31,23 +34,30 @@ for phase in "$@"; do
         git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
       done
       ls .dbg/ab ;;
+    prebuild)  # here, where nvcc is: each tree's sm_90a kernels into the caches the device calls use (carried)
+      for v in base $VARIANTS; do
+        if [ "$v" = base ]; then d=$ROOT; else d=$ROOT/.dbg/ab/$v; fi
+        (cd "$d" && PYTHONPATH=$d XDG_CACHE_HOME="$ROOT/.dbg/abwork/$(cache_of "$v")" \
+          python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 2 2>&1 | tail -1)
+      done
+      du -sh .dbg ;;
     tests-*)  # inside the variant's tree: its ninfer_rt, kernels and tests (cwd first on sys.path)
       v=${phase#tests-}
-      { in_tree "$v" "cache-$v" python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1
-        in_tree "$v" "cache-$v" timeout 450 python3 -m pytest -q -p no:cacheprovider \
+      { in_tree "$v" "$(cache_of "$v")" python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1
+        in_tree "$v" "$(cache_of "$v")" timeout 450 python3 -m pytest -q -p no:cacheprovider \
           tests/gpu/test_{attention,attention_records,engine}.py 2>&1 | tail -15; } | tee "$OUT/tests-$v.txt" ;;
     ab35|ab27)
       if [ "$phase" = ab35 ]; then args="--model qwen3.6-35b-a3b --context 8192 65536 262143"
       else args="--model qwen3.6-27b --context 8192"; fi
       PYTHONPATH=$ROOT timeout 560 python3 .dbg/ab/v69a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v69b \
         $args --rounds 2 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" --json "$OUT/$phase.json" 2>&1 \
-        | tail -16 | tee "$OUT/$phase.txt" ;;
+        | tee "$OUT/$phase.txt" | tail -16 ;;
     planner)
       in_tree v69b cache-v69b timeout 300 python3 bench/planner_ab.py --model qwen3.6-35b-a3b --context 8192 65536 \
-        --only "attention splits" --json "$OUT/planner-v69b.json" 2>&1 | tail -20 | tee "$OUT/planner-v69b.txt" ;;
+        --only "attention splits" --json "$OUT/planner-v69b.json" 2>&1 | tee "$OUT/planner-v69b.txt" | tail -20 ;;
     timeline)
       in_tree v69b cache-tl timeout 300 python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 \
-        --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tail -60 | tee "$OUT/timeline-v69b-8k.txt" ;;
-    *) echo "unknown phase $phase (prepare, ab35, tests-VARIANT, ab27, planner, timeline)"; exit 2 ;;
+        --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tee "$OUT/timeline-v69b-8k.txt" | tail -60 ;;
+    *) echo "unknown phase $phase (prepare, prebuild, ab35, tests-VARIANT, ab27, planner, timeline)"; exit 2 ;;
   esac
 done
