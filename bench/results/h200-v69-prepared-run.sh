@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # v69's device calls (perf.md v69): the int8 decode with fewer instructions a key (v69a) and, on top, p·v on fp16
 # (v69b), each against HEAD's kernels.
-#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare prebuild   # .dbg/ab/{v69a,v69b}: HEAD +
-#                    a diff; then the three trees' sm_90a kernels built here (~10 min on 2 cores) into .dbg/abwork
+#   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + a diff
+#                    (3.5 MB to carry; the kernels build there: a tree's sm_90a cache is ~45 MB)
 #   on the device, four calls of ~5-8 min, each with carry=[".dbg"]:
 #     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
@@ -34,13 +34,6 @@ for phase in "$@"; do
         git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
       done
       ls .dbg/ab ;;
-    prebuild)  # here, where nvcc is: each tree's sm_90a kernels into the caches the device calls use (carried)
-      for v in base $VARIANTS; do
-        if [ "$v" = base ]; then d=$ROOT; else d=$ROOT/.dbg/ab/$v; fi
-        (cd "$d" && PYTHONPATH=$d XDG_CACHE_HOME="$ROOT/.dbg/abwork/$(cache_of "$v")" \
-          python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 2 2>&1 | tail -1)
-      done
-      du -sh .dbg ;;
     tests-*)  # inside the variant's tree: its ninfer_rt, kernels and tests (cwd first on sys.path)
       v=${phase#tests-}
       { in_tree "$v" "$(cache_of "$v")" python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1
@@ -58,6 +51,6 @@ for phase in "$@"; do
     timeline)
       in_tree v69b cache-tl timeout 300 python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 \
         --jobs 14 --json "$OUT/timeline-v69b-8k.json" 2>&1 | tee "$OUT/timeline-v69b-8k.txt" | tail -60 ;;
-    *) echo "unknown phase $phase (prepare, prebuild, ab35, tests-VARIANT, ab27, planner, timeline)"; exit 2 ;;
+    *) echo "unknown phase $phase (prepare, ab35, tests-VARIANT, ab27, planner, timeline)"; exit 2 ;;
   esac
 done
