@@ -236,16 +236,13 @@ def dot_loops(instrs: list[Instr], min_dots: int = 16) -> list[tuple[str, int, i
     one does)."""
     drains = loop_drains(instrs)
     out = []
-    for fn in dict.fromkeys(i.function for i in instrs):
-        body = [i for i in instrs if i.function == fn]
-        for lo, br in _back_edges(body):
-            inside = [i for i in body if lo <= i.addr <= br.addr]
-            dots = sum(i.text.split()[-1] in ("IDP", "HFMA2", "FFMA") for i in inside)
-            if dots < min_dots:
-                continue
-            loads = sum(i.write_sb is not None and bool(_LOAD.match(i.text)) for i in inside)
-            mine = [d for d in drains if d[0].function == fn and (d[1], d[2]) == (lo, br.addr)]
-            out.append((fn, lo, br.addr, dots, loads, mine))
+    for fn, lo, hi, inside in _loop_bodies(instrs):
+        dots = sum(_opcode(i.text) in ("IDP", "HFMA2", "FFMA") for i in inside)
+        if dots < min_dots:
+            continue
+        loads = sum(i.write_sb is not None and bool(_LOAD.match(i.text)) for i in inside)
+        mine = [d for d in drains if d[0].function == fn and (d[1], d[2]) == (lo, hi)]
+        out.append((fn, lo, hi, dots, loads, mine))
     return out
 
 
@@ -254,17 +251,23 @@ def loop_mix(instrs: list[Instr], min_len: int = 64) -> list[tuple[str, int, int
     their first name part (IMMA.16832.S8.S8 -> IMMA): where a loop's issue slots go, read without a device
     (perf.md v69: the int8 decode's 32-key loop, 723 instructions a warp on sm_90a, 537 after v69a)."""
     out = []
-    for fn in dict.fromkeys(i.function for i in instrs):
-        body = [i for i in instrs if i.function == fn]
-        for lo, br in _back_edges(body):
-            ops = Counter(_opcode(i.text) for i in body if lo <= i.addr <= br.addr)
-            if sum(ops.values()) >= min_len:
-                out.append((fn, lo, br.addr, ops))
+    for fn, lo, hi, inside in _loop_bodies(instrs):
+        if len(inside) >= min_len:
+            out.append((fn, lo, hi, Counter(_opcode(i.text) for i in inside)))
     return out
 
 
+def _loop_bodies(instrs: list[Instr]):
+    """(function, loop start, loop end, the instructions from start to end) for each backward branch."""
+    for fn in dict.fromkeys(i.function for i in instrs):
+        body = [i for i in instrs if i.function == fn]
+        for lo, br in _back_edges(body):
+            yield fn, lo, br.addr, [i for i in body if lo <= i.addr <= br.addr]
+
+
 def _opcode(text: str) -> str:
-    """An instruction's opcode without its guard predicate and modifiers: '@!P0 BRA 0x10' -> 'BRA'."""
+    """An instruction's opcode without its guard predicate, modifiers and operands (a cuobjdump line's text or a
+    decoded word's): '@!P0 BRA 0x10' -> 'BRA', 'IDP.4A.S8.S8 R1, R2, R3, R1' -> 'IDP'."""
     words = text.split()
     return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
 
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         instrs = [i for i in instrs if args.function in i.function]
     if args.dot_loops is not None:
         for fn, lo, hi, dots, loads, mine in dot_loops(instrs, args.dot_loops):
-            what = ", ".join(f"{d[0].addr:05x} {d[0].text.split()[-1]} on {d[3]} ({d[4]} loads)" for d in mine)
+            what = ", ".join(f"{d[0].addr:05x} {_opcode(d[0].text)} on {d[3]} ({d[4]} loads)" for d in mine)
             print(f"{fn}  loop {lo:05x}-{hi:05x}  dots {dots:4d}  loads {loads:3d}  drains: {what or 'none'}")
         return 0
     if args.loop_mix is not None:

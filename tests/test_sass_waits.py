@@ -192,3 +192,10 @@ def test_loop_mix_counts_each_long_loop_by_opcode():
     rows = sass_waits.loop_mix(body, min_len=5)
     assert [(lo, hi) for _, lo, hi, _ in rows] == [(0x10, 0x90)]
     assert dict(rows[0][3]) == {"IMMA": 2, "PRMT": 2, "HMMA": 1, "BRA": 2, "LDS": 2}
+
+
+def test_dot_loops_count_dots_of_a_cuobjdump_listing():
+    """A listing's text carries modifiers and operands ('IDP.4A.S8.S8 R1, ...'): still a dot, as in a cubin's."""
+    body = [_ins(0x10, "IDP.4A.S8.S8 R1, R2, R3, R1"), _ins(0x20, "@P1 FFMA R4, R5, R6, R4"),
+            _ins(0x30, "HFMA2.MMA R7, R8, R9, R7"), _ins(0x40, "FMUL R1, R1, R2"), _ins(0x50, "@P0 BRA 0x10")]
+    assert [(lo, hi, dots) for _, lo, hi, dots, _, _ in sass_waits.dot_loops(body, min_dots=3)] == [(0x10, 0x50, 3)]
