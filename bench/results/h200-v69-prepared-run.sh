@@ -3,7 +3,7 @@
 # (v69b), each against HEAD's kernels.
 #   here, with git:  bash bench/results/h200-v69-prepared-run.sh prepare   # .dbg/ab/{v69a,v69b}: HEAD + a diff
 #                    (3.5 MB to carry; the kernels build there: a tree's sm_90a cache is ~45 MB)
-#   on the device, four calls of ~5-8 min, each with carry=[".dbg"]:
+#   on the device, four calls of ~5-8 min, each with carry=[".dbg/ab"] (the kernel caches in .dbg/abwork stay):
 #     bash bench/results/h200-v69-prepared-run.sh ab35      # tree_ab, 35B at 8K, 64K and 262,143, 2 rounds
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69b     # a variant's attention and engine GPU tests
 #     bash bench/results/h200-v69-prepared-run.sh tests-v69a
@@ -26,8 +26,9 @@ cache_of() { [ "$1" = v69a ] && echo cache-new || echo "cache-$1"; }
 for phase in "$@"; do
   case $phase in
     prepare)
-      rm -rf .dbg/ab && mkdir -p .dbg/ab
+      mkdir -p .dbg/ab
       for v in $VARIANTS; do
+        rm -rf ".dbg/ab/$v" ".dbg/ab/x-$v"  # only this run's trees: v70's live beside them
         python3 bench/tree_ab.py --base HEAD --extract-only --work ".dbg/ab/x-$v" > /dev/null || exit 1
         mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v" && rm -rf ".dbg/ab/$v/bench/results"
         git archive HEAD tests | tar -x -C ".dbg/ab/$v"  # the variant's tests run from its own tree

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# v70's device calls (perf.md v70): timing-only bounds (the outputs are wrong) of the 35B's step without the router
+# GEMV (v70a, v54's bound again on today's HEAD) and, on top, with the fused MoE routing and issuing its routed
+# gate/up tile before its wait (v70b), as it could if its logits were complete two launches back.
+#   here, with git:  bash bench/results/h200-v70-prepared-run.sh prepare   # .dbg/ab/{v70a,v70b}: HEAD + a diff
+#   on the device, one call of ~6-8 min with carry=[".dbg/ab"] (not ".dbg": the kernel caches in .dbg/abwork
+#   stay there between calls while the machine is warm, and v69's script shares them: cache-base is HEAD's):
+#     bash bench/results/h200-v70-prepared-run.sh ab          # tree_ab, 35B at 8K and 64K, 3 rounds
+#     bash bench/results/h200-v70-prepared-run.sh timeline    # v70b's fused MoE marks at 8K (if time is left)
+set -uo pipefail
+ROOT=$PWD
+OUT=${OUT:-/tmp/ninfer-v70}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+VARIANTS="v70a v70b"
+diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
+
+for phase in "$@"; do
+  case $phase in
+    prepare)
+      mkdir -p .dbg/ab
+      for v in $VARIANTS; do
+        rm -rf ".dbg/ab/$v" ".dbg/ab/x-$v"
+        python3 bench/tree_ab.py --base HEAD --extract-only --work ".dbg/ab/x-$v" > /dev/null || exit 1
+        mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v" && rm -rf ".dbg/ab/$v/bench/results"
+        git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
+      done
+      ls .dbg/ab ;;
+    ab)  # new = v70a's tree (its tree_ab.py runs), base = this checkout (HEAD), variant v70b
+      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v70a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v70b \
+        --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
+        --json "$OUT/v70-ab.json" 2>&1 | tee "$OUT/v70-ab.txt" | tail -16 ;;
+    timeline)
+      (cd .dbg/ab/v70b && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-tl70" timeout 300 \
+        python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 --jobs 14 \
+        --json "$OUT/timeline-v70b-8k.json") 2>&1 | tee "$OUT/timeline-v70b-8k.txt" | tail -60 ;;
+    *) echo "unknown phase $phase (prepare, ab, timeline)"; exit 2 ;;
+  esac
+done
