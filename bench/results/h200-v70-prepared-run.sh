@@ -7,12 +7,16 @@
 #   stay there between calls while the machine is warm, and v69's script shares them: cache-base is HEAD's):
 #     bash bench/results/h200-v70-prepared-run.sh ab          # tree_ab, 35B at 8K and 64K, 3 rounds
 #     bash bench/results/h200-v70-prepared-run.sh timeline    # v70b's fused MoE marks at 8K (if time is left)
+#   and, if v70b beats v70a by 3% or more, v71 (the design: the step adds the router's logits, the MoE routes on them
+#   before its wait), two calls:
+#     bash bench/results/h200-v70-prepared-run.sh tests71     # v71's DeltaNet, MoE and engine GPU tests, in its tree
+#     bash bench/results/h200-v70-prepared-run.sh ab71        # tree_ab of HEAD, v71 and v70b, 35B at 8K and 64K
 set -uo pipefail
 ROOT=$PWD
 OUT=${OUT:-/tmp/ninfer-v70}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-VARIANTS="v70a v70b"
+VARIANTS="v70a v70b v71"
 diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
 
 for phase in "$@"; do
@@ -23,6 +27,7 @@ for phase in "$@"; do
         rm -rf ".dbg/ab/$v" ".dbg/ab/x-$v"
         python3 bench/tree_ab.py --base HEAD --extract-only --work ".dbg/ab/x-$v" > /dev/null || exit 1
         mv ".dbg/ab/x-$v/base" ".dbg/ab/$v" && rmdir ".dbg/ab/x-$v" && rm -rf ".dbg/ab/$v/bench/results"
+        [ "$v" = v71 ] && { git archive HEAD tests | tar -x -C ".dbg/ab/$v"; }  # its tests run in its tree
         git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
       done
       ls .dbg/ab ;;
@@ -30,10 +35,19 @@ for phase in "$@"; do
       PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v70a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v70b \
         --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
         --json "$OUT/v70-ab.json" 2>&1 | tee "$OUT/v70-ab.txt" | tail -16 ;;
+    tests71)
+      (cd .dbg/ab/v71 && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-v71" && export PYTHONPATH XDG_CACHE_HOME \
+        && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
+        && timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_router_fold.py tests/gpu/test_deltanet.py \
+          tests/gpu/test_moe_fused.py tests/gpu/test_engine.py 2>&1 | tail -15) | tee "$OUT/tests-v71.txt" ;;
+    ab71)  # new = v71's tree, base = this checkout (HEAD), variant v70b (the bound, in the same rounds)
+      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v71/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v70b \
+        --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
+        --json "$OUT/v71-ab.json" 2>&1 | tee "$OUT/v71-ab.txt" | tail -16 ;;
     timeline)
       (cd .dbg/ab/v70b && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-tl70" timeout 300 \
         python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 --jobs 14 \
         --json "$OUT/timeline-v70b-8k.json") 2>&1 | tee "$OUT/timeline-v70b-8k.txt" | tail -60 ;;
-    *) echo "unknown phase $phase (prepare, ab, timeline)"; exit 2 ;;
+    *) echo "unknown phase $phase (prepare, ab, timeline, tests71, ab71)"; exit 2 ;;
   esac
 done
