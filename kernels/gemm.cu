@@ -16,7 +16,7 @@
 // warp decodes its weight fragments straight from the packed bytes, paired as x's bf16 elements lie (gemm.cuh
 // "Pairing").
 //   * q8 weights meet the MMA as w = q · s rounded once to bf16 (gemm.cuh "scaled weights"), as a dequantizing
-//     GEMM would store them: relative error <= 2^-9 per weight, for 24% fewer instructions per MMA than
+//     GEMM would store them: relative error <= 2^-8 per weight (half an ulp), for 24% fewer instructions per MMA than
 //     splitting the byte into exact nibbles and scaling 32-wide partial sums (perf-history.md v16). Nibble codes are
 //     exact in bf16 and their fp16 group scale is applied in fp32 to each 32-wide partial sum (acc += s · Σ_32
 //     q·x): nothing rounds there besides fp32 accumulation. x arrives in bf16; swiglu rounds its output.

@@ -19,7 +19,7 @@
 // Dequantized path (gemm_wgmma_dequant_<fmt>, then gemm_wgmma_ss; reference and epilogues as gemm_wgmma_<fmt>): one
 // pass writes the weight as bf16 RN(q · s) into a scratch, rows in dq_row order; then both operands go by TMA and
 // every wgmma reads both from shared memory, so a stage costs each thread a few instructions instead of a decode.
-// Numerics: every quantized format as RN(q · s) in bf16 (relative error <= 2^-9 per weight; gemm.cu keeps nibble
+// Numerics: every quantized format as RN(q · s) in bf16 (relative error <= 2^-8 per weight; gemm.cu keeps nibble
 // codes exact), x in bf16, fp32 sums; swiglu rounds its output to bf16.
 #include "wgmma.cuh"
 

@@ -25,7 +25,7 @@
 //
 // Arithmetic. Quantized weights (q4/5/6/8) take integer dot products: x̂ is staged as int16 codes per chunk,
 // q = rint(x̂ / d) with d a power of two from the chunk's largest |x̂| (xcodes.cuh chunk_scale: every element
-// errs by at most 2^-14 of that largest value; bf16, which the prefill GEMMs read, errs by 2^-9 of each
+// errs by at most 2^-14 of that largest value; bf16, which the prefill GEMMs read, errs by 2^-8 of each
 // element), and the weight codes meet them in dp2a instructions (two int16 x two int8 products each, exact
 // in int32). Per unit and row one scale: s_w · d · (Σ u q - 2^(b-1) Σ q) for the nibble formats (u = code +
 // 2^(b-1); Σ q is staged with the chunk), s_w · d · Σ code · q for q8. llama.cpp's MMVQ quantizes x the same

@@ -189,7 +189,7 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
     Up to 8 rows a step runs the GEMV for every row (each row staged as its own int16 codes), so batching
     changes only fp32 reassociation (≤ 1e-4).
     With T2 = 4 the batched step has 12 rows and takes the tensor-core GEMM, whose bf16 activations (relative
-    rounding 2^-9 per projection input, a few dozen projections deep) bound the difference at 2e-2.
+    rounding up to 2^-8 per projection input, a few dozen projections deep) bound the difference at 2e-2.
     """
     # prompts prefill in chunks of 8 rows, through the GEMV kernels: a longer chunk's grouped MoE adds expert
     # outputs by atomics, whose order varies run to run, and the three runs must start from equal states
