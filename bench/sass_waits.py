@@ -171,7 +171,7 @@ def _waits(instrs: list[Instr]):
                     yield ins, k, pending[k], ins.addr in skip, after
                 if ins.addr not in skip:
                     pending[k] = []
-            if ins.text.split()[0] == "ACQBULK":
+            if _opcode(ins.text) == "ACQBULK":
                 after = True
             if ins.write_sb is not None and _LOAD.match(ins.text):
                 pending[ins.write_sb] = [*pending[ins.write_sb], (ins.addr, after)]
