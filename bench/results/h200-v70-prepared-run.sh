@@ -69,7 +69,7 @@ for phase in "$@"; do
         && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
         && timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_router_fold.py \
           tests/gpu/test_attention_fold.py tests/gpu/test_attention.py tests/gpu/test_attention_records.py \
-          tests/gpu/test_deltanet.py tests/gpu/test_moe_fused.py tests/gpu/test_engine.py \
+          tests/gpu/test_deltanet.py tests/gpu/test_deltanet_fold.py tests/gpu/test_moe_fused.py tests/gpu/test_engine.py \
           -k "fold or fast or records or step or fused or greedy" 2>&1 | tail -15) | tee "$OUT/tests-v73.txt" ;;
     ab73)  # new = v73's tree, base = this checkout (HEAD), variants v72 and v70b (the bound), in the same rounds
       PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v73/bench/tree_ab.py --base-tree "$ROOT" \
