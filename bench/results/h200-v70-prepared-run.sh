@@ -21,6 +21,22 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 VARIANTS="v70a v70b v71"  # then v72 (v71's tree and its diff) and v73 (v72's and its diff)
 diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
+# tree_tests TREE CACHE FILTER FILES...: build TREE's kernels into .dbg/abwork/CACHE, then run its tests matching FILTER
+tree_tests() {
+  local tree=$1 cache=$2 filter=$3; shift 3
+  (cd ".dbg/ab/$tree" && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/$cache" \
+    && export PYTHONPATH XDG_CACHE_HOME \
+    && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
+    && timeout 480 python3 -m pytest -q -p no:cacheprovider "$@" -k "$filter" 2>&1 | tail -15) \
+    | tee "$OUT/tests-$tree.txt"
+}
+# tree_ab_of TREE VARIANTS...: tree_ab with new = TREE (its tree_ab.py runs), base = this checkout, 35B at 8K and 64K
+tree_ab_of() {
+  local tree=$1; shift
+  PYTHONPATH=$ROOT timeout 580 python3 ".dbg/ab/$tree/bench/tree_ab.py" --base-tree "$ROOT" --variant "$@" \
+    --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
+    --json "$OUT/$tree-ab.json" 2>&1 | tee "$OUT/$tree-ab.txt" | tail -20
+}
 
 for phase in "$@"; do
   case $phase in
@@ -39,46 +55,21 @@ for phase in "$@"; do
           && git apply --directory=".dbg/ab/$to" "$(diff_of "$to")" || exit 1
       done
       ls .dbg/ab ;;
-    ab)  # new = v70a's tree (its tree_ab.py runs), base = this checkout (HEAD), variant v70b
-      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v70a/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v70b \
-        --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
-        --json "$OUT/v70-ab.json" 2>&1 | tee "$OUT/v70-ab.txt" | tail -16 ;;
-    tests71)
-      # cache-v71: the cache ab72's tree_ab gives v71's tree (a variant), so that call finds the kernels built
-      (cd .dbg/ab/v71 && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-v71" \
-        && export PYTHONPATH XDG_CACHE_HOME \
-        && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
-        && timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_router_fold.py tests/gpu/test_moe_fused.py \
-          tests/gpu/test_deltanet.py tests/gpu/test_engine.py -k "router_fold or fused or step or records or greedy" \
-          2>&1 | tail -15) | tee "$OUT/tests-v71.txt" ;;
+    ab) tree_ab_of v70a .dbg/ab/v70b ;;  # base = this checkout (HEAD), new = v70a, v70b beside
+    tests71)  # cache-v71: the cache a later tree_ab gives v71's tree as a variant
+      tree_tests v71 cache-v71 "router_fold or fused or step or records or greedy" tests/test_router_fold.py \
+        tests/gpu/test_moe_fused.py tests/gpu/test_deltanet.py tests/gpu/test_engine.py ;;
     tests72)  # cache-new: ab72's "new" is v72's tree
-      (cd .dbg/ab/v72 && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-new" \
-        && export PYTHONPATH XDG_CACHE_HOME \
-        && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
-        && timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_router_fold.py \
-          tests/gpu/test_attention_fold.py tests/gpu/test_attention.py tests/gpu/test_attention_records.py \
-          tests/gpu/test_moe_fused.py tests/gpu/test_engine.py -k "fold or fast or records or fused or greedy" \
-          2>&1 | tail -15) | tee "$OUT/tests-v72.txt" ;;
-    ab72)  # new = v72's tree, base = this checkout (HEAD), variants v71 and v70b (the bound), in the same rounds
-      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v72/bench/tree_ab.py --base-tree "$ROOT" \
-        --variant .dbg/ab/v71 .dbg/ab/v70b --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a \
-        --jobs 14 --work "$ROOT/.dbg/abwork" --json "$OUT/v72-ab.json" 2>&1 | tee "$OUT/v72-ab.txt" | tail -20 ;;
+      tree_tests v72 cache-new "fold or fast or records or fused or greedy" tests/test_router_fold.py \
+        tests/gpu/test_attention_fold.py tests/gpu/test_attention.py tests/gpu/test_attention_records.py \
+        tests/gpu/test_moe_fused.py tests/gpu/test_engine.py ;;
     tests73)  # cache-new: ab73's "new" is v73's tree
-      (cd .dbg/ab/v73 && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-new" \
-        && export PYTHONPATH XDG_CACHE_HOME \
-        && python3 -m ninfer_rt.cli build-kernels --arch sm_90a --jobs 14 2>&1 | tail -1 \
-        && timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_router_fold.py \
-          tests/gpu/test_attention_fold.py tests/gpu/test_attention.py tests/gpu/test_attention_records.py \
-          tests/gpu/test_deltanet.py tests/gpu/test_deltanet_fold.py tests/gpu/test_moe_fused.py tests/gpu/test_engine.py \
-          -k "fold or fast or records or step or fused or greedy" 2>&1 | tail -15) | tee "$OUT/tests-v73.txt" ;;
-    ab73)  # new = v73's tree, base = this checkout (HEAD), variants v72 and v70b (the bound), in the same rounds
-      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v73/bench/tree_ab.py --base-tree "$ROOT" \
-        --variant .dbg/ab/v72 .dbg/ab/v70b --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a \
-        --jobs 14 --work "$ROOT/.dbg/abwork" --json "$OUT/v73-ab.json" 2>&1 | tee "$OUT/v73-ab.txt" | tail -20 ;;
-    ab71)  # new = v71's tree (rebuilt into cache-new), base = this checkout (HEAD), variant v70b
-      PYTHONPATH=$ROOT timeout 580 python3 .dbg/ab/v71/bench/tree_ab.py --base-tree "$ROOT" --variant .dbg/ab/v70b \
-        --model qwen3.6-35b-a3b --context 8192 65536 --rounds 3 --arch sm_90a --jobs 14 --work "$ROOT/.dbg/abwork" \
-        --json "$OUT/v71-ab.json" 2>&1 | tee "$OUT/v71-ab.txt" | tail -16 ;;
+      tree_tests v73 cache-new "fold or fast or records or step or fused or greedy" tests/test_router_fold.py \
+        tests/gpu/test_attention_fold.py tests/gpu/test_attention.py tests/gpu/test_attention_records.py \
+        tests/gpu/test_deltanet.py tests/gpu/test_deltanet_fold.py tests/gpu/test_moe_fused.py tests/gpu/test_engine.py ;;
+    ab73) tree_ab_of v73 .dbg/ab/v72 .dbg/ab/v70b ;;  # base = this checkout (HEAD); v72 and the bound beside
+    ab72) tree_ab_of v72 .dbg/ab/v71 .dbg/ab/v70b ;;
+    ab71) tree_ab_of v71 .dbg/ab/v70b ;;  # v71 rebuilt into cache-new
     timeline)
       (cd .dbg/ab/v70b && PYTHONPATH=$PWD XDG_CACHE_HOME="$ROOT/.dbg/abwork/cache-tl70" timeout 300 \
         python3 bench/decode_timeline.py --model qwen3.6-35b-a3b --context 8192 --jobs 14 \
