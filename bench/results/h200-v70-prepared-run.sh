@@ -19,7 +19,7 @@ ROOT=$PWD
 OUT=${OUT:-/tmp/ninfer-v70}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-VARIANTS="v70a v70b v71"  # then v72 (v71's tree and its diff) and v73 (v72's and its diff)
+VARIANTS="v70a v70b v71"  # then v72 (v71's tree and its diff), v73 (v72's), v73n and v74 (v73's)
 diff_of() { ls "$ROOT"/bench/results/h200-"$1"-*-prepared.diff; }
 # tree_tests TREE CACHE FILTER FILES...: build TREE's kernels into .dbg/abwork/CACHE, then run its tests matching FILTER
 tree_tests() {
@@ -49,10 +49,18 @@ for phase in "$@"; do
         [ "$v" = v71 ] && { git archive HEAD tests | tar -x -C ".dbg/ab/$v"; }  # its tests run in its tree
         git apply --directory=".dbg/ab/$v" "$(diff_of "$v")" || exit 1
       done
-      for pair in v71:v72 v72:v73; do
+      for pair in v71:v72 v72:v73 v73:v73n v73:v74; do
         from=${pair%:*} to=${pair#*:}
         rm -rf ".dbg/ab/$to" && cp -r ".dbg/ab/$from" ".dbg/ab/$to" \
           && git apply --directory=".dbg/ab/$to" "$(diff_of "$to")" || exit 1
+      done
+      # the full trees a landing run tests (h200-v74-run.sh): HEAD and v71..v73 (land73), .. v74 (land74)
+      for t in 73 74; do
+        rm -rf ".dbg/ab/land$t" && mkdir -p ".dbg/ab/land$t" \
+          && git archive HEAD | tar -x -C ".dbg/ab/land$t" --exclude=bench/results || exit 1
+        for v in v71 v72 v73 $([ $t = 74 ] && echo v74); do
+          git apply --directory=".dbg/ab/land$t" "$(diff_of "$v")" || exit 1
+        done
       done
       ls .dbg/ab ;;
     ab) tree_ab_of v70a .dbg/ab/v70b ;;  # base = this checkout (HEAD), new = v70a, v70b beside
