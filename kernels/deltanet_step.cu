@@ -130,7 +130,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                                           float* __restrict__ ssm_state, const int* __restrict__ slot,
                                           const int* __restrict__ pos, float* __restrict__ out,
                                           uint8_t* __restrict__ xrec, int xq, int T, int nk, int nv, int dv, int Kc,
-                                          int ba_early) {
+                                          int ba_early, const __half* __restrict__ fold_mt,
+                                          const float* __restrict__ fold_ms,
+                                          const uint16_t* __restrict__ fold_wt, const float* __restrict__ fold_gain,
+                                          long long* __restrict__ fold_acc, int fold_ld, int fold_n) {
     constexpr int P = C == 1 ? 4 : 8;          // lanes per column of S
     constexpr int R = DK / P;                  // rows of S per lane
     constexpr int L = 32 / P;                  // columns per warp
@@ -156,6 +159,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     __shared__ uint64_t xbar;                                   // C > 1: the b|a sums and q/k channels arrived
     __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
     __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
+    __shared__ __align__(16) float sfx[16], sfg[16];            // v73: the fold's 16 elements of x and of 1 + w_post
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     const int c = blockIdx.x % C, h = blockIdx.x / C, b = blockIdx.y;
     const int cols = dv / C, col0 = c * cols;  // this block's columns of S
@@ -168,6 +172,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     const int hk = h / (nv / nk);
     const int conv_dim = 2 * nk * DK + nv * dv;
     const int sl = slot[b], p0 = pos[b];  // uploaded before the graph ran: safe to read before the wait
+    // p0's ring row now, pinned by an empty asm: with the fold's pre-wait loads ptxas put pos on the state's
+    // scoreboard, and the rest of the pre-wait section waited for the whole state slice (v73 review)
+    const int rp0 = p0 % ring;  // ring row of position p0; p0 + d (|d| <= 8 < ring) is one wrap away
+    asm volatile("" ::"r"(rp0) : "memory");
 #if DN_CLUSTERS
     if (C > 1 && tid == 0) {  // ready before this block's arrival (cluster_begin): senders wait for it (cluster_wait)
         mbar_init(smem_addr(&obar), 1);
@@ -206,7 +214,6 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                        : ci < 2 * QK ? nk * DK + hk * DK + c * QK + ci - QK : 2 * nk * DK + h * dv + col0 + ci - 2 * QK;
     };
     float* ring0 = conv_state + (size_t)sl * ring * conv_dim;
-    const int rp0 = p0 % ring;  // ring row of position p0; p0 + d (|d| <= 8 < ring) is one wrap away
     auto row_of = [&](int d) { const int r = rp0 + d; return r < 0 ? r + ring : r >= ring ? r - ring : r; };
     // The Kc - 1 positions before p0 from the ring into seq (cp.async; positions < 0 as zeros); each thread
     // copies and later reads only its own channels. Token t meets tap i - w0 at row t + i (i >= w0), the
@@ -239,6 +246,33 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     for (int t = 0; t < (XPRE ? TP : 0); ++t)
 #pragma unroll
         for (int n = 0; n < PRE; ++n) xv0[t][n] = t < T && g0 + n * G < H ? xb[(size_t)t * H + g0 + n * G] : 0.f;
+
+    // v73: the router fold (router_fold.py). One token, 32 columns a block: block b = h·C + c sums rows
+    // 32b.. of fold_mt [nb, ld, 32] against its y and rows 16b.. of fold_wt [nb, ld, 16] against (1 + w_post)·x,
+    // thread e logit e (the last warp also logit nt, a lane a row). x (readable now, see above) and the gain go to
+    // shared memory by cp.async with the ring rows; the x term is summed once the conv inputs are in.
+    const bool fold = C > 1 && fold_acc != nullptr && T == 1 && gridDim.y == 1 && cols == 32;
+    // deltanet.step refuses these: never skip or drop a term silently
+    if (fold_acc != nullptr && (!fold || fold_n > nt + 1 || fold_ld < fold_n || H > 16 * (int)gridDim.x)) __trap();
+    const int fb_ = h * C + c, fk0 = min(H, fb_ * 16), fkn = min(H, fk0 + 16) - fk0;
+    const __half* fmt = fold_mt + (size_t)fb_ * fold_ld * 32;
+    const uint16_t* fwt = fold_wt + (size_t)fb_ * fold_ld * 16;
+    if (fold && tid < 8) {  // 4 chunks of x, then 4 of the gain; past fkn zero-filled (fk0 = 16b: 64-byte aligned)
+        const int cq = tid & 3, n = min(4, fkn - 4 * cq);
+        float* dst = (tid < 4 ? sfx : sfg) + 4 * cq;
+        if (n > 0)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                         "l"((tid < 4 ? x : fold_gain) + fk0 + 4 * cq), "r"(4 * n) : "memory");
+        else
+            *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // its W_router rows (thread e: 16 bf16, 32 contiguous bytes; weights), summed once the cluster's sums are in: by
+    // then long landed, so that no wait on their scoreboard holds the step
+    uint4 fw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if (fold && tid < fold_n) {
+        const uint4* w4 = reinterpret_cast<const uint4*>(fwt + (size_t)tid * 16);
+        fw[0] = w4[0], fw[1] = w4[1];
+    }
 
     // b|a of every token: this thread's share of the dots, then per warp (red). Before the wait where the planner
     // asks (ba_early: x is readable then, see above), else after the step's own loads are issued. The C = 1
@@ -355,6 +389,14 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     if constexpr (C > 1) mbar_wait(smem_addr(&xbar), 0);  // the other blocks' b|a sums and q/k channels are in
 #endif
     NINFER_TL_MARK(2);  // the cluster's b|a sums and q/k channels are in
+    float fxs = 0.f;  // v73: this block's x term of logit tid (sfx, sfg: in since the conv's barrier)
+    if (fold) {
+        const uint32_t ww[8] = {fw[0].x, fw[0].y, fw[0].z, fw[0].w, fw[1].x, fw[1].y, fw[1].z, fw[1].w};
+#pragma unroll
+        for (int u = 0; u < 8; ++u)  // rows fk0 + 2u, + 1 (bf16 pairs, the low half first; zero past fkn)
+            fxs = fmaf(__uint_as_float(ww[u] & 0xffff0000u), sfg[2 * u + 1] * sfx[2 * u + 1],
+                       fmaf(__uint_as_float(ww[u] << 16), sfg[2 * u] * sfx[2 * u], fxs));
+    }
     // q̂ = q·rsqrt(Σq² + eps)·dk^-0.5, k̂ = k·rsqrt(Σk² + eps): one warp per vector, in place; β and e^g
     const float q_scale = rsqrtf((float)DK);
     for (int vi = warp; vi < 2 * T; vi += nw) {
@@ -380,6 +422,13 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     }
     __syncthreads();
     NINFER_TL_MARK(5);  // q̂, k̂, β and e^g ready
+    // v71/v73: the router fold's M rows this block reads on its tail, asked of L2 now, behind the step's
+    // own loads (served in issue order: perf-history.md v66), so that they land while the delta rule runs
+    if (fold) {  // and the scales, and the last warp's W_router value (read before the Σ o² wait)
+        prefetch_l2_span(fmt, (size_t)fold_ld * 64, tid, nt);
+        prefetch_l2_span(fold_ms, (size_t)fold_ld * 4, tid, nt);
+        if (tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
+    }
 
     for (int t = 0; t < T; ++t) {
         float ov;
@@ -411,6 +460,24 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         }
     }
     NINFER_TL_MARK(3);  // the delta rule done, Σ o² sent, the state's stores issued
+    // v71/v73: the fold's M loads while the cluster's Σ o² arrive (thread e: column e's 32 fp16 values, 64
+    // contiguous bytes), read on the tail; the last warp's values for logit nt kept raw till then (sass_waits.py)
+    uint4 fm[4];
+    float fms = 0.f, fms2 = 0.f;
+    uint16_t fm2 = 0, fw2 = 0;
+    const bool extra = fold && fold_n > nt && warp == nw - 1;
+    if (fold) {
+        const bool mine = tid < fold_n;
+        const uint4* m4 = reinterpret_cast<const uint4*>(fmt + (size_t)tid * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fm[i] = mine ? m4[i] : make_uint4(0u, 0u, 0u, 0u);
+        if (mine) fms = fold_ms[tid];
+        if (extra) {
+            fm2 = reinterpret_cast<const uint16_t*>(fmt)[(size_t)nt * 32 + lane];
+            fms2 = fold_ms[nt];
+            if (lane < 16) fw2 = fwt[(size_t)nt * 16 + lane];
+        }
+    }
     // then wait for all C blocks' sums
     if constexpr (C == 1) __syncthreads();
 #if DN_CLUSTERS
@@ -428,9 +495,36 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const size_t at = (row0 + t) * nv * dv + (size_t)h * dv + col0 + j;
         const float yv = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
         out[at] = yv;
+        so[t][j] = yv;  // for the fold below (each element written and read by this thread first)
         if (xrec) {  // cols 32: the warp is a chunk, lane j its element j
             uint8_t* rec = xrec + (at >> 5) * qchunk_bytes(1);
             store_code1_xq(xq, rec, j, yv, true);
+        }
+    }
+    // v71/v73: this block's share of the next router's raw logits, G·x_new = G·x + (G·Ŵ_out)·y with
+    // G = W_router·diag(1 + w_post) (router_fold.py: fp16 M with a power of two a logit that fold_ms undoes),
+    // added as fixed-point int64 (2^-32): exact in any order, so that every block of the fused MoE routes the same.
+    if (fold) {
+        __syncthreads();
+        if (tid < fold_n) {
+            const uint32_t mw[16] = {fm[0].x, fm[0].y, fm[0].z, fm[0].w, fm[1].x, fm[1].y, fm[1].z, fm[1].w,
+                                     fm[2].x, fm[2].y, fm[2].z, fm[2].w, fm[3].x, fm[3].y, fm[3].z, fm[3].w};
+            float a = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {  // rows 2j, 2j + 1 of M (fp16 pairs, the low half first)
+                const float2 m2 = __half22float2(*reinterpret_cast<const __half2*>(&mw[j]));
+                a = fmaf(m2.y, so[0][2 * j + 1], fmaf(m2.x, so[0][2 * j], a));
+            }
+            atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + tid),
+                      (unsigned long long)__float2ll_rn(fmaf(a, fms, fxs) * 0x1p32f));
+        }
+        if (extra) {
+            const float m2 = __half2float(__ushort_as_half(fm2)) * fms2;
+            const float gx = lane < 16 ? sfg[lane & 15] * sfx[lane & 15] : 0.f;
+            const float a = warp_sum(fmaf(m2, so[0][lane], bf16_to_f32(fw2) * gx));
+            if (lane == 0)
+                atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + nt),
+                          (unsigned long long)__float2ll_rn(a * 0x1p32f));
         }
     }
 }
@@ -442,9 +536,12 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
         int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
         const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out,            \
-        uint8_t* xrec, int xq, int T, int nk, int nv, int dv, int Kc, int ba_early) {                             \
+        uint8_t* xrec, int xq, int T, int nk, int nv, int dv, int Kc, int ba_early, const __half* fold_mt,        \
+        const float* fold_ms, const uint16_t* fold_wt, const float* fold_gain, long long* fold_acc, int fold_ld,  \
+        int fold_n) {                                                                                             \
         step_impl<DK, C>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log,         \
-                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early); \
+                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early,  \
+                         fold_mt, fold_ms, fold_wt, fold_gain, fold_acc, fold_ld, fold_n);                        \
     }
 // deltanet_step_dk{DK} (one block per head) and deltanet_step_dk{DK}_c{DN_STEP_CLUSTER} (a cluster per head)
 #define DN_STEP(DK)                                 \

@@ -79,12 +79,18 @@ struct QPlanes {
 template <int BITS>
 __host__ __device__ constexpr int xq_of() { return BITS == 8 ? 1 : 2; }
 
-template <int GB, int GG, int DB, int DG, int SB, int SG, int T>
+// ACC (v71; E <= 256): no router GEMV before this launch. acc int64 [E + 1] holds the raw logits
+// G·x (G = W_router·diag(1 + w_post), x this kernel's input) as fixed-point sums (2^-32) that the DeltaNet step two
+// launches back added (deltanet_step.cu's fold); top-k of G·x is top-k of the router's logits (rsqrt(mean x² + eps)
+// > 0), so the routing and the tile's issue run before the wait, and the weights and the shared gate, which scale
+// the logits by that rsqrt, after it. Block 0 zeroes acc after the grid barrier (every block has read it).
+template <int GB, int GG, int DB, int DG, int SB, int SG, int T, bool ACC = false>
 __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes sgu, QPlanes sdn, int E, int top_k,
                                                const float* __restrict__ norm_w, float eps,
                                                const float* __restrict__ logits, int* __restrict__ ids,
                                                float* __restrict__ weights, float* __restrict__ shared_scale,
-                                               float* act, float* act_s, float* x, unsigned* bar) {
+                                               float* act, float* act_s, float* x, unsigned* bar,
+                                               long long* acc = nullptr) {
     constexpr int H = 1024 * T, I = MOE_FUSED_I, NC = I / 32, CB = qchunk_bytes(1);
     constexpr int XG = xq_of<GB>(), XD = xq_of<DB>(), XS = xq_of<SB>();
     // dynamic smem, phase 1: ĥ for the routed gate/up, ĥ for the shared gate|up; phase 2 over the same bytes
@@ -120,6 +126,24 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     float4 gain[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) gain[t] = __ldg(reinterpret_cast<const float4*>(norm_w) + tid + MOE_THREADS * t);
+    QChunk<GB> q[T][4];
+    float g_raw = 0.f;  // ACC: warp 0's raw shared-expert gate logit
+    if constexpr (ACC) {  // the routing and the tile's issue before the wait (acc is two launches back)
+        const float v = tid < E ? __ll2float_rn(__ldcg(acc + tid)) * 0x1p-32f : 0.f;
+        if (warp == 0) g_raw = __ll2float_rn(__ldcg(acc + E)) * 0x1p-32f;
+        route_keys_block<MOE_THREADS>(v, E, top_k, s_route);
+        if (warp == 0 && lane < top_k) {
+            const int id = (int)s_route.sel_id[lane];
+            s_e[lane] = id >= 0 && id < E ? id : -1;
+        }
+        __syncthreads();
+        // the gain in registers before the tile's loads are issued: ptxas gives both one scoreboard, so its first use
+        // after the wait would wait for the whole tile, and x's staging with it (an all-ones word is a NaN: h is NaN
+        // either way)
+        const bool gain_in = __float_as_uint(gain[0].x) != 0xffffffffu && __float_as_uint(gain[T - 1].x) != 0xffffffffu;
+        const int e0 = has_gu ? s_e[b / (I / 16)] : -1;
+        if (e0 >= 0 && gain_in) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e0, I, b % (I / 16));
+    }
     // the next layer's GEMV (or lm_head's) reads only weights and gains before its wait: it may start launching
     // now; this grid is wholly resident before it can (perf-history.md v53)
     ninfer_pdl_begin_early();
@@ -131,18 +155,20 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     float4 xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = __ldcg(x4 + tid + MOE_THREADS * t);
-    RouteRow r;
-    if (E <= MOE_THREADS) r = route_row_block<MOE_THREADS>(logits, E, top_k, s_route);
-    else if (warp == 0) r = route_row(logits, E, top_k);
-    if (warp == 0) {
-        if (lane < top_k) {
-            s_e[lane] = r.id >= 0 && r.id < E ? r.id : -1;
-            s_w[lane] = r.w;
+    if constexpr (!ACC) {
+        RouteRow r;
+        if (E <= MOE_THREADS) r = route_row_block<MOE_THREADS>(logits, E, top_k, s_route);
+        else if (warp == 0) r = route_row(logits, E, top_k);
+        if (warp == 0) {
+            if (lane < top_k) {
+                s_e[lane] = r.id >= 0 && r.id < E ? r.id : -1;
+                s_w[lane] = r.w;
+            }
+            if (lane == 0) s_sh[0] = r.shared;
+            if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
         }
-        if (lane == 0) s_sh[0] = r.shared;
-        if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
+        __syncthreads();
     }
-    __syncthreads();
     NINFER_TL_MARK(0);  // routed
 
     // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly.
@@ -150,8 +176,9 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     // waits for those DRAM loads too; before the issue that wait held the tile up ~0.6 µs (perf-history.md v57).
     const int pair = b / (I / 16), tile = b % (I / 16);
     const int e = has_gu ? s_e[pair] : -1;
-    QChunk<GB> q[T][4];
-    if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
+    if constexpr (!ACC) {
+        if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
+    }
     NINFER_TL_MARK(1);  // the tile's loads issued
     {
         float ss = 0.f;
@@ -162,6 +189,14 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     __syncthreads();
     {
         const float rs = rms_scale(s_red, H, eps);
+        if constexpr (ACC) {  // the weights and the shared gate on the logits rs·(G·x); phase 2 reads them
+            if (warp == 0) {
+                const RouteRow r = route_weights_block<MOE_THREADS>(s_route, top_k, rs, g_raw);
+                if (lane < top_k) s_w[lane] = r.w;
+                if (lane == 0) s_sh[0] = r.shared;
+                if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
+            }
+        }
 #pragma unroll
         for (int t = 0; t < T; ++t) {
             const float4 h = norm_mul4(xr[t], rs, gain[t]);
@@ -212,6 +247,10 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 
     grid_barrier(bar, sense);  // every act and act_s is written
     NINFER_TL_MARK(4);
+    if constexpr (ACC) {  // every block routed before it arrived: the sums start from zero for the next token
+        if (b == 0)
+            for (int i = tid; i <= E; i += MOE_THREADS) acc[i] = 0;
+    }
     if (!has_dn) return;       // whole block, after its last barrier with the grid
 
     // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
@@ -267,3 +306,20 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 
 NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ENTRY, 1)
 NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ENTRY, 2)
+
+// v71: moe_fused_acc_t{T}_{gu}_{dn}_{sh}, the same block routed on acc (ACC above); logits is unused.
+#define MOE_FUSED_ACC_ENTRY(T, gn, GB, GG, dname, DB, DG, sn, SB, SG)                                       \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_fused_acc_t##T##_##gn##_##dname##_##sn(  \
+        const uint8_t* gqs, const uint8_t* gqh, const __half* gsc, int gkp, const uint8_t* dqs,            \
+        const uint8_t* dqh, const __half* dsc, int dkp, const uint8_t* sgqs, const uint8_t* sgqh,          \
+        const __half* sgsc, int sgkp, const uint8_t* sdqs, const uint8_t* sdqh, const __half* sdsc,        \
+        int sdkp, int E, int top_k, const float* norm_w, float eps, const float* logits, int* ids,         \
+        float* weights, float* shared_scale, float* act, float* act_s, float* x, unsigned* bar,            \
+        long long* acc) {                                                                                   \
+        moe_fused_body<GB, GG, DB, DG, SB, SG, T, true>(                                                    \
+            QPlanes{gqs, gqh, gsc, gkp}, QPlanes{dqs, dqh, dsc, dkp}, QPlanes{sgqs, sgqh, sgsc, sgkp},       \
+            QPlanes{sdqs, sdqh, sdsc, sdkp}, E, top_k, norm_w, eps, logits, ids, weights, shared_scale, act,  \
+            act_s, x, bar, acc);                                                                            \
+    }
+NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ACC_ENTRY, 1)
+NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ACC_ENTRY, 2)

@@ -125,13 +125,13 @@ struct RouteBlockSmem {
     uint32_t sel_key[MOE_MAX_K];
 };
 
+// route_keys_block: the two passes on logit v of thread tid < E; after it (its last block barrier) sm.sel_id and
+// sm.sel_key hold the choices in order. route_weights_block: warp 0's RouteRow from them, the logits scaled by
+// `scale` > 0 (the selection does not depend on it), g the shared-expert gate logit (unscaled).
 template <int NT>
-__device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l, int E, int top_k,
-                                                    RouteBlockSmem<NT>& sm) {
+__device__ __forceinline__ void route_keys_block(float v, int E, int top_k, RouteBlockSmem<NT>& sm) {
     static_assert(NT == 256, "pass 2's split (P = 32 / KP threads a candidate, KP²/4 slots each) is for 8 warps");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float v = __ldg(l + min(tid, E));
-    const float g = warp == 0 ? __ldg(l + E) : 0.f;
     const uint32_t key = tid < E ? route_key(v) : 0u;
     const int lk = top_k <= 4 ? 2 : (top_k <= 8 ? 3 : 4), kp = 1 << lk;  // kp = 4, 8 or 16
     sm.key[tid] = key;
@@ -172,17 +172,33 @@ __device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l,
         sm.sel_key[rank2] = kc;
     }
     __syncthreads();
+}
+
+template <int NT>
+__device__ __forceinline__ RouteRow route_weights_block(const RouteBlockSmem<NT>& sm, int top_k, float scale,
+                                                        float g) {
+    const int lane = threadIdx.x & 31;
     RouteRow r = {0, 0.f, 0.f};
-    if (warp == 0) {  // route_row's last steps on the same values
-        const uint32_t K = lane < top_k ? sm.sel_key[lane] : 0u;
-        const float bv = K != 0u ? route_val(K) : -INFINITY;
-        const float top = __shfl_sync(0xffffffffu, bv, 0);
-        if (lane < top_k) {
-            r.id = (int)sm.sel_id[lane];
-            r.w = exp_accurate(bv - top);
-        }
-        route_finish(r, top_k, g);
+    const uint32_t K = lane < top_k ? sm.sel_key[lane] : 0u;  // route_row's last steps on the same values
+    const float bv = K != 0u ? route_val(K) : -INFINITY;
+    const float top = __shfl_sync(0xffffffffu, bv, 0);
+    if (lane < top_k) {
+        r.id = (int)sm.sel_id[lane];
+        r.w = exp_accurate(scale * (bv - top));
     }
+    route_finish(r, top_k, scale * g);
+    return r;
+}
+
+template <int NT>
+__device__ __forceinline__ RouteRow route_row_block(const float* __restrict__ l, int E, int top_k,
+                                                    RouteBlockSmem<NT>& sm) {
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const float v = __ldg(l + min(tid, E));
+    const float g = warp == 0 ? __ldg(l + E) : 0.f;
+    route_keys_block<NT>(v, E, top_k, sm);
+    RouteRow r = {0, 0.f, 0.f};
+    if (warp == 0) r = route_weights_block<NT>(sm, top_k, 1.f, g);
     return r;
 }
 

@@ -204,7 +204,7 @@ def decode_scratch_bytes(M: int, nH: int, d: int, ctx_bucket: int) -> int:
 
 def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int, cache: KVCache,
            out: int, scratch: int, ctx_bucket: int, stream=None, out_records: int = 0,
-           records_order: int = 0) -> bool:
+           records_order: int = 0, fold: tuple | None = None) -> bool:
     """Gated causal attention of M = B·T query tokens against their cache slots (keys written by prepare).
 
     q fp32 [M, nH, d] (prepare's q_out); gate fp32 rows of stride ld_gate (the gate columns of qkvg);
@@ -216,6 +216,10 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     out_records (with records_order 1 or 2, linear.records_order of o_proj; 16-byte aligned): where the CUDA-core
     path runs, its combine also writes out as o_proj's x̂, M·nH·d/32 int16 chunk records (reference.ops.
     act_records16 of out) for linear.gemv's x_records. Returns whether it wrote them.
+    fold (v72): (mt, ms, wt, gain, x, acc, ld, n, H), the router fold of the MoE after o_proj
+    (router_fold's arrays in fold_blocks' layout, on the device; gain fp32 [H] = 1 + w_post of the MoE's norm, 16-byte
+    aligned as x fp32 [H], the layer input): the combine also
+    adds G·x + M·out into acc int64 [n] (fixed point, 2^-32); one token on the CUDA-core path (fold_fits).
     """
     if out_records:
         _need(records_order in (1, 2) and out_records % 16 == 0,
@@ -223,7 +227,7 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
               "aligned buffer")
     launches = _decode_launches(k, q=q, gate=gate, ld_gate=ld_gate, pos=pos, slot=slot, B=B, T=T, nH=nH,
                                 cache=cache, out=out, scratch=scratch, ctx_bucket=ctx_bucket,
-                                out_records=out_records, records_order=records_order)
+                                out_records=out_records, records_order=records_order, fold=fold)
     _launch(k, launches, stream)
     return bool(out_records) and launches[-1][0] == "attn_combine_fast"
 
@@ -236,7 +240,7 @@ def _launch(k, launches: list[tuple], stream) -> None:
 
 def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T: int, nH: int,
                      cache: KVCache, out: int, scratch: int, ctx_bucket: int, exact: bool = True,
-                     out_records: int = 0, records_order: int = 0) -> list[tuple]:
+                     out_records: int = 0, records_order: int = 0, fold: tuple | None = None) -> list[tuple]:
     """decode()'s two launches, checked, as (entry point, grid, block, args, dynamic smem): the partials, then
     their merge (bench/attention_bench.py times them apart). exact=False: the tensor-core path rounds q and p to
     bf16 (attn_prefill_*). out_records, records_order: decode's, passed to attn_combine_fast (the other merges
@@ -268,13 +272,21 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
             i32(ns), f32(sc)]
     comb = [ptr(acc), ptr(ml), ptr(gate), i32(ld_gate), ptr(pos), ptr(slot), ptr(out), i32(T), i32(M), i32(nH),
             i32(d), i32(cache.slots), i32(cache.max_ctx), i32(cs), i32(ns)]
-    # combine: 4..32 splits read side by side per block
+    # combine: 4..32 splits read side by side per block (32 with the router fold: a thread a logit)
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
+    if fold is not None:
+        _need(bool(smem) and M == 1 and fold[7] <= FOLD_THREADS + 1 and fold[8] <= 16 * nH * d // 32,
+              f"{name}: the router fold needs one token on the CUDA-core path, at most {FOLD_THREADS + 1} logits "
+              f"and H <= {16 * nH * d // 32} (got M={M}, n={fold[7]}, H={fold[8]})")
+        lanes = FOLD_THREADS // 8
+    fm, fs, fw, fg, fx, fa, fld, fn, fh = fold or (0,) * 9
     if smem:
         rt = [i32(int(runtime))]
         return [(f"attn_decode_fast_{cache.dtype}_d{d}", (-(-(T * G) // _FAST_ROWS), ns, B * nKV), _FAST_THREADS,
                  args + rt, smem),
-                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes, comb + rt + [ptr(out_records), i32(records_order)], 0)]
+                ("attn_combine_fast", (M, nH, d // 32), 8 * lanes,
+                 comb + rt + [ptr(out_records), i32(records_order), ptr(fm), ptr(fs), ptr(fw), ptr(fg), ptr(fx),
+                              ptr(fa), i32(fld), i32(fn), i32(fh)], 0)]
     # with few splits one combine block covers all d columns
     combine = ("attn_combine", (M, nH, d // 32 if ns > 4 else 1), 8 * lanes, comb, 0)
     if exact:
@@ -288,6 +300,17 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     name, smem, warps = f"attn_prefill_{cache.dtype}_d{d}", _prefill_smem(d, cache.dtype), _prefill_warps(cache.dtype)
     k.opt_in_smem(name, smem)
     return [(name, (-(-(T * G) // (_Q_ROWS * warps)), ns, B * nKV), 32 * warps, args, smem), combine]
+
+
+# v72: the router fold on the attention layers (router_fold.py; deltanet.step's on the DeltaNet ones)
+FOLD_THREADS = 256  # attn_combine_fast's block with a fold: thread e sums logit e, the last warp also logit 256
+
+
+def fold_fits(k, cache: KVCache, *, nH: int, H: int, n: int) -> bool:
+    """Whether one token's decode can add a router fold of n logits (decode's fold): the CUDA-core path, whose
+    combine runs nH·d/32 blocks of FOLD_THREADS, each summing 32 values of out and at most 16 elements of x."""
+    return (bool(_fast_path(k, nH // cache.nKV, cache.d, cache.dtype)) and n <= FOLD_THREADS + 1
+            and H <= 16 * nH * cache.d // 32)
 
 
 def prefill_wgmma(k, d: int, dtype: str) -> bool:

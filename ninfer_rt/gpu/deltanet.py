@@ -261,7 +261,7 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
          B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
          cluster: int | None = None, ba_early: bool | None = None, out_records: int = 0,
-         records_order: int = 0) -> None:
+         records_order: int = 0, fold: tuple[int, int, int, int, int, int, int] | None = None) -> None:
     """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
 
     x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
@@ -279,6 +279,10 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     out_records (with records_order 1 or 2, linear.records_order of out_proj): also write out as out_proj's x̂,
     B·T·nv·dv/32 int16 chunk records (reference.ops.act_records16 of out, 16-byte aligned), for linear.gemv's
     x_records; only where a block holds 32 columns (records_fit).
+    fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
+    layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
+    G·x + M·out into acc int64 [n] (fixed point, 2^-32); B = T = 1, 32 columns a block and at most 16 elements of x
+    a block (H <= 16·C·nv).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -299,11 +303,18 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     if out_records and (records_order not in (1, 2) or not records_fit(k, dv=dv, cluster=C) or out_records % 16):
         raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
                        f"a block (dv / cluster = {dv} / {C}) and a 16-byte aligned buffer")
+    if fold is not None and (B != 1 or T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
+                             or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv):
+        raise GpuError(f"deltanet.step: the router fold needs B = T = 1, 32 columns a block on clusters, at most "
+                       f"{STEP_LANES[C] * dv // C + 1} logits and H <= {16 * C * nv} (got B={B}, T={T}, C={C}, "
+                       f"n={fold[6]}, H={H})")
+    fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
               ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), ptr(out_records), i32(records_order), i32(T), i32(nk),
               i32(nv), i32(dv), i32(Kc),
-              i32(H <= STEP_BA_EARLY_MAX_H if ba_early is None else ba_early)], 0, stream,
+              i32(H <= STEP_BA_EARLY_MAX_H if ba_early is None else ba_early),
+              ptr(fm), ptr(fs), ptr(fw), ptr(fg), ptr(fa), i32(fld), i32(fn)], 0, stream,
              cluster=(C, 1, 1) if C > 1 else None)

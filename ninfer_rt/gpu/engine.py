@@ -31,7 +31,7 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe
+from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe, router_fold
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
@@ -149,6 +149,9 @@ class GpuModel:
         gpu.upload(self.inv_freq, inv_freq)
         self._alloc_state()
         self.buf = self._alloc_buffers(self.rows)
+        # v71/v72: layer -> (the step's or the combine's fold arguments, the MoE's acc)
+        self._folds = router_fold.layer_folds(gpu, self.k, s, self.w.matrix, self.w.param, self.kv, self.buf.x,
+                                              self._alloc, self._fold_plan, LM)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
@@ -245,6 +248,22 @@ class GpuModel:
             b.wscratch = self._alloc(b.wscratch_bytes) if b.wscratch_bytes else 0
         return b
 
+    def _fold_for(self, i: int, M: int) -> tuple | None:
+        """The step's (the combine's) fold arguments for layer i at M rows, when its MoE will route on them now:
+        one token, router_fold.ROUTER_FOLD on and the moe_fused_acc entry planned (FUSED_DECODE, the GPU); else
+        None, and the router GEMV runs. Decided before the mixer's launch, so that acc is only ever added to when
+        the MoE reads and clears it."""
+        if M != 1 or not router_fold.ROUTER_FOLD or i not in self._folds:
+            return None
+        return self._folds[i][0] if self._fold_plan(i) is not None else None
+
+    def _fold_plan(self, i: int):
+        """moe.fused_kernel's moe_fused_acc plan for layer i's MoE block (None where there is none)."""
+        m, W = f"{LM}layers.{i}.mlp.", self.w.matrix
+        return moe.fused_kernel(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"),
+                                W(m + "shared_expert.{gate_proj,up_proj}.weight"),
+                                W(m + "shared_expert.down_proj.weight"), self.spec.num_experts_per_tok, acc=True)
+
     def free(self) -> None:
         for g in self.graphs.values():
             g.destroy()
@@ -274,6 +293,7 @@ class GpuModel:
     def _layer(self, i: int, B: int, T: int, ctx_bucket: int) -> None:
         s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
         M, p = B * T, f"{LM}layers.{i}."
+        folded = False  # v71/v72: the step (combine) added the router's logits into acc (the MoE routes on them)
         # decode fuses the input norm into the projections (the GEMV normalises as it stages x)
         if M <= GEMV_MAX_ROWS:
             src, nw = b.x, P(p + "input_layernorm.weight")
@@ -298,10 +318,14 @@ class GpuModel:
                 attention.prefill(self.k, **attend)
             elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w):
                 # one token: o also as o_proj's x̂ records where the combine can write them
+                fold = self._fold_for(i, M)
                 rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
-                                       records_order=linear.records_order(o_w))
+                                       records_order=linear.records_order(o_w), fold=fold)
+                folded = fold is not None
             else:
-                attention.decode(self.k, B=B, **attend)
+                fold = self._fold_for(i, M)
+                attention.decode(self.k, B=B, **attend, fold=fold)
+                folded = fold is not None
             if rec:
                 linear.gemv(self.k, o_w, x=b.o_rec, M=1, y=b.x, mode="add", x_records=True)
             else:
@@ -325,8 +349,10 @@ class GpuModel:
                 if (M == 1 and deltanet.STEP_OUT_RECORDS and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
                         and linear.records_fit(self.k, out_w)):
                     rec = b.o_rec
+                fold = self._fold_for(i, M)
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
-                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0)
+                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0, fold=fold)
+                folded = fold is not None
             else:
                 self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
                 # one sequence's prompt chunk: the delta rule in chunks, not token by token
@@ -361,8 +387,11 @@ class GpuModel:
                 router = W(m + "{gate,shared_expert_gate}.weight")
                 gate_up, down = W(m + "experts.gate_up_proj"), W(m + "experts.down_proj")
                 # one token: the router GEMV, then the rest of the block in one launch (a grid barrier inside)
-                plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k) \
+                plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, acc=folded) \
                     if M == 1 and post % 16 == 0 else None
+                # _fold_for planned this same entry (same arguments) before the step folded, so it exists
+                assert plan is not None or not folded, f"layer {i}: the step folded but no moe_fused_acc entry runs"
+                acc = self._folds[i][1] if folded else 0
                 if plan is None:
                     # the shared expert needs only x, so it runs on the side stream beside the router and the
                     # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
@@ -372,11 +401,12 @@ class GpuModel:
                                  norm_w=post, stream=self.side)
                     self._linear(shared_down, x=b.act_s, M=M, y=b.shared_y, stream=self.side)
                     self._join.record(self.side)
-                self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
+                if not acc:  # with the fold the step (combine) two launches back computed the router's logits
+                    self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
                 if plan is not None:
                     moe.fused(self.k, plan, gate_up, down, shared_gate_up, shared_down, x=b.x, norm_w=post,
                               eps=s.rms_norm_eps, logits=b.router, E=E, top_k=k, act=b.act, act_s=b.act_s,
-                              barrier=self._moe_barrier, **routing)
+                              barrier=self._moe_barrier, acc=acc, **routing)
                 else:
                     moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps, logits=b.router,
                                        ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)

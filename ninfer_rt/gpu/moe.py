@@ -199,10 +199,11 @@ FUSED_DOWN_ROWS = 16  # x rows per block of moe_fused's down phase (MOE_FUSED_DR
 
 
 def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
-                 shared_down: DeviceWeight, top_k: int) -> tuple[str, int, int] | None:
+                 shared_down: DeviceWeight, top_k: int, acc: bool = False) -> tuple[str, int, int] | None:
     """The moe_fused entry point for these weights on this GPU, with its grid and dynamic shared memory, or None
     when the MoE block must take the separate launches: FUSED_DECODE off, shapes or formats moe_fused.cu has no
-    entry for, or a grid the GPU cannot hold at once (its blocks meet at a grid-wide barrier)."""
+    entry for, or a grid the GPU cannot hold at once (its blocks meet at a grid-wide barrier). acc: the entry that
+    routes on the DeltaNet step's router fold (moe_fused_acc_t*: E <= THREADS) instead of logits."""
     if not FUSED_DECODE or not 1 <= top_k <= MAX_TOP_K or len(gate_up.shape) != 3:
         return None
     E, two_i, H = gate_up.shape
@@ -210,7 +211,9 @@ def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: D
             or shared_down.fmt != shared_gate_up.fmt or tuple(shared_gate_up.shape) != (2 * FUSED_I, H)
             or tuple(shared_down.shape) != (H, FUSED_I) or H % 1024 or H // 1024 not in FAST_T):
         return None
-    name = f"moe_fused_t{H // 1024}_{gate_up.fmt}_{down.fmt}_{shared_gate_up.fmt}"
+    if acc and E > THREADS:  # route_keys_block: one logit a thread
+        return None
+    name = f"moe_fused{'_acc' if acc else ''}_t{H // 1024}_{gate_up.fmt}_{down.fmt}_{shared_gate_up.fmt}"
     try:
         fn = k.fn(name)
     except GpuError:
@@ -227,7 +230,7 @@ def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: D
 
 def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
           shared_down: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, E: int, top_k: int, ids: int,
-          weights: int, shared_scale: int, act: int, act_s: int, barrier: int, stream=None) -> None:
+          weights: int, shared_scale: int, act: int, act_s: int, barrier: int, stream=None, acc: int = 0) -> None:
     """The sparse MoE block of one token after the router GEMV, in one launch (kernels/moe_fused.cu), x updated in
     place:
 
@@ -242,6 +245,8 @@ def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeig
     kernel touches while this one runs (each launch flips its top bit and leaves the rest as it found it).
     """
     name, grid, smem = plan
+    if name.startswith("moe_fused_acc") != bool(acc):
+        raise GpuError(f"moe.fused: plan {name} with acc={acc:#x}: the _acc entries route on acc, the others on logits")
     if E != gate_up.shape[0]:
         raise GpuError(f"moe.fused: E={E} router columns but bank {gate_up.name} holds {gate_up.shape[0]} experts")
     _check_rows("fused", 1, top_k)
@@ -255,5 +260,5 @@ def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeig
         qs, qh, sc = w.planes()
         args += [ptr(qs), ptr(qh), ptr(sc), i32(w.kp)]
     args += [i32(E), i32(top_k), ptr(norm_w), f32(eps), ptr(logits), ptr(ids), ptr(weights), ptr(shared_scale),
-             ptr(act), ptr(act_s), ptr(x), ptr(barrier)]
+             ptr(act), ptr(act_s), ptr(x), ptr(barrier)] + ([ptr(acc)] if acc else [])
     k.launch(name, grid, THREADS, args, smem, stream)
