@@ -12,7 +12,7 @@ constexpr unsigned kFull = 0xffffffffu;
 
 // Byte i of u (= 4 int8 codes ^ 0x80808080) as an exact float: the bits 0x4B0000uu are 2^23 + code + 128.
 __device__ __forceinline__ float i8_at(uint32_t u, int i) {
-    return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | i)) - 8388736.f;
+    return __uint_as_float(__byte_perm(0x4B000000u, u, 0x3004u + i)) - 8388736.f;
 }
 
 // Keys per split for a sequence whose last token sees n keys: the launch's cs, or with a runtime split (rt != 0)

@@ -68,6 +68,7 @@ struct FastGeo {
     static_assert((LPK == 4 || LPK == 8) && CPL * CB * LPK == RB && CDIM % 4 == 0, "QK geometry");
     static_assert(NV == 2 * LPK, "the transpose reduction leaves two sums per lane");
     static_assert(kFastWarps * kFastRows * D * 4 <= kFastWarps * NS * STAGE, "the merge buffer reuses the stages");
+    static_assert(kFastRows * 8 * 2 <= SC_OFF - P_OFF, "p's buffer holds q's scales, then the rows' partial indices");
     static_assert(RB % 16 == 0 && STAGE % 16 == 0 && ST_OFF % 16 == 0 && P_OFF % 16 == 0, "16-byte alignment");
 };
 
@@ -139,29 +140,57 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     const int kw0 = k_begin + kWarpKeys * w;
     const int nit = k_end > kw0 ? (k_end - kw0 + kStepKeys - 1) / kStepKeys : 0;
 
-    // keys kb .. kb+7 into stage s of this warp (keys >= k_end zero-filled); the caller commits the group
-    auto issue = [&](int s, int kb) {
-        unsigned char* kt = st + (w * F::NS + s) * F::STAGE;
-        unsigned char* vt = kt + kWarpKeys * F::RB;
-        constexpr int CH = F::RB / 16;       // 16-byte chunks per row
-        constexpr int N = kWarpKeys * CH;    // chunks per matrix
+    // keys kb .. kb+7 into stage s of this warp (keys >= k_end zero-filled); the caller commits the group. Each copy
+    // instruction of the warp takes whole 128-byte lines, as HEAD's did: lane LPR·r + c copies chunk c + LPR·(u / NR)
+    // of row r + RPI·(u % NR). The swizzles flip chunk bits 1-2 only and the K swizzle does not see row bit 2
+    // (kSwizzleMask), so a lane's offsets are its own plus immediates (V: one base a row). A stage costs a row
+    // index and two multiply-adds a row the lane copies, and 2·NU copies; lanes c < 2·NR also copy the scales.
+    constexpr int CH = F::RB / 16;                             // 16-byte chunks per row (a power of two, 2 .. 32)
+    constexpr int LPR = CH < 8 ? CH : 8;                       // lanes per row: one line
+    constexpr int RPI = 32 / LPR < kWarpKeys ? 32 / LPR : kWarpKeys;  // rows an instruction covers
+    constexpr int NR = kWarpKeys / RPI;                        // rows a lane copies (1 or 2)
+    constexpr int NU = CH / LPR * NR;                          // copies a lane and matrix
+    static_assert(NR * RPI == kWarpKeys && (NR == 1 || (kSwizzleMask<F::RB> | 6) == 6), "lines and swizzles");
+    const int rl = lane / LPR, cl = lane % LPR;
+    const bool copies = lane < RPI * LPR;
+    const int kdl = rl * F::RB + (I8 ? k_chunk<F::RB>(rl, cl) : cl) * 16;  // + stage, + RPI·h·RB, + u's chunks
+    int vdl[NR];
 #pragma unroll
-        for (int u = 0; u < (N + 31) / 32; ++u) {
-            const int ci = lane + 32 * u;
-            if (N % 32 == 0 || ci < N) {
-                const int r = ci / CH, ch = ci - r * CH;
-                const bool valid = kb + r < k_end;
-                const size_t off = (size_t)(valid ? kb + r : k_begin) * kstride + ch * 16;
-                cp_async16(smem_addr(kt + r * F::RB + (I8 ? k_chunk<F::RB>(r, ch) : ch) * 16), kbase + off, valid);
-                cp_async16(smem_addr(vt + r * F::RB + (I8 ? v_chunk<F::RB>(r, ch) : ch) * 16), vbase + off, valid);
+    for (int h = 0; h < NR; ++h) {
+        const int r = rl + RPI * h;
+        vdl[h] = (kWarpKeys + r) * F::RB + (I8 ? v_chunk<F::RB>(r, cl) : cl) * 16;
+    }
+    const unsigned char* kgl = kbase + cl * 16;
+    const unsigned char* vgl = vbase + cl * 16;
+    const float* sgl = (cl & 1) ? vsbase : ksbase;                      // the scales: lanes c < 2·NR
+    const int sdl = ((cl & 1) ? kWarpKeys : 0) + rl + RPI * (cl >> 1);
+    const uint32_t kstride32 = (uint32_t)kstride;
+    auto issue = [&](int s, int kb) {
+        const uint32_t stage = smem_addr(st + (w * F::NS + s) * F::STAGE);
+        bool valid[NR];
+        uint32_t idx[NR];
+        const unsigned char *ksrc[NR], *vsrc[NR];
+#pragma unroll
+        for (int h = 0; h < NR; ++h) {
+            const int key = kb + rl + RPI * h;
+            valid[h] = key < k_end;
+            idx[h] = (uint32_t)(valid[h] ? key : k_begin);
+            ksrc[h] = kgl + (size_t)idx[h] * kstride32;
+            vsrc[h] = vgl + (size_t)idx[h] * kstride32;
+        }
+        if (copies) {
+#pragma unroll
+            for (int u = 0; u < NU; ++u) {
+                const int h = u % NR, dc = LPR * (u / NR) * 16;  // constants: the swizzles leave these bits alone
+                cp_async16(stage + kdl + RPI * h * F::RB + dc, ksrc[h] + dc, valid[h]);
+                cp_async16(stage + vdl[h] + dc, vsrc[h] + dc, valid[h]);
             }
         }
         if constexpr (I8) {
-            if (lane < 2 * kWarpKeys) {
-                const int r = lane & (kWarpKeys - 1);
-                const bool valid = kb + r < k_end;
-                const float* src = (lane < kWarpKeys ? ksbase : vsbase) + (size_t)(valid ? kb + r : k_begin) * nKV;
-                cp_async_small<4>(smem_addr(sc_s + s * 2 * kWarpKeys + lane), src, valid);
+            if (cl < 2 * NR && copies) {
+                const bool h = NR > 1 && (cl >> 1);  // (selected, not indexed: idx and valid stay in registers)
+                const float* src = sgl + (size_t)(h ? idx[NR - 1] : idx[0]) * nKV;
+                cp_async_small<4>(smem_addr(sc_s + s * 2 * kWarpKeys + sdl), src, h ? valid[NR - 1] : valid[0]);
             }
         }
     };
@@ -186,9 +215,11 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     // tensor cores, or fp32: float4 f4 of a row (dims 4f4 .. 4f4+3) is element e of run ch = l + LPK*i
     // (l = ch % LPK): it goes to float4 (i*CDIM/4 + e)*LPK + l of the row, so the LPK lanes of a key read LPK
     // consecutive float4s.
-    int8_t* qc = reinterpret_cast<int8_t*>(q_s);
-    float* qsc = reinterpret_cast<float*>(qc + kQTerms * kFastRows * QCodes<D>::STRIDE);
-    if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qc, qsc);
+    using QF = QFrags<D, kFastRows>;
+    static_assert(QF::BYTES <= F::ST_OFF - F::Q_OFF, "q's records fit q's fp32 rows");
+    unsigned char* qf = reinterpret_cast<unsigned char*>(q_s);
+    float* qsc = reinterpret_cast<float*>(fast_smem + F::P_OFF);  // p's buffer: the CUDA-core path's only
+    if constexpr (I8) stage_q_codes<D, kFastRows>(q, b, T, nH, kvh, G, R, r0, qf, qsc);
     for (int f = tid; !I8 && f < kFastRows * (D / 4); f += kFastWarps * 32) {
         const int c = f / (D / 4), f4 = f - c * (D / 4), rr = r0 + c;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -218,17 +249,16 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         const int rr = r0 + (I8 ? mg : 2 * (lane & 3) + h);
         lim[h] = rr < R ? min(min(p0 + rr / G + 1, cap), k_end) : 0;
     }
-    using QC = QCodes<D>;
-    const int8_t* qfrag = qc + mg * QC::STRIDE + 8 * mt;  // + plane term, block j: (term·8)·STRIDE + 32j
-    uint2 qa[I8 && QC::IN_REGS ? kQTerms : 1][I8 && QC::IN_REGS ? D / 32 : 1];
+    const unsigned char* qlane = qf + mg * 64 + mt * 16;  // + j·BLOCK: the pair record; + THIRD: plane 3's
+    uint4 qa[I8 && QF::IN_REGS ? D / 32 : 1][2];
     float q_scale = 0.f;
     if constexpr (I8) {
-        if constexpr (QC::IN_REGS) {
+        if constexpr (QF::IN_REGS) {
 #pragma unroll
-            for (int term = 0; term < kQTerms; ++term)
+            for (int j = 0; j < D / 32; ++j)
 #pragma unroll
-                for (int j = 0; j < D / 32; ++j)
-                    qa[term][j] = *reinterpret_cast<const uint2*>(qfrag + term * kFastRows * QC::STRIDE + 32 * j);
+                for (int h = 0; h < 2; ++h)
+                    qa[j][h] = *reinterpret_cast<const uint4*>(qlane + h * QF::THIRD + j * QF::BLOCK);
         }
         q_scale = qsc[mg] * sc;
     }
@@ -261,19 +291,18 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
         const int kb = kw0 + it * kStepKeys;
 
         if constexpr (I8) {
-            // ---- scores: row mg's keys 2mt, 2mt+1 from the exact int32 sums of the code planes
-            int sacc[kQTerms][4];
-#pragma unroll
-            for (int term = 0; term < kQTerms; ++term) sacc[term][0] = sacc[term][1] = sacc[term][2] = sacc[term][3] = 0;
+            // ---- scores: row mg's keys 2mt, 2mt+1 from the exact int32 sums of the code planes: plane 1 in
+            // s12[0..1], plane 2 in s12[2..3] (the A tile's rows 8-15), plane 3 in s3[0..1]
+            int s12[4] = {0, 0, 0, 0}, s3[4] = {0, 0, 0, 0};
             const unsigned char* krow = kt + mg * F::RB + (mt & 1) * 8;
 #pragma unroll
             for (int j = 0; j < D / 32; ++j) {
                 const uint2 kb8 = *reinterpret_cast<const uint2*>(krow + (k_chunk<F::RB>(mg, 2 * j + (mt >> 1)) << 4));
 #pragma unroll
-                for (int term = 0; term < kQTerms; ++term) {
-                    const uint2 a = QC::IN_REGS ? qa[QC::IN_REGS ? term : 0][QC::IN_REGS ? j : 0]
-                                                : *reinterpret_cast<const uint2*>(qfrag + term * kFastRows * QC::STRIDE + 32 * j);
-                    mma_s8(sacc[term], a.x, a.y, kb8.x, kb8.y);
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned char* rec = qlane + h * QF::THIRD + j * QF::BLOCK;
+                    const uint4 a = QF::IN_REGS ? qa[QF::IN_REGS ? j : 0][h] : *reinterpret_cast<const uint4*>(rec);
+                    mma_s8(h ? s3 : s12, a, kb8);
                 }
             }
             const float2 ksc = *reinterpret_cast<const float2*>(sc_s + s * 2 * kWarpKeys + 2 * mt);
@@ -281,7 +310,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
             float sv[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float v = (float)sacc[0][e] + ((float)sacc[1][e] + (float)sacc[2][e] * (1.f / kQBase)) * (1.f / kQBase);
+                const float v = (float)s12[e] + ((float)s12[2 + e] + (float)s3[e] * (1.f / kQBase)) * (1.f / kQBase);
                 sv[e] = kb + 2 * mt + e < lim[0] ? v * q_scale * (e ? ksc.y : ksc.x) : kMasked;
             }
             // ---- online softmax of row mg over the warp's 8 keys (its quad's lanes)
@@ -289,7 +318,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
             const float base = online_base(fmaxf(sv[0], sv[1]), m_run[0], alpha);
             const float pa = exp2f(sv[0] - base), pb = exp2f(sv[1] - base);
             l_run[0] = l_run[0] * alpha + pa + pb;
-            if (__any_sync(kFull, alpha != 1.f)) {
+            if (it > 0 && __any_sync(kFull, alpha != 1.f)) {  // (o is still zero in the first step)
                 const float a0 = __shfl_sync(kFull, alpha, 8 * mt), a1 = __shfl_sync(kFull, alpha, 8 * mt + 4);
 #pragma unroll
                 for (int pp = 0; pp < D / 32; ++pp)
@@ -355,7 +384,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
                 m_run[h] = m_new;
             }
             reinterpret_cast<float2*>(p_s)[lane] = make_float2(pv[0], pv[1]);  // p_s[key][row]
-            if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            if (it > 0 && __any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {  // (o is zero in the first step)
 #pragma unroll
                 for (int r = 0; r < kFastRows; ++r) {
                     const float ar = __shfl_sync(kFull, alpha[r & 1], r >> 1);
@@ -400,6 +429,27 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
     }
     __syncthreads();  // ml_s complete; every warp done with its stages (its copies have landed)
     NINFER_TL_MARK(1);  // the block's keys done
+
+    // rows' (max, sum) out, and their partials' index for the final stores (in p's buffer past q's scales, both
+    // read before the barrier), by 8 threads while the warps write o: one division each, not one a store
+    size_t* idx_s = reinterpret_cast<size_t*>(fast_smem + F::P_OFF) + kFastRows;
+    if (tid < kFastRows && r0 + tid < R) {
+        const int r = tid, rr = r0 + r;
+        float mx = kMasked;
+#pragma unroll
+        for (int u = 0; u < kFastWarps; ++u) mx = fmaxf(mx, ml_s[u * kFastRows + r].x);
+        const float base = mx == kMasked ? 0.f : mx;
+        float L = 0.f;
+#pragma unroll
+        for (int u = 0; u < kFastWarps; ++u) {
+            const float2 e = ml_s[u * kFastRows + r];
+            L += e.y * exp2f(e.x - base);
+        }
+        int tt, j;
+        const size_t idx = partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j);
+        idx_s[r] = idx;
+        ml[idx] = make_float2(mx, L);
+    }
 
     // this warp's o rescaled to the block's max of each row (row r's factor: warp_factor(r))
     auto warp_factor = [&](int r) {
@@ -447,24 +497,7 @@ __device__ __forceinline__ void fast_decode_impl(const float* __restrict__ q, co
             const float4 a = reinterpret_cast<const float4*>(ored + (u * kFastRows + r) * D)[c4];
             sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
         }
-        int tt, j;
-        const size_t idx = partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j);
-        reinterpret_cast<float4*>(acc + idx * D)[c4] = sum;
-    }
-    if (tid < kFastRows && r0 + tid < R) {
-        const int r = tid, rr = r0 + r;
-        float mx = kMasked;
-#pragma unroll
-        for (int u = 0; u < kFastWarps; ++u) mx = fmaxf(mx, ml_s[u * kFastRows + r].x);
-        const float base = mx == kMasked ? 0.f : mx;
-        float L = 0.f;
-#pragma unroll
-        for (int u = 0; u < kFastWarps; ++u) {
-            const float2 e = ml_s[u * kFastRows + r];
-            L += e.y * exp2f(e.x - base);
-        }
-        int tt, j;
-        ml[partial_row(rr, G, sp, M, b, T, nH, kvh, tt, j)] = make_float2(mx, L);
+        reinterpret_cast<float4*>(acc + idx_s[r] * D)[c4] = sum;
     }
 }
 
