@@ -2,7 +2,7 @@
 # One device call for prepared kernel variants: tree_ab of HEAD against each (the 35B at 8K, 3 rounds), then the
 # landing run (h200-land-run.sh: every GPU test, then ninfer-rt bench of both shapes) in the fastest variant's full
 # tree if its median is 0.5% or more below HEAD's. A variant V is HEAD's whole tree plus
-# bench/results/h200-V-*-prepared.diff; a variant named A+B stacks B's diff on A's tree.
+# bench/results/h200-V-*-prepared.diff; a variant named A_B stacks B's diff on A's tree.
 #   here:       bash bench/results/h200-ab-land.sh prepare v77a [v77b ...]   # .dbg/ab/V for each
 #   the device: bash bench/results/h200-ab-land.sh run v77a [v77b ...]       # carry [".dbg/ab/V", ...]
 set -uo pipefail
@@ -14,7 +14,7 @@ if [ "$phase" = prepare ]; then
   for v in "$@"; do
     rm -rf ".dbg/ab/$v" && mkdir -p ".dbg/ab/$v" \
       && git archive HEAD | tar -x -C ".dbg/ab/$v" --exclude=bench/results || exit 1
-    IFS=+ read -ra parts <<< "$v"
+    IFS=_ read -ra parts <<< "$v"
     for p in "${parts[@]}"; do
       git apply --directory=".dbg/ab/$v" bench/results/h200-"$p"-*-prepared.diff || exit 1
     done
