@@ -314,18 +314,16 @@ class GpuModel:
                           nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
                           ctx_bucket=ctx_bucket)
             o_w, rec = k_view(W(a + "o_proj.weight")), False
+            fold = self._fold_for(i, M)  # None unless one token: never a prompt chunk's
+            folded = fold is not None
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
             elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w):
                 # one token: o also as o_proj's x̂ records where the combine can write them
-                fold = self._fold_for(i, M)
                 rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
                                        records_order=linear.records_order(o_w), fold=fold)
-                folded = fold is not None
             else:
-                fold = self._fold_for(i, M)
                 attention.decode(self.k, B=B, **attend, fold=fold)
-                folded = fold is not None
             if rec:
                 linear.gemv(self.k, o_w, x=b.o_rec, M=1, y=b.x, mode="add", x_records=True)
             else:
@@ -386,7 +384,8 @@ class GpuModel:
             else:
                 router = W(m + "{gate,shared_expert_gate}.weight")
                 gate_up, down = W(m + "experts.gate_up_proj"), W(m + "experts.down_proj")
-                # one token: the router GEMV, then the rest of the block in one launch (a grid barrier inside)
+                # one token: the router GEMV (none where the mixer folded it), then the rest of the block in one
+                # launch (a grid barrier inside)
                 plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, acc=folded) \
                     if M == 1 and post % 16 == 0 else None
                 # _fold_for planned this same entry (same arguments) before the step folded, so it exists
