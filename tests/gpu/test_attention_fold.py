@@ -2,10 +2,8 @@
 fold_acc): for one token the combine also adds its blocks' shares of the next MoE's raw router logits into an int64
 accumulator (router_fold.py).
 
-Oracle: the same sums in float64 over the decode's own fp32 output and the fold's exact fp16 / bf16 values. A block
-sums 32 + 16 products in fp32 (|error| <= 50·2^-24 of the sum of their magnitudes) and rounds once to 2^-32, so the
-accumulator holds Σ_b v_b within 2^-18·Σ|terms| + nb·2^-33; integer sums are exact, so a second launch doubles it
-bit for bit, and out is the same bits as without the fold.
+Oracle: fold_oracle.check_fold_sums over the decode's own fp32 output; integer sums are exact, so a second launch
+doubles the accumulator bit for bit, and out is the same bits as without the fold.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_rt.formats import bf16_bits_to_f32, f32_to_bf16_bits
-
+from .fold_oracle import check_fold_sums, random_fold
 from .test_attention import DIMS, _fill_cache, _new_cache
 
 pytestmark = pytest.mark.gpu
@@ -33,15 +30,10 @@ def test_combine_adds_the_router_fold(kernels, gpu, dev, rng, dims, E, H):
     if not attention.fold_fits(kernels, cache, nH=nH, H=H, n=E + 1):
         pytest.skip(f"no CUDA-core decode for {dims} on {kernels.gpu.info.arch}")
     D, nb = nH * d, nH * d // 32
-    router = bf16_bits_to_f32(f32_to_bf16_bits((rng.standard_normal((E + 1, H)) * 0.05).astype(np.float32)))
-    w_post = (rng.standard_normal(H) * 0.1).astype(np.float32)
-    w_out = (rng.integers(-127, 128, (H, D)) * 2.0 ** -9).astype(np.float32)
-    mt, ms, wt = router_fold.router_fold(router, w_post, w_out)
-    mb, wb = router_fold.fold_blocks(mt, wt, nb)
+    router, w_post, w_out, mb, ms, wb, g1 = random_fold(rng, E, H, D)
     x = (rng.standard_normal(H) * 3.0).astype(np.float32)
     ld = router_fold.fold_ld(E)
     acc = dev.put(np.zeros(ld, np.int64))
-    g1 = (np.float32(1.0) + w_post).astype(np.float32)                           # the gain 1 + w_post, fp32
     fold = (dev.put(mb), dev.put(ms), dev.put(wb), dev.put(g1), dev.put(x), acc, ld, E + 1, H)
 
     q = (rng.standard_normal((1, nH, d)) * 1.5).astype(np.float32)
@@ -59,19 +51,7 @@ def test_combine_adds_the_router_fold(kernels, gpu, dev, rng, dims, E, H):
     twice = dev.get(acc, (ld,), np.int64)
     assert not once[E + 1:].any() and np.array_equal(twice, 2 * once), "the sums are not exact integers"
 
-    # the oracle, block by block on the fold's exact values
-    m16 = mb[:, :E + 1].view(np.float16).astype(np.float64)                     # m16: [nb, E+1, 32]
-    w16 = bf16_bits_to_f32(wb[:, :E + 1]).astype(np.float64)                    # w16: [nb, E+1, 16]
-    gx = np.zeros(16 * nb)
-    gx[:H] = g1 * x                                                               # fp32, as the kernel forms it
-    yb, gb = y.astype(np.float64).reshape(nb, 32), gx.reshape(nb, 16)
-    terms_m = m16 * yb[:, None, :] * ms[:E + 1].astype(np.float64)[None, :, None]
-    terms_w = w16 * gb[:, None, :]
-    want = terms_m.sum((0, 2)) + terms_w.sum((0, 2))                              # want: [E+1]
-    mag = np.abs(terms_m).sum((0, 2)) + np.abs(terms_w).sum((0, 2))
-    got = once[:E + 1].astype(np.float64) * 2.0 ** -32
-    bad = np.abs(got - want) > 2.0 ** -18 * mag + nb * 2.0 ** -33
-    assert not bad.any(), f"{dims}: logit {np.argmax(bad)} got {got[bad][0]}, want {want[bad][0]}"
+    got, mag = check_fold_sums(once, mb, ms, wb, g1, x, y, E, H, f"{dims}: ")
     # and what it stands for: the router's raw logits on x + Ŵ·out (M's fp32 forming and fp16 rounding: 2^-10
     # relative covers 2^-11 + H·2^-24; gx's fp32 product 2^-20)
     G = router.astype(np.float64) * (1.0 + w_post.astype(np.float64))[None, :]
