@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from ninfer_rt.api import gpu_available
+from ninfer_rt.gpu.attention import rope_inv_freq
 from ninfer_rt.gpu.build import TARGETS, build_kernels, sources
 from ninfer_rt.gpu.driver import KernelArgs, f32, i32, i64, ptr
-from ninfer_rt.gpu.engine import context_bucket, rope_inv_freq
+from ninfer_rt.gpu.engine import context_bucket
 from tests.cli_runner import error_line, run_main
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ninfer_rt.gpu.driver import GpuError, f32, i32, ptr
 from ninfer_rt.gpu.gemm import wgmma_available
 
@@ -51,6 +53,33 @@ _PREFILL_WGMMA = True            # prefill on an int8 cache takes the wgmma kern
 COMBINE_OUT_RECORDS = True
 _WG_ROWS, _WG_THREADS = 128, 256  # attn_prefill_wgmma_*: query rows and threads per block
 _WG_HEAD_DIMS = (64, 128, 256)
+
+
+def rope_inv_freq(spec) -> tuple[np.ndarray, float]:
+    """numpy twin of ops.rope_inv_freq (plain or YaRN), fp32 with the same operation order (tested equal)."""
+    rot, theta, yarn = spec.rotary_dim, spec.rope_theta, spec.yarn
+    # θ^e rounded once from fp64: numpy's fp32 power (a SIMD routine in numpy 2.x) can be an ulp off torch's
+    powers = (np.float64(np.float32(theta)) ** (np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot))
+              .astype(np.float64)).astype(np.float32)
+    if yarn is None:
+        return (np.float32(1.0) / powers).astype(np.float32), 1.0
+
+    def ramp_point(rotations: float) -> float:
+        L = yarn.original_max_position_embeddings
+        return (rot * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = ramp_point(yarn.beta_fast), ramp_point(yarn.beta_slow)
+    if yarn.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(rot // 2, dtype=np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
+    keep = np.float32(1) - ramp
+    inv = np.float32(1.0) / (np.float32(yarn.factor) * powers) * (np.float32(1) - keep) + \
+        np.float32(1.0) / powers * keep
+    return inv.astype(np.float32), float(yarn.attention_factor)
+
 
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
@@ -131,7 +160,7 @@ def prepare(k, *, qkvg: int, ld: int, q_norm: int, k_norm: int, inv_freq: int, r
     """Norm + RoPE q and k of M = B·T tokens, write q to q_out and this step's k, v into the cache.
 
     qkvg fp32 [M, ld], row b·T + t = token t of sequence b, columns [q (nH·d) | k (nKV·d) | v (nKV·d) | gate].
-    q_norm, k_norm fp32 [d] (zero-centred: gain 1 + w); inv_freq fp32 [rot/2] (ops.rope_inv_freq, YaRN included);
+    q_norm, k_norm fp32 [d] (zero-centred: gain 1 + w); inv_freq fp32 [rot/2] (rope_inv_freq above, YaRN included);
     pos, slot int32 [B] device arrays: token t of sequence b sits at position pos[b] + t of cache slot slot[b].
     q_out fp32 [M, nH, d] = rope(rms_norm_zc(q)); the cache gets rope(rms_norm_zc(k)) and v at those positions
     (bf16 round-to-nearest-even, or int8 with scale max|x|/127 per (position, kv head); a zero vector stores

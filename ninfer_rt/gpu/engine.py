@@ -12,9 +12,11 @@ One step runs B sequences × T new tokens (M = B·T rows, row b·T + t) through 
     logits = lm_head(rmsnorm(x[rows]))
 
 At decode (M ≤ 8) no h is materialised: each consumer normalises x as it stages it (the GEMV prologue, the
-fused DeltaNet step, the routed gate/up kernel), and a DeltaNet layer is three launches (in_proj GEMV, the
-fused step, out_proj GEMV), an MoE block five (router GEMV, routed gate/up with top-k routing, shared gate/up,
-routed down, shared down).
+fused DeltaNet step, the MoE kernels). A one-token step runs a DeltaNet layer as three launches (in_proj GEMV,
+the fused step, out_proj GEMV), an attention layer as five (q|k|v|gate GEMV, prepare, split-KV decode, combine,
+o_proj), and the MoE block as one (moe.fused: routing, routed and shared experts, the residual add, with a grid
+barrier). Its router logits are not a launch of their own where router_fold fits: the DeltaNet step or the
+attention combine two launches back adds them up. Batched rows take the router GEMV and separate MoE launches.
 
 Decode steps (T ≤ 8) are captured as CUDA graphs, one per (B, T, context bucket): the kernels read ids, pos
 and slot from device arrays, so a graph replays for every token until the context passes its bucket.
@@ -24,7 +26,6 @@ more than 8 rows). Weights are read from the artifact layout in place (ninfer_rt
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,32 +41,6 @@ from ninfer_rt.gpu.weights import DeviceWeight
 LM = "model.language_model."
 GEMV_MAX_ROWS = 8        # the GEMV reads weights once for up to 8 rows; more rows go to the tensor-core GEMM
 MIN_BUCKET = 1024        # smallest context bucket of a decode graph
-
-
-def rope_inv_freq(spec) -> tuple[np.ndarray, float]:
-    """numpy twin of ops.rope_inv_freq (plain or YaRN), fp32 with the same operation order (tested equal)."""
-    rot, theta, yarn = spec.rotary_dim, spec.rope_theta, spec.yarn
-    # θ^e rounded once from fp64: numpy's fp32 power (a SIMD routine in numpy 2.x) can be an ulp off torch's
-    powers = (np.float64(np.float32(theta)) ** (np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot))
-              .astype(np.float64)).astype(np.float32)
-    if yarn is None:
-        return (np.float32(1.0) / powers).astype(np.float32), 1.0
-
-    def ramp_point(rotations: float) -> float:
-        L = yarn.original_max_position_embeddings
-        return (rot * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    lo, hi = ramp_point(yarn.beta_fast), ramp_point(yarn.beta_slow)
-    if yarn.truncate:
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, rot - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = np.clip((np.arange(rot // 2, dtype=np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
-    keep = np.float32(1) - ramp
-    inv = np.float32(1.0) / (np.float32(yarn.factor) * powers) * (np.float32(1) - keep) + \
-        np.float32(1.0) / powers * keep
-    return inv.astype(np.float32), float(yarn.attention_factor)
 
 
 def k_view(w: DeviceWeight) -> DeviceWeight:
@@ -143,7 +118,7 @@ class GpuModel:
         # per-slot DeltaNet state: the ring of conv inputs and the fp32 recurrent state
         self.conv_bytes = deltanet.conv_state_bytes(s.linear_conv_kernel_dim, s.conv_dim)
         self.ssm_bytes = s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * 4
-        inv_freq, self.rope_scale = rope_inv_freq(s)
+        inv_freq, self.rope_scale = attention.rope_inv_freq(s)
         self._allocs: list[int] = []
         self.inv_freq = self._alloc(inv_freq.nbytes)
         gpu.upload(self.inv_freq, inv_freq)
