@@ -20,8 +20,9 @@ from os import PathLike
 
 import numpy as np
 
-from ninfer_rt.errors import NinferError
+from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
+from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -308,10 +309,18 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     """
     if device not in DEVICES:
         raise NinferError(f"device {device!r}: choose cpu, cuda or auto")
+    # checked on every device and before any weight loads, though only cuda allocates a cache
+    if kv_dtype not in ("int8", "bf16"):
+        raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
+    if type(max_ctx) is not int or max_ctx < 1:
+        raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)
     try:
+        problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])
+        if problems:  # a header edited, or written for another model: refuse before any weight is read
+            raise FormatError(f"{artifact.path}: {problems[0]}")
         if device == "cuda":
             from ninfer_rt.gpu.backend import GpuBackend
             backend = GpuBackend(artifact, max_ctx=max_ctx, kv_dtype=kv_dtype, progress=progress,

@@ -56,7 +56,8 @@ def run(
                                                                                       "token already generated."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="CTRL-style penalty "
                                                                                           "over prompt + output."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (same seed, same text)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64): same seed, same text "
+                                                             "(omit it for a fresh one)."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
                                                        "or cpu (the PyTorch reference)."),
     max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache to allocate (cuda)."),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import typer
 from rich.console import Console
@@ -11,17 +13,61 @@ from rich.markup import escape
 from ninfer_rt.errors import NinferError
 
 
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so open outputs are removed on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum, _frame) -> None:
+    raise Terminated(signum)
+
+
+def _usage_error(e: Exception) -> bool:
+    """Click's usage errors (a bad or missing option, an unknown command), whichever click typer brings."""
+    return type(e).__module__.endswith("click.exceptions") and hasattr(e, "format_message")
+
+
 def run_app(app: typer.Typer, err: Console) -> None:
-    """Run a Typer app: a NinferError becomes `error: <one line>` on stderr and exit 1; Ctrl-C exits 130."""
-    try:
-        app()
-    except NinferError as e:
+    """Run a Typer app. Every user error ends as one line on stderr and a non-zero exit: a NinferError or an OS
+    error (disk full, a name too long) `error: ...`, exit 1; a usage error `error: ... (see --help)`, exit 2;
+    Ctrl-C exits 130, SIGTERM 143, SIGHUP 129, each after the cleanups of what was being written."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _terminate)
+
+    def fail(message: str, code: int) -> None:
         sys.stdout.flush()  # what was already streamed stays ahead of the error
-        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
-        sys.exit(1)
+        err.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, emoji=False)
+        sys.exit(code)
+
+    try:
+        code = app(standalone_mode=False)
+    except NinferError as e:
+        fail(str(e), 1)
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        fail(f"{e.strerror or type(e).__name__}{where}", 1)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except Terminated as e:
+        err.print(f"terminated ({e})")
+        sys.exit(128 + e.signum)
+    except Exception as e:
+        if not _usage_error(e):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help, as click prints it
+            print(e.format_message())
+            sys.exit(2)
+        fail(f"{e.format_message()} (see --help)".replace("\n", " "), getattr(e, "exit_code", 2))
+    finally:  # an embedding process (a test run) gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def human_bytes(n: float) -> str:

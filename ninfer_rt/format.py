@@ -128,6 +128,8 @@ def check_output_path(path: Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise FormatError(f"{path} is a directory; --out takes a file path such as model.ninfer")
+    if path.exists() and not path.is_file():  # a device, FIFO or socket: the final rename would replace it
+        raise FormatError(f"{path} exists and is not a regular file; --out takes a file path such as model.ninfer")
     if not path.parent.is_dir():
         raise FormatError(f"output directory does not exist: {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK):
@@ -178,8 +180,11 @@ class ArtifactWriter:
 
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
         done = 0
-        while done < view.nbytes:
-            done += os.pwrite(self._fd, view[done:done + (1 << 30)], offset + done)
+        try:
+            while done < view.nbytes:
+                done += os.pwrite(self._fd, view[done:done + (1 << 30)], offset + done)
+        except OSError as e:  # disk full, quota: the caller's exit removes the temporary file
+            raise FormatError(f"cannot write {self.path}: {e.strerror}") from None
 
     def _finish(self) -> None:
         missing = [n for n in self.tensors if n not in self._written]

@@ -45,6 +45,9 @@ class SamplingParams:
             ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
             ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
             ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            # both samplers take it as 64 bits (numpy's stream, the device's Philox key)
+            ("seed", self.seed is None or (isinstance(self.seed, (int, np.integer)) and not isinstance(self.seed, bool)
+                                           and 0 <= self.seed < 2**64), "an integer in [0, 2^64), or absent"),
         ]
         for name, ok, want in checks:
             if not ok:

@@ -87,6 +87,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; special tokens written in the text (e.g. <|im_start|>) become their ids, no BOS."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (a shell's argv, a bad file)
+            raise NinferError(f"text is not valid UTF-8 (character {e.start}: {text[e.start]!r})") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -112,6 +112,41 @@ def test_bad_options(packed, capsys):
     assert code == 1 and "max_new_tokens" in error_line(err)
 
 
+@pytest.mark.parametrize("args, code, message", [
+    (["--seed", -1], 1, r"seed=-1: must be an integer in \[0, 2\^64\)"),
+    (["--seed", 2**64], 1, "seed="),
+    (["--kv-cache", "fp8", "--device", "cpu"], 1, "kv cache dtype 'fp8': choose int8 or bf16"),
+    (["--max-context", 0, "--device", "cpu"], 1, "max context 0: must be a number of positions >= 1"),
+    (["--max-new-tokens", "many"], 2, r"Invalid value for '--max-new-tokens'.*\(see --help\)"),
+    (["--no-such-option"], 2, r"No such option: --no-such-option.*\(see --help\)"),
+])
+def test_bad_option_values_are_one_line(packed, capsys, args, code, message):
+    # cache options are checked on every device, before any weight is read; usage errors exit 2 as click's do
+    got, out, err = run(["run", packed, "--prompt", PROMPT, *args], capsys)
+    assert got == code and out == "" and re.search(message, error_line(err)), err
+
+
+def test_usage_errors_are_one_line(capsys):
+    code, _, err = run(["no-such-command"], capsys)
+    assert code == 2 and "No such command 'no-such-command'" in error_line(err)
+    code, _, err = run(["run"], capsys)
+    assert code == 2 and "Missing argument" in error_line(err)
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b"ok \xed\xa0\x80"], ids=["not-utf8", "surrogate"])
+@pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat"])
+def test_prompt_that_is_not_utf8(packed, capsys, raw, chat):
+    # what a shell hands Python for bytes that are not UTF-8: lone surrogates (surrogateescape)
+    prompt = raw.decode("utf-8", "surrogateescape")
+    code, out, err = run(["run", packed, "--prompt", prompt, *(["--chat"] if chat else [])], capsys)
+    assert code == 1 and out == "" and "text is not valid UTF-8" in error_line(err)
+
+
+def test_name_too_long_is_one_line(tmp_path, capsys):
+    code, _, err = run(["info", tmp_path / ("n" * 300 + ".ninfer")], capsys)
+    assert code == 1 and "File name too long" in error_line(err)
+
+
 def test_only_sampling_options_turn_a_greedy_config_into_sampling():
     # a do_sample-false generation_config (greedy by default, as in HF)
     model = SimpleNamespace(generation_config={"do_sample": False, "temperature": 0.6, "top_k": 20, "top_p": 0.95})
