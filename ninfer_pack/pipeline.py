@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ninfer_rt import __version__
+from ninfer_rt.chat import ChatTemplate
 from ninfer_rt.errors import FormatError, NinferError, SourceError
 from ninfer_rt.format import ArtifactWriter, TensorEntry, check_output_path
 from ninfer_rt.formats import bf16_bits_to_f32, get_format
@@ -22,6 +23,7 @@ from ninfer_pack.plan import PlannedTensor, plan_artifact
 from ninfer_pack.quant import quantize_rows
 from ninfer_rt.recipe import Recipe, load_recipe
 from ninfer_pack.source import Checkpoint
+from ninfer_rt.tokenizer import Tokenizer
 
 ROW_CHUNK_ELEMS = 1 << 24  # 16 M weights per encode chunk: ~64 MB of float32 plus search temporaries
 
@@ -125,10 +127,32 @@ def match_importance(importance: dict[str, torch.Tensor], planned: list[PlannedT
     return out
 
 
+def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
+    """What the runtime would refuse among the text resources: a tokenizer.json, tokenizer_config.json or
+    generation_config.json it cannot read, a chat template that does not compile (each only where present)."""
+    problems = []
+    if "tokenizer.json" in resources:
+        try:
+            Tokenizer.from_resources(resources)
+        except NinferError as e:
+            problems.append(str(e))
+    if "chat_template.jinja" in resources or "tokenizer_config.json" in resources:
+        try:
+            ChatTemplate.from_resources(resources)
+        except NinferError as e:
+            if "chat template: missing" not in str(e):  # a checkpoint without a template is a base model
+                problems.append(str(e))
+    return problems
+
+
 def require_tokenizer(ckpt: Checkpoint, source: str) -> None:
-    """ninfer-rt reads the tokenizer from the artifact, so a checkpoint without one cannot become a model."""
+    """ninfer-rt reads the tokenizer (and the template) from the artifact, so a checkpoint without one, or with
+    one the runtime cannot read, cannot become a model."""
     if "tokenizer.json" not in ckpt.resources:
         raise SourceError(f"{source} has no tokenizer.json: ninfer-rt needs it to run the model")
+    problems = text_resource_problems(dict(ckpt.resources))
+    if problems:
+        raise SourceError(f"{source}: {problems[0]}")
 
 
 @dataclass

@@ -204,6 +204,8 @@ class Checkpoint:
 
             if source not in BUILTIN_SOURCES:
                 raise SourceError(f"unknown built-in checkpoint {source!r}; choose from {', '.join(BUILTIN_SOURCES)}")
+            if revision is not None:
+                raise SourceError(f"--revision {revision} applies to Hub repos, but {source} is built in")
             return cls(Path(materialize_builtin(source)), source, {"source": source})
         local = Path(source).expanduser()
         if local.is_dir():
@@ -491,8 +493,11 @@ def fetch_config(source: str, revision: str | None = None) -> dict:
         if not path.is_file():
             raise SourceError(f"{source} has no config.json")
     elif _REPO_ID.match(source) and not local.exists():
-        path = Path(_hub(source, revision, False, lambda offline: huggingface_hub.hf_hub_download(
-            source, "config.json", revision=revision, local_files_only=offline)))
+        # snapshot_download, as quantize does: one attempt (hf_hub_download retries an unreachable Hub for ~25 s)
+        path = Path(_hub(source, revision, False, lambda offline: huggingface_hub.snapshot_download(
+            source, revision=revision, allow_patterns=["config.json"], local_files_only=offline))) / "config.json"
+        if not path.is_file():
+            raise SourceError(f"{source} has no config.json on the Hub")
     elif local.exists():
         raise SourceError(f"{source} is not a checkpoint directory, config.json or Hub repo id")
     else:

@@ -1,7 +1,9 @@
 """verify: is an artifact sound, and does every tensor decode to its source within its format's error?
 
 Structure (magic, header checksum and schema, bounds, alignment) is checked by Artifact.open; this module
-adds the payload checksums and, given the source checkpoint, a tensor-by-tensor comparison in the
+adds the payload checksums, the tensor table against the model the header describes (layout.check_plans, as
+the runtime's load does), the tokenizer and chat template the runtime will build, and, given the source
+checkpoint, a tensor-by-tensor comparison in the
 artifact's own layout: raw formats must match the re-encoded source bit for bit, quantized formats must
 pass quant.check_decoded (every element within half a step of its group's scale, or clipped correctly).
 """
@@ -17,9 +19,9 @@ import torch
 
 from ninfer_rt.format import Artifact
 from ninfer_rt.formats import get_format
-from ninfer_rt.layout import apply_forward
+from ninfer_rt.layout import apply_forward, check_plans
 from ninfer_pack import pipeline
-from ninfer_pack.pipeline import as_f32, encode_tensor, read_parts
+from ninfer_pack.pipeline import as_f32, encode_tensor, read_parts, text_resource_problems
 from ninfer_pack.quant import check_decoded
 from ninfer_pack.source import Checkpoint
 
@@ -96,7 +98,9 @@ def verify(path: str, source: str | None = None, *, revision: str | None = None,
     with Artifact.open(path) as art:
         report = VerifyReport(str(path), len(art.tensors), art.size)
         report.bad_checksums = art.verify_checksums(on_bytes)
-        if source is None:
+        plan_problems = check_plans(art.spec, [e.plan() for e in art.tensors.values()])
+        report.problems += plan_problems + text_resource_problems({n: art.resource(n) for n in art.resources})
+        if source is None or plan_problems:  # a table that disagrees with its model cannot be laid out again
             return report
         ckpt = Checkpoint.open(source, revision=revision)
         covered = {p["name"] for e in art.tensors.values() for p in e.parts}

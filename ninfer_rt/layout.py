@@ -409,3 +409,40 @@ def plan_tensors(spec, names: Iterable[str], shapes: Mapping[str, Sequence[int]]
     covered = [p for plan in plans for p in plan.parts]
     assert sorted(covered) == sorted(names), "every tensor lands in exactly one plan"
     return plans
+
+
+def check_plans(spec, plans: Sequence[TensorPlan]) -> list[str]:
+    """What is wrong with an artifact's tensor table for the model its header describes; empty when sound.
+
+    Each stored plan must be the one plan_tensors makes from the spec for the same checkpoint names (parts,
+    their shapes, transform, params, shape), and every text tensor the spec implies must be there: a header
+    edited or written for another model fails here, before any weight is decoded or loaded.
+    """
+    names = [p for plan in plans for p in plan.parts]
+    try:
+        want = {p.name: p for p in plan_tensors(spec, names)}
+    except ConfigError as e:
+        return [str(e)]
+    problems = []
+    for plan in plans:
+        w = want.get(plan.name)
+        if w is None:
+            problems.append(f"{plan.name}: its parts do not make this tensor for this model")
+            continue
+        for what in ("parts", "part_shapes", "transform", "params", "shape"):
+            got, expected = getattr(plan, what), getattr(w, what)
+            if got != expected:
+                problems.append(f"{plan.name}: {what} {_show(got)}, the model implies {_show(expected)}")
+                break
+    present = set(names)
+    text = [n for n, info in spec.tensor_shapes().items() if info.group == "text" and n not in present]
+    if text:
+        problems.append(f"{len(text)} tensors of the text model are missing, first {text[0]}")
+    return problems
+
+
+def _show(v) -> str:
+    """A plan field for a one-line message: tuples as JSON-style lists."""
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    return repr(v) if isinstance(v, str) else str(v)

@@ -106,9 +106,14 @@ def test_fetch_config(models, tmp_path, monkeypatch):
     path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_moe"], prefix="causal")
     want = json.loads((path / "config.json").read_text())
     assert fetch_config(str(path)) == want
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda repo, filename, **kw: str(path / filename))
-    assert fetch_config("owner/name") == want
+    asked = []
+
+    def fake(repo, **kw):  # one snapshot_download of config.json alone (hf_hub_download retries ~25 s offline)
+        asked.append((repo, kw["allow_patterns"]))
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert fetch_config("owner/name") == want and asked == [("owner/name", ["config.json"])]
     with pytest.raises(SourceError, match="no such directory"):
         fetch_config(str(tmp_path / "a" / "b" / "c"))
     assert Checkpoint.open(path).config == want
@@ -121,7 +126,7 @@ def test_fetch_config_refuses_a_file(models, tmp_path, monkeypatch):
     def no_hub(*args, **kwargs):
         raise AssertionError("fetch_config went to the Hub for a local file")
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
     monkeypatch.chdir(tmp_path)
     shard = "ck/model-00001-of-00002.safetensors"  # relative, so it also looks like a repo id "owner/name"
     for source in (shard, str(tmp_path / shard)):
@@ -134,7 +139,7 @@ def test_config_json_that_is_not_json(models, tmp_path, monkeypatch):
     path, _ = ckpts.write_checkpoint(tmp_path / "ck", models["causal_dense"], prefix="causal")
     cfg = path / "config.json"
     cfg.write_text('{"model_type": "qwen3_5_text",')
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, filename, **kw: str(path / filename))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: str(path))
     for call in (lambda: Checkpoint.open(path), lambda: fetch_config(str(path)), lambda: fetch_config("owner/name")):
         with pytest.raises(ConfigError) as e:
             call()
