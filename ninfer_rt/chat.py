@@ -4,13 +4,16 @@ The template is code downloaded with the checkpoint, so it runs in jinja2's Immu
 two changes: an unsafe attribute (`__class__`, `__mro__`, `__subclasses__`, ...) raises instead of quietly
 rendering as undefined, and one operation that would build something huge from a short expression (`'a' * 10**9`,
 `10 ** (10**8)`, `'%999999999s' % ''`, `''.ljust(10**9)`, `''|center(10**9)`) is refused before it runs.
-Everything the template sees is rebuilt from plain JSON types first. The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
+A render also has a budget: loop iterations, characters (or items) built by `~`, `+` and `join`, and output
+characters, so that nested loops or a string doubled in a loop end in an error instead of a hang or an
+out-of-memory kill. Everything the template sees is rebuilt from plain JSON types first. The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
 `raise_exception`, `tojson` without ASCII escaping, `strftime_now`, `namespace`, `dict`), so output matches
 `transformers`' apply_chat_template.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import json
@@ -23,6 +26,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import soft_str
@@ -38,6 +42,11 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # assembled by concatenation, which these limits leave alone.
 _MAX_ITEMS = 1_000_000  # characters or list items added by one repetition, padding width or fill count
 _MAX_INT_BITS = 1 << 16  # ~19,700 decimal digits, far past anything a template computes
+# What one render may do in all. A Qwen3.6 prompt of a full 262,144-token context is ~1 M characters and its
+# template loops a few times per message and content part: these are far above that and far below a hang.
+_MAX_LOOP_STEPS = 1_000_000  # iterations of every {% for %} together
+_MAX_TEXT = 1 << 26          # characters of any one string built by ~, + or join; and of the output
+_MAX_BUILT = 1 << 30         # characters (or items) built by ~, + and join together
 # A printf conversion: optional (key), flags, width, .precision, length modifier, type.
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?[a-zA-Z%]")
 _DIGITS = re.compile(r"\d+")
@@ -53,6 +62,62 @@ def _refuse_wide(digits: str, what: str) -> None:
     """SecurityError for a width or precision written in a format string beyond _MAX_ITEMS."""
     if digits.isdigit() and (len(digits) > len(str(_MAX_ITEMS)) or int(digits) > _MAX_ITEMS):
         raise SecurityError(f"{what} width {digits[:12]} exceeds {_MAX_ITEMS:,}")
+
+
+class _Budget:
+    """What is left of one render's budget (see _MAX_LOOP_STEPS, _MAX_BUILT)."""
+
+    def __init__(self) -> None:
+        self.steps, self.built = _MAX_LOOP_STEPS, _MAX_BUILT
+
+    def build(self, size: int, what: str, cap: int = _MAX_TEXT) -> None:
+        """Charge a value of `size` characters (or, cap _MAX_ITEMS, list items) about to be (or just) built."""
+        if size > cap:
+            raise SecurityError(f"{what} would build a value of more than {cap:,} items")
+        self.built -= size
+        if self.built < 0:
+            raise SecurityError(f"the render built more than {_MAX_BUILT:,} items in all")
+
+
+_BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("ninfer_chat_budget")
+
+
+def _budget() -> _Budget:
+    """The running render's budget (ChatTemplate.render sets one; a bare jinja render gets a fresh one)."""
+    b = _BUDGET.get(None)
+    if b is None:
+        b = _Budget()
+        _BUDGET.set(b)
+    return b
+
+
+def _loop_steps(iterable: Any) -> Any:
+    """Filter wrapped around every for loop's iterable: each iteration is charged to the render's budget."""
+    b = _budget()
+    for item in iterable:
+        b.steps -= 1
+        if b.steps < 0:
+            raise SecurityError(f"the render ran more than {_MAX_LOOP_STEPS:,} loop iterations")
+        yield item
+
+
+def _built(value: Any) -> Any:
+    """Filter wrapped around every `~`: the joined string is charged (built already, at most twice the limit)."""
+    _budget().build(len(value) if isinstance(value, str) else 0, "'~'")
+    return value
+
+
+class _Budgeted(jinja2.visitor.NodeTransformer):
+    """Rewrites a parsed template so that loops and `~` pass through the budget filters."""
+
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        node.iter = jinja2.nodes.Filter(node.iter, "_ninfer_loop_steps", [], [], None, None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        return jinja2.nodes.Filter(node, "_ninfer_built", [], [], None, None, lineno=node.lineno)
 
 
 def _check_binop(op: str, left: Any, right: Any) -> None:
@@ -72,6 +137,9 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
             raise SecurityError(f"'**' would build an integer over {_MAX_INT_BITS} bits")
     elif op == "%" and isinstance(left, str):
         _check_printf(left, right)
+    elif op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+        # a list item is a pointer (8 bytes): lists get the repetition's limit, strings the text's
+        _budget().build(len(left) + len(right), "'+'", _MAX_TEXT if isinstance(left, str) else _MAX_ITEMS)
 
 
 def _check_printf(fmt: str, args: Any) -> None:
@@ -143,6 +211,12 @@ def _guarded_filter(name: str, f: Any) -> Any:
     def checked(value: Any, *args: Any, **kwargs: Any) -> Any:
         if name == "format":  # `format` is printf: value % args
             _check_printf(soft_str(value), kwargs or args)
+        elif name == "join":  # the joined length, before joining (join takes the eval context first)
+            items, rest = (args[0], args[1:]) if isinstance(value, jinja2.nodes.EvalContext) and args else (value, args)
+            sep = rest[0] if rest else kwargs.get("d", "")
+            if isinstance(items, (list, tuple)) and isinstance(sep, str):
+                size = sum(len(v) for v in items if isinstance(v, str)) + len(sep) * max(0, len(items) - 1)
+                _budget().build(size, "filter join")
         else:
             _check_growth(grow, f"filter {name}", value, *args, **kwargs)
         return f(value, *args, **kwargs)
@@ -154,14 +228,19 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     """ImmutableSandboxedEnvironment where touching an unsafe attribute is an error, not a silent undefined, and
     operations that could build something huge are size-checked first."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         """Refuse the access outright, so an escape attempt stops the render with a SecurityError."""
         raise SecurityError(f"access to attribute {attribute!r} on {type(obj).__name__} is not allowed")
 
+    def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
+        """Parse, then route every loop and `~` through the render's budget (_Budgeted)."""
+        return _Budgeted().visit(super()._parse(source, name, filename))
+
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        """`*`, `**`, `%`: refused when the result would be huge (see _check_binop), else computed as usual."""
+        """`*`, `**`, `%`, `+`: refused when the result would be huge or the render's budget is spent (see
+        _check_binop), else computed as usual."""
         _check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
@@ -256,8 +335,9 @@ class _DictHelper:
 def _environment() -> _StrictSandbox:
     """The sandbox with the settings and helpers Hugging Face chat templates expect."""
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    for name in (*_FILTER_GROWTH, "format"):
+    for name in (*_FILTER_GROWTH, "format", "join"):
         env.filters[name] = _guarded_filter(name, env.filters[name])
+    env.filters.update(_ninfer_loop_steps=_loop_steps, _ninfer_built=_built)
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=_DictHelper())
@@ -370,13 +450,22 @@ class ChatTemplate:
             kwargs["enable_thinking"] = enable_thinking
         variables = {**self.special_tokens, **kwargs}
         chat = [_with_reasoning_aliases(m) for m in _plain(list(messages))]
+        token = _BUDGET.set(_Budget())
         try:
-            return self._template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                         add_generation_prompt=add_generation_prompt, **_plain(variables))
+            pieces, size = [], 0
+            for piece in self._template.generate(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                                 add_generation_prompt=add_generation_prompt, **_plain(variables)):
+                size += len(piece)
+                if size > _MAX_TEXT:
+                    raise SecurityError(f"the output is longer than {_MAX_TEXT:,} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except SecurityError as e:
             raise NinferError(f"{self.origin}: blocked by the sandbox: {_one_line(e)}") from e
         except TemplateError as e:
             raise NinferError(f"{self.origin}: {_one_line(e)}") from e
         except Exception as e:  # the template is foreign code: any failure inside it is the checkpoint's fault
             raise NinferError(f"{self.origin}: {type(e).__name__}: {_one_line(e)}") from e
+        finally:
+            _BUDGET.reset(token)
 

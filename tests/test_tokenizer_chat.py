@@ -341,6 +341,16 @@ HUGE = [
     "{{ ('a\n' * 100000)|indent(100000)|length }}",
     "{{ [1]|batch(1000000000, 0)|list|length }}",
     "{{ [1]|slice(slices=1000000000)|list|length }}",
+    # the render's budget: loop iterations, values built by ~, + and join, everything built, the output
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}"
+    "{% endfor %}x",
+    "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set ns = namespace(l=[0]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}",
+    "{% set s = 'x' * 1000000 %}{% set ns = namespace(n=0) %}{% for i in range(2000) %}{% set ns.n = (s ~ s)|length %}"
+    "{% endfor %}{{ ns.n }}",
+    "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
 ]
 
 
@@ -364,6 +374,32 @@ WITHIN_LIMITS = (
     "{{ [1, 2, 3]|batch(2, 0)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ '%s!'|format('q') }}|"
     "{{ ('a' * 1000000)|length }}|{{ ('%1000000s' % '')|length }}|{{ (2 ** 65535) > 0 }}"
 )
+
+
+LOOPS = (
+    "{% for k, v in {'a': 1, 'b': 2}|dictsort %}{{ loop.index }}/{{ loop.length }}/{{ loop.revindex0 }}:{{ k ~ v }}"
+    "{{ loop.cycle('x', 'y') }}{% if loop.last %}.{% endif %}{% endfor %}"
+    "{% for i in [] %}never{% else %}empty{% endfor %}"
+    "{% for n in [[1, [2]], [3]] recursive %}[{% if n is iterable %}{{ loop(n) }}{% else %}{{ n }}{% endif %}]{% endfor %}"
+    "{% for c in 'abc' if c != 'b' %}{{ c + '!' }}{{ ['p', 'q']|join('-') ~ loop.index }}{% endfor %}"
+)
+
+
+def test_sandbox_budget_keeps_jinja_loop_semantics():
+    # oracle: jinja without any sandbox; loops see the budget's generator, so loop.length, else, recursion and
+    # filtered loops must come out the same
+    assert ChatTemplate(LOOPS).render([]) == jinja2.Environment().from_string(LOOPS).render()
+
+
+def test_sandbox_loop_budget_is_exact():
+    # 1,000 + 1,000 x 999 iterations are exactly the 1,000,000 a render may run; 1,000 more are refused
+    at_limit = "{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}ok"
+    assert ChatTemplate(at_limit).render([]) == "ok"
+    with pytest.raises(NinferError, match="more than 1,000,000 loop iterations"):
+        ChatTemplate(at_limit.replace("999", "1000")).render([])
+    # each render starts with the whole budget
+    t = ChatTemplate(at_limit)
+    assert [t.render([]) for _ in range(3)] == ["ok"] * 3
 
 
 def test_sandbox_size_checks_leave_ordinary_sizes_alone():
