@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -62,9 +63,16 @@ def _check_repo_id(repo: str, option: str) -> None:
         raise PublishError(f"{option} {repo!r} is not a valid Hub repo id: {str(e).splitlines()[0]}") from None
 
 
+def check_license(license_: str) -> None:
+    """A Hub license id (apache-2.0, mit, other, ...): one token, so it cannot add lines to the card's front matter."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+_-]{0,63}", license_):
+        raise PublishError(f"--license {license_!r} is not a license id such as apache-2.0, mit or other")
+
+
 def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None = None,
                license_: str = DEFAULT_LICENSE) -> str:
     """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, how to run."""
+    check_license(license_)
     prov = art.header["provenance"]
     base = base_model_of(art, base_model)
     rows = summarize(planned_from_artifact(art))
@@ -131,18 +139,24 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path
     with Artifact.open(path) as art:
         base = base_model_of(art, card_kw.pop("base_model", None))  # fail before hashing the whole file
         card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, **card_kw)
-    target = folder / path.name
+    # both files under temporary names first, then renamed: a full disk leaves the folder as it was
+    target, readme = folder / path.name, folder / "README.md"
+    temps = [f.with_name(f".{f.name}.tmp-{os.getpid()}") for f in (target, readme)]
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "README.md").write_text(card, encoding="utf-8")
-        if target.exists() or target.is_symlink():
-            target.unlink()
         try:
-            os.link(path, target)
+            os.link(path, temps[0])
         except OSError:
-            shutil.copyfile(path, target)
+            shutil.copyfile(path, temps[0])
+        temps[1].write_text(card, encoding="utf-8")
+        os.replace(temps[0], target)
+        os.replace(temps[1], readme)
     except OSError as e:
         raise PublishError(f"cannot stage into {folder}: {e.strerror or e}") from None
+    finally:
+        for t in temps:
+            if t.exists() or t.is_symlink():
+                t.unlink()
     return folder
 
 
@@ -152,6 +166,7 @@ def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: 
     card_kw = {"base_model": base_model, "license_": license_}
     path = Path(path)
     _check_repo_id(repo, "--repo")  # before hashing a 20 GB file or asking the Hub
+    check_license(license_)
     if dry_run_dir is not None:
         return str(stage(path, Path(dry_run_dir), repo, on_bytes, **card_kw))
     from huggingface_hub import HfApi

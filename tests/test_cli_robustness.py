@@ -1,0 +1,183 @@
+"""Bad inputs that once ended in a traceback, a zero exit or a half-written file (the 2026-12-05 audit): each now
+ends in one line and a non-zero exit, and leaves no file behind."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+
+import pytest
+
+from cli_runner import error_line, run_main
+from ninfer_pack import cli as pack_cli
+from ninfer_rt import cli as rt_cli
+from ninfer_rt.format import MAGIC, PREFIX, Artifact
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
+
+
+def pack(args, capsys):
+    return run_main(pack_cli.main, "ninfer-pack", args, capsys)
+
+
+def rt(args, capsys):
+    return run_main(rt_cli.main, "ninfer-rt", args, capsys)
+
+
+def _interrupt_at(monkeypatch, n: int, action) -> dict:
+    """Run action() when quantize encodes its n-th tensor."""
+    import ninfer_pack.pipeline as pipeline
+
+    calls, real = {"n": 0}, pipeline.encode_tensor
+
+    def hooked(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            action()
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "encode_tensor", hooked)
+    return calls
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_signal_during_quantize_leaves_no_file(sig, tiny_moe, tmp_path, capsys, monkeypatch):
+    before = signal.getsignal(sig)
+    calls = _interrupt_at(monkeypatch, 20, lambda: os.kill(os.getpid(), sig))
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 128 + sig and calls["n"] == 20 and "terminated" in err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary file
+    assert signal.getsignal(sig) is before  # the process's own handler is back
+
+
+def test_disk_full_during_quantize(tiny_moe, tmp_path, capsys, monkeypatch):
+    real, writes = os.pwrite, {"n": 0}
+
+    def full(fd, data, offset):
+        writes["n"] += 1
+        if writes["n"] == 30:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    out = tmp_path / "x.ninfer"
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", out], capsys)
+    assert code == 1 and error_line(err) == f"error: cannot write {out}: No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_that_is_not_a_regular_file(tiny_moe, tmp_path, capsys):
+    fifo = tmp_path / "pipe.ninfer"
+    os.mkfifo(fifo)
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", fifo, "--overwrite"], capsys)
+    assert code == 1 and "exists and is not a regular file" in error_line(err)
+    assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe.ninfer"]
+
+
+def test_revision_of_a_builtin(tmp_path, capsys):
+    code, _, err = pack(["quantize", "builtin:tiny-moe", "--revision", "v1", "--recipe", "tiny",
+                         "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 1 and "--revision v1 applies to Hub repos, but builtin:tiny-moe is built in" in error_line(err)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("tokenizer.json", "{broken", "tokenizer.json: malformed"),
+    ("chat_template.jinja", "{% for m in messages %}{{ m.content }", "chat_template.jinja: syntax error"),
+    ("generation_config.json", "[1, 2]", "generation_config.json"),
+])
+def test_checkpoint_resources_the_runtime_cannot_read(name, text, message, tiny_moe, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_moe, ck)
+    (ck / name).write_text(text)
+    code, _, err = pack(["quantize", ck, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 1 and message in error_line(err)
+    assert not (tmp_path / "x.ninfer").exists()
+
+
+def _resign(src, dst, edit) -> None:
+    """Copy an artifact with its header JSON changed by edit(header) and its prefix checksum recomputed, so that
+    only the meaning of the header is wrong."""
+    raw = bytearray(src.read_bytes())
+    with Artifact.open(src) as art:
+        header = json.loads(json.dumps(art.header))
+    edit(header)
+    h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert PREFIX.size + len(h) <= header["payload_offset"]  # the payload stays where it is
+    raw[:PREFIX.size] = PREFIX.pack(MAGIC, 1, 0, len(h), hashlib.sha256(h).digest())
+    raw[PREFIX.size:header["payload_offset"]] = h + bytes(header["payload_offset"] - PREFIX.size - len(h))
+    dst.write_bytes(bytes(raw))
+
+
+def _tensor(header, suffix):
+    return next(t for t in header["tensors"] if t["name"].endswith(suffix))
+
+
+def _set_hidden(h):
+    h["model"]["spec"]["hidden_size"] *= 2
+
+
+def _bogus_params(h):
+    _tensor(h, "conv1d.weight")["params"] = {"bogus": 1}
+
+
+def _drop_embedding(h):
+    h["tensors"] = [t for t in h["tensors"] if not t["name"].endswith("embed_tokens.weight")]
+
+
+def _double_part(h):
+    part = _tensor(h, "embed_tokens.weight")["parts"][0]
+    part["shape"] = [2 * part["shape"][0], *part["shape"][1:]]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_hidden, r"embed_tokens\.weight: part_shapes \[\[\d+, 64\]\], the model implies \[\[\d+, 128\]\]"),
+    (_bogus_params, r"conv1d\.weight: params \{'bogus': 1\}, the model implies \{\}"),
+    (_drop_embedding, r"1 tensors of the text model are missing, first model\.language_model\.embed_tokens"),
+    (_double_part, r"embed_tokens\.weight: part_shapes \[\[\d+, \d+\]\], the model implies"),
+], ids=["hidden", "params", "missing", "part-shape"])
+def test_header_that_disagrees_with_its_model(edit, message, packed, tiny_moe, tmp_path, capsys):
+    # oracle: the plan quantize makes from the model (layout.plan_tensors); verify and run both refuse
+    bad = tmp_path / "bad.ninfer"
+    _resign(packed, bad, edit)
+    for args in (["verify", bad], ["verify", bad, "--source", tiny_moe]):
+        code, _, err = pack(args, capsys)
+        assert code == 1 and re.search(message, error_line(err)), err
+    code, out, err = rt(["run", bad, "--prompt", "hi", "--device", "cpu"], capsys)
+    assert code == 1 and out == "" and "Traceback" not in err and error_line(err)
+
+
+def test_verify_passes_what_quantize_wrote(packed, capsys):
+    code, out, err = pack(["verify", packed], capsys)
+    assert code == 0 and "sound" in out + err
+
+
+@pytest.mark.parametrize("license_", ["a\nb: c", "Apache 2.0", ""])
+def test_publish_license_cannot_edit_the_card(license_, packed, tmp_path, capsys):
+    code, _, err = pack(["publish", packed, "--repo", "me/x", "--base-model", "Qwen/Qwen3.6-35B-A3B",
+                         "--license", license_, "--dry-run", tmp_path / "stage"], capsys)
+    assert code == 1 and "is not a license id" in error_line(err)
+    assert not (tmp_path / "stage").exists()
+
+
+def test_publish_staging_failure_leaves_nothing(packed, tmp_path, capsys, monkeypatch):
+    import ninfer_pack.publish as publish
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(publish.os, "link", no_space)
+    monkeypatch.setattr(publish.shutil, "copyfile", no_space)
+    stage = tmp_path / "stage"
+    code, _, err = pack(["publish", packed, "--repo", "me/x", "--base-model", "Qwen/Qwen3.6-35B-A3B",
+                         "--dry-run", stage], capsys)
+    assert code == 1 and "cannot stage into" in error_line(err) and "No space left" in error_line(err)
+    assert list(stage.iterdir()) == []
+
