@@ -65,6 +65,9 @@ def run(
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
                                                 f"on the GPU (default {PREFILL_CHUNK}; smaller saves GPU memory, "
                                                 "larger reads the weights fewer times per prompt)."),
+    check_checksums: bool = typer.Option(False, "--check-checksums", help="Hash every tensor against the "
+                                                                          "artifact's checksums before running "
+                                                                          "(as ninfer-pack verify does)."),
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
@@ -74,7 +77,7 @@ def run(
     _check_chunk(prefill_chunk)
     t0 = time.perf_counter()
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
-                 progress=_loading_bar())
+                 progress=_loading_bar(), check_checksums=check_checksums)
     load_s = time.perf_counter() - t0
     params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                            presence_penalty=presence_penalty,

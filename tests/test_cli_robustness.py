@@ -181,3 +181,18 @@ def test_publish_staging_failure_leaves_nothing(packed, tmp_path, capsys, monkey
     assert code == 1 and "cannot stage into" in error_line(err) and "No space left" in error_line(err)
     assert list(stage.iterdir()) == []
 
+
+
+def test_run_check_checksums_refuses_a_flipped_byte(packed, tmp_path, capsys):
+    # without the option a payload byte is not read before use (as llama.cpp without --check-tensors)
+    raw = bytearray(packed.read_bytes())
+    with Artifact.open(packed) as art:
+        e = next(iter(art.tensors.values()))
+    raw[e.offset + e.nbytes // 2] ^= 0x01
+    bad = tmp_path / "flipped.ninfer"
+    bad.write_bytes(bytes(raw))
+    args = ["run", bad, "--prompt", "hi", "--max-new-tokens", 2, "--device", "cpu"]
+    code, out, err = rt(args + ["--check-checksums"], capsys)
+    assert code == 1 and out == "" and f"checksum mismatch in {e.name} (1 in all)" in error_line(err)
+    assert rt(["run", packed, "--prompt", "hi", "--max-new-tokens", 2, "--device", "cpu", "--check-checksums"],
+              capsys)[0] == 0
