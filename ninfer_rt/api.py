@@ -127,14 +127,19 @@ class Model:
         return min(self.tokenizer.vocab_size, self.spec.vocab_size)
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
-                   enable_thinking: bool | None = None) -> list[int]:
+                   enable_thinking: bool | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: text is encoded as is (no BOS); messages are rendered with the chat template
-        and add_generation_prompt (enable_thinking reaches the template; None keeps its default); a list of
-        ids is checked and used unchanged."""
+        and add_generation_prompt (enable_thinking and tools reach the template; None keeps its default); a
+        list of ids is checked and used unchanged."""
         if (prompt is None) == (messages is None):
             raise NinferError("generate: give exactly one of prompt (text or token ids) or messages")
+        if messages is None and (tools is not None or enable_thinking is not None):
+            raise NinferError("generate: tools and enable_thinking reach the chat template: pass messages")
+        if isinstance(prompt, (bytes, bytearray)):
+            raise NinferError("generate: prompt is bytes; decode it to str (or pass token ids as a list of ints)")
         if messages is not None:
-            text = self.chat_template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+            text = self.chat_template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
+                                             tools=tools)
             ids = self.tokenizer.encode(text)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -145,12 +150,25 @@ class Model:
         return ids
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """Token ids as a list of ints in [0, vocab_size); NinferError naming the first bad one."""
-        ids = [int(i) for i in token_ids]
-        for pos, i in enumerate(ids):
+        """Token ids (a list, tuple, range or 1-D integer array) as a list of ints in [0, vocab_size), at most the
+        model's context; NinferError naming the first bad one. Nothing is coerced: 1.5, True and "1" are refused."""
+        if isinstance(token_ids, np.ndarray):
+            if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+                raise NinferError(f"token ids: expected a 1-D integer array, got {token_ids.dtype} of shape "
+                                  f"{list(token_ids.shape)}")
+        elif not isinstance(token_ids, (list, tuple, range)):
+            raise NinferError(f"token ids: expected a list of integers, got {type(token_ids).__name__} (text goes "
+                              "in as a str prompt)")
+        ids = []
+        for pos, i in enumerate(token_ids):
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise NinferError(f"token id {i!r} at position {pos} is not an integer")
             if not 0 <= i < self.spec.vocab_size:
                 raise NinferError(f"token id {i} at position {pos} is outside the vocabulary "
                                   f"[0, {self.spec.vocab_size})")
+            ids.append(int(i))
+        if len(ids) > self.spec.max_position_embeddings:
+            raise NinferError(f"{len(ids)} token ids; the model's context holds {self.spec.max_position_embeddings}")
         return ids
 
     # ------------------------------------------------------------------------------------------- model side
@@ -164,28 +182,36 @@ class Model:
 
     def generate_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                      max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-                     enable_thinking: bool | None = None) -> Iterator[int]:
+                     enable_thinking: bool | None = None, tools: list[dict] | None = None) -> Iterator[int]:
         """Stream the generated token ids (the stop id is not yielded); arguments as `generate`.
 
         The prompt is checked when this is called, not on the first `next`, so bad input fails early.
         """
-        ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking)
-        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        return self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools)[0]
+
+    def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools):
+        """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
+        ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
+        if isinstance(max_new_tokens, (bool, np.bool_)) or not (isinstance(max_new_tokens, (int, np.integer))
+                                                               and max_new_tokens >= 1):
             raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise NinferError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         context = self.spec.max_position_embeddings
         if len(ids) >= context:
             raise NinferError(f"prompt has {len(ids)} tokens; the model's context holds {context}")
         params = sampling if sampling is not None else self.sampling_defaults
-        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params))
+        stats = GenerationStats(prompt_tokens=len(ids))
+        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats), stats
 
-    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler) -> Iterator[int]:
-        """Prefill once, then one forward per token; records self.last_stats as it goes.
+    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats) -> Iterator[int]:
+        """Prefill once, then one forward per token; fills stats (self.last_stats from the first step) as it goes.
 
         A backend that can draw the token itself (the GPU, for greedy or top-k sampling without penalties) does
         so, and only the id comes back; otherwise the last row's logits are sampled here. The two draw from the
         same distribution with different random streams, so a seed reproduces a run on the same device.
         """
-        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        self.last_stats = stats
         history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
         cache = self._backend.new_cache()
         params = sampler.params
@@ -221,22 +247,23 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-                 enable_thinking: bool | None = None, stop: list[str] | None = None) -> Iterator[str]:
+                 enable_thinking: bool | None = None, stop: str | list[str] | None = None,
+                 tools: list[dict] | None = None) -> Iterator[str]:
         """Stream the continuation as text pieces (each complete UTF-8).
 
         prompt: text or token ids, or messages: a chat rendered with the artifact's template (enable_thinking
-        False asks for the no-thinking prompt). sampling defaults to the artifact's generation_config.json.
-        Stops on a stop id, on any of the `stop` strings (text from the stop string on is not yielded), or
-        after max_new_tokens. Timings land in `last_stats` when the iterator ends.
+        False asks for the no-thinking prompt; tools, JSON-schema dicts, are offered to the model).
+        sampling defaults to the artifact's generation_config.json. Stops on a stop id, on the `stop` string
+        or any of the `stop` strings (text from the stop string on is not yielded), or after max_new_tokens.
+        Timings land in `last_stats` (the stats of the generation started last) as the iterator runs.
         """
-        stops = list(stop or [])
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
-        token_stream = self.generate_ids(prompt, messages=messages, max_new_tokens=max_new_tokens,
-                                         sampling=sampling, enable_thinking=enable_thinking)
-        return self._text_stream(token_stream, stops)
+        token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools)
+        return self._text_stream(token_stream, stops, stats)
 
-    def _text_stream(self, token_stream: Iterator[int], stops: list[str]) -> Iterator[str]:
+    def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats) -> Iterator[str]:
         """Detokenize the ids, holding back any tail that could still grow into a stop string."""
         detok = self.tokenizer.detokenizer()
         text, sent = "", 0  # all text so far; text[:sent] has been yielded
@@ -246,7 +273,7 @@ class Model:
             hit = min((j for j in (text.find(s, sent) for s in stops) if j >= 0), default=-1)
             if hit >= 0:
                 token_stream.close()
-                self.last_stats.finish_reason = "stop"
+                stats.finish_reason = "stop"
                 if hit > sent:
                     yield text[sent:hit]
                 return
@@ -308,8 +335,16 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     total) while weights load); "auto": cuda when a GPU is present. check_checksums: hash every tensor against
     the header first (SHA-256, ~1-2 GB/s a core: as `ninfer-pack verify` does) and refuse a corrupted file.
     """
+    if not isinstance(path, (str, PathLike)):
+        raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
     if device not in DEVICES:
         raise NinferError(f"device {device!r}: choose cpu, cuda or auto")
+    if progress is not None and not callable(progress):
+        raise NinferError(f"load: progress must be a callable(done, total) or None, got {type(progress).__name__}")
+    if not isinstance(check_checksums, bool):
+        raise NinferError(f"load: check_checksums must be True or False, got {check_checksums!r}")
+    if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
+        raise NinferError(f"prefill chunk {prefill_chunk!r}: must be a number of tokens >= 1")
     # checked on every device and before any weight loads, though only cuda allocates a cache
     if kv_dtype not in ("int8", "bf16"):
         raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")

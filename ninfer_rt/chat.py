@@ -386,6 +386,32 @@ def _one_line(e: BaseException) -> str:
     return f"{text} (template line {lineno})" if lineno else text
 
 
+def _brief(value: Any) -> str:
+    """A value for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_messages(messages: Any) -> None:
+    """The shape every template expects, checked before it runs so the message names the culprit: a list of dicts
+    with a string role; content a string, None or a list of part dicts; tool_calls a list of dicts."""
+    if not isinstance(messages, (list, tuple)):
+        raise NinferError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise NinferError(f"messages[{i}] must be a dict with a role, got {_brief(m)}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise NinferError(f"messages[{i}].role must be a non-empty string, got {_brief(m.get('role'))}")
+        content = m.get("content")
+        if not (content is None or isinstance(content, str)
+                or (isinstance(content, (list, tuple)) and all(isinstance(p, dict) for p in content))):
+            raise NinferError(f"messages[{i}].content must be a string, None or a list of part dicts, got "
+                              f"{_brief(content)}")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, (list, tuple)) and all(isinstance(c, dict) for c in calls)):
+            raise NinferError(f"messages[{i}].tool_calls must be a list of dicts, got {_brief(calls)}")
+
+
 def load_chat_template(resources: dict[str, bytes], name: str = "default") -> tuple[str, str]:
     """(template source, where it came from): chat_template.jinja, else tokenizer_config.json's chat_template
     (a string, or a list of {name, template} from which `name` is taken)."""
@@ -442,10 +468,14 @@ class ChatTemplate:
                enable_thinking: bool | None = None, documents: list[dict] | None = None, **kwargs: Any) -> str:
         """The prompt text for messages. enable_thinking=None leaves the template's default; other keyword
         arguments (preserve_thinking, add_vision_id, ...) reach the template unchanged."""
-        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
-            raise NinferError(f"{self.origin}: messages must be a list of dicts")
-        if tools is not None and not all(isinstance(t, dict) for t in tools):
-            raise NinferError(f"{self.origin}: tools must be a list of JSON-schema dicts")
+        _check_messages(messages)
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(t, dict) and t
+                                                                                   for t in value)):
+                raise NinferError(f"{name} must be a list of non-empty dicts (JSON schemas for tools), got "
+                                  f"{_brief(value)}")
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise NinferError(f"enable_thinking must be True, False or None, got {enable_thinking!r}")
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         variables = {**self.special_tokens, **kwargs}

@@ -20,10 +20,13 @@ import numpy as np
 from ninfer_rt.errors import NinferError
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample as the arg-max
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. top_k=0, top_p=1, min_p=0 and neutral penalties switch a stage off;
-    temperature=0 or greedy=True picks the arg-max (after penalties)."""
+    temperature=0 (below GREEDY_TEMPERATURE) or greedy=True picks the arg-max (after penalties)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -37,6 +40,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Reject values no sampler can honour, naming the field."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise NinferError(f"sampling {name}={v!r}: must be a number")
+            try:
+                float(v)
+            except OverflowError:
+                raise NinferError(f"sampling {name}: {str(v)[:20]}... is too large for a float") from None
+        if isinstance(self.top_k, (bool, np.bool_)):
+            raise NinferError(f"sampling top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not isinstance(self.greedy, (bool, np.bool_)):
+            raise NinferError(f"sampling greedy={self.greedy!r}: must be True or False")
         checks = [
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
             ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
@@ -55,8 +70,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether sampling reduces to arg-max."""
-        return self.greedy or self.temperature == 0
+        """Whether sampling reduces to arg-max: greedy, or a temperature below GREEDY_TEMPERATURE (as vLLM does;
+        the device sampler's fp32 logits / T would overflow long before T reaches 0)."""
+        return bool(self.greedy) or self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def defaults_from_generation_config(cls, cfg: dict, **overrides) -> SamplingParams:
@@ -80,13 +96,26 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
     """Penalised logits (float64 copy): repetition over history, presence/frequency over history[prompt_len:]."""
     x = np.array(logits, dtype=np.float64)  # x: [V], always a new array (one pass, not convert and then copy)
     hist = np.asarray(history, dtype=np.int64)
-    if params.repetition_penalty != 1.0 and hist.size:
-        seen = np.unique(hist)
-        v = x[seen]
-        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and hist.size > prompt_len:
-        ids, counts = np.unique(hist[prompt_len:], return_counts=True)
-        x[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    with np.errstate(over="ignore", invalid="ignore"):  # extreme penalties overflow: Sampler takes the limit
+        if params.repetition_penalty != 1.0 and hist.size:
+            seen = np.unique(hist)
+            v = x[seen]
+            x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and hist.size > prompt_len:
+            ids, counts = np.unique(hist[prompt_len:], return_counts=True)
+            x[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return x
+
+
+def _limit(x: np.ndarray) -> np.ndarray:
+    """Logits whose extremes overflowed (a tiny temperature or an extreme penalty) as their limit, in place: where
+    some are +inf the others get probability 0 and those share it (the argmax, ties kept); NaN is impossible."""
+    x[np.isnan(x)] = -np.inf
+    top = np.isposinf(x)
+    if top.any():
+        x[top], x[~top] = 0.0, -np.inf
+    if np.isneginf(x).all():
+        raise NinferError("sampling: the penalties left no token with a finite logit")
     return x
 
 
@@ -118,11 +147,12 @@ class Sampler:
         """(ids, probabilities) of the tokens every stage keeps, ids ascending: `distribution` without the
         vocabulary-sized array (one id with probability 1 when greedy)."""
         p = self.params
-        x = apply_penalties(logits, history, prompt_len, p)  # x: [V]
+        x = _limit(apply_penalties(logits, history, prompt_len, p))  # x: [V]
         vocab = x.shape[0]
         if p.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)
-        x /= p.temperature
+        with np.errstate(over="ignore"):  # overflow to ±inf is taken as its limit just below
+            x = _limit(x / p.temperature)
         # HF's order from here: top-k, top-p, min-p (vLLM v1 would apply min-p first).
         # Work on the surviving candidates only: after top-k that is k entries instead of the vocabulary.
         cand = np.arange(vocab)

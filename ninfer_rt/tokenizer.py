@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ninfer_rt.errors import NinferError
@@ -87,6 +88,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; special tokens written in the text (e.g. <|im_start|>) become their ids, no BOS."""
+        if not isinstance(text, str):
+            raise NinferError(f"encode: expected text (str), got {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (a shell's argv, a bad file)
@@ -94,11 +97,20 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ids; incomplete UTF-8 decodes to U+FFFD."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ids; incomplete UTF-8 decodes to U+FFFD. Every id must be an integer in [0, vocab_size)."""
+        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+            raise NinferError(f"decode: expected token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        for i in ids:
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.vocab_size:
+                raise NinferError(f"decode: token id {i!r} is not an integer in [0, {self.vocab_size})")
+        ids = [int(i) for i in ids]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary or added token, None when unknown."""
+        if not isinstance(token, str):
+            raise NinferError(f"token_to_id: expected a token string, got {type(token).__name__}")
         return self._tok.token_to_id(token)
 
     def is_stop(self, i: int) -> bool:

@@ -1,0 +1,160 @@
+"""The Python API's argument checks (the 2026-12-05 audit): every bad argument is a one-line NinferError that names
+it, nothing is coerced (1.5, True, "1", bytes), and overflowing sampling settings take their limit instead of a NaN
+that would draw a masked padding id."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cli_runner import one_line
+from ninfer_rt import load
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams
+
+GREEDY = SamplingParams(greedy=True)
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here works on tiny tensors (see conftest.one_thread)."""
+
+
+@pytest.fixture(scope="module")
+def model(packed):
+    with load(packed, device="cpu") as m:
+        yield m
+
+
+@pytest.mark.parametrize("ids, message", [
+    ("abc", "expected a list of integers, got str"),
+    (b"\x01\x02", "expected a list of integers, got bytes"),
+    ({1: 2}, "expected a list of integers, got dict"),
+    (None, "expected a list of integers, got NoneType"),
+    (np.array([[1, 2]]), "expected a 1-D integer array, got int64 of shape [1, 2]"),
+    (np.array([1.7, 2.0]), "expected a 1-D integer array, got float64"),
+    ([1.5], "token id 1.5 at position 0 is not an integer"),
+    ([3, True], "token id True at position 1 is not an integer"),
+    (["1"], "token id '1' at position 0 is not an integer"),
+    ([float("nan")], "token id nan at position 0 is not an integer"),
+    ([-1], "token id -1 at position 0 is outside the vocabulary [0, 500)"),
+])
+def test_logits_token_ids(model, ids, message):
+    with pytest.raises(NinferError) as e:
+        model.logits(ids)
+    assert message in one_line(e)
+
+
+def test_logits_accepts_integer_sequences_and_stops_at_the_context(model):
+    # the same ids as a list, a tuple, a range and an int32 array give the same logits
+    outs = [model.logits(ids) for ids in ([5, 6, 7], (5, 6, 7), range(5, 8), np.array([5, 6, 7], np.int32))]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    n = model.spec.max_position_embeddings
+    with pytest.raises(NinferError, match=f"{n + 1} token ids; the model's context holds {n}"):
+        model.logits([1] * (n + 1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": b"hi"}, "prompt is bytes; decode it to str"),
+    ({"prompt": 123}, "expected a list of integers, got int"),
+    ({"prompt": "hi", "sampling": {"temperature": 0}}, "sampling: expected a SamplingParams, got dict"),
+    ({"prompt": "hi", "max_new_tokens": True}, "max_new_tokens=True: must be an integer >= 1"),
+    ({"prompt": "hi", "enable_thinking": False}, "tools and enable_thinking reach the chat template"),
+    ({"messages": USER, "enable_thinking": "no"}, "enable_thinking must be True, False or None, got 'no'"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role must be a non-empty string, got None"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content must be a string, None or a list"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": "oops"}]},
+     "messages[0].tool_calls must be a list of dicts, got 'oops'"),
+    ({"messages": USER, "tools": ""}, "tools must be a list of non-empty dicts"),
+    ({"messages": USER, "tools": [{}]}, "tools must be a list of non-empty dicts"),
+])
+def test_generate_arguments(model, kwargs, message):
+    with pytest.raises(NinferError) as e:
+        model.generate(**{"max_new_tokens": 2, "sampling": GREEDY, **kwargs})
+    assert message in one_line(e)
+
+
+def test_stop_as_one_string_is_one_stop_string(model):
+    full = "".join(model.generate("hi", max_new_tokens=8, sampling=GREEDY))
+    stop = full[2:4]
+    assert len(stop) == 2 and full.find(stop) == 2  # oracle: the greedy text itself
+    for given in (stop, [stop], (stop,)):
+        assert "".join(model.generate("hi", max_new_tokens=8, sampling=GREEDY, stop=given)) == full[:2]
+        assert model.last_stats.finish_reason == "stop"
+
+
+def test_interleaved_generations_keep_their_own_stats(model):
+    full = "".join(model.generate("hello", max_new_tokens=8, sampling=GREEDY))
+    a = model.generate("hello", max_new_tokens=8, sampling=GREEDY, stop=[full[3:5]])
+    first = next(a)
+    b = list(model.generate("zzz", max_new_tokens=4, sampling=GREEDY))
+    stats_b = model.last_stats
+    assert stats_b.finish_reason == "length" and len(stats_b.token_ids) == 4 and b
+    assert first + "".join(a) == full[:3]
+    assert stats_b.finish_reason == "length"  # a's stop string is a's, not written into b's stats
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": "1"}, "temperature='1': must be a number"),
+    ({"top_p": None}, "top_p=None: must be a number"),
+    ({"min_p": True}, "min_p=True: must be a number"),
+    ({"repetition_penalty": 2**1100}, "repetition_penalty: "),
+    ({"top_k": True}, "top_k=True: must be an integer >= 0"),
+    ({"greedy": "false"}, "greedy='false': must be True or False"),
+])
+def test_sampling_params_types(kwargs, message):
+    with pytest.raises(NinferError) as e:
+        SamplingParams(**kwargs)
+    assert message in one_line(e)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1e-310},  # logits / T overflow
+    {"temperature": GREEDY_TEMPERATURE / 2},
+    {"repetition_penalty": 1e-320, "temperature": 0.7},  # positive logits / penalty overflow
+    {"presence_penalty": -1e308, "frequency_penalty": -1e308, "temperature": 0.7},  # -(-inf): +inf
+])
+def test_overflowing_sampling_takes_its_limit(kwargs):
+    # oracle: the limit by hand. Logits with a padded tail (-inf) and a clear maximum; history holds ids 3 and 5
+    logits = np.array([0.5, 2.0, -1.0, 1.5, 0.0, 1.0, -np.inf, -np.inf], np.float32)
+    history, prompt_len = [3, 5], 0
+    # a tiny temperature: the argmax (id 1); a penalty that overflows to +inf on ids 3 and 5 (both positive, so
+    # repetition divides them): those two share the mass
+    penalised = kwargs.get("repetition_penalty", 1.0) != 1.0 or "presence_penalty" in kwargs
+    want = {3, 5} if penalised else {1}
+    sampler = Sampler(SamplingParams(seed=0, **kwargs))
+    with np.errstate(all="raise"):  # no overflow or NaN warning escapes either
+        draws = {sampler.sample(logits, history, prompt_len) for _ in range(64)}
+        dist = sampler.distribution(logits, history, prompt_len)
+    assert draws == want
+    assert np.all(np.isfinite(dist)) and dist[6:].sum() == 0 and abs(dist.sum() - 1) < 1e-12
+    assert set(np.flatnonzero(dist)) == want
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"path": None}, "path must be a str or os.PathLike, got NoneType"),
+    ({"path": b"x.ninfer"}, "path must be a str or os.PathLike, got bytes"),
+    ({"progress": 5}, "progress must be a callable(done, total) or None, got int"),
+    ({"check_checksums": "no"}, "check_checksums must be True or False, got 'no'"),
+    ({"prefill_chunk": -5}, "prefill chunk -5: must be a number of tokens >= 1"),
+])
+def test_load_arguments(packed, kwargs, message):
+    args = {"path": packed, "device": "cpu", **kwargs}
+    with pytest.raises(NinferError) as e:
+        load(args.pop("path"), **args)
+    assert message in one_line(e)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.encode(None), "encode: expected text (str), got NoneType"),
+    (lambda t: t.decode([-1]), "decode: token id -1 is not an integer in [0, "),
+    (lambda t: t.decode([10**6]), "decode: token id 1000000 is not an integer in [0, "),
+    (lambda t: t.decode(["a"]), "decode: token id 'a' is not an integer"),
+    (lambda t: t.decode(None), "decode: expected token ids, got NoneType"),
+    (lambda t: t.token_to_id(5), "token_to_id: expected a token string, got int"),
+])
+def test_tokenizer_arguments(model, call, message):
+    with pytest.raises(NinferError) as e:
+        call(model.tokenizer)
+    assert message in one_line(e)
