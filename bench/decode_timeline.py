@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import synthetic_model, time_fresh_step  # noqa: E402
 
-MARKS = 6  # NINFER_TL_MARKS
+MARKS = 8  # NINFER_TL_MARKS
 RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("mark", "<u8", (MARKS,)),
                    ("block", "<u4"), ("warp", "<u4"), ("smid", "<u4"), ("line", "<u4")])  # NinferTlRecord
 LAST_OUT = 8  # blocks whose SMs each launch's row names: the last ones out

@@ -171,7 +171,7 @@ __device__ __forceinline__ void ninfer_pdl_begin_early() {
 #ifdef NINFER_TIMELINE
 #define NINFER_TL_SMS 256      // SM ids covered
 #define NINFER_TL_PER_SM 8192  // records per SM and image
-#define NINFER_TL_MARKS 6      // NINFER_TL_MARK slots per warp
+#define NINFER_TL_MARKS 8      // NINFER_TL_MARK slots per warp
 struct NinferTlRecord {
     unsigned long long grid, pre, post, exit, mark[NINFER_TL_MARKS];
     unsigned int block, warp, smid, line;
