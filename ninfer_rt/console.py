@@ -58,6 +58,9 @@ def run_app(app: typer.Typer, err: Console) -> None:
         err.print(f"terminated ({e})")
         sys.exit(128 + e.signum)
     except Exception as e:
+        if type(e).__name__ == "Abort" and type(e).__module__.endswith(("click.exceptions", "typer.exceptions")):
+            err.print("interrupted")  # click (before typer's own main) turns Ctrl-C or EOF into Abort
+            sys.exit(130)
         if not _usage_error(e):
             raise
         if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help, as click prints it

@@ -196,3 +196,16 @@ def test_run_check_checksums_refuses_a_flipped_byte(packed, tmp_path, capsys):
     assert code == 1 and out == "" and f"checksum mismatch in {e.name} (1 in all)" in error_line(err)
     assert rt(["run", packed, "--prompt", "hi", "--max-new-tokens", 2, "--device", "cpu", "--check-checksums"],
               capsys)[0] == 0
+
+
+def test_click_abort_is_an_interrupt(tiny_moe, tmp_path, capsys, monkeypatch):
+    # older click turns Ctrl-C into Abort before run_app sees it: the same exit 130 and cleanup as a KeyboardInterrupt
+    import typer
+
+    def abort():
+        raise typer.Abort()
+
+    _interrupt_at(monkeypatch, 5, abort)
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
