@@ -313,6 +313,11 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
+def _is_int(v) -> bool:
+    """An integer argument: Python or numpy, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def gpu_available() -> bool:
     """True when cuda-python imports and the driver reports at least one GPU."""
     try:
@@ -343,12 +348,12 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"load: progress must be a callable(done, total) or None, got {type(progress).__name__}")
     if not isinstance(check_checksums, bool):
         raise NinferError(f"load: check_checksums must be True or False, got {check_checksums!r}")
-    if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
+    if prefill_chunk is not None and not (_is_int(prefill_chunk) and prefill_chunk >= 1):
         raise NinferError(f"prefill chunk {prefill_chunk!r}: must be a number of tokens >= 1")
     # checked on every device and before any weight loads, though only cuda allocates a cache
     if kv_dtype not in ("int8", "bf16"):
         raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
-    if type(max_ctx) is not int or max_ctx < 1:
+    if not (_is_int(max_ctx) and max_ctx >= 1):
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
@@ -357,8 +362,9 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])
         if problems:  # a header edited, or written for another model: refuse before any weight is read
             raise FormatError(f"{artifact.path}: {problems[0]}")
-        if check_checksums:
-            total, done = artifact.size, 0
+        if check_checksums:  # a progress phase of its own: done reaches total, then the weights' bar starts
+            total = sum(o.nbytes for o in [*artifact.tensors.values(), *artifact.resources.values()])
+            done = 0
 
             def hashed(n: int) -> None:
                 nonlocal done
@@ -372,8 +378,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
                                   "is corrupted; download or pack it again")
         if device == "cuda":
             from ninfer_rt.gpu.backend import GpuBackend
-            backend = GpuBackend(artifact, max_ctx=max_ctx, kv_dtype=kv_dtype, progress=progress,
-                                 prefill_chunk=prefill_chunk)
+            backend = GpuBackend(artifact, max_ctx=int(max_ctx), kv_dtype=kv_dtype, progress=progress,
+                                 prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
         else:
             backend = _ReferenceBackend(artifact)
         return Model(artifact, backend, device)

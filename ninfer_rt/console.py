@@ -13,8 +13,9 @@ from rich.markup import escape
 from ninfer_rt.errors import NinferError
 
 
-class Terminated(Exception):
-    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so open outputs are removed on the way out."""
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C (a BaseException, so no `except Exception` on the way stops
+    it), and open outputs are removed on the way out."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -36,8 +37,9 @@ def run_app(app: typer.Typer, err: Console) -> None:
     Ctrl-C exits 130, SIGTERM 143, SIGHUP 129, each after the cleanups of what was being written."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, _terminate)
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):  # no SIGHUP on Windows
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's ignore stays
+                previous[sig] = signal.signal(sig, _terminate)
 
     def fail(message: str, code: int) -> None:
         sys.stdout.flush()  # what was already streamed stays ahead of the error
@@ -50,7 +52,7 @@ def run_app(app: typer.Typer, err: Console) -> None:
         fail(str(e), 1)
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
-        fail(f"{e.strerror or type(e).__name__}{where}", 1)
+        fail(f"{e.strerror or str(e) or type(e).__name__}{where}", 1)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)

@@ -108,8 +108,9 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
 
 
 def _limit(x: np.ndarray) -> np.ndarray:
-    """Logits whose extremes overflowed (a tiny temperature or an extreme penalty) as their limit, in place: where
-    some are +inf the others get probability 0 and those share it (the argmax, ties kept); NaN is impossible."""
+    """Logits whose extremes overflowed (an extreme penalty) as their limit, in place: where some are +inf the
+    others get probability 0 and those share it equally (their order below the overflow is lost); NaN is taken as
+    impossible (-inf)."""
     x[np.isnan(x)] = -np.inf
     top = np.isposinf(x)
     if top.any():

@@ -110,10 +110,10 @@ def test_sampling_params_types(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"temperature": 1e-310},  # logits / T overflow
+    {"temperature": 1e-310},  # logits / T would overflow: below GREEDY_TEMPERATURE it is the arg-max
     {"temperature": GREEDY_TEMPERATURE / 2},
     {"repetition_penalty": 1e-320, "temperature": 0.7},  # positive logits / penalty overflow
-    {"presence_penalty": -1e308, "frequency_penalty": -1e308, "temperature": 0.7},  # -(-inf): +inf
+    {"presence_penalty": -1e308, "frequency_penalty": -1e308, "temperature": 0.5},  # -(-inf): +inf
 ])
 def test_overflowing_sampling_takes_its_limit(kwargs):
     # oracle: the limit by hand. Logits with a padded tail (-inf) and a clear maximum; history holds ids 3 and 5
@@ -158,3 +158,13 @@ def test_tokenizer_arguments(model, call, message):
     with pytest.raises(NinferError) as e:
         call(model.tokenizer)
     assert message in one_line(e)
+
+
+def test_load_takes_numpy_integers_and_reports_hashing_to_its_end(packed):
+    calls = []
+    with load(packed, device="cpu", max_ctx=np.int64(256), prefill_chunk=np.int32(64), check_checksums=True,
+              progress=lambda done, total: calls.append((done, total))) as m:
+        assert m.logits([1, 2]).shape[0] == 2
+        sizes = [o.nbytes for o in [*m.artifact.tensors.values(), *m.artifact.resources.values()]]
+    # oracle: the table's byte counts; the bar ends (done == total), so it is not left live over the generated text
+    assert calls and calls[-1] == (sum(sizes), sum(sizes)) and all(t == sum(sizes) for _, t in calls)

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -209,3 +210,47 @@ def test_click_abort_is_an_interrupt(tiny_moe, tmp_path, capsys, monkeypatch):
     code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
     assert code == 130 and "interrupted" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_nohup_ignore_is_kept(tiny_moe, tmp_path, capsys, monkeypatch):
+    # a job under nohup (SIGHUP ignored) keeps ignoring it; SIGTERM is still turned into a clean exit
+    from ninfer_rt import console
+
+    seen = {}
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        _interrupt_at(monkeypatch, 5, lambda: seen.update(hup=signal.getsignal(signal.SIGHUP),
+                                                          term=signal.getsignal(signal.SIGTERM)))
+        code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
+        assert code == 0, err
+        assert seen == {"hup": signal.SIG_IGN, "term": console._terminate}
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_sigterm_is_not_swallowed_by_except_exception(tiny_moe, tmp_path, capsys, monkeypatch):
+    # code on the way up that catches Exception (a template render, a tokenizer) must not turn SIGTERM into a
+    # user error or swallow it
+    def swallowing():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                time.sleep(0.01)  # the handler runs here
+        except Exception:
+            pass
+
+    _interrupt_at(monkeypatch, 5, swallowing)
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 143 and "terminated" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_os_error_without_strerror_keeps_its_message(packed, capsys, monkeypatch):
+    import ninfer_rt.format as fmt
+
+    def broken(*a, **k):
+        raise OSError("the mapping failed")
+
+    monkeypatch.setattr(fmt.Artifact, "open", broken)
+    code, _, err = rt(["info", packed], capsys)
+    assert code == 1 and error_line(err) == "error: the mapping failed"
