@@ -4,9 +4,9 @@ The template is code downloaded with the checkpoint, so it runs in jinja2's Immu
 two changes: an unsafe attribute (`__class__`, `__mro__`, `__subclasses__`, ...) raises instead of quietly
 rendering as undefined, and one operation that would build something huge from a short expression (`'a' * 10**9`,
 `10 ** (10**8)`, `'%999999999s' % ''`, `''.ljust(10**9)`, `''|center(10**9)`) is refused before it runs.
-A render also has a budget: loop iterations, characters (or items) built by `~`, `+` and `join`, and output
-characters, so that nested loops or a string doubled in a loop end in an error instead of a hang or an
-out-of-memory kill. Everything the template sees is rebuilt from plain JSON types first. The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
+A render also has a budget: loop iterations and calls, characters (or items) built by `~`, `+` and `join`, and
+characters written (to the output or into a block), so that nested loops, recursion or a string doubled in a loop
+end in an error instead of a hang or an out-of-memory kill. Everything the template sees is rebuilt from plain JSON types first. The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks, loopcontrols,
 `raise_exception`, `tojson` without ASCII escaping, `strftime_now`, `namespace`, `dict`), so output matches
 `transformers`' apply_chat_template.
 """
@@ -24,7 +24,9 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 import jinja2.visitor
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
@@ -44,9 +46,11 @@ _MAX_ITEMS = 1_000_000  # characters or list items added by one repetition, padd
 _MAX_INT_BITS = 1 << 16  # ~19,700 decimal digits, far past anything a template computes
 # What one render may do in all. A Qwen3.6 prompt of a full 262,144-token context is ~1 M characters and its
 # template loops a few times per message and content part: these are far above that and far below a hang.
-_MAX_LOOP_STEPS = 1_000_000  # iterations of every {% for %} together
-_MAX_TEXT = 1 << 26          # characters of any one string built by ~, + or join; and of the output
-_MAX_BUILT = 1 << 30         # characters (or items) built by ~, + and join together
+_MAX_LOOP_STEPS = 1_000_000  # iterations of every {% for %} and calls (macros, methods, recursive loops) together
+_MAX_TEXT = 1 << 26          # characters of any one string built by ~, + or join, or written by one {{ }}
+_MAX_BUILT = 1 << 28         # characters built by ~, + and join, _ITEM a list item, together: bounds time and memory
+_ITEM = 32                   # what a list item is charged: a pointer and, often, a fresh int or str object
+_MAX_EMITTED = 1 << 27       # characters written in all, to the output and into blocks: bounds the memory
 # A printf conversion: optional (key), flags, width, .precision, length modifier, type.
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?[a-zA-Z%]")
 _DIGITS = re.compile(r"\d+")
@@ -65,59 +69,87 @@ def _refuse_wide(digits: str, what: str) -> None:
 
 
 class _Budget:
-    """What is left of one render's budget (see _MAX_LOOP_STEPS, _MAX_BUILT)."""
+    """What is left of one render's budget (see _MAX_LOOP_STEPS, _MAX_BUILT, _MAX_EMITTED)."""
 
     def __init__(self) -> None:
-        self.steps, self.built = _MAX_LOOP_STEPS, _MAX_BUILT
+        self.steps, self.built, self.emitted = _MAX_LOOP_STEPS, _MAX_BUILT, _MAX_EMITTED
+
+    def step(self, what: str) -> None:
+        """Charge one loop iteration or call."""
+        self.steps -= 1
+        if self.steps < 0:
+            raise SecurityError(f"the render ran more than {_MAX_LOOP_STEPS:,} loop iterations and calls ({what})")
 
     def build(self, size: int, what: str, cap: int = _MAX_TEXT) -> None:
-        """Charge a value of `size` characters (or, cap _MAX_ITEMS, list items) about to be (or just) built."""
+        """Charge a value of `size` characters (or, cap _MAX_ITEMS, list items) before it is built."""
         if size > cap:
             raise SecurityError(f"{what} would build a value of more than {cap:,} items")
         self.built -= size
         if self.built < 0:
             raise SecurityError(f"the render built more than {_MAX_BUILT:,} items in all")
 
+    def emit(self, size: int) -> None:
+        """Charge text written to the output or to a block ({% set %}, a macro, a call block)."""
+        if size > _MAX_TEXT:
+            raise SecurityError(f"one output value is longer than {_MAX_TEXT:,} characters")
+        self.emitted -= size
+        if self.emitted < 0:
+            raise SecurityError(f"the render wrote more than {_MAX_EMITTED:,} characters in all")
+
 
 _BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("ninfer_chat_budget")
 
 
 def _budget() -> _Budget:
-    """The running render's budget (ChatTemplate.render sets one; a bare jinja render gets a fresh one)."""
-    b = _BUDGET.get(None)
-    if b is None:
-        b = _Budget()
-        _BUDGET.set(b)
-    return b
+    """The running render's budget (ChatTemplate.render sets one); a fresh one, not kept, outside a render."""
+    return _BUDGET.get(None) or _Budget()
 
 
-def _loop_steps(iterable: Any) -> Any:
-    """Filter wrapped around every for loop's iterable: each iteration is charged to the render's budget."""
+# The budget's filters take the eval context, so jinja never runs them at compile time (constant folding).
+@jinja2.pass_eval_context
+def _loop_steps(_ctx: Any, iterable: Any) -> Any:
+    """Filter around every for loop's iterable (and a recursive loop's `loop(...)`): each iteration is charged."""
     b = _budget()
     for item in iterable:
-        b.steps -= 1
-        if b.steps < 0:
-            raise SecurityError(f"the render ran more than {_MAX_LOOP_STEPS:,} loop iterations")
+        b.step("a loop")
         yield item
 
 
-def _built(value: Any) -> Any:
-    """Filter wrapped around every `~`: the joined string is charged (built already, at most twice the limit)."""
-    _budget().build(len(value) if isinstance(value, str) else 0, "'~'")
+@jinja2.pass_eval_context
+def _concat(_ctx: Any, parts: list) -> str:
+    """`a ~ b ~ ...` (jinja's Concat), its length charged before the join."""
+    strs = [soft_str(p) for p in parts]
+    _budget().build(sum(map(len, strs)), "'~'")
+    return "".join(strs)
+
+
+@jinja2.pass_eval_context
+def _emit(_ctx: Any, value: Any) -> Any:
+    """Filter around every piece of output, literal text included: its length is charged."""
+    _budget().emit(len(soft_str(value)) if not isinstance(value, str) else len(value))
     return value
 
 
 class _Budgeted(jinja2.visitor.NodeTransformer):
-    """Rewrites a parsed template so that loops and `~` pass through the budget filters."""
+    """Rewrites a parsed template so that loops, `~` and every piece of output pass through the budget."""
+
+    @staticmethod
+    def _filter(node: jinja2.nodes.Expr, name: str, lineno: int) -> jinja2.nodes.Filter:
+        return jinja2.nodes.Filter(node, name, [], [], None, None, lineno=lineno)
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        node.iter = jinja2.nodes.Filter(node.iter, "_ninfer_loop_steps", [], [], None, None, lineno=node.lineno)
+        node.iter = self._filter(node.iter, "_ninfer_loop_steps", node.lineno)
         return node
 
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        return jinja2.nodes.Filter(node, "_ninfer_built", [], [], None, None, lineno=node.lineno)
+        return self._filter(jinja2.nodes.List(node.nodes, lineno=node.lineno), "_ninfer_concat", node.lineno)
+
+    def visit_Output(self, node: jinja2.nodes.Output) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        node.nodes = [self._filter(n, "_ninfer_emit", node.lineno) for n in node.nodes]
+        return node
 
 
 def _check_binop(op: str, left: Any, right: Any) -> None:
@@ -138,8 +170,12 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
     elif op == "%" and isinstance(left, str):
         _check_printf(left, right)
     elif op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-        # a list item is a pointer (8 bytes): lists get the repetition's limit, strings the text's
-        _budget().build(len(left) + len(right), "'+'", _MAX_TEXT if isinstance(left, str) else _MAX_ITEMS)
+        # a list item is charged as _ITEM characters, at most _MAX_ITEMS of them in one list
+        n = len(left) + len(right)
+        if isinstance(left, str):
+            _budget().build(n, "'+'")
+        else:
+            _budget().build(_ITEM * n, "'+'", _ITEM * _MAX_ITEMS)
 
 
 def _check_printf(fmt: str, args: Any) -> None:
@@ -203,6 +239,23 @@ def _check_growth(grow: Any, what: str, *args: Any, **kwargs: Any) -> None:
     _refuse_over(items, what)
 
 
+# Filters that build a list from any iterable (a range, a generator): each item is charged as _ITEM characters.
+_LIST_FILTERS = ("list", "sort", "unique", "reverse", "dictsort", "groupby")
+
+
+def _charged_filter(name: str, f: Any) -> Any:
+    """jinja's filter `name` with the list it built charged to the render's budget (after: its input is bounded)."""
+
+    @functools.wraps(f)
+    def charged(*args: Any, **kwargs: Any) -> Any:
+        out = f(*args, **kwargs)
+        if isinstance(out, (list, tuple)):
+            _budget().build(_ITEM * len(out), f"filter {name}", _ITEM * _MAX_ITEMS)
+        return out
+
+    return charged
+
+
 def _guarded_filter(name: str, f: Any) -> Any:
     """jinja's filter `name` with a size check in front (filters are called directly, not through env.call)."""
     grow = _FILTER_GROWTH.get(name)
@@ -212,11 +265,16 @@ def _guarded_filter(name: str, f: Any) -> Any:
         if name == "format":  # `format` is printf: value % args
             _check_printf(soft_str(value), kwargs or args)
         elif name == "join":  # the joined length, before joining (join takes the eval context first)
-            items, rest = (args[0], args[1:]) if isinstance(value, jinja2.nodes.EvalContext) and args else (value, args)
+            ctx, items, rest = value, args[0], list(args[1:])
             sep = rest[0] if rest else kwargs.get("d", "")
-            if isinstance(items, (list, tuple)) and isinstance(sep, str):
-                size = sum(len(v) for v in items if isinstance(v, str)) + len(sep) * max(0, len(items) - 1)
-                _budget().build(size, "filter join")
+            attribute = rest[1] if len(rest) > 1 else kwargs.pop("attribute", None)
+            items = list(items)  # a generator (map, select) sized like a list
+            if attribute is not None:
+                items = [jinja2.filters.make_attrgetter(ctx.environment, attribute)(v) for v in items]
+                rest = rest[:1]
+            strs = [soft_str(v) for v in items]
+            _budget().build(sum(map(len, strs)) + len(soft_str(sep)) * max(0, len(strs) - 1), "filter join")
+            return f(ctx, strs, *rest, **kwargs)
         else:
             _check_growth(grow, f"filter {name}", value, *args, **kwargs)
         return f(value, *args, **kwargs)
@@ -245,7 +303,11 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """Every call from the template: str padding methods (ljust, center, zfill, ...) are size-checked first."""
+        """Every call from the template is charged a step; str padding methods (ljust, center, zfill, ...) are
+        size-checked first; a recursive loop's `loop(...)` iterates through the budget too."""
+        _budget().step("a call")
+        if isinstance(obj, jinja2.runtime.LoopContext) and args:  # `loop(children)` of a recursive loop
+            args = (_loop_steps(None, args[0]), *args[1:])
         owner = getattr(obj, "__self__", None)
         grow = _STR_METHOD_GROWTH.get(getattr(obj, "__name__", "")) if isinstance(owner, str) else None
         if grow is not None:
@@ -337,7 +399,9 @@ def _environment() -> _StrictSandbox:
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     for name in (*_FILTER_GROWTH, "format", "join"):
         env.filters[name] = _guarded_filter(name, env.filters[name])
-    env.filters.update(_ninfer_loop_steps=_loop_steps, _ninfer_built=_built)
+    for name in _LIST_FILTERS:
+        env.filters[name] = _charged_filter(name, env.filters[name])
+    env.filters.update(_ninfer_loop_steps=_loop_steps, _ninfer_concat=_concat, _ninfer_emit=_emit)
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=_DictHelper())

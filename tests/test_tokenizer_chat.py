@@ -341,7 +341,11 @@ HUGE = [
     "{{ ('a\n' * 100000)|indent(100000)|length }}",
     "{{ [1]|batch(1000000000, 0)|list|length }}",
     "{{ [1]|slice(slices=1000000000)|list|length }}",
-    # the render's budget: loop iterations, values built by ~, + and join, everything built, the output
+]
+
+# The render's budget: loop iterations and calls, values built by ~, + and join, everything built, the output and
+# what is written into blocks. These stop after bounded work (at most ~1,000,000 steps), not before any.
+BUDGET = [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}"
     "{% endfor %}x",
     "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
@@ -351,15 +355,25 @@ HUGE = [
     "{% set s = 'x' * 1000000 %}{% set ns = namespace(n=0) %}{% for i in range(2000) %}{% set ns.n = (s ~ s)|length %}"
     "{% endfor %}{{ ns.n }}",
     "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+    # ... a recursive loop's own calls, text written into a block, join over a generator, one long ~ chain, recursion
+    "{% for n in [[0] * 10000] * 1000 recursive %}{% if n is iterable %}{{ loop(n) }}{% endif %}{% endfor %}",
+    "{% set s = 'x' * 1000000 %}{% set big %}{% for i in range(300) %}{{ s }}{% endfor %}{% endset %}{{ big|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ([s] * 200)|map('string')|join|length }}",
+    "{% set s = 'x' * 1000000 %}{% set t = s * 1 %}{{ (s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ "
+    "s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ "
+    "s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s)|length }}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(28) }}",
 ]
 
 
-@pytest.mark.parametrize("source", HUGE)
-def test_sandbox_refuses_huge_results_quickly(source):
+@pytest.mark.parametrize("source, seconds", [(h, 2.0) for h in HUGE] + [(b, 10.0) for b in BUDGET])
+def test_sandbox_refuses_huge_results_quickly(source, seconds):
     t0 = time.perf_counter()
     with pytest.raises(NinferError, match="blocked by the sandbox") as e:
         ChatTemplate(source).render([{"role": "user", "content": "x"}])
-    assert time.perf_counter() - t0 < 2.0  # refused before any work; the payload itself takes far longer
+    # HUGE: refused before any work; BUDGET: after a bounded amount (a million steps take ~3 s at worst, macro
+    # calls); the payloads themselves take hours or all the memory
+    assert time.perf_counter() - t0 < seconds
     assert "\n" not in str(e.value)
 
 
@@ -392,14 +406,17 @@ def test_sandbox_budget_keeps_jinja_loop_semantics():
 
 
 def test_sandbox_loop_budget_is_exact():
-    # 1,000 + 1,000 x 999 iterations are exactly the 1,000,000 a render may run; 1,000 more are refused
-    at_limit = "{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}ok"
-    assert ChatTemplate(at_limit).render([]) == "ok"
-    with pytest.raises(NinferError, match="more than 1,000,000 loop iterations"):
-        ChatTemplate(at_limit.replace("999", "1000")).render([])
+    # 1,000,000 loop iterations and calls together a render: a list of exactly that many runs, one more is refused
+    loop = "{% for i in items %}{% endfor %}ok"
+    t = ChatTemplate(loop)
+    assert t.render([], items=[0] * 1_000_000) == "ok"
+    with pytest.raises(NinferError, match="more than 1,000,000 loop iterations and calls"):
+        t.render([], items=[0] * 1_000_001)
     # each render starts with the whole budget
-    t = ChatTemplate(at_limit)
-    assert [t.render([]) for _ in range(3)] == ["ok"] * 3
+    assert [t.render([], items=[0] * 1_000_000) for _ in range(2)] == ["ok"] * 2
+    # calls count as well: 1,000 range() calls and 999,000 iterations are 1,000 over
+    with pytest.raises(NinferError, match="loop iterations and calls"):
+        ChatTemplate("{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}").render([])
 
 
 def test_sandbox_size_checks_leave_ordinary_sizes_alone():
