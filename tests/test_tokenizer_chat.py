@@ -341,6 +341,17 @@ HUGE = [
     "{{ ('a\n' * 100000)|indent(100000)|length }}",
     "{{ [1]|batch(1000000000, 0)|list|length }}",
     "{{ [1]|slice(slices=1000000000)|list|length }}",
+    # a container holding one long string 10,000 times (10 GB as text), turned into text each way a template has
+    "{% set s = 'x' * 1000000 %}{{ [s] * 10000 }}",
+    "{% set s = 'x' * 1000000 %}{{ ([s] * 10000)|string|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ([s] * 10000)|tojson|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ([s] * 10000)|upper|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ('%s' % ([s] * 10000,))|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ('%s'|format([s] * 10000))|length }}",
+    "{% set s = 'x' * 1000000 %}{{ '{}'.format([s] * 10000)|length }}",
+    "{% set s = 'x' * 1000000 %}{{ (([s] * 10000) ~ '')|length }}",
+    "{% set s = 'x' * 1000000 %}{{ ([[s] * 100] * 100)|join|length }}",
+    "{% set ns = namespace(a='x' * 1000000) %}{{ [ns] * 10000 }}",
 ]
 
 # The render's budget: loop iterations and calls, values built by ~, + and join, everything built, the output and
