@@ -14,7 +14,7 @@ masked so they are never sampled. This module stays numpy-only: torch lives behi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from os import PathLike
 
@@ -150,13 +150,14 @@ class Model:
         return ids
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """Token ids (a list, tuple, range or 1-D integer array) as a list of ints in [0, vocab_size), at most the
-        model's context; NinferError naming the first bad one. Nothing is coerced: 1.5, True and "1" are refused."""
+        """Token ids (a list, tuple, range, deque, array.array or 1-D integer array: an ordered collection of ints)
+        as a list of ints in [0, vocab_size), at most the model's context; NinferError naming the first bad one.
+        Nothing is coerced: 1.5, True and "1" are refused."""
         if isinstance(token_ids, np.ndarray):
             if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
                 raise NinferError(f"token ids: expected a 1-D integer array, got {token_ids.dtype} of shape "
                                   f"{list(token_ids.shape)}")
-        elif not isinstance(token_ids, (list, tuple, range)):
+        elif isinstance(token_ids, (str, bytes, bytearray, Mapping, Set)) or not isinstance(token_ids, Collection):
             raise NinferError(f"token ids: expected a list of integers, got {type(token_ids).__name__} (text goes "
                               "in as a str prompt)")
         ids = []

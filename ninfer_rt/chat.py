@@ -130,6 +130,8 @@ class ChatTemplate:
             self._template = sandbox.environment().from_string(source)
         except TemplateSyntaxError as e:
             raise NinferError(f"{origin}: syntax error: {_one_line(e)}") from e
+        except RecursionError:  # jinja's parser recurses once a nesting level
+            raise NinferError(f"{origin}: nests too deeply to compile") from None
 
     @classmethod
     def from_resources(cls, resources: dict[str, bytes], name: str = "default") -> ChatTemplate:
@@ -144,6 +146,13 @@ class ChatTemplate:
                enable_thinking: bool | None = None, documents: list[dict] | None = None, **kwargs: Any) -> str:
         """The prompt text for messages. enable_thinking=None leaves the template's default; other keyword
         arguments (preserve_thinking, add_vision_id, ...) reach the template unchanged."""
+        try:
+            return self._render(messages, tools, add_generation_prompt, enable_thinking, documents, kwargs)
+        except RecursionError:  # a message nested (or referring to itself) beyond any template's reach
+            raise NinferError(f"{self.origin}: the messages or arguments nest too deeply") from None
+
+    def _render(self, messages, tools, add_generation_prompt, enable_thinking, documents, kwargs) -> str:
+        """render, whose RecursionError the caller turns into one line."""
         _check_messages(messages)
         for name, value in (("tools", tools), ("documents", documents)):
             if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(t, dict) and t

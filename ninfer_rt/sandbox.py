@@ -8,9 +8,10 @@ these changes:
   `'%999999999s' % ''`, `''.ljust(10**9)`, `''|center(10**9)`) is refused before it runs;
 - a render has a budget (`render`): loop iterations and calls, what `~`, `+`, `join` and the list-building filters
   build, and the text written (to the output or into a block); any value turned into text (output, `~`, `join`, a
-  filter's input, `%` and `format` arguments, `tojson`) is sized first, containers walked, so a list holding one
-  long string many times cannot be printed. Nested loops, recursion or a string doubled in a loop end in an error
-  instead of a hang or an out-of-memory kill.
+  filter's input, `%` and `format` arguments, `tojson`) and the growing str methods (replace, join, translate) are
+  sized first, containers walked, so a list holding one long string many times cannot be printed; and, as a
+  backstop, a render stops after 10 s or 2 GiB of resident growth. Nested loops, recursion or a string doubled in
+  a loop end in an error instead of a hang or an out-of-memory kill.
 The helpers and settings are those Hugging Face templates are written against (trim_blocks, lstrip_blocks,
 loopcontrols, `raise_exception`, `tojson` without ASCII escaping, `strftime_now`, `namespace`, `dict`), so output
 matches `transformers`' apply_chat_template.
@@ -18,8 +19,11 @@ matches `transformers`' apply_chat_template.
 
 from __future__ import annotations
 
+import collections.abc
 import contextvars
 import functools
+import os
+import time
 import json
 import re
 import string
@@ -45,8 +49,9 @@ _MAX_INT_BITS = 1 << 16  # ~19,700 decimal digits, far past anything a template 
 # template loops a few times per message and content part: these are far above that and far below a hang.
 _MAX_LOOP_STEPS = 1_000_000  # iterations of every {% for %} and calls (macros, methods, recursive loops) together
 _MAX_TEXT = 1 << 26          # characters of any one string built by ~, + or join, or written by one {{ }}
-_MAX_BUILT = 1 << 28         # characters built by ~, + and join, _ITEM a list item, together: bounds time and memory
-_ITEM = 32                   # what a list item is charged: a pointer and, often, a fresh int or str object
+_ITEM = 8                    # a list item against a per-value cap in characters: the pointer a copy moves
+_MAX_SECONDS = 10.0          # a render's wall time (a long conversation renders in well under a second)
+_MAX_RSS_GROWTH = 2 << 30    # what a render may add to the process's resident memory
 _MAX_EMITTED = 1 << 27       # characters written in all, to the output and into blocks: bounds the memory
 # A printf conversion: optional (key), flags, width, .precision, length modifier, type.
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?[a-zA-Z%]")
@@ -73,18 +78,22 @@ def _text_size(value: Any, limit: int = _MAX_TEXT) -> int:
         v = todo.pop()
         if isinstance(v, str):
             total += len(v) + 4  # its quotes and a separator in a container's repr
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            total += 2 + len(v)
-            todo.extend(v)
-        elif isinstance(v, dict):
+        elif isinstance(v, collections.abc.Mapping):
             total += 2 + 2 * len(v)
             todo.extend(v.keys())
             todo.extend(v.values())
+        elif isinstance(v, (bytes, bytearray)):
+            total += 4 * len(v) + 3
+        elif isinstance(v, collections.abc.Collection):  # lists, tuples, sets, ranges, dict views
+            total += 2 + len(v)
+            todo.extend(v)
         elif isinstance(v, jinja2.utils.Namespace):
             total += 16
             todo.append(dict(object.__getattribute__(v, "_Namespace__attrs")))  # what its repr prints
+        elif isinstance(v, int):
+            total += v.bit_length() // 3 + 2  # its decimal digits, at most
         else:
-            total += 32  # a number, None, a bool: a few characters
+            total += 32  # a float, None, a bool: a few characters
     return total
 
 
@@ -96,24 +105,34 @@ def _refuse_text(value: Any, what: str) -> None:
 
 
 class _Budget:
-    """What is left of one render's budget (see _MAX_LOOP_STEPS, _MAX_BUILT, _MAX_EMITTED)."""
+    """What is left of one render's budget (_MAX_LOOP_STEPS, _MAX_EMITTED) and its time and memory backstops."""
 
     def __init__(self) -> None:
-        self.steps, self.built, self.emitted = _MAX_LOOP_STEPS, _MAX_BUILT, _MAX_EMITTED
+        self.steps, self.emitted = _MAX_LOOP_STEPS, _MAX_EMITTED
+        self.deadline, self.rss0 = time.monotonic() + _MAX_SECONDS, _rss()
+
+    def guard(self) -> None:
+        """The render's wall time and what it added to resident memory, checked every 256 steps and large values."""
+        if time.monotonic() > self.deadline:
+            raise SecurityError(f"the render ran longer than {_MAX_SECONDS:.0f} s")
+        if _rss() - self.rss0 > _MAX_RSS_GROWTH:
+            raise SecurityError(f"the render grew the process by more than {_MAX_RSS_GROWTH >> 30} GiB")
 
     def step(self, what: str) -> None:
         """Charge one loop iteration or call."""
         self.steps -= 1
         if self.steps < 0:
             raise SecurityError(f"the render ran more than {_MAX_LOOP_STEPS:,} loop iterations and calls ({what})")
+        if self.steps % 256 == 0:
+            self.guard()
 
     def build(self, size: int, what: str, cap: int = _MAX_TEXT) -> None:
-        """Charge a value of `size` characters (or, cap _MAX_ITEMS, list items) before it is built."""
+        """A value of `size` characters (lists: _ITEM a item) about to be built: refused past cap; a large one
+        is also a moment to check the time and memory (copies add up quadratically, their sum is not capped)."""
         if size > cap:
             raise SecurityError(f"{what} would build a value of more than {cap:,} items")
-        self.built -= size
-        if self.built < 0:
-            raise SecurityError(f"the render built more than {_MAX_BUILT:,} items in all")
+        if size >= 1 << 16:
+            self.guard()
 
     def emit(self, size: int) -> None:
         """Charge text written to the output or to a block ({% set %}, a macro, a call block)."""
@@ -124,6 +143,20 @@ class _Budget:
             raise SecurityError(f"the render wrote more than {_MAX_EMITTED:,} characters in all")
 
 
+def _rss() -> int:
+    """The process's resident memory in bytes (Linux /proc; elsewhere its peak, from getrusage; else 0)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        except (ImportError, OSError):
+            return 0
+
+
 _BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("ninfer_chat_budget")
 
 
@@ -132,8 +165,9 @@ def _budget() -> _Budget:
     return _BUDGET.get(None) or _Budget()
 
 
-# The budget's filters take the eval context, so jinja never runs them at compile time (constant folding).
-@jinja2.pass_eval_context
+# The budget's filters take the context, so jinja never runs them at compile time (it folds constant expressions
+# through filters that take the eval context or nothing, and the literal text would then go uncharged).
+@jinja2.pass_context
 def _loop_steps(_ctx: Any, iterable: Any) -> Any:
     """Filter around every for loop's iterable (and a recursive loop's `loop(...)`): each iteration is charged."""
     b = _budget()
@@ -142,7 +176,7 @@ def _loop_steps(_ctx: Any, iterable: Any) -> Any:
         yield item
 
 
-@jinja2.pass_eval_context
+@jinja2.pass_context
 def _concat(_ctx: Any, parts: list) -> str:
     """`a ~ b ~ ...` (jinja's Concat), its length charged before the join."""
     for p in parts:
@@ -153,7 +187,7 @@ def _concat(_ctx: Any, parts: list) -> str:
     return "".join(strs)
 
 
-@jinja2.pass_eval_context
+@jinja2.pass_context
 def _emit(_ctx: Any, value: Any) -> Any:
     """Filter around every piece of output, literal text included: its length is charged."""
     if not isinstance(value, str):
@@ -194,6 +228,7 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
                 _refuse_over(len(seq) * n, "'*' repetition")
+                _budget().build(max(0, len(seq) * n) * (1 if isinstance(seq, str) else _ITEM), "'*'", 1 << 62)
     elif op == "**":
         # |a ** b| >= 2 ** ((bits(a) - 1) * b): cheap to evaluate even when b is astronomically large
         if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 \
@@ -201,7 +236,7 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
             raise SecurityError(f"'**' would build an integer over {_MAX_INT_BITS} bits")
     elif op == "%" and isinstance(left, str):
         _check_printf(left, right)
-        _refuse_text(right, "'%'")
+        _budget().build(_printf_size(left, right), "'%'")
     elif op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
         # a list item is charged as _ITEM characters, at most _MAX_ITEMS of them in one list
         n = len(left) + len(right)
@@ -209,6 +244,24 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
             _budget().build(n, "'+'")
         else:
             _budget().build(_ITEM * n, "'+'", _ITEM * _MAX_ITEMS)
+
+
+def _printf_size(fmt: str, args: Any) -> int:
+    """An upper estimate of len(fmt % args): each conversion writes at most its width or the largest argument."""
+    values = list(args.values()) if isinstance(args, collections.abc.Mapping) else \
+        list(args) if isinstance(args, tuple) else [args]
+    widest = max([_text_size(v) for v in values] + [0])
+    widths = [int(d) for m in _PRINTF.finditer(fmt) for d in m.groups() if d and d.isdigit()]
+    return len(fmt) + len(_PRINTF.findall(fmt)) * max([widest, *widths])
+
+
+def _format_size(fmt: str, args: tuple, kwargs: dict) -> int:
+    """An upper estimate of len(fmt.format(*args, **kwargs)): each field writes at most its width or the
+    largest argument."""
+    widest = max([_text_size(v) for v in (*args, *kwargs.values())] + [0])
+    fields = [spec for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+    widths = [int(d) for spec in fields for d in _DIGITS.findall(spec or "")]
+    return len(fmt) + len(fields) * max([widest, *widths])
 
 
 def _check_printf(fmt: str, args: Any) -> None:
@@ -277,7 +330,7 @@ _LIST_FILTERS = ("list", "sort", "unique", "reverse", "dictsort", "groupby")
 
 
 # Filters that turn their input into text: a container input is sized first (_refuse_text).
-_TEXT_FILTERS = ("capitalize", "e", "escape", "forceescape", "lower", "pprint", "replace", "safe", "string",
+_TEXT_FILTERS = ("capitalize", "e", "escape", "forceescape", "lower", "pprint", "safe", "string",
                  "striptags", "title", "trim", "truncate", "upper", "urlencode", "urlize", "wordcount", "wordwrap")
 
 
@@ -315,7 +368,14 @@ def _guarded_filter(name: str, f: Any) -> Any:
     def checked(value: Any, *args: Any, **kwargs: Any) -> Any:
         if name == "format":  # `format` is printf: value % args
             _check_printf(soft_str(value), kwargs or args)
-            _refuse_text([args, kwargs], "filter format")
+            _budget().build(_printf_size(soft_str(value), kwargs or args), "filter format")
+        elif name == "replace":  # s.replace(old, new[, count]) sized as the method is (after the eval context)
+            if len(args) >= 3:
+                _check_str_call(soft_str(args[0]), "replace", (soft_str(args[1]), soft_str(args[2]), *args[3:4]), {})
+        elif name == "sum":  # start: a number (a list start joins the lists, quadratically)
+            start = args[1] if len(args) > 1 else kwargs.get("start", 0)
+            if not isinstance(start, (int, float)):
+                raise SecurityError(f"filter sum: start must be a number, got {type(start).__name__}")
         elif name == "join":  # the joined length, before joining (join takes the eval context first)
             ctx, items, rest = value, args[0], list(args[1:])
             sep = rest[0] if rest else kwargs.get("d", "")
@@ -335,6 +395,26 @@ def _guarded_filter(name: str, f: Any) -> Any:
         return f(value, *args, **kwargs)
 
     return checked
+
+
+def _check_str_call(owner: str, name: str, args: tuple, kwargs: dict) -> tuple:
+    """str.replace / join / translate sized before they run (args returned, join's iterable as a list)."""
+    if name == "join" and args:
+        items = list(args[0])
+        size = sum(len(v) if isinstance(v, str) else 0 for v in items) + len(owner) * max(0, len(items) - 1)
+        args = (items, *args[1:])
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        n = owner.count(args[0]) if args[0] else len(owner) + 1
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            n = min(n, args[2])
+        size = len(owner) + n * max(0, len(args[1]) - len(args[0]))
+    elif name == "translate" and args and isinstance(args[0], collections.abc.Mapping):
+        longest = max([len(v) for v in args[0].values() if isinstance(v, str)] + [1])
+        size = len(owner) * longest
+    else:
+        return args
+    _budget().build(size, f"str.{name}")
+    return args
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
@@ -364,10 +444,16 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         if isinstance(obj, jinja2.runtime.LoopContext) and args:  # `loop(children)` of a recursive loop
             args = (_loop_steps(None, args[0]), *args[1:])
         owner = getattr(obj, "__self__", None)
-        grow = _STR_METHOD_GROWTH.get(getattr(obj, "__name__", "")) if isinstance(owner, str) else None
+        name = getattr(obj, "__name__", "")
+        grow = _STR_METHOD_GROWTH.get(name) if isinstance(owner, str) else None
         if grow is not None:
-            _check_growth(grow, f"str.{obj.__name__}", owner, *args, **kwargs)
-        return super().call(context, obj, *args, **kwargs)
+            _check_growth(grow, f"str.{name}", owner, *args, **kwargs)
+        if isinstance(owner, str) and name in ("replace", "join", "translate"):
+            args = _check_str_call(owner, name, args, kwargs)
+        out = super().call(context, obj, *args, **kwargs)
+        if isinstance(out, (str, list, tuple)):  # what a call built (split, strip, ...) is charged after
+            _budget().build(len(out) * (1 if isinstance(out, str) else _ITEM), f"{name or 'a call'}", 1 << 62)
+        return out
 
     def wrap_str_format(self, value: Any) -> Any:
         """Sandboxed str.format / format_map, with field widths checked before formatting."""
@@ -379,7 +465,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         @functools.wraps(wrapped)
         def checked(*args: Any, **kwargs: Any) -> str:
             _check_format_spec(fmt)
-            _refuse_text([args, kwargs], "str.format")
+            _budget().build(_format_size(fmt, args, kwargs), "str.format")
             return wrapped(*args, **kwargs)
 
         return checked
@@ -431,6 +517,8 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
             sort_keys: bool = False) -> str:
     """Template filter: JSON text without HTML escaping or ASCII escaping (jinja's own tojson does both)."""
     _refuse_text(value, "filter tojson")
+    if indent is not None and len(indent if isinstance(indent, str) else " " * max(0, int(indent))) > 16:
+        raise SecurityError(f"filter tojson: indent {indent!r} is wider than 16")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -454,7 +542,7 @@ class _DictHelper:
 def environment() -> _StrictSandbox:
     """The sandbox with the settings and helpers Hugging Face chat templates expect."""
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    for name in (*_FILTER_GROWTH, "format", "join"):
+    for name in (*_FILTER_GROWTH, "format", "join", "replace", "sum"):
         env.filters[name] = _guarded_filter(name, env.filters[name])
     for name in _LIST_FILTERS:
         env.filters[name] = _charged_filter(name, env.filters[name])
@@ -467,7 +555,7 @@ def environment() -> _StrictSandbox:
     return env
 
 
-def render(template: jinja2.Template, **variables: Any) -> str:
+def render(template: jinja2.Template, /, **variables: Any) -> str:
     """The template's text under a fresh budget, the output capped at _MAX_TEXT characters; SecurityError or
     TemplateError (and whatever the template's code raises) propagate."""
     token = _BUDGET.set(_Budget())

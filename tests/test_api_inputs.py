@@ -4,6 +4,9 @@ that would draw a masked padding id."""
 
 from __future__ import annotations
 
+import array
+import collections
+
 import numpy as np
 import pytest
 
@@ -31,6 +34,7 @@ def model(packed):
     ("abc", "expected a list of integers, got str"),
     (b"\x01\x02", "expected a list of integers, got bytes"),
     ({1: 2}, "expected a list of integers, got dict"),
+    ({1, 2}, "expected a list of integers, got set"),
     (None, "expected a list of integers, got NoneType"),
     (np.array([[1, 2]]), "expected a 1-D integer array, got int64 of shape [1, 2]"),
     (np.array([1.7, 2.0]), "expected a 1-D integer array, got float64"),
@@ -48,7 +52,8 @@ def test_logits_token_ids(model, ids, message):
 
 def test_logits_accepts_integer_sequences_and_stops_at_the_context(model):
     # the same ids as a list, a tuple, a range and an int32 array give the same logits
-    outs = [model.logits(ids) for ids in ([5, 6, 7], (5, 6, 7), range(5, 8), np.array([5, 6, 7], np.int32))]
+    outs = [model.logits(ids) for ids in ([5, 6, 7], (5, 6, 7), range(5, 8), np.array([5, 6, 7], np.int32),
+                                          collections.deque([5, 6, 7]), array.array("i", [5, 6, 7]))]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     n = model.spec.max_position_embeddings
     with pytest.raises(NinferError, match=f"{n + 1} token ids; the model's context holds {n}"):

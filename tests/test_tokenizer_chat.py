@@ -363,8 +363,18 @@ BUDGET = [
     "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
     "{% set ns = namespace(l=[0]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|length }}",
     "{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}",
-    "{% set s = 'x' * 1000000 %}{% set ns = namespace(n=0) %}{% for i in range(2000) %}{% set ns.n = (s ~ s)|length %}"
-    "{% endfor %}{{ ns.n }}",
+    # the second review's: a large int or a dict view printed, str methods that grow, sum over lists, tojson's indent
+    "{{ [10 ** 4000] * 600000 }}",
+    "{{ dict.fromkeys(range(2500), 'a' * 1000000).values() }}",
+    "{{ ('a' * 2500).replace('a', 'a' * 1000000)|length }}",
+    "{{ ('a' * 2500)|replace('a', 'a' * 1000000)|length }}",
+    "{{ ('a' * 1000000).join('b' * 2500)|length }}",
+    "{{ ('{0}' * 300000).format('a' * 10000)|length }}",
+    "{{ ('{0:1000000}' * 2500).format('')|length }}",
+    "{{ (('%(a)s' * 200000) % {'a': 'a' * 12500})|length }}",
+    "{{ ('a' * 2500).translate(''.maketrans({'a': 'a' * 1000000}))|length }}",
+    "{{ ([[0] * 1000000] * 130)|sum(start=[])|length }}",
+    "{{ ([0] * 2500)|tojson(indent=1000000)|length }}",
     "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
     # ... a recursive loop's own calls, text written into a block, join over a generator, one long ~ chain, recursion
     "{% for n in [[0] * 10000] * 1000 recursive %}{% if n is iterable %}{{ loop(n) }}{% endif %}{% endfor %}",
@@ -430,9 +440,60 @@ def test_sandbox_loop_budget_is_exact():
         ChatTemplate("{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}").render([])
 
 
+def test_sandbox_deadline_and_memory_backstops(monkeypatch):
+    # a render that stays inside every count still stops at the wall-time and resident-memory limits
+    import ninfer_rt.sandbox as sandbox
+
+    slow = "{% for i in range(100000) %}{% set x = ('a' * 100000).split('a') %}{% endfor %}"
+    monkeypatch.setattr(sandbox, "_MAX_SECONDS", 0.3)
+    t0 = time.perf_counter()
+    with pytest.raises(NinferError, match="the render ran longer than 0 s"):
+        ChatTemplate(slow).render([])
+    assert time.perf_counter() - t0 < 3
+    monkeypatch.setattr(sandbox, "_MAX_SECONDS", 60.0)
+    monkeypatch.setattr(sandbox, "_MAX_RSS_GROWTH", 64 << 20)
+    grow = "{% set ns = namespace(l=[]) %}{% for i in range(100) %}{% set ns.l = ns.l + [('a' * 1000000) ~ i] %}" \
+           "{% endfor %}{{ ns.l|length }}"
+    with pytest.raises(NinferError, match="grew the process by more than 0 GiB"):
+        ChatTemplate(grow).render([])
+
+
+ACCUMULATE = (
+    "{% set ns = namespace(out='', roles=[]) %}{% for m in messages %}"
+    "{% set ns.out = ns.out + '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' %}"
+    "{% set ns.roles = ns.roles + [m.role] %}{% endfor %}{{ ns.out }}{{ ns.roles|length }}"
+    "{% set ns2 = namespace(s='') %}{% for m in messages %}{% set ns2.s = ns2.s ~ m.content ~ '\n' %}{% endfor %}"
+    "{{ ns2.s|length }}{{ template }}"
+)
+
+
+def test_sandbox_leaves_accumulating_templates_alone():
+    # oracle: jinja without any sandbox. Templates that build the prompt piece by piece copy O(n^2) characters:
+    # 5,000 messages must still render, as they do in transformers
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 8} for i in range(5_000)]
+    want = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(ACCUMULATE).render(
+        messages=msgs, template="T")
+    assert ChatTemplate(ACCUMULATE).render(msgs, template="T") == want
+
+
 def test_sandbox_size_checks_leave_ordinary_sizes_alone():
     # oracle: jinja without any sandbox
     assert ChatTemplate(WITHIN_LIMITS).render([]) == jinja2.Environment().from_string(WITHIN_LIMITS).render()
     for just_over in ("{{ 'a' * 1000001 }}", "{{ [0] * 1000 * 1001 }}", "{{ 2 ** 65536 }}", "{{ 'x'.ljust(1000001) }}"):
         with pytest.raises(NinferError, match="blocked by the sandbox"):
             ChatTemplate(just_over).render([])
+
+
+def test_nesting_too_deep_is_one_line():
+    looped = {"role": "user", "content": "x"}
+    looped["self"] = looped
+    deep: list = []
+    cur = deep
+    for _ in range(5000):
+        cur.append([])
+        cur = cur[0]
+    for messages in ([looped], [{"role": "user", "content": "x", "extra": deep}]):
+        with pytest.raises(NinferError, match="nest too deeply"):
+            ChatTemplate("{{ messages|length }}").render(messages)
+    with pytest.raises(NinferError, match="nests too deeply to compile"):
+        ChatTemplate("{{ " + "(" * 300 + "1" + ")" * 300 + " }}")
