@@ -162,7 +162,7 @@ class Model:
                               "in as a str prompt)")
         ids = []
         for pos, i in enumerate(token_ids):
-            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            if not _is_int(i):
                 raise NinferError(f"token id {i!r} at position {pos} is not an integer")
             if not 0 <= i < self.spec.vocab_size:
                 raise NinferError(f"token id {i} at position {pos} is outside the vocabulary "
@@ -193,8 +193,7 @@ class Model:
     def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools):
         """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
-        if isinstance(max_new_tokens, (bool, np.bool_)) or not (isinstance(max_new_tokens, (int, np.integer))
-                                                               and max_new_tokens >= 1):
+        if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
             raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise NinferError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")

@@ -22,11 +22,11 @@ from __future__ import annotations
 import collections.abc
 import contextvars
 import functools
-import os
-import time
 import json
+import os
 import re
 import string
+import time
 from datetime import datetime
 from typing import Any
 
@@ -192,7 +192,7 @@ def _emit(_ctx: Any, value: Any) -> Any:
     """Filter around every piece of output, literal text included: its length is charged."""
     if not isinstance(value, str):
         _refuse_text(value, "'{{ }}'")
-    _budget().emit(len(soft_str(value)) if not isinstance(value, str) else len(value))
+    _budget().emit(len(value if isinstance(value, str) else soft_str(value)))
     return value
 
 
@@ -372,8 +372,8 @@ def _guarded_filter(name: str, f: Any) -> Any:
         elif name == "replace":  # s.replace(old, new[, count]) sized as the method is (after the eval context)
             if len(args) >= 3:
                 _check_str_call(soft_str(args[0]), "replace", (soft_str(args[1]), soft_str(args[2]), *args[3:4]), {})
-        elif name == "sum":  # start: a number (a list start joins the lists, quadratically)
-            start = args[1] if len(args) > 1 else kwargs.get("start", 0)
+        elif name == "sum":  # start: a number (a list start joins the lists, quadratically); sum takes the
+            start = args[2] if len(args) > 2 else kwargs.get("start", 0)  # environment, iterable, attribute first
             if not isinstance(start, (int, float)):
                 raise SecurityError(f"filter sum: start must be a number, got {type(start).__name__}")
         elif name == "join":  # the joined length, before joining (join takes the eval context first)

@@ -374,6 +374,7 @@ BUDGET = [
     "{{ (('%(a)s' * 200000) % {'a': 'a' * 12500})|length }}",
     "{{ ('a' * 2500).translate(''.maketrans({'a': 'a' * 1000000}))|length }}",
     "{{ ([[0] * 1000000] * 130)|sum(start=[])|length }}",
+    "{{ ([[0] * 1000000] * 130)|sum(none, [])|length }}",
     "{{ ([0] * 2500)|tojson(indent=1000000)|length }}",
     "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
     # ... a recursive loop's own calls, text written into a block, join over a generator, one long ~ chain, recursion
@@ -407,6 +408,7 @@ WITHIN_LIMITS = (
     "{{ 'x'.center(5, '*') }}|{{ '7'.zfill(3) }}|"
     "{{ 'a\tb'.expandtabs(4) }}|{{ 'a'|center(5) }}|{{ 'a\nb'|indent(2, true) }}|{{ 'a\nb'|indent('> ') }}|"
     "{{ [1, 2, 3]|batch(2, 0)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ '%s!'|format('q') }}|"
+    "{{ [{'a': 1}, {'a': 2}]|sum('a') }}|{{ [1, 2]|sum(start=10) }}|{{ [{'a': 1}]|sum('a', 5) }}|"
     "{{ ('a' * 1000000)|length }}|{{ ('%1000000s' % '')|length }}|{{ (2 ** 65535) > 0 }}"
 )
 
