@@ -43,6 +43,7 @@ class GenerationStats:
     decode_s: float = 0.0
     finish_reason: str = "cancelled"
     token_ids: list[int] = field(default_factory=list)
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @property
     def prefill_tok_s(self) -> float:
@@ -70,6 +71,11 @@ class _ReferenceBackend:
     def new_cache(self):
         """Empty decode state for one sequence."""
         return self.model.new_cache()
+
+    @property
+    def max_ctx(self) -> int:
+        """Positions one sequence may hold: the model's whole context (the reference's cache grows as it goes)."""
+        return self.model.spec.max_position_embeddings
 
     def forward(self, ids: np.ndarray, cache, last_only: bool = False) -> np.ndarray:
         """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
@@ -122,6 +128,12 @@ class Model:
         return SamplingParams.defaults_from_generation_config(self.generation_config)
 
     @property
+    def context_length(self) -> int:
+        """Positions a sequence may hold here, prompt and output together: the model's context, or on the GPU
+        the KV cache allocated at load (load's max_ctx)."""
+        return self._backend.max_ctx
+
+    @property
     def real_vocab_size(self) -> int:
         """Ids the tokenizer can produce; rows from here up to spec.vocab_size are padding."""
         return min(self.tokenizer.vocab_size, self.spec.vocab_size)
@@ -168,8 +180,8 @@ class Model:
                 raise NinferError(f"token id {i} at position {pos} is outside the vocabulary "
                                   f"[0, {self.spec.vocab_size})")
             ids.append(int(i))
-        if len(ids) > self.spec.max_position_embeddings:
-            raise NinferError(f"{len(ids)} token ids; the model's context holds {self.spec.max_position_embeddings}")
+        if len(ids) > self.context_length:
+            raise NinferError(f"{len(ids)} token ids; the context holds {self.context_length}")
         return ids
 
     # ------------------------------------------------------------------------------------------- model side
@@ -197,9 +209,10 @@ class Model:
             raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise NinferError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
-        context = self.spec.max_position_embeddings
+        context = self.context_length
         if len(ids) >= context:
-            raise NinferError(f"prompt has {len(ids)} tokens; the model's context holds {context}")
+            raise NinferError(f"prompt has {len(ids)} tokens; the context holds {context} (prompt and output "
+                              "together)")
         params = sampling if sampling is not None else self.sampling_defaults
         stats = GenerationStats(prompt_tokens=len(ids))
         return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats), stats
@@ -270,10 +283,11 @@ class Model:
         pieces = (detok.push(i) for i in token_stream)
         for piece in _chain_tail(pieces, detok.finish):
             text += piece
-            hit = min((j for j in (text.find(s, sent) for s in stops) if j >= 0), default=-1)
+            hit, stop = min(((j, s) for s, j in ((s, text.find(s, sent)) for s in stops) if j >= 0),
+                            default=(-1, None))
             if hit >= 0:
                 token_stream.close()
-                stats.finish_reason = "stop"
+                stats.finish_reason, stats.stop_string = "stop", stop
                 if hit > sent:
                     yield text[sent:hit]
                 return

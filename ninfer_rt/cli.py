@@ -21,21 +21,11 @@ out = Console()
 err = Console(stderr=True)
 
 
-# Options that only mean something when sampling; penalties and the seed leave greedy decoding greedy (HF applies
-# penalties in greedy search as well).
-_SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p")
-
-
 def _sampling(model, greedy: bool, overrides: dict):
-    """The artifact's generation_config defaults, then the options given. A temperature/top-p/top-k/min-p option
-    asks for sampling (a do_sample-false config would otherwise ignore it) unless --greedy; penalties and --seed
-    do not."""
-    from ninfer_rt.sampling import SamplingParams
+    """The artifact's generation_config defaults, then the options given (sampling.requested_sampling)."""
+    from ninfer_rt.sampling import requested_sampling
 
-    given = {k: v for k, v in overrides.items() if v is not None}
-    wants_sampling = any(k in _SAMPLING_OPTIONS for k in given)
-    greedy_flag = {"greedy": True} if greedy else ({"greedy": False} if wants_sampling else {})
-    return SamplingParams.defaults_from_generation_config(model.generation_config, **given, **greedy_flag)
+    return requested_sampling(model.generation_config, greedy=greedy, **overrides)
 
 
 @app.command()

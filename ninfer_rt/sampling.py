@@ -91,6 +91,21 @@ class SamplingParams:
         return cls(**fields)
 
 
+# Options that only mean something when sampling; penalties and the seed leave greedy decoding greedy (HF applies
+# penalties in greedy search as well).
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def requested_sampling(generation_config: dict, *, greedy: bool = False, **given) -> SamplingParams:
+    """What a caller asked for on top of the checkpoint's defaults (generation_config.json): the fields given (None
+    = not given). A temperature/top-p/top-k/min-p asks for sampling (a do_sample-false config would otherwise
+    ignore it) unless greedy; penalties and the seed do not. The CLI's options and the server's requests."""
+    given = {k: v for k, v in given.items() if v is not None}
+    wants_sampling = any(k in SAMPLING_OPTIONS for k in given)
+    flag = {"greedy": True} if greedy else ({"greedy": False} if wants_sampling else {})
+    return SamplingParams.defaults_from_generation_config(generation_config, **given, **flag)
+
+
 def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
                     params: SamplingParams) -> np.ndarray:
     """Penalised logits (float64 copy): repetition over history, presence/frequency over history[prompt_len:]."""

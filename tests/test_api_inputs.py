@@ -56,7 +56,7 @@ def test_logits_accepts_integer_sequences_and_stops_at_the_context(model):
                                           collections.deque([5, 6, 7]), array.array("i", [5, 6, 7]))]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     n = model.spec.max_position_embeddings
-    with pytest.raises(NinferError, match=f"{n + 1} token ids; the model's context holds {n}"):
+    with pytest.raises(NinferError, match=f"{n + 1} token ids; the context holds {n}"):
         model.logits([1] * (n + 1))
 
 

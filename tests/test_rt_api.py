@@ -164,8 +164,9 @@ class _DrawingBackend:
     """The reference backend plus the GPU backend's draw-on-device interface, drawing the arg-max over the first
     `vocab` ids of the uncached logits (an independent oracle), and recording each call's arguments."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, max_ctx: int | None = None):
         self.inner, self.calls = inner, []
+        self.max_ctx = inner.max_ctx if max_ctx is None else max_ctx  # a GPU backend's cache may be shorter
 
     def new_cache(self):
         return self.inner.new_cache()
@@ -199,6 +200,20 @@ def test_a_backend_that_draws_gets_the_vocab_seed_and_step(moe_model, monkeypatc
     penalised = list(m.generate_ids(ids, max_new_tokens=4, sampling=SamplingParams(greedy=True,
                                                                                    repetition_penalty=1.3)))
     assert drawing.calls == [] and len(penalised) == 4
+
+
+def test_generation_ends_at_the_backends_context(moe_model, monkeypatch):
+    """A GPU cache of max_ctx positions (shorter than the model's context) bounds prompt + output: generation ends
+    with "length" at its last position, and a prompt that fills it is refused up front."""
+    m, ids = moe_model, prompt_ids(20, seed=11)
+    assert m.context_length == m.spec.max_position_embeddings  # the reference holds the whole context
+    want = list(m.generate_ids(ids, max_new_tokens=12, sampling=GREEDY))
+    monkeypatch.setattr(m, "_backend", _DrawingBackend(m._backend, max_ctx=len(ids) + 5))
+    assert m.context_length == len(ids) + 5
+    got = list(m.generate_ids(ids, max_new_tokens=12, sampling=GREEDY))
+    assert got == want[:5] and m.last_stats.finish_reason == "length"
+    with pytest.raises(NinferError, match=f"prompt has {len(ids) + 5} tokens; the context holds {len(ids) + 5}"):
+        m.generate_ids(ids + [5] * 5, max_new_tokens=1)
 
 
 def test_defaults_come_from_generation_config(moe_model):
@@ -235,6 +250,7 @@ def test_stop_strings(moe_model):
     stop = full[cut - 1:cut + 2]
     out = list(m.generate(ids, max_new_tokens=24, sampling=GREEDY, stop=["\x00never", stop]))
     assert "".join(out) == full[:full.find(stop)] and m.last_stats.finish_reason == "stop"
+    assert m.last_stats.stop_string == stop
     assert all(stop not in p for p in out)
     # a stop string that never appears changes nothing
     assert "".join(m.generate(ids, max_new_tokens=24, sampling=GREEDY, stop=["\x00never"])) == full

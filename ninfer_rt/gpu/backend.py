@@ -31,8 +31,8 @@ class GpuBackend:
         self.kernels = Kernels(self.gpu)
         spec = artifact.spec
         self.weights = load_artifact(self.gpu, artifact, progress=progress)
-        max_ctx = min(max_ctx, spec.max_position_embeddings)
-        self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=1, max_ctx=max_ctx,
+        self.max_ctx = min(max_ctx, spec.max_position_embeddings)  # positions a sequence may hold (Model reads it)
+        self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=1, max_ctx=self.max_ctx,
                               kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
         self.use_graphs = use_graphs
 
