@@ -1,4 +1,4 @@
-"""ninfer-rt: a thin Typer CLI over ninfer_rt.api (run a prompt, describe an artifact)."""
+"""ninfer-rt: a thin Typer CLI over ninfer_rt.api (run a prompt, serve it over HTTP, describe an artifact)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,68 @@ def run(
     err.print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_s:.3f} s ({s.prefill_tok_s:.1f} tok/s); "
               f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.1f} tok/s ({s.finish_reason}); "
               f"load {load_s:.2f} s on {model.device}", highlight=False, soft_wrap=True, emoji=False)
+
+
+@app.command()
+def serve(
+    path: Path = typer.Argument(..., help="The .ninfer artifact."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 or :: exposes the "
+                                                         "server to the network: set --api-key then)."),
+    port: int = typer.Option(8080, "--port", help="TCP port (0 lets the OS choose; the log says which)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id /v1/models lists and "
+                                                                        "replies carry (default: the file's stem)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Require this file's key (its first "
+                                                "line) as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."),
+    cors_origin: Optional[str] = typer.Option(None, "--cors-origin", help="Allow browser pages from this origin "
+                                                                          "(or '*') to call the API."),
+    max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one generating; "
+                                                          "more are answered 503."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda when a GPU is present), cuda or cpu."),
+    max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache (cuda): prompt and "
+                                                                 "output of one request together."),
+    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype on the GPU: int8 or bf16."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
+                                                f"on the GPU (default {PREFILL_CHUNK})."),
+    check_checksums: bool = typer.Option(False, "--check-checksums", help="Hash every tensor against the "
+                                                                          "artifact's checksums first."),
+):
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
+    (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. One generation at a time."""
+    from ninfer_rt.api import load
+    from ninfer_rt.serve import Server
+
+    _check_chunk(prefill_chunk)
+    if not 0 <= port <= 65535:
+        raise NinferError(f"--port must be in [0, 65535], got {port}")
+    if max_queue < 0:
+        raise NinferError(f"--max-queue must be >= 0, got {max_queue}")
+    api_key = _read_api_key(api_key_file) if api_key_file is not None else None
+    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
+                 progress=_loading_bar(), check_checksums=check_checksums)
+    try:
+        model.chat_template  # a checkpoint without a usable template fails here, not on the first request
+        server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
+                        api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
+                        log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
+        bound_host, bound_port = server.address
+        err.print(f"serving {server.model_name} on http://{bound_host}:{bound_port} ({model.device}, context "
+                  f"{model.context_length:,}{', API key required' if api_key else ''}); Ctrl-C stops",
+                  highlight=False, soft_wrap=True, markup=False)
+        server.serve_forever()
+    finally:
+        model.close()
+
+
+def _read_api_key(path: Path) -> str:
+    """The key on the first line of path (a file keeps it out of the process list and the shell history)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise NinferError(f"--api-key-file {path}: not UTF-8 text") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise NinferError(f"--api-key-file {path}: the first line is empty")
+    return key
 
 
 @app.command()

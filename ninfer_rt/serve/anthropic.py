@@ -1,0 +1,238 @@
+"""The Anthropic-compatible front end: /v1/messages (and /v1/messages/count_tokens) requests into Jobs, replies out.
+
+Content blocks map onto the chat template's messages: text, `thinking` (an assistant's reasoning_content),
+`tool_use` (tool_calls with their input object) and `tool_result` (a tool message). The reply's reasoning comes
+back as a thinking block (its signature empty: nothing signs it here), its Qwen XML tool calls as tool_use blocks.
+`thinking: {"type": "enabled" | "disabled"}` sets the template's enable_thinking; without it the template's own
+default holds (thinking, for Qwen3.6), and budget_tokens is not enforced.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, get, get_float, get_int, get_stops,
+                                    refuse_images)
+from ninfer_rt.serve.replies import Event
+
+
+def _text_blocks(content, where: str, allowed: tuple[str, ...]) -> list[dict]:
+    """Content as a list of blocks (a string is one text block), each an object of an allowed type."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content blocks", where)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise bad(f"{where}[{i}] must be an object", where)
+        refuse_images(block, f"{where}[{i}]")
+        if block.get("type") not in allowed:
+            raise bad(f"{where}[{i}]: block type {block.get('type')!r} is not supported here (expected "
+                      f"{', '.join(allowed)})", where)
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            raise bad(f"{where}[{i}].text must be a string", where)
+    return content
+
+
+def _plain_text(blocks: list[dict]) -> str:
+    return "".join(b["text"] for b in blocks if b.get("type") == "text")
+
+
+def _user(blocks: list[dict], where: str) -> list[dict]:
+    """A user turn: runs of text blocks become user messages, each tool_result a tool message, in order."""
+    out, texts = [], []
+    for i, b in enumerate(blocks):
+        if b["type"] == "text":
+            texts.append({"type": "text", "text": b["text"]})
+            continue
+        if texts:
+            out.append({"role": "user", "content": texts})
+            texts = []
+        result = b.get("content", "")
+        body = result if isinstance(result, str) else _plain_text(
+            _text_blocks(result, f"{where}[{i}].content", ("text",)))
+        if b.get("is_error"):
+            body = f"Error: {body}"
+        out.append({"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")})
+    if texts:
+        out.append({"role": "user", "content": texts})
+    return out
+
+
+def _assistant(blocks: list[dict], where: str) -> dict:
+    """An assistant turn: text joined, thinking as reasoning_content, tool_use blocks as tool_calls."""
+    msg: dict = {"role": "assistant", "content": _plain_text(blocks)}
+    thinking = [b.get("thinking") for b in blocks if b["type"] == "thinking"]
+    if any(not isinstance(t, str) for t in thinking):
+        raise bad(f"{where}: a thinking block's 'thinking' must be a string", where)
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    calls = []
+    for i, b in enumerate(blocks):
+        if b["type"] != "tool_use":
+            continue
+        if not isinstance(b.get("name"), str) or not b["name"] or not isinstance(b.get("input", {}), dict):
+            raise bad(f"{where}[{i}]: a tool_use block needs a name and an input object", where)
+        calls.append({"id": b.get("id"), "type": "function",
+                      "function": {"name": b["name"], "arguments": b.get("input", {})}})
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """system + messages as the chat template's messages."""
+    out = []
+    system = body.get("system")
+    if system is not None:
+        text = system if isinstance(system, str) else _plain_text(_text_blocks(system, "system", ("text",)))
+        out.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}].content"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise bad(f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages")
+        if m["role"] == "user":
+            out.extend(_user(_text_blocks(m.get("content"), where, ("text", "tool_result")), where))
+        else:
+            out.append(_assistant(_text_blocks(m.get("content"), where,
+                                               ("text", "thinking", "redacted_thinking", "tool_use")), where))
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """Anthropic tools ({name, description, input_schema}) in the OpenAI form the template and parser read."""
+    tools = get(body, "tools", (list,), "a list")
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad(f"tools[{i}] must be an object with a name", "tools")
+        if t.get("type") not in (None, "custom"):
+            raise bad(f"tools[{i}]: server tool {t['type']!r} is not supported", "tools")
+        schema = t.get("input_schema", {})
+        if not isinstance(schema, dict):
+            raise bad(f"tools[{i}].input_schema must be a JSON schema object", "tools")
+        fn = {"name": t["name"], "parameters": schema}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def parse_messages(body: dict, count_only: bool = False) -> Job:
+    """A /v1/messages request as a Job (count_only: /v1/messages/count_tokens, which has no max_tokens)."""
+    max_tokens = get_int(body, "max_tokens", 1)
+    if max_tokens is None and not count_only:
+        raise bad("'max_tokens' is required", "max_tokens")
+    tools = _tools(body)
+    choice = get(body, "tool_choice", (dict,), "an object", {"type": "auto"})
+    if choice.get("type") not in ("auto", "none"):
+        raise bad("tool_choice must be auto or none (forced calls need constrained decoding)", "tool_choice")
+    kwargs = {}
+    thinking = get(body, "thinking", (dict,), "an object")
+    if thinking is not None:
+        if thinking.get("type") not in ("enabled", "disabled"):
+            raise bad("thinking.type must be 'enabled' or 'disabled'", "thinking")
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    top_k = get_int(body, "top_k", 0)
+    sampling = {"temperature": get_float(body, "temperature", 0.0, 1.0),
+                "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k}
+    return Job(messages=chat_messages(body), tools=None if choice["type"] == "none" else tools,
+               template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens,
+               stop=get_stops(body, "stop_sequences"), stream=get(body, "stream", (bool,), "a boolean", False))
+
+
+def error_body(e: RequestError) -> dict:
+    """Anthropic's error object."""
+    return {"type": "error", "error": {"type": e.kind, "message": e.message}}
+
+
+def _event(name: str, obj: dict) -> bytes:
+    """One server-sent event of the Messages stream."""
+    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class MessagesReply:
+    """Builds a Message from reply Events: the stream's events while they come (events() returns the frames), and
+    the whole object at the end (body()); the interface of openai.ChatReply."""
+
+    _START = {"reasoning": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
+    _DELTA = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+
+    def __init__(self, model_name: str, prepared: Prepared, job: Job):
+        self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex[:24]}", model_name, len(prepared.ids)
+        self.blocks: list[dict] = []
+        self.open: str | None = None  # the kind of the block being streamed
+
+    def start(self) -> list[bytes]:
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+        return [_event("message_start", {"type": "message_start", "message": message})]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+
+    def events(self, events: list[Event]) -> list[bytes]:
+        frames = []
+        for ev in events:
+            if ev.kind == "tool_call":
+                frames += self._close()
+                block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": ev.call.name,
+                         "input": ev.call.arguments}
+                self.blocks.append(block)
+                index = len(self.blocks) - 1
+                frames.append(_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                             "content_block": {**block, "input": {}}}))
+                frames.append(_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(ev.call.arguments, ensure_ascii=False)}}))
+                frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+                continue
+            if self.open != ev.kind:
+                frames += self._close()
+                self.blocks.append(dict(self._START[ev.kind]))
+                self.open = ev.kind
+                frames.append(_event("content_block_start", {"type": "content_block_start",
+                                                             "index": len(self.blocks) - 1,
+                                                             "content_block": self._START[ev.kind]}))
+            kind, key = self._DELTA[ev.kind]
+            self.blocks[-1][key] += ev.text
+            frames.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                                         "delta": {"type": kind, key: ev.text}}))
+        return frames
+
+    def _stop(self, stats) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) from GenerationStats and the blocks."""
+        if stats.finish_reason == "length":
+            return "max_tokens", None
+        if any(b["type"] == "tool_use" for b in self.blocks):
+            return "tool_use", None
+        if stats.finish_reason == "stop":
+            return "stop_sequence", stats.stop_string
+        return "end_turn", None
+
+    def finish(self, stats) -> list[bytes]:
+        reason, sequence = self._stop(stats)
+        return self._close() + [
+            _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                     "usage": {"output_tokens": stats.generated_tokens}}),
+            _event("message_stop", {"type": "message_stop"})]
+
+    def body(self, stats) -> dict:
+        reason, sequence = self._stop(stats)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
+                "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}}
+
+
+def stream_error(e: RequestError) -> bytes:
+    """An error after the stream began: Anthropic's error event."""
+    return _event("error", error_body(e))

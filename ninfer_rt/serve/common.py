@@ -1,0 +1,159 @@
+"""What the OpenAI and Anthropic front ends share: the request error, field readers, and the Job both reduce to.
+
+A request becomes a Job (messages for the chat template, or a raw prompt; tools; sampling; limits), the Job becomes
+token ids in the handler's thread (so a bad request fails before it queues), and the generation worker turns
+those into text. Field readers name the field at fault, as the CLIs do, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import SamplingParams, requested_sampling
+
+MAX_STOPS = 16          # stop strings a request may give (OpenAI allows 4, vLLM any number)
+MAX_STOP_CHARS = 1024   # characters in one stop string
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, a one-line message, and the field at fault (or None).
+
+    kind is the error's type in the OpenAI/Anthropic vocabulary: invalid_request_error, authentication_error,
+    not_found_error, request_too_large, overloaded_error, api_error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def bad(message: str, param: str | None = None) -> RequestError:
+    """A 400 invalid_request_error."""
+    return RequestError(400, message, param)
+
+
+def _kind(v: Any) -> str:
+    """A JSON value's type, as a client would name it."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def get(body: dict, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+    """body[key] when present and not null, checked against kinds (bool is never a number), else default."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise bad(f"'{key}' must be {what}, got {_kind(v)}", key)
+    return v
+
+
+def get_int(body: dict, key: str, lo: int, hi: int | None = None, default: int | None = None) -> int | None:
+    """An integer field in [lo, hi] (hi None: no upper bound)."""
+    v = get(body, key, (int,), "an integer", default)
+    if v is not None and not (v >= lo and (hi is None or v <= hi)):
+        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(f"'{key}' must be an integer {want}, got {v}", key)
+    return v
+
+
+def get_float(body: dict, key: str, lo: float, hi: float, default: float | None = None,
+              open_lo: bool = False) -> float | None:
+    """A finite number field in [lo, hi] ((lo, hi] with open_lo)."""
+    v = get(body, key, (int, float), "a number", default)
+    if v is None:
+        return None
+    v = float(v)
+    if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and v <= hi):
+        raise bad(f"'{key}' must be a number in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {v:g}", key)
+    return v
+
+
+def get_stops(body: dict, key: str) -> list[str]:
+    """Stop strings: one string or a list of them, each non-empty."""
+    v = body.get(key)
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"'{key}' must be a non-empty string or a list of them", key)
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"'{key}': at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", key)
+    return stops
+
+
+def refuse_images(part: dict, where: str) -> None:
+    """Vision is not served: an image, video or audio part is refused by name rather than silently dropped."""
+    kind = part.get("type")
+    if kind in ("image", "image_url", "input_image", "video", "video_url", "input_audio", "document"):
+        raise bad(f"{where}: '{kind}' content is not supported (this server runs the text model)", where)
+
+
+@dataclass
+class Job:
+    """One generation, whichever API asked for it.
+
+    messages (OpenAI chat form, for the chat template) or prompt (text or token ids, used as is); tools in OpenAI
+    form [{"type": "function", "function": {name, description, parameters}}], offered to the template and parsed
+    out of the reply; template_kwargs reach the template (enable_thinking, preserve_thinking); sampling holds the
+    fields the request gave (None: the checkpoint's default); max_tokens None runs to the context's end.
+    """
+
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    tools: list[dict] | None = None
+    parse_tools: bool = True
+    template_kwargs: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False  # OpenAI streams: a last chunk with the token counts
+
+
+@dataclass
+class Prepared:
+    """A Job made concrete against the model: token ids, SamplingParams, the token budget, and how to read the
+    reply (thinking: the prompt ends inside a <think> block, so the reply starts with reasoning)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    thinking: bool
+    tools: list[dict] | None
+
+
+def prompt_text(model, job: Job) -> str | None:
+    """The rendered chat prompt of a messages job (None for a raw prompt); NinferError from the template becomes
+    a 400 naming it."""
+    if job.messages is None:
+        return None
+    try:
+        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=True,
+                                          **job.template_kwargs)
+    except NinferError as e:
+        raise bad(f"messages: {e}", "messages") from None
+
+
+def prepare(model, job: Job) -> Prepared:
+    """Render and tokenize a Job, check it against the context, and fix its sampling (400 on any problem)."""
+    text = prompt_text(model, job)
+    try:
+        ids = model.prompt_ids(text if text is not None else job.prompt)  # token ids are checked there
+    except NinferError as e:
+        raise bad(str(e), "messages" if text is not None else "prompt") from None
+    try:
+        sampling = requested_sampling(model.generation_config, **job.sampling)
+    except NinferError as e:
+        raise bad(str(e)) from None
+    context = model.context_length
+    if len(ids) >= context:
+        raise bad(f"the prompt has {len(ids)} tokens; the context holds {context} (prompt and output together)",
+                  "messages" if text is not None else "prompt")
+    budget = context - len(ids)
+    thinking = text is not None and text.rstrip("\n").endswith("<think>")
+    return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
+                    thinking, job.tools if job.parse_tools else None)

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible front end: /v1/chat/completions and /v1/completions requests into Jobs, replies out.
+
+Chat replies carry the model's reasoning as `reasoning_content` (as vLLM's qwen3 reasoning parser and llama.cpp
+do) and its Qwen XML tool calls as `tool_calls`; streams are server-sent events of `chat.completion.chunk`s
+ending in `data: [DONE]`. Extensions clients already send to vLLM: top_k, min_p, repetition_penalty,
+chat_template_kwargs (enable_thinking, preserve_thinking).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, get, get_float, get_int, get_stops,
+                                    refuse_images)
+from ninfer_rt.serve.replies import Event
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+
+
+def sampling_fields(body: dict) -> dict:
+    """The sampling fields both endpoints take; absent ones stay None (the checkpoint's default)."""
+    top_k = get_int(body, "top_k", -1)
+    return {
+        "temperature": get_float(body, "temperature", 0.0, 2.0),
+        "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True),
+        "top_k": None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean off
+        "min_p": get_float(body, "min_p", 0.0, 1.0),
+        "presence_penalty": get_float(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": get_float(body, "frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": get_float(body, "repetition_penalty", 0.0, 10.0, open_lo=True),
+        "seed": get_int(body, "seed", 0, 2**64 - 1),
+    }
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields that would change the reply's meaning and that this server cannot honour: refused, not ignored."""
+    if get_int(body, "n", 1, None, 1) != 1:
+        raise bad("'n' must be 1: one choice per request", "n")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs are not supported", "logprobs")
+    fmt = get(body, "response_format", (dict,), "an object", {})
+    if fmt.get("type", "text") != "text":
+        raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding): use text",
+                  "response_format")
+
+
+def _content(value, where: str):
+    """Message content: a string, null, or a list of text parts (images are refused)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a string, null or a list of content parts", where)
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise bad(f"{where}[{i}] must be an object", where)
+        refuse_images(part, f"{where}[{i}]")
+        if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}", where)
+    return [{"type": "text", "text": part["text"]} for part in value]
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls with their JSON-string arguments as objects (the template's form)."""
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list", where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{where}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                      where)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise bad(f"{where}[{i}].function.arguments is not valid JSON", where) from None
+        if not isinstance(args, dict):
+            raise bad(f"{where}[{i}].function.arguments must be a JSON object", where)
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_messages(messages) -> list[dict]:
+    """OpenAI chat messages in the form the chat template reads (checked, with 'developer' as 'system')."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", "messages")
+        role = _ROLES.get(m.get("role"))
+        if role is None:
+            raise bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}", "messages")
+        msg = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+        if role == "assistant":
+            for key in ("reasoning_content", "reasoning"):
+                if m.get(key) is not None:
+                    msg["reasoning_content"] = get(m, key, (str,), "a string")
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = get(m, "tool_call_id", (str,), "a string")
+        out.append(msg)
+    return out
+
+
+def tools_field(body: dict) -> list[dict] | None:
+    """tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}], checked."""
+    tools = get(body, "tools", (list,), "a list")
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    return tools
+
+
+def parse_chat(body: dict) -> Job:
+    """A /v1/chat/completions request as a Job."""
+    _refuse_unsupported(body)
+    tools = tools_field(body)
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise bad("tool_choice must be 'auto' or 'none' (forced calls need constrained decoding)", "tool_choice")
+    kwargs = get(body, "chat_template_kwargs", (dict,), "an object", {})
+    clash = [k for k in kwargs if k in _RESERVED_KWARGS]
+    if clash:
+        raise bad(f"chat_template_kwargs may not set {clash[0]!r}", "chat_template_kwargs")
+    max_tokens = get_int(body, "max_completion_tokens", 1)
+    stream_options = get(body, "stream_options", (dict,), "an object", {})
+    job = Job(messages=chat_messages(body.get("messages")), tools=None if choice == "none" else tools,
+              template_kwargs=dict(kwargs), sampling=sampling_fields(body),
+              max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
+              stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
+    return job
+
+
+def parse_completion(body: dict) -> Job:
+    """A /v1/completions request as a Job (the prompt is used as is: no template, no reply parsing)."""
+    _refuse_unsupported(body)
+    if body.get("echo") or body.get("suffix") is not None or get_int(body, "best_of", 1, None, 1) != 1:
+        raise bad("echo, suffix and best_of are not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, str) and prompt) and not (
+            isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                        for i in prompt)):
+        raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+    stream_options = get(body, "stream_options", (dict,), "an object", {})
+    job = Job(prompt=prompt, sampling=sampling_fields(body), max_tokens=get_int(body, "max_tokens", 1, None, 16),
+              stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
+    return job
+
+
+def error_body(e: RequestError) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
+
+
+def _usage(stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def _finish(stats, calls: bool) -> str:
+    """OpenAI's finish_reason from GenerationStats."""
+    return "length" if stats.finish_reason == "length" else ("tool_calls" if calls else "stop")
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying obj as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChatReply:
+    """Builds a chat completion from reply Events: chunks while streaming (events() returns the frames to send),
+    and the whole object at the end (body())."""
+
+    def __init__(self, model_name: str, prepared: Prepared, job: Job):
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        self.include_usage = job.include_usage
+        self.reasoning, self.text, self.calls = [], [], []
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
+        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    def start(self) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def events(self, events: list[Event]) -> list[bytes]:
+        frames = []
+        for ev in events:
+            if ev.kind == "reasoning":
+                self.reasoning.append(ev.text)
+                frames.append(self._chunk({"reasoning_content": ev.text}))
+            elif ev.kind == "text":
+                self.text.append(ev.text)
+                frames.append(self._chunk({"content": ev.text}))
+            else:
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": ev.call.name, "arguments": json.dumps(ev.call.arguments,
+                                                                                   ensure_ascii=False)}}
+                frames.append(self._chunk({"tool_calls": [{"index": len(self.calls), **call}]}))
+                self.calls.append(call)
+        return frames
+
+    def finish(self, stats) -> list[bytes]:
+        frames = [self._chunk({}, _finish(stats, bool(self.calls)))]
+        if self.include_usage:
+            frames.append(sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": self.model, "choices": [], "usage": _usage(stats)}))
+        return frames + [b"data: [DONE]\n\n"]
+
+    def body(self, stats) -> dict:
+        message = {"role": "assistant", "content": "".join(self.text) if self.text or not self.calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": _finish(stats, bool(self.calls))}],
+                "usage": _usage(stats)}
+
+
+class CompletionReply:
+    """A text completion, streamed or whole (the same interface as ChatReply)."""
+
+    def __init__(self, model_name: str, prepared: Prepared, job: Job):
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        self.include_usage = job.include_usage
+        self.text = []
+
+    def _chunk(self, text: str, finish: str | None = None) -> bytes:
+        return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def events(self, events: list[Event]) -> list[bytes]:
+        self.text.extend(ev.text for ev in events)
+        return [self._chunk(ev.text) for ev in events]
+
+    def finish(self, stats) -> list[bytes]:
+        frames = [self._chunk("", _finish(stats, False))]
+        if self.include_usage:
+            frames.append(sse({"id": self.id, "object": "text_completion", "created": self.created,
+                               "model": self.model, "choices": [], "usage": _usage(stats)}))
+        return frames + [b"data: [DONE]\n\n"]
+
+    def body(self, stats) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": "".join(self.text), "logprobs": None,
+                             "finish_reason": _finish(stats, False)}],
+                "usage": _usage(stats)}
+
+
+def stream_error(e: RequestError) -> bytes:
+    """An error after the stream began (headers sent): one event with the error object, then [DONE]."""
+    return sse(error_body(e)) + b"data: [DONE]\n\n"

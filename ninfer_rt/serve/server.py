@@ -1,0 +1,300 @@
+"""The HTTP layer of `ninfer-rt serve`: routes, authentication, CORS, request bodies, JSON and server-sent events.
+
+Standard library only (http.server): one thread per connection reads and checks a request, prepares it (chat
+template and tokens), queues it on the Worker and writes what comes back; generation itself runs on the thread
+that called serve_forever (the one that loaded the model). Bodies are bounded (MAX_BODY), sockets time out
+(IO_TIMEOUT_S), every refusal is a JSON error in the API's own shape, and a client that leaves mid-stream
+cancels its generation.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import socket
+import sys
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.serve import anthropic, openai
+from ninfer_rt.serve.common import Job, RequestError, bad, prepare
+from ninfer_rt.serve.replies import Event, ReplyParser
+from ninfer_rt.serve.worker import Worker
+
+MAX_BODY = 32 << 20  # bytes of request body: a 262,144-token conversation is a few MB of JSON
+IO_TIMEOUT_S = 120   # a client that sends or reads nothing for this long is dropped
+
+# path -> (method, what it does); the Anthropic paths answer errors in Anthropic's shape
+_ROUTES = {
+    "/health": ("GET", "health"), "/v1/health": ("GET", "health"), "/v1/models": ("GET", "models"),
+    "/v1/chat/completions": ("POST", "chat"), "/v1/completions": ("POST", "completion"),
+    "/v1/messages": ("POST", "messages"), "/v1/messages/count_tokens": ("POST", "count_tokens"),
+}
+_GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
+               "completion": (openai.parse_completion, openai.CompletionReply, openai),
+               "messages": (anthropic.parse_messages, anthropic.MessagesReply, anthropic)}
+_ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_body(data: bytes) -> dict:
+    """A request body as a JSON object (400 for anything else: bad UTF-8, NaN, nesting past the parser's depth)."""
+    try:
+        body = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One connection; `app` (the Server) is set on a subclass."""
+
+    server_version = "ninfer"
+    protocol_version = "HTTP/1.1"
+    timeout = IO_TIMEOUT_S
+    app: Server
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS")
+
+    def log_message(self, fmt: str, *args) -> None:  # http.server's own lines (bad request lines) go to our log
+        self.app.log(f"{self.client_address[0]} {fmt % args}")
+
+    def log_request(self, code="-", size="-") -> None:  # _dispatch logs each request once, with its tokens
+        pass
+
+    # ------------------------------------------------------------------------------------------------ routing
+
+    def _dispatch(self, method: str) -> None:
+        t0, self._note = time.perf_counter(), ""
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        front = anthropic if path.startswith("/v1/messages") else openai
+        status = 200
+        try:
+            status = self._route(method, path)
+        except RequestError as e:
+            status = e.status
+            self._send_json(e.status, front.error_body(e))
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            status, self.close_connection = 499, True  # the client left (nginx's code for it, in the log only)
+        except Exception as e:  # a bug: 500 to the client, the traceback to the log
+            self.app.log(traceback.format_exc().rstrip())
+            status = 500
+            self._send_json(500, front.error_body(RequestError(500, f"internal error: {type(e).__name__}",
+                                                               kind="api_error")))
+        self.app.log(f"{self.client_address[0]} {method} {path} {status}{self._note} "
+                     f"{time.perf_counter() - t0:.2f}s")
+
+    def _route(self, method: str, path: str) -> int:
+        """Handle the request; returns the status sent (RequestError for refusals)."""
+        if path.startswith("/v1/models/"):
+            want, action = "GET", "model"
+        elif path in _ROUTES:
+            want, action = _ROUTES[path]
+        else:
+            raise RequestError(404, f"no route for {path}", kind="not_found_error")
+        if method == "OPTIONS":
+            return self._preflight()
+        if method != want:
+            raise RequestError(405, f"{path} takes {want}, not {method}")
+        if action != "health":
+            self._authenticate()
+        if action == "health":
+            return self._send_json(200, {"status": "ok"})
+        if action == "models":
+            return self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
+        if action == "model":
+            if path[len("/v1/models/"):] != self.app.model_name:
+                raise RequestError(404, f"no model {path[len('/v1/models/'):]!r} here (this server runs "
+                                        f"{self.app.model_name!r})", kind="not_found_error")
+            return self._send_json(200, self.app.model_card())
+        body = self._read_body()
+        if action == "count_tokens":
+            prepared = prepare(self.app.model, anthropic.parse_messages(body, count_only=True))
+            return self._send_json(200, {"input_tokens": len(prepared.ids)})
+        return self._generate(action, body)
+
+    def _authenticate(self) -> None:
+        """With an API key set: Authorization: Bearer KEY (OpenAI) or x-api-key: KEY (Anthropic)."""
+        key = self.app.api_key
+        if key is None:
+            return
+        auth = self.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else self.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise RequestError(401, "missing or wrong API key", kind="authentication_error")
+
+    def _read_body(self) -> dict:
+        """The request's JSON body, bounded by MAX_BODY and by Content-Length."""
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise RequestError(411, "chunked request bodies are not supported: send Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            self.close_connection = True
+            raise RequestError(411, "a POST needs a Content-Length header")
+        n = int(length)
+        if n > MAX_BODY:
+            self.close_connection = True  # its body stays unread
+            raise RequestError(413, f"the body is {n:,} bytes; the limit is {MAX_BODY:,}", kind="request_too_large")
+        data = self.rfile.read(n)
+        if len(data) < n:
+            self.close_connection = True
+            raise bad(f"the body ended after {len(data)} of {n} bytes")
+        return _parse_body(data)
+
+    # ------------------------------------------------------------------------------------------------ generation
+
+    def _generate(self, action: str, body: dict) -> int:
+        """Prepare, queue and answer one generation: whole, or as server-sent events."""
+        parse, Reply, front = _GENERATORS[action]
+        job: Job = parse(body)
+        prepared = prepare(self.app.model, job)
+        ticket = self.app.worker.submit(prepared)
+        reply = Reply(self.app.model_name, prepared, job)
+        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools) if action != "completion" else None
+
+        def events(piece: str | None) -> list[Event]:
+            """A piece (None: the end) as reply events; a raw completion is text as it comes."""
+            if parser is None:
+                return [Event("text", piece)] if piece else []
+            return parser.push(piece) if piece is not None else parser.finish()
+
+        try:
+            if job.stream:
+                self._start_stream()
+                self._write(reply.start())
+            while True:
+                kind, value = ticket.out.get()
+                if kind == "piece":
+                    frames = reply.events(events(value))
+                    if job.stream:
+                        self._write(frames)
+                    continue
+                if kind == "error":
+                    if not job.stream:
+                        raise value
+                    self._write([front.stream_error(value)])
+                    self._note = f" error: {value.message}"
+                    return 200
+                frames = reply.events(events(None))
+                s = value
+                self._note = (f" prompt {s.prompt_tokens} + {s.generated_tokens} tokens ({s.finish_reason}), "
+                              f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s")
+                if job.stream:
+                    self._write(frames + reply.finish(value))
+                    return 200
+                return self._send_json(200, reply.body(value))
+        finally:
+            ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
+
+    # ------------------------------------------------------------------------------------------------ writing
+
+    def _cors(self) -> None:
+        origin = self.app.cors_origin
+        if origin:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+
+    def _preflight(self) -> int:
+        if not self.app.cors_origin:
+            raise RequestError(405, "cross-origin requests are not enabled (ninfer-rt serve --cors-origin)")
+        self.send_response(204)
+        self._cors()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", _ALLOWED_HEADERS)
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return 204
+
+    def _send_json(self, status: int, obj: dict) -> int:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(status)
+        self._cors()
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        return status
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self._cors()
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream's end is the connection's end: no chunked framing
+        self.end_headers()
+        self.close_connection = True
+
+    def _write(self, frames: list[bytes]) -> None:
+        if frames:
+            self.wfile.write(b"".join(frames))
+            self.wfile.flush()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True      # a stuck connection never holds the process at exit
+    request_queue_size = 64
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class Server:
+    """`ninfer-rt serve`: the HTTP front ends over one loaded Model. serve_forever() blocks on the calling thread,
+    which must be the one that loaded the model (it runs the generations); shutdown() may come from any thread."""
+
+    def __init__(self, model, *, model_name: str, host: str = "127.0.0.1", port: int = 8080,
+                 api_key: str | None = None, cors_origin: str | None = None, max_queue: int = 32, log=None):
+        self.model, self.model_name, self.api_key, self.cors_origin = model, model_name, api_key, cors_origin
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.worker = Worker(model, max_queue, self.log)
+        handler = type("Handler", (_Handler,), {"app": self})
+        try:
+            self.httpd = (_HTTPServer6 if ":" in host else _HTTPServer)((host, port), handler)
+        except OSError as e:
+            raise NinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self.created = int(time.time())
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on (the port the OS chose when port was 0)."""
+        return self.httpd.server_address[:2]
+
+    def model_card(self) -> dict:
+        """The /v1/models entry of the served model."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ninfer",
+                "max_model_len": self.model.context_length}
+
+    def serve_forever(self) -> None:
+        """Answer HTTP on a background thread and run generations here until shutdown() or an interrupt."""
+        http = threading.Thread(target=self.httpd.serve_forever, name="ninfer-http", daemon=True)
+        http.start()
+        try:
+            self.worker.run()
+        finally:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+    def shutdown(self) -> None:
+        self.worker.stop()

@@ -1,0 +1,86 @@
+"""The generation worker: one sequence at a time, on the thread that loaded the model.
+
+HTTP handlers run in their own threads; they prepare a request (template, tokens: see common.prepare) and hand it
+here as a Ticket. The worker runs tickets in arrival order on the thread it was started from: the GPU backend's
+CUDA context is current on the loading thread only, and the model holds one sequence's cache. A ticket's pieces
+come back through its own queue; a handler whose client went away cancels it, and the run stops at the next token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from ninfer_rt.errors import NinferError
+from ninfer_rt.serve.common import Prepared, RequestError
+
+_POLL_S = 0.2  # how often an idle worker looks at its stop flag (signals reach the main thread in between)
+
+
+@dataclass
+class Ticket:
+    """One queued generation. out receives ("piece", str) items, then ("done", GenerationStats) or
+    ("error", RequestError)."""
+
+    prepared: Prepared
+    out: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """Runs Tickets one at a time; at most max_queue wait behind the running one (more: 503, overloaded)."""
+
+    def __init__(self, model, max_queue: int, log=None):
+        self.model, self.max_queue = model, max_queue
+        self.tickets: queue.Queue[Ticket] = queue.Queue()
+        self.stopping = threading.Event()
+        self.log = log or (lambda line: None)
+        self._lock = threading.Lock()
+        self._outstanding = 0  # tickets queued or running
+
+    def submit(self, prepared: Prepared) -> Ticket:
+        """Queue a prepared request; RequestError 503 when max_queue already wait behind a running one."""
+        with self._lock:
+            if self._outstanding > self.max_queue:
+                raise RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
+                                        "waiting; try again later", kind="overloaded_error")
+            self._outstanding += 1
+        ticket = Ticket(prepared)
+        self.tickets.put(ticket)
+        return ticket
+
+    def run(self) -> None:
+        """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates)."""
+        while not self.stopping.is_set():
+            try:
+                ticket = self.tickets.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                if not ticket.cancelled.is_set():
+                    self._generate(ticket)
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _generate(self, ticket: Ticket) -> None:
+        """Run one ticket, streaming its pieces; every way it ends puts exactly one final item."""
+        p = ticket.prepared
+        try:
+            pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop)
+            for piece in pieces:
+                if ticket.cancelled.is_set():
+                    pieces.close()
+                    break
+                ticket.out.put(("piece", piece))
+            ticket.out.put(("done", self.model.last_stats))
+        except NinferError as e:  # e.g. the sampler refused the logits it got
+            ticket.out.put(("error", RequestError(400, str(e))))
+        except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
+            self.log(traceback.format_exc().rstrip())
+            ticket.out.put(("error", RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="api_error")))

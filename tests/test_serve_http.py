@@ -1,0 +1,180 @@
+"""ninfer-rt serve over real loopback HTTP, on the built-in tiny MoE (CPU reference).
+
+Oracles: the Python API on the same model (greedy tokens, their text, the token counts, the chat template's
+prompt), and scripted replies (known reasoning, text and tool calls) for what the random weights cannot produce.
+Every server here listens on 127.0.0.1 with an OS-chosen port; each request is bounded by a socket timeout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ninfer_rt import load
+from serve_client import Running, sse_data, sse_events
+
+USER = [{"role": "user", "content": "Hello there"}]
+NO_THINK = {"enable_thinking": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Tiny tensors (conftest.one_thread)."""
+
+
+@pytest.fixture(scope="module")
+def model(packed):
+    m = load(packed, "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    with Running(model) as r:
+        yield r
+
+
+def greedy_oracle(model, max_tokens: int, **prompt):
+    """(text, stats) of greedy decoding through the API: what the server must answer."""
+    from ninfer_rt.sampling import SamplingParams
+
+    text = "".join(model.generate(max_new_tokens=max_tokens, sampling=SamplingParams(greedy=True), **prompt))
+    return text, model.last_stats
+
+
+# ----------------------------------------------------------------------------------------------- OpenAI
+
+
+def test_chat_equals_greedy_generation_through_the_api(srv, model):
+    want, stats = greedy_oracle(model, 10, messages=USER, enable_thinking=False)
+    status, body = srv.json("/v1/chat/completions", {"model": "anything", "messages": USER, "max_tokens": 10,
+                                                     "temperature": 0, "chat_template_kwargs": NO_THINK})
+    assert status == 200 and body["object"] == "chat.completion" and body["model"] == "tiny"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": want}
+    assert choice["finish_reason"] == ("length" if stats.finish_reason == "length" else "stop")
+    assert body["usage"] == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def test_chat_stream_carries_the_same_text_and_usage(srv, model):
+    want, stats = greedy_oracle(model, 10, messages=USER, enable_thinking=False)
+    status, headers, data = srv.request("POST", "/v1/chat/completions", {
+        "messages": USER, "max_tokens": 10, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "chat_template_kwargs": NO_THINK})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_data(data)
+    assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] in ("stop", "length")
+    assert events[-2]["usage"]["completion_tokens"] == stats.generated_tokens and events[-2]["choices"] == []
+    assert len({e["id"] for e in events[:-1]}) == 1
+
+
+def test_thinking_by_default_comes_back_as_reasoning(srv, model):
+    want, _ = greedy_oracle(model, 8, messages=USER)  # the template's default: the reply starts inside <think>
+    status, body = srv.json("/v1/chat/completions", {"messages": USER, "max_tokens": 8, "temperature": 0})
+    message = body["choices"][0]["message"]
+    assert status == 200 and "think>" not in want  # random weights: the reasoning never closes
+    assert message["reasoning_content"] == want and message["content"] == ""
+
+
+def test_completions_from_text_and_from_token_ids(srv, model):
+    prompt = "The assistant reads the question"
+    want, stats = greedy_oracle(model, 16, prompt=prompt)
+    status, body = srv.json("/v1/completions", {"prompt": prompt, "temperature": 0})  # max_tokens: 16 by default
+    assert status == 200 and body["choices"][0]["text"] == want
+    assert body["usage"]["completion_tokens"] == stats.generated_tokens <= 16
+    ids = model.tokenizer.encode(prompt)
+    status, by_ids = srv.json("/v1/completions", {"prompt": ids, "temperature": 0, "max_tokens": 16})
+    assert status == 200 and by_ids["choices"][0]["text"] == want
+    status, _, data = srv.request("POST", "/v1/completions", {"prompt": [prompt], "temperature": 0, "stream": True})
+    events = sse_data(data)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want and events[-1] == "[DONE]"
+
+
+def test_stop_strings_end_the_reply(srv, model):
+    full, _ = greedy_oracle(model, 16, messages=USER, enable_thinking=False)
+    stop = full[5:8]
+    assert len(full) > 8 and full.find(stop) >= 0
+    status, body = srv.json("/v1/chat/completions", {"messages": USER, "max_tokens": 16, "temperature": 0,
+                                                     "stop": ["\x00never", stop], "chat_template_kwargs": NO_THINK})
+    assert body["choices"][0]["message"]["content"] == full[:full.find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    status, body = srv.json("/v1/messages", {"messages": USER, "max_tokens": 16, "temperature": 0,
+                                             "stop_sequences": [stop], "thinking": {"type": "disabled"}})
+    assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == stop
+    assert body["content"] == [{"type": "text", "text": full[:full.find(stop)]}]
+
+
+def test_models_and_health(srv, model):
+    assert srv.json("/health", method="GET") == (200, {"status": "ok"})
+    status, body = srv.json("/v1/models", method="GET")
+    assert status == 200 and body["data"][0]["id"] == "tiny"
+    assert body["data"][0]["max_model_len"] == model.context_length
+    assert srv.json("/v1/models/tiny", method="GET")[1]["id"] == "tiny"
+    assert srv.json("/v1/models/other", method="GET")[0] == 404
+
+
+# ----------------------------------------------------------------------------------------------- Anthropic
+
+
+def test_messages_equal_greedy_generation(srv, model):
+    system = "Answer briefly."
+    chat = [{"role": "system", "content": system}, *USER]
+    want, stats = greedy_oracle(model, 9, messages=chat, enable_thinking=False)
+    status, body = srv.json("/v1/messages", {"model": "x", "system": system, "messages": USER, "max_tokens": 9,
+                                             "temperature": 0, "thinking": {"type": "disabled"}})
+    assert status == 200 and body["type"] == "message" and body["role"] == "assistant"
+    assert body["content"] == ([{"type": "text", "text": want}] if want else [])
+    assert body["stop_reason"] == ("max_tokens" if stats.finish_reason == "length" else "end_turn")
+    assert body["usage"] == {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}
+
+
+def test_messages_stream_follows_the_event_grammar(srv, model):
+    want, stats = greedy_oracle(model, 9, messages=USER)
+    status, _, data = srv.request("POST", "/v1/messages", {"messages": USER, "max_tokens": 9, "temperature": 0,
+                                                           "stream": True})
+    events = sse_events(data)
+    names = [n for n, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names[1] == "content_block_start" and names[-3] == "content_block_stop"
+    assert all(n == "content_block_delta" for n in names[2:-3])
+    assert events[1][1]["content_block"]["type"] == "thinking"
+    assert "think>" not in want and "".join(d["delta"]["thinking"] for n, d in events[2:-3]) == want
+    assert events[-2][1]["usage"]["output_tokens"] == stats.generated_tokens
+    assert events[0][1]["message"]["usage"]["input_tokens"] == stats.prompt_tokens
+
+
+def test_count_tokens_equals_the_rendered_prompt(srv, model):
+    """Anthropic blocks (tool_use, tool_result, thinking) render as the equivalent OpenAI-form chat does."""
+    anthropic = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Use the tool."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris", "days": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]},
+    ]
+    tools = [{"name": "get_weather", "description": "Weather for a city",
+              "input_schema": WEATHER["function"]["parameters"]}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+             "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+            {"role": "tool", "content": "Sunny"}]
+    want = len(model.prompt_ids(messages=chat, tools=[WEATHER]))
+    status, body = srv.json("/v1/messages/count_tokens", {"system": "Be brief.", "messages": anthropic,
+                                                          "tools": tools})
+    assert status == 200 and body == {"input_tokens": want}
+    # the OpenAI form of the same conversation (arguments as a JSON string) gives the same prompt
+    openai_chat = [dict(m) for m in chat]
+    openai_chat[2]["tool_calls"] = [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]
+    status, body = srv.json("/v1/chat/completions", {"messages": openai_chat, "tools": [WEATHER], "max_tokens": 1,
+                                                     "temperature": 0})
+    assert status == 200 and body["usage"]["prompt_tokens"] == want

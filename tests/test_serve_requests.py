@@ -1,0 +1,346 @@
+"""ninfer-rt serve: tool calls and reasoning in both APIs (scripted replies), refusals, authentication, CORS, the
+queue, cancellation, and the CLI end to end.
+
+The scripted model is the tiny artifact's Model (its template, tokenizer and context) whose generate yields a
+known text in known pieces: the oracle for what the server must make of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ninfer_rt import load
+from ninfer_rt.api import GenerationStats
+from serve_client import TIMEOUT_S, Running, sse_data, sse_events
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n</function>\n</tool_call>")
+REPLY = "The user asks for the weather.\n</think>\n\nLet me check.\n\n" + CALL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Tiny tensors (conftest.one_thread)."""
+
+
+@pytest.fixture(scope="module")
+def model(packed):
+    m = load(packed, "cpu")
+    yield m
+    m.close()
+
+
+class Scripted:
+    """The model with generate replaced: yields `text` in pieces of `step` characters (each one token, after
+    `delay` seconds), then ends with finish_reason eos; records how many pieces were taken."""
+
+    def __init__(self, model, text: str, step: int = 3, delay: float = 0.0):
+        self._model, self.text, self.step, self.delay = model, text, step, delay
+        self.taken = 0
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def generate(self, ids, *, max_new_tokens, sampling, stop):
+        self.prompts.append(list(ids))
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+
+        def run():
+            for piece in pieces[:max_new_tokens]:
+                time.sleep(self.delay)
+                self.taken += 1
+                stats.generated_tokens += 1
+                yield piece
+            stats.finish_reason = "eos" if len(pieces) <= max_new_tokens else "length"
+            stats.generated_tokens += stats.finish_reason == "eos"
+        return run()
+
+
+# ----------------------------------------------------------------------------------------------- tool calls
+
+
+def test_openai_reasoning_text_and_tool_call(model):
+    with Running(Scripted(model, REPLY)) as r:
+        status, body = r.json("/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "max_tokens": 500})
+        message = body["choices"][0]["message"]
+        assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+        assert message["reasoning_content"] == "The user asks for the weather."
+        assert message["content"] == "Let me check."
+        (call,) = message["tool_calls"]
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+        # streamed: the same pieces as deltas, the call in one delta at index 0
+        status, _, data = r.request("POST", "/v1/chat/completions", {"messages": USER, "tools": [WEATHER],
+                                                                      "stream": True})
+        deltas = [e["choices"][0]["delta"] for e in sse_data(data)[:-1]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user asks for the weather."
+        assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+        (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        assert calls[0]["index"] == 0 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        assert sse_data(data)[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_without_tools_the_call_stays_text(model):
+    with Running(Scripted(model, REPLY)) as r:
+        body = r.json("/v1/chat/completions", {"messages": USER, "tool_choice": "none", "tools": [WEATHER]})[1]
+        message = body["choices"][0]["message"]
+        assert message["content"] == "Let me check.\n\n" + CALL and "tool_calls" not in message
+        assert body["choices"][0]["finish_reason"] == "stop"
+        # tool_choice none: the tools are not offered either (the prompt is the chat's without them)
+        assert r.server.model.prompts[-1] == model.prompt_ids(messages=USER)
+
+
+def test_anthropic_thinking_text_and_tool_use(model):
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    with Running(Scripted(model, REPLY)) as r:
+        status, body = r.json("/v1/messages", {"messages": USER, "tools": tools, "max_tokens": 500})
+        assert status == 200 and body["stop_reason"] == "tool_use"
+        thinking, text, tool = body["content"]
+        assert thinking == {"type": "thinking", "thinking": "The user asks for the weather.", "signature": ""}
+        assert text == {"type": "text", "text": "Let me check."}
+        assert tool["type"] == "tool_use" and tool["name"] == "get_weather"
+        assert tool["input"] == {"city": "Paris", "days": 3} and tool["id"].startswith("toolu_")
+        status, _, data = r.request("POST", "/v1/messages", {"messages": USER, "tools": tools, "max_tokens": 500,
+                                                             "stream": True})
+        events = sse_events(data)
+        starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+        assert starts == ["thinking", "text", "tool_use"]
+        partial = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"
+                   and d["delta"]["type"] == "input_json_delta"]
+        assert [json.loads(p) for p in partial] == [{"city": "Paris", "days": 3}]
+        # every block that starts stops, at its own index, in order
+        opened = [d["index"] for n, d in events if n == "content_block_start"]
+        closed = [d["index"] for n, d in events if n == "content_block_stop"]
+        assert opened == closed == [0, 1, 2]
+        assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_max_tokens_cut_reports_length(model):
+    with Running(Scripted(model, REPLY, step=1)) as r:
+        body = r.json("/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "max_tokens": 10})[1]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["choices"][0]["message"]["reasoning_content"] == REPLY[:10]
+        body = r.json("/v1/messages", {"messages": USER, "max_tokens": 10})[1]
+        assert body["stop_reason"] == "max_tokens" and body["usage"]["output_tokens"] == 10
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    with Running(model) as r:
+        yield r
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/v1/chat/completions", {"messages": []}, 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
+    ("/v1/chat/completions", {"messages": USER, "temperature": 3}, 400, "'temperature' must be a number in [0, 2]"),
+    ("/v1/chat/completions", {"messages": USER, "top_p": 0}, 400, "'top_p' must be a number in (0, 1]"),
+    ("/v1/chat/completions", {"messages": USER, "n": 2}, 400, "'n' must be 1"),
+    ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, 400, "'stream' must be a boolean, got string"),
+    ("/v1/chat/completions", {"messages": USER, "seed": -1}, 400, "'seed' must be an integer in [0, "),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs are not supported"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [WEATHER]}, 400,
+     "tool_choice must be 'auto' or 'none'"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role must be one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "'image_url' content is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400, "is not valid JSON"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"enable_thinking": "no"}}, 400,
+     "enable_thinking must be True, False or None"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]}, 400,
+     "the context holds 4096"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo, suffix and best_of are not supported"),
+    ("/v1/messages", {"messages": USER}, 400, "'max_tokens' is required"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "temperature": 1.5}, 400, "'temperature' must be a number"),
+    ("/v1/messages", {"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, 400,
+     "role 'user' or 'assistant'"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "thinking": {"type": "sometimes"}}, 400,
+     "thinking.type must be"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [{"type": "web_search_20250305",
+                                                                    "name": "web_search"}]}, 400,
+     "server tool 'web_search_20250305' is not supported"),
+])
+def test_bad_requests_get_one_line_in_the_apis_shape(srv, path, body, status, fragment):
+    got, reply = srv.json(path, body)
+    assert got == status
+    message = reply["error"]["message"]
+    assert fragment in message and "\n" not in message and "Traceback" not in message
+    if path.startswith("/v1/messages"):
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
+    else:
+        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["code"] == status
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b"{not json", "the body is not valid JSON"),
+    (b"[1, 2]", "the body must be a JSON object"),
+    (b'{"messages": NaN}', "the body is not valid JSON"),
+    (b"\xff\xfe", "the body is not valid JSON"),
+    (b"[" * 100000 + b"]" * 100000, "the body is not valid JSON"),
+])
+def test_malformed_bodies(srv, raw, fragment):
+    status, _, data = srv.request("POST", "/v1/chat/completions", raw=raw,
+                                  headers={"Content-Type": "application/json"})
+    assert status == 400 and fragment in json.loads(data)["error"]["message"]
+
+
+def raw_http(srv, head: bytes, body: bytes = b"") -> bytes:
+    """Send bytes on a fresh connection; what comes back before the server closes it (bounded)."""
+    with socket.create_connection(srv.server.address, timeout=TIMEOUT_S) as s:
+        s.sendall(head + body)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_bodies_are_bounded_and_need_a_length(srv):
+    from ninfer_rt.serve.server import MAX_BODY
+
+    big = raw_http(srv, f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
+                   .encode())
+    assert big.startswith(b"HTTP/1.1 413") and b"request_too_large" in big
+    none = raw_http(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert none.startswith(b"HTTP/1.1 411")
+    short = raw_http(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n", b"{}")
+    assert short.startswith(b"HTTP/1.1 400") and b"the body ended after 2 of 50 bytes" in short
+
+
+def test_routes_and_methods(srv):
+    assert srv.json("/v1/nothing", {})[0] == 404
+    status, body = srv.json("/v1/chat/completions", method="GET")
+    assert status == 405 and "takes POST, not GET" in body["error"]["message"]
+    assert srv.request("OPTIONS", "/v1/models")[0] == 405  # no CORS unless asked for
+    assert srv.server.address[0] == "127.0.0.1"  # localhost unless told otherwise
+
+
+def test_api_key_and_cors(model):
+    with Running(model, api_key="s3cret", cors_origin="https://app.example") as r:
+        assert r.json("/v1/models", method="GET")[0] == 401
+        status, body = r.json("/v1/messages", {"messages": USER, "max_tokens": 1})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert r.json("/v1/models", method="GET", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert r.json("/v1/models", method="GET", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        assert r.json("/v1/models", method="GET", headers={"x-api-key": "s3cret"})[0] == 200
+        assert r.json("/health", method="GET")[0] == 200  # health checks need no key
+        status, headers, _ = r.request("OPTIONS", "/v1/chat/completions")
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "x-api-key" in headers["Access-Control-Allow-Headers"]
+        status, headers, _ = r.request("GET", "/v1/models", headers={"x-api-key": "s3cret"})
+        assert headers["Access-Control-Allow-Origin"] == "https://app.example"
+
+
+# ----------------------------------------------------------------------------------------------- queue and cancel
+
+
+def test_a_full_queue_answers_503_and_a_client_that_leaves_cancels(model):
+    slow = Scripted(model, "x" * 400, step=1, delay=0.01)
+    with Running(slow, max_queue=0) as r:
+        body = json.dumps({"messages": USER, "stream": True, "max_tokens": 1000}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        s = socket.create_connection(r.server.address, timeout=TIMEOUT_S)
+        s.sendall(head + body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")  # the stream has started: one generation running
+        status, reply = r.json("/v1/chat/completions", {"messages": USER})
+        assert status == 503 and reply["error"]["type"] == "overloaded_error"
+        s.close()  # the client leaves mid-stream
+        deadline = time.monotonic() + TIMEOUT_S
+        while r.server.worker._outstanding and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.server.worker._outstanding == 0 and slow.taken < 400  # stopped early, the slot is free
+        status, reply = r.json("/v1/chat/completions", {"messages": USER, "max_tokens": 3})
+        assert status == 200 and reply["choices"][0]["message"]["reasoning_content"] == "xxx"
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_serves_until_sigterm(packed, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("k3y\n")
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer_rt.cli", "serve", str(packed), "--device", "cpu",
+                             "--port", "0", "--api-key-file", str(key)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    try:
+        line, deadline = "", time.monotonic() + TIMEOUT_S
+        while "serving" not in line and time.monotonic() < deadline:
+            if select.select([proc.stderr], [], [], 1.0)[0]:
+                line = proc.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 3}),
+                     headers={"Authorization": "Bearer k3y"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["prompt_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT_S) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--api-key-file", "/nonexistent/key"], "No such file or directory"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+])
+def test_cli_refuses_bad_options_in_one_line(packed, capsys, args, fragment):
+    from cli_runner import run_main
+    from ninfer_rt import cli
+
+    code, out, err = run_main(cli.main, "ninfer-rt", ["serve", packed, "--device", "cpu", *args], capsys)
+    assert code != 0 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_port_in_use_is_one_line(packed, capsys):
+    from cli_runner import run_main
+    from ninfer_rt import cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_main(cli.main, "ninfer-rt", ["serve", packed, "--device", "cpu", "--port", port], capsys)
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serving_thread_is_the_generating_thread(model):
+    """Generation runs on the thread that called serve_forever (the GPU context is current only there)."""
+    seen = []
+
+    class Recording(Scripted):
+        def generate(self, *a, **k):
+            seen.append(threading.current_thread())
+            return super().generate(*a, **k)
+
+    with Running(Recording(model, "ok")) as r:
+        r.json("/v1/completions", {"prompt": "Hi"})
+        assert seen == [r.thread]
