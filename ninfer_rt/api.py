@@ -44,6 +44,7 @@ class GenerationStats:
     finish_reason: str = "cancelled"
     token_ids: list[int] = field(default_factory=list)
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
+    cached_tokens: int = 0          # prompt tokens taken from the previous generation's cache (reuse_cache)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -96,6 +97,7 @@ class Model:
         self._tokenizer = None
         self._chat = None
         self.last_stats: GenerationStats | None = None
+        self._resident = None  # (cache, ids fed into it) left by the last generation, for reuse_cache
 
     # ------------------------------------------------------------------------------------------- text side
 
@@ -191,18 +193,34 @@ class Model:
         ids = self._check_ids(token_ids)
         if not ids:
             raise NinferError("logits: token_ids is empty")
-        return self._backend.forward(np.asarray(ids, dtype=np.int64), self._backend.new_cache())
+        return self._backend.forward(np.asarray(ids, dtype=np.int64), self._new_cache())
+
+    def _new_cache(self):
+        """An empty cache. The GPU backend has one sequence slot, which this resets: the resident cache is gone."""
+        self._resident = None
+        return self._backend.new_cache()
+
+    def _take_resident(self, ids: list[int]):
+        """(cache, n) continuing the last generation when ids extend exactly what was fed into its cache (n of
+        them), else (a new cache, 0). The recurrent state cannot rewind, so only an extension reuses."""
+        if self._resident is not None:
+            cache, fed = self._resident
+            self._resident = None  # the cache now belongs to this generation
+            if len(fed) < len(ids) and ids[:len(fed)] == fed:
+                return cache, len(fed)
+        return self._new_cache(), 0
 
     def generate_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                      max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-                     enable_thinking: bool | None = None, tools: list[dict] | None = None) -> Iterator[int]:
+                     enable_thinking: bool | None = None, tools: list[dict] | None = None,
+                     reuse_cache: bool = False) -> Iterator[int]:
         """Stream the generated token ids (the stop id is not yielded); arguments as `generate`.
 
         The prompt is checked when this is called, not on the first `next`, so bad input fails early.
         """
-        return self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools)[0]
+        return self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache)[0]
 
-    def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools):
+    def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache=False):
         """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
         if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
@@ -213,12 +231,20 @@ class Model:
         if len(ids) >= context:
             raise NinferError(f"prompt has {len(ids)} tokens; the context holds {context} (prompt and output "
                               "together)")
+        if not isinstance(reuse_cache, bool):
+            raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
         params = sampling if sampling is not None else self.sampling_defaults
         stats = GenerationStats(prompt_tokens=len(ids))
-        return self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats), stats
+        loop = self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats,
+                                 reuse_cache)
+        return loop, stats
 
-    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats) -> Iterator[int]:
+    def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats,
+                     reuse: bool = False) -> Iterator[int]:
         """Prefill once, then one forward per token; fills stats (self.last_stats from the first step) as it goes.
+
+        reuse: start from the last generation's cache when the prompt extends what was fed into it (the prompt's
+        remainder is prefilled onto it), and leave this one's cache behind the same way, however the run ends.
 
         A backend that can draw the token itself (the GPU, for greedy or top-k sampling without penalties) does
         so, and only the id comes back; otherwise the last row's logits are sampled here. The two draw from the
@@ -226,42 +252,55 @@ class Model:
         """
         self.last_stats = stats
         history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
-        cache = self._backend.new_cache()
+        cache, start = self._take_resident(ids) if reuse else (self._new_cache(), 0)
+        stats.cached_tokens = start
+        fed = list(ids[:start])  # what the cache holds, kept exact however the run ends
+        clean = [True]           # False while a forward runs: if it raises, the cache's contents are unknown
         params = sampler.params
         on_device = getattr(self._backend, "can_sample", None) is not None and self._backend.can_sample(params)
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
 
         def step(new_ids: list[int]) -> int:
             """Forward new_ids through the cache and pick the next token from the last row."""
+            arr = np.asarray(new_ids, dtype=np.int64)
+            clean[0] = False
             if on_device:
-                return self._backend.sample_next(np.asarray(new_ids, dtype=np.int64), cache, params, vocab=real,
-                                                 seed=seed, step=len(stats.token_ids))
-            logits = self._backend.forward(np.asarray(new_ids, dtype=np.int64), cache, last_only=True)[-1]  # [V]
-            logits[real:] = -np.inf  # padded vocabulary rows are never sampled
-            return sampler.sample(logits, history, len(ids))
+                token = self._backend.sample_next(arr, cache, params, vocab=real, seed=seed,
+                                                  step=len(stats.token_ids))
+            else:
+                logits = self._backend.forward(arr, cache, last_only=True)[-1]  # [V]
+                logits[real:] = -np.inf  # padded vocabulary rows are never sampled
+                token = sampler.sample(logits, history, len(ids))
+            fed.extend(new_ids)
+            clean[0] = True
+            return token
 
-        t0 = time.perf_counter()
-        token = step(ids)
-        stats.prefill_s = time.perf_counter() - t0
-        while True:
-            stats.generated_tokens += 1
-            if is_stop(token):
-                stats.finish_reason = "eos"
-                return
-            stats.token_ids.append(token)
-            history.append(token)
-            yield token
-            if len(stats.token_ids) >= budget:
-                stats.finish_reason = "length"
-                return
+        try:
             t0 = time.perf_counter()
-            token = step([token])
-            stats.decode_s += time.perf_counter() - t0
+            token = step(ids[start:])
+            stats.prefill_s = time.perf_counter() - t0
+            while True:
+                stats.generated_tokens += 1
+                if is_stop(token):
+                    stats.finish_reason = "eos"
+                    return
+                stats.token_ids.append(token)
+                history.append(token)
+                yield token
+                if len(stats.token_ids) >= budget:
+                    stats.finish_reason = "length"
+                    return
+                t0 = time.perf_counter()
+                token = step([token])
+                stats.decode_s += time.perf_counter() - t0
+        finally:  # however it ended (a stop, the caller closing it), its cache is there for the next one
+            if reuse and clean[0] and self._resident is None:
+                self._resident = (cache, fed)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,
                  enable_thinking: bool | None = None, stop: str | list[str] | None = None,
-                 tools: list[dict] | None = None) -> Iterator[str]:
+                 tools: list[dict] | None = None, reuse_cache: bool = False) -> Iterator[str]:
         """Stream the continuation as text pieces (each complete UTF-8).
 
         prompt: text or token ids, or messages: a chat rendered with the artifact's template (enable_thinking
@@ -269,11 +308,16 @@ class Model:
         sampling defaults to the artifact's generation_config.json. Stops on a stop id, on the `stop` string
         or any of the `stop` strings (text from the stop string on is not yielded), or after max_new_tokens.
         Timings land in `last_stats` (the stats of the generation started last) as the iterator runs.
+        reuse_cache: when the prompt's tokens extend exactly what the previous reuse_cache generation fed into its
+        cache (its prompt and output, as an agent's next turn does after a tool call), only the rest is prefilled
+        (last_stats.cached_tokens says how many were not). The result equals a fresh run's up to the rounding of
+        a prefill split in two.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
-        token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools)
+        token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools,
+                                                 reuse_cache)
         return self._text_stream(token_stream, stops, stats)
 
     def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats) -> Iterator[str]:

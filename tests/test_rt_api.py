@@ -216,6 +216,62 @@ def test_generation_ends_at_the_backends_context(moe_model, monkeypatch):
         m.generate_ids(ids + [5] * 5, max_new_tokens=1)
 
 
+class _CountingBackend(_DrawingBackend):
+    """The reference backend recording the length of every forward (no drawing: the host samples)."""
+
+    can_sample = None
+
+    def forward(self, ids, cache, last_only=False):
+        self.calls.append(len(ids))
+        return self.inner.forward(ids, cache, last_only)
+
+
+def test_reuse_cache_prefills_only_what_extends_the_last_run(moe_model, monkeypatch):
+    """An agent's next turn (the prompt, the reply, then more) prefills only the new tokens and decodes what a
+    fresh run decodes; anything that does not extend what was fed starts afresh."""
+    m, ids = moe_model, prompt_ids(20, seed=3)
+    counting = _CountingBackend(m._backend)
+    monkeypatch.setattr(m, "_backend", counting)
+    first = list(m.generate_ids(ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True))
+    assert m.last_stats.finish_reason == "length" and m.last_stats.cached_tokens == 0
+    turn = ids + first + prompt_ids(5, seed=4)  # the 6th token was sampled, not fed: it is prefilled now
+    fresh = list(m.generate_ids(turn, max_new_tokens=5, sampling=GREEDY))  # no reuse: a new cache
+    counting.calls.clear()
+    m._resident = None
+    list(m.generate_ids(ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True))
+    counting.calls.clear()
+    again = list(m.generate_ids(turn, max_new_tokens=5, sampling=GREEDY, reuse_cache=True))
+    assert again == fresh and m.last_stats.cached_tokens == len(ids) + 5
+    assert counting.calls[0] == len(turn) - (len(ids) + 5) and counting.calls[1:] == [1] * 4
+    # the same prompt again does not extend the run (the state cannot rewind): a full prefill
+    counting.calls.clear()
+    assert list(m.generate_ids(turn, max_new_tokens=5, sampling=GREEDY, reuse_cache=True)) == fresh
+    assert m.last_stats.cached_tokens == 0 and counting.calls[0] == len(turn)
+
+
+def test_reuse_cache_after_an_early_stop_and_after_logits(moe_model, monkeypatch):
+    """A run closed by its caller leaves exactly what it fed (the last token it yielded was not); logits() or a
+    run without reuse_cache resets the one sequence slot a GPU has, so nothing is reused after them."""
+    m, ids = moe_model, prompt_ids(16, seed=5)
+    counting = _CountingBackend(m._backend)
+    monkeypatch.setattr(m, "_backend", counting)
+    run = m.generate_ids(ids, max_new_tokens=10, sampling=GREEDY, reuse_cache=True)
+    got = [next(run) for _ in range(3)]
+    run.close()
+    turn = ids + got + [7, 8]
+    want = list(m.generate_ids(turn, max_new_tokens=3, sampling=GREEDY))  # fresh, and it drops the resident
+    run = m.generate_ids(ids, max_new_tokens=10, sampling=GREEDY, reuse_cache=True)
+    assert [next(run) for _ in range(3)] == got
+    run.close()
+    assert list(m.generate_ids(turn, max_new_tokens=3, sampling=GREEDY, reuse_cache=True)) == want
+    assert m.last_stats.cached_tokens == len(ids) + 2
+    m.logits([1, 2, 3])
+    list(m.generate_ids(turn + want, max_new_tokens=1, sampling=GREEDY, reuse_cache=True))
+    assert m.last_stats.cached_tokens == 0
+    with pytest.raises(NinferError, match="reuse_cache must be True or False"):
+        m.generate_ids(ids, reuse_cache=1)
+
+
 def test_defaults_come_from_generation_config(moe_model):
     # the tiny generation_config.json says do_sample true, temperature 1.0, top_k 20, top_p 0.95
     d = moe_model.sampling_defaults

@@ -59,7 +59,8 @@ def test_chat_equals_greedy_generation_through_the_api(srv, model):
     assert choice["message"] == {"role": "assistant", "content": want}
     assert choice["finish_reason"] == ("length" if stats.finish_reason == "length" else "stop")
     assert body["usage"] == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+                             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_carries_the_same_text_and_usage(srv, model):
@@ -99,6 +100,23 @@ def test_completions_from_text_and_from_token_ids(srv, model):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want and events[-1] == "[DONE]"
 
 
+def test_a_request_that_extends_the_last_one_reuses_its_cache(srv, model):
+    """The next turn of a conversation (the last prompt, its reply, then more) prefills only what is new."""
+    from ninfer_rt.sampling import SamplingParams
+
+    first = model.tokenizer.encode("The assistant reads the question")
+    out = list(model.generate_ids(first, max_new_tokens=4, sampling=SamplingParams(greedy=True)))
+    assert len(out) == 4  # the oracle's reply; the server's greedy reply is the same tokens
+    turn = first + out + model.tokenizer.encode(" and then")
+    want, _ = greedy_oracle(model, 6, prompt=turn)  # (a run without reuse: it resets the cache the server keeps)
+    body = srv.json("/v1/completions", {"prompt": first, "max_tokens": 4, "temperature": 0})[1]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    body = srv.json("/v1/completions", {"prompt": turn, "max_tokens": 6, "temperature": 0})[1]
+    # the 4th reply token was sampled, not fed: everything before it came from the cache
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first) + 3
+    assert body["choices"][0]["text"] == want
+
+
 def test_stop_strings_end_the_reply(srv, model):
     full, _ = greedy_oracle(model, 16, messages=USER, enable_thinking=False)
     stop = full[5:8]
@@ -134,7 +152,8 @@ def test_messages_equal_greedy_generation(srv, model):
     assert status == 200 and body["type"] == "message" and body["role"] == "assistant"
     assert body["content"] == ([{"type": "text", "text": want}] if want else [])
     assert body["stop_reason"] == ("max_tokens" if stats.finish_reason == "length" else "end_turn")
-    assert body["usage"] == {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}
+    assert body["usage"] == {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens,
+                             "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
 
 
 def test_messages_stream_follows_the_event_grammar(srv, model):

@@ -230,7 +230,8 @@ class MessagesReply:
         reason, sequence = self._stop(stats)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
                 "stop_reason": reason, "stop_sequence": sequence,
-                "usage": {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}}
+                "usage": {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens,
+                          "cache_read_input_tokens": stats.cached_tokens, "cache_creation_input_tokens": 0}}
 
 
 def stream_error(e: RequestError) -> bytes:

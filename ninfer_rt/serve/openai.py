@@ -170,7 +170,8 @@ def error_body(e: RequestError) -> dict:
 
 def _usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
 
 
 def _finish(stats, calls: bool) -> str:

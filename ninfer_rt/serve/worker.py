@@ -72,7 +72,10 @@ class Worker:
         """Run one ticket, streaming its pieces; every way it ends puts exactly one final item."""
         p = ticket.prepared
         try:
-            pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop)
+            # reuse_cache: a request that extends the last one's prompt and reply (an agent's next turn after a tool
+            # call) prefills only what is new
+            pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
+                                         reuse_cache=True)
             for piece in pieces:
                 if ticket.cancelled.is_set():
                     pieces.close()

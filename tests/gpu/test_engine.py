@@ -311,6 +311,33 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
     assert a == b and a != c and max(a + c) < m.real_vocab_size
 
 
+def test_reuse_cache_and_the_cache_bound_on_the_device(gpu, artifact):
+    """reuse_cache on the GPU: the next turn prefills only its new tokens (from the slot's position on) and decodes
+    what a fresh run decodes (greedy: the split prefill rounds differently only far below a tie of the tiny model's
+    logits); and generation stops with "length" at the KV cache's max_ctx rather than failing past it."""
+    from ninfer_rt.api import load
+    from ninfer_rt.sampling import SamplingParams
+
+    greedy = SamplingParams(greedy=True)
+    m = load(artifact, device="cuda", max_ctx=96)
+    try:
+        ids = [int(i) for i in prompt(40, seed=5, vocab=m.real_vocab_size)]
+        first = list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True))
+        fed = ids + (first[:-1] if m.last_stats.finish_reason == "length" else first)
+        turn = ids + first + [int(i) for i in prompt(7, seed=6, vocab=m.real_vocab_size)]
+        fresh = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy))
+        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True))
+        again = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy, reuse_cache=True))
+        cached = m.last_stats.cached_tokens
+        assert m.context_length == 96
+        long = list(m.generate_ids(ids, max_new_tokens=200, sampling=greedy))
+        end = m.last_stats.finish_reason
+    finally:
+        m.close()
+    assert cached == len(fed) and again == fresh
+    assert end == "eos" or (end == "length" and len(long) == 96 - len(ids))
+
+
 def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     """ninfer_rt.gpu.bench.run_bench on the tiny artifact: every requested prefill size and decode context gets
     a row with a positive rate, a longer context reads more bytes per token (its KV cache), and the device
