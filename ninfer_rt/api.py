@@ -69,9 +69,15 @@ class _ReferenceBackend:
         # the MTP head is not used by plain decoding, so its tensors are not decoded
         self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=("text",)))
 
-    def new_cache(self):
-        """Empty decode state for one sequence."""
+    cache_slots = 2  # sequences it can hold at once, as far as Model asks: caches are host objects, any number
+
+    def new_cache(self, slot: int = 0):
+        """Empty decode state for one sequence (slot: the GPU's; host caches need none)."""
         return self.model.new_cache()
+
+    def copy_cache(self, cache, slot: int):
+        """An independent copy of a sequence's state."""
+        return cache.clone()
 
     @property
     def max_ctx(self) -> int:
@@ -82,6 +88,49 @@ class _ReferenceBackend:
         """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
         logits = self.model.forward(ids, cache).numpy()
         return logits[-1:] if last_only else logits
+
+
+class _KeptCaches:
+    """What reuse_cache generations leave for the next: the last run's cache with the ids fed into it (resident)
+    and a copy of a prompt's first tokens (snapshot), each an entry (cache, ids, slot) in its own backend slot.
+    The recurrent state cannot rewind, so an entry serves only a prompt that extends its ids."""
+
+    def __init__(self, model: Model):
+        self.model = model  # its backend may be swapped (tests wrap it): read it at each use
+        self.resident = self.snapshot = None
+
+    @property
+    def backend(self):
+        return self.model._backend
+
+    def fresh(self) -> tuple[object, int, int]:
+        """(an empty cache, 0, its slot); everything kept is dropped."""
+        self.resident = self.snapshot = None
+        return self.backend.new_cache(0), 0, 0
+
+    def take(self, ids: list[int]) -> tuple[object, int, int]:
+        """(cache, tokens of ids already in it, slot): the longest kept entry that ids extend, else an empty
+        cache in a slot the snapshot does not hold. The resident is handed over either way."""
+        fits = [e for e in (self.resident, self.snapshot) if e is not None and len(e[1]) < len(ids)
+                and ids[:len(e[1])] == e[1]]
+        best = max(fits, key=lambda e: len(e[1]), default=None)
+        if best is not None and best is self.snapshot:
+            self.snapshot = None  # its slot is the working one now
+        self.resident = None
+        if best is not None:
+            return best[0], len(best[1]), best[2]
+        slot = 1 if self.snapshot is not None and self.snapshot[2] == 0 else 0
+        return self.backend.new_cache(slot), 0, slot
+
+    def keep_snapshot(self, cache, ids: list[int], slot: int) -> None:
+        """Copy cache (in slot, holding ids) into the other slot as the snapshot, where there is one."""
+        if getattr(self.backend, "cache_slots", 1) >= 2:
+            other = 1 - slot
+            self.snapshot = (self.backend.copy_cache(cache, other), list(ids), other)
+
+    def leave(self, cache, ids: list[int], slot: int) -> None:
+        """The run in slot ended holding ids: the resident for the next."""
+        self.resident = (cache, ids, slot)
 
 
 class Model:
@@ -97,7 +146,7 @@ class Model:
         self._tokenizer = None
         self._chat = None
         self.last_stats: GenerationStats | None = None
-        self._resident = None  # (cache, ids fed into it) left by the last generation, for reuse_cache
+        self._kept = _KeptCaches(self)  # what reuse_cache generations leave for the next one
 
     # ------------------------------------------------------------------------------------------- text side
 
@@ -196,31 +245,22 @@ class Model:
         return self._backend.forward(np.asarray(ids, dtype=np.int64), self._new_cache())
 
     def _new_cache(self):
-        """An empty cache. The GPU backend has one sequence slot, which this resets: the resident cache is gone."""
-        self._resident = None
-        return self._backend.new_cache()
-
-    def _take_resident(self, ids: list[int]):
-        """(cache, n) continuing the last generation when ids extend exactly what was fed into its cache (n of
-        them), else (a new cache, 0). The recurrent state cannot rewind, so only an extension reuses."""
-        if self._resident is not None:
-            cache, fed = self._resident
-            self._resident = None  # the cache now belongs to this generation
-            if len(fed) < len(ids) and ids[:len(fed)] == fed:
-                return cache, len(fed)
-        return self._new_cache(), 0
+        """An empty cache; whatever reuse_cache kept is dropped (on the GPU this reuses its slots)."""
+        return self._kept.fresh()[0]
 
     def generate_ids(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                      max_new_tokens: int = 256, sampling: SamplingParams | None = None,
                      enable_thinking: bool | None = None, tools: list[dict] | None = None,
-                     reuse_cache: bool = False) -> Iterator[int]:
+                     reuse_cache: bool = False, snapshot_at: int | None = None) -> Iterator[int]:
         """Stream the generated token ids (the stop id is not yielded); arguments as `generate`.
 
         The prompt is checked when this is called, not on the first `next`, so bad input fails early.
         """
-        return self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache)[0]
+        return self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache,
+                                  snapshot_at)[0]
 
-    def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache=False):
+    def _generate_ids(self, prompt, messages, max_new_tokens, sampling, enable_thinking, tools, reuse_cache=False,
+                      snapshot_at=None):
         """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
         if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
@@ -233,18 +273,22 @@ class Model:
                               "together)")
         if not isinstance(reuse_cache, bool):
             raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
+        if snapshot_at is not None and not (reuse_cache and _is_int(snapshot_at) and 1 <= snapshot_at < len(ids)):
+            raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)}) and "
+                              "needs reuse_cache")
         params = sampling if sampling is not None else self.sampling_defaults
         stats = GenerationStats(prompt_tokens=len(ids))
         loop = self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats,
-                                 reuse_cache)
+                                 reuse_cache, snapshot_at)
         return loop, stats
 
     def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats,
-                     reuse: bool = False) -> Iterator[int]:
+                     reuse: bool = False, snapshot_at: int | None = None) -> Iterator[int]:
         """Prefill once, then one forward per token; fills stats (self.last_stats from the first step) as it goes.
 
-        reuse: start from the last generation's cache when the prompt extends what was fed into it (the prompt's
-        remainder is prefilled onto it), and leave this one's cache behind the same way, however the run ends.
+        reuse: start from what an earlier reuse generation kept (_KeptCaches) when the prompt extends it (only
+        the rest is prefilled), keep a copy of the cache after the prompt's first snapshot_at tokens, and leave
+        this run's cache behind, however the run ends.
 
         A backend that can draw the token itself (the GPU, for greedy or top-k sampling without penalties) does
         so, and only the id comes back; otherwise the last row's logits are sampled here. The two draw from the
@@ -252,7 +296,7 @@ class Model:
         """
         self.last_stats = stats
         history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
-        cache, start = self._take_resident(ids) if reuse else (self._new_cache(), 0)
+        cache, start, slot = self._kept.take(ids) if reuse else self._kept.fresh()
         stats.cached_tokens = start
         fed = list(ids[:start])  # what the cache holds, kept exact however the run ends
         clean = [True]           # False while a forward runs: if it raises, the cache's contents are unknown
@@ -277,6 +321,12 @@ class Model:
 
         try:
             t0 = time.perf_counter()
+            if snapshot_at is not None and start < snapshot_at:
+                clean[0] = False  # the prompt up to the snapshot (its last logits are not needed), then a copy
+                self._backend.forward(np.asarray(ids[start:snapshot_at], dtype=np.int64), cache, last_only=True)
+                fed.extend(ids[start:snapshot_at])
+                clean[0], start = True, snapshot_at
+                self._kept.keep_snapshot(cache, fed, slot)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0
             while True:
@@ -294,13 +344,14 @@ class Model:
                 token = step([token])
                 stats.decode_s += time.perf_counter() - t0
         finally:  # however it ended (a stop, the caller closing it), its cache is there for the next one
-            if reuse and clean[0] and self._resident is None:
-                self._resident = (cache, fed)
+            if reuse and clean[0]:
+                self._kept.leave(cache, fed, slot)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,
                  enable_thinking: bool | None = None, stop: str | list[str] | None = None,
-                 tools: list[dict] | None = None, reuse_cache: bool = False) -> Iterator[str]:
+                 tools: list[dict] | None = None, reuse_cache: bool = False,
+                 snapshot_at: int | None = None) -> Iterator[str]:
         """Stream the continuation as text pieces (each complete UTF-8).
 
         prompt: text or token ids, or messages: a chat rendered with the artifact's template (enable_thinking
@@ -310,14 +361,16 @@ class Model:
         Timings land in `last_stats` (the stats of the generation started last) as the iterator runs.
         reuse_cache: when the prompt's tokens extend exactly what the previous reuse_cache generation fed into its
         cache (its prompt and output, as an agent's next turn does after a tool call), only the rest is prefilled
-        (last_stats.cached_tokens says how many were not). The result equals a fresh run's up to the rounding of
-        a prefill split in two.
+        (last_stats.cached_tokens says how many were not). snapshot_at (with reuse_cache) keeps a copy of the
+        cache after the prompt's first snapshot_at tokens, from which a later prompt that shares them continues
+        (a chat's next turn, whose template re-renders this turn's reply; on the GPU this needs load(...,
+        cache_slots=2)). The result equals a fresh run's up to the rounding of a prefill split in two.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
         token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools,
-                                                 reuse_cache)
+                                                 reuse_cache, snapshot_at)
         return self._text_stream(token_stream, stops, stats)
 
     def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats) -> Iterator[str]:
@@ -390,13 +443,16 @@ def gpu_available() -> bool:
 
 
 def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_dtype: str = "int8",
-         prefill_chunk: int | None = None, progress=None, check_checksums: bool = False) -> Model:
+         prefill_chunk: int | None = None, progress=None, check_checksums: bool = False,
+         cache_slots: int = 1) -> Model:
     """Open and validate the artifact at `path` and build a Model on `device`.
 
     "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
     kv_dtype int8 or bf16; prompts in steps of prefill_chunk tokens, default ninfer_rt.gpu.PREFILL_CHUNK; progress(done,
     total) while weights load); "auto": cuda when a GPU is present. check_checksums: hash every tensor against
     the header first (SHA-256, ~1-2 GB/s a core: as `ninfer-pack verify` does) and refuse a corrupted file.
+    cache_slots: sequences the GPU holds at once (1 or 2; each has its own KV cache of max_ctx positions and
+    DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside the last run.
     """
     if not isinstance(path, (str, PathLike)):
         raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -413,6 +469,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
     if not (_is_int(max_ctx) and max_ctx >= 1):
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
+    if cache_slots not in (1, 2) or isinstance(cache_slots, bool):
+        raise NinferError(f"cache_slots={cache_slots!r}: must be 1 or 2")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)
@@ -437,7 +495,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         if device == "cuda":
             from ninfer_rt.gpu.backend import GpuBackend
             backend = GpuBackend(artifact, max_ctx=int(max_ctx), kv_dtype=kv_dtype, progress=progress,
-                                 prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+                                 prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                                 cache_slots=int(cache_slots))
         else:
             backend = _ReferenceBackend(artifact)
         return Model(artifact, backend, device)

@@ -110,6 +110,9 @@ def serve(
                                                 f"on the GPU (default {PREFILL_CHUNK})."),
     check_checksums: bool = typer.Option(False, "--check-checksums", help="Hash every tensor against the "
                                                                           "artifact's checksums first."),
+    prefix_snapshot: bool = typer.Option(True, "--prefix-snapshot/--no-prefix-snapshot", help="Keep a copy of "
+                                         "each chat's history so its next turn prefills only the new messages "
+                                         "(on the GPU: a second KV cache and DeltaNet state)."),
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. One generation at a time."""
@@ -123,7 +126,7 @@ def serve(
         raise NinferError(f"--max-queue must be >= 0, got {max_queue}")
     api_key = _read_api_key(api_key_file) if api_key_file is not None else None
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
-                 progress=_loading_bar(), check_checksums=check_checksums)
+                 progress=_loading_bar(), check_checksums=check_checksums, cache_slots=2 if prefix_snapshot else 1)
     try:
         model.chat_template  # a checkpoint without a usable template fails here, not on the first request
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,

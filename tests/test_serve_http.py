@@ -117,6 +117,22 @@ def test_a_request_that_extends_the_last_one_reuses_its_cache(srv, model):
     assert body["choices"][0]["text"] == want
 
 
+def test_a_chats_next_turn_starts_from_its_history(srv, model):
+    """Turn 2 re-renders turn 1's reply (without its reasoning), so it shares turn 1's prompt only up to the end of
+    the history: the snapshot kept there serves it, and the reply equals a fresh run's."""
+    turn1 = [{"role": "user", "content": "Tell me about the garden."}]
+    history = model.tokenizer.encode(model.chat_template.render(turn1))
+    body = srv.json("/v1/chat/completions", {"messages": turn1, "max_tokens": 5, "temperature": 0})[1]
+    reply = body["choices"][0]["message"]
+    turn2 = turn1 + [{"role": "assistant", "content": reply["content"], "reasoning_content":
+                      reply["reasoning_content"]}, {"role": "user", "content": "And the house?"}]
+    want, _ = greedy_oracle(model, 5, messages=turn2)  # (drops what the server kept: ask turn 1 again)
+    srv.json("/v1/chat/completions", {"messages": turn1, "max_tokens": 5, "temperature": 0})
+    body = srv.json("/v1/chat/completions", {"messages": turn2, "max_tokens": 5, "temperature": 0})[1]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history)
+    assert body["choices"][0]["message"]["reasoning_content"] == want
+
+
 def test_stop_strings_end_the_reply(srv, model):
     full, _ = greedy_oracle(model, 16, messages=USER, enable_thinking=False)
     stop = full[5:8]

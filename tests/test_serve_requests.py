@@ -57,7 +57,7 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def generate(self, ids, *, max_new_tokens, sampling, stop, reuse_cache):
+    def generate(self, ids, *, max_new_tokens, sampling, stop, reuse_cache, snapshot_at):
         self.prompts.append(list(ids))
         stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
         pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]

@@ -136,6 +136,18 @@ class KVCache:
         return cls(base, base + data, k_scale, v_scale, slots, max_ctx, nKV, d, dtype)
 
 
+    def copy_positions(self, gpu, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of slot src into slot dst (k, v and, for int8, their scales), on the default stream."""
+        _need(0 <= src < self.slots and 0 <= dst < self.slots and 0 <= n <= self.max_ctx,
+              f"KVCache.copy_positions: slots {src} -> {dst} of {self.slots}, {n} of {self.max_ctx} positions")
+        planes = [(self.k, self.nKV * self.d * _ELEM[self.dtype]), (self.v, self.nKV * self.d * _ELEM[self.dtype])]
+        if self.dtype == "int8":
+            planes += [(self.k_scale, self.nKV * 4), (self.v_scale, self.nKV * 4)]
+        for base, row in planes:  # each plane is [slots, max_ctx, ...]: a slot's first n positions are contiguous
+            if n:
+                gpu.copy(base + dst * self.max_ctx * row, base + src * self.max_ctx * row, n * row)
+
+
 def _check_heads(name: str, nH: int, cache: KVCache) -> None:
     _need(cache.d in HEAD_DIMS, f"{name}: head dim {cache.d} is not one of {HEAD_DIMS}")
     _need(cache.dtype in _ELEM, f"{name}: cache dtype {cache.dtype!r} is not one of {', '.join(_ELEM)}")

@@ -1,4 +1,4 @@
-"""The GPU backend of ninfer_rt.api.Model: the artifact in device memory, one sequence slot, CUDA graphs."""
+"""The GPU backend of ninfer_rt.api.Model: the artifact in device memory, one or two sequence slots, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -16,29 +16,38 @@ from ninfer_rt.sampling import SamplingParams
 
 @dataclass
 class GpuCache:
-    """Where the one sequence stands: positions already in its slot."""
+    """Where a sequence stands: its slot, and the positions already in it."""
 
     pos: int = 0
+    slot: int = 0
 
 
 class GpuBackend:
-    """Same interface as the reference backend: new_cache() and forward(ids, cache, last_only); and, where
-    can_sample(params), sample_next: the next token drawn on the device."""
+    """Same interface as the reference backend: new_cache(slot), copy_cache(cache, slot), forward(ids, cache,
+    last_only); and, where can_sample(params), sample_next: the next token drawn on the device. cache_slots
+    sequences (each its own KV cache and DeltaNet state) live on the device at once."""
 
     def __init__(self, artifact, *, max_ctx: int = 32768, kv_dtype: str = "int8", progress=None,
-                 use_graphs: bool = True, prefill_chunk: int | None = None):
+                 use_graphs: bool = True, prefill_chunk: int | None = None, cache_slots: int = 1):
         self.gpu = Gpu(0)
         self.kernels = Kernels(self.gpu)
         spec = artifact.spec
         self.weights = load_artifact(self.gpu, artifact, progress=progress)
         self.max_ctx = min(max_ctx, spec.max_position_embeddings)  # positions a sequence may hold (Model reads it)
-        self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=1, max_ctx=self.max_ctx,
+        self.cache_slots = cache_slots
+        self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=cache_slots, max_ctx=self.max_ctx,
                               kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
         self.use_graphs = use_graphs
 
-    def new_cache(self) -> GpuCache:
-        self.model.reset_slot(0)
-        return GpuCache()
+    def new_cache(self, slot: int = 0) -> GpuCache:
+        """An empty sequence in `slot` (whatever it held is forgotten)."""
+        self.model.reset_slot(slot)
+        return GpuCache(slot=slot)
+
+    def copy_cache(self, cache: GpuCache, slot: int) -> GpuCache:
+        """A copy of cache's sequence in another slot, which later steps can continue independently."""
+        self.model.copy_slot(cache.slot, slot, cache.pos)
+        return GpuCache(pos=cache.pos, slot=slot)
 
     def forward(self, ids: np.ndarray, cache: GpuCache, last_only: bool = False) -> np.ndarray:
         """ids [T] -> logits float32 [T, V] (or [1, V] of the last token when last_only); advances cache."""
@@ -46,7 +55,7 @@ class GpuBackend:
         if last_only or (ids.size == 1 and cache.pos > 0):
             self._run_last(ids, cache)
             return self.model.logits(1)
-        out = self.model.prefill(ids, 0, start=cache.pos, all_logits=True)
+        out = self.model.prefill(ids, cache.slot, start=cache.pos, all_logits=True)
         cache.pos += ids.size
         return out
 
@@ -55,9 +64,9 @@ class GpuBackend:
         record), a decode step also draws the next token inside its graph; returns whether it did."""
         decode = ids.size == 1 and cache.pos > 0
         if decode:
-            self.model.decode(ids, [cache.pos], [0], graph=self.use_graphs, draw=draw)
+            self.model.decode(ids, [cache.pos], [cache.slot], graph=self.use_graphs, draw=draw)
         else:
-            self.model.prefill(ids, 0, start=cache.pos)
+            self.model.prefill(ids, cache.slot, start=cache.pos)
         cache.pos += ids.size
         return decode and draw is not None
 

@@ -170,6 +170,18 @@ class GpuModel:
             self.gpu.memset(self.conv_state[i] + slot * self.conv_bytes, 0, self.conv_bytes)
             self.gpu.memset(self.ssm_state[i] + slot * self.ssm_bytes, 0, self.ssm_bytes)
 
+    def copy_slot(self, src: int, dst: int, positions: int) -> None:
+        """Make slot dst a copy of slot src as it stands after `positions` tokens: the DeltaNet conv and recurrent
+        states whole, the KV entries of positions [0, positions). Ordered on the stream like the steps."""
+        self._check([0], positions, [src, dst])
+        for i in self.conv_state:
+            self.gpu.copy(self.conv_state[i] + dst * self.conv_bytes, self.conv_state[i] + src * self.conv_bytes,
+                          self.conv_bytes)
+            self.gpu.copy(self.ssm_state[i] + dst * self.ssm_bytes, self.ssm_state[i] + src * self.ssm_bytes,
+                          self.ssm_bytes)
+        for kv in self.kv.values():
+            kv.copy_positions(self.gpu, src, dst, positions)
+
     def _alloc_buffers(self, rows: int) -> Buffers:
         s = self.spec
         b = Buffers(rows)

@@ -124,18 +124,29 @@ class Prepared:
     stop: list[str]
     thinking: bool
     tools: list[dict] | None
+    snapshot_at: int | None = None  # where the chat's history ends (api.generate's snapshot_at)
 
 
-def prompt_text(model, job: Job) -> str | None:
+def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     """The rendered chat prompt of a messages job (None for a raw prompt); NinferError from the template becomes
-    a 400 naming it."""
+    a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening."""
     if job.messages is None:
         return None
     try:
-        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=True,
+        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
+
+
+def history_length(model, job: Job, ids: list[int]) -> int | None:
+    """Tokens of the chat's history (the prompt without the generation prompt) when they begin ids: where the
+    next turn's prompt, which re-renders this turn's reply without its reasoning, stops sharing this one."""
+    text = prompt_text(model, job, generation_prompt=False)
+    if text is None:
+        return None
+    history = model.tokenizer.encode(text)
+    return len(history) if 0 < len(history) < len(ids) and ids[:len(history)] == history else None
 
 
 def prepare(model, job: Job) -> Prepared:
@@ -156,4 +167,4 @@ def prepare(model, job: Job) -> Prepared:
     budget = context - len(ids)
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, job.tools if job.parse_tools else None)
+                    thinking, job.tools if job.parse_tools else None, history_length(model, job, ids))

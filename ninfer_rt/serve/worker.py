@@ -73,9 +73,9 @@ class Worker:
         p = ticket.prepared
         try:
             # reuse_cache: a request that extends the last one's prompt and reply (an agent's next turn after a tool
-            # call) prefills only what is new
+            # call) prefills only what is new; one that shares its history (a chat's next turn) starts there
             pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
-                                         reuse_cache=True)
+                                         reuse_cache=True, snapshot_at=p.snapshot_at)
             for piece in pieces:
                 if ticket.cancelled.is_set():
                     pieces.close()

@@ -236,6 +236,36 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
         assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_copy_slot_gives_a_sequence_that_decodes_alike(gpu, kernels, artifact, kv):
+    """copy_slot(src, dst, n): slot dst then continues exactly as src does (the same kernels on the same state:
+    bit-equal logits), though dst held another sequence before and src goes on changing afterwards."""
+    model, weights = gpu_model(gpu, kernels, artifact, slots=2, kv=kv, prefill_chunk=8)
+    try:
+        for s in (0, 1):
+            model.reset_slot(s)
+        model.prefill(prompt(23, 40), 1)  # what dst held: overwritten by the copy
+        model.prefill(prompt(17, 41), 0)
+        model.copy_slot(0, 1, 17)
+        nxt = prompt(3, 42)
+        model.decode(nxt[:1], [17], [0], graph=False)
+        a0 = model.logits(1)
+        model.decode(nxt[1:2], [18], [0], graph=False)  # src moves on; dst must not see it
+        model.decode(nxt[:1], [17], [1], graph=False)
+        b0 = model.logits(1)
+        model.decode(nxt[1:2], [18], [1], graph=False)
+        b1 = model.logits(1)
+        model.reset_slot(0)
+        model.prefill(prompt(17, 41), 0)
+        model.decode(nxt[:1], [17], [0], graph=False)
+        model.decode(nxt[1:2], [18], [0], graph=False)
+        a1 = model.logits(1)
+    finally:
+        model.free()
+        weights.free(gpu)
+    assert np.isfinite(a0).all() and np.array_equal(a0, b0) and np.array_equal(a1, b1)
+
+
 def test_decode_draws_the_token_in_its_graph(gpu, kernels, artifact):
     """decode(..., draw=(vocab, record)) picks the next token inside the step, replayed or launched directly:
     greedy is the arg-max of the step's own logits over ids < vocab (vocab below the padded rows); top_k = 1
@@ -312,29 +342,38 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
 
 
 def test_reuse_cache_and_the_cache_bound_on_the_device(gpu, artifact):
-    """reuse_cache on the GPU: the next turn prefills only its new tokens (from the slot's position on) and decodes
-    what a fresh run decodes (greedy: the split prefill rounds differently only far below a tie of the tiny model's
-    logits); and generation stops with "length" at the KV cache's max_ctx rather than failing past it."""
+    """reuse_cache on the GPU with two slots: the next turn prefills only its new tokens (from the slot's position
+    on), a prompt that shares only a prefix continues from the snapshot copied into the other slot, and both decode
+    what a fresh run decodes (greedy: the split prefill rounds differently only far below a tie of the tiny
+    model's logits); generation stops with "length" at the KV cache's max_ctx rather than failing past it."""
     from ninfer_rt.api import load
     from ninfer_rt.sampling import SamplingParams
 
     greedy = SamplingParams(greedy=True)
-    m = load(artifact, device="cuda", max_ctx=96)
+    m = load(artifact, device="cuda", max_ctx=96, cache_slots=2)
     try:
         ids = [int(i) for i in prompt(40, seed=5, vocab=m.real_vocab_size)]
+        more = [int(i) for i in prompt(7, seed=6, vocab=m.real_vocab_size)]
         first = list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True))
         fed = ids + (first[:-1] if m.last_stats.finish_reason == "length" else first)
-        turn = ids + first + [int(i) for i in prompt(7, seed=6, vocab=m.real_vocab_size)]
+        turn = ids + first + more
         fresh = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy))
-        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True))
+        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True, snapshot_at=30))
         again = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy, reuse_cache=True))
         cached = m.last_stats.cached_tokens
+        # a prompt sharing only the first 30 tokens continues from the snapshot in the other slot (copy_slot)
+        branch = ids[:30] + more
+        fresh_branch = list(m.generate_ids(branch, max_new_tokens=8, sampling=greedy))
+        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True, snapshot_at=30))
+        from_snapshot = list(m.generate_ids(branch, max_new_tokens=8, sampling=greedy, reuse_cache=True))
+        snap_cached = m.last_stats.cached_tokens
         assert m.context_length == 96
         long = list(m.generate_ids(ids, max_new_tokens=200, sampling=greedy))
         end = m.last_stats.finish_reason
     finally:
         m.close()
     assert cached == len(fed) and again == fresh
+    assert snap_cached == 30 and from_snapshot == fresh_branch
     assert end == "eos" or (end == "length" and len(long) == 96 - len(ids))
 
 
