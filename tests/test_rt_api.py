@@ -168,8 +168,8 @@ class _DrawingBackend:
         self.inner, self.calls = inner, []
         self.max_ctx = inner.max_ctx if max_ctx is None else max_ctx  # a GPU backend's cache may be shorter
 
-    def new_cache(self):
-        return self.inner.new_cache()
+    def new_cache(self, slot: int = 0):
+        return self.inner.new_cache(slot)
 
     def forward(self, ids, cache, last_only=False):
         return self.inner.forward(ids, cache, last_only)
