@@ -72,6 +72,8 @@ def run_app(app: typer.Typer, err: Console) -> None:
     finally:  # an embedding process (a test run) gets its own handlers back
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code == 130:  # click (non-standalone) turns a real Ctrl-C into Abort and returns 130 after the cleanups
+        err.print("interrupted")
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
+from ninfer_rt.api import GenerationStats
 from ninfer_rt.serve import Server
 
 TIMEOUT_S = 60  # every request and the server's shutdown are bounded by this
@@ -63,3 +65,31 @@ def sse_events(data: bytes) -> list[tuple[str, dict]]:
         assert name.startswith("event: ") and payload.startswith("data: ")
         out.append((name[len("event: "):], json.loads(payload[len("data: "):])))
     return out
+
+
+class Scripted:
+    """The model with generate replaced: yields `text` in pieces of `step` characters (each one token, after
+    `delay` seconds), then ends with finish_reason eos; records how many pieces were taken."""
+
+    def __init__(self, model, text: str, step: int = 3, delay: float = 0.0):
+        self._model, self.text, self.step, self.delay = model, text, step, delay
+        self.taken = 0
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def generate(self, ids, *, max_new_tokens, sampling, stop, reuse_cache, snapshot_at):
+        self.prompts.append(list(ids))
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+
+        def run():
+            for piece in pieces[:max_new_tokens]:
+                time.sleep(self.delay)
+                self.taken += 1
+                stats.generated_tokens += 1
+                yield piece
+            stats.finish_reason = "eos" if len(pieces) <= max_new_tokens else "length"
+            stats.generated_tokens += stats.finish_reason == "eos"
+        return run()

@@ -4,7 +4,8 @@ Content blocks map onto the chat template's messages: text, `thinking` (an assis
 `tool_use` (tool_calls with their input object) and `tool_result` (a tool message). The reply's reasoning comes
 back as a thinking block (its signature empty: nothing signs it here), its Qwen XML tool calls as tool_use blocks.
 `thinking: {"type": "enabled" | "disabled"}` sets the template's enable_thinking; without it the template's own
-default holds (thinking, for Qwen3.6), and budget_tokens is not enforced.
+default holds (thinking, for Qwen3.6), and budget_tokens is not enforced. A final assistant message is a prefill:
+the reply continues it (and comes back without it), as the Messages API does.
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ def parse_messages(body: dict, count_only: bool = False) -> Job:
     top_k = get_int(body, "top_k", 0)
     sampling = {"temperature": get_float(body, "temperature", 0.0, 1.0),
                 "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k}
-    return Job(messages=chat_messages(body), tools=None if choice["type"] == "none" else tools,
+    messages = chat_messages(body)
+    return Job(messages=messages, tools=None if choice["type"] == "none" else tools,
                template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens,
-               stop=get_stops(body, "stop_sequences"), stream=get(body, "stream", (bool,), "a boolean", False))
+               stop=get_stops(body, "stop_sequences"), stream=get(body, "stream", (bool,), "a boolean", False),
+               continue_final=messages[-1]["role"] == "assistant")  # a prefill: the reply continues it
 
 
 def error_body(e: RequestError) -> dict:
@@ -154,7 +157,8 @@ def error_body(e: RequestError) -> dict:
 
 def _event(name: str, obj: dict) -> bytes:
     """One server-sent event of the Messages stream."""
-    return f"event: {name}\ndata: ".encode() + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return f"event: {name}\ndata: ".encode() + data + b"\n\n"
 
 
 class MessagesReply:

@@ -79,6 +79,10 @@ def get_stops(body: dict, key: str) -> list[str]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad(f"'{key}' must be a non-empty string or a list of them", key)
+    try:
+        "".join(stops).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") can never match text, which is valid UTF-8
+        raise bad(f"'{key}' holds a lone surrogate: not text", key) from None
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise bad(f"'{key}': at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", key)
     return stops
@@ -111,6 +115,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False  # OpenAI streams: a last chunk with the token counts
+    continue_final: bool = False  # the last (assistant) message is continued, not closed: a prefill
 
 
 @dataclass
@@ -133,16 +138,45 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     if job.messages is None:
         return None
     try:
-        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
-                                          **job.template_kwargs)
+        text = model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt
+                                          and not job.continue_final, **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
+    if job.continue_final and generation_prompt:
+        text = _open_final(text, job.messages[-1])
+    return text
+
+
+def _open_final(text: str, last: dict) -> str:
+    """The prompt cut right after the final message's text, so generation continues it (what transformers'
+    continue_final_message does): the template closed the turn after it."""
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content)
+    content = (content or "").strip()
+    if last.get("role") != "assistant" or not content:
+        raise bad("to continue the final message it must be an assistant message with text", "messages")
+    at = text.rfind(content)
+    if at < 0:
+        raise bad("the chat template does not show the final assistant message's text: it cannot be continued",
+                  "messages")
+    return text[:at + len(content)]
+
+
+def prompt_ids(model, job: Job) -> tuple[str | None, list[int]]:
+    """(the rendered chat prompt or None, its token ids), whatever its length (count_tokens takes this alone);
+    400 for what cannot be rendered or tokenized."""
+    text = prompt_text(model, job)
+    try:
+        return text, model.prompt_ids(text if text is not None else job.prompt)  # token ids are checked there
+    except NinferError as e:
+        raise bad(str(e), "messages" if text is not None else "prompt") from None
 
 
 def history_length(model, job: Job, ids: list[int]) -> int | None:
     """Tokens of the chat's history (the prompt without the generation prompt) when they begin ids: where the
     next turn's prompt, which re-renders this turn's reply without its reasoning, stops sharing this one."""
-    text = prompt_text(model, job, generation_prompt=False)
+    text = prompt_text(model, job, generation_prompt=False) if not job.continue_final else None
     if text is None:
         return None
     history = model.tokenizer.encode(text)
@@ -151,11 +185,7 @@ def history_length(model, job: Job, ids: list[int]) -> int | None:
 
 def prepare(model, job: Job) -> Prepared:
     """Render and tokenize a Job, check it against the context, and fix its sampling (400 on any problem)."""
-    text = prompt_text(model, job)
-    try:
-        ids = model.prompt_ids(text if text is not None else job.prompt)  # token ids are checked there
-    except NinferError as e:
-        raise bad(str(e), "messages" if text is not None else "prompt") from None
+    text, ids = prompt_ids(model, job)
     try:
         sampling = requested_sampling(model.generation_config, **job.sampling)
     except NinferError as e:

@@ -17,7 +17,7 @@ from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, get, get_f
 from ninfer_rt.serve.replies import Event
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+_RESERVED_KWARGS = ("self", "messages", "tools", "add_generation_prompt", "documents")  # render()'s own
 
 
 def sampling_fields(body: dict) -> dict:
@@ -127,16 +127,21 @@ def parse_chat(body: dict) -> Job:
     """A /v1/chat/completions request as a Job."""
     _refuse_unsupported(body)
     tools = tools_field(body)
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice") or "auto"
     if choice not in ("auto", "none"):
         raise bad("tool_choice must be 'auto' or 'none' (forced calls need constrained decoding)", "tool_choice")
     kwargs = get(body, "chat_template_kwargs", (dict,), "an object", {})
-    clash = [k for k in kwargs if k in _RESERVED_KWARGS]
+    clash = [k for k in kwargs if k in _RESERVED_KWARGS or not k.isidentifier() or k.startswith("_")]
     if clash:
         raise bad(f"chat_template_kwargs may not set {clash[0]!r}", "chat_template_kwargs")
     max_tokens = get_int(body, "max_completion_tokens", 1)
     stream_options = get(body, "stream_options", (dict,), "an object", {})
-    job = Job(messages=chat_messages(body.get("messages")), tools=None if choice == "none" else tools,
+    messages = chat_messages(body.get("messages"))
+    continue_final = get(body, "continue_final_message", (bool,), "a boolean", False)  # vLLM's prefill
+    if continue_final and body.get("add_generation_prompt") is True:
+        raise bad("continue_final_message continues the last message: add_generation_prompt must be false",
+                  "continue_final_message")
+    job = Job(messages=messages, tools=None if choice == "none" else tools, continue_final=continue_final,
               template_kwargs=dict(kwargs), sampling=sampling_fields(body),
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
@@ -164,8 +169,8 @@ def parse_completion(body: dict) -> Job:
 
 
 def error_body(e: RequestError) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
+    """OpenAI's error object (its code is a string or null; the status is the HTTP one)."""
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
 
 
 def _usage(stats) -> dict:
@@ -181,7 +186,7 @@ def _finish(stats, calls: bool) -> str:
 
 def sse(obj) -> bytes:
     """One server-sent event carrying obj as JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n\n"
 
 
 class ChatReply:
@@ -194,8 +199,11 @@ class ChatReply:
         self.reasoning, self.text, self.calls = [], [], []
 
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
-        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if self.include_usage:
+            chunk["usage"] = None  # every chunk but the last carries a null usage
+        return sse(chunk)
 
     def start(self) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -245,8 +253,11 @@ class CompletionReply:
         self.text = []
 
     def _chunk(self, text: str, finish: str | None = None) -> bytes:
-        return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
 
     def start(self) -> list[bytes]:
         return []

@@ -10,23 +10,29 @@ cancels its generation.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import queue
+import re
+import select
 import socket
 import sys
 import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.serve import anthropic, openai
-from ninfer_rt.serve.common import Job, RequestError, bad, prepare
+from ninfer_rt.serve.common import Job, RequestError, bad, prepare, prompt_ids
 from ninfer_rt.serve.replies import Event, ReplyParser
 from ninfer_rt.serve.worker import Worker
 
 MAX_BODY = 32 << 20  # bytes of request body: a 262,144-token conversation is a few MB of JSON
 IO_TIMEOUT_S = 120   # a client that sends or reads nothing for this long is dropped
+_WATCH_S = 0.25      # how often a request waiting on its generation checks that its client is still there
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 # path -> (method, what it does); the Anthropic paths answer errors in Anthropic's shape
 _ROUTES = {
@@ -38,6 +44,18 @@ _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
                "completion": (openai.parse_completion, openai.CompletionReply, openai),
                "messages": (anthropic.parse_messages, anthropic.MessagesReply, anthropic)}
 _ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
+
+
+def _printable(text: str) -> str:
+    """text for the log with control characters escaped (a request line must not drive the operator's terminal)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _reject_constant(name: str):
@@ -72,8 +90,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_OPTIONS(self) -> None:
         self._dispatch("OPTIONS")
 
+    def version_string(self) -> str:
+        return self.server_version  # not the Python version
+
     def log_message(self, fmt: str, *args) -> None:  # http.server's own lines (bad request lines) go to our log
-        self.app.log(f"{self.client_address[0]} {fmt % args}")
+        self.app.log(_printable(f"{self.client_address[0]} {fmt % args}"))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unknown method, an oversized header) as JSON
+        in OpenAI's shape, and the connection closed: what follows on it cannot be trusted."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # refused before its version was read: answer with a status line
+            self.request_version = "HTTP/1.0"
+        try:
+            self._send_json(code, openai.error_body(RequestError(code, message or self.responses.get(code, ("",))[0])))
+        except OSError:
+            pass
 
     def log_request(self, code="-", size="-") -> None:  # _dispatch logs each request once, with its tokens
         pass
@@ -81,7 +113,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------------------------------------ routing
 
     def _dispatch(self, method: str) -> None:
-        t0, self._note = time.perf_counter(), ""
+        t0, self._note, self._streaming = time.perf_counter(), "", False
         path = urlsplit(self.path).path.rstrip("/") or "/"
         front = anthropic if path.startswith("/v1/messages") else openai
         status = 200
@@ -89,16 +121,27 @@ class _Handler(BaseHTTPRequestHandler):
             status = self._route(method, path)
         except RequestError as e:
             status = e.status
-            self._send_json(e.status, front.error_body(e))
+            self._refuse(front, e)
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             status, self.close_connection = 499, True  # the client left (nginx's code for it, in the log only)
         except Exception as e:  # a bug: 500 to the client, the traceback to the log
             self.app.log(traceback.format_exc().rstrip())
             status = 500
-            self._send_json(500, front.error_body(RequestError(500, f"internal error: {type(e).__name__}",
-                                                               kind="api_error")))
-        self.app.log(f"{self.client_address[0]} {method} {path} {status}{self._note} "
-                     f"{time.perf_counter() - t0:.2f}s")
+            self._refuse(front, RequestError(500, f"internal error: {type(e).__name__}", kind="api_error"))
+        self.app.log(_printable(f"{self.client_address[0]} {method} {path} {status}{self._note} "
+                                f"{time.perf_counter() - t0:.2f}s"))
+
+    def _refuse(self, front, e: RequestError) -> None:
+        """An error as JSON, or as the API's error event once a stream has begun; the connection then closes
+        (a body left unread must not be taken for the next request)."""
+        self.close_connection = True
+        try:
+            if self._streaming:
+                self._write([front.stream_error(e)])
+            else:
+                self._send_json(e.status, front.error_body(e))
+        except OSError:
+            pass
 
     def _route(self, method: str, path: str) -> int:
         """Handle the request; returns the status sent (RequestError for refusals)."""
@@ -108,6 +151,7 @@ class _Handler(BaseHTTPRequestHandler):
             want, action = _ROUTES[path]
         else:
             raise RequestError(404, f"no route for {path}", kind="not_found_error")
+        self._check_host_and_origin()
         if method == "OPTIONS":
             return self._preflight()
         if method != want:
@@ -119,15 +163,31 @@ class _Handler(BaseHTTPRequestHandler):
         if action == "models":
             return self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
         if action == "model":
-            if path[len("/v1/models/"):] != self.app.model_name:
-                raise RequestError(404, f"no model {path[len('/v1/models/'):]!r} here (this server runs "
-                                        f"{self.app.model_name!r})", kind="not_found_error")
+            name = unquote(path[len("/v1/models/"):])
+            if name != self.app.model_name:
+                raise RequestError(404, f"no model {name!r} here (this server runs {self.app.model_name!r})",
+                                   kind="not_found_error")
             return self._send_json(200, self.app.model_card())
         body = self._read_body()
-        if action == "count_tokens":
-            prepared = prepare(self.app.model, anthropic.parse_messages(body, count_only=True))
-            return self._send_json(200, {"input_tokens": len(prepared.ids)})
+        if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
+            _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
+            return self._send_json(200, {"input_tokens": len(ids)})
         return self._generate(action, body)
+
+    def _check_host_and_origin(self) -> None:
+        """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page
+        names its own host), and no server answers a browser's cross-origin request unless --cors-origin allows
+        that origin (a page could otherwise start generations with a plain form post)."""
+        if _is_loopback(self.app.address[0]):
+            host = self.headers.get("Host", "")  # none at all: not a browser (HTTP/1.0 clients may omit it)
+            name = (host.rsplit(":", 1)[0] if not host.endswith("]") else host).strip("[]")
+            if host and not _is_loopback(name):
+                raise RequestError(403, f"Host {host!r} is not this machine: the server answers loopback names "
+                                        "only (run it with --host to expose it)", kind="permission_error")
+        origin = self.headers.get("Origin")
+        if origin is not None and self.app.cors_origin not in ("*", origin):
+            raise RequestError(403, f"requests from the web origin {origin!r} are not allowed (ninfer-rt serve "
+                                    "--cors-origin)", kind="permission_error")
 
     def _authenticate(self) -> None:
         """With an API key set: Authorization: Bearer KEY (OpenAI) or x-api-key: KEY (Anthropic)."""
@@ -142,19 +202,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _read_body(self) -> dict:
         """The request's JSON body, bounded by MAX_BODY and by Content-Length."""
         if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
             raise RequestError(411, "chunked request bodies are not supported: send Content-Length")
-        length = self.headers.get("Content-Length")
-        if length is None or not length.strip().isdigit():
-            self.close_connection = True
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
             raise RequestError(411, "a POST needs a Content-Length header")
-        n = int(length)
-        if n > MAX_BODY:
-            self.close_connection = True  # its body stays unread
+        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
+            raise bad("Content-Length must be one number of bytes")
+        n = int(lengths[0])
+        if n > MAX_BODY:  # its body stays unread (the refusal closes the connection)
             raise RequestError(413, f"the body is {n:,} bytes; the limit is {MAX_BODY:,}", kind="request_too_large")
         data = self.rfile.read(n)
         if len(data) < n:
-            self.close_connection = True
             raise bad(f"the body ended after {len(data)} of {n} bytes")
         return _parse_body(data)
 
@@ -179,8 +237,18 @@ class _Handler(BaseHTTPRequestHandler):
             if job.stream:
                 self._start_stream()
                 self._write(reply.start())
+            watched = time.monotonic()
             while True:
-                kind, value = ticket.out.get()
+                try:
+                    kind, value = ticket.out.get(timeout=_WATCH_S)
+                except queue.Empty:
+                    kind = None
+                if time.monotonic() - watched >= _WATCH_S:  # also while a stream holds its text back
+                    watched = time.monotonic()
+                    if self._client_gone():
+                        raise ConnectionResetError("the client closed the connection")
+                if kind is None:
+                    continue
                 if kind == "piece":
                     frames = reply.events(events(value))
                     if job.stream:
@@ -202,6 +270,15 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send_json(200, reply.body(value))
         finally:
             ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end (readable with nothing to read); a pipelined request is not that."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     # ------------------------------------------------------------------------------------------------ writing
 
@@ -225,7 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
         return 204
 
     def _send_json(self, status: int, obj: dict) -> int:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")  # a lone surrogate: \udXXX
         self.send_response(status)
         self._cors()
         self.send_header("Content-Type", "application/json; charset=utf-8")
@@ -237,6 +314,7 @@ class _Handler(BaseHTTPRequestHandler):
         return status
 
     def _start_stream(self) -> None:
+        self._streaming = True
         self.send_response(200)
         self._cors()
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")

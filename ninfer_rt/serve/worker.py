@@ -43,6 +43,8 @@ class Worker:
     def submit(self, prepared: Prepared) -> Ticket:
         """Queue a prepared request; RequestError 503 when max_queue already wait behind a running one."""
         with self._lock:
+            if self.stopping.is_set():
+                raise RequestError(503, "the server is shutting down", kind="overloaded_error")
             if self._outstanding > self.max_queue:
                 raise RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
                                         "waiting; try again later", kind="overloaded_error")
@@ -52,18 +54,28 @@ class Worker:
         return ticket
 
     def run(self) -> None:
-        """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates)."""
-        while not self.stopping.is_set():
-            try:
-                ticket = self.tickets.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            try:
-                if not ticket.cancelled.is_set():
-                    self._generate(ticket)
-            finally:
-                with self._lock:
-                    self._outstanding -= 1
+        """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates); the tickets
+        still waiting then get a 503 each."""
+        try:
+            while not self.stopping.is_set():
+                try:
+                    ticket = self.tickets.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                try:
+                    if not ticket.cancelled.is_set():
+                        self._generate(ticket)
+                finally:
+                    with self._lock:
+                        self._outstanding -= 1
+        finally:
+            self.stopping.set()
+            while True:
+                try:
+                    ticket = self.tickets.get_nowait()
+                except queue.Empty:
+                    break
+                ticket.out.put(("error", RequestError(503, "the server is shutting down", kind="overloaded_error")))
 
     def stop(self) -> None:
         self.stopping.set()

@@ -1,0 +1,224 @@
+"""ninfer-rt serve against hostile or broken clients: connections reused after an error, malformed framing,
+clients that leave, foreign Host and Origin headers, http.server's own refusals, shutdown with requests waiting,
+a failure after a stream began, terminal escapes in the log; and Anthropic's assistant prefill.
+
+Every exchange is raw bytes on a loopback socket, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from ninfer_rt import load
+from serve_client import TIMEOUT_S, Running, Scripted, sse_events
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Tiny tensors (conftest.one_thread)."""
+
+
+@pytest.fixture(scope="module")
+def model(packed):
+    m = load(packed, "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    with Running(model) as r:
+        yield r
+
+
+def exchange(srv, data: bytes, shut: bool = True) -> bytes:
+    """Send raw bytes; everything that comes back until the server closes (or the timeout). shut: close our
+    sending side after them, which ends a keep-alive connection but also reads as a client gone: not for
+    requests that generate (post() asks the server to close instead)."""
+    with socket.create_connection(srv.server.address, timeout=TIMEOUT_S) as s:
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+def responses(data: bytes) -> list[int]:
+    """Status codes of the HTTP responses in data, in order."""
+    return [int(line.split()[1]) for line in data.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+
+
+def test_an_error_closes_the_connection_so_an_unread_body_is_never_a_request(srv):
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for path in ("/v1/nothing", "/v1/models"):  # 404, and 405 (a POST to a GET route): the body is not read
+        keep_alive = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(smuggled)}\r\n\r\n"
+        got = exchange(srv, keep_alive.encode() + smuggled)
+        assert responses(got) == [404 if path == "/v1/nothing" else 405] and b'"object": "list"' not in got
+    # a body that was read leaves the connection usable: two requests on one connection, two answers
+    conn = http.client.HTTPConnection(*srv.server.address, timeout=TIMEOUT_S)
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 1}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["object"] == "text_completion"
+    conn.close()
+
+
+@pytest.mark.parametrize("length", ["\xb2", "9" * 5000, "-5", "1e3", "12, 12"])
+def test_content_length_must_be_one_number(srv, length):
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n\r\n"
+    got = exchange(srv, head.encode("latin-1") + b"{}")
+    assert responses(got) == [400] and b"Content-Length must be one number of bytes" in got
+    two = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}"
+    assert responses(exchange(srv, two.encode())) == [400]
+    assert not any("Traceback" in line for line in srv.lines)
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"PUT /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
+    (b"GET /health HTTP/2.0\r\n\r\n", 505),
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431),
+])
+def test_http_servers_own_refusals_are_json(srv, raw, status):
+    got = exchange(srv, raw)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert responses(head) == [status] and b"application/json" in head
+    assert json.loads(body)["error"]["message"]
+
+
+def test_foreign_hosts_and_origins_are_refused(model, srv):
+    rebind = b"GET /v1/models HTTP/1.1\r\nHost: rebind.attacker.example\r\n\r\n"
+    got = exchange(srv, rebind)
+    assert responses(got) == [403] and b"permission_error" in got
+    for host in ("localhost", f"localhost:{srv.server.address[1]}", "127.0.0.1", "[::1]:8080"):
+        assert responses(exchange(srv, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())) == [200]
+    assert responses(exchange(srv, b"GET /health HTTP/1.0\r\n\r\n")) == [200]  # no Host at all: not a browser
+    form = post("/v1/completions", b'{"prompt": "Hi"}', "Origin: https://evil.example\r\nContent-Type: text/plain\r\n")
+    assert responses(exchange(srv, form)) == [403]
+    with Running(model, cors_origin="https://app.example") as r:
+        ok = post("/v1/completions", b'{"prompt": "Hi", "max_tokens": 1}', "Origin: https://app.example\r\n")
+        assert responses(exchange(r, ok, shut=False)) == [200]
+        assert responses(exchange(r, form)) == [403]
+
+
+def test_server_header_and_log_say_no_more_than_they_should(srv):
+    got = exchange(srv, b"GET /\x1b[2J\x1b]0;TITLE\x07x HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert b"\r\nServer: ninfer\r\n" in got and b"Python" not in got
+    assert any("\\x1b[2J" in line for line in srv.lines) and not any("\x1b" in line for line in srv.lines)
+
+
+def wait_idle(r: Running) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while r.server.worker._outstanding and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream, text", [(False, "x" * 600), (True, "<tool_call>\n" + "y" * 600)],
+                         ids=["whole", "stream-holding-a-call"])
+def test_a_client_that_leaves_stops_its_generation(model, stream, text):
+    """Gone while a whole reply is generated, or while a stream holds text back (an open tool-call block): the
+    generation stops within a few watch periods, and the slot serves the next request."""
+    slow = Scripted(model, text, step=1, delay=0.01)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with Running(slow) as r:
+        body = json.dumps({"messages": USER, "stream": stream, "max_tokens": 1000, "tools": tools,
+                           "chat_template_kwargs": {"enable_thinking": False}}).encode()
+        s = socket.create_connection(r.server.address, timeout=TIMEOUT_S)
+        s.sendall(post("/v1/chat/completions", body))
+        time.sleep(0.5)
+        s.close()
+        wait_idle(r)
+        assert r.server.worker._outstanding == 0 and slow.taken < 300
+        assert responses(exchange(r, post("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}'), shut=False)) == [200]
+
+
+def test_shutdown_answers_the_requests_still_waiting(model):
+    slow = Scripted(model, "z" * 100, step=1, delay=0.01)
+    r = Running(slow).__enter__()
+    results = []
+
+    def ask():
+        results.append(responses(exchange(r, post("/v1/completions", b'{"prompt": "Hi", "max_tokens": 100}'),
+                                          shut=False)))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    r.__exit__(None, None, None)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert sorted(results) == [[200], [503], [503]]
+
+
+def test_a_failure_after_the_stream_began_is_an_error_event(model):
+    class Broken(Scripted):
+        def generate(self, *a, **k):
+            def run():
+                self.last_stats = None
+                yield "fine"
+                yield 123  # a bug in a backend: not text
+            return run()
+
+    with Running(Broken(model, "")) as r:
+        body = json.dumps({"messages": USER, "max_tokens": 5, "stream": True}).encode()
+        got = exchange(r, post("/v1/messages", body), shut=False)
+        head, _, stream = got.partition(b"\r\n\r\n")
+        assert responses(got) == [200] and b"HTTP/1.1 500" not in stream
+        events = sse_events(stream)
+        assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
+
+
+def test_anthropic_prefill_is_continued(model):
+    """A final assistant message is continued: the prompt ends with its text (not a closed turn and a new
+    thinking one), and the reply is read as text."""
+    scripted = Scripted(model, ' 42}')
+    with Running(scripted) as r:
+        status, body = r.json("/v1/messages", {"max_tokens": 20, "messages": [
+            {"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"a":'}]})
+        prompt = model.tokenizer.decode(scripted.prompts[-1])
+        assert status == 200 and prompt.endswith('{"a":') and "<think>\n\n</think>\n\n{\"a\":" in prompt
+        assert body["content"] == [{"type": "text", "text": " 42}"}]
+        # OpenAI: vLLM's continue_final_message
+        status, body = r.json("/v1/chat/completions", {"continue_final_message": True, "messages": [
+            {"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"a":'}]})
+        assert status == 200 and model.tokenizer.decode(scripted.prompts[-1]) == prompt
+        assert body["choices"][0]["message"]["content"] == " 42}"
+
+
+def test_count_tokens_counts_past_the_context(srv, model):
+    long = [{"role": "user", "content": "hello " * 5000}]
+    status, body = srv.json("/v1/messages/count_tokens", {"messages": long})
+    assert status == 200 and body["input_tokens"] == len(model.prompt_ids(messages=long)) > model.context_length
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"messages": USER, "chat_template_kwargs": {"self": 1}}, "may not set 'self'"),
+    ({"messages": USER, "stop": ["\ud800"]}, "lone surrogate"),
+])
+def test_more_bad_fields(srv, body, fragment):
+    status, reply = srv.json("/v1/chat/completions", body)
+    assert status == 400 and fragment in reply["error"]["message"]
+
+
+def test_lenient_where_clients_differ(srv):
+    status, body = srv.json("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "tool_choice": None})
+    assert status == 200
+    assert srv.json("/v1/models/tiny%20x", method="GET")[0] == 404
+    assert srv.json("/v1/models/%74iny", method="GET") == (200, srv.json("/v1/models/tiny", method="GET")[1])
