@@ -49,3 +49,22 @@ def packed(tiny_moe, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "tiny.ninfer"
     quantize(str(tiny_moe), "tiny", out)
     return out
+
+
+@pytest.fixture(scope="module")
+def packed_model(packed, one_thread):
+    """The packed tiny MoE on the CPU reference (ninfer_rt.load), one per module, one torch thread."""
+    from ninfer_rt import load
+
+    m = load(packed, "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def srv(packed_model):
+    """ninfer-rt serve over packed_model on a loopback port (serve_client.Running), one per module."""
+    from serve_client import Running
+
+    with Running(packed_model) as r:
+        yield r

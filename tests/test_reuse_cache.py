@@ -20,16 +20,9 @@ from ninfer_rt.sampling import SamplingParams
 GREEDY = SamplingParams(greedy=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny tensors (conftest.one_thread)."""
-
-
 @pytest.fixture(scope="module")
-def model(packed):
-    m = load(packed, "cpu")
-    yield m
-    m.close()
+def model(packed_model):
+    return packed_model
 
 
 @dataclass

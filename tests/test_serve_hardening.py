@@ -15,28 +15,14 @@ import time
 
 import pytest
 
-from ninfer_rt import load
 from serve_client import TIMEOUT_S, Running, Scripted, sse_events
 
 USER = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny tensors (conftest.one_thread)."""
-
-
 @pytest.fixture(scope="module")
-def model(packed):
-    m = load(packed, "cpu")
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def srv(model):
-    with Running(model) as r:
-        yield r
+def model(packed_model):
+    return packed_model
 
 
 def exchange(srv, data: bytes, shut: bool = True) -> bytes:

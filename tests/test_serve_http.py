@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from ninfer_rt import load
-from serve_client import Running, sse_data, sse_events
+from serve_client import sse_data, sse_events
 
 USER = [{"role": "user", "content": "Hello there"}]
 NO_THINK = {"enable_thinking": False}
@@ -21,22 +20,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "city": {"type": "string"}, "days": {"type": "integer"}}}}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny tensors (conftest.one_thread)."""
-
-
 @pytest.fixture(scope="module")
-def model(packed):
-    m = load(packed, "cpu")
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def srv(model):
-    with Running(model) as r:
-        yield r
+def model(packed_model):
+    return packed_model
 
 
 def greedy_oracle(model, max_tokens: int, **prompt):

@@ -20,7 +20,6 @@ import time
 
 import pytest
 
-from ninfer_rt import load
 from serve_client import TIMEOUT_S, Running, Scripted, sse_data, sse_events
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -32,16 +31,9 @@ CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
 REPLY = "The user asks for the weather.\n</think>\n\nLet me check.\n\n" + CALL
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny tensors (conftest.one_thread)."""
-
-
 @pytest.fixture(scope="module")
-def model(packed):
-    m = load(packed, "cpu")
-    yield m
-    m.close()
+def model(packed_model):
+    return packed_model
 
 
 # ----------------------------------------------------------------------------------------------- tool calls
@@ -114,12 +106,6 @@ def test_max_tokens_cut_reports_length(model):
 
 
 # ----------------------------------------------------------------------------------------------- refusals
-
-
-@pytest.fixture(scope="module")
-def srv(model):
-    with Running(model) as r:
-        yield r
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from ninfer_rt import load
 from serve_client import Running, Scripted
 
 openai = pytest.importorskip("openai")
@@ -22,16 +21,9 @@ PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny tensors (conftest.one_thread)."""
-
-
 @pytest.fixture(scope="module")
-def model(packed):
-    m = load(packed, "cpu")
-    yield m
-    m.close()
+def model(packed_model):
+    return packed_model
 
 
 @pytest.fixture(scope="module")
