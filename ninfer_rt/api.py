@@ -13,6 +13,7 @@ masked so they are never sampled. This module stays numpy-only: torch lives behi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -92,45 +93,65 @@ class _ReferenceBackend:
 
 class _KeptCaches:
     """What reuse_cache generations leave for the next: the last run's cache with the ids fed into it (resident)
-    and a copy of a prompt's first tokens (snapshot), each an entry (cache, ids, slot) in its own backend slot.
-    The recurrent state cannot rewind, so an entry serves only a prompt that extends its ids."""
+    and a copy of a prompt's first tokens (snapshot), each an entry (cache, ids, slot, ticket) in its own backend
+    slot. The recurrent state cannot rewind, so an entry serves only a prompt that extends its ids.
+
+    Every run and copy claims its slot with a new ticket; an entry is valid while its slot's owner is still its
+    ticket. On a backend whose slots are device memory (exclusive_slots, the GPU) a run whose slot was claimed
+    by a later one (an interleaved generation, logits()) stops with an error instead of decoding another state."""
 
     def __init__(self, model: Model):
         self.model = model  # its backend may be swapped (tests wrap it): read it at each use
         self.resident = self.snapshot = None
+        self.owner = [0, 0]  # per slot: the ticket that last wrote it
+        self._tickets = itertools.count(1)
 
     @property
     def backend(self):
         return self.model._backend
 
-    def fresh(self) -> tuple[object, int, int]:
-        """(an empty cache, 0, its slot); everything kept is dropped."""
-        self.resident = self.snapshot = None
-        return self.backend.new_cache(0), 0, 0
+    def _claim(self, slot: int) -> int:
+        self.owner[slot] = ticket = next(self._tickets)
+        return ticket
 
-    def take(self, ids: list[int]) -> tuple[object, int, int]:
-        """(cache, tokens of ids already in it, slot): the longest kept entry that ids extend, else an empty
-        cache in a slot the snapshot does not hold. The resident is handed over either way."""
-        fits = [e for e in (self.resident, self.snapshot) if e is not None and len(e[1]) < len(ids)
+    def _valid(self, entry) -> bool:
+        return entry is not None and self.owner[entry[2]] == entry[3]
+
+    def owns(self, slot: int, ticket: int) -> bool:
+        """Whether the run holding ticket still owns slot."""
+        return self.owner[slot] == ticket
+
+    def fresh(self) -> tuple[object, int, int, int]:
+        """(an empty cache, 0, its slot, the run's ticket); everything kept is dropped."""
+        self.resident = self.snapshot = None
+        return self.backend.new_cache(0), 0, 0, self._claim(0)
+
+    def take(self, ids: list[int]) -> tuple[object, int, int, int]:
+        """(cache, tokens of ids already in it, slot, the run's ticket): the longest kept entry that ids extend,
+        else an empty cache in a slot the snapshot does not hold. The resident is handed over either way."""
+        fits = [e for e in (self.resident, self.snapshot) if self._valid(e) and len(e[1]) < len(ids)
                 and ids[:len(e[1])] == e[1]]
         best = max(fits, key=lambda e: len(e[1]), default=None)
-        if best is not None and best is self.snapshot:
-            self.snapshot = None  # its slot is the working one now
+        if best is self.snapshot or not self._valid(self.snapshot):
+            self.snapshot = None  # taken (its slot is the working one now), or overwritten
         self.resident = None
         if best is not None:
-            return best[0], len(best[1]), best[2]
+            return best[0], len(best[1]), best[2], self._claim(best[2])
         slot = 1 if self.snapshot is not None and self.snapshot[2] == 0 else 0
-        return self.backend.new_cache(slot), 0, slot
+        return self.backend.new_cache(slot), 0, slot, self._claim(slot)
 
     def keep_snapshot(self, cache, ids: list[int], slot: int) -> None:
         """Copy cache (in slot, holding ids) into the other slot as the snapshot, where there is one."""
         if getattr(self.backend, "cache_slots", 1) >= 2:
             other = 1 - slot
-            self.snapshot = (self.backend.copy_cache(cache, other), list(ids), other)
+            copy = self.backend.copy_cache(cache, other)
+            self.snapshot = (copy, list(ids), other, self._claim(other))
 
-    def leave(self, cache, ids: list[int], slot: int) -> None:
-        """The run in slot ended holding ids: the resident for the next."""
-        self.resident = (cache, ids, slot)
+    def leave(self, cache, ids: list[int], slot: int, ticket: int) -> None:
+        """The run holding ticket ended with ids in its slot: the resident for the next, if the slot is still
+        its own."""
+        if self.owns(slot, ticket):
+            self.resident = (cache, ids, slot, ticket)
 
 
 class Model:
@@ -296,7 +317,9 @@ class Model:
         """
         self.last_stats = stats
         history, real, is_stop = list(ids), self.real_vocab_size, self.tokenizer.is_stop
-        cache, start, slot = self._kept.take(ids) if reuse else self._kept.fresh()
+        kept = self._kept
+        cache, start, slot, ticket = kept.take(ids) if reuse else kept.fresh()
+        exclusive = getattr(self._backend, "exclusive_slots", False)
         stats.cached_tokens = start
         fed = list(ids[:start])  # what the cache holds, kept exact however the run ends
         clean = [True]           # False while a forward runs: if it raises, the cache's contents are unknown
@@ -307,6 +330,9 @@ class Model:
         def step(new_ids: list[int]) -> int:
             """Forward new_ids through the cache and pick the next token from the last row."""
             arr = np.asarray(new_ids, dtype=np.int64)
+            if exclusive and not kept.owns(slot, ticket):
+                raise NinferError("a later generation (or logits) took this generation's sequence slot on the GPU: "
+                                  "finish or close one generation before starting the next")
             clean[0] = False
             if on_device:
                 token = self._backend.sample_next(arr, cache, params, vocab=real, seed=seed,
@@ -321,12 +347,13 @@ class Model:
 
         try:
             t0 = time.perf_counter()
-            if snapshot_at is not None and start < snapshot_at:
-                clean[0] = False  # the prompt up to the snapshot (its last logits are not needed), then a copy
-                self._backend.forward(np.asarray(ids[start:snapshot_at], dtype=np.int64), cache, last_only=True)
-                fed.extend(ids[start:snapshot_at])
-                clean[0], start = True, snapshot_at
-                self._kept.keep_snapshot(cache, fed, slot)
+            if snapshot_at is not None and start <= snapshot_at:
+                if start < snapshot_at:  # the prompt up to the snapshot (its last logits are not needed)
+                    clean[0] = False
+                    self._backend.forward(np.asarray(ids[start:snapshot_at], dtype=np.int64), cache, last_only=True)
+                    fed.extend(ids[start:snapshot_at])
+                    clean[0], start = True, snapshot_at
+                kept.keep_snapshot(cache, fed, slot)  # (again, when this run began from the snapshot itself)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0
             while True:
@@ -345,7 +372,7 @@ class Model:
                 stats.decode_s += time.perf_counter() - t0
         finally:  # however it ended (a stop, the caller closing it), its cache is there for the next one
             if reuse and clean[0]:
-                self._kept.leave(cache, fed, slot)
+                kept.leave(cache, fed, slot, ticket)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,

@@ -36,7 +36,7 @@ class TwoSlots:
     a forward checks the cache's slot still holds what that cache fed (no one else reset or overwrote it) and
     answers logits that peak at a hash of the slot's whole history."""
 
-    cache_slots, max_ctx = 2, 4096
+    cache_slots, max_ctx, exclusive_slots = 2, 4096, True
 
     def __init__(self, vocab: int, stops: set[int]):
         self.vocab, self.stops = vocab, stops
@@ -110,6 +110,47 @@ def test_kept_caches_never_serve_a_stale_slot(model, monkeypatch):
         else:
             prompt = toks(rng.randrange(3, 12))
     assert min(reused.values()) > 30  # the conversation exercised both kinds of reuse
+
+
+def test_interleaved_generations_never_share_a_slot(model, monkeypatch):
+    """A generation left suspended while another (or logits) takes its slot stops with an error when resumed, and
+    closing it leaves nothing behind: the next reuse continues the later run's cache, as a fresh run decodes."""
+    from ninfer_rt.errors import NinferError
+
+    fake = TwoSlots(model.real_vocab_size, set(model.tokenizer.eos_ids))
+    monkeypatch.setattr(model, "_backend", fake)
+    model._kept.fresh()
+    a_ids, b_ids = list(range(100, 120)), list(range(200, 215))
+    a = model.generate_ids(a_ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True)
+    a_out = [next(a), next(a)]
+    b_out = list(model.generate_ids(b_ids, max_new_tokens=4, sampling=GREEDY, reuse_cache=True))
+    with pytest.raises(NinferError, match="took this generation's sequence slot"):
+        next(a)
+    a.close()
+    turn = b_ids + b_out + [300, 301]
+    assert list(model.generate_ids(turn, max_new_tokens=4, sampling=GREEDY, reuse_cache=True)) == \
+        fake.decode_fresh(turn, 4)
+    assert model.last_stats.cached_tokens == len(b_ids) + 3 and a_out == fake.decode_fresh(a_ids, 2)
+    # logits() resets slot 0 under a suspended run in it
+    c = model.generate_ids(a_ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True)
+    next(c)
+    model.logits([1, 2, 3])
+    with pytest.raises(NinferError, match="took this generation's sequence slot"):
+        next(c)
+
+
+def test_a_regenerated_turn_keeps_its_snapshot(model, monkeypatch):
+    """Asking the same turn again starts from the snapshot at its history and keeps it for the turn after."""
+    fake = TwoSlots(model.real_vocab_size, set(model.tokenizer.eos_ids))
+    monkeypatch.setattr(model, "_backend", fake)
+    model._kept.fresh()
+    ids = list(range(100, 140))
+    cached = []
+    for _ in range(4):
+        got = list(model.generate_ids(ids, max_new_tokens=4, sampling=GREEDY, reuse_cache=True, snapshot_at=30))
+        assert got == fake.decode_fresh(ids, 4)
+        cached.append(model.last_stats.cached_tokens)
+    assert cached == [0, 30, 30, 30]
 
 
 def test_a_chat_turn_continues_from_the_snapshot(model, monkeypatch):

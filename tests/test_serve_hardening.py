@@ -92,7 +92,8 @@ def test_foreign_hosts_and_origins_are_refused(model, srv):
     rebind = b"GET /v1/models HTTP/1.1\r\nHost: rebind.attacker.example\r\n\r\n"
     got = exchange(srv, rebind)
     assert responses(got) == [403] and b"permission_error" in got
-    for host in ("localhost", f"localhost:{srv.server.address[1]}", "127.0.0.1", "[::1]:8080"):
+    for host in ("localhost", f"localhost:{srv.server.address[1]}", "127.0.0.1", "[::1]:8080", "LOCALHOST",
+                 "Localhost:8080", "localhost.", "127.0.0.1.", "app.localhost", "127.0.0.2"):
         assert responses(exchange(srv, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())) == [200]
     assert responses(exchange(srv, b"GET /health HTTP/1.0\r\n\r\n")) == [200]  # no Host at all: not a browser
     form = post("/v1/completions", b'{"prompt": "Hi"}', "Origin: https://evil.example\r\nContent-Type: text/plain\r\n")
@@ -134,7 +135,7 @@ def test_a_client_that_leaves_stops_its_generation(model, stream, text):
         assert responses(exchange(r, post("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}'), shut=False)) == [200]
 
 
-def test_shutdown_answers_the_requests_still_waiting(model):
+def test_shutdown_answers_every_request(model):
     slow = Scripted(model, "z" * 100, step=1, delay=0.01)
     r = Running(slow).__enter__()
     results = []
@@ -150,7 +151,8 @@ def test_shutdown_answers_the_requests_still_waiting(model):
     r.__exit__(None, None, None)
     for t in threads:
         t.join(TIMEOUT_S)
-    assert sorted(results) == [[200], [503], [503]]
+    # the running generation stops at its next token, the waiting ones at once: each is answered 503
+    assert results == [[503]] * 3 and 0 < slow.taken < 100
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(model):
@@ -181,6 +183,12 @@ def test_anthropic_prefill_is_continued(model):
         prompt = model.tokenizer.decode(scripted.prompts[-1])
         assert status == 200 and prompt.endswith('{"a":') and "<think>\n\n</think>\n\n{\"a\":" in prompt
         assert body["content"] == [{"type": "text", "text": " 42}"}]
+        # words that also stand in the template's closing tokens: the prompt still ends right after the prefill
+        for prefill in ("<", "im", "end", "_end", ">", "|"):
+            status, _ = r.json("/v1/messages", {"max_tokens": 5, "messages": [
+                {"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": prefill}]})
+            got = model.tokenizer.decode(scripted.prompts[-1])
+            assert status == 200 and got.endswith("<think>\n\n</think>\n\n" + prefill), (prefill, got[-40:])
         # OpenAI: vLLM's continue_final_message
         status, body = r.json("/v1/chat/completions", {"continue_final_message": True, "messages": [
             {"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"a":'}]})

@@ -35,6 +35,7 @@ class GpuBackend:
         self.weights = load_artifact(self.gpu, artifact, progress=progress)
         self.max_ctx = min(max_ctx, spec.max_position_embeddings)  # positions a sequence may hold (Model reads it)
         self.cache_slots = cache_slots
+        self.exclusive_slots = True  # a slot is device memory: one sequence at a time (api._KeptCaches)
         self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=cache_slots, max_ctx=self.max_ctx,
                               kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
         self.use_graphs = use_graphs

@@ -137,30 +137,37 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening."""
     if job.messages is None:
         return None
+    if job.continue_final and generation_prompt:
+        return _open_final(model, job)
     try:
-        text = model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt
-                                          and not job.continue_final, **job.template_kwargs)
+        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
+                                          **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
-    if job.continue_final and generation_prompt:
-        text = _open_final(text, job.messages[-1])
-    return text
 
 
-def _open_final(text: str, last: dict) -> str:
-    """The prompt cut right after the final message's text, so generation continues it (what transformers'
-    continue_final_message does): the template closed the turn after it."""
+_MARK = "\ue000ninfer-end\ue001"  # private-use characters: no template trims or rewrites them
+
+
+def _open_final(model, job: Job) -> str:
+    """The prompt cut right after the final (assistant) message's text, so generation continues it. The text is
+    found by a mark rendered right after it, not by searching for it (the same words may stand in the template's
+    closing tokens, e.g. a prefill "im" in "<|im_end|>")."""
+    last = job.messages[-1]
     content = last.get("content")
-    if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content)
-    content = (content or "").strip()
-    if last.get("role") != "assistant" or not content:
+    if last.get("role") != "assistant" or not (content.strip() if isinstance(content, str) else content):
         raise bad("to continue the final message it must be an assistant message with text", "messages")
-    at = text.rfind(content)
+    marked = content + _MARK if isinstance(content, str) else [*content, {"type": "text", "text": _MARK}]
+    try:
+        text = model.chat_template.render([*job.messages[:-1], {**last, "content": marked}], tools=job.tools,
+                                          add_generation_prompt=False, **job.template_kwargs)
+    except NinferError as e:
+        raise bad(f"messages: {e}", "messages") from None
+    at = text.rfind(_MARK)
     if at < 0:
         raise bad("the chat template does not show the final assistant message's text: it cannot be continued",
                   "messages")
-    return text[:at + len(content)]
+    return text[:at]
 
 
 def prompt_ids(model, job: Job) -> tuple[str | None, list[int]]:

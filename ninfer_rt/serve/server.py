@@ -52,10 +52,12 @@ def _printable(text: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
+    """A loopback address or name (localhost and its subdomains, RFC 6761; any case, a trailing dot)."""
+    name = host.strip("[]").rstrip(".").lower()
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(name).is_loopback
     except ValueError:
-        return host == "localhost"
+        return name == "localhost" or name.endswith(".localhost")
 
 
 def _reject_constant(name: str):
@@ -180,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
         that origin (a page could otherwise start generations with a plain form post)."""
         if _is_loopback(self.app.address[0]):
             host = self.headers.get("Host", "")  # none at all: not a browser (HTTP/1.0 clients may omit it)
-            name = (host.rsplit(":", 1)[0] if not host.endswith("]") else host).strip("[]")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if host and not _is_loopback(name):
                 raise RequestError(403, f"Host {host!r} is not this machine: the server answers loopback names "
                                         "only (run it with --host to expose it)", kind="permission_error")
@@ -272,12 +274,18 @@ class _Handler(BaseHTTPRequestHandler):
             ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
 
     def _client_gone(self) -> bool:
-        """Whether the client closed its end (readable with nothing to read); a pipelined request is not that."""
+        """Whether the client closed its end (readable with nothing to read; a pipelined request is not that). A
+        client that only shuts down its sending side reads the same: it is taken as gone, as nginx does."""
         try:
-            if not select.select([self.connection], [], [], 0)[0]:
+            if hasattr(select, "poll"):  # select.select cannot watch descriptors past 1023
+                poller = select.poll()
+                poller.register(self.connection, select.POLLIN | select.POLLHUP | select.POLLERR)
+                if not poller.poll(0):
+                    return False
+            elif not select.select([self.connection], [], [], 0)[0]:
                 return False
             return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
+        except OSError:
             return True
 
     # ------------------------------------------------------------------------------------------------ writing

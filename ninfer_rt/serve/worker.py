@@ -17,6 +17,7 @@ from ninfer_rt.errors import NinferError
 from ninfer_rt.serve.common import Prepared, RequestError
 
 _POLL_S = 0.2  # how often an idle worker looks at its stop flag (signals reach the main thread in between)
+_SHUTTING_DOWN = RequestError(503, "the server is shutting down", kind="overloaded_error")
 
 
 @dataclass
@@ -42,15 +43,15 @@ class Worker:
 
     def submit(self, prepared: Prepared) -> Ticket:
         """Queue a prepared request; RequestError 503 when max_queue already wait behind a running one."""
-        with self._lock:
+        with self._lock:  # with the queue's put inside, so the shutdown's drain cannot pass between them
             if self.stopping.is_set():
                 raise RequestError(503, "the server is shutting down", kind="overloaded_error")
             if self._outstanding > self.max_queue:
                 raise RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
                                         "waiting; try again later", kind="overloaded_error")
             self._outstanding += 1
-        ticket = Ticket(prepared)
-        self.tickets.put(ticket)
+            ticket = Ticket(prepared)
+            self.tickets.put(ticket)
         return ticket
 
     def run(self) -> None:
@@ -69,15 +70,17 @@ class Worker:
                     with self._lock:
                         self._outstanding -= 1
         finally:
-            self.stopping.set()
-            while True:
-                try:
-                    ticket = self.tickets.get_nowait()
-                except queue.Empty:
-                    break
-                ticket.out.put(("error", RequestError(503, "the server is shutting down", kind="overloaded_error")))
+            with self._lock:
+                self.stopping.set()
+                while True:
+                    try:
+                        ticket = self.tickets.get_nowait()
+                    except queue.Empty:
+                        break
+                    ticket.out.put(("error", _SHUTTING_DOWN))
 
     def stop(self) -> None:
+        """Stop: the running generation at its next token, the waiting ones at once (each answered 503)."""
         self.stopping.set()
 
     def _generate(self, ticket: Ticket) -> None:
@@ -89,11 +92,11 @@ class Worker:
             pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
                                          reuse_cache=True, snapshot_at=p.snapshot_at)
             for piece in pieces:
-                if ticket.cancelled.is_set():
+                if ticket.cancelled.is_set() or self.stopping.is_set():
                     pieces.close()
                     break
                 ticket.out.put(("piece", piece))
-            ticket.out.put(("done", self.model.last_stats))
+            ticket.out.put(("error", _SHUTTING_DOWN) if self.stopping.is_set() else ("done", self.model.last_stats))
         except NinferError as e:  # e.g. the sampler refused the logits it got
             ticket.out.put(("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on

@@ -341,40 +341,38 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
     assert a == b and a != c and max(a + c) < m.real_vocab_size
 
 
-def test_reuse_cache_and_the_cache_bound_on_the_device(gpu, artifact):
-    """reuse_cache on the GPU with two slots: the next turn prefills only its new tokens (from the slot's position
-    on), a prompt that shares only a prefix continues from the snapshot copied into the other slot, and both decode
-    what a fresh run decodes (greedy: the split prefill rounds differently only far below a tie of the tiny
-    model's logits); generation stops with "length" at the KV cache's max_ctx rather than failing past it."""
+def test_continued_and_copied_caches_give_a_fresh_prefills_logits(gpu, artifact):
+    """What reuse_cache and snapshots do on the GPU, through the backend with two slots: a prompt prefilled onto a
+    cache that holds its first part, or onto a copy of that cache in the other slot (copy_cache), gives the last
+    token's logits of the whole prompt prefilled at once (KL ≤ 1e-3, this file's bound: the split moves only the
+    DeltaNet chunking and attention tiling); and Model stops generating with "length" at max_ctx."""
     from ninfer_rt.api import load
     from ninfer_rt.sampling import SamplingParams
 
-    greedy = SamplingParams(greedy=True)
-    m = load(artifact, device="cuda", max_ctx=96, cache_slots=2)
+    m = load(artifact, device="cuda", max_ctx=160, cache_slots=2)
+    b = m._backend
     try:
-        ids = [int(i) for i in prompt(40, seed=5, vocab=m.real_vocab_size)]
-        more = [int(i) for i in prompt(7, seed=6, vocab=m.real_vocab_size)]
-        first = list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True))
-        fed = ids + (first[:-1] if m.last_stats.finish_reason == "length" else first)
-        turn = ids + first + more
-        fresh = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy))
-        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True, snapshot_at=30))
-        again = list(m.generate_ids(turn, max_new_tokens=8, sampling=greedy, reuse_cache=True))
-        cached = m.last_stats.cached_tokens
-        # a prompt sharing only the first 30 tokens continues from the snapshot in the other slot (copy_slot)
-        branch = ids[:30] + more
-        fresh_branch = list(m.generate_ids(branch, max_new_tokens=8, sampling=greedy))
-        list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True, snapshot_at=30))
-        from_snapshot = list(m.generate_ids(branch, max_new_tokens=8, sampling=greedy, reuse_cache=True))
-        snap_cached = m.last_stats.cached_tokens
-        assert m.context_length == 96
-        long = list(m.generate_ids(ids, max_new_tokens=200, sampling=greedy))
+        ids = prompt(100, seed=5, vocab=m.real_vocab_size)
+        more = prompt(9, seed=6, vocab=m.real_vocab_size)
+        whole = np.concatenate([ids, more])
+        fresh = b.forward(whole, b.new_cache(0), last_only=True)[-1]
+        c = b.new_cache(0)
+        b.forward(ids, c, last_only=True)
+        continued = b.forward(more, c, last_only=True)[-1]
+        c = b.new_cache(0)
+        b.forward(ids[:70], c, last_only=True)
+        copy = b.copy_cache(c, 1)
+        b.forward(prompt(20, seed=7, vocab=m.real_vocab_size), c, last_only=True)  # the source moves on
+        branch = b.forward(np.concatenate([ids[70:], more]), copy, last_only=True)[-1]
+        assert m.context_length == 160
+        long = list(m.generate_ids(prompt(150, seed=8, vocab=m.real_vocab_size).tolist(), max_new_tokens=50,
+                                   sampling=SamplingParams(temperature=1.0, top_k=50, seed=1)))
         end = m.last_stats.finish_reason
     finally:
         m.close()
-    assert cached == len(fed) and again == fresh
-    assert snap_cached == 30 and from_snapshot == fresh_branch
-    assert end == "eos" or (end == "length" and len(long) == 96 - len(ids))
+    for got in (continued, branch):
+        assert np.isfinite(got).all() and kld(fresh[None], got[None]).item() <= 1e-3
+    assert end == "eos" or (end == "length" and len(long) == 10)
 
 
 def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
