@@ -92,7 +92,7 @@ def run(
 def serve(
     path: Path = typer.Argument(..., help="The .ninfer artifact."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 or :: exposes the "
-                                                         "server to the network: set --api-key then)."),
+                                                         "server to the network: set --api-key-file then)."),
     port: int = typer.Option(8080, "--port", help="TCP port (0 lets the OS choose; the log says which)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id /v1/models lists and "
                                                                         "replies carry (default: the file's stem)."),
