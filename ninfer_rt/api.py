@@ -62,15 +62,15 @@ class GenerationStats:
 class _ReferenceBackend:
     """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact (torch imported here, lazily)."""
 
-    def __init__(self, artifact: Artifact):
-        """Decode the text weights and build the reference model."""
+    def __init__(self, artifact: Artifact, cache_slots: int = 1):
+        """Decode the text weights and build the reference model. cache_slots: how many sequences Model may keep
+        at once (load's; host caches are objects, so this only mirrors the GPU's choice)."""
         from ninfer_rt.reference.model import ReferenceModel
         from ninfer_rt.reference.weights import artifact_weights
 
         # the MTP head is not used by plain decoding, so its tensors are not decoded
         self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=("text",)))
-
-    cache_slots = 2  # sequences it can hold at once, as far as Model asks: caches are host objects, any number
+        self.cache_slots = cache_slots
 
     def new_cache(self, slot: int = 0):
         """Empty decode state for one sequence (slot: the GPU's; host caches need none)."""
@@ -141,11 +141,10 @@ class _KeptCaches:
         return self.backend.new_cache(slot), 0, slot, self._claim(slot)
 
     def keep_snapshot(self, cache, ids: list[int], slot: int) -> None:
-        """Copy cache (in slot, holding ids) into the other slot as the snapshot, where there is one."""
-        if getattr(self.backend, "cache_slots", 1) >= 2:
-            other = 1 - slot
-            copy = self.backend.copy_cache(cache, other)
-            self.snapshot = (copy, list(ids), other, self._claim(other))
+        """Copy cache (in slot, holding ids) into the other slot as the snapshot (the backend has two)."""
+        other = 1 - slot
+        copy = self.backend.copy_cache(cache, other)
+        self.snapshot = (copy, list(ids), other, self._claim(other))
 
     def leave(self, cache, ids: list[int], slot: int, ticket: int) -> None:
         """The run holding ticket ended with ids in its slot: the resident for the next, if the slot is still
@@ -204,6 +203,11 @@ class Model:
         """Positions a sequence may hold here, prompt and output together: the model's context, or on the GPU
         the KV cache allocated at load (load's max_ctx)."""
         return self._backend.max_ctx
+
+    @property
+    def can_snapshot(self) -> bool:
+        """Whether generate(snapshot_at=...) keeps a copy (load's cache_slots=2); else snapshot_at is ignored."""
+        return getattr(self._backend, "cache_slots", 1) >= 2
 
     @property
     def real_vocab_size(self) -> int:
@@ -347,7 +351,7 @@ class Model:
 
         try:
             t0 = time.perf_counter()
-            if snapshot_at is not None and start <= snapshot_at:
+            if snapshot_at is not None and start <= snapshot_at and self.can_snapshot:
                 if start < snapshot_at:  # the prompt up to the snapshot (its last logits are not needed)
                     clean[0] = False
                     self._backend.forward(np.asarray(ids[start:snapshot_at], dtype=np.int64), cache, last_only=True)
@@ -390,8 +394,8 @@ class Model:
         cache (its prompt and output, as an agent's next turn does after a tool call), only the rest is prefilled
         (last_stats.cached_tokens says how many were not). snapshot_at (with reuse_cache) keeps a copy of the
         cache after the prompt's first snapshot_at tokens, from which a later prompt that shares them continues
-        (a chat's next turn, whose template re-renders this turn's reply; on the GPU this needs load(...,
-        cache_slots=2)). The result equals a fresh run's up to the rounding of a prefill split in two.
+        (a chat's next turn, whose template re-renders this turn's reply; needs load(..., cache_slots=2),
+        else it is ignored). The result equals a fresh run's up to the rounding of a prefill split in two.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
@@ -478,7 +482,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     kv_dtype int8 or bf16; prompts in steps of prefill_chunk tokens, default ninfer_rt.gpu.PREFILL_CHUNK; progress(done,
     total) while weights load); "auto": cuda when a GPU is present. check_checksums: hash every tensor against
     the header first (SHA-256, ~1-2 GB/s a core: as `ninfer-pack verify` does) and refuse a corrupted file.
-    cache_slots: sequences the GPU holds at once (1 or 2; each has its own KV cache of max_ctx positions and
+    cache_slots: sequences kept at once (1 or 2; on the GPU each has its own KV cache of max_ctx positions and
     DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside the last run.
     """
     if not isinstance(path, (str, PathLike)):
@@ -525,7 +529,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
                                  prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
                                  cache_slots=int(cache_slots))
         else:
-            backend = _ReferenceBackend(artifact)
+            backend = _ReferenceBackend(artifact, cache_slots=int(cache_slots))
         return Model(artifact, backend, device)
     except BaseException:
         artifact.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Run Qwen3.5/3.6 .ninfer artifacts.")
 out = Console()
 err = Console(stderr=True)
+
+
+# Options of every command that loads a model (run, serve): one declaration each.
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
+                                                             "or cpu (the PyTorch reference).")]
+MaxContextOption = Annotated[int, typer.Option("--max-context", help="Positions of KV cache to allocate (cuda): "
+                                                                     "prompt and output of a sequence together.")]
+KvCacheOption = Annotated[str, typer.Option("--kv-cache", help="KV cache dtype on the GPU: int8 or bf16.")]
+PrefillChunkOption = Annotated[Optional[int], typer.Option(
+    "--prefill-chunk", help=f"Prompt tokens per prefill step on the GPU (default {PREFILL_CHUNK}; smaller saves GPU "
+                            "memory, larger reads the weights fewer times per prompt).")]
+ChecksumsOption = Annotated[bool, typer.Option("--check-checksums", help="Hash every tensor against the artifact's "
+                                                                         "checksums first (as ninfer-pack verify "
+                                                                         "does).")]
 
 
 def _sampling(model, greedy: bool, overrides: dict):
@@ -48,16 +62,11 @@ def run(
                                                                                           "over prompt + output."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64): same seed, same text "
                                                              "(omit it for a fresh one)."),
-    device: str = typer.Option("auto", "--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
-                                                       "or cpu (the PyTorch reference)."),
-    max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache to allocate (cuda)."),
-    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype on the GPU: int8 or bf16."),
-    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
-                                                f"on the GPU (default {PREFILL_CHUNK}; smaller saves GPU memory, "
-                                                "larger reads the weights fewer times per prompt)."),
-    check_checksums: bool = typer.Option(False, "--check-checksums", help="Hash every tensor against the "
-                                                                          "artifact's checksums before running "
-                                                                          "(as ninfer-pack verify does)."),
+    device: DeviceOption = "auto",
+    max_context: MaxContextOption = 32768,
+    kv_cache: KvCacheOption = "int8",
+    prefill_chunk: PrefillChunkOption = None,
+    check_checksums: ChecksumsOption = False,
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
@@ -95,29 +104,28 @@ def serve(
                                                          "server to the network: set --api-key-file then)."),
     port: int = typer.Option(8080, "--port", help="TCP port (0 lets the OS choose; the log says which)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id /v1/models lists and "
-                                                                        "replies carry (default: the file's stem)."),
+                                                                        "replies carry (default: the file's name "
+                                                                        "without .ninfer)."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Require this file's key (its first "
                                                 "line) as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."),
     cors_origin: Optional[str] = typer.Option(None, "--cors-origin", help="Allow browser pages from this origin "
                                                                           "(or '*') to call the API."),
     max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one generating; "
                                                           "more are answered 503."),
-    device: str = typer.Option("auto", "--device", help="auto (cuda when a GPU is present), cuda or cpu."),
-    max_context: int = typer.Option(32768, "--max-context", help="Positions of KV cache (cuda): prompt and "
-                                                                 "output of one request together."),
-    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype on the GPU: int8 or bf16."),
-    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
-                                                f"on the GPU (default {PREFILL_CHUNK})."),
-    check_checksums: bool = typer.Option(False, "--check-checksums", help="Hash every tensor against the "
-                                                                          "artifact's checksums first."),
+    device: DeviceOption = "auto",
+    max_context: MaxContextOption = 32768,
+    kv_cache: KvCacheOption = "int8",
+    prefill_chunk: PrefillChunkOption = None,
+    check_checksums: ChecksumsOption = False,
     prefix_snapshot: bool = typer.Option(True, "--prefix-snapshot/--no-prefix-snapshot", help="Keep a copy of "
-                                         "each chat's history so its next turn prefills only the new messages "
-                                         "(on the GPU: a second KV cache and DeltaNet state)."),
+                                         "the last chat's history so its next turn prefills only the new "
+                                         "messages (on the GPU: a second KV cache and DeltaNet state)."),
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. One generation at a time."""
     from ninfer_rt.api import load
     from ninfer_rt.serve import Server
+    from ninfer_rt.serve.server import is_loopback
 
     _check_chunk(prefill_chunk)
     if not 0 <= port <= 65535:
@@ -125,6 +133,10 @@ def serve(
     if max_queue < 0:
         raise NinferError(f"--max-queue must be >= 0, got {max_queue}")
     api_key = _read_api_key(api_key_file) if api_key_file is not None else None
+    _probe_listen(host, port)  # a taken port is said before minutes of loading, not after
+    if not is_loopback(host) and api_key is None:
+        err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
+                  "reach the port can use the model", highlight=False, soft_wrap=True, markup=False)
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, cache_slots=2 if prefix_snapshot else 1)
     try:
@@ -142,7 +154,8 @@ def serve(
 
 
 def _read_api_key(path: Path) -> str:
-    """The key on the first line of path (a file keeps it out of the process list and the shell history)."""
+    """The key on the first line of path (a file keeps it out of the process list and the shell history): printable
+    ASCII, as HTTP headers carry it."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
@@ -150,7 +163,23 @@ def _read_api_key(path: Path) -> str:
     key = lines[0].strip() if lines else ""
     if not key:
         raise NinferError(f"--api-key-file {path}: the first line is empty")
+    if not (key.isascii() and key.isprintable()):
+        raise NinferError(f"--api-key-file {path}: the key must be printable ASCII (HTTP headers carry no other)")
     return key
+
+
+def _probe_listen(host: str, port: int) -> None:
+    """NinferError when host:port cannot be listened on (bound and released at once; the server binds again)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+            probe.bind(address)
+    except OSError as e:
+        raise NinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 @app.command()
@@ -241,13 +270,11 @@ def bench(
     prefill: str = typer.Option("512,8192,65536", "--prefill", help="Prompt lengths to time, comma-separated."),
     decode_context: str = typer.Option("0,8192,65536,262144", "--decode-context",
                                        help="Contexts to time one-token decode at, comma-separated."),
-    kv_cache: str = typer.Option("int8", "--kv-cache", help="KV cache dtype: int8 or bf16."),
+    kv_cache: KvCacheOption = "int8",
     prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
                                                                         "time (two prompts: cold, then timed) "
                                                                         "exceeds this many seconds."),
-    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prompt tokens per prefill step "
-                                                f"(default {PREFILL_CHUNK}; larger chunks read each weight fewer "
-                                                "times per prompt and use more GPU memory)."),
+    prefill_chunk: PrefillChunkOption = None,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result as JSON here."),
 ):
     """Prefill and decode throughput, load time and GPU memory on this machine's GPU."""

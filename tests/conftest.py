@@ -53,10 +53,11 @@ def packed(tiny_moe, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed_model(packed, one_thread):
-    """The packed tiny MoE on the CPU reference (ninfer_rt.load), one per module, one torch thread."""
+    """The packed tiny MoE on the CPU reference (ninfer_rt.load, with serve's two cache slots), one per module,
+    one torch thread."""
     from ninfer_rt import load
 
-    m = load(packed, "cpu")
+    m = load(packed, "cpu", cache_slots=2)
     yield m
     m.close()
 

@@ -171,6 +171,26 @@ def test_a_chat_turn_continues_from_the_snapshot(model, monkeypatch):
     assert again == fresh and model.last_stats.cached_tokens == len(history)
 
 
+def test_one_cache_slot_keeps_no_snapshot(packed, monkeypatch):
+    """load(cache_slots=1) (serve --no-prefix-snapshot): snapshot_at is ignored, and the prompt goes in whole."""
+    m = load(packed, "cpu", cache_slots=1)
+    try:
+        fake = TwoSlots(m.real_vocab_size, set(m.tokenizer.eos_ids))
+        fake.cache_slots = 1
+        monkeypatch.setattr(m, "_backend", fake)
+        calls = []
+        forward = fake.forward
+        monkeypatch.setattr(fake, "forward", lambda ids, cache, last_only=False: calls.append(len(ids)) or
+                            forward(ids, cache, last_only))
+        ids = list(range(100, 140))
+        list(m.generate_ids(ids, max_new_tokens=2, sampling=GREEDY, reuse_cache=True, snapshot_at=30))
+        assert not m.can_snapshot and m._kept.snapshot is None and calls == [40, 1]
+        list(m.generate_ids(ids[:30] + [7, 8], max_new_tokens=2, sampling=GREEDY, reuse_cache=True))
+        assert m.last_stats.cached_tokens == 0
+    finally:
+        m.close()
+
+
 def test_snapshot_at_is_checked(model):
     from ninfer_rt.errors import NinferError
 

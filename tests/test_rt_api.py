@@ -236,9 +236,7 @@ def test_reuse_cache_prefills_only_what_extends_the_last_run(moe_model, monkeypa
     assert m.last_stats.finish_reason == "length" and m.last_stats.cached_tokens == 0
     turn = ids + first + prompt_ids(5, seed=4)  # the 6th token was sampled, not fed: it is prefilled now
     fresh = list(m.generate_ids(turn, max_new_tokens=5, sampling=GREEDY))  # no reuse: a new cache
-    counting.calls.clear()
-    m._resident = None
-    list(m.generate_ids(ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True))
+    list(m.generate_ids(ids, max_new_tokens=6, sampling=GREEDY, reuse_cache=True))  # (fresh dropped the first's)
     counting.calls.clear()
     again = list(m.generate_ids(turn, max_new_tokens=5, sampling=GREEDY, reuse_cache=True))
     assert again == fresh and m.last_stats.cached_tokens == len(ids) + 5
@@ -251,7 +249,7 @@ def test_reuse_cache_prefills_only_what_extends_the_last_run(moe_model, monkeypa
 
 def test_reuse_cache_after_an_early_stop_and_after_logits(moe_model, monkeypatch):
     """A run closed by its caller leaves exactly what it fed (the last token it yielded was not); logits() or a
-    run without reuse_cache resets the one sequence slot a GPU has, so nothing is reused after them."""
+    run without reuse_cache starts afresh in slot 0 (on the GPU, resetting it), so nothing is reused after them."""
     m, ids = moe_model, prompt_ids(16, seed=5)
     counting = _CountingBackend(m._backend)
     monkeypatch.setattr(m, "_backend", counting)

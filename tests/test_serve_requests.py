@@ -272,11 +272,15 @@ def test_cli_serves_until_a_signal(packed, tmp_path, sig, code, said):
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--api-key-file", "/nonexistent/key"], "No such file or directory"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--api-key-file", "KEYFILE"], "the key must be printable ASCII"),
 ])
-def test_cli_refuses_bad_options_in_one_line(packed, capsys, args, fragment):
+def test_cli_refuses_bad_options_in_one_line(packed, capsys, tmp_path, args, fragment):
     from cli_runner import run_main
     from ninfer_rt import cli
 
+    key = tmp_path / "key"
+    key.write_text("clé\n", encoding="utf-8")
+    args = [str(key) if a == "KEYFILE" else a for a in args]
     code, out, err = run_main(cli.main, "ninfer-rt", ["serve", packed, "--device", "cpu", *args], capsys)
     assert code != 0 and fragment in err and len(err.strip().splitlines()) == 1
 

@@ -135,7 +135,6 @@ class KVCache:
         v_scale = base + 2 * data + scale if scale else 0
         return cls(base, base + data, k_scale, v_scale, slots, max_ctx, nKV, d, dtype)
 
-
     def copy_positions(self, gpu, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of slot src into slot dst (k, v and, for int8, their scales), on the default stream."""
         _need(0 <= src < self.slots and 0 <= dst < self.slots and 0 <= n <= self.max_ctx,

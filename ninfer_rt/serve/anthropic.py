@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, get, get_float, get_int, get_stops,
-                                    refuse_images)
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, get, get_float, get_int,
+                                    get_stops)
 from ninfer_rt.serve.replies import Event
 
 
@@ -24,16 +24,7 @@ def _text_blocks(content, where: str, allowed: tuple[str, ...]) -> list[dict]:
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise bad(f"{where} must be a string or a list of content blocks", where)
-    for i, block in enumerate(content):
-        if not isinstance(block, dict):
-            raise bad(f"{where}[{i}] must be an object", where)
-        refuse_images(block, f"{where}[{i}]")
-        if block.get("type") not in allowed:
-            raise bad(f"{where}[{i}]: block type {block.get('type')!r} is not supported here (expected "
-                      f"{', '.join(allowed)})", where)
-        if block["type"] == "text" and not isinstance(block.get("text"), str):
-            raise bad(f"{where}[{i}].text must be a string", where)
-    return content
+    return check_parts(content, where, allowed)
 
 
 def _plain_text(blocks: list[dict]) -> str:

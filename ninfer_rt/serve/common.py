@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.sampling import SamplingParams, requested_sampling
@@ -88,11 +88,20 @@ def get_stops(body: dict, key: str) -> list[str]:
     return stops
 
 
-def refuse_images(part: dict, where: str) -> None:
-    """Vision is not served: an image, video or audio part is refused by name rather than silently dropped."""
-    kind = part.get("type")
-    if kind in ("image", "image_url", "input_image", "video", "video_url", "input_audio", "document"):
-        raise bad(f"{where}: '{kind}' content is not supported (this server runs the text model)", where)
+def check_parts(parts: list, where: str, allowed: tuple[str, ...]) -> list[dict]:
+    """Content parts (OpenAI) or blocks (Anthropic): objects of an allowed type, a text one with its text a string.
+    Vision is not served: an image, video, audio or document part is refused by name, not silently dropped."""
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise bad(f"{where}[{i}] must be an object", where)
+        kind = part.get("type", "text")
+        if kind in ("image", "image_url", "input_image", "video", "video_url", "input_audio", "document"):
+            raise bad(f"{where}[{i}]: '{kind}' content is not supported (this server runs the text model)", where)
+        if kind not in allowed:
+            raise bad(f"{where}[{i}]: part type {kind!r} is not supported here (expected {', '.join(allowed)})", where)
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise bad(f"{where}[{i}].text must be a string", where)
+    return parts
 
 
 @dataclass
@@ -130,6 +139,24 @@ class Prepared:
     thinking: bool
     tools: list[dict] | None
     snapshot_at: int | None = None  # where the chat's history ends (api.generate's snapshot_at)
+
+
+class Reply(Protocol):
+    """What a front end builds from a generation (openai.ChatReply, openai.CompletionReply,
+    anthropic.MessagesReply), constructed as Reply(model_name, prepared, job). Each method returns the stream's
+    frames (bytes of server-sent events) and keeps what it saw for body()."""
+
+    def start(self) -> list[bytes]:
+        """The stream's opening frames (before any text)."""
+
+    def events(self, events: list) -> list[bytes]:
+        """Frames for replies.Event items as they come (reasoning, text, tool calls)."""
+
+    def finish(self, stats) -> list[bytes]:
+        """The stream's closing frames, from the run's GenerationStats (finish reason, usage)."""
+
+    def body(self, stats) -> dict:
+        """The whole reply as one JSON object (a request without stream)."""
 
 
 def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
@@ -204,4 +231,5 @@ def prepare(model, job: Job) -> Prepared:
     budget = context - len(ids)
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, job.tools if job.parse_tools else None, history_length(model, job, ids))
+                    thinking, job.tools if job.parse_tools else None,
+                    history_length(model, job, ids) if model.can_snapshot else None)

@@ -12,8 +12,8 @@ import json
 import time
 import uuid
 
-from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, get, get_float, get_int, get_stops,
-                                    refuse_images)
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, get, get_float, get_int,
+                                    get_stops)
 from ninfer_rt.serve.replies import Event
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -53,13 +53,7 @@ def _content(value, where: str):
         return value
     if not isinstance(value, list):
         raise bad(f"{where} must be a string, null or a list of content parts", where)
-    for i, part in enumerate(value):
-        if not isinstance(part, dict):
-            raise bad(f"{where}[{i}] must be an object", where)
-        refuse_images(part, f"{where}[{i}]")
-        if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
-            raise bad(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}", where)
-    return [{"type": "text", "text": part["text"]} for part in value]
+    return [{"type": "text", "text": part["text"]} for part in check_parts(value, where, ("text",))]
 
 
 def _tool_calls(calls, where: str) -> list[dict]:

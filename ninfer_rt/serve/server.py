@@ -44,6 +44,7 @@ _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
                "completion": (openai.parse_completion, openai.CompletionReply, openai),
                "messages": (anthropic.parse_messages, anthropic.MessagesReply, anthropic)}
 _ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
+_PREPARING = 4  # requests rendered and tokenized at once (under the GIL more would only wait on each other)
 
 
 def _printable(text: str) -> str:
@@ -51,7 +52,7 @@ def _printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """A loopback address or name (localhost and its subdomains, RFC 6761; any case, a trailing dot)."""
     name = host.strip("[]").rstrip(".").lower()
     try:
@@ -170,20 +171,26 @@ class _Handler(BaseHTTPRequestHandler):
                 raise RequestError(404, f"no model {name!r} here (this server runs {self.app.model_name!r})",
                                    kind="not_found_error")
             return self._send_json(200, self.app.model_card())
+        if action != "count_tokens":
+            self.app.worker.check_room()  # a full queue refuses before the body is read and prepared
         body = self._read_body()
-        if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
-            _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
-            return self._send_json(200, {"input_tokens": len(ids)})
-        return self._generate(action, body)
+        with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
+            if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
+                _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
+                return self._send_json(200, {"input_tokens": len(ids)})
+            parse, reply, front = _GENERATORS[action]
+            job: Job = parse(body)
+            prepared = prepare(self.app.model, job)
+        return self._generate(job, prepared, reply, front, parser=action != "completion")
 
     def _check_host_and_origin(self) -> None:
         """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page
         names its own host), and no server answers a browser's cross-origin request unless --cors-origin allows
         that origin (a page could otherwise start generations with a plain form post)."""
-        if _is_loopback(self.app.address[0]):
+        if is_loopback(self.app.address[0]):
             host = self.headers.get("Host", "")  # none at all: not a browser (HTTP/1.0 clients may omit it)
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if host and not _is_loopback(name):
+            if host and not is_loopback(name):
                 raise RequestError(403, f"Host {host!r} is not this machine: the server answers loopback names "
                                         "only (run it with --host to expose it)", kind="permission_error")
         origin = self.headers.get("Origin")
@@ -220,14 +227,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------------------------------------ generation
 
-    def _generate(self, action: str, body: dict) -> int:
-        """Prepare, queue and answer one generation: whole, or as server-sent events."""
-        parse, Reply, front = _GENERATORS[action]
-        job: Job = parse(body)
-        prepared = prepare(self.app.model, job)
+    def _generate(self, job: Job, prepared, reply_class, front, parser: bool) -> int:
+        """Queue and answer one prepared generation: whole, or as server-sent events. parser: split the text into
+        reasoning, text and tool calls (chats), else pass it through (raw completions)."""
         ticket = self.app.worker.submit(prepared)
-        reply = Reply(self.app.model_name, prepared, job)
-        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools) if action != "completion" else None
+        reply = reply_class(self.app.model_name, prepared, job)
+        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools) if parser else None
 
         def events(piece: str | None) -> list[Event]:
             """A piece (None: the end) as reply events; a raw completion is text as it comes."""
@@ -355,6 +360,7 @@ class Server:
         self.model, self.model_name, self.api_key, self.cors_origin = model, model_name, api_key, cors_origin
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.worker = Worker(model, max_queue, self.log)
+        self.preparing = threading.BoundedSemaphore(_PREPARING)
         handler = type("Handler", (_Handler,), {"app": self})
         try:
             self.httpd = (_HTTPServer6 if ":" in host else _HTTPServer)((host, port), handler)
@@ -383,4 +389,6 @@ class Server:
             self.httpd.server_close()
 
     def shutdown(self) -> None:
+        """Stop serving (from any thread): the running generation ends at its next token, waiting requests get
+        503, and serve_forever returns."""
         self.worker.stop()

@@ -17,7 +17,10 @@ from ninfer_rt.errors import NinferError
 from ninfer_rt.serve.common import Prepared, RequestError
 
 _POLL_S = 0.2  # how often an idle worker looks at its stop flag (signals reach the main thread in between)
-_SHUTTING_DOWN = RequestError(503, "the server is shutting down", kind="overloaded_error")
+
+
+def _shutting_down() -> RequestError:
+    return RequestError(503, "the server is shutting down", kind="overloaded_error")
 
 
 @dataclass
@@ -41,14 +44,28 @@ class Worker:
         self._lock = threading.Lock()
         self._outstanding = 0  # tickets queued or running
 
+    def _refusal(self) -> RequestError | None:
+        """Why a request cannot queue now (called with the lock held), or None."""
+        if self.stopping.is_set():
+            return _shutting_down()
+        if self._outstanding > self.max_queue:
+            return RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
+                                     "waiting; try again later", kind="overloaded_error")
+        return None
+
+    def check_room(self) -> None:
+        """RequestError 503 when a request could not queue now: asked before its body is read and prepared."""
+        with self._lock:
+            refusal = self._refusal()
+        if refusal is not None:
+            raise refusal
+
     def submit(self, prepared: Prepared) -> Ticket:
         """Queue a prepared request; RequestError 503 when max_queue already wait behind a running one."""
         with self._lock:  # with the queue's put inside, so the shutdown's drain cannot pass between them
-            if self.stopping.is_set():
-                raise RequestError(503, "the server is shutting down", kind="overloaded_error")
-            if self._outstanding > self.max_queue:
-                raise RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
-                                        "waiting; try again later", kind="overloaded_error")
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal
             self._outstanding += 1
             ticket = Ticket(prepared)
             self.tickets.put(ticket)
@@ -77,7 +94,7 @@ class Worker:
                         ticket = self.tickets.get_nowait()
                     except queue.Empty:
                         break
-                    ticket.out.put(("error", _SHUTTING_DOWN))
+                    ticket.out.put(("error", _shutting_down()))
 
     def stop(self) -> None:
         """Stop: the running generation at its next token, the waiting ones at once (each answered 503)."""
@@ -96,9 +113,9 @@ class Worker:
                     pieces.close()
                     break
                 ticket.out.put(("piece", piece))
-            ticket.out.put(("error", _SHUTTING_DOWN) if self.stopping.is_set() else ("done", self.model.last_stats))
+            ticket.out.put(("error", _shutting_down()) if self.stopping.is_set() else ("done", self.model.last_stats))
         except NinferError as e:  # e.g. the sampler refused the logits it got
             ticket.out.put(("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
             self.log(traceback.format_exc().rstrip())
-            ticket.out.put(("error", RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="api_error")))
+            ticket.out.put(("error", RequestError(500, f"internal error: {type(e).__name__}", kind="api_error")))
