@@ -342,10 +342,8 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
 
 
 def test_continued_and_copied_caches_give_a_fresh_prefills_logits(gpu, artifact):
-    """What reuse_cache and snapshots do on the GPU, through the backend with two slots: a prompt prefilled onto a
-    cache that holds its first part, or onto a copy of that cache in the other slot (copy_cache), gives the last
-    token's logits of the whole prompt prefilled at once (KL ≤ 1e-3, this file's bound: the split moves only the
-    DeltaNet chunking and attention tiling)."""
+    """Reuse and snapshots on the GPU's two slots: a prompt prefilled onto a cache holding its first part, or onto a
+    copy of it in the other slot, gives the whole prompt's last logits (KL ≤ 1e-3: only the chunking moves)."""
     from ninfer_rt.api import load
 
     m = load(artifact, device="cuda", max_ctx=160, cache_slots=2)
@@ -370,10 +368,8 @@ def test_continued_and_copied_caches_give_a_fresh_prefills_logits(gpu, artifact)
 
 
 def test_generate_reuses_kept_caches_on_the_device(gpu, artifact, monkeypatch):
-    """Model.generate's bookkeeping over the GPU's two slots: an extension continues the resident (cached_tokens:
-    what it fed), a branch at the snapshot continues the copy (cached_tokens: snapshot_at), a suspended run whose
-    slot a later run took stops with an error, and generation ends with "length" at max_ctx (stop ids ignored, so
-    the bound is reached). Tokens are not compared here: the test above bounds the logits."""
+    """generate's bookkeeping over two slots: an extension continues the resident, a branch the snapshot, a run
+    whose slot a later one took stops with an error, and (stop ids ignored) generation ends at max_ctx."""
     from ninfer_rt.api import load
     from ninfer_rt.errors import NinferError
     from ninfer_rt.sampling import SamplingParams
