@@ -115,7 +115,7 @@ class _KeptCaches:
         return ticket
 
     def _valid(self, entry) -> bool:
-        return entry is not None and self.owner[entry[2]] == entry[3]
+        return entry is not None and self.owns(entry[2], entry[3])
 
     def owns(self, slot: int, ticket: int) -> bool:
         """Whether the run holding ticket still owns slot."""
@@ -331,20 +331,22 @@ class Model:
         on_device = getattr(self._backend, "can_sample", None) is not None and self._backend.can_sample(params)
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
 
-        def step(new_ids: list[int]) -> int:
-            """Forward new_ids through the cache and pick the next token from the last row."""
+        def step(new_ids: list[int], pick: bool = True) -> int | None:
+            """Forward new_ids through the cache and pick the next token from the last row (pick False: only
+            feed them)."""
             arr = np.asarray(new_ids, dtype=np.int64)
             if exclusive and not kept.owns(slot, ticket):
                 raise NinferError("a later generation (or logits) took this generation's sequence slot on the GPU: "
                                   "finish or close one generation before starting the next")
-            clean[0] = False
-            if on_device:
+            clean[0], token = False, None
+            if on_device and pick:
                 token = self._backend.sample_next(arr, cache, params, vocab=real, seed=seed,
                                                   step=len(stats.token_ids))
             else:
                 logits = self._backend.forward(arr, cache, last_only=True)[-1]  # [V]
-                logits[real:] = -np.inf  # padded vocabulary rows are never sampled
-                token = sampler.sample(logits, history, len(ids))
+                if pick:
+                    logits[real:] = -np.inf  # padded vocabulary rows are never sampled
+                    token = sampler.sample(logits, history, len(ids))
             fed.extend(new_ids)
             clean[0] = True
             return token
@@ -353,10 +355,8 @@ class Model:
             t0 = time.perf_counter()
             if snapshot_at is not None and start <= snapshot_at and self.can_snapshot:
                 if start < snapshot_at:  # the prompt up to the snapshot (its last logits are not needed)
-                    clean[0] = False
-                    self._backend.forward(np.asarray(ids[start:snapshot_at], dtype=np.int64), cache, last_only=True)
-                    fed.extend(ids[start:snapshot_at])
-                    clean[0], start = True, snapshot_at
+                    step(ids[start:snapshot_at], pick=False)
+                    start = snapshot_at
                 kept.keep_snapshot(cache, fed, slot)  # (again, when this run began from the snapshot itself)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0

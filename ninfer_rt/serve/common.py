@@ -117,7 +117,6 @@ class Job:
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     tools: list[dict] | None = None
-    parse_tools: bool = True
     template_kwargs: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
     max_tokens: int | None = None
@@ -231,5 +230,5 @@ def prepare(model, job: Job) -> Prepared:
     budget = context - len(ids)
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, job.tools if job.parse_tools else None,
+                    thinking, job.tools,
                     history_length(model, job, ids) if model.can_snapshot else None)

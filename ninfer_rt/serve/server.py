@@ -181,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
             parse, reply, front = _GENERATORS[action]
             job: Job = parse(body)
             prepared = prepare(self.app.model, job)
-        return self._generate(job, prepared, reply, front, parser=action != "completion")
+        return self._generate(job, prepared, reply, front)
 
     def _check_host_and_origin(self) -> None:
         """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page
@@ -227,17 +227,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------------------------------------ generation
 
-    def _generate(self, job: Job, prepared, reply_class, front, parser: bool) -> int:
-        """Queue and answer one prepared generation: whole, or as server-sent events. parser: split the text into
-        reasoning, text and tool calls (chats), else pass it through (raw completions)."""
+    def _generate(self, job: Job, prepared, reply_class, front) -> int:
+        """Queue and answer one prepared generation: whole, or as server-sent events. The text is split into
+        reasoning, text and tool calls as it comes (a raw completion, with no thinking prompt and no tools, passes
+        through as text)."""
         ticket = self.app.worker.submit(prepared)
         reply = reply_class(self.app.model_name, prepared, job)
-        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools) if parser else None
+        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools)
 
         def events(piece: str | None) -> list[Event]:
-            """A piece (None: the end) as reply events; a raw completion is text as it comes."""
-            if parser is None:
-                return [Event("text", piece)] if piece else []
+            """A piece (None: the end) as reply events."""
             return parser.push(piece) if piece is not None else parser.finish()
 
         try:
