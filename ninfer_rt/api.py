@@ -25,8 +25,10 @@ from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
+from ninfer_rt.stops import StopScanner
 
 DEVICES = ("cpu", "cuda", "auto")
+MAX_CACHE_SLOTS = 64  # sequences a model keeps at once (each a KV cache and DeltaNet state on the GPU)
 
 
 @dataclass
@@ -90,6 +92,11 @@ class _ReferenceBackend:
         logits = self.model.forward(ids, cache).numpy()
         return logits[-1:] if last_only else logits
 
+    def decode_batch(self, ids: list[int], caches: list) -> np.ndarray:
+        """One token for each of B sequences -> their logits float32 [B, V]; advances each cache."""
+        return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
+                               for i, c in zip(ids, caches)])
+
 
 class _KeptCaches:
     """What reuse_cache generations leave for the next: the last run's cache with the ids fed into it (resident)
@@ -103,14 +110,15 @@ class _KeptCaches:
     def __init__(self, model: Model):
         self.model = model  # its backend may be swapped (tests wrap it): read it at each use
         self.resident = self.snapshot = None
-        self.owner = [0, 0]  # per slot: the ticket that last wrote it
+        self.owner: dict[int, int] = {}  # per slot: the ticket that last wrote it (none yet: absent)
         self._tickets = itertools.count(1)
 
     @property
     def backend(self):
         return self.model._backend
 
-    def _claim(self, slot: int) -> int:
+    def claim(self, slot: int) -> int:
+        """A new ticket for slot: whatever held the slot before is no longer valid."""
         self.owner[slot] = ticket = next(self._tickets)
         return ticket
 
@@ -119,12 +127,12 @@ class _KeptCaches:
 
     def owns(self, slot: int, ticket: int) -> bool:
         """Whether the run holding ticket still owns slot."""
-        return self.owner[slot] == ticket
+        return self.owner.get(slot, 0) == ticket
 
     def fresh(self) -> tuple[object, int, int, int]:
         """(an empty cache, 0, its slot, the run's ticket); everything kept is dropped."""
         self.resident = self.snapshot = None
-        return self.backend.new_cache(0), 0, 0, self._claim(0)
+        return self.backend.new_cache(0), 0, 0, self.claim(0)
 
     def take(self, ids: list[int]) -> tuple[object, int, int, int]:
         """(cache, tokens of ids already in it, slot, the run's ticket): the longest kept entry that ids extend,
@@ -136,15 +144,15 @@ class _KeptCaches:
             self.snapshot = None  # taken (its slot is the working one now), or overwritten
         self.resident = None
         if best is not None:
-            return best[0], len(best[1]), best[2], self._claim(best[2])
+            return best[0], len(best[1]), best[2], self.claim(best[2])
         slot = 1 if self.snapshot is not None and self.snapshot[2] == 0 else 0
-        return self.backend.new_cache(slot), 0, slot, self._claim(slot)
+        return self.backend.new_cache(slot), 0, slot, self.claim(slot)
 
     def keep_snapshot(self, cache, ids: list[int], slot: int) -> None:
         """Copy cache (in slot, holding ids) into the other slot as the snapshot (the backend has two)."""
         other = 1 - slot
         copy = self.backend.copy_cache(cache, other)
-        self.snapshot = (copy, list(ids), other, self._claim(other))
+        self.snapshot = (copy, list(ids), other, self.claim(other))
 
     def leave(self, cache, ids: list[int], slot: int, ticket: int) -> None:
         """The run holding ticket ended with ids in its slot: the resident for the next, if the slot is still
@@ -288,6 +296,22 @@ class Model:
                       snapshot_at=None):
         """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
+        params, budget = self._check_request(ids, max_new_tokens, sampling, reuse_cache, snapshot_at)
+        stats = GenerationStats(prompt_tokens=len(ids))
+        loop = self._decode_loop(ids, budget, Sampler(params), stats, reuse_cache, snapshot_at)
+        return loop, stats
+
+    def batch(self, parallel: int | None = None, prefill_chunk: int | None = None):
+        """A ninfer_rt.batching.Batch over this model's cache slots: up to parallel (default: all of them)
+        generations at once, each prompt prefilled prefill_chunk tokens a step (default batching.PREFILL_CHUNK)."""
+        from ninfer_rt.batching import PREFILL_CHUNK, Batch
+
+        return Batch(self, parallel, PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+
+    def _check_request(self, ids: list[int], max_new_tokens, sampling, reuse_cache, snapshot_at
+                       ) -> tuple[SamplingParams, int]:
+        """(the sampling to use, the tokens that may be generated) for a generation of prompt ids; NinferError
+        naming what is wrong."""
         if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
             raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -302,10 +326,7 @@ class Model:
             raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)}) and "
                               "needs reuse_cache")
         params = sampling if sampling is not None else self.sampling_defaults
-        stats = GenerationStats(prompt_tokens=len(ids))
-        loop = self._decode_loop(ids, min(int(max_new_tokens), context - len(ids)), Sampler(params), stats,
-                                 reuse_cache, snapshot_at)
-        return loop, stats
+        return params, min(int(max_new_tokens), context - len(ids))
 
     def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats,
                      reuse: bool = False, snapshot_at: int | None = None) -> Iterator[int]:
@@ -406,25 +427,19 @@ class Model:
 
     def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats) -> Iterator[str]:
         """Detokenize the ids, holding back any tail that could still grow into a stop string."""
-        detok = self.tokenizer.detokenizer()
-        text, sent = "", 0  # all text so far; text[:sent] has been yielded
-        pieces = (detok.push(i) for i in token_stream)
-        for piece in _chain_tail(pieces, detok.finish):
-            text += piece
-            hit, stop = min(((j, s) for s, j in ((s, text.find(s, sent)) for s in stops) if j >= 0),
-                            default=(-1, None))
-            if hit >= 0:
+        detok, scan = self.tokenizer.detokenizer(), StopScanner(stops)
+        for piece in _chain_tail((detok.push(i) for i in token_stream), detok.finish):
+            out = scan.push(piece)
+            if scan.stop is not None:  # the run ends (and leaves its cache) before the last text goes out
                 token_stream.close()
-                stats.finish_reason, stats.stop_string = "stop", stop
-                if hit > sent:
-                    yield text[sent:hit]
+                stats.finish_reason, stats.stop_string = "stop", scan.stop
+            if out:
+                yield out
+            if scan.stop is not None:
                 return
-            keep = max((_overlap(text, s) for s in stops), default=0)
-            if len(text) - keep > sent:
-                yield text[sent:len(text) - keep]
-                sent = len(text) - keep
-        if len(text) > sent:
-            yield text[sent:]
+        tail = scan.finish()
+        if tail:
+            yield tail
 
     # ------------------------------------------------------------------------------------------- lifetime
 
@@ -445,14 +460,6 @@ def _chain_tail(pieces: Iterator[str], tail) -> Iterator[str]:
     """Yield the pieces, then tail() once the stream is exhausted (the detokenizer's held bytes)."""
     yield from pieces
     yield tail()
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of `stop` that `text` ends with (0 when none)."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
 
 
 def _is_int(v) -> bool:
@@ -482,8 +489,9 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     kv_dtype int8 or bf16; prompts in steps of prefill_chunk tokens, default ninfer_rt.gpu.PREFILL_CHUNK; progress(done,
     total) while weights load); "auto": cuda when a GPU is present. check_checksums: hash every tensor against
     the header first (SHA-256, ~1-2 GB/s a core: as `ninfer-pack verify` does) and refuse a corrupted file.
-    cache_slots: sequences kept at once (1 or 2; on the GPU each has its own KV cache of max_ctx positions and
-    DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside the last run.
+    cache_slots: sequences kept at once (1 to MAX_CACHE_SLOTS; on the GPU each has its own KV cache of max_ctx
+    positions and DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside
+    the last run, and a ninfer_rt.batching.Batch runs up to that many sequences at once.
     """
     if not isinstance(path, (str, PathLike)):
         raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -500,8 +508,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
     if not (_is_int(max_ctx) and max_ctx >= 1):
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
-    if cache_slots not in (1, 2) or isinstance(cache_slots, bool):
-        raise NinferError(f"cache_slots={cache_slots!r}: must be 1 or 2")
+    if not (_is_int(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):
+        raise NinferError(f"cache_slots={cache_slots!r}: must be an integer in [1, {MAX_CACHE_SLOTS}]")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)

@@ -1,7 +1,7 @@
 """generate(reuse_cache=True, snapshot_at=...): what a generation leaves for the next (the resident cache and a
 prefix snapshot, each in its own slot) and when it is reused.
 
-Oracles: fresh runs of the same prompts (reuse_cache off), and a fake two-slot backend whose logits hash the
+Oracles: fresh runs of the same prompts (reuse_cache off), and slot_backend.SlotBackend, whose logits hash the
 whole token history of the slot a cache names, so a run continued from a stale or overwritten slot decodes
 something else and trips the slot's own bookkeeping.
 """
@@ -9,13 +9,12 @@ something else and trips the slot's own bookkeeping.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-import numpy as np
 import pytest
 
 from ninfer_rt import load
 from ninfer_rt.sampling import SamplingParams
+from slot_backend import SlotBackend
 
 GREEDY = SamplingParams(greedy=True)
 
@@ -25,64 +24,11 @@ def model(packed_model):
     return packed_model
 
 
-@dataclass
-class _SlotCache:
-    slot: int
-    pos: int = 0
-
-
-class TwoSlots:
-    """A backend with two sequence slots like the GPU's (cache_slots = 2): each slot holds a token history;
-    a forward checks the cache's slot still holds what that cache fed (no one else reset or overwrote it) and
-    answers logits that peak at a hash of the slot's whole history."""
-
-    cache_slots, max_ctx, exclusive_slots = 2, 4096, True
-
-    def __init__(self, vocab: int, stops: set[int]):
-        self.vocab, self.stops = vocab, stops
-        self.slots: list[list[int]] = [[], []]
-        self.fed = 0  # tokens forwarded, for the reuse counts
-
-    def new_cache(self, slot: int = 0) -> _SlotCache:
-        self.slots[slot] = []
-        return _SlotCache(slot)
-
-    def copy_cache(self, cache: _SlotCache, slot: int) -> _SlotCache:
-        assert slot != cache.slot and len(self.slots[cache.slot]) == cache.pos
-        self.slots[slot] = list(self.slots[cache.slot])
-        return _SlotCache(slot, cache.pos)
-
-    def forward(self, ids, cache: _SlotCache, last_only: bool = False) -> np.ndarray:
-        history = self.slots[cache.slot]
-        assert len(history) == cache.pos, "the slot was reset or overwritten under a live cache"
-        history.extend(int(i) for i in ids)
-        cache.pos += len(ids)
-        self.fed += len(ids)
-        logits = np.zeros((1, self.vocab), np.float32)
-        logits[0, self.pick(history)] = 1.0
-        return logits
-
-    def pick(self, history: list[int]) -> int:
-        """The token forward answers after history (the oracle for any run, fresh or continued)."""
-        pick = hash(tuple(history)) % self.vocab
-        while pick in self.stops:
-            pick = (pick + 1) % self.vocab
-        return pick
-
-    def decode_fresh(self, prompt: list[int], n: int) -> list[int]:
-        """What greedy decoding of n tokens after prompt gives, by the rule alone (no slot touched)."""
-        history, out = list(prompt), []
-        for _ in range(n):
-            out.append(self.pick(history))
-            history.append(out[-1])
-        return out
-
-
 def test_kept_caches_never_serve_a_stale_slot(model, monkeypatch):
     """Random conversations of turns that extend the last run, share only a boundary prefix, or start over, with
     and without a snapshot: every run decodes what a fresh run decodes (computed from the fake's rule alone), and
     prefills only what its source lacks."""
-    fake = TwoSlots(model.real_vocab_size, set(model.tokenizer.eos_ids))
+    fake = SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids))
     monkeypatch.setattr(model, "_backend", fake)
     model._kept.fresh()
     rng = random.Random(11)
@@ -117,7 +63,7 @@ def test_interleaved_generations_never_share_a_slot(model, monkeypatch):
     closing it leaves nothing behind: the next reuse continues the later run's cache, as a fresh run decodes."""
     from ninfer_rt.errors import NinferError
 
-    fake = TwoSlots(model.real_vocab_size, set(model.tokenizer.eos_ids))
+    fake = SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids))
     monkeypatch.setattr(model, "_backend", fake)
     model._kept.fresh()
     a_ids, b_ids = list(range(100, 120)), list(range(200, 215))
@@ -141,7 +87,7 @@ def test_interleaved_generations_never_share_a_slot(model, monkeypatch):
 
 def test_a_regenerated_turn_keeps_its_snapshot(model, monkeypatch):
     """Asking the same turn again starts from the snapshot at its history and keeps it for the turn after."""
-    fake = TwoSlots(model.real_vocab_size, set(model.tokenizer.eos_ids))
+    fake = SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids))
     monkeypatch.setattr(model, "_backend", fake)
     model._kept.fresh()
     ids = list(range(100, 140))
@@ -175,7 +121,7 @@ def test_one_cache_slot_keeps_no_snapshot(packed, monkeypatch):
     """load(cache_slots=1) (serve --no-prefix-snapshot): snapshot_at is ignored, and the prompt goes in whole."""
     m = load(packed, "cpu", cache_slots=1)
     try:
-        fake = TwoSlots(m.real_vocab_size, set(m.tokenizer.eos_ids))
+        fake = SlotBackend(m.real_vocab_size, set(m.tokenizer.eos_ids))
         fake.cache_slots = 1
         monkeypatch.setattr(m, "_backend", fake)
         calls = []
@@ -199,5 +145,6 @@ def test_snapshot_at_is_checked(model):
             model.generate_ids([1, 2, 3, 4, 5], reuse_cache=True, snapshot_at=bad)
     with pytest.raises(NinferError, match="needs reuse_cache"):
         model.generate_ids([1, 2, 3, 4, 5], snapshot_at=2)
-    with pytest.raises(NinferError, match="cache_slots=3: must be 1 or 2"):
-        load("nothing.ninfer", cache_slots=3)
+    for bad in (0, 65, 2.0, True):
+        with pytest.raises(NinferError, match=rf"cache_slots={bad!r}: must be an integer in \[1, 64\]"):
+            load("nothing.ninfer", cache_slots=bad)

@@ -1,0 +1,49 @@
+"""Stop strings over streamed text: what may be shown now, and where a stop string ends the text.
+
+Text arrives in pieces (detokenized tokens). A piece's tail that could still grow into a stop string is held back
+until the next piece settles it, so no client ever sees the beginning of a stop string that then completes.
+"""
+
+from __future__ import annotations
+
+
+def overlap(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with (0 when none)."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+class StopScanner:
+    """Feed text pieces with push(); each returns what can be shown now. Once a stop string appears, `stop` names
+    it, push returns the text before it and ignores everything after; finish() returns the held tail otherwise."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text = ""      # all text so far
+        self.sent = 0       # text[:sent] has been returned
+        self.stop: str | None = None
+
+    def push(self, piece: str) -> str:
+        """The text that can be shown after piece: all of it, less a tail that may begin a stop string."""
+        if self.stop is not None:
+            return ""
+        self.text += piece
+        hit, stop = min(((j, s) for s, j in ((s, self.text.find(s, self.sent)) for s in self.stops) if j >= 0),
+                        default=(-1, None))
+        if hit >= 0:
+            self.stop = stop
+            out, self.sent = self.text[self.sent:hit], hit
+            return out
+        keep = max((overlap(self.text, s) for s in self.stops), default=0)
+        out = self.text[self.sent:len(self.text) - keep]
+        self.sent += len(out)
+        return out
+
+    def finish(self) -> str:
+        """The held tail, once no more text comes (empty after a stop string)."""
+        if self.stop is not None:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

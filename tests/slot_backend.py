@@ -1,0 +1,69 @@
+"""A fake backend for tests of what generations keep in cache slots: logits that name a hash of the slot's whole
+token history, so a sequence continued from a stale or overwritten slot decodes something else and trips the
+slot's own bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class _SlotCache:
+    slot: int
+    pos: int = 0
+
+
+class SlotBackend:
+    """A backend with sequence slots like the GPU's (cache_slots, 2 unless told): each slot holds a token history;
+    a forward checks the cache's slot still holds what that cache fed (no one else reset or overwrote it) and
+    answers logits that peak at a hash of the slot's whole history."""
+
+    max_ctx, exclusive_slots = 4096, True
+
+    def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2):
+        self.vocab, self.stops, self.cache_slots = vocab, stops, cache_slots
+        self.slots: list[list[int]] = [[] for _ in range(cache_slots)]
+        self.fed = 0  # tokens forwarded, for the reuse counts
+        self.batches: list[int] = []  # B of each decode_batch call
+
+    def new_cache(self, slot: int = 0) -> _SlotCache:
+        self.slots[slot] = []
+        return _SlotCache(slot)
+
+    def copy_cache(self, cache: _SlotCache, slot: int) -> _SlotCache:
+        assert slot != cache.slot and len(self.slots[cache.slot]) == cache.pos
+        self.slots[slot] = list(self.slots[cache.slot])
+        return _SlotCache(slot, cache.pos)
+
+    def forward(self, ids, cache: _SlotCache, last_only: bool = False) -> np.ndarray:
+        history = self.slots[cache.slot]
+        assert len(history) == cache.pos, "the slot was reset or overwritten under a live cache"
+        history.extend(int(i) for i in ids)
+        cache.pos += len(ids)
+        self.fed += len(ids)
+        logits = np.zeros((1, self.vocab), np.float32)
+        logits[0, self.pick(history)] = 1.0
+        return logits
+
+    def pick(self, history: list[int]) -> int:
+        """The token forward answers after history (the oracle for any run, fresh or continued)."""
+        pick = hash(tuple(history)) % self.vocab
+        while pick in self.stops:
+            pick = (pick + 1) % self.vocab
+        return pick
+
+    def decode_fresh(self, prompt: list[int], n: int) -> list[int]:
+        """What greedy decoding of n tokens after prompt gives, by the rule alone (no slot touched)."""
+        history, out = list(prompt), []
+        for _ in range(n):
+            out.append(self.pick(history))
+            history.append(out[-1])
+        return out
+
+    def decode_batch(self, ids, caches) -> np.ndarray:
+        """One token for each of B caches, in distinct slots -> logits [B, V]."""
+        assert len({c.slot for c in caches}) == len(caches)
+        self.batches.append(len(caches))
+        return np.concatenate([self.forward([i], c) for i, c in zip(ids, caches)])
