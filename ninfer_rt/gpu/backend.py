@@ -1,4 +1,4 @@
-"""The GPU backend of ninfer_rt.api.Model: the artifact in device memory, one or two sequence slots, CUDA graphs."""
+"""The GPU backend of ninfer_rt.api.Model: the artifact in device memory, cache_slots sequence slots, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer_rt.errors import NinferError
 from ninfer_rt.gpu.driver import Gpu
 from ninfer_rt.gpu.engine import GpuModel
 from ninfer_rt.gpu.kernels import Kernels
@@ -24,8 +25,8 @@ class GpuCache:
 
 class GpuBackend:
     """Same interface as the reference backend: new_cache(slot), copy_cache(cache, slot), forward(ids, cache,
-    last_only); and, where can_sample(params), sample_next: the next token drawn on the device. cache_slots
-    sequences (each its own KV cache and DeltaNet state) live on the device at once."""
+    last_only), decode_batch(ids, caches); and, where can_sample(params), sample_next: the next token drawn on the
+    device. cache_slots sequences (each its own KV cache and DeltaNet state) live on the device at once."""
 
     def __init__(self, artifact, *, max_ctx: int = 32768, kv_dtype: str = "int8", progress=None,
                  use_graphs: bool = True, prefill_chunk: int | None = None, cache_slots: int = 1):
@@ -59,6 +60,17 @@ class GpuBackend:
         out = self.model.prefill(ids, cache.slot, start=cache.pos, all_logits=True)
         cache.pos += ids.size
         return out
+
+    def decode_batch(self, ids: list[int], caches: list[GpuCache]) -> np.ndarray:
+        """One token for each of B sequences (each in its own slot, past its prompt) in one decode step -> their
+        logits float32 [B, V]; advances each cache."""
+        if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
+            raise NinferError("decode_batch: each sequence needs its own slot and a prefilled prompt")
+        self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
+                          graph=self.use_graphs)
+        for c in caches:
+            c.pos += 1
+        return self.model.logits(len(caches))
 
     def _run_last(self, ids: np.ndarray, cache: GpuCache, draw: tuple | None = None) -> bool:
         """Enqueue ids through the cache, leaving the last token's logits in logits row 0. With draw = (vocab,

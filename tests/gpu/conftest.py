@@ -125,3 +125,15 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     """x rounded to bf16 and back (the values a bf16 store keeps)."""
     from ninfer_rt.formats import bf16_bits_to_f32
     return bf16_bits_to_f32(f32_to_bf16_bits(x.astype(np.float32)))
+
+
+@pytest.fixture(scope="module", params=["tiny-moe", "tiny-dense"])
+def artifact(request, tmp_path_factory):
+    """A tiny built-in checkpoint (MoE and dense) packed with the tiny recipe (every format family)."""
+    from ninfer_pack.pipeline import quantize
+    from ninfer_pack.tiny import materialize_builtin
+
+    src = materialize_builtin(f"builtin:{request.param}", cache_dir=tmp_path_factory.mktemp("builtin"))
+    out = tmp_path_factory.mktemp("art") / f"{request.param}.ninfer"
+    quantize(str(src), "tiny", out)
+    return out

@@ -27,17 +27,6 @@ def kld(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
-@pytest.fixture(scope="module", params=["tiny-moe", "tiny-dense"])
-def artifact(request, tmp_path_factory):
-    from ninfer_pack.pipeline import quantize
-    from ninfer_pack.tiny import materialize_builtin
-
-    src = materialize_builtin(f"builtin:{request.param}", cache_dir=tmp_path_factory.mktemp("builtin"))
-    out = tmp_path_factory.mktemp("art") / f"{request.param}.ninfer"
-    quantize(str(src), "tiny", out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(artifact):
     from ninfer_rt.api import load

@@ -1,0 +1,284 @@
+"""Continuous batching: sequences join and leave a running batch between decode steps.
+
+    model = load("model.ninfer", "cuda", cache_slots=5)
+    batch = Batch(model, parallel=4)                 # up to 4 sequences at once; a spare slot keeps prefixes
+    g = batch.add(ids, max_new_tokens=256, sampling=SamplingParams(temperature=0.7), stop=["\\n\\n"])
+    while batch.busy:
+        batch.step()                                 # a prefill chunk for joiners, one decode step for the rest
+        print("".join(g.take()), end="")             # text since the last take; g.done, g.stats, g.error
+
+Each sequence runs in a cache slot of its own (on the GPU: its own KV cache and DeltaNet state). A step feeds every
+decoding sequence's last token through one batched forward (the decode kernels take B sequences at once, so B
+tokens cost about one token's weight reads) and draws each next token with the sequence's own sampler. A joining
+prompt is prefilled `prefill_chunk` tokens a step, so a long prompt delays the others by one chunk a step rather
+than by its whole prefill (vLLM's chunked prefill, simplified: the chunk runs beside the decode, not in its launch).
+
+Slots remember what their last sequence fed them. A new prompt that extends those ids exactly (an agent's next turn
+after a tool call) takes that slot and prefills only the rest: multi-slot prefix reuse, as llama.cpp's server slots
+do. With snapshot_at, a copy of the cache after the prompt's first snapshot_at tokens goes into an idle slot, from
+which a chat's next turn (whose template re-renders this turn's reply) continues. Idle slots go least recently
+used first. The recurrent state cannot rewind, so a slot serves only a prompt that extends its ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ninfer_rt.api import GenerationStats, Model
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import Sampler, SamplingParams
+from ninfer_rt.stops import StopScanner
+
+PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
+
+
+@dataclass
+class _Slot:
+    """A backend cache slot: the cache in it and exactly the ids that cache holds (None: unknown, reset on use)."""
+
+    index: int
+    cache: object | None = None
+    ids: list[int] | None = None
+    ticket: int = 0      # the model's ownership ticket of the slot's last writer (api._KeptCaches.claim)
+    used: int = 0        # when it was last taken, for least-recently-used eviction
+    busy: bool = False
+
+
+class Generation:
+    """One sequence of a Batch: its text pieces as they come (take()), and when `done`, its stats
+    (GenerationStats: finish_reason eos, length, stop or cancelled) or an `error` (an exception) instead."""
+
+    def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
+                 snapshot_at: int | None):
+        self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
+        self.sampler = Sampler(params)
+        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.done = False
+        self.error: BaseException | None = None
+        self._pieces: list[str] = []
+        self._scan, self._detok = StopScanner(stops), detok
+        self._slot: _Slot | None = None
+        self._fed = 0                  # prompt tokens in the cache
+        self._next: int | None = None  # the token the next decode step feeds
+        self._t0 = time.perf_counter()
+
+    def take(self) -> list[str]:
+        """The text pieces produced since the last take."""
+        out, self._pieces = self._pieces, []
+        return out
+
+
+class Batch:
+    """Runs up to `parallel` Generations of `model` at once over its cache slots (load's cache_slots: at least
+    parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate started meanwhile
+    takes slot 0 from it (that generation's sequence then fails), and the batch's slots are forgotten by it."""
+
+    def __init__(self, model: Model, parallel: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        slots = getattr(model._backend, "cache_slots", 1)
+        parallel = slots if parallel is None else parallel
+        if not (isinstance(parallel, int) and 1 <= parallel <= slots):
+            raise NinferError(f"parallel={parallel!r}: must be in [1, {slots}] (the model's cache_slots)")
+        if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+            raise NinferError(f"prefill_chunk={prefill_chunk!r}: must be an integer >= 1")
+        self.model, self.parallel, self.prefill_chunk = model, parallel, prefill_chunk
+        self._kept = model._kept
+        self._kept.resident = self._kept.snapshot = None  # what generate kept lives in slots the batch now owns
+        self._slots = [_Slot(i) for i in range(slots)]
+        self._running: list[Generation] = []
+        self._clock = itertools.count(1)
+
+    @property
+    def backend(self):
+        return self.model._backend  # read at each use: tests wrap it
+
+    @property
+    def busy(self) -> bool:
+        """Whether any generation is still running."""
+        return bool(self._running)
+
+    @property
+    def free(self) -> int:
+        """How many more generations may join now."""
+        return self.parallel - len(self._running)
+
+    def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+            stop: list[str] | None = None, snapshot_at: int | None = None) -> Generation:
+        """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
+        NinferError when the batch is full or the request is bad."""
+        ids = self.model._check_ids(ids)
+        if not ids:
+            raise NinferError("prompt is empty: there is nothing to continue from")
+        params, budget = self.model._check_request(ids, max_new_tokens, sampling, True, snapshot_at)
+        stops = list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
+        if self.free <= 0:
+            raise NinferError(f"the batch is full: {self.parallel} generations are running")
+        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at)
+        g._slot = slot = self._take_slot(ids)
+        g._fed = g.stats.cached_tokens = len(slot.ids) if slot.cache is not None else 0
+        self._running.append(g)
+        self.model.last_stats = g.stats  # Model's: the stats of the generation started last
+        return g
+
+    def cancel(self, g: Generation) -> None:
+        """End a running generation now (finish_reason "cancelled"); its slot keeps what it fed."""
+        if not g.done:
+            self._finish(g, "cancelled")
+
+    def step(self) -> None:
+        """Feed one prefill chunk of each joining generation, then one batched decode step of the others."""
+        for g in [g for g in self._running if g._next is None]:
+            self._guard([g], lambda gens: self._prefill_chunk(gens[0]))
+        decoding = [g for g in self._running if g._next is not None]
+        if decoding:
+            self._guard(decoding, self._decode)
+
+    # ------------------------------------------------------------------------------------------- slots
+
+    def _owns(self, slot: _Slot) -> bool:
+        return self._kept.owns(slot.index, slot.ticket)
+
+    def _take_slot(self, ids: list[int]) -> _Slot:
+        """The idle slot whose ids ids extend the furthest; else the least recently used idle one, emptied."""
+        idle = [s for s in self._slots if not s.busy]
+        fits = [s for s in idle if s.cache is not None and s.ids is not None and self._owns(s)
+                and len(s.ids) < len(ids) and ids[:len(s.ids)] == s.ids]
+        slot = max(fits, key=lambda s: len(s.ids), default=None)
+        if slot is None:
+            slot = min(idle, key=lambda s: s.used)
+            slot.cache, slot.ids = self.backend.new_cache(slot.index), []
+        slot.busy, slot.used, slot.ticket = True, next(self._clock), self._kept.claim(slot.index)
+        return slot
+
+    def _snapshot(self, g: Generation) -> None:
+        """Copy g's cache (its prompt's first snapshot_at tokens) into the least recently used idle slot."""
+        idle = [s for s in self._slots if not s.busy]
+        if not idle:
+            return
+        dst = min(idle, key=lambda s: s.used)
+        src = g._slot
+        dst.cache, dst.ids = self.backend.copy_cache(src.cache, dst.index), list(src.ids)
+        dst.used, dst.ticket = next(self._clock), self._kept.claim(dst.index)
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def _guard(self, gens: list[Generation], run) -> None:
+        """run(gens) for those whose slots are still theirs (a slot someone else took fails its generation first);
+        if it raises, those generations fail with the exception and their slots' contents are unknown (reset on
+        next use)."""
+        lost = [g for g in gens if not self._owns(g._slot)]
+        for g in lost:
+            g._slot.cache = g._slot.ids = None
+            self._fail(g, NinferError("a later generation (or logits) took this generation's sequence slot"))
+        gens = [g for g in gens if g not in lost]
+        if not gens:
+            return
+        try:
+            run(gens)
+        except Exception as e:
+            for g in gens:
+                g._slot.cache = g._slot.ids = None
+                self._fail(g, e)
+
+    def _prefill_chunk(self, g: Generation) -> None:
+        """Feed the next chunk of g's prompt (up to its snapshot point first); on the last, draw its first token."""
+        t0 = time.perf_counter()
+        end = min(len(g.prompt), g._fed + self.prefill_chunk)
+        snap = g.snapshot_at if g.snapshot_at is not None and g._fed <= g.snapshot_at else None
+        if snap is not None and end >= snap:
+            end = snap
+        last = end == len(g.prompt)
+        token = None
+        if end > g._fed:
+            chunk = np.asarray(g.prompt[g._fed:end], np.int64)
+            if last and self._on_device(g):
+                token = self._device_draw(g, chunk)
+            else:
+                logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
+                token = self._draw(g, logits) if last else None
+            g._slot.ids.extend(g.prompt[g._fed:end])
+            g._fed = end
+        if snap is not None and end == snap:
+            g.snapshot_at = None
+            if self.model.can_snapshot:
+                self._snapshot(g)
+        g.stats.prefill_s += time.perf_counter() - t0
+        if last:
+            self._emit(g, token)
+
+    def _decode(self, gens: list[Generation]) -> None:
+        """One batched forward of each generation's pending token, then each one's next token."""
+        t0 = time.perf_counter()
+        tokens = [g._next for g in gens]
+        if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn inside the step's graph, only the id comes back
+            picks = [self._device_draw(gens[0], np.asarray(tokens, np.int64))]
+        else:
+            logits = self.backend.decode_batch(tokens, [g._slot.cache for g in gens])  # [B, V]
+            picks = [self._draw(g, row) for g, row in zip(gens, logits)]
+        for g, t in zip(gens, tokens):
+            g._slot.ids.append(t)
+        dt = time.perf_counter() - t0
+        for g, token in zip(gens, picks):
+            g.stats.decode_s += dt
+            self._emit(g, token)
+
+    def _on_device(self, g: Generation) -> bool:
+        """Whether the backend draws g's tokens itself (the GPU: greedy or top-k sampling without penalties)."""
+        can = getattr(self.backend, "can_sample", None)
+        return can is not None and can(g.sampler.params)
+
+    def _device_draw(self, g: Generation, ids: np.ndarray) -> int:
+        """Forward ids through g's cache and draw the next token on the device (its Philox stream: g.seed, step)."""
+        return self.backend.sample_next(ids, g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
+                                        seed=g.seed, step=len(g.stats.token_ids))
+
+    def _draw(self, g: Generation, logits: np.ndarray) -> int:
+        """g's next token from its last logits row (padded vocabulary rows never drawn)."""
+        real = self.model.real_vocab_size
+        logits = logits.copy()
+        logits[real:] = -np.inf
+        return g.sampler.sample(logits, [*g.prompt, *g.stats.token_ids], len(g.prompt))
+
+    def _emit(self, g: Generation, token: int) -> None:
+        """Take a drawn token: a stop id ends g, else its text goes out (up to a stop string) and it is fed next."""
+        s = g.stats
+        s.generated_tokens += 1
+        if self.model.tokenizer.is_stop(token):
+            self._finish(g, "eos")
+            return
+        s.token_ids.append(token)
+        piece = g._scan.push(g._detok.push(token))
+        if piece:
+            g._pieces.append(piece)
+        if g._scan.stop is not None:
+            s.stop_string = g._scan.stop
+            self._finish(g, "stop")
+        elif len(s.token_ids) >= g.budget:
+            self._finish(g, "length")
+        else:
+            g._next = token
+
+    def _finish(self, g: Generation, reason: str) -> None:
+        """g is done: the detokenizer's held bytes go out (unless a stop string ended it) and its slot goes idle
+        with what it fed."""
+        if reason != "stop":
+            tail = g._scan.push(g._detok.finish()) + g._scan.finish()
+            if tail:
+                g._pieces.append(tail)
+        g.stats.finish_reason = reason
+        self._release(g)
+
+    def _fail(self, g: Generation, error: BaseException) -> None:
+        g.error = error
+        self._release(g)
+
+    def _release(self, g: Generation) -> None:
+        g.done, g._next = True, None
+        g._slot.busy = False
+        self._running.remove(g)

@@ -1,0 +1,195 @@
+"""ninfer_rt.batching.Batch: continuous batching over cache slots, with per-slot prefix reuse.
+
+Oracles: Model.generate of each prompt alone (the reference backend, fp32, whose batched step is each sequence's
+own forward, so greedy tokens must agree exactly), and slot_backend.SlotBackend, whose logits name a hash of the
+slot's whole history: a sequence continued from a stale, shared or overwritten slot decodes something else.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ninfer_rt import load
+from ninfer_rt.batching import Batch
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import SamplingParams
+from slot_backend import SlotBackend
+
+GREEDY = SamplingParams(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def model(packed):
+    m = load(packed, "cpu", cache_slots=3)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def fake(model, monkeypatch):
+    f = SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+    monkeypatch.setattr(model, "_backend", f)
+    return f
+
+
+def drain(batch: Batch, gens) -> dict:
+    """Step until every generation is done; each one's text."""
+    text = {id(g): "" for g in gens}
+    while batch.busy:
+        batch.step()
+        for g in gens:
+            text[id(g)] += "".join(g.take())
+    return text
+
+
+def test_a_batch_decodes_what_each_prompt_decodes_alone(model):
+    """Three prompts of different lengths and budgets, one joining two steps late: each one's tokens, text and
+    finish reason are a lone generate's."""
+    prompts = [model.tokenizer.encode(t) for t in ("The garden at dawn", "Once", "A list of numbers: 1, 2, 3,")]
+    budgets = [9, 5, 7]
+    alone = []
+    for ids, n in zip(prompts, budgets):
+        text = "".join(model.generate(ids, max_new_tokens=n, sampling=GREEDY))
+        alone.append((list(model.last_stats.token_ids), text, model.last_stats.finish_reason))
+    batch = model.batch()
+    gens = [batch.add(prompts[0], max_new_tokens=budgets[0], sampling=GREEDY),
+            batch.add(prompts[1], max_new_tokens=budgets[1], sampling=GREEDY)]
+    text = {id(g): "" for g in gens}
+    for _ in range(2):
+        batch.step()
+        for g in gens:
+            text[id(g)] += "".join(g.take())
+    gens.append(batch.add(prompts[2], max_new_tokens=budgets[2], sampling=GREEDY))
+    text.update({id(gens[2]): ""})
+    for k, v in drain(batch, gens).items():
+        text[k] += v
+    for g, (tokens, want, reason) in zip(gens, alone):
+        assert (g.stats.token_ids, text[id(g)], g.stats.finish_reason) == (tokens, want, reason)
+        assert g.error is None and g.stats.cached_tokens == 0
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_as_whole(model):
+    ids = model.tokenizer.encode("Chunks of a prompt, fed a few tokens at a time between decode steps")
+    want = list(model.generate_ids(ids, max_new_tokens=6, sampling=GREEDY))
+    batch = model.batch(prefill_chunk=3)
+    g = batch.add(ids, max_new_tokens=6, sampling=GREEDY)
+    steps = 0
+    while batch.busy:
+        batch.step()
+        steps += 1
+    # a step a chunk; the last one draws token 1 and decodes token 2, then a step for each of tokens 3-6
+    assert g.stats.token_ids == want and steps == -(-len(ids) // 3) + 4
+
+
+def test_one_decode_step_serves_every_running_sequence(model, fake):
+    """Three sequences with budgets 2, 4 and 6 join at once: the batched forward takes 3, then 2, then 1 rows as
+    they finish, and each decodes what the rule gives it alone."""
+    batch = model.batch(3)
+    prompts = [[100 + i, 7, 8] for i in range(3)]
+    gens = [batch.add(p, max_new_tokens=n, sampling=GREEDY) for p, n in zip(prompts, (2, 4, 6))]
+    drain(batch, gens)
+    assert fake.batches == [3, 2, 2, 1, 1]
+    for g, p in zip(gens, prompts):
+        assert g.stats.token_ids == fake.decode_fresh(p, g.budget) and g.stats.finish_reason == "length"
+
+
+def test_random_traffic_never_serves_a_stale_slot(model, fake):
+    """Random joins of prompts that extend a finished one's prompt and reply, share a snapshot's prefix, or are
+    new, with cancels: every generation decodes what the rule gives its prompt alone, prefills only what its slot
+    lacks, and slots are reused both ways."""
+    rng = random.Random(5)
+    toks = lambda n: [rng.randrange(100, model.real_vocab_size) for _ in range(n)]  # noqa: E731
+    batch = model.batch(parallel=3)
+    finished, snapshots, live = [], [], []
+    reused = {"extend": 0, "snapshot": 0}
+    for _ in range(400):
+        if batch.free and rng.random() < 0.5:
+            kind = rng.choice(["extend", "snapshot", "new"])
+            if kind == "extend" and finished:
+                g0 = rng.choice(finished[-4:])
+                prompt = g0.prompt + g0.stats.token_ids + toks(rng.randrange(1, 4))
+            elif kind == "snapshot" and snapshots:
+                prompt = rng.choice(snapshots[-3:]) + toks(rng.randrange(2, 5))
+            else:
+                kind, prompt = "new", toks(rng.randrange(3, 10))
+            at = rng.choice([None, rng.randrange(1, len(prompt))])
+            g = batch.add(prompt, max_new_tokens=rng.randrange(1, 6), sampling=GREEDY, snapshot_at=at)
+            g.kind = kind
+            live.append(g)
+            if at is not None:
+                snapshots.append(prompt[:at])
+        if live and rng.random() < 0.05:
+            batch.cancel(rng.choice(live))
+        batch.step()
+        for g in [g for g in live if g.done]:
+            live.remove(g)
+            assert g.error is None
+            n = len(g.stats.token_ids)
+            assert g.stats.token_ids == fake.decode_fresh(g.prompt, n)
+            if g.stats.finish_reason != "cancelled":
+                finished.append(g)
+            if g.stats.cached_tokens and g.kind != "new":
+                reused[g.kind] += 1
+    assert min(reused.values()) > 15 and max(fake.batches) == 3
+
+
+def test_cancel_stop_strings_and_refusals(model, fake):
+    batch = model.batch(2)
+    a = batch.add([5, 6, 7], max_new_tokens=50, sampling=GREEDY)
+    b = batch.add([8, 9], max_new_tokens=3, sampling=GREEDY)
+    with pytest.raises(NinferError, match="the batch is full: 2 generations are running"):
+        batch.add([1, 2], max_new_tokens=3)
+    batch.step()
+    batch.cancel(a)
+    assert a.done and a.stats.finish_reason == "cancelled" and batch.free == 1
+    drain(batch, [b])
+    # the cancelled sequence's slot kept what it fed: its continuation prefills only the rest
+    turn = a.prompt + a.stats.token_ids + [42]
+    c = batch.add(turn, max_new_tokens=2, sampling=GREEDY)
+    drain(batch, [c])
+    assert c.stats.cached_tokens == len(a.prompt) + len(a.stats.token_ids) - 1
+    assert c.stats.token_ids == fake.decode_fresh(turn, 2)
+    for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(stop=[""]), "stop strings"),
+                       (dict(snapshot_at=9), "snapshot_at")]:
+        with pytest.raises(NinferError, match=match):
+            batch.add([1, 2, 3], **bad)
+    with pytest.raises(NinferError, match="outside the vocabulary"):
+        batch.add([model.spec.vocab_size])
+    with pytest.raises(NinferError, match=r"parallel=5: must be in \[1, 4\]"):
+        model.batch(5)
+
+
+def test_stop_strings_end_the_text_as_generate_does(model):
+    ids = model.tokenizer.encode("Counting: one, two, three,")
+    full = "".join(model.generate(ids, max_new_tokens=12, sampling=GREEDY))
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    want = "".join(model.generate(ids, max_new_tokens=12, sampling=GREEDY, stop=[stop]))
+    batch = model.batch()
+    g = batch.add(ids, max_new_tokens=12, sampling=GREEDY, stop=[stop])
+    assert drain(batch, [g])[id(g)] == want and g.stats.finish_reason == "stop" and g.stats.stop_string == stop
+
+
+def test_a_failing_forward_fails_its_batch_and_the_next_starts_clean(model, fake, monkeypatch):
+    batch = model.batch(2)
+    a, b = (batch.add([10 + i, 11], max_new_tokens=4, sampling=GREEDY) for i in range(2))
+    real = fake.decode_batch
+    monkeypatch.setattr(fake, "decode_batch", lambda ids, caches: (_ for _ in ()).throw(RuntimeError("boom")))
+    batch.step()
+    assert a.done and b.done and isinstance(a.error, RuntimeError) and isinstance(b.error, RuntimeError)
+    monkeypatch.setattr(fake, "decode_batch", real)
+    c = batch.add([10, 11, 12], max_new_tokens=3, sampling=GREEDY)  # no slot's old contents are trusted
+    drain(batch, [c])
+    assert c.stats.cached_tokens == 0 and c.stats.token_ids == fake.decode_fresh([10, 11, 12], 3)
+
+
+def test_a_generate_meanwhile_takes_slot_0_from_the_batch(model, fake):
+    batch = model.batch(2)
+    a = batch.add([20, 21], max_new_tokens=6, sampling=GREEDY)  # the least recently used slot: 0
+    b = batch.add([30, 31], max_new_tokens=6, sampling=GREEDY)
+    batch.step()
+    list(model.generate_ids([40, 41], max_new_tokens=2, sampling=GREEDY))
+    drain(batch, [a, b])
+    assert isinstance(a.error, NinferError) and "took this generation's sequence slot" in str(a.error)
+    assert b.error is None and b.stats.token_ids == fake.decode_fresh([30, 31], 6)
