@@ -110,7 +110,10 @@ def serve(
                                                 "line) as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."),
     cors_origin: Optional[str] = typer.Option(None, "--cors-origin", help="Allow browser pages from this origin "
                                                                           "(or '*') to call the API."),
-    max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one generating; "
+    parallel: int = typer.Option(4, "--parallel", help="Requests generating at once, decoded together in "
+                                                       "one batch (on the GPU each holds its own KV cache of "
+                                                       "--max-context positions and DeltaNet state)."),
+    max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait while --parallel generate; "
                                                           "more are answered 503."),
     device: DeviceOption = "auto",
     max_context: MaxContextOption = 32768,
@@ -118,12 +121,13 @@ def serve(
     prefill_chunk: PrefillChunkOption = None,
     check_checksums: ChecksumsOption = False,
     prefix_snapshot: bool = typer.Option(True, "--prefix-snapshot/--no-prefix-snapshot", help="Keep a copy of "
-                                         "the last chat's history so its next turn prefills only the new "
-                                         "messages (on the GPU: a second KV cache and DeltaNet state)."),
+                                         "a chat's history in a slot of its own, so its next turn prefills only "
+                                         "the new messages (on the GPU: one more KV cache and DeltaNet state)."),
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
-    (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. One generation at a time."""
-    from ninfer_rt.api import load
+    (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. Up to --parallel requests
+    generate at once, decoded as one batch."""
+    from ninfer_rt.api import MAX_CACHE_SLOTS, load
     from ninfer_rt.serve import Server
     from ninfer_rt.serve.server import is_loopback
 
@@ -132,17 +136,19 @@ def serve(
         raise NinferError(f"--port must be in [0, 65535], got {port}")
     if max_queue < 0:
         raise NinferError(f"--max-queue must be >= 0, got {max_queue}")
+    if not 1 <= parallel <= MAX_CACHE_SLOTS - prefix_snapshot:
+        raise NinferError(f"--parallel must be in [1, {MAX_CACHE_SLOTS - prefix_snapshot}], got {parallel}")
     api_key = _read_api_key(api_key_file) if api_key_file is not None else None
     _probe_listen(host, port)  # a taken port is said before minutes of loading, not after
     if not is_loopback(host) and api_key is None:
         err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
                   "reach the port can use the model", highlight=False, soft_wrap=True, markup=False)
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
-                 progress=_loading_bar(), check_checksums=check_checksums, cache_slots=2 if prefix_snapshot else 1)
+                 progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot)
     try:
         model.chat_template  # a checkpoint without a usable template fails here, not on the first request
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
-                        api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
+                        api_key=api_key, cors_origin=cors_origin, max_queue=max_queue, parallel=parallel,
                         log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
         bound_host, bound_port = server.address
         err.print(f"serving {server.model_name} on http://{bound_host}:{bound_port} ({model.device}, context "

@@ -68,8 +68,9 @@ def sse_events(data: bytes) -> list[tuple[str, dict]]:
 
 
 class Scripted:
-    """The model with generate replaced: yields `text` in pieces of `step` characters (each one token, after
-    `delay` seconds), then ends with finish_reason eos; records how many pieces were taken."""
+    """The model with generation replaced: model.batch gives a ScriptedBatch, whose generations each yield `text`
+    in pieces of `step` characters (one a step; each step waits `delay` seconds), then end with finish_reason eos
+    (or length at max_new_tokens); records the prompts and how many pieces were taken."""
 
     def __init__(self, model, text: str, step: int = 3, delay: float = 0.0):
         self._model, self.text, self.step, self.delay = model, text, step, delay
@@ -79,17 +80,57 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def generate(self, ids, *, max_new_tokens, sampling, stop, reuse_cache, snapshot_at):
-        self.prompts.append(list(ids))
-        stats = self.last_stats = GenerationStats(prompt_tokens=len(ids))
-        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+    def batch(self, parallel: int | None = None):
+        return ScriptedBatch(self, parallel or 1)
 
-        def run():
-            for piece in pieces[:max_new_tokens]:
-                time.sleep(self.delay)
-                self.taken += 1
-                stats.generated_tokens += 1
-                yield piece
-            stats.finish_reason = "eos" if len(pieces) <= max_new_tokens else "length"
-            stats.generated_tokens += stats.finish_reason == "eos"
-        return run()
+
+class _ScriptedRun:
+    def __init__(self, pieces: list[str], budget: int, prompt_tokens: int):
+        self.pieces, self.budget, self.done, self.error = pieces, budget, False, None
+        self.stats = GenerationStats(prompt_tokens=prompt_tokens)
+        self._out: list[str] = []
+
+    def take(self) -> list[str]:
+        out, self._out = self._out, []
+        return out
+
+
+class ScriptedBatch:
+    """batching.Batch's interface (add, step, cancel, busy, free) over Scripted's text."""
+
+    def __init__(self, scripted: Scripted, parallel: int):
+        self.s, self.parallel, self.runs = scripted, parallel, []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.runs)
+
+    @property
+    def free(self) -> int:
+        return self.parallel - len(self.runs)
+
+    def add(self, ids, *, max_new_tokens, sampling, stop, snapshot_at):
+        self.s.prompts.append(list(ids))
+        text, step = self.s.text, self.s.step
+        run = _ScriptedRun([text[i:i + step] for i in range(0, len(text), step)], max_new_tokens, len(ids))
+        self.runs.append(run)
+        self.s.last_stats = run.stats
+        return run
+
+    def cancel(self, run) -> None:
+        run.done = True
+        self.runs.remove(run)
+
+    def step(self) -> None:
+        time.sleep(self.s.delay)
+        for run in list(self.runs):
+            s = run.stats
+            if s.generated_tokens < min(len(run.pieces), run.budget):
+                run._out.append(run.pieces[s.generated_tokens])
+                self.s.taken += 1
+                s.generated_tokens += 1
+                continue
+            s.finish_reason = "eos" if len(run.pieces) <= run.budget else "length"
+            s.generated_tokens += s.finish_reason == "eos"
+            run.done = True
+            self.runs.remove(run)

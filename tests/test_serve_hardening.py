@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from serve_client import TIMEOUT_S, Running, Scripted, sse_events
+from serve_client import TIMEOUT_S, Running, Scripted, ScriptedBatch, sse_events
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -156,21 +156,24 @@ def test_shutdown_answers_every_request(model):
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(model):
-    class Broken(Scripted):
-        def generate(self, *a, **k):
-            def run():
-                self.last_stats = None
-                yield "fine"
-                yield 123  # a bug in a backend: not text
-            return run()
+    class BrokenBatch(ScriptedBatch):
+        def step(self):
+            if self.s.taken:
+                raise RuntimeError("a bug in a backend")
+            super().step()
 
-    with Running(Broken(model, "")) as r:
+    class Broken(Scripted):
+        def batch(self, parallel=None):
+            return BrokenBatch(self, parallel or 1)
+
+    with Running(Broken(model, "fine" * 3, step=4)) as r:
         body = json.dumps({"messages": USER, "max_tokens": 5, "stream": True}).encode()
         got = exchange(r, post("/v1/messages", body), shut=False)
         head, _, stream = got.partition(b"\r\n\r\n")
         assert responses(got) == [200] and b"HTTP/1.1 500" not in stream
         events = sse_events(stream)
         assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
+        assert b"fine" in stream and any("RuntimeError: a bug in a backend" in line for line in r.lines)
 
 
 def test_anthropic_prefill_is_continued(model):

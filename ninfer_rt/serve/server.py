@@ -355,10 +355,11 @@ class Server:
     which must be the one that loaded the model (it runs the generations); shutdown() may come from any thread."""
 
     def __init__(self, model, *, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-                 api_key: str | None = None, cors_origin: str | None = None, max_queue: int = 32, log=None):
+                 api_key: str | None = None, cors_origin: str | None = None, max_queue: int = 32,
+                 parallel: int = 1, log=None):
         self.model, self.model_name, self.api_key, self.cors_origin = model, model_name, api_key, cors_origin
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.worker = Worker(model, max_queue, self.log)
+        self.worker = Worker(model, max_queue, self.log, parallel=parallel)
         self.preparing = threading.BoundedSemaphore(_PREPARING)
         handler = type("Handler", (_Handler,), {"app": self})
         try:
@@ -388,6 +389,5 @@ class Server:
             self.httpd.server_close()
 
     def shutdown(self) -> None:
-        """Stop serving (from any thread): the running generation ends at its next token, waiting requests get
-        503, and serve_forever returns."""
+        """Stop serving (from any thread): running and waiting requests get 503, and serve_forever returns."""
         self.worker.stop()

@@ -1,13 +1,15 @@
-"""The generation worker: one sequence at a time, on the thread that loaded the model.
+"""The generation worker: continuous batching of the queued requests, on the thread that loaded the model.
 
 HTTP handlers run in their own threads; they prepare a request (template, tokens: see common.prepare) and hand it
-here as a Ticket. The worker runs tickets in arrival order on the thread it was started from: the GPU backend's
-CUDA context is current on the loading thread only, and the model holds one sequence's cache. A ticket's pieces
-come back through its own queue; a handler whose client went away cancels it, and the run stops at the next token.
+here as a Ticket. The worker runs on the thread it was started from (the GPU backend's CUDA context is current on
+the loading thread only): it moves waiting tickets into the model's Batch as it has room (`parallel` sequences at
+once), steps the batch, and sends each ticket its pieces through its own queue. A handler whose client went away
+cancels its ticket, and the sequence leaves the batch at the next step.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import traceback
@@ -23,7 +25,7 @@ def _shutting_down() -> RequestError:
     return RequestError(503, "the server is shutting down", kind="overloaded_error")
 
 
-@dataclass
+@dataclass(eq=False)  # a ticket is itself: hashed by identity
 class Ticket:
     """One queued generation. out receives ("piece", str) items, then ("done", GenerationStats) or
     ("error", RequestError)."""
@@ -34,23 +36,25 @@ class Ticket:
 
 
 class Worker:
-    """Runs Tickets one at a time; at most max_queue wait behind the running one (more: 503, overloaded)."""
+    """Runs Tickets up to `parallel` at a time in one batch; at most max_queue wait behind them (more: 503,
+    overloaded). model.batch(parallel) gives the Batch (ninfer_rt.batching) it steps."""
 
-    def __init__(self, model, max_queue: int, log=None):
-        self.model, self.max_queue = model, max_queue
-        self.tickets: queue.Queue[Ticket] = queue.Queue()
+    def __init__(self, model, max_queue: int, log=None, parallel: int = 1):
+        self.model, self.max_queue, self.parallel = model, max_queue, parallel
+        self.waiting: collections.deque[Ticket] = collections.deque()
         self.stopping = threading.Event()
         self.log = log or (lambda line: None)
-        self._lock = threading.Lock()
-        self._outstanding = 0  # tickets queued or running
+        self._lock = threading.Condition()
+        self._outstanding = 0  # tickets waiting or running
+        self._running: dict[Ticket, object] = {}  # ticket -> its batching.Generation
 
     def _refusal(self) -> RequestError | None:
         """Why a request cannot queue now (called with the lock held), or None."""
         if self.stopping.is_set():
             return _shutting_down()
-        if self._outstanding > self.max_queue:
-            return RequestError(503, f"the server is busy: one request is generating and {self.max_queue} are "
-                                     "waiting; try again later", kind="overloaded_error")
+        if self._outstanding >= self.parallel + self.max_queue:
+            return RequestError(503, f"the server is busy: {self.parallel} requests are generating and "
+                                     f"{self.max_queue} are waiting; try again later", kind="overloaded_error")
         return None
 
     def check_room(self) -> None:
@@ -61,61 +65,95 @@ class Worker:
             raise refusal
 
     def submit(self, prepared: Prepared) -> Ticket:
-        """Queue a prepared request; RequestError 503 when max_queue already wait behind a running one."""
-        with self._lock:  # with the queue's put inside, so the shutdown's drain cannot pass between them
+        """Queue a prepared request; RequestError 503 when the batch is full and max_queue already wait."""
+        with self._lock:  # the shutdown's drain cannot pass between the check and the append
             refusal = self._refusal()
             if refusal is not None:
                 raise refusal
             self._outstanding += 1
             ticket = Ticket(prepared)
-            self.tickets.put(ticket)
+            self.waiting.append(ticket)
+            self._lock.notify()
         return ticket
 
     def run(self) -> None:
         """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates); the tickets
-        still waiting then get a 503 each."""
+        still waiting or running then get a 503 each."""
+        batch = self.model.batch(self.parallel)
         try:
-            while not self.stopping.is_set():
-                try:
-                    ticket = self.tickets.get(timeout=_POLL_S)
-                except queue.Empty:
-                    continue
-                try:
-                    if not ticket.cancelled.is_set():
-                        self._generate(ticket)
-                finally:
-                    with self._lock:
-                        self._outstanding -= 1
+            while True:
+                with self._lock:
+                    while not (self.stopping.is_set() or self.waiting or self._running):
+                        self._lock.wait(_POLL_S)
+                    if self.stopping.is_set():
+                        break
+                    joining = [self.waiting.popleft() for _ in range(min(batch.free, len(self.waiting)))]
+                for ticket in joining:
+                    self._join(batch, ticket)
+                for ticket, g in list(self._running.items()):
+                    if ticket.cancelled.is_set():
+                        batch.cancel(g)
+                if batch.busy:
+                    try:
+                        batch.step()
+                    except Exception as e:  # a bug outside any one forward: every running request gets a 500
+                        for g in self._running.values():
+                            g.done, g.error = True, e
+                        batch = self.model.batch(self.parallel)  # the slots' contents are unknown: start afresh
+                self._deliver()
         finally:
             with self._lock:
                 self.stopping.set()
-                while True:
-                    try:
-                        ticket = self.tickets.get_nowait()
-                    except queue.Empty:
-                        break
+                for ticket in [*self._running, *self.waiting]:
                     ticket.out.put(("error", _shutting_down()))
+                self._running.clear()
+                self.waiting.clear()
 
     def stop(self) -> None:
-        """Stop: the running generation at its next token, the waiting ones at once (each answered 503)."""
+        """Stop: the running generations at their next step, the waiting ones at once (each answered 503)."""
         self.stopping.set()
 
-    def _generate(self, ticket: Ticket) -> None:
-        """Run one ticket, streaming its pieces; every way it ends puts exactly one final item."""
+    def _join(self, batch, ticket: Ticket) -> None:
+        """Start a ticket in the batch (a cancelled one, or one the batch refuses, ends here)."""
         p = ticket.prepared
+        if ticket.cancelled.is_set():
+            self._end(ticket)
+            return
         try:
-            # reuse_cache: a request that extends the last one's prompt and reply (an agent's next turn after a tool
-            # call) prefills only what is new; one that shares its history (a chat's next turn) starts there
-            pieces = self.model.generate(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
-                                         reuse_cache=True, snapshot_at=p.snapshot_at)
-            for piece in pieces:
-                if ticket.cancelled.is_set() or self.stopping.is_set():
-                    pieces.close()
-                    break
-                ticket.out.put(("piece", piece))
-            ticket.out.put(("error", _shutting_down()) if self.stopping.is_set() else ("done", self.model.last_stats))
-        except NinferError as e:  # e.g. the sampler refused the logits it got
-            ticket.out.put(("error", RequestError(400, str(e))))
+            # a request that extends an earlier one's prompt and reply (an agent's next turn after a tool call)
+            # prefills only what is new; one that shares a chat's history (its next turn) starts from its snapshot
+            self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
+                                              stop=p.stop, snapshot_at=p.snapshot_at)
+        except NinferError as e:
+            self._end(ticket, ("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
-            self.log(traceback.format_exc().rstrip())
-            ticket.out.put(("error", RequestError(500, f"internal error: {type(e).__name__}", kind="api_error")))
+            self._end(ticket, self._internal(e))
+
+    def _deliver(self) -> None:
+        """Send each running ticket its new pieces, and the final item of those that ended."""
+        for ticket, g in list(self._running.items()):
+            for piece in g.take():
+                ticket.out.put(("piece", piece))
+            if not g.done:
+                continue
+            del self._running[ticket]
+            if g.error is None:
+                self._end(ticket, ("done", g.stats))
+            elif isinstance(g.error, NinferError):  # e.g. the sampler refused the logits it got
+                self._end(ticket, ("error", RequestError(400, str(g.error))))
+            else:
+                self._end(ticket, self._internal(g.error))
+
+    def _internal(self, e: BaseException) -> tuple:
+        """A bug's final item: a 500 naming only the exception's type; the traceback goes to the log."""
+        self.log("".join(traceback.format_exception(e)).rstrip())
+        return ("error", RequestError(500, f"internal error: {type(e).__name__}", kind="api_error"))
+
+    def _end(self, ticket: Ticket, final: tuple | None = None) -> None:
+        """A ticket leaves: its final item (none for a cancelled one, whose handler has gone), one fewer
+        outstanding."""
+        if final is not None and not ticket.cancelled.is_set():
+            ticket.out.put(final)
+        with self._lock:
+            self._outstanding -= 1
+
