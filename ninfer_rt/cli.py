@@ -276,6 +276,9 @@ def bench(
     prefill: str = typer.Option("512,8192,65536", "--prefill", help="Prompt lengths to time, comma-separated."),
     decode_context: str = typer.Option("0,8192,65536,262144", "--decode-context",
                                        help="Contexts to time one-token decode at, comma-separated."),
+    decode_batch: str = typer.Option("", "--decode-batch", help="Sequence counts (> 1) to also time a decode "
+                                                                "step of, all at the same context, comma-separated "
+                                                                "(each holds a KV cache of the largest context)."),
     kv_cache: KvCacheOption = "int8",
     prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
                                                                         "time (two prompts: cold, then timed) "
@@ -299,9 +302,13 @@ def bench(
             raise NinferError(f"{what}: values must be >= 0")
         return vals
 
+    batches = ints(decode_batch, "--decode-batch")
+    if any(b < 2 for b in batches):
+        raise NinferError("--decode-batch: sequence counts must be >= 2 (one sequence is the plain decode row)")
     res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
                     prefill_sizes=ints(prefill, "--prefill"), decode_contexts=ints(decode_context, "--decode-context"),
                     kv_dtype=kv_cache, prefill_budget_s=prefill_budget, prefill_chunk=prefill_chunk,
+                    decode_batches=batches,
                     progress=_loading_bar(),
                     log=lambda line: err.print(line, highlight=False))
     out.print(table(res))

@@ -70,11 +70,13 @@ def sse_events(data: bytes) -> list[tuple[str, dict]]:
 class Scripted:
     """The model with generation replaced: model.batch gives a ScriptedBatch, whose generations each yield `text`
     in pieces of `step` characters (one a step; each step waits `delay` seconds), then end with finish_reason eos
-    (or length at max_new_tokens); records the prompts and how many pieces were taken."""
+    (or length at max_new_tokens); records the prompts, how many pieces were taken and the most generations a step
+    ran."""
 
     def __init__(self, model, text: str, step: int = 3, delay: float = 0.0):
         self._model, self.text, self.step, self.delay = model, text, step, delay
         self.taken = 0
+        self.most = 0  # the most generations one step ran
         self.prompts: list[list[int]] = []
 
     def __getattr__(self, name):
@@ -123,6 +125,7 @@ class ScriptedBatch:
 
     def step(self) -> None:
         time.sleep(self.s.delay)
+        self.s.most = max(self.s.most, len(self.runs))
         for run in list(self.runs):
             s = run.stats
             if s.generated_tokens < min(len(run.pieces), run.budget):

@@ -235,6 +235,22 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_cancels(model):
         assert status == 200 and reply["choices"][0]["message"]["reasoning_content"] == "xxx"
 
 
+def test_requests_generate_together_up_to_parallel(model):
+    """Three requests at once with --parallel 2: two share the batch's steps, the third waits for a free slot,
+    and each gets the whole reply."""
+    slow = Scripted(model, "y" * 30, step=1, delay=0.02)
+    with Running(slow, parallel=2) as r:
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(r.json("/v1/completions", {"prompt": "Hi", "max_tokens": 99})))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+    assert [(status, body["choices"][0]["text"]) for status, body in got] == [(200, "y" * 30)] * 3
+    assert slow.most == 2
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 
@@ -272,6 +288,9 @@ def test_cli_serves_until_a_signal(packed, tmp_path, sig, code, said):
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--api-key-file", "/nonexistent/key"], "No such file or directory"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--parallel", "0"], "--parallel must be in [1, 63], got 0"),
+    (["--parallel", "64"], "--parallel must be in [1, 63], got 64"),
+    (["--parallel", "65", "--no-prefix-snapshot"], "--parallel must be in [1, 64], got 65"),
     (["--api-key-file", "KEYFILE"], "the key must be printable ASCII"),
 ])
 def test_cli_refuses_bad_options_in_one_line(packed, capsys, tmp_path, args, fragment):

@@ -43,6 +43,9 @@ class BenchResult:
     prefill: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)    # {context, ms_per_token, tok_s, bytes_per_token, ...}
     decode_sampled: dict | None = None                   # {context, sampling, ms_per_token, tok_s}
+    # {context, batch, ms_per_step, tok_s}: B sequences a step, each in its own slot at the same context; tok_s is
+    # all of them together (the server's continuous batching decodes this way)
+    decode_batched: list[dict] = field(default_factory=list)
 
 
 def builtin_spec(name: str):
@@ -124,23 +127,24 @@ def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[f
 SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 
 
-def decode_step_graph(model, ctx: int, sampled: bool = False):
+def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
-    arg-max."""
+    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled)."""
     from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import context_bucket
 
-    tok = np.array([17], np.int32)
+    tok = np.full(batch, 17, np.int32)
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
-    model.decode(tok, [ctx], [0], draw=draw)
-    return model.step_graph(1, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
+    model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
+    return model.step_graph(batch, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
                             ("sample", model.sample_vocab) if sampled else None)
 
 
-def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False) -> float:
-    """Median seconds per decode step (graph replay) at context ctx; sampled: as decode_step_graph."""
-    graph = decode_step_graph(model, ctx, sampled)
+def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False,
+                 batch: int = 1) -> float:
+    """Median seconds per decode step (graph replay) at context ctx; sampled, batch: as decode_step_graph."""
+    graph = decode_step_graph(model, ctx, sampled, batch)
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
 
@@ -148,9 +152,10 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
               prefill_sizes=(512, 8192, 65536), decode_contexts=(0, 8192, 65536, 262144),
               kv_dtype: str = "int8", prefill_budget_s: float = 60.0, prefill_chunk: int | None = None,
-              progress=None, log=print) -> BenchResult:
+              decode_batches=(), progress=None, log=print) -> BenchResult:
     """Run the benchmark; `log` receives one line per measurement as it lands. prefill_chunk: prompt tokens per
-    prefill step (default: the engine's)."""
+    prefill step (default: the engine's). decode_batches: sequence counts (> 1) to time a decode step of at each
+    decode context too (each sequence a slot with its own KV cache of the largest context: memory grows with it)."""
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
@@ -179,8 +184,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     # the longest context decodes its last position: 262144 means 262143 cached tokens plus the new one
     decode_contexts = [min(c, spec.max_position_embeddings - 1) for c in decode_contexts]
     max_ctx = min(spec.max_position_embeddings, max(list(decode_contexts) + list(prefill_sizes)) + 16)
-    model = GpuModel(gpu, kernels, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype=kv_dtype,
-                     prefill_chunk=prefill_chunk)
+    model = GpuModel(gpu, kernels, spec, weights, slots=max([1, *decode_batches]), max_ctx=max_ctx,
+                     kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     for i, kv in model.kv.items():  # valid random cache contents: timing never runs on zeros
         values = kv.slots * kv.max_ctx * kv.nKV * kv.d * (1 if kv_dtype == "int8" else 2)
         kind = "bytes" if kv_dtype == "int8" else "bf16"
@@ -225,6 +230,10 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
         res.decode.append(row)
         log(f"decode @ {ctx}: {1 / step:,.1f} tok/s, {nbytes / 1e9:.2f} GB/token, "
             f"{100 * nbytes / step / bw:.0f}% of copy bandwidth (ceiling {bw / nbytes:,.0f} tok/s)")
+        for b in decode_batches:
+            step = _time_decode(model, ctx, batch=b)
+            res.decode_batched.append({"context": ctx, "batch": b, "ms_per_step": step * 1e3, "tok_s": b / step})
+            log(f"decode @ {ctx}, {b} sequences: {b / step:,.1f} tok/s together ({step * 1e3:.3f} ms a step)")
     if res.decode:  # the same step drawing its token (top-k / top-p on the device), at the middle context
         ctx = res.decode[len(res.decode) // 2]["context"]
         step = _time_decode(model, ctx, sampled=True)
@@ -265,6 +274,9 @@ def table(res: BenchResult):
         t.add_row(f"decode @ {d['context']:,}", f"{d['tok_s']:,.1f} tok/s",
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
                   f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
+    for d in res.decode_batched:
+        t.add_row(f"decode @ {d['context']:,}, {d['batch']} sequences", f"{d['tok_s']:,.1f} tok/s",
+                  f"together: {d['ms_per_step']:.3f} ms a step, {d['tok_s'] / d['batch']:,.1f} tok/s each")
     if res.decode_sampled:
         d = res.decode_sampled
         t.add_row(f"decode @ {d['context']:,}, sampled", f"{d['tok_s']:,.1f} tok/s",

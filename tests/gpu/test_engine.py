@@ -391,17 +391,19 @@ def test_generate_reuses_kept_caches_on_the_device(gpu, artifact, monkeypatch):
 def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     """ninfer_rt.gpu.bench.run_bench on the tiny artifact: every requested prefill size and decode context gets
     a row with a positive rate, a longer context reads more bytes per token (its KV cache), and the device
-    memory in use is reported (the benchmark replays the engine's captured graphs, so a change there shows
-    here). Takes the `gpu` fixture for its skip without a GPU; run_bench opens its own context."""
+    memory in use is reported, and the batched rows time three slots a step (the benchmark replays the engine's
+    captured graphs, so a change there shows here). Takes the `gpu` fixture for its skip without a GPU; run_bench opens its own context."""
     from ninfer_rt.gpu.bench import run_bench
 
     lines = []
     res = run_bench(artifact_path=str(artifact), prefill_sizes=(16, 40), decode_contexts=(0, 100),
-                    log=lines.append)
+                    decode_batches=(3,), log=lines.append)
     assert [r["tokens"] for r in res.prefill] == [16, 40] and all(r["tok_s"] > 0 for r in res.prefill)
     assert [r["context"] for r in res.decode] == [0, 100] and all(r["tok_s"] > 0 for r in res.decode)
     assert res.decode[1]["bytes_per_token"] > res.decode[0]["bytes_per_token"] > 0
-    assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 6
+    assert [(r["context"], r["batch"]) for r in res.decode_batched] == [(0, 3), (100, 3)]
+    assert all(r["tok_s"] == pytest.approx(3e3 / r["ms_per_step"]) for r in res.decode_batched)
+    assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 8
 
 
 def one_layer(layer: str, model: str = "qwen3.6-35b-a3b"):
