@@ -65,7 +65,6 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
-        self._t0 = time.perf_counter()
 
     def take(self) -> list[str]:
         """The text pieces produced since the last take."""
@@ -75,8 +74,8 @@ class Generation:
 
 class Batch:
     """Runs up to `parallel` Generations of `model` at once over its cache slots (load's cache_slots: at least
-    parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate started meanwhile
-    takes slot 0 from it (that generation's sequence then fails), and the batch's slots are forgotten by it."""
+    parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate or logits started
+    meanwhile takes slot 0 from it, and the batch's sequence there fails at its next step."""
 
     def __init__(self, model: Model, parallel: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         slots = getattr(model._backend, "cache_slots", 1)
@@ -121,7 +120,7 @@ class Batch:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at)
         g._slot = slot = self._take_slot(ids)
-        g._fed = g.stats.cached_tokens = len(slot.ids) if slot.cache is not None else 0
+        g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
         self.model.last_stats = g.stats  # Model's: the stats of the generation started last
         return g
