@@ -44,7 +44,7 @@ class _Slot:
     cache: object | None = None
     ids: list[int] | None = None
     ticket: int = 0      # the model's ownership ticket of the slot's last writer (api._KeptCaches.claim)
-    used: int = 0        # when it was last taken, for least-recently-used eviction
+    used: int = 0        # when it was last taken, filled or left, for least-recently-used eviction
     busy: bool = False
 
 
@@ -279,5 +279,5 @@ class Batch:
 
     def _release(self, g: Generation) -> None:
         g.done, g._next = True, None
-        g._slot.busy = False
+        g._slot.busy, g._slot.used = False, next(self._clock)  # last used when its sequence left
         self._running.remove(g)

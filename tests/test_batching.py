@@ -193,3 +193,22 @@ def test_a_generate_meanwhile_takes_slot_0_from_the_batch(model, fake):
     drain(batch, [a, b])
     assert isinstance(a.error, NinferError) and "took this generation's sequence slot" in str(a.error)
     assert b.error is None and b.stats.token_ids == fake.decode_fresh([30, 31], 6)
+
+
+def test_idle_slots_are_reused_least_recently_used_first(model, fake):
+    """Four slots, one sequence at a time: a fifth new prompt takes the slot whose sequence left longest ago, so
+    the first conversation's continuation starts over while the second's still continues."""
+    batch = model.batch(1)
+    gens = []
+    for i in range(5):
+        g = batch.add([50 + i, 1, 2], max_new_tokens=2, sampling=GREEDY)
+        drain(batch, [g])
+        gens.append(g)
+
+    def continued(g0) -> int:
+        g = batch.add(g0.prompt + g0.stats.token_ids + [9], max_new_tokens=1, sampling=GREEDY)
+        drain(batch, [g])
+        assert g.stats.token_ids == fake.decode_fresh(g.prompt, 1)
+        return g.stats.cached_tokens
+
+    assert continued(gens[1]) == 4 and continued(gens[0]) == 0
