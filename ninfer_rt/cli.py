@@ -152,7 +152,8 @@ def serve(
                         log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
         bound_host, bound_port = server.address
         err.print(f"serving {server.model_name} on http://{bound_host}:{bound_port} ({model.device}, context "
-                  f"{model.context_length:,}{', API key required' if api_key else ''}); Ctrl-C stops",
+                  f"{model.context_length:,}, {parallel} at once{', API key required' if api_key else ''}); "
+                  "Ctrl-C stops",
                   highlight=False, soft_wrap=True, markup=False)
         server.serve_forever()
     finally:

@@ -594,3 +594,29 @@ def test_a_carveout_preference_is_set_once_per_change(monkeypatch):
     k.launch("a", 1, 32, [])
     k.launch("a", 1, 32, [])
     assert calls == [("a", 100), ("b", 100), ("a", -1)] and len(k.gpu.launches) == 6
+
+
+def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
+    """GpuBackend: an out-of-memory while the sequence slots are allocated is one line naming the options that
+    size them, and the weights already loaded are freed."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import backend
+    from ninfer_rt.gpu.driver import GpuError
+
+    freed = []
+    weights = SimpleNamespace(free=lambda gpu: freed.append(gpu))
+
+    def no_room(*a, **k):
+        raise GpuError("cuMemAlloc(2684354560 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(backend, "Gpu", lambda i: "gpu0")
+    monkeypatch.setattr(backend, "Kernels", lambda gpu: None)
+    monkeypatch.setattr(backend, "load_artifact", lambda gpu, art, progress=None: weights)
+    monkeypatch.setattr(backend, "GpuModel", no_room)
+    art = SimpleNamespace(spec=SimpleNamespace(max_position_embeddings=262144))
+    with pytest.raises(GpuError, match=r"^5 sequence slot\(s\) of 262,144 positions do not fit in GPU memory "
+                                       r"beside the weights: lower --max-context, or serve's --parallel$"):
+        backend.GpuBackend(art, max_ctx=262144, cache_slots=5)
+    assert freed == ["gpu0"]
+

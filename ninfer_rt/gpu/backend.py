@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ninfer_rt.errors import NinferError
-from ninfer_rt.gpu.driver import Gpu
+from ninfer_rt.gpu.driver import Gpu, GpuError
 from ninfer_rt.gpu.engine import GpuModel
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import load_artifact
@@ -37,8 +37,15 @@ class GpuBackend:
         self.max_ctx = min(max_ctx, spec.max_position_embeddings)  # positions a sequence may hold (Model reads it)
         self.cache_slots = cache_slots
         self.exclusive_slots = True  # a slot is device memory: one sequence at a time (api._KeptCaches)
-        self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=cache_slots, max_ctx=self.max_ctx,
-                              kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+        try:
+            self.model = GpuModel(self.gpu, self.kernels, spec, self.weights, slots=cache_slots,
+                                  max_ctx=self.max_ctx, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+        except GpuError as e:
+            self.weights.free(self.gpu)
+            if "OUT_OF_MEMORY" not in str(e):
+                raise
+            raise GpuError(f"{cache_slots} sequence slot(s) of {self.max_ctx:,} positions do not fit in GPU memory "
+                           "beside the weights: lower --max-context, or serve's --parallel") from None
         self.use_graphs = use_graphs
 
     def new_cache(self, slot: int = 0) -> GpuCache:
