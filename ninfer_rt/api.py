@@ -304,9 +304,9 @@ class Model:
     def batch(self, parallel: int | None = None, prefill_chunk: int | None = None):
         """A ninfer_rt.batching.Batch over this model's cache slots: up to parallel (default: all of them)
         generations at once, each prompt prefilled prefill_chunk tokens a step (default batching.PREFILL_CHUNK)."""
-        from ninfer_rt.batching import PREFILL_CHUNK, Batch
+        from ninfer_rt.batching import Batch
 
-        return Batch(self, parallel, PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+        return Batch(self, parallel, prefill_chunk)
 
     def _check_request(self, ids: list[int], max_new_tokens, sampling, reuse_cache, snapshot_at
                        ) -> tuple[SamplingParams, int]:
@@ -327,6 +327,18 @@ class Model:
                               "needs reuse_cache")
         params = sampling if sampling is not None else self.sampling_defaults
         return params, min(int(max_new_tokens), context - len(ids))
+
+    def _draws_on_device(self, params: SamplingParams) -> bool:
+        """Whether the backend draws tokens itself under params (the GPU: greedy, or top-k sampling without
+        penalties), so that only the id comes back."""
+        can = getattr(self._backend, "can_sample", None)
+        return can is not None and can(params)
+
+    def _pick(self, logits: np.ndarray, sampler: Sampler, history: Sequence[int], prompt_len: int) -> int:
+        """The next token from one row of logits [V] on the host; padded vocabulary rows are never drawn (they are
+        set to -inf in place)."""
+        logits[self.real_vocab_size:] = -np.inf
+        return sampler.sample(logits, history, prompt_len)
 
     def _decode_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats,
                      reuse: bool = False, snapshot_at: int | None = None) -> Iterator[int]:
@@ -349,8 +361,7 @@ class Model:
         fed = list(ids[:start])  # what the cache holds, kept exact however the run ends
         clean = [True]           # False while a forward runs: if it raises, the cache's contents are unknown
         params = sampler.params
-        on_device = getattr(self._backend, "can_sample", None) is not None and self._backend.can_sample(params)
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        on_device = self._draws_on_device(params)
 
         def step(new_ids: list[int], pick: bool = True) -> int | None:
             """Forward new_ids through the cache and pick the next token from the last row (pick False: only
@@ -361,13 +372,12 @@ class Model:
                                   "finish or close one generation before starting the next")
             clean[0], token = False, None
             if on_device and pick:
-                token = self._backend.sample_next(arr, cache, params, vocab=real, seed=seed,
+                token = self._backend.sample_next(arr, cache, params, vocab=real, seed=sampler.seed,
                                                   step=len(stats.token_ids))
             else:
                 logits = self._backend.forward(arr, cache, last_only=True)[-1]  # [V]
                 if pick:
-                    logits[real:] = -np.inf  # padded vocabulary rows are never sampled
-                    token = sampler.sample(logits, history, len(ids))
+                    token = self._pick(logits, sampler, history, len(ids))
             fed.extend(new_ids)
             clean[0] = True
             return token

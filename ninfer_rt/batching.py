@@ -8,8 +8,9 @@
         print("".join(g.take()), end="")             # text since the last take; g.done, g.stats, g.error
 
 Each sequence runs in a cache slot of its own (on the GPU: its own KV cache and DeltaNet state). A step feeds every
-decoding sequence's last token through one batched forward (the decode kernels take B sequences at once, so B
-tokens cost about one token's weight reads) and draws each next token with the sequence's own sampler. A joining
+decoding sequence's last token through one batched forward (the decode kernels take B sequences at once: a dense
+weight is read once for all of them, the MoE's experts for each one's own choice) and draws each next token with
+the sequence's own sampler. A joining
 prompt is prefilled `prefill_chunk` tokens a step, so a long prompt delays the others by one chunk a step rather
 than by its whole prefill (vLLM's chunked prefill, simplified: the chunk runs beside the decode, not in its launch).
 
@@ -56,8 +57,8 @@ class Generation:
                  snapshot_at: int | None):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
         self.sampler = Sampler(params)
-        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.history = list(ids)  # prompt and output, for the sampler's penalties
         self.done = False
         self.error: BaseException | None = None
         self._pieces: list[str] = []
@@ -77,9 +78,12 @@ class Batch:
     parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate or logits started
     meanwhile takes slot 0 from it, and the batch's sequence there fails at its next step."""
 
-    def __init__(self, model: Model, parallel: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: Model, parallel: int | None = None, prefill_chunk: int | None = None):
+        """parallel: at most this many generations at once (default: every slot); prefill_chunk: prompt tokens a
+        joining generation feeds a step (default PREFILL_CHUNK)."""
         slots = getattr(model._backend, "cache_slots", 1)
         parallel = slots if parallel is None else parallel
+        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if not (isinstance(parallel, int) and 1 <= parallel <= slots):
             raise NinferError(f"parallel={parallel!r}: must be in [1, {slots}] (the model's cache_slots)")
         if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
@@ -196,7 +200,7 @@ class Batch:
         token = None
         if end > g._fed:
             chunk = np.asarray(g.prompt[g._fed:end], np.int64)
-            if last and self._on_device(g):
+            if last and self.model._draws_on_device(g.sampler.params):
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
@@ -215,7 +219,7 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn inside the step's graph, only the id comes back
+        if len(gens) == 1 and self.model._draws_on_device(gens[0].sampler.params):  # alone: drawn in the step's graph
             picks = [self._device_draw(gens[0], np.asarray(tokens, np.int64))]
         else:
             logits = self.backend.decode_batch(tokens, [g._slot.cache for g in gens])  # [B, V]
@@ -227,22 +231,15 @@ class Batch:
             g.stats.decode_s += dt
             self._emit(g, token)
 
-    def _on_device(self, g: Generation) -> bool:
-        """Whether the backend draws g's tokens itself (the GPU: greedy or top-k sampling without penalties)."""
-        can = getattr(self.backend, "can_sample", None)
-        return can is not None and can(g.sampler.params)
-
     def _device_draw(self, g: Generation, ids: np.ndarray) -> int:
-        """Forward ids through g's cache and draw the next token on the device (its Philox stream: g.seed, step)."""
+        """Forward ids through g's cache and draw the next token on the device (its Philox stream: the sampler's
+        seed, the step)."""
         return self.backend.sample_next(ids, g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
-                                        seed=g.seed, step=len(g.stats.token_ids))
+                                        seed=g.sampler.seed, step=len(g.stats.token_ids))
 
     def _draw(self, g: Generation, logits: np.ndarray) -> int:
-        """g's next token from its last logits row (padded vocabulary rows never drawn)."""
-        real = self.model.real_vocab_size
-        logits = logits.copy()
-        logits[real:] = -np.inf
-        return g.sampler.sample(logits, [*g.prompt, *g.stats.token_ids], len(g.prompt))
+        """g's next token from its last logits row (overwritten where the vocabulary is padding)."""
+        return self.model._pick(logits, g.sampler, g.history, len(g.prompt))
 
     def _emit(self, g: Generation, token: int) -> None:
         """Take a drawn token: a stop id ends g, else its text goes out (up to a stop string) and it is fed next."""
@@ -252,6 +249,7 @@ class Batch:
             self._finish(g, "eos")
             return
         s.token_ids.append(token)
+        g.history.append(token)
         piece = g._scan.push(g._detok.push(token))
         if piece:
             g._pieces.append(piece)

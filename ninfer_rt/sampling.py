@@ -145,9 +145,11 @@ class Sampler:
     """Draws tokens under fixed SamplingParams with its own random stream (same seed, same tokens)."""
 
     def __init__(self, params: SamplingParams):
-        """Start the random stream from params.seed (fresh OS entropy when None)."""
+        """Start the random stream from params.seed (fresh OS entropy when None). `seed` is the one used, which a
+        device's own sampler (GpuBackend.sample_next) takes for its Philox stream."""
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._rng = np.random.default_rng(self.seed)
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = (), prompt_len: int = 0) -> np.ndarray:
         """Final probabilities over the vocabulary (float64 [V]) after every stage; one-hot when greedy.
