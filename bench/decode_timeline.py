@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["qwen3.6-35b-a3b", "qwen3.6-27b"],
                     help="synthetic model shapes (ninfer_rt/configs), recipe of the same name")
     ap.add_argument("--context", type=int, default=8192, help="context length of the stamped step")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences in the stamped step (each its own slot at the same context)")
     ap.add_argument("--jobs", type=int, default=8, help="parallel compiler processes for the stamped build")
     ap.add_argument("--smem-carveout", type=int, default=None,
                     help="shared-memory carveout (percent) every kernel prefers; default: the runtime's")
@@ -282,9 +284,9 @@ def main() -> None:
 
     if args.smem_carveout is not None:
         kernels.SMEM_CARVEOUT = args.smem_carveout
-    out = {"device": gpu.info.name, "arch": gpu.info.arch, "context": args.context, "models": {}}
+    out = {"device": gpu.info.name, "arch": gpu.info.arch, "context": args.context, "batch": args.batch, "models": {}}
     for name in args.model:
-        with synthetic_model(gpu, k, name, context_bucket(args.context + 1)) as model:
+        with synthetic_model(gpu, k, name, context_bucket(args.context + 1), slots=args.batch) as model:
             launches, images = [], {}  # images: entry point -> the image holding it, looked up once
             plain_launch, weight = k.launch, [""]
 
@@ -307,7 +309,7 @@ def main() -> None:
 
             k.launch, linear_mod.gemv = logged, gemv
             try:
-                step_s = time_fresh_step(model, args.context)  # captures (logging the launches) and times
+                step_s = time_fresh_step(model, args.context, args.batch)  # captures (logging the launches) and times
             finally:
                 k.launch, linear_mod.gemv = plain_launch, plain_gemv
             graph = next(iter(model.graphs.values()))
@@ -319,8 +321,8 @@ def main() -> None:
             rows = _launch_rows(launches, _records(gpu, k), args.warps)
         span = max(r["last_exit"] for r in rows) - min(r["release"] for r in rows)
         main = [r for r in rows if r["stream"] == "main"]
-        console.print(f"{name} @ {args.context}: stamped step {1e3 * step_s:.3f} ms (graph replay); the stamped "
-                      f"replay: {len(rows)} launches, {span:.1f} µs from the first release to the last exit; main "
+        console.print(f"{name} @ {args.context} × {args.batch}: stamped step {1e3 * step_s:.3f} ms (graph replay); "
+                      f"the stamped replay: {len(rows)} launches, {span:.1f} µs from the first release to the last exit; main "
                       f"stream Σ gap {sum(r['gap'] for r in main):.1f} µs, Σ work "
                       f"{sum(r['work'] for r in main):.1f} µs; negative gaps (match check): "
                       f"{sum(r['gap'] < 0 for r in rows)}", highlight=False)

@@ -57,9 +57,9 @@ def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager
 
 
 @contextmanager
-def synthetic_model(gpu, k, name: str, max_ctx: int):
-    """A GpuModel of the synthetic weights of `name` (exact shapes, recipe of the same name), one slot, INT8 KV;
-    weights and buffers freed on exit."""
+def synthetic_model(gpu, k, name: str, max_ctx: int, slots: int = 1):
+    """A GpuModel of the synthetic weights of `name` (exact shapes, recipe of the same name), `slots` sequence
+    slots, INT8 KV; weights and buffers freed on exit."""
     from ninfer_rt.gpu.bench import builtin_spec
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
@@ -67,7 +67,7 @@ def synthetic_model(gpu, k, name: str, max_ctx: int):
 
     spec = builtin_spec(name)
     weights = synthetic_weights(gpu, spec, load_recipe(name))
-    model = GpuModel(gpu, k, spec, weights, slots=1, max_ctx=max_ctx, kv_dtype="int8")
+    model = GpuModel(gpu, k, spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype="int8")
     try:
         yield model
     finally:
@@ -93,17 +93,17 @@ def patched(modules: dict, settings: dict):
             setattr(*target(key), value)
 
 
-def time_fresh_step(model, ctx: int) -> float:
-    """Seconds per decode step at context ctx on a freshly captured graph (planner constants and left-out launches
-    only act at capture): the model's graphs destroyed and its shared carveout planned again, then the best of 3
-    medians of ninfer-rt bench's timer."""
+def time_fresh_step(model, ctx: int, batch: int = 1) -> float:
+    """Seconds per decode step of `batch` sequences (slots 0..batch-1) at context ctx on a freshly captured graph
+    (planner constants and left-out launches only act at capture): the model's graphs destroyed and its shared
+    carveout planned again, then the best of 3 medians of ninfer-rt bench's timer."""
     from ninfer_rt.gpu.bench import _time_decode
 
     for g in model.graphs.values():
         g.destroy()
     model.graphs.clear()
     model.forget_carveout()
-    return min(_time_decode(model, ctx) for _ in range(3))
+    return min(_time_decode(model, ctx, batch=batch) for _ in range(3))
 
 
 def step_rows_out(console, gpu, title: str, columns: list[tuple[str, bool]], cells, rows: list[dict],

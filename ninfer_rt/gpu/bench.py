@@ -130,11 +130,12 @@ SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
-    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled)."""
+    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled), each fed its own
+    token, so that each routes to its own experts."""
     from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import context_bucket
 
-    tok = np.full(batch, 17, np.int32)
+    tok = (17 + 1009 * np.arange(batch, dtype=np.int32)) % model.sample_vocab
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
     return model.step_graph(batch, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
