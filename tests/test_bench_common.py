@@ -198,10 +198,10 @@ def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
 
     model = SimpleNamespace(graphs={"a": Graph(), "b": Graph()}, forget_carveout=lambda: log.append("forget"))
 
-    def fake_time_decode(m, ctx):
-        log.append(("time", ctx, len(m.graphs)))
+    def fake_time_decode(m, ctx, batch=1):
+        log.append(("time", ctx, batch, len(m.graphs)))
         return next(times)
 
     monkeypatch.setattr(bench, "_time_decode", fake_time_decode)
-    assert time_fresh_step(model, 8192) == 1.0
-    assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 0)] * 3
+    assert time_fresh_step(model, 8192, batch=2) == 1.0
+    assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 2, 0)] * 3
