@@ -31,6 +31,7 @@ import numpy as np
 
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
+from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner
 
@@ -50,12 +51,16 @@ class _Slot:
 
 
 class Generation:
-    """One sequence of a Batch: its text pieces as they come (take()), and when `done`, its stats
-    (GenerationStats: finish_reason eos, length, stop or cancelled) or an `error` (an exception) instead."""
+    """One sequence of a Batch: its text pieces as they come (take()), each output token's log-probability where
+    asked (take_logprobs()), and when `done`, its stats (GenerationStats: finish_reason eos, length, stop or
+    cancelled) or an `error` (an exception) instead."""
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
-                 snapshot_at: int | None):
+                 snapshot_at: int | None, logprobs: int | None = None):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
+        self.logprobs = logprobs  # None: none; n: each token's logprob and its n most likely alternatives'
+        self._logprobs: list[TokenLogprob] = []
+        self._drawn: TokenLogprob | None = None  # the last draw's, kept once the token is
         self.sampler = Sampler(params)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
@@ -70,6 +75,12 @@ class Generation:
     def take(self) -> list[str]:
         """The text pieces produced since the last take."""
         out, self._pieces = self._pieces, []
+        return out
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the output tokens kept since the last take (every token of
+        stats.token_ids, in order; none unless the generation asked for logprobs)."""
+        out, self._logprobs = self._logprobs, []
         return out
 
 
@@ -110,9 +121,12 @@ class Batch:
         return self.parallel - len(self._running)
 
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-            stop: list[str] | None = None, snapshot_at: int | None = None) -> Generation:
+            stop: list[str] | None = None, snapshot_at: int | None = None,
+            logprobs: int | None = None) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
-        NinferError when the batch is full or the request is bad."""
+        logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
+        (ninfer_rt.logprobs; its tokens are then drawn on the host). NinferError when the batch is full or the
+        request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -120,9 +134,11 @@ class Batch:
         stops = list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
+        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise NinferError(f"logprobs={logprobs!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
-        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at)
+        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs)
         g._slot = slot = self._take_slot(ids)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
@@ -200,7 +216,7 @@ class Batch:
         token = None
         if end > g._fed:
             chunk = np.asarray(g.prompt[g._fed:end], np.int64)
-            if last and self.model._draws_on_device(g.sampler.params):
+            if last and self._on_device(g):
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
@@ -219,7 +235,7 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        if len(gens) == 1 and self.model._draws_on_device(gens[0].sampler.params):  # alone: drawn in the step's graph
+        if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn in the step's graph
             picks = [self._device_draw(gens[0], np.asarray(tokens, np.int64))]
         else:
             logits = self.backend.decode_batch(tokens, [g._slot.cache for g in gens])  # [B, V]
@@ -231,6 +247,10 @@ class Batch:
             g.stats.decode_s += dt
             self._emit(g, token)
 
+    def _on_device(self, g: Generation) -> bool:
+        """Whether g's next token may be drawn on the device (only its id comes back: no logits for logprobs)."""
+        return g.logprobs is None and self.model._draws_on_device(g.sampler.params)
+
     def _device_draw(self, g: Generation, ids: np.ndarray) -> int:
         """Forward ids through g's cache and draw the next token on the device (its Philox stream: the sampler's
         seed, the step)."""
@@ -238,8 +258,12 @@ class Batch:
                                         seed=g.sampler.seed, step=len(g.stats.token_ids))
 
     def _draw(self, g: Generation, logits: np.ndarray) -> int:
-        """g's next token from its last logits row (overwritten where the vocabulary is padding)."""
-        return self.model._pick(logits, g.sampler, g.history, len(g.prompt))
+        """g's next token from its last logits row (overwritten where the vocabulary is padding), and its logprobs
+        where g asked for them."""
+        token = self.model._pick(logits, g.sampler, g.history, len(g.prompt))
+        if g.logprobs is not None:
+            g._drawn = token_logprob(logits, token, g.logprobs, self.model.real_vocab_size)
+        return token
 
     def _emit(self, g: Generation, token: int) -> None:
         """Take a drawn token: a stop id ends g, else its text goes out (up to a stop string) and it is fed next."""
@@ -250,6 +274,9 @@ class Batch:
             return
         s.token_ids.append(token)
         g.history.append(token)
+        if g._drawn is not None:
+            g._logprobs.append(g._drawn)
+            g._drawn = None
         piece = g._scan.push(g._detok.push(token))
         if piece:
             g._pieces.append(piece)

@@ -19,6 +19,17 @@ from ninfer_rt.errors import NinferError
 _QWEN_STOPS = ("<|im_end|>", "<|endoftext|>")
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode) inverted: the character that stands for each byte ->
+    the byte. Printable Latin-1 bytes stand for themselves; the other 68 take U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_chars()
+
+
 def _load_json(resources: dict[str, bytes], name: str) -> dict:
     """Parse an optional JSON resource; {} when absent, NinferError naming the file when malformed."""
     raw = resources.get(name)
@@ -49,6 +60,7 @@ class Tokenizer:
         self.tokenizer_config = tokenizer_config
         self.generation_config = generation_config
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._added = frozenset(backend.get_added_tokens_decoder())
 
         eos: list[int] = []
         gen_eos = generation_config.get("eos_token_id")
@@ -112,6 +124,16 @@ class Tokenizer:
         if not isinstance(token, str):
             raise NinferError(f"token_to_id: expected a token string, got {type(token).__name__}")
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for on its own (a byte-level token may hold part of a UTF-8 character): an
+        added token's text, else its byte-level characters mapped back to bytes (its decoded text where the
+        vocabulary is not byte-level)."""
+        if i not in self._added:
+            piece = self._tok.id_to_token(i)
+            if piece is not None and all(ch in _BYTE_OF for ch in piece):
+                return bytes(_BYTE_OF[ch] for ch in piece)
+        return self.decode([i]).encode("utf-8")
 
     def is_stop(self, i: int) -> bool:
         """Whether generation ends on this id."""

@@ -116,7 +116,7 @@ def test_max_tokens_cut_reports_length(model):
     ("/v1/chat/completions", {"messages": USER, "n": 2}, 400, "'n' must be 1"),
     ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, 400, "'stream' must be a boolean, got string"),
     ("/v1/chat/completions", {"messages": USER, "seed": -1}, 400, "'seed' must be an integer in [0, "),
-    ("/v1/chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs are not supported"),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs needs logprobs: true"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [WEATHER]}, 400,
      "tool_choice must be 'auto' or 'none'"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,

@@ -124,6 +124,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False  # OpenAI streams: a last chunk with the token counts
     continue_final: bool = False  # the last (assistant) message is continued, not closed: a prefill
+    logprobs: int | None = None  # OpenAI: each output token's logprob and this many alternatives' (None: off)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class Prepared:
     thinking: bool
     tools: list[dict] | None
     snapshot_at: int | None = None  # where the chat's history ends (api.generate's snapshot_at)
+    logprobs: int | None = None     # Job.logprobs
 
 
 class Reply(Protocol):
@@ -150,6 +152,10 @@ class Reply(Protocol):
 
     def events(self, events: list) -> list[bytes]:
         """Frames for replies.Event items as they come (reasoning, text, tool calls)."""
+
+    def add_logprobs(self, entries: list, token_bytes) -> None:
+        """Output tokens' logprobs.TokenLogprob entries (only where the Job asked for logprobs), to go out with
+        the next frame and in body(); token_bytes(id) -> the bytes a token stands for."""
 
     def finish(self, stats) -> list[bytes]:
         """The stream's closing frames, from the run's GenerationStats (finish reason, usage)."""
@@ -231,4 +237,4 @@ def prepare(model, job: Job) -> Prepared:
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
                     thinking, job.tools,
-                    history_length(model, job, ids) if model.can_snapshot else None)
+                    history_length(model, job, ids) if model.can_snapshot else None, job.logprobs)

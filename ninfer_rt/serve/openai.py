@@ -8,10 +8,13 @@ chat_template_kwargs (enable_thinking, preserve_thinking).
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import time
 import uuid
 
+from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
 from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, get, get_float, get_int,
                                     get_stops)
 from ninfer_rt.serve.replies import Event
@@ -35,12 +38,20 @@ def sampling_fields(body: dict) -> dict:
     }
 
 
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (a boolean) and top_logprobs (0..20 alternatives, only with logprobs true)."""
+    top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not get(body, "logprobs", (bool,), "a boolean", False):
+        if top:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields that would change the reply's meaning and that this server cannot honour: refused, not ignored."""
     if get_int(body, "n", 1, None, 1) != 1:
         raise bad("'n' must be 1: one choice per request", "n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs are not supported", "logprobs")
     fmt = get(body, "response_format", (dict,), "an object", {})
     if fmt.get("type", "text") != "text":
         raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding): use text",
@@ -136,7 +147,7 @@ def parse_chat(body: dict) -> Job:
         raise bad("continue_final_message continues the last message: add_generation_prompt must be false",
                   "continue_final_message")
     job = Job(messages=messages, tools=None if choice == "none" else tools, continue_final=continue_final,
-              template_kwargs=dict(kwargs), sampling=sampling_fields(body),
+              template_kwargs=dict(kwargs), sampling=sampling_fields(body), logprobs=_chat_logprobs(body),
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
@@ -157,6 +168,7 @@ def parse_completion(body: dict) -> Job:
         raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
     stream_options = get(body, "stream_options", (dict,), "an object", {})
     job = Job(prompt=prompt, sampling=sampling_fields(body), max_tokens=get_int(body, "max_tokens", 1, None, 16),
+              logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
     return job
@@ -183,6 +195,33 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n\n"
 
 
+def _lp(value: float) -> float:
+    """A logprob as JSON can carry it: OpenAI's -9999.0 for an impossible token (JSON has no -Infinity)."""
+    return value if math.isfinite(value) else -9999.0
+
+
+def _token_fields(token_bytes, i: int, logprob: float) -> dict:
+    """Chat's form of one token: its text (U+FFFD for part of a character), logprob and exact UTF-8 bytes."""
+    raw = token_bytes(i)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": _lp(logprob), "bytes": list(raw)}
+
+
+class _Logprobs:
+    """Output tokens' logprobs as they come: the ones not yet sent (for the next chunk) and all of them."""
+
+    def __init__(self, job: Job):
+        self.on = job.logprobs is not None
+        self.pending, self.all = [], []
+
+    def add(self, entries: list) -> None:
+        self.pending += entries
+        self.all += entries
+
+    def take(self) -> list:
+        out, self.pending = self.pending, []
+        return out
+
+
 class ChatReply:
     """Builds a chat completion from reply Events: chunks while streaming (events() returns the frames to send),
     and the whole object at the end (body())."""
@@ -191,10 +230,20 @@ class ChatReply:
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
         self.include_usage = job.include_usage
         self.reasoning, self.text, self.calls = [], [], []
+        self.lp = _Logprobs(job)
+
+    def add_logprobs(self, entries: list, token_bytes) -> None:
+        self.lp.add([{**_token_fields(token_bytes, e.id, e.logprob),
+                      "top_logprobs": [_token_fields(token_bytes, i, lp) for i, lp in e.top]} for e in entries])
+
+    def _logprobs(self, entries: list) -> dict | None:
+        return {"content": entries, "refusal": None} if self.lp.on else None
 
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
+        pending = self.lp.take()  # the tokens since the last chunk (their text may have been held back)
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                 "choices": [{"index": 0, "delta": delta, "logprobs": self._logprobs(pending) if pending else None,
+                              "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None  # every chunk but the last carries a null usage
         return sse(chunk)
@@ -233,7 +282,7 @@ class ChatReply:
         if self.calls:
             message["tool_calls"] = self.calls
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(self.lp.all),
                              "finish_reason": _finish(stats, bool(self.calls))}],
                 "usage": _usage(stats)}
 
@@ -245,10 +294,34 @@ class CompletionReply:
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
         self.include_usage = job.include_usage
         self.text = []
+        self.lp = _Logprobs(job)
+        self._top = job.logprobs
+        self._chars = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = 0  # characters of the completion before the next token
+
+    def add_logprobs(self, entries: list, token_bytes) -> None:
+        """The legacy form, token by token: its text, logprob, alternatives (text -> logprob) and character
+        offset in the completion."""
+        for e in entries:
+            raw = token_bytes(e.id)
+            top = {}
+            for i, lp in e.top:
+                top.setdefault(token_bytes(i).decode("utf-8", "replace"), _lp(lp))
+            self.lp.add([(raw.decode("utf-8", "replace"), _lp(e.logprob), top, self._offset)])
+            self._offset += len(self._chars.decode(raw))
+
+    def _logprobs(self, entries: list) -> dict | None:
+        if not self.lp.on:
+            return None
+        return {"tokens": [t for t, _, _, _ in entries], "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [top for _, _, top, _ in entries] if self._top else None,
+                "text_offset": [at for _, _, _, at in entries]}
 
     def _chunk(self, text: str, finish: str | None = None) -> bytes:
+        pending = self.lp.take()
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                 "choices": [{"index": 0, "text": text, "logprobs": self._logprobs(pending) if pending else None,
+                              "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
@@ -269,7 +342,7 @@ class CompletionReply:
 
     def body(self, stats) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": "".join(self.text), "logprobs": None,
+                "choices": [{"index": 0, "text": "".join(self.text), "logprobs": self._logprobs(self.lp.all),
                              "finish_reason": _finish(stats, False)}],
                 "usage": _usage(stats)}
 

@@ -255,6 +255,9 @@ class _Handler(BaseHTTPRequestHandler):
                         raise ConnectionResetError("the client closed the connection")
                 if kind is None:
                     continue
+                if kind == "logprobs":
+                    reply.add_logprobs(value, self.app.model.tokenizer.token_bytes)
+                    continue
                 if kind == "piece":
                     frames = reply.events(events(value))
                     if job.stream:

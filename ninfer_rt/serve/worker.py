@@ -27,8 +27,8 @@ def _shutting_down() -> RequestError:
 
 @dataclass(eq=False)  # a ticket is itself: hashed by identity
 class Ticket:
-    """One queued generation. out receives ("piece", str) items, then ("done", GenerationStats) or
-    ("error", RequestError)."""
+    """One queued generation. out receives ("piece", str) items (and ("logprobs", [TokenLogprob]) before the
+    pieces of those tokens, where asked), then ("done", GenerationStats) or ("error", RequestError)."""
 
     prepared: Prepared
     out: queue.Queue = field(default_factory=queue.Queue)
@@ -123,7 +123,7 @@ class Worker:
             # a request that extends an earlier one's prompt and reply (an agent's next turn after a tool call)
             # prefills only what is new; one that shares a chat's history (its next turn) starts from its snapshot
             self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
-                                              stop=p.stop, snapshot_at=p.snapshot_at)
+                                              stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs)
         except NinferError as e:
             self._end(ticket, ("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
@@ -132,6 +132,10 @@ class Worker:
     def _deliver(self) -> None:
         """Send each running ticket its new pieces, and the final item of those that ended."""
         for ticket, g in list(self._running.items()):
+            if ticket.prepared.logprobs is not None:
+                entries = g.take_logprobs()  # before the text they belong with
+                if entries:
+                    ticket.out.put(("logprobs", entries))
             for piece in g.take():
                 ticket.out.put(("piece", piece))
             if not g.done:

@@ -1,0 +1,95 @@
+"""OpenAI logprobs over real loopback HTTP, on the built-in tiny MoE (CPU reference).
+
+Oracles: the reference model's logits of the whole prompt + reply in one forward (log_softmax in float64; fp32
+logits, so logprobs agree within 1e-4), the reply's own text (a token's bytes spell it), and the same request
+without streaming (a stream's chunks carry the same entries).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from serve_client import sse_data
+
+USER = [{"role": "user", "content": "Hello there"}]
+PROMPT = "The assistant reads the question"
+
+
+@pytest.fixture(scope="module")
+def model(packed_model):
+    return packed_model
+
+
+def expected(model, prompt_ids: list[int], out: list[int]) -> np.ndarray:
+    """log_softmax rows [len(out), vocab]: row t is the distribution token out[t] was drawn from."""
+    logits = model.logits(prompt_ids + out[:-1])[len(prompt_ids) - 1:, :model.real_vocab_size]
+    return torch.log_softmax(torch.from_numpy(logits.astype(np.float64)), -1).numpy()
+
+
+def greedy(model, n: int, **prompt) -> list[int]:
+    from ninfer_rt.sampling import SamplingParams
+
+    return list(model.generate_ids(max_new_tokens=n, sampling=SamplingParams(greedy=True), **prompt))
+
+
+def test_completion_logprobs_are_the_models_own(srv, model):
+    out = greedy(model, 8, prompt=PROMPT)
+    want = expected(model, model.tokenizer.encode(PROMPT), out)
+    status, body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                "logprobs": 2})
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(out) == len(lp["text_offset"])
+    np.testing.assert_allclose(lp["token_logprobs"], want[np.arange(len(out)), out], rtol=0, atol=1e-4)
+    for row, top in zip(want, lp["top_logprobs"]):
+        assert 1 <= len(top) <= 2  # two alternatives (fewer only if their texts coincide)
+        assert max(top.values()) == pytest.approx(row.max(), abs=1e-4)
+    text = choice["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert lp["text_offset"][-1] <= len(text)
+    status, _, data = srv.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
+                                                              "temperature": 0, "logprobs": 2, "stream": True})
+    chunks = [e["choices"][0]["logprobs"] for e in sse_data(data)[:-1] if e["choices"][0]["logprobs"]]
+    assert status == 200 and {k: sum((c[k] for c in chunks), []) for k in lp} == lp
+
+
+def test_chat_logprobs_spell_the_reply_and_match_the_model(srv, model):
+    kwargs = {"enable_thinking": False}
+    out = greedy(model, 10, messages=USER, **kwargs)
+    want = expected(model, model.prompt_ids(messages=USER, **kwargs), out)
+    request = {"messages": USER, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+               "chat_template_kwargs": kwargs}
+    status, body = srv.json("/v1/chat/completions", request)
+    choice = body["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert status == 200 and len(content) == len(out) and choice["logprobs"]["refusal"] is None
+    spelled = bytes(b for e in content for b in e["bytes"])
+    assert spelled.decode("utf-8", "replace") == model.tokenizer.decode(out) == choice["message"]["content"]
+    for e, row, i in zip(content, want, out):
+        assert e["logprob"] == pytest.approx(row[i], abs=1e-4)
+        assert [a["logprob"] for a in e["top_logprobs"]] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-4)
+    status, _, data = srv.request("POST", "/v1/chat/completions", {**request, "stream": True})
+    streamed = [t for e in sse_data(data)[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert status == 200 and streamed == content
+
+
+def test_a_reply_without_logprobs_has_none(srv):
+    body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})[1]
+    assert body["choices"][0]["logprobs"] is None
+    body = srv.json("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "logprobs": False})[1]
+    assert body["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path, extra, field", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+])
+def test_logprobs_fields_out_of_range_are_refused(srv, path, extra, field):
+    body = {"messages": USER} if path == "/v1/chat/completions" else {"prompt": PROMPT}
+    status, reply = srv.json(path, {**body, "max_tokens": 2, **extra})
+    assert status == 400 and reply["error"]["param"] == field and field in reply["error"]["message"]
