@@ -79,3 +79,18 @@ def test_anthropic_sdk_messages_tools_stream_and_count(scripted, model):
     assert count.input_tokens == len(model.prompt_ids(messages=USER, tools=openai_tools))
     with pytest.raises(anthropic.BadRequestError, match="thinking.type must be"):
         client.messages.create(model="tiny", max_tokens=5, messages=USER, thinking={"type": "sometimes"})
+
+
+def test_openai_sdk_reads_logprobs(srv):
+    """The SDK's typed logprobs (chat: content entries with top alternatives; completions: the legacy lists)."""
+    client = openai.OpenAI(base_url=base(srv, "/v1"), api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens - (chat.choices[0].finish_reason == "stop")
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob
+               for e in content)
+    done = client.completions.create(model="tiny", prompt="The assistant", max_tokens=3, temperature=0, logprobs=1)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(lp.top_logprobs) > 0
