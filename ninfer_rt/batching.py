@@ -24,6 +24,7 @@ used first. The recurrent state cannot rewind, so a slot serves only a prompt th
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner
 
 PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
+PROMPT_LOGPROBS_CHUNK = 64  # ... where its prompt's logprobs are asked for (every row's logits come to the host)
 
 
 @dataclass
@@ -56,10 +58,13 @@ class Generation:
     cancelled) or an `error` (an exception) instead."""
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
-                 snapshot_at: int | None, logprobs: int | None = None):
+                 snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
         self.logprobs = logprobs  # None: none; n: each token's logprob and its n most likely alternatives'
+        self.prompt_logprobs = prompt_logprobs  # the same for the prompt's tokens
         self._logprobs: list[TokenLogprob] = []
+        # the first prompt token's logprob is NaN: nothing precedes it
+        self._prompt_lp = [TokenLogprob(ids[0], math.nan)] if prompt_logprobs is not None else []
         self._drawn: TokenLogprob | None = None  # the last draw's, kept once the token is
         self.sampler = Sampler(params)
         self.stats = GenerationStats(prompt_tokens=len(ids))
@@ -75,6 +80,12 @@ class Generation:
     def take(self) -> list[str]:
         """The text pieces produced since the last take."""
         out, self._pieces = self._pieces, []
+        return out
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob]:
+        """The prompt tokens' log-probabilities computed since the last take (the first token's is NaN: nothing
+        precedes it); all of them are in before the first output token."""
+        out, self._prompt_lp = self._prompt_lp, []
         return out
 
     def take_logprobs(self) -> list[TokenLogprob]:
@@ -122,24 +133,30 @@ class Batch:
 
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
             stop: list[str] | None = None, snapshot_at: int | None = None,
-            logprobs: int | None = None) -> Generation:
+            logprobs: int | None = None, prompt_logprobs: int | None = None) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
-        (ninfer_rt.logprobs; its tokens are then drawn on the host). NinferError when the batch is full or the
-        request is bad."""
+        (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
+        token (the whole prompt is then prefilled, no cached prefix reused); with it max_new_tokens may be 0.
+        NinferError when the batch is full or the request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
-        params, budget = self.model._check_request(ids, max_new_tokens, sampling, True, snapshot_at)
+        scoring = prompt_logprobs is not None and max_new_tokens == 0  # the prompt's logprobs alone
+        params, budget = self.model._check_request(ids, 1 if scoring else max_new_tokens, sampling, True,
+                                                   snapshot_at)
+        budget = 0 if scoring else budget
         stops = list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
-        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise NinferError(f"logprobs={logprobs!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None and not (type(n) is int and 0 <= n <= MAX_TOP_LOGPROBS):
+                raise NinferError(f"{name}={n!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
-        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs)
-        g._slot = slot = self._take_slot(ids)
+        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs,
+                       prompt_logprobs)
+        g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
         self.model.last_stats = g.stats  # Model's: the stats of the generation started last
@@ -163,10 +180,11 @@ class Batch:
     def _owns(self, slot: _Slot) -> bool:
         return self._kept.owns(slot.index, slot.ticket)
 
-    def _take_slot(self, ids: list[int]) -> _Slot:
-        """The idle slot whose ids ids extend the furthest; else the least recently used idle one, emptied."""
+    def _take_slot(self, ids: list[int], reuse: bool = True) -> _Slot:
+        """The idle slot whose ids ids extend the furthest (where reuse); else the least recently used idle one,
+        emptied."""
         idle = [s for s in self._slots if not s.busy]
-        fits = [s for s in idle if s.cache is not None and s.ids is not None and self._owns(s)
+        fits = [s for s in idle if reuse and s.cache is not None and s.ids is not None and self._owns(s)
                 and len(s.ids) < len(ids) and ids[:len(s.ids)] == s.ids]
         slot = max(fits, key=lambda s: len(s.ids), default=None)
         if slot is None:
@@ -208,7 +226,9 @@ class Batch:
     def _prefill_chunk(self, g: Generation) -> None:
         """Feed the next chunk of g's prompt (up to its snapshot point first); on the last, draw its first token."""
         t0 = time.perf_counter()
-        end = min(len(g.prompt), g._fed + self.prefill_chunk)
+        scored = g.prompt_logprobs is not None
+        end = min(len(g.prompt), g._fed + (min(self.prefill_chunk, PROMPT_LOGPROBS_CHUNK) if scored
+                                           else self.prefill_chunk))
         snap = g.snapshot_at if g.snapshot_at is not None and g._fed <= g.snapshot_at else None
         if snap is not None and end >= snap:
             end = snap
@@ -216,7 +236,13 @@ class Batch:
         token = None
         if end > g._fed:
             chunk = np.asarray(g.prompt[g._fed:end], np.int64)
-            if last and self._on_device(g):
+            if scored:  # every row: row j is the distribution of prompt token fed + j + 1
+                rows = self.backend.forward(chunk, g._slot.cache, last_only=False)
+                vocab = self.model.real_vocab_size
+                g._prompt_lp += [token_logprob(row, g.prompt[p], g.prompt_logprobs, vocab)
+                                 for p, row in enumerate(rows[:end - g._fed - last], g._fed + 1)]
+                token = self._draw(g, rows[-1]) if last and g.budget else None
+            elif last and self._on_device(g):
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
@@ -228,7 +254,9 @@ class Batch:
             if self.model.can_snapshot:
                 self._snapshot(g)
         g.stats.prefill_s += time.perf_counter() - t0
-        if last:
+        if last and not g.budget:
+            self._finish(g, "length")  # the prompt's logprobs were all it asked for
+        elif last:
             self._emit(g, token)
 
     def _decode(self, gens: list[Generation]) -> None:

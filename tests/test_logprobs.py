@@ -102,3 +102,36 @@ def test_a_batch_refuses_a_logprobs_count_out_of_range(packed):
             m.batch().add(m.tokenizer.encode("x"), logprobs=MAX_TOP_LOGPROBS + 1)
     finally:
         m.close()
+
+
+def test_a_batch_scores_a_prompt(packed):
+    """prompt_logprobs: every prompt token's logprob (the first NaN) as one forward of the prompt gives them, over
+    more than one 64-token chunk and without reusing a slot that holds part of the prompt; max_new_tokens 0
+    generates nothing."""
+    m = load(packed, "cpu", cache_slots=2)
+    try:
+        text = " ".join(f"word{i}" for i in range(40))
+        ids = m.tokenizer.encode(text)
+        assert len(ids) > 64
+        batch = m.batch()
+        first = batch.add(ids[:30], max_new_tokens=2, sampling=SamplingParams(greedy=True))
+        while batch.busy:
+            batch.step()
+        g = batch.add(ids, max_new_tokens=0, prompt_logprobs=2)
+        got = []
+        while batch.busy:
+            batch.step()
+            got += g.take_prompt_logprobs()
+        want = oracle_rows(m.logits(ids), m.real_vocab_size)
+    finally:
+        m.close()
+    assert first.error is None and g.error is None and g.stats.cached_tokens == 0
+    assert (g.stats.finish_reason, g.stats.token_ids, g.stats.generated_tokens) == ("length", [], 0)
+    assert [e.id for e in got] == ids and np.isnan(got[0].logprob) and got[0].top == ()
+    for p, e in enumerate(got[1:], 1):
+        assert e.logprob == pytest.approx(want[p - 1, ids[p]], abs=1e-4)
+        assert [lp for _, lp in e.top] == pytest.approx(np.sort(want[p - 1])[::-1][:2], abs=1e-4)
+
+
+def oracle_rows(logits: np.ndarray, vocab: int) -> np.ndarray:
+    return torch.log_softmax(torch.from_numpy(logits[:, :vocab].astype(np.float64)), -1).numpy()

@@ -75,6 +75,37 @@ def test_chat_logprobs_spell_the_reply_and_match_the_model(srv, model):
     assert status == 200 and streamed == content
 
 
+def test_echo_scores_a_prompt_as_lm_eval_asks(srv, model):
+    """echo with max_tokens 0 and logprobs (lm-eval-harness's loglikelihood request): the prompt's text, every
+    prompt token's logprob (the first null) as one forward gives them, and offsets into the prompt's text."""
+    ids = model.tokenizer.encode(PROMPT)
+    want = expected(model, ids[:1], ids[1:])  # row t: the distribution of prompt token t + 1
+    status, body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1})
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert status == 200 and choice["text"] == PROMPT and body["usage"]["completion_tokens"] == 0
+    assert "".join(lp["tokens"]) == PROMPT and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]  # ASCII: characters
+
+
+def test_echo_with_a_completion_carries_both(srv, model):
+    """echo and max_tokens 4: the prompt then the completion, streamed or whole, and the logprobs of both."""
+    alone = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0})[1]
+    request = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0, "echo": True}
+    body = srv.json("/v1/completions", request)[1]
+    choice, tail = body["choices"][0], alone["choices"][0]
+    n = len(model.tokenizer.encode(PROMPT))
+    assert choice["text"] == PROMPT + tail["text"]
+    assert choice["logprobs"]["tokens"][n:] == tail["logprobs"]["tokens"]
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][n:], tail["logprobs"]["token_logprobs"],
+                               rtol=0, atol=1e-4)
+    assert [o - len(PROMPT) for o in choice["logprobs"]["text_offset"][n:]] == tail["logprobs"]["text_offset"]
+    status, _, data = srv.request("POST", "/v1/completions", {**request, "stream": True})
+    events = sse_data(data)[:-1]
+    assert status == 200 and "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
 def test_a_reply_without_logprobs_has_none(srv):
     body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})[1]
     assert body["choices"][0]["logprobs"] is None

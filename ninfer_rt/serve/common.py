@@ -125,6 +125,7 @@ class Job:
     include_usage: bool = False  # OpenAI streams: a last chunk with the token counts
     continue_final: bool = False  # the last (assistant) message is continued, not closed: a prefill
     logprobs: int | None = None  # OpenAI: each output token's logprob and this many alternatives' (None: off)
+    echo: bool = False  # completions: the reply starts with the prompt (and its tokens' logprobs, where asked)
 
 
 @dataclass
@@ -140,6 +141,9 @@ class Prepared:
     tools: list[dict] | None
     snapshot_at: int | None = None  # where the chat's history ends (api.generate's snapshot_at)
     logprobs: int | None = None     # Job.logprobs
+    echo: str | None = None         # the prompt's text, where the Job echoes it
+    prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs, or nothing to
+                                        # generate: a prompt scored and echoed)
 
 
 class Reply(Protocol):
@@ -234,7 +238,11 @@ def prepare(model, job: Job) -> Prepared:
         raise bad(f"the prompt has {len(ids)} tokens; the context holds {context} (prompt and output together)",
                   "messages" if text is not None else "prompt")
     budget = context - len(ids)
+    if job.max_tokens == 0 and not job.echo:
+        raise bad("max_tokens 0 generates nothing: it needs echo (the prompt's logprobs)", "max_tokens")
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
+    echo = (job.prompt if isinstance(job.prompt, str) else model.tokenizer.decode(ids)) if job.echo else None
+    scored = job.echo and (job.logprobs is not None or job.max_tokens == 0)
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, job.tools,
-                    history_length(model, job, ids) if model.can_snapshot else None, job.logprobs)
+                    thinking, job.tools, history_length(model, job, ids) if model.can_snapshot else None,
+                    job.logprobs, echo, (job.logprobs or 0) if scored else None)

@@ -157,8 +157,8 @@ def parse_chat(body: dict) -> Job:
 def parse_completion(body: dict) -> Job:
     """A /v1/completions request as a Job (the prompt is used as is: no template, no reply parsing)."""
     _refuse_unsupported(body)
-    if body.get("echo") or body.get("suffix") is not None or get_int(body, "best_of", 1, None, 1) != 1:
-        raise bad("echo, suffix and best_of are not supported", "echo")
+    if body.get("suffix") is not None or get_int(body, "best_of", 1, None, 1) != 1:
+        raise bad("suffix and best_of are not supported", "suffix")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -167,8 +167,9 @@ def parse_completion(body: dict) -> Job:
                                                         for i in prompt)):
         raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
     stream_options = get(body, "stream_options", (dict,), "an object", {})
-    job = Job(prompt=prompt, sampling=sampling_fields(body), max_tokens=get_int(body, "max_tokens", 1, None, 16),
+    job = Job(prompt=prompt, sampling=sampling_fields(body), max_tokens=get_int(body, "max_tokens", 0, None, 16),
               logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+              echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
     return job
@@ -293,6 +294,7 @@ class CompletionReply:
     def __init__(self, model_name: str, prepared: Prepared, job: Job):
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
         self.include_usage = job.include_usage
+        self.echo = self._unsent = prepared.echo or ""  # the prompt's text, sent first
         self.text = []
         self.lp = _Logprobs(job)
         self._top = job.logprobs
@@ -307,7 +309,9 @@ class CompletionReply:
             top = {}
             for i, lp in e.top:
                 top.setdefault(token_bytes(i).decode("utf-8", "replace"), _lp(lp))
-            self.lp.add([(raw.decode("utf-8", "replace"), _lp(e.logprob), top, self._offset)])
+            first = math.isnan(e.logprob)  # an echoed prompt's first token: nothing precedes it
+            self.lp.add([(raw.decode("utf-8", "replace"), None if first else _lp(e.logprob), None if first else top,
+                          self._offset)])
             self._offset += len(self._chars.decode(raw))
 
     def _logprobs(self, entries: list) -> dict | None:
@@ -319,6 +323,7 @@ class CompletionReply:
 
     def _chunk(self, text: str, finish: str | None = None) -> bytes:
         pending = self.lp.take()
+        text, self._unsent = self._unsent + text, ""
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                  "choices": [{"index": 0, "text": text, "logprobs": self._logprobs(pending) if pending else None,
                               "finish_reason": finish}]}
@@ -342,7 +347,8 @@ class CompletionReply:
 
     def body(self, stats) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": "".join(self.text), "logprobs": self._logprobs(self.lp.all),
+                "choices": [{"index": 0, "text": self.echo + "".join(self.text),
+                             "logprobs": self._logprobs(self.lp.all),
                              "finish_reason": _finish(stats, False)}],
                 "usage": _usage(stats)}
 

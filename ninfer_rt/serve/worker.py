@@ -123,7 +123,8 @@ class Worker:
             # a request that extends an earlier one's prompt and reply (an agent's next turn after a tool call)
             # prefills only what is new; one that shares a chat's history (its next turn) starts from its snapshot
             self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
-                                              stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs)
+                                              stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs,
+                                              prompt_logprobs=p.prompt_logprobs)
         except NinferError as e:
             self._end(ticket, ("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
@@ -133,7 +134,7 @@ class Worker:
         """Send each running ticket its new pieces, and the final item of those that ended."""
         for ticket, g in list(self._running.items()):
             if ticket.prepared.logprobs is not None:
-                entries = g.take_logprobs()  # before the text they belong with
+                entries = g.take_prompt_logprobs() + g.take_logprobs()  # before the text they belong with
                 if entries:
                     ticket.out.put(("logprobs", entries))
             for piece in g.take():
