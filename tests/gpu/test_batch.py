@@ -110,3 +110,35 @@ def test_prompts_fed_in_chunks_beside_decode_steps(gpu, artifact, monkeypatch):
     assert [len(g.stats.token_ids) for g in (first, late)] == [12, 6]
     assert [n for n, slot in fed if slot == late._slot.index] == [8, 8, 8, 8, 1]
     assert np.isfinite(drawn_from[0]).all() and kld(whole[None], drawn_from[0][None]).item() <= 1e-3
+
+
+def test_a_batch_scores_a_prompt_and_reports_logprobs(gpu, artifact, monkeypatch):
+    """The logprob paths on the GPU: a prompt scored (max_new_tokens 0, one 64-token chunk of all rows' logits)
+    reports what token_logprob gives on one whole forward of it, bit for bit (the same kernels over the same
+    rows); a greedy generation with logprobs reports, for each token, the row it was drawn from (its own
+    logprob is that row's largest)."""
+    from ninfer_rt.api import load
+    from ninfer_rt.logprobs import token_logprob
+    from ninfer_rt.sampling import SamplingParams
+
+    m = load(artifact, device="cuda", max_ctx=128, cache_slots=2)
+    try:
+        monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
+        v, be = m.real_vocab_size, m._backend
+        prompt = ids(50, 7, v)
+        rows = be.forward(np.asarray(prompt), be.new_cache(0), last_only=False)
+        want = [token_logprob(rows[p - 1], prompt[p], 3, v) for p in range(1, len(prompt))]
+        batch = m.batch(2)
+        scored = batch.add(prompt, max_new_tokens=0, prompt_logprobs=3)
+        greedy = batch.add(ids(20, 8, v), max_new_tokens=6, sampling=SamplingParams(greedy=True), logprobs=2)
+        got, out = [], []
+        while batch.busy:
+            batch.step()
+            got += scored.take_prompt_logprobs()
+            out += greedy.take_logprobs()
+    finally:
+        m.close()
+    assert scored.error is None and greedy.error is None
+    assert got[0].id == prompt[0] and got[1:] == want
+    assert [e.id for e in out] == greedy.stats.token_ids and len(out) == 6
+    assert all(e.top[0] == (e.id, e.logprob) for e in out)
