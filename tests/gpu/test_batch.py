@@ -114,9 +114,9 @@ def test_prompts_fed_in_chunks_beside_decode_steps(gpu, artifact, monkeypatch):
 
 def test_a_batch_scores_a_prompt_and_reports_logprobs(gpu, artifact, monkeypatch):
     """The logprob paths on the GPU: a prompt scored (max_new_tokens 0, one 64-token chunk of all rows' logits)
-    reports what token_logprob gives on one whole forward of it, bit for bit (the same kernels over the same
-    rows); a greedy generation with logprobs reports, for each token, the row it was drawn from (its own
-    logprob is that row's largest)."""
+    reports what token_logprob gives on another whole forward of it: the same ids, and logprobs within 1e-3 (the
+    MoE prefill sums in fp32 in a run-dependent order: two runs differed by 4e-5 on an H100); a greedy generation
+    with logprobs reports, for each token, the row it was drawn from (its own logprob is that row's largest)."""
     from ninfer_rt.api import load
     from ninfer_rt.logprobs import token_logprob
     from ninfer_rt.sampling import SamplingParams
@@ -139,6 +139,9 @@ def test_a_batch_scores_a_prompt_and_reports_logprobs(gpu, artifact, monkeypatch
     finally:
         m.close()
     assert scored.error is None and greedy.error is None
-    assert got[0].id == prompt[0] and got[1:] == want
+    assert [e.id for e in got] == prompt and np.isnan(got[0].logprob)
+    np.testing.assert_allclose([e.logprob for e in got[1:]], [e.logprob for e in want], rtol=0, atol=1e-3)
+    np.testing.assert_allclose([[lp for _, lp in e.top] for e in got[1:]], [[lp for _, lp in e.top] for e in want],
+                               rtol=0, atol=1e-3)
     assert [e.id for e in out] == greedy.stats.token_ids and len(out) == 6
     assert all(e.top[0] == (e.id, e.logprob) for e in out)
