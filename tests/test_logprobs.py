@@ -1,8 +1,9 @@
 """Log-probabilities of generated tokens (ninfer_rt.logprobs) and the bytes a token stands for (Tokenizer.token_bytes).
 
-Oracles: torch.log_softmax in float64 over the real vocabulary; for a generation, the reference model's logits of
-the whole prompt + output in one forward (fp32: logprobs agree within 1e-4, reassociation of sums of ~2K terms of
-logits ~10 in size).
+Oracles: torch.log_softmax in float64 over the real vocabulary (token_logprob's float32 exponentials, summed in
+float64, are within 1e-5: an exponent x - max rounds by up to 2e-6 at |x - max| = 40, and terms that far down are
+tiny); for a generation, the reference model's logits of the whole prompt + output in one forward (fp32: logprobs
+agree within 1e-4, reassociation of sums of ~2K terms of logits ~10 in size).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def test_token_logprob_is_log_softmax_over_the_real_vocabulary():
     logits[280:] = 1e4  # padding rows past the real vocabulary never count
     want = oracle(logits, 280)
     got = token_logprob(logits, 17, 5, 280)
-    assert got.id == 17 and got.logprob == pytest.approx(want[17], abs=1e-12)
+    assert got.id == 17 and got.logprob == pytest.approx(want[17], abs=1e-5)
     top = np.argsort(-want, kind="stable")[:5]
     assert [i for i, _ in got.top] == top.tolist()
-    np.testing.assert_allclose([lp for _, lp in got.top], want[top], rtol=0, atol=1e-12)
+    np.testing.assert_allclose([lp for _, lp in got.top], want[top], rtol=0, atol=1e-5)
     assert token_logprob(logits, 17, 0, 280).top == ()
 
 
@@ -39,7 +40,7 @@ def test_top_alternatives_break_ties_to_the_lower_id():
     logits[[7, 3, 5]] = 2.0
     got = token_logprob(logits, 0, 2, 10)
     assert [i for i, _ in got.top] == [3, 5]
-    assert got.top[0][1] == pytest.approx(2.0 - np.log(3 * np.e ** 2 + 7), abs=1e-12)
+    assert got.top[0][1] == pytest.approx(2.0 - np.log(3 * np.e ** 2 + 7), abs=1e-5)
     assert [i for i, _ in token_logprob(logits, 0, 10, 4).top] == [3, 0, 1, 2]  # fewer ids than asked for
 
 
