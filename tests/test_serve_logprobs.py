@@ -87,6 +87,10 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(srv, model):
     assert "".join(lp["tokens"]) == PROMPT and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     np.testing.assert_allclose(lp["token_logprobs"][1:], want[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]  # ASCII: characters
+    request = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}  # ids, streamed
+    events = sse_data(srv.request("POST", "/v1/completions", request)[2])
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == PROMPT
+    assert [t for e in events[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])] == lp["tokens"]
 
 
 def test_echo_with_a_completion_carries_both(srv, model):
