@@ -117,8 +117,8 @@ def test_max_tokens_cut_reports_length(model):
     ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, 400, "'stream' must be a boolean, got string"),
     ("/v1/chat/completions", {"messages": USER, "seed": -1}, 400, "'seed' must be an integer in [0, "),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs needs logprobs: true"),
-    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [WEATHER]}, 400,
-     "tool_choice must be 'auto' or 'none'"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "any", "tools": [WEATHER]}, 400,
+     "tool_choice must be 'auto', 'none', 'required' or a function"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages[0].role must be one of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [

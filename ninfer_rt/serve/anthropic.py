@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, get, get_float, get_int,
-                                    get_stops)
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float,
+                                    get_int, get_stops)
 from ninfer_rt.serve.replies import Event
 
 
@@ -123,8 +123,15 @@ def parse_messages(body: dict, count_only: bool = False) -> Job:
         raise bad("'max_tokens' is required", "max_tokens")
     tools = _tools(body)
     choice = get(body, "tool_choice", (dict,), "an object", {"type": "auto"})
-    if choice.get("type") not in ("auto", "none"):
-        raise bad("tool_choice must be auto or none (forced calls need constrained decoding)", "tool_choice")
+    forced = None
+    if choice.get("type") == "any":
+        forced = forced_call(tools, "", "tool_choice")
+    elif choice.get("type") == "tool":
+        if not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise bad("tool_choice of type tool needs the tool's name", "tool_choice")
+        forced = forced_call(tools, choice["name"], "tool_choice")
+    elif choice.get("type") not in ("auto", "none"):
+        raise bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
     kwargs = {}
     thinking = get(body, "thinking", (dict,), "an object")
     if thinking is not None:
@@ -135,7 +142,10 @@ def parse_messages(body: dict, count_only: bool = False) -> Job:
     sampling = {"temperature": get_float(body, "temperature", 0.0, 1.0),
                 "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k}
     messages = chat_messages(body)
-    return Job(messages=messages, tools=None if choice["type"] == "none" else tools,
+    if forced is not None and messages[-1]["role"] == "assistant":
+        raise bad("a forced tool call starts the reply: it cannot continue a prefilled assistant message",
+                  "tool_choice")
+    return Job(messages=messages, tools=None if choice["type"] == "none" else tools, forced_call=forced,
                template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens,
                stop=get_stops(body, "stop_sequences"), stream=get(body, "stream", (bool,), "a boolean", False),
                continue_final=messages[-1]["role"] == "assistant")  # a prefill: the reply continues it

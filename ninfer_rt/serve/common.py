@@ -126,6 +126,7 @@ class Job:
     continue_final: bool = False  # the last (assistant) message is continued, not closed: a prefill
     logprobs: int | None = None  # OpenAI: each output token's logprob and this many alternatives' (None: off)
     echo: bool = False  # completions: the reply starts with the prompt (and its tokens' logprobs, where asked)
+    forced_call: str | None = None  # tool_choice forcing a call: "" any of the tools, else that tool's name
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Prepared:
     echo: str | None = None         # the prompt's text, where the Job echoes it
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs, or nothing to
                                         # generate: a prompt scored and echoed)
+    reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
 
 
 class Reply(Protocol):
@@ -168,18 +170,41 @@ class Reply(Protocol):
         """The whole reply as one JSON object (a request without stream)."""
 
 
+def forced_call(tools: list[dict] | None, name: str, field: str) -> str:
+    """A tool_choice that forces a call ("" any tool, else one by name), checked against the tools offered."""
+    names = [t["function"]["name"] for t in tools or ()]
+    if not names:
+        raise bad(f"{field} forces a tool call: give tools", field)
+    if name and name not in names:
+        raise bad(f"{field} names {name!r}, which is not among the tools ({', '.join(names)})", field)
+    return name
+
+
+def call_opening(name: str) -> str:
+    """The start of a Qwen3.6 tool call the model is made to continue: the block and, for a named tool, its
+    function tag (the model writes the parameters); for any tool, up to the name (the model picks one)."""
+    return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+
+
 def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     """The rendered chat prompt of a messages job (None for a raw prompt); NinferError from the template becomes
-    a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening."""
+    a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening. A forced
+    tool call ends the prompt inside the call (call_opening), its reasoning closed empty, as the template writes
+    it with thinking off: a call made to come first has nothing to think before it."""
     if job.messages is None:
         return None
     if job.continue_final and generation_prompt:
         return _open_final(model, job)
     try:
-        return model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
+        text = model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
+    if generation_prompt and job.forced_call is not None:
+        if text.rstrip("\n").endswith("<think>"):
+            text = text.rstrip("\n") + "\n\n</think>\n\n"
+        text += call_opening(job.forced_call)
+    return text
 
 
 _MARK = "\ue000ninfer-end\ue001"  # private-use characters: no template trims or rewrites them
@@ -245,4 +270,5 @@ def prepare(model, job: Job) -> Prepared:
     scored = job.echo and (job.logprobs is not None or job.max_tokens == 0)
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
                     thinking, job.tools, history_length(model, job, ids) if model.can_snapshot else None,
-                    job.logprobs, echo, (job.logprobs or 0) if scored else None)
+                    job.logprobs, echo, (job.logprobs or 0) if scored else None,
+                    call_opening(job.forced_call) if job.forced_call is not None else "")

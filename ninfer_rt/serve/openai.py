@@ -15,8 +15,8 @@ import time
 import uuid
 
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
-from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, get, get_float, get_int,
-                                    get_stops)
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float,
+                                    get_int, get_stops)
 from ninfer_rt.serve.replies import Event
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -133,8 +133,17 @@ def parse_chat(body: dict) -> Job:
     _refuse_unsupported(body)
     tools = tools_field(body)
     choice = body.get("tool_choice") or "auto"
-    if choice not in ("auto", "none"):
-        raise bad("tool_choice must be 'auto' or 'none' (forced calls need constrained decoding)", "tool_choice")
+    forced = None
+    if choice == "required":
+        forced = forced_call(tools, "", "tool_choice")
+    elif isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+                      "{\"name\": ...}}", "tool_choice")
+        forced = forced_call(tools, fn["name"], "tool_choice")
+    elif choice not in ("auto", "none"):
+        raise bad("tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
     kwargs = get(body, "chat_template_kwargs", (dict,), "an object", {})
     clash = [k for k in kwargs if k in _RESERVED_KWARGS or not k.isidentifier() or k.startswith("_")]
     if clash:
@@ -146,7 +155,10 @@ def parse_chat(body: dict) -> Job:
     if continue_final and body.get("add_generation_prompt") is True:
         raise bad("continue_final_message continues the last message: add_generation_prompt must be false",
                   "continue_final_message")
+    if forced is not None and continue_final:
+        raise bad("a forced tool call starts the reply: it cannot continue the final message", "tool_choice")
     job = Job(messages=messages, tools=None if choice == "none" else tools, continue_final=continue_final,
+              forced_call=forced,
               template_kwargs=dict(kwargs), sampling=sampling_fields(body), logprobs=_chat_logprobs(body),
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),

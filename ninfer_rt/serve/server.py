@@ -234,6 +234,7 @@ class _Handler(BaseHTTPRequestHandler):
         ticket = self.app.worker.submit(prepared)
         reply = reply_class(self.app.model_name, prepared, job)
         parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools)
+        parser.push(prepared.reply_prefix)  # a forced call's opening: an open block, so it makes no event yet
 
         def events(piece: str | None) -> list[Event]:
             """A piece (None: the end) as reply events."""
