@@ -1,7 +1,7 @@
 """In-graph A/B of the decode planners' constants (GEMV, attention splits, DeltaNet step): a synthetic model's step.
 
-    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--only TEXT ...]
-                               [--json PATH]
+    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--batch B]
+                               [--only TEXT ...] [--json PATH]
 
 A kernel timed alone (bench/gemv_bench.py) is a poor guide to the step: in a decode graph, programmatic dependent
 launch overlaps each kernel's start with its predecessor's tail, which rewards early weight loads and punishes
@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["qwen3.6-35b-a3b", "qwen3.6-27b"],
                     help="synthetic model shapes (ninfer_rt/configs), recipe of the same name")
     ap.add_argument("--context", type=int, nargs="+", default=[8192], help="context lengths of the timed steps")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences in the timed step (each its own slot at the same context; B > 1 takes the "
+                         "multi-row GEMVs and the MoE's separate launches)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--only", nargs="+", default=[],
                     help="run only the variants whose label contains one of these texts (the defaults always run)")
@@ -92,13 +95,13 @@ def main() -> None:
 
     rows = []
     for name in args.model:
-        with synthetic_model(gpu, k, name, context_bucket(max(args.context) + 1)) as model:
+        with synthetic_model(gpu, k, name, context_bucket(max(args.context) + 1), slots=args.batch) as model:
             for ctx in args.context:
                 for label, over in variants:
                     with patched(MODULES, over):
-                        s = time_fresh_step(model, ctx)
+                        s = time_fresh_step(model, ctx, args.batch)
                     rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
-                                 "context": ctx, "ms": 1e3 * s, "tok_s": 1 / s})
+                                 "context": ctx, "batch": args.batch, "ms": 1e3 * s, "tok_s": args.batch / s})
                     # one line each, whatever the terminal width (logs are grepped for "ms/step")
                     console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False, soft_wrap=True)
 
@@ -107,7 +110,8 @@ def main() -> None:
                     if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))
         return (r["model"], f"{r['context']:,}", r["variant"], f"{r['ms']:.3f}", f"{r['tok_s']:.1f}",
                 f"{100 * (base['ms'] / r['ms'] - 1):+.1f}%")
-    step_rows_out(console, gpu, "decode step, graph replay (best of 3 medians)",
+    step_rows_out(console, gpu, f"decode step of {args.batch} sequence(s), graph replay (best of 3 medians; tok/s of "
+                  "all together)",
                   [("model", True), ("context", False), ("variant", True), ("ms / step", False), ("tok/s", False),
                    ("vs default", False)], cells, rows, args.json)
 
