@@ -174,6 +174,9 @@ class MessagesReply:
         self.blocks: list[dict] = []
         self.open: str | None = None  # the kind of the block being streamed
 
+    def add_logprobs(self, entries: list, token_bytes) -> None:
+        """The Messages API has no logprobs, so no Job of it asks for them: nothing to add."""
+
     def start(self) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
