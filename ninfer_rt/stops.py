@@ -17,33 +17,32 @@ def overlap(text: str, stop: str) -> int:
 
 class StopScanner:
     """Feed text pieces with push(); each returns what can be shown now. Once a stop string appears, `stop` names
-    it, push returns the text before it and ignores everything after; finish() returns the held tail otherwise."""
+    it, push returns the text before it and ignores everything after; finish() returns the held tail otherwise.
+
+    Only the held tail is kept: a stop string, or a prefix of one, never starts in text already returned (that
+    text was released only once no stop string could begin there), so each push scans the tail alone."""
 
     def __init__(self, stops: list[str]):
         self.stops = stops
-        self.text = ""      # all text so far
-        self.sent = 0       # text[:sent] has been returned
+        self.held = ""      # text not returned yet
         self.stop: str | None = None
 
     def push(self, piece: str) -> str:
         """The text that can be shown after piece: all of it, less a tail that may begin a stop string."""
         if self.stop is not None:
             return ""
-        self.text += piece
-        hit, stop = min(((j, s) for s, j in ((s, self.text.find(s, self.sent)) for s in self.stops) if j >= 0),
+        self.held += piece
+        hit, stop = min(((j, s) for s, j in ((s, self.held.find(s)) for s in self.stops) if j >= 0),
                         default=(-1, None))
         if hit >= 0:
             self.stop = stop
-            out, self.sent = self.text[self.sent:hit], hit
+            out, self.held = self.held[:hit], ""
             return out
-        keep = max((overlap(self.text, s) for s in self.stops), default=0)
-        out = self.text[self.sent:len(self.text) - keep]
-        self.sent += len(out)
+        keep = max((overlap(self.held, s) for s in self.stops), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
     def finish(self) -> str:
         """The held tail, once no more text comes (empty after a stop string)."""
-        if self.stop is not None:
-            return ""
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.held = self.held, ""
         return out
