@@ -19,7 +19,8 @@ from ninfer_rt.sampling import SamplingParams
 
 
 def oracle(logits: np.ndarray, vocab: int) -> np.ndarray:
-    return torch.log_softmax(torch.from_numpy(logits[:vocab].astype(np.float64)), -1).numpy()
+    """log_softmax over the real vocabulary of a row [V] or of rows [T, V], in float64."""
+    return torch.log_softmax(torch.from_numpy(logits[..., :vocab].astype(np.float64)), -1).numpy()
 
 
 def test_token_logprob_is_log_softmax_over_the_real_vocabulary():
@@ -123,7 +124,7 @@ def test_a_batch_scores_a_prompt(packed):
         while batch.busy:
             batch.step()
             got += g.take_prompt_logprobs()
-        want = oracle_rows(m.logits(ids), m.real_vocab_size)
+        want = oracle(m.logits(ids), m.real_vocab_size)
     finally:
         m.close()
     assert first.error is None and g.error is None and g.stats.cached_tokens == 0
@@ -132,7 +133,3 @@ def test_a_batch_scores_a_prompt(packed):
     for p, e in enumerate(got[1:], 1):
         assert e.logprob == pytest.approx(want[p - 1, ids[p]], abs=1e-4)
         assert [lp for _, lp in e.top] == pytest.approx(np.sort(want[p - 1])[::-1][:2], abs=1e-4)
-
-
-def oracle_rows(logits: np.ndarray, vocab: int) -> np.ndarray:
-    return torch.log_softmax(torch.from_numpy(logits[:, :vocab].astype(np.float64)), -1).numpy()
