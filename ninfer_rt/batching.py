@@ -137,15 +137,16 @@ class Batch:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
-        token (the whole prompt is then prefilled, no cached prefix reused); with it max_new_tokens may be 0.
-        NinferError when the batch is full or the request is bad."""
+        token (the whole prompt is then prefilled, no cached prefix reused). max_new_tokens 0 only prefills the
+        prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
+        n_predict 0 does. NinferError when the batch is full or the request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
-        scoring = prompt_logprobs is not None and max_new_tokens == 0  # the prompt's logprobs alone
-        params, budget = self.model._check_request(ids, 1 if scoring else max_new_tokens, sampling, True,
+        prefill_only = max_new_tokens == 0  # the prompt fed (and scored where asked), nothing drawn
+        params, budget = self.model._check_request(ids, 1 if prefill_only else max_new_tokens, sampling, True,
                                                    snapshot_at)
-        budget = 0 if scoring else budget
+        budget = 0 if prefill_only else budget
         stops = list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
@@ -242,11 +243,11 @@ class Batch:
                 g._prompt_lp += [token_logprob(row, g.prompt[p], g.prompt_logprobs, vocab)
                                  for p, row in enumerate(rows[:end - g._fed - last], g._fed + 1)]
                 token = self._draw(g, rows[-1]) if last and g.budget else None
-            elif last and self._on_device(g):
+            elif last and g.budget and self._on_device(g):
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
-                token = self._draw(g, logits) if last else None
+                token = self._draw(g, logits) if last and g.budget else None
             g._slot.ids.extend(g.prompt[g._fed:end])
             g._fed = end
         if snap is not None and end == snap:
@@ -255,7 +256,7 @@ class Batch:
                 self._snapshot(g)
         g.stats.prefill_s += time.perf_counter() - t0
         if last and not g.budget:
-            self._finish(g, "length")  # the prompt's logprobs were all it asked for
+            self._finish(g, "length")  # the prompt (and its logprobs) were all it asked for
         elif last:
             self._emit(g, token)
 

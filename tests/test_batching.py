@@ -151,7 +151,7 @@ def test_cancel_stop_strings_and_refusals(model, fake):
     drain(batch, [c])
     assert c.stats.cached_tokens == len(a.prompt) + len(a.stats.token_ids) - 1
     assert c.stats.token_ids == fake.decode_fresh(turn, 2)
-    for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(stop=[""]), "stop strings"),
+    for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(stop=[""]), "stop strings"),
                        (dict(snapshot_at=9), "snapshot_at")]:
         with pytest.raises(NinferError, match=match):
             batch.add([1, 2, 3], **bad)
@@ -159,6 +159,22 @@ def test_cancel_stop_strings_and_refusals(model, fake):
         batch.add([model.spec.vocab_size])
     with pytest.raises(NinferError, match=r"parallel=5: must be in \[1, 4\]"):
         model.batch(5)
+
+
+def test_max_new_tokens_0_prefills_the_prompt_for_a_later_request(model, fake):
+    """A prefill-only request (llama.cpp's n_predict 0) draws nothing and ends "length"; its prompt stays in a
+    slot, so a request extending it feeds only the rest and decodes what a fresh forward of the whole prompt
+    decodes (the slot backend's logits hash the slot's whole history)."""
+    batch = model.batch(2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    g = batch.add(prompt, max_new_tokens=0, sampling=GREEDY)
+    assert drain(batch, [g])[id(g)] == ""
+    assert g.stats.finish_reason == "length" and g.stats.generated_tokens == 0 and g.stats.token_ids == []
+    assert g.take_prompt_logprobs() == [] and g.take_logprobs() == []
+    turn = prompt + [5, 3]
+    c = batch.add(turn, max_new_tokens=3, sampling=GREEDY)
+    drain(batch, [c])
+    assert c.stats.cached_tokens == len(prompt) and c.stats.token_ids == fake.decode_fresh(turn, 3)
 
 
 def test_stop_strings_end_the_text_as_generate_does(model):

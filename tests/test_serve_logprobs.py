@@ -93,6 +93,21 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(srv, model):
     assert [t for e in events[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])] == lp["tokens"]
 
 
+def test_echo_without_logprobs_returns_the_prompt_unscored(srv, model, monkeypatch):
+    """echo, max_tokens 0 and no logprobs: the prompt's text back, no logprobs, and the prompt fed without
+    scoring (no forward asks for every row's logits)."""
+    rows = []
+    backend = model._backend
+    real = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda ids, cache, last_only=True: rows.append(last_only)
+                        or real(ids, cache, last_only=last_only))
+    status, body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True})
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"] == PROMPT and choice["logprobs"] is None
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    assert rows and all(rows)
+
+
 def test_echo_with_a_completion_carries_both(srv, model):
     """echo and max_tokens 4: the prompt then the completion, streamed or whole, and the logprobs of both."""
     alone = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0})[1]

@@ -143,8 +143,7 @@ class Prepared:
     snapshot_at: int | None = None  # where the chat's history ends (api.generate's snapshot_at)
     logprobs: int | None = None     # Job.logprobs
     echo: str | None = None         # the prompt's text, where the Job echoes it
-    prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs, or nothing to
-                                        # generate: a prompt scored and echoed)
+    prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
 
 
@@ -267,7 +266,7 @@ def prepare(model, job: Job) -> Prepared:
         raise bad("max_tokens 0 generates nothing: it needs echo (the prompt's logprobs)", "max_tokens")
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     echo = (job.prompt if isinstance(job.prompt, str) else model.tokenizer.decode(ids)) if job.echo else None
-    scored = job.echo and (job.logprobs is not None or job.max_tokens == 0)
+    scored = job.echo and job.logprobs is not None
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
                     thinking, job.tools, history_length(model, job, ids) if model.can_snapshot else None,
                     job.logprobs, echo, (job.logprobs or 0) if scored else None,
