@@ -23,8 +23,9 @@ def test_the_device_draws_only_what_the_host_sampler_would():
 
 
 def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
-    """GpuBackend: an out-of-memory while the sequence slots are allocated is one line naming the options that
-    size them, and the weights already loaded are freed."""
+    """GpuBackend: an out-of-memory (the driver's result code) while the sequence slots are allocated is one line
+    naming the options that size them, and the weights already loaded are freed; any other driver error passes
+    through as it was."""
     from types import SimpleNamespace
 
     from ninfer_rt.gpu import backend
@@ -34,7 +35,10 @@ def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
     weights = SimpleNamespace(free=lambda gpu: freed.append(gpu))
 
     def no_room(*a, **k):
-        raise GpuError("cuMemAlloc(2684354560 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY")
+        raise GpuError("cuMemAlloc(2684354560 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY")
+
+    def bad_launch(*a, **k):
+        raise GpuError("cuLaunchKernel(x) failed: CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_VALUE")
 
     monkeypatch.setattr(backend, "Gpu", lambda i: "gpu0")
     monkeypatch.setattr(backend, "Kernels", lambda gpu: None)
@@ -45,3 +49,27 @@ def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
                                        r"beside the weights: lower --max-context, or serve's --parallel$"):
         backend.GpuBackend(art, max_ctx=262144, cache_slots=5)
     assert freed == ["gpu0"]
+    monkeypatch.setattr(backend, "GpuModel", bad_launch)
+    with pytest.raises(GpuError, match=r"^cuLaunchKernel\(x\) failed: CUDA_ERROR_INVALID_VALUE$") as e:
+        backend.GpuBackend(art, max_ctx=262144, cache_slots=5)
+    assert e.value.code == "CUDA_ERROR_INVALID_VALUE" and freed == ["gpu0", "gpu0"]
+
+
+def test_a_failed_driver_call_names_its_result_code(monkeypatch):
+    """driver._check: a CUresult other than success raises a GpuError whose message and code carry the driver's
+    name for it (cuGetErrorName), so callers test the code and not the text; success returns the values."""
+    from enum import Enum
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import driver
+
+    class CUresult(Enum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+
+    fake = SimpleNamespace(CUresult=CUresult, cuGetErrorName=lambda err: (CUresult.CUDA_SUCCESS, err.name.encode()))
+    monkeypatch.setattr(driver, "_driver", lambda: fake)
+    assert driver._check((CUresult.CUDA_SUCCESS, 7), "cuX") == 7
+    with pytest.raises(driver.GpuError, match=r"^cuMemAlloc\(64\) failed: CUDA_ERROR_OUT_OF_MEMORY$") as e:
+        driver._check((CUresult.CUDA_ERROR_OUT_OF_MEMORY,), "cuMemAlloc(64)")
+    assert e.value.out_of_memory and e.value.code == "CUDA_ERROR_OUT_OF_MEMORY"

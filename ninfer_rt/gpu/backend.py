@@ -42,7 +42,7 @@ class GpuBackend:
                                   max_ctx=self.max_ctx, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
         except GpuError as e:
             self.weights.free(self.gpu)
-            if "OUT_OF_MEMORY" not in str(e):
+            if not e.out_of_memory:
                 raise
             raise GpuError(f"{cache_slots} sequence slot(s) of {self.max_ctx:,} positions do not fit in GPU memory "
                            "beside the weights: lower --max-context, or serve's --parallel") from None

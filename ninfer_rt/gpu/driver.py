@@ -20,7 +20,16 @@ from ninfer_rt.errors import NinferError
 
 
 class GpuError(NinferError):
-    """A CUDA driver call failed, or no usable GPU/driver/cuda-python is present."""
+    """A CUDA driver call failed (`code`: its CUresult's name, e.g. "CUDA_ERROR_OUT_OF_MEMORY"), or no usable
+    GPU/driver/cuda-python is present (code None)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.code == "CUDA_ERROR_OUT_OF_MEMORY"
 
 
 def _driver():
@@ -38,7 +47,7 @@ def _check(result, what: str):
     if err != d.CUresult.CUDA_SUCCESS:
         _, name = d.cuGetErrorName(err)
         name = name.decode() if isinstance(name, bytes) else str(err)
-        raise GpuError(f"{what} failed: {name}")
+        raise GpuError(f"{what} failed: {name}", name)
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else tuple(vals)
