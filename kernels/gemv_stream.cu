@@ -1,7 +1,9 @@
 // gemv_stream.cu: the persistent, register-pipelined decode GEMV for M = 1 (gemv_<code>_s1), used when all of
-// x̂ fits one shared-memory slab (K <= 10240 / 18688). Semantics, layouts and reference ops: as gemv.cu (y = W x̂
+// x̂ fits one shared-memory slab (K <= 10240 / 18688), and its copies for M = 2..4 rows (gemv_<code>_s{2,3,4}: a
+// batched decode step, the slab M-row chunk records). Semantics, layouts and reference ops: as gemv.cu (y = W x̂
 // with the fused RMSNorm, store / add / SwiGLU epilogues); tested with it in tests/gpu/test_linear.py.
 #include "gemv.cuh"
+#include "gemv_stage.cuh"  // x̂ of one row staged into the slab
 
 // ------------------------------------------------------------------------------------------------ M = 1 stream
 //
@@ -29,10 +31,11 @@ namespace {
 // Steps past the two register tiles that a warp asks L2 for after the wait, on the bulk-copy path (perf-history.md v39)
 constexpr int kL2Steps = 2;
 
-// Units per lane and row in one register tile: 2 where a unit is 4-5 registers, 1 for q5/q6 (6-7 registers).
-template <int BITS>
+// Units per lane and row in one register tile: 2 where a unit is 4-5 registers, 1 for q5/q6 (6-7 registers); at
+// M > 1 rows the accumulators and x̂ reads take the registers of a second unit.
+template <int BITS, int M = 1>
 struct StreamDepth {
-    static constexpr int value = (BITS == 5 || BITS == 6) ? 1 : 2;
+    static constexpr int value = (BITS == 5 || BITS == 6 || M > 1) ? 1 : 2;
 };
 
 // A loop copy's tag: true where every unit of every step is in range (D == DM, nu % (32 DM) == 0), so no unit
@@ -46,153 +49,6 @@ template <int DM>
 struct Tile {
     Unit u[DM][kRows];
 };
-
-// x̂ elements e..e+3 = v · g into the slab xs (int16 chunk records by XQ, or fp32 chunks); ss += Σ v². on: e < K
-// (K % 32 == 0: the 8 lanes of a chunk agree).
-template <int XQ>
-__device__ __forceinline__ void code_x4(void* xs, int e, bool on, float4 v, float4 g, float& ss) {
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    const float4 h = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
-    if constexpr (XQ != 0)
-        store_codes4<1, XQ>(reinterpret_cast<uint8_t*>(xs) + (e >> 5) * qchunk_bytes(1), 0, e & 31, h, on);
-    else if (on)
-        *reinterpret_cast<float4*>(reinterpret_cast<float*>(xs) + (e >> 5) * 36 + (e & 31)) = h;
-}
-
-// ssred[warp][0] = the warp's Σ x² (the norm's partials)
-__device__ __forceinline__ void store_ss(float ss, float (*ssred)[8], int lane, int warp) {
-    const float t = warp_sum(ss);
-    if (lane == 0) ssred[warp][0] = t;
-}
-
-// Stage x̂ = x (· (1 + norm_w)) of one row, all K, as gemv_body's float4 staging does (fp32 chunks or int16
-// chunk records by XQ), but with every load of up to 4096 elements in flight together; ssred[warp][0] = the
-// warp's Σ x² (norm only).
-template <int XQ>
-__device__ __forceinline__ void stage_m1_vec(void* xs, const float* __restrict__ x,
-                                             const float* __restrict__ norm_w, int K, float (*ssred)[8]) {
-    constexpr int XB = 4;  // float4s per thread per pass
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float ss = 0.f;
-    for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32 * XB) {
-        float4 v[XB], g[XB];
-#pragma unroll
-        for (int j = 0; j < XB; ++j) {
-            const int e = e0 + 4 * (tid + kWarps * 32 * j);
-            v[j] = e < K ? __ldg(reinterpret_cast<const float4*>(x + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int j = 0; j < XB; ++j) {
-            const int e = e0 + 4 * (tid + kWarps * 32 * j);
-            g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
-            if (norm_w && e < K) g[j] = norm_gain4(__ldg(reinterpret_cast<const float4*>(norm_w + e)));
-        }
-#pragma unroll
-        for (int j = 0; j < XB; ++j) {
-            const int e = e0 + 4 * (tid + kWarps * 32 * j);
-            code_x4<XQ>(xs, e, e < K, v[j], g[j], ss);
-        }
-    }
-    if (norm_w) store_ss(ss, ssred, lane, warp);
-}
-
-// x̂ h = x · g of one 32-element chunk from shared memory (xc, and the norm's gc: g = 1 + gc; none: g = 1), float4 q;
-// v: its x, already loaded.
-__device__ __forceinline__ float4 chunk_h4(float4 v, const float* gc, int q) {
-    if (gc) {
-        const float4 g = norm_gain4(*reinterpret_cast<const float4*>(gc + 4 * q));
-        v = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
-    }
-    return v;
-}
-__device__ __forceinline__ float4 chunk_h4(const float* xc, const float* gc, int q) {
-    return chunk_h4(*reinterpret_cast<const float4*>(xc + 4 * q), gc, q);
-}
-
-// One chunk record (int16 codes by XQ, as store_codes4 writes them) of a 32-element chunk coded by one thread:
-// a first sweep finds its largest |h| (and ss += Σ x²), a second codes its 8-blocks, both starting at rot (the
-// lane), so lanes on consecutive chunks (128 bytes apart) spread over the banks. No shuffles: coding the 27B's
-// K = 6144 after its copy was in took 1.6-1.9 µs with 8 lanes a chunk (code_x4), 0.8 with this (perf-history.md v35).
-// With the norm, the first sweep writes h over x in place (the chunk is this thread's alone), so the second reads h
-// without the gain.
-template <int XQ>
-__device__ __forceinline__ void code_chunk(uint8_t* rec, float* xc, const float* gc, int rot, float& ss) {
-    float am = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int q = (j + rot) & 7;
-        const float4 v = *reinterpret_cast<const float4*>(xc + 4 * q);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        const float4 h = chunk_h4(v, gc, q);
-        if (gc) *reinterpret_cast<float4*>(xc + 4 * q) = h;
-        am = fmax_nan(am, fmax_nan(fmax_nan(fabsf(h.x), fabsf(h.y)), fmax_nan(fabsf(h.z), fabsf(h.w))));
-    }
-    gc = nullptr;  // xc holds h now
-    const QScale qs = chunk_scale(am);
-    int sq = 0;
-    // lanes l and l + 4 share each b below: the one with bit 2 set reads the 8-block's halves the other way round,
-    // so the 8 lanes of a load hit 8 distinct bank groups
-    const int o = (rot >> 2) & 1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // 8-block b: elements 8b..8b+7 -> 16 code bytes at 16b
-        const int b = (j + rot) & 3;
-        float4 h0 = chunk_h4(xc, gc, 2 * b + o), h1 = chunk_h4(xc, gc, 2 * b + 1 - o);
-        if (o) {
-            const float4 t = h0;
-            h0 = h1;
-            h1 = t;
-        }
-        const uint32_t f0 = q16_bits(h0.x, qs.inv), f1 = q16_bits(h0.y, qs.inv), f2 = q16_bits(h0.z, qs.inv),
-                       f3 = q16_bits(h0.w, qs.inv), f4 = q16_bits(h1.x, qs.inv), f5 = q16_bits(h1.y, qs.inv),
-                       f6 = q16_bits(h1.z, qs.inv), f7 = q16_bits(h1.w, qs.inv);
-        uint4 w;
-        if constexpr (XQ == 1) {  // natural order
-            w = make_uint4(__byte_perm(f0, f1, 0x5410), __byte_perm(f2, f3, 0x5410), __byte_perm(f4, f5, 0x5410),
-                           __byte_perm(f6, f7, 0x5410));
-        } else {  // the nibble formats' order: even elements, then odd
-            w = make_uint4(__byte_perm(f0, f2, 0x5410), __byte_perm(f4, f6, 0x5410), __byte_perm(f1, f3, 0x5410),
-                           __byte_perm(f5, f7, 0x5410));
-        }
-        sq = __dp2a_lo((int)w.x, 0x0101, __dp2a_lo((int)w.y, 0x0101, sq));
-        sq = __dp2a_lo((int)w.z, 0x0101, __dp2a_lo((int)w.w, 0x0101, sq));
-        *reinterpret_cast<uint4*>(rec + 16 * b) = w;
-    }
-    *reinterpret_cast<float2*>(rec + 64) = make_float2(qs.d, __int_as_float(sq));
-}
-
-// K past which stage_m1_smem codes a chunk per thread: at K = 2048 (2 warps of 8 have a chunk) the 35B's q8 GEMVs
-// with the norm lost 0.6-0.8 µs each, and at 4096 the 35B gained nothing (perf-history.md v35)
-constexpr int kChunkCoderMinK = 4097;
-
-// The same staging from shared memory: x (and norm_w) were copied to xf (and gf) by cp.async or bulk copies, every
-// byte in flight at once and no register held (the weight tiles hold them): one L2 round trip instead of one per
-// 4096 elements. Int16 codes from K = kChunkCoderMinK: one thread per chunk (code_chunk); else 4 elements a thread.
-template <int XQ>
-__device__ __forceinline__ void stage_m1_smem(void* xs, float* xf, const float* gf, int K, float (*ssred)[8]) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float ss = 0.f;
-    if (XQ != 0 && K >= kChunkCoderMinK) {
-        uint8_t* rec = reinterpret_cast<uint8_t*>(xs);
-        for (int c = tid; c < (K >> 5); c += kWarps * 32)
-            code_chunk<XQ>(rec + c * qchunk_bytes(1), xf + 32 * c, gf ? gf + 32 * c : nullptr, lane, ss);
-    } else {
-        for (int e0 = 0; e0 < K; e0 += 4 * kWarps * 32) {
-            const int e = e0 + 4 * tid;
-            const bool on = e < K;
-            const float4 v = on ? *reinterpret_cast<const float4*>(xf + e) : make_float4(0.f, 0.f, 0.f, 0.f);
-            float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
-            if (gf && on) g = norm_gain4(*reinterpret_cast<const float4*>(gf + e));
-            code_x4<XQ>(xs, e, on, v, g, ss);
-        }
-    }
-    if (gf) store_ss(ss, ssred, lane, warp);
-}
-
-// K fp32 values global -> shared by cp.async, 16 bytes per thread and step (16-byte aligned, K % 4 == 0)
-__device__ __forceinline__ void copy_f32_async(float* dst, const float* __restrict__ src, int K) {
-    for (int e = 4 * threadIdx.x; e < K; e += 4 * kWarps * 32) cp_async16(smem_addr(dst + e), src + e, true);
-    cp_async_commit();
-}
 
 // y's (value, 1) pairs for the chunk records (WREC): 64-bit relaxed accesses at gpu scope, so a pair is written and
 // read whole (PTX memory model: morally strong, single-copy atomic)
@@ -208,25 +64,32 @@ __device__ __forceinline__ void st_pair(unsigned long long* p, unsigned long lon
 }
 __device__ __forceinline__ bool pair_set(unsigned long long p) { return (unsigned)(p >> 32) == 1u; }
 
-template <int BITS, bool BULK, bool REC = false, bool WREC = false, bool SW = false>
+template <int BITS, bool BULK, bool REC = false, bool WREC = false, bool SW = false, int M = 1>
 __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                                  const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                                  float* y, const float* __restrict__ norm_w,
                                                  const float* __restrict__ row_scale, int N, int K, int kp,
-                                                 int gshift, int ldx, int mode, float eps, int xvec, int D,
+                                                 int gshift, int ldx, int ldy, int mode, float eps, int xvec,
+                                                 int D,
                                                  uint8_t* yrec = nullptr, unsigned long long* ybox = nullptr,
                                                  unsigned* ycnt = nullptr, int yq = 0) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
-    constexpr int DM = StreamDepth<BITS>::value;
-    // [K / 32 chunks]: 36 floats (bf16 weights) or qchunk_bytes(1) bytes; xvec == 2: then x [K] and norm_w [K]
+    constexpr int DM = StreamDepth<BITS, M>::value;
+    static_assert(M == 1 || (!BULK && !REC && !WREC && !SW), "M > 1 rows: x staged from registers, modes at run time");
+    // bytes of x̂ per 32-element chunk of the slab: M rows of fp32 (bf16 weights) or one M-row int16 chunk record
+    constexpr int CB = F::XQ != 0 ? qchunk_bytes(M) : 4 * chunk_stride(M);
+    constexpr int NV = next_pow2(kRows * M);  // values a warp sums per row group (ReduceScatter)
+    constexpr int SH = 5 - log2i(NV);         // ... after which lane l holds value l >> SH
+    // [K / 32 chunks] of CB bytes; xvec == 2 (M = 1): then x [K] and norm_w [K]
     extern __shared__ float4 smem4[];
     __shared__ float ssred[kWarps][8];
-    __shared__ float part[kWarps][2][kRows];  // a warp's partial sums of its first / last group, when cut
+    __shared__ float part[kWarps][2][kRows * M];  // a warp's partial sums of its first / last group, when cut
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // WREC, SW: swiglu only; _s1 / _s1b: store and add only (linear.py sends their swiglu to _s1s / _s1bs); _s1r: all
-    const bool swiglu = WREC || SW || (REC && mode == 2);
+    // WREC, SW: swiglu only; _s1 / _s1b: store and add only (linear.py sends their swiglu to _s1s / _s1bs); _s1r
+    // and M > 1: all
+    const bool swiglu = WREC || SW || ((REC || M > 1) && mode == 2);
     if (mode == 2 && !swiglu) __trap();  // a swiglu launch of a kernel without its code (_s1, _s1b)
     const int G = (N + kRows - 1) / kRows;  // row groups (swiglu: N % 32 == 0, so every group is whole)
     const int g0 = (int)((long long)blockIdx.x * G / gridDim.x);
@@ -300,8 +163,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     };
     if (se - sb >= 1) issue_next(A, StepsFull<false>{});
     if (se - sb >= 2) issue_next(B, StepsFull<false>{});
-    float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) +
-                                         (K >> 5) * (F::XQ != 0 ? qchunk_bytes(1) : 36 * 4));
+    float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) + (K >> 5) * CB);
     float* gf = !REC && norm_w ? xf + K : nullptr;
     // REC (xvec 2, no norm): x is x̂ already, the K/32 chunk records its producer wrote, copied straight into the
     // slab (its mbarrier where xf would start)
@@ -330,7 +192,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         if ((int)threadIdx.x < nc) ycnt[(1 - ((yq >> 2) & 1)) * (N >> 6) + c0 + threadIdx.x] = 0u;
     }
 
-    if (REC || xvec == 2) {
+    if constexpr (M > 1) stage_slab<M, F::XQ>(smem4, x, ldx, norm_w, 0, K, xvec != 0, ssred);
+    else if (REC || xvec == 2) {
         if constexpr (BULK) {
             if (threadIdx.x == 0)
                 bulk_copy_g2s(REC ? smem_addr(smem4) : smem_addr(xf), x, REC ? (K >> 5) * XC : 4u * K, bar);
@@ -352,41 +215,59 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     else stage_slab<1, F::XQ>(smem4, x, ldx, norm_w, 0, K, false, ssred);
     __syncthreads();
     NINFER_TL_MARK(0);  // x̂ staged
-    float inv = 1.f;
-    if (!REC && norm_w) {
-        float t = 0.f;
-        for (int w = 0; w < kWarps; ++w) t += ssred[w][0];
-        inv = rsqrtf(t / (float)K + eps);
+    float inv[M];  // each row's norm factor
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        inv[m] = 1.f;
+        if (!REC && norm_w) {
+            float t = 0.f;
+            for (int w = 0; w < kWarps; ++w) t += ssred[w][m];
+            inv[m] = rsqrtf(t / (float)K + eps);
+        }
     }
+    // A lane's output of a row group: row lane & 3 of x̂ row lane >> 2 (lane < 4M), or with swiglu gate/up pair
+    // lane & 1 of x̂ row lane >> 1 (lane < 2M); va / vb: which of the warp's kRows · M totals (r · M + m) it writes.
+    // Computed where used: values held across the loop cost the M = 1 kernels registers they do not have.
+    auto om = [&] { return M == 1 ? 0 : min(swiglu ? lane >> 1 : lane >> 2, M - 1); };
+    auto va = [&] { return M == 1 ? lane & 3 : (swiglu ? lane & 1 : lane & 3) * M + om(); };
+    auto vb = [&] { return ((lane & 1) + 2) * M + om(); };
 
     // Outputs of row group g from its row totals: lane q < 4 holds a = row q (swiglu: lane q < 2 also b = its
     // up row q + 2). "add" mode adds to y in L2 (one lane owns each element: the same rounding as a load, an add
     // and a store, ftz both ways). A loaded old y took a register on the tiles' scoreboard: its reuse in the other
     // half of the ping-pong waited for the tile just issued, every step (perf-history.md v58).
     auto write = [&](int g, float a, float b) {
+        const int m = om();
+        float* yo = M == 1 ? y : y + (size_t)m * ldy;
+        float im = inv[0];  // inv[m] without a dynamic index into registers
+#pragma unroll
+        for (int j = 1; j < M; ++j)
+            if (m == j) im = inv[j];
         if (!swiglu) {
-            const int n = kRows * g + lane;
-            if (lane < kRows && n < N) {
-                float val = a * inv;
-                if (row_scale) val *= __ldg(row_scale);  // read here, not held across the loop (q8 spilled)
-                if (mode == 1) atomicAdd(y + n, val);
-                else y[n] = val;
+            const int n = kRows * g + (M == 1 ? lane : lane & 3);
+            if (lane < kRows * M && n < N) {
+                float val = a * im;
+                if (row_scale) val *= __ldg(row_scale + m);  // read here, not held across the loop (q8 spilled)
+                if (mode == 1) atomicAdd(yo + n, val);
+                else yo[n] = val;
             }
         } else {
-            const int j = 16 * (g >> 3) + 2 * (g & 7) + lane;
-            if (lane < 2 && j < N / 2) {
-                const float v = siluf_(a * inv) * (b * inv);
+            const int j = 16 * (g >> 3) + 2 * (g & 7) + (M == 1 ? lane : lane & 1);
+            if (lane < 2 * M && j < N / 2) {
+                const float v = siluf_(a * im) * (b * im);
                 // WREC: y only as the records' pairs (with y stored too and the mode read at run time, the 27B
                 // ran 1.3% slower: perf-history.md v49)
                 if constexpr (WREC) st_pair(ybox + j, 1ull << 32 | __float_as_uint(v));
-                else y[j] = v;
+                else yo[j] = v;
             }
         }
     };
 
-    float acc[kRows][1];
+    float acc[kRows][M];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     int cg = fg, ct = sb - fg * S, left = se - sb;  // the next step to consume, and how many are left
     int own = -1;  // a cut row group whose first step is this warp's: summed after the loop
 
@@ -405,9 +286,10 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
                 const int le = u * EU;
                 const uint8_t* xb = reinterpret_cast<const uint8_t*>(smem4);
                 if constexpr (F::XQ != 0)
-                    compute_unit_q<BITS, 1, kRows>(T.u[d], xb + (le >> 5) * qchunk_bytes(1), (le >> 4) & 1, acc);
+                    compute_unit_q<BITS, M, kRows>(T.u[d], xb + (le >> 5) * CB, (le >> 4) & 1, acc);
                 else
-                    compute_unit_bf16<1>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * 36 + (le & 31), acc);
+                    compute_unit_bf16<M>(T.u[d], reinterpret_cast<const float*>(xb) + (le >> 5) * chunk_stride(M) +
+                                                     (le & 31), acc);
             }
         }
 #ifdef NINFER_TIMELINE
@@ -420,16 +302,19 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         if (last) {
             float v[32];
 #pragma unroll
-            for (int i = 0; i < 32; ++i) v[i] = i < kRows ? acc[i][0] : 0.f;
-            ReduceScatter<kRows, 16>::run(v, lane);  // lane l: the warp's total of row l >> 3
+            for (int i = 0; i < 32; ++i) v[i] = i < kRows * M ? acc[i / M][i % M] : 0.f;
+            ReduceScatter<NV, 16>::run(v, lane);  // lane l: the warp's total of value l >> SH (row r, x̂ row m: rM + m)
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) acc[r][0] = 0.f;
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
             if (whole) {
-                const float a = __shfl_sync(kFull, v[0], 8 * (lane & 3));
-                const float b = __shfl_sync(kFull, v[0], 8 * (lane & 1) + 16);
+                const float a = __shfl_sync(kFull, v[0], va() << SH);
+                const float b = __shfl_sync(kFull, v[0], vb() << SH);
                 write(g0 + cg, a, b);
             } else {
-                if ((lane & 7) == 0) part[warp][cg == fg ? 0 : 1][lane >> 3] = v[0];
+                if ((lane & ((1 << SH) - 1)) == 0 && (lane >> SH) < kRows * M)
+                    part[warp][cg == fg ? 0 : 1][lane >> SH] = v[0];
                 if (starts_here) own = cg;
             }
         }
@@ -471,13 +356,14 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         // the warps sharing the group: this one (the group is its last) and the next ones whose ranges begin
         // inside it (for them it is the first group); warps with empty ranges hold nothing
         const int ge = (own + 1) * S;
-        float a = part[warp][own == fg ? 0 : 1][lane & 3], b = part[warp][own == fg ? 0 : 1][(lane & 1) + 2];
+        const int ia = va(), ib = vb();
+        float a = part[warp][own == fg ? 0 : 1][ia], b = part[warp][own == fg ? 0 : 1][ib];
         for (int w = warp + 1; w < kWarps; ++w) {
             const int wb = range_begin(w);
             if (wb >= ge) break;
             if (wb == range_begin(w + 1)) continue;
-            a += part[w][0][lane & 3];
-            b += part[w][0][(lane & 1) + 2];
+            a += part[w][0][ia];
+            b += part[w][0][ib];
         }
         write(g0 + own, a, b);
     }
@@ -541,25 +427,25 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
 #define NINFER_GEMV_S1(name, BITS)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1(NINFER_GEMV_ARGS, int d) {                                                        \
-        gemv_stream_body<BITS, false>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, mode,    \
+        gemv_stream_body<BITS, false>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift, ldx, ldy, mode,    \
                                       eps, xvec, d);                                                       \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1b(NINFER_GEMV_ARGS, int d) {                                                       \
         gemv_stream_body<BITS, NINFER_GEMV_BULK>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp, gshift,    \
-                                                 ldx, mode, eps, xvec, d);                                 \
+                                                 ldx, ldy, mode, eps, xvec, d);                                 \
     }
 
 #define NINFER_GEMV_S1S(name, BITS)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1s(NINFER_GEMV_ARGS, int d) {                                                       \
         gemv_stream_body<BITS, false, false, false, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp,   \
-                                                          gshift, ldx, mode, eps, xvec, d);                \
+                                                          gshift, ldx, ldy, mode, eps, xvec, d);                \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1bs(NINFER_GEMV_ARGS, int d) {                                                      \
         gemv_stream_body<BITS, NINFER_GEMV_BULK, false, false, true>(qs, qh, sc, x, y, norm_w, row_scale,  \
-                                                                     N, K, kp, gshift, ldx, mode, eps,     \
+                                                                     N, K, kp, gshift, ldx, ldy, mode, eps,     \
                                                                      xvec, d);                             \
     }
 
@@ -567,7 +453,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
         gemv_##name##_s1r(NINFER_GEMV_ARGS, int d) {                                                       \
         gemv_stream_body<BITS, NINFER_GEMV_BULK, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K, kp,      \
-                                                       gshift, ldx, mode, eps, xvec, d);                   \
+                                                       gshift, ldx, ldy, mode, eps, xvec, d);                   \
     }
 
 // gemv_<code>_s1bw: _s1b in swiglu mode (mode and y unused) that writes y as its N/64 chunk records instead (yrec,
@@ -578,9 +464,22 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         gemv_##name##_s1bw(NINFER_GEMV_ARGS, int d, uint8_t* __restrict__ yrec, unsigned long long* ybox,   \
                            unsigned* ycnt, int yq) {                                                       \
         gemv_stream_body<BITS, NINFER_GEMV_BULK, false, true>(qs, qh, sc, x, y, norm_w, row_scale, N, K,   \
-                                                              kp, gshift, ldx, mode, eps, xvec, d, yrec,   \
+                                                              kp, gshift, ldx, ldy, mode, eps, xvec, d, yrec,   \
                                                               ybox, ycnt, yq);                             \
     }
+
+// gemv_<code>_s{2,3,4}: the stream kernel for M = 2..4 activation rows, for a batched decode step: each weight
+// unit read once meets every row's x̂ (a register tile of one unit per lane and row: StreamDepth), x̂ staged from x
+// in registers as gemv_body stages it (xvec 0 / 1, the slab K/32 M-row chunk records), every mode at run time.
+#define NINFER_GEMV_SM(name, BITS, M)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s##M(NINFER_GEMV_ARGS, int d) {                                                      \
+        gemv_stream_body<BITS, false, false, false, false, M>(qs, qh, sc, x, y, norm_w, row_scale, N, K,   \
+                                                              kp, gshift, ldx, ldy, mode, eps, xvec, d);        \
+    }
+#define NINFER_GEMV_SM_ALL(M) \
+    NINFER_GEMV_SM(q4, 4, M) NINFER_GEMV_SM(q5, 5, M) NINFER_GEMV_SM(q6, 6, M) NINFER_GEMV_SM(q8, 8, M) \
+    NINFER_GEMV_SM(bf16, 16, M)
 
 NINFER_GEMV_S1(q4, 4)
 NINFER_GEMV_S1(q5, 5)
@@ -600,3 +499,6 @@ NINFER_GEMV_S1W(q4, 4)
 NINFER_GEMV_S1W(q5, 5)
 NINFER_GEMV_S1W(q6, 6)
 NINFER_GEMV_S1W(q8, 8)
+NINFER_GEMV_SM_ALL(2)
+NINFER_GEMV_SM_ALL(3)
+NINFER_GEMV_SM_ALL(4)

@@ -1,9 +1,9 @@
 """Decode GEMV and embedding gather (kernels/gemv.cu): launch shapes, argument checks, the M > 8 chunk loop.
 
 `gemv` computes y = W x̂ for up to 8 activation rows per launch, reading the weights once for all rows, with an
-optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. One row
-(M = 1, the decode of one sequence) with all of x̂ in one slab runs the persistent stream kernels (plan_stream),
-all else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
+optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. Up to 4
+rows (the decode of one sequence, or a batched step of up to 4) with all of x̂ in one slab run the persistent
+stream kernels (plan_stream), all else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
 layout (a DeviceWeight); activations are fp32 in memory. Quantized weights meet x̂ as int16 codes per 32-element
 chunk (kernels/gemv.cu "Arithmetic"; reference: ninfer_rt.reference.ops.act_codes16), bf16 weights fp32 x̂.
 """
@@ -27,7 +27,9 @@ _X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with
 _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf-history.md v13)
-_STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth: most units per lane and row
+_STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth at M = 1: most units per lane
+# and row (M > 1: 1)
+_STREAM_MAX_M = 4  # the stream kernels for several rows: gemv_*_s2 .. _s4 (a batched decode step)
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11)
 _STREAM_BLOCK_ROWS = 65536
 # at M = 1, longer K takes the block kernel; no limit below the slab's (perf-history.md v11 A/B)
@@ -54,8 +56,9 @@ class GemvPlan:
     """One launch of a gemv kernel: entry point, grid, K split across warps, x̂ slab and its shared memory.
 
     The block kernels gemv_*_m{M} launch `grid` blocks, one per block tile (8 >> kw_log2 groups of 4 rows).
-    The M = 1 stream kernels gemv_*_s1 (d > 0) launch `blocks` <= grid persistent blocks that share the `grid`
-    row groups of 4 rows out in contiguous ranges, streaming d units per lane and row per register tile."""
+    The stream kernels gemv_*_s{m} (d > 0; m = 1.._STREAM_MAX_M rows) launch `blocks` <= grid persistent blocks
+    that share the `grid` row groups of 4 rows out in contiguous ranges, streaming d units per lane and row per
+    register tile."""
 
     name: str
     grid: int  # block kernel: block tiles (8 >> kw_log2 row groups of 4 rows each); stream kernel: row groups
@@ -65,6 +68,7 @@ class GemvPlan:
     gshift: int  # log2 of the quantization group (5 for bf16, unused)
     d: int = 0  # stream kernel: 16-byte units per lane and row in one register tile; 0: a block kernel
     blocks: int = 0  # blocks launched: `grid` for a block kernel, at most `grid` for a stream kernel
+    m: int = 1  # activation rows of the launch
 
     @property
     def stream(self) -> bool:
@@ -112,24 +116,27 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
-    At m = 1 with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and no ks given,
-    the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is faster only on
-    the lm_head, perf-history.md v11); stream=False keeps the block kernel, stream=True insists on the stream kernel; d
-    and blocks override the stream plan's choices (tests and the benchmark's sweep)."""
+    At m <= _STREAM_MAX_M with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and
+    no ks given, the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is
+    faster only on the lm_head at m = 1, perf-history.md v11; at m = 2 the block kernels ran at half the stream
+    kernel's rate, v81); stream=False keeps the block kernel, stream=True insists on the stream kernel; d and blocks
+    override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
     if stream is None:
-        stream = (m == 1 and ks is None and kw_log2 is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w))
+        stream = (m <= _STREAM_MAX_M and ks is None and kw_log2 is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w, m))
                   and n < _STREAM_BLOCK_ROWS)
     if stream:
-        if m != 1 or ks is not None or kw_log2 is not None or k > _stream_k_cap(w):
-            raise GpuError(f"{w.name}: the stream gemv needs M = 1, no slab or K-split override and K <= "
-                           f"{_stream_k_cap(w)}, got M = {m}, K = {k}, ks = {ks}, kw_log2 = {kw_log2}")
-        return plan_stream(w, sm_count, d=d, blocks=blocks)
+        if m > _STREAM_MAX_M or ks is not None or kw_log2 is not None or k > _stream_k_cap(w, m):
+            raise GpuError(f"{w.name}: the stream gemv needs M <= {_STREAM_MAX_M}, no slab or K-split override and "
+                           f"K <= {_stream_k_cap(w, min(m, _STREAM_MAX_M))}, got M = {m}, K = {k}, ks = {ks}, "
+                           f"kw_log2 = {kw_log2}")
+        return plan_stream(w, sm_count, m=m, d=d, blocks=blocks)
     if d is not None or blocks is not None:
-        raise GpuError(f"{w.name}: d and blocks are stream-plan overrides (M = 1, K <= {_stream_k_cap(w)})")
+        raise GpuError(f"{w.name}: d and blocks are stream-plan overrides (M <= {_STREAM_MAX_M}, K <= "
+                       f"{_stream_k_cap(w, min(m, _STREAM_MAX_M))})")
     cs4 = x_chunk_bytes(m, w.quantized)
     ks_max = (_X_SMEM // cs4) * 32 // 256 * 256
     if ks is None:
@@ -157,15 +164,15 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
                     ks=ks, smem=(ks // 32) * cs4, gshift=int(math.log2(w.group)) if w.quantized else 5)
 
 
-def _stream_k_cap(w: DeviceWeight) -> int:
-    """The longest K a stream kernel can take: all of x̂ in the 46 KB slab, 10240 for bf16 weights (fp32 x̂),
-    18688 for quantized ones (int16 codes)."""
-    return (_X_SMEM // x_chunk_bytes(1, w.quantized)) * 32 // 256 * 256
+def _stream_k_cap(w: DeviceWeight, m: int = 1) -> int:
+    """The longest K a stream kernel of m rows can take: all of x̂ in the 46 KB slab; at m = 1 10240 for bf16
+    weights (fp32 x̂), 18688 for quantized ones (int16 codes)."""
+    return (_X_SMEM // x_chunk_bytes(m, w.quantized)) * 32 // 256 * 256
 
 
-def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
+def plan_stream(w: DeviceWeight, sm_count: int, *, m: int = 1, d: int | None = None,
                 blocks: int | None = None) -> GemvPlan:
-    """The M = 1 stream kernel's launch (kernels/gemv_stream.cu gemv_*_s1). Each block takes a contiguous range
+    """The stream kernel's launch for m rows (kernels/gemv_stream.cu gemv_*_s{m}). Each block takes a contiguous range
     of row groups whose steps (d units per lane and row) its 8 warps split evenly, so the split is balanced to
     a step whatever the shape. d = the format's deepest register tile (most bytes in flight per warp) unless
     one step of it would leave lanes without a unit on every row (K < 32·d units), then 1.
@@ -175,11 +182,14 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
     4.5 µs at one block per SM, its q|k|v|gate 10.6 -> 8.2 µs at two)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
-    if k > _stream_k_cap(w):
-        raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_cap(w)}")
+    if not 1 <= m <= _STREAM_MAX_M:
+        raise GpuError(f"{w.name}: the stream gemv takes 1..{_STREAM_MAX_M} rows, got {m}")
+    if k > _stream_k_cap(w, m):
+        raise GpuError(f"{w.name}: the stream gemv stages all of K in shared memory, K <= {_stream_k_cap(w, m)} "
+                       f"at M = {m}")
     nu = k // eu  # 16-byte units along a row that hold the K elements
     groups = math.ceil(n / _ROWS)
-    dmax = _STREAM_DEPTH[bits]
+    dmax = _STREAM_DEPTH[bits] if m == 1 else 1
     if d is None:
         d = dmax if 32 * dmax <= nu else 1
     elif not 1 <= d <= dmax:
@@ -191,9 +201,9 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, d: int | None = None,
         blocks = max(1, min(per_sm * sms, -(-steps // _WARPS)))
     elif blocks < 1:
         raise GpuError(f"stream gemv blocks must be >= 1, got {blocks}")
-    return GemvPlan(name=f"gemv_{prefix}_s1", grid=groups, kw_log2=0, ks=k,
-                    smem=(k // 32) * x_chunk_bytes(1, w.quantized),
-                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups))
+    return GemvPlan(name=f"gemv_{prefix}_s{m}", grid=groups, kw_log2=0, ks=k,
+                    smem=(k // 32) * x_chunk_bytes(m, w.quantized),
+                    gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups), m=m)
 
 
 def records_order(w: DeviceWeight) -> int:
@@ -303,19 +313,20 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     # float4 staging of x needs 16-byte aligned rows (and norm weight); otherwise the kernel reads scalars
     xvec = 1 if x % 16 == 0 and ldx % 4 == 0 and norm_w % 16 == 0 else 0
     smem, name = plan.smem, plan.name
-    bulk = plan.stream and (_STREAM_X_BULK if x_bulk is None else x_bulk) and k.gpu.info.major >= 9
+    one = plan.stream and plan.m == 1  # the M = 1 stream kernels' own ways of staging x (many rows: registers)
+    bulk = one and (_STREAM_X_BULK if x_bulk is None else x_bulk) and k.gpu.info.major >= 9
     above = _STREAM_X_BULK_ABOVE if bulk else _STREAM_X_COPY_ABOVE
     if bulk and x_bulk is None and kk <= _STREAM_X_ASYNC_UPTO:
         bulk, above = False, 0  # a short K on sm_90+: the cp.async copy (y_records asks for bulk: _s1bw has no other)
     if x_records:  # the records' copy completes on an mbarrier after the slab
         xvec, smem, name = 2, smem + 16, name + "r"
-    elif plan.stream and xvec and (kk > above if x_copy is None else x_copy):
+    elif one and xvec and (kk > above if x_copy is None else x_copy):
         extra = _stream_x_copy_bytes(k.gpu.info, plan, kk, bool(norm_w), bulk)
         if extra:  # x (and norm_w) through shared memory by cp.async or bulk copies (gemv_stream.cu stage_m1_smem)
             xvec, smem, name = 2, smem + extra, name + ("b" if bulk else "")
     if y_records is not None:
         name = plan.name + "bw"
-    elif plan.stream and mode == "swiglu" and not x_records:
+    elif one and mode == "swiglu" and not x_records:
         name += "s"  # swiglu at M = 1 streams through a kernel of its own, _s1s / _s1bs (perf-history.md v59)
     if smem != plan.smem or name != plan.name:
         k.opt_in_smem(name, smem)

@@ -175,9 +175,10 @@ SHAPES = [
 
 @pytest.mark.parametrize("fmt,shape,mode,norm", SHAPES, ids=[f"{s[0]}-{s[1][0]}x{s[1][1]}-{s[2]}" for s in SHAPES])
 def test_gemv_model_shapes(kernels, dev, rng, fmt, shape, mode, norm):
-    """The 35B-A3B / 27B decode shapes (default plans) at M = 1 and 8."""
+    """The 35B-A3B / 27B decode shapes (default plans) at M = 1, 3 (a batched step's stream kernel where K fits)
+    and 8."""
     w, wv = dev.weight(fmt, shape, rng)
-    for M in (1, 8):
+    for M in (1, 3, 8):
         run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=False)
 
 
@@ -208,6 +209,22 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
                 run_gemv(kernels, dev, rng, w, wv, M=1, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad,
                          ldy_pad=2, what="stream", plan={"stream": True, "d": d, "blocks": blocks}, x_copy=x_copy,
                          x_bulk=x_bulk)
+
+
+@pytest.mark.parametrize("fmt", STREAM_FORMATS)
+def test_gemv_stream_plans_of_several_rows(kernels, dev, rng, fmt):
+    """The stream kernels of M = 2, 3, 4 rows (gemv_*_s{M}) under the block counts test_gemv_stream_plans uses
+    (ranges that cut row groups, groups cut across several warps, the default), in every mode, with and without
+    the norm and row scales, x staged by float4 (ldx % 4 == 0) and scalar loads; K = 2080 leaves each group's
+    last step ragged. Each output row m must be row m's own product: rows are drawn independently."""
+    ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
+    for M in (2, 3, 4):
+        for blocks, mode, norm, scale, ldx_pad in [(2, "store", True, True, 4), (7, "add", False, True, 1),
+                                                   (2, "swiglu", True, False, 4), (37, "swiglu", False, False, 1),
+                                                   (37, "store", False, True, 0), (None, "add", True, False, 0)]:
+            w, wv = ws["swiglu" if mode == "swiglu" else "store"]
+            run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad, ldy_pad=2,
+                     what="stream rows", plan={"stream": True, "blocks": blocks})
 
 
 @pytest.mark.parametrize("fmt,shape", [("q4g128", (41, 5120)), ("q5g32", (37, 10240)), ("q8g64", (300, 4096)),
@@ -306,11 +323,12 @@ def test_gemv_argument_errors():
 
 
 def test_gemv_chunk_loop_offsets():
-    """M = 19 runs as 8 + 8 + 3 rows with x, y and row_scale advanced by whole rows."""
+    """M = 19 runs as 8 + 8 + 3 rows with x, y and row_scale advanced by whole rows (the last 3 on the stream
+    kernel of 3 rows)."""
     k = FakeKernels()
     w = DeviceWeight("w", "q8g32", (64, 256), 1 << 20)
     linear.gemv(k, w, x=1 << 24, M=19, y=1 << 26, ldx=260, ldy=70, row_scale=1 << 28, mode="add")
-    assert [c[0] for c in k.calls] == ["gemv_q8_m8", "gemv_q8_m8", "gemv_q8_m3"]
+    assert [c[0] for c in k.calls] == ["gemv_q8_m8", "gemv_q8_m8", "gemv_q8_s3"]
     for i, (name, grid, block, a, smem) in enumerate(k.calls):
         assert a[3] == (1 << 24) + 4 * 8 * i * 260 and a[4] == (1 << 26) + 4 * 8 * i * 70
         assert a[6] == (1 << 28) + 4 * 8 * i and a[13] == 1 and block == (256,) and smem <= 46 * 1024
@@ -342,8 +360,8 @@ def test_plan_fits_shared_memory():
 def test_stream_plans():
     """M = 1 with all of K in one slab takes the stream kernel: d the format's deepest register tile unless K
     is shorter than one step of it; 2 blocks per SM when each warp still gets 2 steps, else at most one per SM
-    and one step per warp; M = 2, a slab or K-split override, K past the slab or N >= _STREAM_BLOCK_ROWS
-    (65536, the lm_head) keeps the block kernel."""
+    and one step per warp; M > 4, a slab or K-split override, K past the slab or N >= _STREAM_BLOCK_ROWS
+    (65536, the lm_head) keeps the block kernel (M = 2..4: test_stream_plans_of_several_rows)."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         eu = {16: 8, 8: 16}.get(bits, 32)
@@ -367,7 +385,7 @@ def test_stream_plans():
                 # quantized weights, 36 fp32 for bf16 (kernels/gemv.cuh qchunk_bytes / chunk_stride)
                 assert p.smem == k_ // 32 * (144 if bits == 16 else 80) and p.smem + 1280 <= 48 * 1024
         w = DeviceWeight("w", fmt, (4096, 2048), 0)
-        assert not linear.plan_gemv(w, 2, 132).stream
+        assert not linear.plan_gemv(w, 5, 132).stream
         assert not linear.plan_gemv(w, 1, 132, ks=1024).stream
         assert not linear.plan_gemv(w, 1, 132, kw_log2=1).stream
         assert not linear.plan_gemv(w, 1, 132, stream=False).stream
@@ -387,6 +405,44 @@ def test_stream_plans():
     # and 64 for the shared expert's gate|up (one step of 2 units per warp)
     for shape, blocks in [((9216, 2048), 264), ((2048, 4096), 132), ((1024, 2048), 64)]:
         assert linear.plan_gemv(DeviceWeight("w", "q8g32", shape, 0), 1, 132).blocks == blocks
+
+
+def test_stream_plans_of_several_rows():
+    """M = 2..4 with all of K in one slab of M-row chunk records takes the stream kernel of M rows (gemv_*_s{M}):
+    one unit per lane and row, the M = 1 plan's blocks; the slab is K/32 chunks of x_chunk_bytes(M) (int16 codes
+    and (d, Σq) of every row, padded to an odd number of 16-byte units; fp32 rows of 36 plus 4 at even M for
+    bf16), so the longest K shrinks with M. Launches stage x from registers (no copy, no swiglu kernel of its own),
+    with d appended."""
+    for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
+        bits = 16 if fmt == "bf16" else int(fmt[1])
+        code = "bf16" if bits == 16 else fmt[:2]
+        for m in (2, 3, 4):
+            per_chunk = 4 * (36 * m + (4 if m % 2 == 0 else 0)) if bits == 16 else 16 * ((72 * m + 15) // 16 | 1)
+            assert per_chunk == linear.x_chunk_bytes(m, bits != 16)
+            for n, k_ in ((203, 352), (2048, 4096), (12288, 2048)):
+                w = DeviceWeight("w", fmt, (n, k_), 0)
+                if k_ // 32 * per_chunk > 46 * 1024:
+                    assert not linear.plan_gemv(w, m, 132).stream
+                    continue
+                p, p1 = linear.plan_gemv(w, m, 132), linear.plan_gemv(w, 1, 132, d=1)
+                assert p.stream and p.name == f"gemv_{code}_s{m}" and p.m == m and p.d == 1
+                assert (p.grid, p.blocks, p.ks) == (p1.grid, p1.blocks, k_) and p.smem == k_ // 32 * per_chunk
+            cap = 46 * 1024 // per_chunk * 32 // 256 * 256
+            assert linear.plan_gemv(DeviceWeight("w", fmt, (64, cap), 0), m, 132).stream
+            assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), m, 132).stream
+            with pytest.raises(GpuError, match="d must be 1..1"):
+                linear.plan_gemv(DeviceWeight("w", fmt, (64, 2048), 0), m, 132, d=2)
+    with pytest.raises(GpuError, match="M <= 4"):
+        linear.plan_gemv(DeviceWeight("w", "q8g32", (64, 2048), 0), 5, 132, stream=True)
+    for major in (9, 8):
+        k = FakeKernels()
+        k.gpu.info.major = major
+        w = DeviceWeight("w", "q8g32", (1024, 2048), 1 << 20)
+        linear.gemv(k, w, x=1 << 24, M=3, y=1 << 26, mode="swiglu", norm_w=1 << 28)
+        (name, grid, block, a, smem), = k.calls
+        p = linear.plan_gemv(w, 3, 132)
+        assert name == "gemv_q8_s3" and grid == (p.blocks,) and smem == p.smem and a[17] == 1 and a[18] == 1
+        assert a[13] == 2 and k.smem_opt_in == {}
 
 
 def test_stream_launch_arguments():
