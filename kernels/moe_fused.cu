@@ -84,34 +84,32 @@ __host__ __device__ constexpr int xq_of() { return BITS == 8 ? 1 : 2; }
 // launches back added (deltanet_step.cu's fold); top-k of G·x is top-k of the router's logits (rsqrt(mean x² + eps)
 // > 0), so the routing and the tile's issue run before the wait, and the weights and the shared gate, which scale
 // the logits by that rsqrt, after it. Block 0 zeroes acc after the grid barrier (every block has read it).
-template <int GB, int GG, int DB, int DG, int SB, int SG, int T, bool ACC = false, int R = 1>
+template <int GB, int GG, int DB, int DG, int SB, int SG, int T, bool ACC = false>
 __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes sgu, QPlanes sdn, int E, int top_k,
                                                const float* __restrict__ norm_w, float eps,
                                                const float* __restrict__ logits, int* __restrict__ ids,
                                                float* __restrict__ weights, float* __restrict__ shared_scale,
                                                float* act, float* act_s, float* x, unsigned* bar,
                                                long long* acc = nullptr) {
-    static_assert(R == 1 || !ACC, "the router fold is one token's");
     constexpr int H = 1024 * T, I = MOE_FUSED_I, NC = I / 32, CB = qchunk_bytes(1);
     constexpr int XG = xq_of<GB>(), XD = xq_of<DB>(), XS = xq_of<SB>();
-    // dynamic smem, phase 1: ĥ of each row for the routed gate/up, then ĥ of each row for the shared gate|up; phase 2
-    // over the same bytes (every phase-1 read is before the grid barrier): act (k·NC records) of each row, then act_s
-    // (NC records) of each row
+    // dynamic smem, phase 1: ĥ for the routed gate/up, ĥ for the shared gate|up; phase 2 over the same bytes
+    // (every phase-1 read is before the grid barrier): act (k·NC records), act_s (NC records)
     extern __shared__ float4 s_x4[];
     uint8_t* s_hg = reinterpret_cast<uint8_t*>(s_x4);
-    uint8_t* s_hs = s_hg + R * (H / 32) * CB;
+    uint8_t* s_hs = s_hg + (H / 32) * CB;
     uint8_t* s_act = s_hg;
-    uint8_t* s_acs = s_act + R * top_k * NC * CB;
+    uint8_t* s_acs = s_act + top_k * NC * CB;
     __shared__ float s_out[32];
-    __shared__ float s_red[R][MOE_WARPS];
+    __shared__ float s_red[MOE_WARPS];
     __shared__ float s_sgp[MOE_WARPS];
-    __shared__ int s_e[R][MOE_MAX_K];
-    __shared__ float s_w[R][MOE_MAX_K];
-    __shared__ float s_sh[R];
+    __shared__ int s_e[MOE_MAX_K];
+    __shared__ float s_w[MOE_MAX_K];
+    __shared__ float s_sh[1];
     __shared__ RouteBlockSmem<MOE_THREADS> s_route;
     constexpr int DR = MOE_FUSED_DR, DS = DR / 8;  // phase 2: x rows per block, sets of 8 rows per warp
-    __shared__ float s_part[R][MOE_MAX_K * DR];
-    __shared__ float s_shp[R][DR];
+    __shared__ float s_part[MOE_MAX_K * DR];
+    __shared__ float s_shp[DR];
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool has_gu = b < top_k * (I / 16), has_sh = b < I / 2, has_dn = b < H / DR;
 
@@ -136,14 +134,14 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
         route_keys_block<MOE_THREADS>(v, E, top_k, s_route);
         if (warp == 0 && lane < top_k) {
             const int id = (int)s_route.sel_id[lane];
-            s_e[0][lane] = id >= 0 && id < E ? id : -1;
+            s_e[lane] = id >= 0 && id < E ? id : -1;
         }
         __syncthreads();
         // the gain in registers before the tile's loads are issued: ptxas gives both one scoreboard, so its first use
         // after the wait would wait for the whole tile, and x's staging with it (an all-ones word is a NaN: h is NaN
         // either way)
         const bool gain_in = __float_as_uint(gain[0].x) != 0xffffffffu && __float_as_uint(gain[T - 1].x) != 0xffffffffu;
-        const int e0 = has_gu ? s_e[0][b / (I / 16)] : -1;
+        const int e0 = has_gu ? s_e[b / (I / 16)] : -1;
         if (e0 >= 0 && gain_in) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e0, I, b % (I / 16));
     }
     // the next layer's GEMV (or lm_head's) reads only weights and gains before its wait: it may start launching
@@ -153,27 +151,21 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
 
     // x (x is rewritten in phase 2 by other blocks: L2 loads, not the read-only path), the routing (every warp;
     // warp 0 alone where E > 256), Σ x²
-    float4 xr[R][T];
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float4 xr[T];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int t = 0; t < T; ++t) xr[r][t] = __ldcg(reinterpret_cast<const float4*>(x + r * H) + tid + MOE_THREADS * t);
+    for (int t = 0; t < T; ++t) xr[t] = __ldcg(x4 + tid + MOE_THREADS * t);
     if constexpr (!ACC) {
-#pragma unroll
-        for (int m = 0; m < R; ++m) {  // token m's routing (R > 1: one after another, the same bits as one)
-            const float* lm = logits + m * (E + 1);
-            RouteRow r;
-            if (E <= MOE_THREADS) r = route_row_block<MOE_THREADS>(lm, E, top_k, s_route);
-            else if (warp == 0) r = route_row(lm, E, top_k);
-            if (warp == 0) {
-                if (lane < top_k) {
-                    s_e[m][lane] = r.id >= 0 && r.id < E ? r.id : -1;
-                    s_w[m][lane] = r.w;
-                }
-                if (lane == 0) s_sh[m] = r.shared;
-                if (b == 0) route_store(r, m, top_k, ids, weights, shared_scale);
+        RouteRow r;
+        if (E <= MOE_THREADS) r = route_row_block<MOE_THREADS>(logits, E, top_k, s_route);
+        else if (warp == 0) r = route_row(logits, E, top_k);
+        if (warp == 0) {
+            if (lane < top_k) {
+                s_e[lane] = r.id >= 0 && r.id < E ? r.id : -1;
+                s_w[lane] = r.w;
             }
-            if (R > 1) __syncthreads();  // s_route is the next row's
+            if (lane == 0) s_sh[0] = r.shared;
+            if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
         }
         __syncthreads();
     }
@@ -182,88 +174,74 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     // routed gate/up: the tile's weights, issued as soon as the expert is known, then h staged while they fly.
     // Σ x² after the issue: ptxas gives x's loads the scoreboard of the loads before the wait, so x's first use
     // waits for those DRAM loads too; before the issue that wait held the tile up ~0.6 µs (perf-history.md v57).
-    // R > 1: token 0's tile here, each next token's after the previous one's dots.
     const int pair = b / (I / 16), tile = b % (I / 16);
-    const int e = has_gu ? s_e[0][pair] : -1;
+    const int e = has_gu ? s_e[pair] : -1;
     if constexpr (!ACC) {
         if (e >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, e, I, tile);
     }
     NINFER_TL_MARK(1);  // the tile's loads issued
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
+    {
         float ss = 0.f;
 #pragma unroll
-        for (int t = 0; t < T; ++t)
-            ss += xr[r][t].x * xr[r][t].x + xr[r][t].y * xr[r][t].y + xr[r][t].z * xr[r][t].z + xr[r][t].w * xr[r][t].w;
-        ss_partial(ss, s_red[r]);
+        for (int t = 0; t < T; ++t) ss += xr[t].x * xr[t].x + xr[t].y * xr[t].y + xr[t].z * xr[t].z + xr[t].w * xr[t].w;
+        ss_partial(ss, s_red);
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float rs = rms_scale(s_red[r], H, eps);
+    {
+        const float rs = rms_scale(s_red, H, eps);
         if constexpr (ACC) {  // the weights and the shared gate on the logits rs·(G·x); phase 2 reads them
             if (warp == 0) {
-                const RouteRow rr = route_weights_block<MOE_THREADS>(s_route, top_k, rs, g_raw);
-                if (lane < top_k) s_w[0][lane] = rr.w;
-                if (lane == 0) s_sh[0] = rr.shared;
-                if (b == 0) route_store(rr, 0, top_k, ids, weights, shared_scale);
+                const RouteRow r = route_weights_block<MOE_THREADS>(s_route, top_k, rs, g_raw);
+                if (lane < top_k) s_w[lane] = r.w;
+                if (lane == 0) s_sh[0] = r.shared;
+                if (b == 0) route_store(r, 0, top_k, ids, weights, shared_scale);
             }
         }
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            const float4 h = norm_mul4(xr[r][t], rs, gain[t]);
+            const float4 h = norm_mul4(xr[t], rs, gain[t]);
             const int i4 = tid + MOE_THREADS * t;  // float4 i4: chunk i4 / 8, elements 4 (i4 % 8) ..
-            store_codes4<1, XG>(s_hg + (r * (H / 32) + (i4 >> 3)) * CB, 0, 4 * (i4 & 7), h, true);
-            store_codes4<1, XS>(s_hs + (r * (H / 32) + (i4 >> 3)) * CB, 0, 4 * (i4 & 7), h, true);
+            store_codes4<1, XG>(s_hg + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
+            store_codes4<1, XS>(s_hs + (i4 >> 3) * CB, 0, 4 * (i4 & 7), h, true);
         }
     }
     __syncthreads();
     NINFER_TL_MARK(2);  // h staged
+    if (e >= 0) tile_dots<GB, T>(q, s_hg, s_out);
+    if (has_sh) {  // warps 0..4T-1 hold the rows' chunks (T warps a row), the others add 0
+        const float v = warp_sum(sh_lane ? chunk_dot1<SB>(qsg, s_hs + sck * CB) : 0.f);
+        if (lane == 0) s_sgp[warp] = v;
+    }
+    __syncthreads();
+    NINFER_TL_MARK(3);  // the gate/up tile's weights arrived and are summed
+    if (has_gu && tid < 16)
+        act[(long long)pair * I + tile * 16 + tid] =
+            e >= 0 ? siluf_(s_out[tid]) * s_out[16 + tid] : __int_as_float(0x7fc00000);
+    if (has_sh && tid < 2) {
+        float g = 0.f, u = 0.f;  // rows tid (gate) and tid + 2 (up), each summed over its T warps in order
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int er = r == 0 ? e : has_gu ? s_e[r][pair] : -1;
-        if (r > 0) {
-            __syncthreads();  // s_out and s_sgp read
-            if (er >= 0) tile_load<GB, GG, T>(q, gu.qs, gu.qh, gu.sc, gu.kp, er, I, tile);
+        for (int w = 0; w < T; ++w) {
+            g += s_sgp[T * tid + w];
+            u += s_sgp[T * (tid + 2) + w];
         }
-        if (er >= 0) tile_dots<GB, T>(q, s_hg + r * (H / 32) * CB, s_out);
-        if (has_sh) {  // warps 0..4T-1 hold the rows' chunks (T warps a row), the others add 0
-            const float v = warp_sum(sh_lane ? chunk_dot1<SB>(qsg, s_hs + (r * (H / 32) + sck) * CB) : 0.f);
-            if (lane == 0) s_sgp[warp] = v;
-        }
-        __syncthreads();
-        NINFER_TL_MARK(3);  // the gate/up tile's weights arrived and are summed
-        if (has_gu && tid < 16)
-            act[((long long)r * top_k + pair) * I + tile * 16 + tid] =
-                er >= 0 ? siluf_(s_out[tid]) * s_out[16 + tid] : __int_as_float(0x7fc00000);
-        if (has_sh && tid < 2) {
-            float g = 0.f, u = 0.f;  // rows tid (gate) and tid + 2 (up), each summed over its T warps in order
-#pragma unroll
-            for (int w = 0; w < T; ++w) {
-                g += s_sgp[T * tid + w];
-                u += s_sgp[T * (tid + 2) + w];
-            }
-            act_s[r * I + 2 * b + tid] = siluf_(g) * u;
-        }
+        act_s[2 * b + tid] = siluf_(g) * u;
     }
 
-    // phase 2's weights (token 0's) and old x, before the barrier
+    // phase 2's weights and old x, before the barrier
     const int n0 = b * DR, half = lane >> 4, cl = lane & 15;
-    float x0[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) x0[r] = has_dn && tid < DR ? __ldcg(x + r * H + n0 + tid) : 0.f;
+    const float x0 = has_dn && tid < DR ? __ldcg(x + n0 + tid) : 0.f;
     QChunk<DB> qd[DS][4];
-    auto issue = [&](int r, int j) {  // token r's expert j's rows n0 + 8s + 4·half .. +4 of this half warp, chunk cl
-        const int ej = s_e[r][j];
+    auto issue = [&](int j) {  // expert j's rows n0 + 8s + 4·half .. +4 of this half warp, chunk cl
+        const int ej = s_e[j];
         if (ej < 0) return;
 #pragma unroll
         for (int s = 0; s < DS; ++s) {
             const long long row0 = (long long)ej * H + n0 + 8 * s + 4 * half;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) qchunk_load<DB, DG>(qd[s][i], dn.qs, dn.qh, dn.sc, row0 + i, dn.kp, cl);
+            for (int r = 0; r < 4; ++r) qchunk_load<DB, DG>(qd[s][r], dn.qs, dn.qh, dn.sc, row0 + r, dn.kp, cl);
         }
     };
-    if (has_dn && warp < top_k) issue(0, warp);
+    if (has_dn && warp < top_k) issue(warp);
     QChunk<SB> qsd;  // shared down: thread t < 16·DR row t / 16, chunk t % 16
     if (has_dn && tid < 16 * DR) qchunk_load<SB, SG>(qsd, sdn.qs, sdn.qh, sdn.sc, n0 + (tid >> 4), sdn.kp, tid & 15);
 
@@ -275,48 +253,35 @@ __device__ __forceinline__ void moe_fused_body(QPlanes gu, QPlanes dn, QPlanes s
     }
     if (!has_dn) return;       // whole block, after its last barrier with the grid
 
-    // act (k·I) and act_s (I) of each token as int16 chunk records (k·128 and 128 float4s: whole warps), written by
-    // other blocks
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        uint8_t* sa = s_act + r * top_k * NC * CB;
-        uint8_t* ss = s_acs + r * NC * CB;
-        if (top_k == MOE_STAGE_K) {
-            stage_codes_fixed<XD, XS, true, MOE_STAGE_K * I / 4, I / 4>(sa, act + r * MOE_STAGE_K * I, ss,
-                                                                        act_s + r * I);
-        } else {
-            stage_codes<XD, true>(sa, reinterpret_cast<const float4*>(act + r * top_k * I), top_k * I / 4);
-            stage_codes<XS, true>(ss, reinterpret_cast<const float4*>(act_s + r * I), I / 4);
-        }
+    // act (k·I) and act_s (I) as int16 chunk records (k·128 and 128 float4s: whole warps), written by other blocks
+    if (top_k == MOE_STAGE_K) {
+        stage_codes_fixed<XD, XS, true, MOE_STAGE_K * I / 4, I / 4>(s_act, act, s_acs, act_s);
+    } else {
+        stage_codes<XD, true>(s_act, reinterpret_cast<const float4*>(act), top_k * I / 4);
+        stage_codes<XS, true>(s_acs, reinterpret_cast<const float4*>(act_s), I / 4);
     }
     __syncthreads();
     NINFER_TL_MARK(5);  // act staged
+    for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
+        if (j != warp) issue(j);
+        if (s_e[j] < 0) continue;  // the sum below turns NaN
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        for (int j = warp; j < top_k; j += MOE_WARPS) {  // uniform over the warp
-            if (r > 0 || j != warp) issue(r, j);
-            if (s_e[r][j] < 0) continue;  // the sum below turns NaN
-#pragma unroll
-            for (int s = 0; s < DS; ++s) {
-                float acc4[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
-                chunk_dots<DB>(qd[s], s_act + ((r * top_k + j) * NC + cl) * CB, acc4);
-                half_rows_store(acc4, s_part[r] + j * DR + 8 * s);
-            }
+        for (int s = 0; s < DS; ++s) {
+            float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+            chunk_dots<DB>(qd[s], s_act + (j * NC + cl) * CB, acc);
+            half_rows_store(acc, s_part + j * DR + 8 * s);
         }
-        if (tid < 16 * DR) {  // shared down: row tid / 16, summed over the half warp
-            float v = chunk_dot1<SB>(qsd, s_acs + (r * NC + (tid & 15)) * CB);
+    }
+    if (tid < 16 * DR) {  // shared down: row tid / 16, summed over the half warp
+        float v = chunk_dot1<SB>(qsd, s_acs + (tid & 15) * CB);
 #pragma unroll
-            for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if ((tid & 15) == 0) s_shp[r][tid >> 4] = v;
-        }
+        for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if ((tid & 15) == 0) s_shp[tid >> 4] = v;
     }
     __syncthreads();
     if (tid < DR) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float total = expert_sum(s_e[r], s_w[r], s_part[r] + tid, DR, top_k);
-            x[r * H + n0 + tid] = fmaf(s_sh[r], s_shp[r][tid], x0[r] + total);
-        }
+        const float total = expert_sum(s_e, s_w, s_part + tid, DR, top_k);
+        x[n0 + tid] = fmaf(s_sh[0], s_shp[tid], x0 + total);
     }
 }
 
@@ -358,23 +323,3 @@ NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ENTRY, 2)
     }
 NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ACC_ENTRY, 1)
 NINFER_MOE_FUSED_FORMATS(MOE_FUSED_ACC_ENTRY, 2)
-
-// moe_fused_r2_t{T}_{gu}_{dn}_{sh}: the block for two tokens of a batched decode step (2 rows of x, logits, ids,
-// weights, shared_scale, act and act_s, each laid out as the one-token entry's): every block routes each token and
-// stages each one's ĥ, runs its gate/up tile for each token's expert of its pair in turn (the shared expert's
-// chunk, loaded once, meets both tokens' ĥ), and phase 2 each token's downs in turn (the shared down's chunk loaded
-// once). The grid is the one-token grid. moe.py runs B tokens as B / 2 of these (and one one-token launch for odd B).
-#define MOE_FUSED_R2_ENTRY(T, gn, GB, GG, dname, DB, DG, sn, SB, SG)                                        \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_fused_r2_t##T##_##gn##_##dname##_##sn(   \
-        const uint8_t* gqs, const uint8_t* gqh, const __half* gsc, int gkp, const uint8_t* dqs,            \
-        const uint8_t* dqh, const __half* dsc, int dkp, const uint8_t* sgqs, const uint8_t* sgqh,          \
-        const __half* sgsc, int sgkp, const uint8_t* sdqs, const uint8_t* sdqh, const __half* sdsc,        \
-        int sdkp, int E, int top_k, const float* norm_w, float eps, const float* logits, int* ids,         \
-        float* weights, float* shared_scale, float* act, float* act_s, float* x, unsigned* bar) {          \
-        moe_fused_body<GB, GG, DB, DG, SB, SG, T, false, 2>(                                                \
-            QPlanes{gqs, gqh, gsc, gkp}, QPlanes{dqs, dqh, dsc, dkp}, QPlanes{sgqs, sgqh, sgsc, sgkp},       \
-            QPlanes{sdqs, sdqh, sdsc, sdkp}, E, top_k, norm_w, eps, logits, ids, weights, shared_scale, act,  \
-            act_s, x, bar);                                                                                 \
-    }
-NINFER_MOE_FUSED_FORMATS(MOE_FUSED_R2_ENTRY, 1)
-NINFER_MOE_FUSED_FORMATS(MOE_FUSED_R2_ENTRY, 2)

@@ -378,22 +378,6 @@ class GpuModel:
                 # _fold_for planned this same entry (same arguments) before the step folded, so it exists
                 assert plan is not None or not folded, f"layer {i}: the step folded but no moe_fused_acc entry runs"
                 acc = self._folds[i][1] if folded else 0
-                # several tokens (a batched step): two a launch (moe_fused_r2), the odd one by the one-token entry
-                pairs = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, rows=2) \
-                    if M > 1 and post % 16 == 0 else None
-                odd = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k) \
-                    if pairs is not None and M % 2 else None
-                if pairs is not None and (M % 2 == 0 or odd is not None):
-                    self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
-                    for m0 in range(0, M, 2):
-                        n, f = min(2, M - m0), 4
-                        moe.fused(self.k, pairs if n == 2 else odd, gate_up, down, shared_gate_up, shared_down,
-                                  x=b.x + m0 * self.H * f, norm_w=post, eps=s.rms_norm_eps,
-                                  logits=b.router + m0 * (E + 1) * f, E=E, top_k=k, ids=b.ids + m0 * k * 4,
-                                  weights=b.wts + m0 * k * f, shared_scale=b.sscale + m0 * f,
-                                  act=b.act + m0 * k * moe.FUSED_I * f, act_s=b.act_s + m0 * moe.FUSED_I * f,
-                                  barrier=self._moe_barrier, rows=n)
-                    return  # the layer's MoE block is done
                 if plan is None:
                     # the shared expert needs only x, so it runs on the side stream beside the router and the
                     # routed gate/up (which normalise x themselves); moe.down adds its output times its gate

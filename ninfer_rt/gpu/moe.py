@@ -31,7 +31,7 @@ DOWN_ROWS = 8  # rows of y per down block
 XPAD = 33  # floats of shared memory per 32 activations (padded against bank conflicts)
 QCHUNK = x_chunk_bytes(1, True)  # shared-memory bytes per 32 activations as int16 codes in the fast paths
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
-SMEM_STATIC = 5120  # upper bound of the kernels' static shared memory (moe_fused: 3.6 KB, moe_fused_r2: 4.8 KB)
+SMEM_STATIC = 4096  # upper bound of the kernels' static shared memory (moe_fused: 3.6 KB)
 
 
 def _check_ptrs(op: str, **ptrs: int) -> None:
@@ -196,19 +196,15 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
 FUSED_DECODE = True
 FUSED_I = 512  # the routed and shared intermediate sizes moe_fused.cu is written for
 FUSED_DOWN_ROWS = 16  # x rows per block of moe_fused's down phase (MOE_FUSED_DR)
-FUSED_ROWS = (1, 2)  # tokens one moe_fused launch takes: moe_fused_t* one, moe_fused_r2_t* two (a batched step)
 
 
 def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
-                 shared_down: DeviceWeight, top_k: int, acc: bool = False,
-                 rows: int = 1) -> tuple[str, int, int] | None:
+                 shared_down: DeviceWeight, top_k: int, acc: bool = False) -> tuple[str, int, int] | None:
     """The moe_fused entry point for these weights on this GPU, with its grid and dynamic shared memory, or None
     when the MoE block must take the separate launches: FUSED_DECODE off, shapes or formats moe_fused.cu has no
     entry for, or a grid the GPU cannot hold at once (its blocks meet at a grid-wide barrier). acc: the entry that
-    routes on the DeltaNet step's router fold (moe_fused_acc_t*: E <= THREADS) instead of logits. rows: tokens a
-    launch takes (FUSED_ROWS; 2: moe_fused_r2_t*, on logits)."""
-    if (not FUSED_DECODE or not 1 <= top_k <= MAX_TOP_K or len(gate_up.shape) != 3 or rows not in FUSED_ROWS
-            or (acc and rows != 1)):
+    routes on the DeltaNet step's router fold (moe_fused_acc_t*: E <= THREADS) instead of logits."""
+    if not FUSED_DECODE or not 1 <= top_k <= MAX_TOP_K or len(gate_up.shape) != 3:
         return None
     E, two_i, H = gate_up.shape
     if (tuple(down.shape) != (E, H, FUSED_I) or two_i != 2 * FUSED_I or top_k > E or E > MAX_EXPERTS
@@ -217,15 +213,13 @@ def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: D
         return None
     if acc and E > THREADS:  # route_keys_block: one logit a thread
         return None
-    kind = "_acc" if acc else f"_r{rows}" if rows > 1 else ""
-    name = f"moe_fused{kind}_t{H // 1024}_{gate_up.fmt}_{down.fmt}_{shared_gate_up.fmt}"
+    name = f"moe_fused{'_acc' if acc else ''}_t{H // 1024}_{gate_up.fmt}_{down.fmt}_{shared_gate_up.fmt}"
     try:
         fn = k.fn(name)
     except GpuError:
         return None  # no entry for this format triple
     grid = max(top_k * FUSED_I // 16, FUSED_I // 2, H // FUSED_DOWN_ROWS)
-    # each token's ĥ twice (phase 1), then its act and act_s records over the same bytes (phase 2)
-    smem = rows * max(2 * H // 32, (top_k + 1) * FUSED_I // 32) * QCHUNK
+    smem = max(2 * H // 32, (top_k + 1) * FUSED_I // 32) * QCHUNK  # phase 2's records reuse phase 1's bytes
     if smem > k.gpu.info.max_smem_per_block_optin - SMEM_STATIC:
         return None
     k.opt_in_smem(name, smem)
@@ -236,8 +230,7 @@ def fused_kernel(k, gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: D
 
 def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeight, shared_gate_up: DeviceWeight,
           shared_down: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, E: int, top_k: int, ids: int,
-          weights: int, shared_scale: int, act: int, act_s: int, barrier: int, stream=None, acc: int = 0,
-          rows: int = 1) -> None:
+          weights: int, shared_scale: int, act: int, act_s: int, barrier: int, stream=None, acc: int = 0) -> None:
     """The sparse MoE block of one token after the router GEMV, in one launch (kernels/moe_fused.cu), x updated in
     place:
 
@@ -246,16 +239,12 @@ def fused(k, plan: tuple[str, int, int], gate_up: DeviceWeight, down: DeviceWeig
         x = fma(shared_scale, down_s(act_s), x + Σ_j weights[j] · down_{ids[j]}(act[j]))   (j = 0..k-1 in order)
 
     as gate_up_routed, the shared expert's GEMVs and down with extra compute it (int16 codes of h, act, act_s).
-    plan: fused_kernel's answer for these weights (and rows). x, norm_w fp32 [H] (16-byte aligned); logits fp32
-    [E + 1] (column E the shared-expert gate); ids / weights [top_k], shared_scale [1], act [top_k, I], act_s [I]
+    plan: fused_kernel's answer for these weights. x, norm_w fp32 [H] (16-byte aligned); logits fp32 [E + 1]
+    (column E the shared-expert gate); ids / weights [top_k], shared_scale [1], act [top_k, I], act_s [I]
     (outputs; act and act_s 16-byte aligned); barrier: a device u32, zero before the first launch, that no other
     kernel touches while this one runs (each launch flips its top bit and leaves the rest as it found it).
-    rows = 2 (a plan for two): x, logits, ids, weights, shared_scale, act and act_s hold two such rows each, back
-    to back, and each token is the one-token block's own.
     """
     name, grid, smem = plan
-    if (rows > 1) != ("_r" in name) or (rows > 1 and f"_r{rows}_" not in name):
-        raise GpuError(f"moe.fused: plan {name} is not for {rows} token(s)")
     if name.startswith("moe_fused_acc") != bool(acc):
         raise GpuError(f"moe.fused: plan {name} with acc={acc:#x}: the _acc entries route on acc, the others on logits")
     if E != gate_up.shape[0]:

@@ -473,53 +473,6 @@ def test_fused_moe_decode_gives_the_separate_launches_logits(gpu, kernels, monke
     np.testing.assert_allclose(one, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
 
 
-@pytest.mark.parametrize("layer", ["full_attention", "linear_attention"])
-def test_fused_moe_decodes_a_batch_as_the_separate_launches(gpu, kernels, monkeypatch, layer):
-    """A batched step of 3 sequences at the 35B-A3B's shapes runs its MoE block as moe_fused_r2 (two tokens a
-    launch) then the one-token entry for the third, after one router GEMV of 3 rows; with moe.FUSED_DECODE off the
-    same 5 steps take the separate launches. Bound as the one-token test above (2^-10 of the largest logit): the
-    two differ only in how the shared expert's gate|up codes its input; a token's row read at another's offset,
-    another token's expert or a missed barrier moves the logits by O(1)."""
-    from ninfer_rt.gpu import moe
-    from ninfer_rt.gpu.engine import GpuModel
-    from ninfer_rt.gpu.loader import synthetic_weights
-    from ninfer_rt.recipe import load_recipe
-
-    spec = one_layer(layer)
-    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
-    ids = [prompt(5, 11 + b, vocab=1000) for b in range(3)]
-    plain, rows = moe.fused, []
-
-    def fused(*args, **kw):
-        rows.append(kw.get("rows", 1))
-        plain(*args, **kw)
-
-    def decode_batch() -> np.ndarray:
-        model = GpuModel(gpu, kernels, spec, weights, slots=3, max_ctx=64, kv_dtype="int8")
-        try:
-            out = []
-            for p in range(5):
-                model.decode(np.asarray([t[p] for t in ids], np.int32), [p] * 3, [0, 1, 2])
-                out.append(model.logits(3))
-            return np.stack(out)
-        finally:
-            model.free()
-
-    try:
-        monkeypatch.setattr(moe, "fused", fused)
-        together = decode_batch()
-        # each step's graph was captured once: the pair, then the third token
-        assert rows[:2] == [2, 1] and len(rows) % 2 == 0, f"a 3-token step's MoE launches took rows {rows}"
-        rows.clear()
-        monkeypatch.setattr(moe, "FUSED_DECODE", False)
-        separate = decode_batch()
-        assert not rows
-    finally:
-        weights.free(gpu)
-    assert np.isfinite(together).all() and np.isfinite(separate).all()
-    np.testing.assert_allclose(together, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
-
-
 @pytest.mark.parametrize("model,layer,switch", [
     ("qwen3.6-35b-a3b", "linear_attention", "deltanet.STEP_OUT_RECORDS"),
     ("qwen3.6-35b-a3b", "full_attention", "attention.COMBINE_OUT_RECORDS"),

@@ -127,45 +127,6 @@ def test_fused_moe_matches_ops_moe(kernels, dev, rng, dims, fmt_gu, fmt_down):
     assert int(dev.get(barrier, (1,), np.uint32)[0]) == 0, "the barrier word after two launches must be 0"
 
 
-@pytest.mark.parametrize("dims,fmt_gu,fmt_down", CASES)
-def test_two_tokens_a_launch_are_two_one_token_launches(kernels, dev, rng, dims, fmt_gu, fmt_down):
-    """moe_fused_r2 (a batched step's two tokens in one launch) gives each token the one-token entry's x, ids,
-    weights, shared_scale, act and act_s to the bit: per token it runs the same routing, staging, dots and sums in
-    the same order (the one-token entry is checked against ops.moe above). Token 1's x and logits are distinct
-    from token 0's (another draw), so a row read at the wrong offset changes bits; the banks hold both tokens'
-    experts (the others NaN), so reading another token's expert turns its x NaN."""
-    from ninfer_rt.gpu import moe
-    E, k, _, H = DIMS[dims]
-
-    def draw():
-        x, norm_w = residual(rng, 2, H)
-        return norm_ref(x, norm_w), (x, norm_w)
-
-    c = routed_case(dev, rng, dims, fmt_gu, fmt_down, draw, router_scale=2 / np.sqrt(H))
-    (x, norm_w), logits = c["extra"], c["fused"]
-    weights = (c["gu"], c["dn"], *shared_expert(dev, rng, H)[:2])
-    one, two = moe.fused_kernel(kernels, *weights, k), moe.fused_kernel(kernels, *weights, k, rows=2)
-    assert one is not None and two is not None and "_r2_" in two[0]
-    barrier = dev.empty(4, poison=False)
-    alone = [launch(kernels, dev, one, weights, x[t], norm_w, logits[t], E, k, barrier) for t in range(2)]
-    xp, lp = put(dev, x), put(dev, logits)
-    ids, w, ss = dev.empty(2 * k * 4), dev.empty(2 * k * 4), dev.empty(2 * 4)
-    act, act_s = dev.empty(2 * k * I * 4), dev.empty(2 * I * 4)
-    moe.fused(kernels, two, *weights, x=xp, norm_w=put(dev, norm_w), eps=EPS, logits=lp, E=E, top_k=k, ids=ids,
-              weights=w, shared_scale=ss, act=act, act_s=act_s, barrier=barrier, rows=2)
-    got = (dev.get(xp, (2, H)), dev.get(ids, (2, k), np.int32), dev.get(w, (2, k)), dev.get(ss, (2, 1)),
-           dev.get(act, (2, k, I)), dev.get(act_s, (2, I)))
-    for t in range(2):
-        for name, g, a in zip(("x", "ids", "weights", "shared_scale", "act", "act_s"), got, alone[t]):
-            np.testing.assert_array_equal(g[t].view(np.uint32), np.asarray(a).view(np.uint32),
-                                          err_msg=f"token {t}: {name} differs from the one-token launch's")
-    assert np.isfinite(got[0]).all(), "x turned NaN: an expert of the other token was read"
-    assert int(dev.get(barrier, (1,), np.uint32)[0]) == 0x80000000, "three launches flip the barrier word thrice"
-    with pytest.raises(Exception, match="not for 1 token"):
-        moe.fused(kernels, two, *weights, x=xp, norm_w=put(dev, norm_w), eps=EPS, logits=lp, E=E, top_k=k,
-                  ids=ids, weights=w, shared_scale=ss, act=act, act_s=act_s, barrier=barrier)
-
-
 def tie_rows(rng, E: int) -> np.ndarray:
     """Router logit rows [8, E + 1] that make routing orders hard: all equal, few distinct values (exact ties),
     ±0 and subnormals (one key), NaN (never picked; fewer than k candidates), -inf (picked last), and distinct
@@ -246,10 +207,6 @@ def test_fused_kernel_declines_what_it_cannot_run(kernels, monkeypatch):
 
     plan = moe.fused_kernel(kernels, *ws(), 8)
     assert plan is not None and plan[0] == "moe_fused_t2_q4g64_q5g64_q8g32" and plan[1] == 256
-    pair = moe.fused_kernel(kernels, *ws(), 8, rows=2)  # two tokens a launch: the same grid, twice the records
-    assert pair == ("moe_fused_r2_t2_q4g64_q5g64_q8g32", 256, 2 * plan[2])
-    assert moe.fused_kernel(kernels, *ws(), 8, rows=2, acc=True) is None  # the fold is one token's
-    assert moe.fused_kernel(kernels, *ws(), 8, rows=3) is None
     assert moe.fused_kernel(kernels, *ws(fmt_gu="q5g128"), 8) is None  # no entry
     assert moe.fused_kernel(kernels, *ws(Ir=1024), 8) is None
     assert moe.fused_kernel(kernels, *ws(Is=256), 8) is None
