@@ -240,8 +240,9 @@ def test_bench_without_a_gpu_is_one_line(capsys):
 
 def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132, smem_optin: int = 0):
     """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`, with
-    sm_count SMs and smem_optin bytes of shared memory a block may opt into; its launches are recorded in
-    k.gpu.launches as (entry point, grid, block, cluster)."""
+    sm_count SMs and smem_optin bytes of shared memory a block may opt into, 1280 bytes of static shared memory in
+    every entry point; its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster), its
+    opt-ins in k.gpu.opt_ins as (entry point, bytes)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -255,14 +256,34 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
 
     k = Kernels.__new__(Kernels)
     launches = []
+    opt_ins = []
     k.gpu = SimpleNamespace(info=DeviceInfo("fake", major, minor, sm_count, 0, 0, smem_optin), launches=launches,
                             launch=lambda fn, grid, block, args, smem, stream, cluster:
-                            launches.append((fn, grid, block, cluster)),
-                            set_max_dynamic_smem=lambda fn, nbytes: None)
+                            launches.append((fn, grid, block, cluster)), opt_ins=opt_ins,
+                            set_max_dynamic_smem=lambda fn, nbytes: opt_ins.append((fn, nbytes)),
+                            static_smem=lambda fn: 1280)
     k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
     k.modules, k._fns, k._smem, k._carveout = [Module()], {}, {}, {}
     k.shared_carveout, k.shared_names, k._unshared = 0, set(), set()
     return k
+
+
+def test_dynamic_shared_memory_opts_in_past_48_kb_less_the_static():
+    """A launch may take 48 KiB of shared memory without opting in, static and dynamic together: an entry point
+    with 1280 static bytes opts in from 47,873 dynamic bytes on (the 27B's gate|up stream GEMV at M = 4 takes
+    48,640), once per larger size; past the GPU's per-block limit is a one-line error."""
+    from ninfer_rt.gpu.driver import GpuError
+
+    k = fake_kernels(9, 0, smem_optin=227 * 1024)
+    k.opt_in_smem("gemv_q4_s4", 48 * 1024 - 1280)
+    assert k.gpu.opt_ins == []
+    k.opt_in_smem("gemv_q4_s4", 48640)
+    k.opt_in_smem("gemv_q4_s4", 40000)
+    k.opt_in_smem("gemv_q4_s4", 48640)
+    k.opt_in_smem("gemv_q4_s4", 60000)
+    assert k.gpu.opt_ins == [("gemv_q4_s4", 48640), ("gemv_q4_s4", 60000)]
+    with pytest.raises(GpuError, match="^gemv_q4_s4 needs 300000 bytes of shared memory; this GPU allows 232448$"):
+        k.opt_in_smem("gemv_q4_s4", 300000)
 
 
 def test_fused_moe_plan_and_misuse():

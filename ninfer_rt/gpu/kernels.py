@@ -71,12 +71,15 @@ class Kernels:
         raise GpuError(f"kernel entry point {name!r} is in none of the built images")
 
     def opt_in_smem(self, name: str, nbytes: int) -> None:
-        """Let `name` launch with nbytes of dynamic shared memory: above the 48 KiB default a kernel must opt in
-        (once per larger size); more than the GPU allows per block is a one-line GpuError."""
+        """Let `name` launch with nbytes of dynamic shared memory: past the 48 KiB default, less the kernel's static
+        shared memory, a kernel must opt in (once per larger size); more than the GPU allows per block is a one-line
+        GpuError."""
         limit = self.gpu.info.max_smem_per_block_optin
         if nbytes > limit:
             raise GpuError(f"{name} needs {nbytes} bytes of shared memory; this GPU allows {limit}")
-        if nbytes > self._smem.get(name, 48 * 1024):
+        if name not in self._smem:  # the default covers static and dynamic together
+            self._smem[name] = 48 * 1024 - self.gpu.static_smem(self.fn(name))
+        if nbytes > self._smem[name]:
             self.gpu.set_max_dynamic_smem(self.fn(name), nbytes)
             self._smem[name] = nbytes
 
