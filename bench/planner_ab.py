@@ -36,6 +36,7 @@ VARIANTS = [
     ("block kernel only", {"linear._STREAM_K_MAX": 0}),
     ("block kernels for several rows (v81): stream kernels at M = 1 only", {"linear._STREAM_MAX_M": 1}),
     ("stream kernels for up to 2 rows", {"linear._STREAM_MAX_M": 2}),
+    ("stream kernels of several rows within a 46 KB slab", {"linear._STREAM_ROWS_SMEM": 46 * 1024}),
     ("stream kernel at one unit per lane and row (d = 1) for q4",
      {"linear._STREAM_DEPTH": {4: 1, 5: 1, 6: 1, 8: 2, 16: 2}}),
     ("stream kernel at one unit per lane and row (d = 1) for every format",
@@ -73,7 +74,6 @@ VARIANTS = [
      {"kernels.SHARED_CARVEOUT": ("gemv_", "attn_"), "kernels.SHARED_CARVEOUT_MAX": 1.0}),
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
-    ("MoE of several tokens in separate launches (v81): no moe_fused_r2", {"moe.FUSED_ROWS": (1,)}),
     ("default again", {}),
 ]
 

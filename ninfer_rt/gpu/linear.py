@@ -30,6 +30,9 @@ _STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the secon
 _STREAM_DEPTH = {4: 2, 5: 1, 6: 1, 8: 2, 16: 2}  # kernels/gemv_stream.cu StreamDepth at M = 1: most units per lane
 # and row (M > 1: 1)
 _STREAM_MAX_M = 4  # the stream kernels for several rows: gemv_*_s2 .. _s4 (a batched decode step)
+# their x̂ slab may take more shared memory (opted in), two blocks an SM still fitting: the 27B's down (K = 17408)
+# at M = 2 is 78 KB of records
+_STREAM_ROWS_SMEM = 100 * 1024
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11)
 _STREAM_BLOCK_ROWS = 65536
 # at M = 1, longer K takes the block kernel; no limit below the slab's (perf-history.md v11 A/B)
@@ -165,9 +168,10 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
 
 
 def _stream_k_cap(w: DeviceWeight, m: int = 1) -> int:
-    """The longest K a stream kernel of m rows can take: all of x̂ in the 46 KB slab; at m = 1 10240 for bf16
-    weights (fp32 x̂), 18688 for quantized ones (int16 codes)."""
-    return (_X_SMEM // x_chunk_bytes(m, w.quantized)) * 32 // 256 * 256
+    """The longest K a stream kernel of m rows can take: all of x̂ in its slab, 46 KB at m = 1 (10240 for bf16
+    weights' fp32 x̂, 18688 for quantized ones' int16 codes), _STREAM_ROWS_SMEM for more rows."""
+    slab = _X_SMEM if m == 1 else _STREAM_ROWS_SMEM
+    return (slab // x_chunk_bytes(m, w.quantized)) * 32 // 256 * 256
 
 
 def plan_stream(w: DeviceWeight, sm_count: int, *, m: int = 1, d: int | None = None,
@@ -328,7 +332,7 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
         name = plan.name + "bw"
     elif one and mode == "swiglu" and not x_records:
         name += "s"  # swiglu at M = 1 streams through a kernel of its own, _s1s / _s1bs (perf-history.md v59)
-    if smem != plan.smem or name != plan.name:
+    if smem != plan.smem or name != plan.name or smem > _X_SMEM:
         k.opt_in_smem(name, smem)
     args = [ptr(qs), ptr(qh), ptr(sc), ptr(x), ptr(y), ptr(norm_w), ptr(row_scale), i32(n), i32(kk), i32(w.kp),
             i32(plan.gshift), i32(ldx), i32(ldy), i32(MODES[mode]), f32(norm_eps), i32(plan.kw_log2),
