@@ -55,8 +55,8 @@ def test_openai_sdk_chat_tools_and_stream(scripted):
     assert message.content == "Checking." and final.choices[0].finish_reason == "tool_calls"
     assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
     assert [m.id for m in client.models.list()] == ["tiny"]
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.chat.completions.create(model="tiny", messages=USER, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 16\]"):
+        client.chat.completions.create(model="tiny", messages=USER, n=17)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base(scripted, "/v1"), api_key="wrong", max_retries=0).models.list()
 

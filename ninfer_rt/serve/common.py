@@ -7,6 +7,7 @@ those into text. Field readers name the field at fault, as the CLIs do, in one l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -127,6 +128,7 @@ class Job:
     logprobs: int | None = None  # OpenAI: each output token's logprob and this many alternatives' (None: off)
     echo: bool = False  # completions: the reply starts with the prompt (and its tokens' logprobs, where asked)
     forced_call: str | None = None  # tool_choice forcing a call: "" any of the tools, else that tool's name
+    n: int = 1  # OpenAI: choices of the prompt, each its own sequence of the batch
 
 
 @dataclass
@@ -145,6 +147,15 @@ class Prepared:
     echo: str | None = None         # the prompt's text, where the Job echoes it
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
+
+
+def choice_prepared(prepared: Prepared, i: int) -> Prepared:
+    """Choice i of a request's n: its own random stream, seed + i where the request gave a seed (choice 0 is the
+    request alone; without a seed every choice's sampler draws fresh entropy)."""
+    seed = prepared.sampling.seed
+    if i == 0 or seed is None:
+        return prepared
+    return dataclasses.replace(prepared, sampling=dataclasses.replace(prepared.sampling, seed=(seed + i) % 2**64))
 
 
 class Reply(Protocol):

@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 
+from ninfer_rt.api import GenerationStats
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
 from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float,
                                     get_int, get_stops)
@@ -21,6 +22,7 @@ from ninfer_rt.serve.replies import Event
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _RESERVED_KWARGS = ("self", "messages", "tools", "add_generation_prompt", "documents")  # render()'s own
+MAX_CHOICES = 16  # n: choices of one request, each a sequence of the batch
 
 
 def sampling_fields(body: dict) -> dict:
@@ -48,10 +50,13 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
+def _choices(body: dict) -> int:
+    """n: how many choices to generate for the one prompt (1..MAX_CHOICES)."""
+    return get_int(body, "n", 1, MAX_CHOICES, 1)
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields that would change the reply's meaning and that this server cannot honour: refused, not ignored."""
-    if get_int(body, "n", 1, None, 1) != 1:
-        raise bad("'n' must be 1: one choice per request", "n")
     fmt = get(body, "response_format", (dict,), "an object", {})
     if fmt.get("type", "text") != "text":
         raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding): use text",
@@ -162,7 +167,7 @@ def parse_chat(body: dict) -> Job:
               template_kwargs=dict(kwargs), sampling=sampling_fields(body), logprobs=_chat_logprobs(body),
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
-              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
     return job
 
 
@@ -183,7 +188,7 @@ def parse_completion(body: dict) -> Job:
               logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
               echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
-              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False))
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
     return job
 
 
@@ -241,6 +246,7 @@ class ChatReply:
 
     def __init__(self, model_name: str, prepared: Prepared, job: Job):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        self.index = 0  # the choice's index (n > 1: choices() sets it, and one id for all)
         self.include_usage = job.include_usage
         self.reasoning, self.text, self.calls = [], [], []
         self.lp = _Logprobs(job)
@@ -255,7 +261,7 @@ class ChatReply:
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         pending = self.lp.take()  # the tokens since the last chunk (their text may have been held back)
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": self._logprobs(pending) if pending else None,
+                 "choices": [{"index": self.index, "delta": delta, "logprobs": self._logprobs(pending) if pending else None,
                               "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None  # every chunk but the last carries a null usage
@@ -282,7 +288,15 @@ class ChatReply:
         return frames
 
     def finish(self, stats) -> list[bytes]:
-        frames = [self._chunk({}, _finish(stats, bool(self.calls)))]
+        return self.close(stats) + self.end(stats)
+
+    def close(self, stats) -> list[bytes]:
+        """The choice's last chunk (its finish_reason)."""
+        return [self._chunk({}, _finish(stats, bool(self.calls)))]
+
+    def end(self, stats) -> list[bytes]:
+        """The stream's end after every choice closed: the usage chunk where asked, then [DONE]."""
+        frames = []
         if self.include_usage:
             frames.append(sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                "model": self.model, "choices": [], "usage": _usage(stats)}))
@@ -295,7 +309,7 @@ class ChatReply:
         if self.calls:
             message["tool_calls"] = self.calls
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(self.lp.all),
+                "choices": [{"index": self.index, "message": message, "logprobs": self._logprobs(self.lp.all),
                              "finish_reason": _finish(stats, bool(self.calls))}],
                 "usage": _usage(stats)}
 
@@ -305,6 +319,7 @@ class CompletionReply:
 
     def __init__(self, model_name: str, prepared: Prepared, job: Job):
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        self.index = 0  # the choice's index (n > 1: choices() sets it, and one id for all)
         self.include_usage = job.include_usage
         self.echo = self._unsent = prepared.echo or ""  # the prompt's text, sent first
         self.text = []
@@ -337,7 +352,7 @@ class CompletionReply:
         pending = self.lp.take()
         text, self._unsent = self._unsent + text, ""
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": [{"index": 0, "text": text, "logprobs": self._logprobs(pending) if pending else None,
+                 "choices": [{"index": self.index, "text": text, "logprobs": self._logprobs(pending) if pending else None,
                               "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None
@@ -351,7 +366,15 @@ class CompletionReply:
         return [self._chunk(ev.text) for ev in events]
 
     def finish(self, stats) -> list[bytes]:
-        frames = [self._chunk("", _finish(stats, False))]
+        return self.close(stats) + self.end(stats)
+
+    def close(self, stats) -> list[bytes]:
+        """The choice's last chunk (its finish_reason)."""
+        return [self._chunk("", _finish(stats, False))]
+
+    def end(self, stats) -> list[bytes]:
+        """The stream's end after every choice closed: the usage chunk where asked, then [DONE]."""
+        frames = []
         if self.include_usage:
             frames.append(sse({"id": self.id, "object": "text_completion", "created": self.created,
                                "model": self.model, "choices": [], "usage": _usage(stats)}))
@@ -359,10 +382,33 @@ class CompletionReply:
 
     def body(self, stats) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": self.echo + "".join(self.text),
+                "choices": [{"index": self.index, "text": self.echo + "".join(self.text),
                              "logprobs": self._logprobs(self.lp.all),
                              "finish_reason": _finish(stats, False)}],
                 "usage": _usage(stats)}
+
+
+def choices(replies: list) -> list:
+    """The replies of one request's n choices as one reply: their indexes 0..n-1 and the first one's id."""
+    for i, r in enumerate(replies):
+        r.index, r.id, r.created = i, replies[0].id, replies[0].created
+    return replies
+
+
+def combined_stats(stats: list) -> GenerationStats:
+    """The usage of n choices of one prompt: the prompt (and its cached tokens) once, every choice's tokens."""
+    return GenerationStats(prompt_tokens=stats[0].prompt_tokens, cached_tokens=stats[0].cached_tokens,
+                           generated_tokens=sum(s.generated_tokens for s in stats),
+                           prefill_s=max(s.prefill_s for s in stats), decode_s=max(s.decode_s for s in stats),
+                           finish_reason=stats[0].finish_reason)
+
+
+def choices_body(replies: list, stats: list) -> dict:
+    """The whole object of n choices: each reply's choice in index order, the combined usage."""
+    body = replies[0].body(stats[0])
+    body["choices"] = [r.body(s)["choices"][0] for r, s in zip(replies, stats)]
+    body["usage"] = _usage(combined_stats(stats))
+    return body
 
 
 def stream_error(e: RequestError) -> bytes:

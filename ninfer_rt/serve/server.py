@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.serve import anthropic, openai
-from ninfer_rt.serve.common import Job, RequestError, bad, prepare, prompt_ids
+from ninfer_rt.serve.common import Job, RequestError, bad, choice_prepared, prepare, prompt_ids
 from ninfer_rt.serve.replies import Event, ReplyParser
 from ninfer_rt.serve.worker import Worker
 
@@ -228,26 +228,32 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------------------------------------ generation
 
     def _generate(self, job: Job, prepared, reply_class, front) -> int:
-        """Queue and answer one prepared generation: whole, or as server-sent events. The text is split into
-        reasoning, text and tool calls as it comes (a raw completion, with no thinking prompt and no tools, passes
-        through as text)."""
-        ticket = self.app.worker.submit(prepared)
-        reply = reply_class(self.app.model_name, prepared, job)
-        parser = ReplyParser(thinking=prepared.thinking, tools=prepared.tools)
-        parser.push(prepared.reply_prefix)  # a forced call's opening: an open block, so it makes no event yet
-
-        def events(piece: str | None) -> list[Event]:
-            """A piece (None: the end) as reply events."""
-            return parser.push(piece) if piece is not None else parser.finish()
-
+        """Queue and answer one prepared generation (n > 1: n choices of the prompt, each a sequence of the batch,
+        choice i sampling with seed + i where a seed is given): whole, or as server-sent events. The text is split
+        into reasoning, text and tool calls as it comes (a raw completion, with no thinking prompt and no tools,
+        passes through as text)."""
+        n, worker = job.n, self.app.worker
+        if n > worker.parallel + worker.max_queue:
+            raise bad(f"n={n} exceeds the {worker.parallel + worker.max_queue} generations this server runs or queues "
+                      "at once (--parallel + --max-queue)", "n")
+        preps = [choice_prepared(prepared, i) for i in range(n)]
+        inbox: queue.Queue = queue.Queue()
+        tickets = worker.submit_all(preps, inbox)
+        replies = [reply_class(self.app.model_name, p, job) for p in preps]
+        if n > 1:
+            replies = front.choices(replies)
+        parsers = [ReplyParser(thinking=p.thinking, tools=p.tools) for p in preps]
+        for parser, p in zip(parsers, preps):
+            parser.push(p.reply_prefix)  # a forced call's opening: an open block, so it makes no event yet
+        stats: list = [None] * n
         try:
             if job.stream:
                 self._start_stream()
-                self._write(reply.start())
+                self._write([frame for r in replies for frame in r.start()])
             watched = time.monotonic()
-            while True:
+            while None in stats:
                 try:
-                    kind, value = ticket.out.get(timeout=_WATCH_S)
+                    i, (kind, value) = inbox.get(timeout=_WATCH_S)
                 except queue.Empty:
                     kind = None
                 if time.monotonic() - watched >= _WATCH_S:  # also while a stream holds its text back
@@ -256,11 +262,12 @@ class _Handler(BaseHTTPRequestHandler):
                         raise ConnectionResetError("the client closed the connection")
                 if kind is None:
                     continue
+                reply = replies[i]
                 if kind == "logprobs":
                     reply.add_logprobs(value, self.app.model.tokenizer.token_bytes)
                     continue
                 if kind == "piece":
-                    frames = reply.events(events(value))
+                    frames = reply.events(parsers[i].push(value))
                     if job.stream:
                         self._write(frames)
                     continue
@@ -270,16 +277,22 @@ class _Handler(BaseHTTPRequestHandler):
                     self._write([front.stream_error(value)])
                     self._note = f" error: {value.message}"
                     return 200
-                frames = reply.events(events(None))
-                s = value
-                self._note = (f" prompt {s.prompt_tokens} + {s.generated_tokens} tokens ({s.finish_reason}), "
-                              f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s")
+                stats[i] = value
+                frames = reply.events(parsers[i].finish())
                 if job.stream:
-                    self._write(frames + reply.finish(value))
-                    return 200
-                return self._send_json(200, reply.body(value))
+                    self._write(frames + (reply.finish(value) if n == 1 else reply.close(value)))
+            s = stats[0] if n == 1 else front.combined_stats(stats)
+            self._note = (f" prompt {s.prompt_tokens} + {s.generated_tokens} tokens ({s.finish_reason}"
+                          f"{f', {n} choices' if n > 1 else ''}), prefill {s.prefill_tok_s:.0f} tok/s, "
+                          f"decode {s.decode_tok_s:.1f} tok/s")
+            if job.stream:
+                if n > 1:
+                    self._write(replies[0].end(s))
+                return 200
+            return self._send_json(200, replies[0].body(s) if n == 1 else front.choices_body(replies, stats))
         finally:
-            ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
+            for ticket in tickets:
+                ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
 
     def _client_gone(self) -> bool:
         """Whether the client closed its end (readable with nothing to read; a pipelined request is not that). A

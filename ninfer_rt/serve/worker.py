@@ -31,8 +31,19 @@ class Ticket:
     pieces of those tokens, where asked), then ("done", GenerationStats) or ("error", RequestError)."""
 
     prepared: Prepared
-    out: queue.Queue = field(default_factory=queue.Queue)
+    out: queue.Queue | Tagged = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Tagged:
+    """A ticket's out that puts (index, item) into a queue it shares with its request's other choices."""
+
+    inbox: queue.Queue
+    index: int
+
+    def put(self, item) -> None:
+        self.inbox.put((self.index, item))
 
 
 class Worker:
@@ -48,11 +59,11 @@ class Worker:
         self._outstanding = 0  # tickets waiting or running
         self._running: dict[Ticket, object] = {}  # ticket -> its batching.Generation
 
-    def _refusal(self) -> RequestError | None:
-        """Why a request cannot queue now (called with the lock held), or None."""
+    def _refusal(self, n: int = 1) -> RequestError | None:
+        """Why n generations cannot queue now (called with the lock held), or None."""
         if self.stopping.is_set():
             return _shutting_down()
-        if self._outstanding >= self.parallel + self.max_queue:
+        if self._outstanding + n > self.parallel + self.max_queue:
             return RequestError(503, f"the server is busy: {self.parallel} requests are generating and "
                                      f"{self.max_queue} are waiting; try again later", kind="overloaded_error")
         return None
@@ -66,15 +77,20 @@ class Worker:
 
     def submit(self, prepared: Prepared) -> Ticket:
         """Queue a prepared request; RequestError 503 when the batch is full and max_queue already wait."""
+        return self.submit_all([prepared])[0]
+
+    def submit_all(self, prepared: list[Prepared], inbox: queue.Queue | None = None) -> list[Ticket]:
+        """Queue the generations of one request together (n choices), or none of them (RequestError 503). With
+        inbox, ticket i's items arrive there as (i, item) (Tagged)."""
         with self._lock:  # the shutdown's drain cannot pass between the check and the append
-            refusal = self._refusal()
+            refusal = self._refusal(len(prepared))
             if refusal is not None:
                 raise refusal
-            self._outstanding += 1
-            ticket = Ticket(prepared)
-            self.waiting.append(ticket)
+            self._outstanding += len(prepared)
+            tickets = [Ticket(p) if inbox is None else Ticket(p, Tagged(inbox, i)) for i, p in enumerate(prepared)]
+            self.waiting.extend(tickets)
             self._lock.notify()
-        return ticket
+        return tickets
 
     def run(self) -> None:
         """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates); the tickets

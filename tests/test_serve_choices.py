@@ -1,0 +1,87 @@
+"""OpenAI's n (several choices of one prompt) over real loopback HTTP, on the built-in tiny MoE (CPU reference).
+
+Oracle: the same request with n = 1 and seed s + i gives choice i (each choice is its own sequence of the batch,
+choice i sampling with seed + i), so a choice's text, finish reason and logprobs must equal that lone request's;
+usage counts the prompt once and every choice's tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_client import Running, sse_data
+
+USER = [{"role": "user", "content": "Name a colour"}]
+PROMPT = "Colours of the rainbow:"
+SAMPLED = {"temperature": 1.0, "top_k": 50, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def srv(packed_model):
+    with Running(packed_model, parallel=2) as r:
+        yield r
+
+
+def alone(srv, path: str, body: dict, seed: int) -> dict:
+    status, out = srv.json(path, {**body, "seed": seed})
+    assert status == 200, out
+    return out
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2}, "message"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "text"),
+])
+def test_each_choice_is_the_request_alone_with_its_seed(srv, path, body, field):
+    """n = 3 with seed 7: choice i is the lone request with seed 7 + i (text, finish reason, logprobs); the choices
+    differ from one another (sampled at temperature 1), come in index order under one id, and the usage counts
+    the prompt once."""
+    request = {**body, **SAMPLED}
+    status, out = srv.json(path, {**request, "n": 3, "seed": 7})
+    assert status == 200, out
+    want = [alone(srv, path, request, 7 + i) for i in range(3)]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for got, w in zip(out["choices"], want):
+        assert got[field] == w["choices"][0][field]
+        assert got["finish_reason"] == w["choices"][0]["finish_reason"]
+        assert got["logprobs"] == w["choices"][0]["logprobs"]
+    texts = [str(c[field]) for c in out["choices"]]
+    assert len(set(texts)) > 1, "three sampled choices came out identical"
+    usage, lone = out["usage"], [w["usage"] for w in want]
+    assert usage["prompt_tokens"] == lone[0]["prompt_tokens"]
+    assert usage["completion_tokens"] == sum(u["completion_tokens"] for u in lone)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_a_stream_of_choices_tags_each_chunk_with_its_index(srv):
+    """Streamed, n = 2: one id, each choice's role chunk, its text in chunks of its own index and one final chunk
+    with its finish reason; then one usage chunk (include_usage) and one [DONE]. Each index's text is the whole
+    reply's choice."""
+    request = {"messages": USER, **SAMPLED, "n": 2, "seed": 3}
+    whole = srv.json("/v1/chat/completions", request)[1]
+    status, _, data = srv.request("POST", "/v1/chat/completions",
+                                  {**request, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_data(data)
+    assert status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks, usage = events[:-2], events[-2]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and all(len(c["choices"]) == 1 for c in chunks)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [m["finish_reason"] for m in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["finish_reason"] == whole["choices"][i]["finish_reason"]
+        text = "".join(m["delta"].get("content") or "" for m in mine)
+        reasoning = "".join(m["delta"].get("reasoning_content") or "" for m in mine)
+        assert text == (whole["choices"][i]["message"]["content"] or "")
+        assert reasoning == whole["choices"][i]["message"].get("reasoning_content", "")
+
+
+def test_more_choices_than_the_server_can_hold_are_refused(packed_model):
+    """n past --parallel + --max-queue could never all queue: a 400 naming both options, not a 503 to retry."""
+    with Running(packed_model, parallel=2, max_queue=1) as r:
+        status, out = r.json("/v1/completions", {"prompt": PROMPT, "n": 4, "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == "n"
+        assert out["error"]["message"] == ("n=4 exceeds the 3 generations this server runs or queues at once "
+                                           "(--parallel + --max-queue)")
+        assert r.json("/v1/completions", {"prompt": PROMPT, "n": 3, "max_tokens": 2})[0] == 200
