@@ -303,7 +303,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
             float v[32];
 #pragma unroll
             for (int i = 0; i < 32; ++i) v[i] = i < kRows * M ? acc[i / M][i % M] : 0.f;
-            ReduceScatter<NV, 16>::run(v, lane);  // lane l: the warp's total of value l >> SH (row r, x̂ row m: rM + m)
+            ReduceScatter<NV, 16>::run(v, lane);  // lane l: the warp's total of value l >> SH (row r, x̂ row m: rM+m)
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
 #pragma unroll

@@ -3,9 +3,10 @@
 `gemv` computes y = W x̂ for up to 8 activation rows per launch, reading the weights once for all rows, with an
 optional fused zero-centred RMSNorm on x, a per-row output scale, a residual add or a SwiGLU epilogue. Up to 4
 rows (the decode of one sequence, or a batched step of up to 4) with all of x̂ in one slab run the persistent
-stream kernels (plan_stream), all else the block kernels (plan_gemv). `embed` gathers decoded weight rows. Weights stay in the artifact's byte
-layout (a DeviceWeight); activations are fp32 in memory. Quantized weights meet x̂ as int16 codes per 32-element
-chunk (kernels/gemv.cu "Arithmetic"; reference: ninfer_rt.reference.ops.act_codes16), bf16 weights fp32 x̂.
+stream kernels (plan_stream), all else the block kernels (plan_gemv). `embed` gathers decoded weight rows.
+Weights stay in the artifact's byte layout (a DeviceWeight); activations are fp32 in memory. Quantized weights
+meet x̂ as int16 codes per 32-element chunk (kernels/gemv.cu "Arithmetic"; reference:
+ninfer_rt.reference.ops.act_codes16), bf16 weights fp32 x̂.
 """
 
 from __future__ import annotations

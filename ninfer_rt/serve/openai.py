@@ -261,8 +261,8 @@ class ChatReply:
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         pending = self.lp.take()  # the tokens since the last chunk (their text may have been held back)
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": [{"index": self.index, "delta": delta, "logprobs": self._logprobs(pending) if pending else None,
-                              "finish_reason": finish}]}
+                 "choices": [{"index": self.index, "delta": delta,
+                              "logprobs": self._logprobs(pending) if pending else None, "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None  # every chunk but the last carries a null usage
         return sse(chunk)
@@ -352,8 +352,8 @@ class CompletionReply:
         pending = self.lp.take()
         text, self._unsent = self._unsent + text, ""
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": [{"index": self.index, "text": text, "logprobs": self._logprobs(pending) if pending else None,
-                              "finish_reason": finish}]}
+                 "choices": [{"index": self.index, "text": text,
+                              "logprobs": self._logprobs(pending) if pending else None, "finish_reason": finish}]}
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
