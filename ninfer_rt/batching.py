@@ -32,12 +32,14 @@ import numpy as np
 
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
+from ninfer_rt.json_prefix import JsonPrefix
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner
 
 PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
 PROMPT_LOGPROBS_CHUNK = 64  # ... where its prompt's logprobs are asked for (every row's logits come to the host)
+JSON_DRAWS = 16  # draws a JSON-constrained token gets, refused ones masked out, before the likeliest allowed one
 
 
 @dataclass
@@ -58,7 +60,8 @@ class Generation:
     cancelled) or an `error` (an exception) instead."""
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
-                 snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 json_object: bool = False):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
         self.logprobs = logprobs  # None: none; n: each token's logprob and its n most likely alternatives'
         self.prompt_logprobs = prompt_logprobs  # the same for the prompt's tokens
@@ -67,6 +70,7 @@ class Generation:
         self._prompt_lp = [TokenLogprob(ids[0], math.nan)] if prompt_logprobs is not None else []
         self._drawn: TokenLogprob | None = None  # the last draw's, kept once the token is
         self.sampler = Sampler(params)
+        self.constraint = JsonPrefix() if json_object else None  # the output must be a JSON object
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
         self.done = False
@@ -133,13 +137,16 @@ class Batch:
 
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
             stop: list[str] | None = None, snapshot_at: int | None = None,
-            logprobs: int | None = None, prompt_logprobs: int | None = None) -> Generation:
+            logprobs: int | None = None, prompt_logprobs: int | None = None,
+            json_object: bool = False) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
         token (the whole prompt is then prefilled, no cached prefix reused). max_new_tokens 0 only prefills the
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
-        n_predict 0 does. NinferError when the batch is full or the request is bad."""
+        n_predict 0 does. json_object: the output is a JSON object (json_prefix; its tokens are then drawn on the
+        host, each draw the constraint refuses masked out and drawn again, and a stop token only once the object
+        has closed). NinferError when the batch is full or the request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -156,7 +163,7 @@ class Batch:
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs,
-                       prompt_logprobs)
+                       prompt_logprobs, json_object)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
@@ -278,7 +285,7 @@ class Batch:
 
     def _on_device(self, g: Generation) -> bool:
         """Whether g's next token may be drawn on the device (only its id comes back: no logits for logprobs)."""
-        return g.logprobs is None and self.model._draws_on_device(g.sampler.params)
+        return g.logprobs is None and g.constraint is None and self.model._draws_on_device(g.sampler.params)
 
     def _device_draw(self, g: Generation, ids: np.ndarray) -> int:
         """Forward ids through g's cache and draw the next token on the device (its Philox stream: the sampler's
@@ -290,9 +297,47 @@ class Batch:
         """g's next token from its last logits row (overwritten where the vocabulary is padding), and its logprobs
         where g asked for them."""
         token = self.model._pick(logits, g.sampler, g.history, len(g.prompt))
+        if g.constraint is not None:
+            token = self._constrained(g, logits, token)
         if g.logprobs is not None:
             g._drawn = token_logprob(logits, token, g.logprobs, self.model.real_vocab_size)
         return token
+
+    def _constrained(self, g: Generation, logits: np.ndarray, token: int) -> int:
+        """The token g's JSON constraint allows: the one drawn, else a new draw with every refused token masked out
+        (JSON_DRAWS in all), else the likeliest allowed token; the constraint then advances over it."""
+        masked = None
+        for _ in range(JSON_DRAWS):
+            after = self._allows(g.constraint, token)
+            if after is not None:
+                break
+            masked = logits.copy() if masked is None else masked
+            masked[token] = -np.inf
+            if not np.isfinite(masked).any():
+                break
+            token = self.model._pick(masked, g.sampler, g.history, len(g.prompt))
+        else:
+            after = None
+        if after is None:
+            for token in np.argsort(-logits[:self.model.real_vocab_size], kind="stable").tolist():
+                after = self._allows(g.constraint, token)
+                if after is not None:
+                    break
+            else:
+                raise NinferError("no token of the vocabulary continues the JSON object")
+        g.constraint = after
+        return token
+
+    def _allows(self, c: JsonPrefix, token: int) -> JsonPrefix | None:
+        """c advanced over token's bytes, or None where token cannot continue the object: an added token, or a stop
+        token before the object has closed (and nothing but a stop token after)."""
+        tok = self.model.tokenizer
+        if tok.is_stop(token):
+            return c if c.complete else None
+        if c.complete or tok.is_added(token):
+            return None
+        after = c.copy()
+        return after if after.feed(tok.token_bytes(token)) else None
 
     def _emit(self, g: Generation, token: int) -> None:
         """Take a drawn token: a stop id ends g, else its text goes out (up to a stop string) and it is fed next."""

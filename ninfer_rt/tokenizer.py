@@ -135,6 +135,10 @@ class Tokenizer:
                 return bytes(_BYTE_OF[ch] for ch in piece)
         return self.decode([i]).encode("utf-8")
 
+    def is_added(self, i: int) -> bool:
+        """Whether i is an added token (the specials: <|im_start|>, <think>, <tool_call>, ...), not a piece of text."""
+        return i in self._added
+
     def is_stop(self, i: int) -> bool:
         """Whether generation ends on this id."""
         return i in self.eos_ids

@@ -111,7 +111,8 @@ class ScriptedBatch:
     def free(self) -> int:
         return self.parallel - len(self.runs)
 
-    def add(self, ids, *, max_new_tokens, sampling, stop, snapshot_at, logprobs=None, prompt_logprobs=None):
+    def add(self, ids, *, max_new_tokens, sampling, stop, snapshot_at, logprobs=None, prompt_logprobs=None,
+            json_object=False):
         self.s.prompts.append(list(ids))
         text, step = self.s.text, self.s.step
         run = _ScriptedRun([text[i:i + step] for i in range(0, len(text), step)], max_new_tokens, len(ids))

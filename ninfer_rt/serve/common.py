@@ -129,6 +129,7 @@ class Job:
     echo: bool = False  # completions: the reply starts with the prompt (and its tokens' logprobs, where asked)
     forced_call: str | None = None  # tool_choice forcing a call: "" any of the tools, else that tool's name
     n: int = 1  # OpenAI: choices of the prompt, each its own sequence of the batch
+    json_object: bool = False  # OpenAI response_format json_object: the reply is one JSON object
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Prepared:
     echo: str | None = None         # the prompt's text, where the Job echoes it
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
+    json_object: bool = False  # Batch.add's: the reply is constrained to one JSON object
 
 
 def choice_prepared(prepared: Prepared, i: int) -> Prepared:
@@ -200,7 +202,8 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     """The rendered chat prompt of a messages job (None for a raw prompt); NinferError from the template becomes
     a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening. A forced
     tool call ends the prompt inside the call (call_opening), its reasoning closed empty, as the template writes
-    it with thinking off: a call made to come first has nothing to think before it."""
+    it with thinking off: a call made to come first has nothing to think before it. A JSON reply (json_object)
+    closes the reasoning the same way: the object starts at the reply's first token."""
     if job.messages is None:
         return None
     if job.continue_final and generation_prompt:
@@ -210,10 +213,11 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
-    if generation_prompt and job.forced_call is not None:
-        if text.rstrip("\n").endswith("<think>"):
+    if generation_prompt and (job.forced_call is not None or job.json_object):
+        if text.rstrip("\n").endswith("<think>"):  # the reply is the call or the object from its first token
             text = text.rstrip("\n") + "\n\n</think>\n\n"
-        text += call_opening(job.forced_call)
+        if job.forced_call is not None:
+            text += call_opening(job.forced_call)
     return text
 
 
@@ -278,7 +282,9 @@ def prepare(model, job: Job) -> Prepared:
     thinking = text is not None and text.rstrip("\n").endswith("<think>")
     echo = (job.prompt if isinstance(job.prompt, str) else model.tokenizer.decode(ids)) if job.echo else None
     scored = job.echo and job.logprobs is not None
+    # a JSON reply holds no tool call: its text is not searched for one
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, job.tools, history_length(model, job, ids) if model.can_snapshot else None,
+                    thinking, None if job.json_object else job.tools,
+                    history_length(model, job, ids) if model.can_snapshot else None,
                     job.logprobs, echo, (job.logprobs or 0) if scored else None,
-                    call_opening(job.forced_call) if job.forced_call is not None else "")
+                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_object)

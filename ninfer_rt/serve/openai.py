@@ -55,12 +55,13 @@ def _choices(body: dict) -> int:
     return get_int(body, "n", 1, MAX_CHOICES, 1)
 
 
-def _refuse_unsupported(body: dict) -> None:
-    """Fields that would change the reply's meaning and that this server cannot honour: refused, not ignored."""
-    fmt = get(body, "response_format", (dict,), "an object", {})
-    if fmt.get("type", "text") != "text":
-        raise bad(f"response_format {fmt.get('type')!r} is not supported (no constrained decoding): use text",
-                  "response_format")
+def _json_object(body: dict) -> bool:
+    """response_format: text (the default) or json_object (the reply is one JSON object); json_schema, which this
+    server cannot hold a reply to, is refused rather than ignored."""
+    kind = get(body, "response_format", (dict,), "an object", {}).get("type", "text")
+    if kind not in ("text", "json_object"):
+        raise bad(f"response_format {kind!r} is not supported: use text or json_object", "response_format")
+    return kind == "json_object"
 
 
 def _content(value, where: str):
@@ -135,7 +136,6 @@ def tools_field(body: dict) -> list[dict] | None:
 
 def parse_chat(body: dict) -> Job:
     """A /v1/chat/completions request as a Job."""
-    _refuse_unsupported(body)
     tools = tools_field(body)
     choice = body.get("tool_choice") or "auto"
     forced = None
@@ -162,18 +162,22 @@ def parse_chat(body: dict) -> Job:
                   "continue_final_message")
     if forced is not None and continue_final:
         raise bad("a forced tool call starts the reply: it cannot continue the final message", "tool_choice")
+    json_object = _json_object(body)
+    if forced is not None and json_object:
+        raise bad("a forced tool call and a json_object response_format each ask for the whole reply",
+                  "response_format")
     job = Job(messages=messages, tools=None if choice == "none" else tools, continue_final=continue_final,
               forced_call=forced,
               template_kwargs=dict(kwargs), sampling=sampling_fields(body), logprobs=_chat_logprobs(body),
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
-              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body),
+              json_object=json_object)
     return job
 
 
 def parse_completion(body: dict) -> Job:
     """A /v1/completions request as a Job (the prompt is used as is: no template, no reply parsing)."""
-    _refuse_unsupported(body)
     if body.get("suffix") is not None or get_int(body, "best_of", 1, None, 1) != 1:
         raise bad("suffix and best_of are not supported", "suffix")
     prompt = body.get("prompt")
@@ -188,7 +192,8 @@ def parse_completion(body: dict) -> Job:
               logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
               echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
-              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body),
+              json_object=_json_object(body))
     return job
 
 

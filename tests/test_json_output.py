@@ -1,0 +1,138 @@
+"""JSON-constrained output (Batch.add(json_object=True); the server's response_format json_object) on the tiny
+model's tokenizer with a steering backend.
+
+Oracle: the backend's logits rank, at output step i, some tokens a JSON object cannot take there first (decoys: an
+added token, a raw control byte, a comma before any key, whitespace after the object) and the i-th token of a known
+object T next, then its stop token. Unconstrained, greedy decoding takes the decoys; constrained, every decoy is
+refused and the output is exactly T, ending on the stop token (json.loads(T) is the object). A step with more decoys
+than the constrained draws (JSON_DRAWS) is settled by the likeliest allowed token: T's again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from ninfer_rt import batching
+from ninfer_rt.sampling import SamplingParams
+from serve_client import Running
+
+T = '{"name": "ninfer", "n": [1, -2.5e3, true, null], "s": "a\\"b\\u00e9"}'
+GREEDY = SamplingParams(greedy=True)
+
+
+@dataclass
+class _Cache:
+    decoded: int = 0  # output tokens fed back (decode steps); prompt chunks come through forward
+
+
+class Steer:
+    """A backend whose logits steer output step i (the prompt's last chunk gives step 0, each decode step the
+    next): decoys[i] first (falling), then target[i], everything else far below."""
+
+    max_ctx, exclusive_slots, cache_slots = 4096, False, 2
+
+    def __init__(self, vocab: int, target: list[int], decoys: list[list[int]]):
+        self.vocab, self.target, self.decoys = vocab, target, decoys
+
+    def new_cache(self, slot: int = 0) -> _Cache:
+        return _Cache()
+
+    def copy_cache(self, cache: _Cache, slot: int) -> _Cache:
+        return _Cache(cache.decoded)
+
+    def forward(self, ids, cache: _Cache, last_only: bool = False) -> np.ndarray:
+        i = min(cache.decoded, len(self.target) - 1)
+        row = np.full(self.vocab, -20.0, np.float32)
+        row[self.target[i]] = 5.0
+        for rank, d in enumerate(self.decoys[i]):
+            row[d] = 10.0 - 0.01 * rank
+        return row[None] if last_only else np.repeat(row[None], len(ids), 0)
+
+    def decode_batch(self, ids, caches) -> np.ndarray:
+        for c in caches:
+            c.decoded += 1
+        return np.concatenate([self.forward([t], c, last_only=True) for t, c in zip(ids, caches)])
+
+
+def steering(model) -> tuple[Steer, list[int]]:
+    """A Steer toward T's tokens then the stop token, with decoys a JSON object cannot take at each step."""
+    tok = model.tokenizer
+    ids = tok.encode(T) + [min(tok.eos_ids)]
+    assert tok.decode(ids[:-1]) == T
+    by_bytes = {tok.token_bytes(i): i for i in range(model.real_vocab_size) if not tok.is_added(i)}
+    control, comma, space = by_bytes[b"\x01"], by_bytes[b","], by_bytes[b" "]
+    added = next(i for i in range(model.real_vocab_size) if tok.is_added(i) and not tok.is_stop(i))
+    decoys = [[added, control] if i % 2 else [control] for i in range(len(ids))]
+    decoys[0] = [comma, added]  # a comma cannot open the object
+    decoys[-1] = [space, comma]  # after the object only the stop token
+    # more decoys than the constrained draws: raw control bytes (not the whitespace ones), then an added token
+    controls = [by_bytes[bytes([c])] for c in range(1, 32) if c not in b"\t\n\r"]
+    decoys[len(ids) // 2] = controls[:batching.JSON_DRAWS + 4] + [added]
+    return Steer(model.real_vocab_size, ids, decoys), ids
+
+
+@pytest.fixture
+def steered(packed_model, monkeypatch):
+    steer, ids = steering(packed_model)
+    monkeypatch.setattr(packed_model, "_backend", steer)
+    return packed_model, ids
+
+
+def run(model, json_object: bool, sampling=GREEDY, max_new_tokens: int = 64):
+    batch = model.batch(1)
+    g = batch.add(model.tokenizer.encode("Reply in JSON"), max_new_tokens=max_new_tokens, sampling=sampling,
+                  json_object=json_object)
+    text = ""
+    while batch.busy:
+        batch.step()
+        text += "".join(g.take())
+    return g, text
+
+
+def test_the_constraint_refuses_every_decoy(steered):
+    model, ids = steered
+    g, text = run(model, json_object=True)
+    assert g.stats.token_ids == ids[:-1] and text == T and g.stats.finish_reason == "eos"
+    assert json.loads(text)["s"] == 'a"bé'
+    plain, text = run(model, json_object=False)
+    assert plain.stats.token_ids[0] != ids[0]  # unconstrained, the first decoy wins
+
+
+def test_sampled_draws_are_constrained_too(steered):
+    """Sampling at temperature 1 over the top 3: the decoys hold nearly all the probability, and each draw the
+    constraint refuses is masked and drawn again."""
+    model, ids = steered
+    g, text = run(model, json_object=True, sampling=SamplingParams(temperature=1.0, top_k=3, seed=5))
+    assert text == T and g.stats.finish_reason == "eos"
+
+
+def test_a_budget_that_ends_first_leaves_a_prefix(steered):
+    model, ids = steered
+    g, text = run(model, json_object=True, max_new_tokens=5)
+    assert g.stats.token_ids == ids[:5] and g.stats.finish_reason == "length" and T.startswith(text)
+
+
+def test_the_server_answers_a_json_object(steered):
+    """response_format json_object on both endpoints: the object, whole and streamed, as the content (the prompt's
+    reasoning closed, so the reply is not taken for reasoning); json_schema is refused, not ignored."""
+    model, _ = steered
+    with Running(model) as r:
+        chat = {"messages": [{"role": "user", "content": "JSON please"}], "temperature": 0,
+                "response_format": {"type": "json_object"}}
+        status, body = r.json("/v1/chat/completions", chat)
+        assert status == 200 and body["choices"][0]["message"]["content"] == T
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert "reasoning_content" not in body["choices"][0]["message"]
+        status, body = r.json("/v1/completions", {"prompt": "JSON:", "temperature": 0, "max_tokens": 64,
+                                                   "response_format": {"type": "json_object"}})
+        assert status == 200 and body["choices"][0]["text"] == T
+        status, body = r.json("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}})
+        assert status == 400 and body["error"]["message"] == ("response_format 'json_schema' is not supported: use "
+                                                              "text or json_object")
+        status, body = r.json("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+        assert status == 400 and body["error"]["param"] == "response_format"
