@@ -3,10 +3,10 @@
 
 `JsonPrefix.feed(bytes)` advances over the bytes and says whether every one of them can continue a JSON text whose
 top-level value is an object; `complete` says whether that object has closed (whitespace may follow, nothing
-else). Strings take any byte but the unescaped controls (0x00-0x1f), `"` and `\\`, so a token may carry part of a
-UTF-8 character; escapes are the JSON ones (`\\uXXXX` with four hex digits). Numbers follow the JSON grammar (no
-leading zeros, a digit after `.` and after the exponent). Batching.Batch draws a constrained sequence's tokens
-until one is allowed (batching.py `_allowed`).
+else). Strings take any byte but the controls (0x00-0x1f), so a token may carry part of a UTF-8 character; `"` ends
+them and `\\` begins one of JSON's escapes (`\\uXXXX` with four hex digits). Numbers follow the JSON grammar (no
+leading zeros, a digit after `.` and after the exponent). batching.Batch draws a constrained sequence's tokens
+until one is allowed (`Batch._constrained`).
 """
 
 from __future__ import annotations
