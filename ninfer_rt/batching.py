@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -306,27 +306,22 @@ class Batch:
     def _constrained(self, g: Generation, logits: np.ndarray, token: int) -> int:
         """The token g's JSON constraint allows: the one drawn, else a new draw with every refused token masked out
         (JSON_DRAWS in all), else the likeliest allowed token; the constraint then advances over it."""
-        masked = None
+        masked = logits
         for _ in range(JSON_DRAWS):
-            after = self._allows(g.constraint, token)
-            if after is not None:
-                break
-            masked = logits.copy() if masked is None else masked
+            if (after := self._allows(g.constraint, token)) is not None:
+                g.constraint = after
+                return token
+            if masked is logits:
+                masked = logits.copy()
             masked[token] = -np.inf
             if not np.isfinite(masked).any():
                 break
             token = self.model._pick(masked, g.sampler, g.history, len(g.prompt))
-        else:
-            after = None
-        if after is None:
-            for token in np.argsort(-logits[:self.model.real_vocab_size], kind="stable").tolist():
-                after = self._allows(g.constraint, token)
-                if after is not None:
-                    break
-            else:
-                raise NinferError("no token of the vocabulary continues the JSON object")
-        g.constraint = after
-        return token
+        for token in np.argsort(-logits[:self.model.real_vocab_size], kind="stable").tolist():
+            if (after := self._allows(g.constraint, token)) is not None:
+                g.constraint = after
+                return token
+        raise NinferError("no token of the vocabulary continues the JSON object")
 
     def _allows(self, c: JsonPrefix, token: int) -> JsonPrefix | None:
         """c advanced over token's bytes, or None where token cannot continue the object: an added token, or a stop

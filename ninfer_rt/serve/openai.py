@@ -213,6 +213,15 @@ def _finish(stats, calls: bool) -> str:
     return "length" if stats.finish_reason == "length" else ("tool_calls" if calls else "stop")
 
 
+def _stream_end(reply, obj: str, stats) -> list[bytes]:
+    """A stream's last frames: the usage chunk (object obj, no choices) where include_usage asks, then [DONE]."""
+    frames = []
+    if reply.include_usage:
+        frames.append(sse({"id": reply.id, "object": obj, "created": reply.created, "model": reply.model,
+                           "choices": [], "usage": _usage(stats)}))
+    return frames + [b"data: [DONE]\n\n"]
+
+
 def sse(obj) -> bytes:
     """One server-sent event carrying obj as JSON."""
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n\n"
@@ -301,11 +310,7 @@ class ChatReply:
 
     def end(self, stats) -> list[bytes]:
         """The stream's end after every choice closed: the usage chunk where asked, then [DONE]."""
-        frames = []
-        if self.include_usage:
-            frames.append(sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                               "model": self.model, "choices": [], "usage": _usage(stats)}))
-        return frames + [b"data: [DONE]\n\n"]
+        return _stream_end(self, "chat.completion.chunk", stats)
 
     def body(self, stats) -> dict:
         message = {"role": "assistant", "content": "".join(self.text) if self.text or not self.calls else None}
@@ -379,11 +384,7 @@ class CompletionReply:
 
     def end(self, stats) -> list[bytes]:
         """The stream's end after every choice closed: the usage chunk where asked, then [DONE]."""
-        frames = []
-        if self.include_usage:
-            frames.append(sse({"id": self.id, "object": "text_completion", "created": self.created,
-                               "model": self.model, "choices": [], "usage": _usage(stats)}))
-        return frames + [b"data: [DONE]\n\n"]
+        return _stream_end(self, "text_completion", stats)
 
     def body(self, stats) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlsplit
 from ninfer_rt.errors import NinferError
 from ninfer_rt.serve import anthropic, openai
 from ninfer_rt.serve.common import Job, RequestError, bad, choice_prepared, prepare, prompt_ids
-from ninfer_rt.serve.replies import Event, ReplyParser
+from ninfer_rt.serve.replies import ReplyParser
 from ninfer_rt.serve.worker import Worker
 
 MAX_BODY = 32 << 20  # bytes of request body: a 262,144-token conversation is a few MB of JSON

@@ -75,13 +75,10 @@ class Worker:
         if refusal is not None:
             raise refusal
 
-    def submit(self, prepared: Prepared) -> Ticket:
-        """Queue a prepared request; RequestError 503 when the batch is full and max_queue already wait."""
-        return self.submit_all([prepared])[0]
-
     def submit_all(self, prepared: list[Prepared], inbox: queue.Queue | None = None) -> list[Ticket]:
-        """Queue the generations of one request together (n choices), or none of them (RequestError 503). With
-        inbox, ticket i's items arrive there as (i, item) (Tagged)."""
+        """Queue the generations of one request together (n choices), or none of them (RequestError 503 when the
+        batch is full and max_queue already wait). With inbox, ticket i's items arrive there as (i, item)
+        (Tagged)."""
         with self._lock:  # the shutdown's drain cannot pass between the check and the append
             refusal = self._refusal(len(prepared))
             if refusal is not None:
