@@ -74,6 +74,8 @@ VARIANTS = [
      {"kernels.SHARED_CARVEOUT": ("gemv_", "attn_"), "kernels.SHARED_CARVEOUT_MAX": 1.0}),
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
+    ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
+    ("routed gate/up of several rows at 3 blocks an SM", {"moe.GATE_UP_BLOCKS_PER_SM": 3}),
     ("default again", {}),
 ]
 

@@ -1,10 +1,10 @@
 """CPU test of the shared-memory carveout a decode step's GEMVs share (ninfer_rt/gpu/kernels.py share_carveout), on
-test_gpu_host's made-up GPU: the oracle is the size formula (blocks per SM times dynamic, static and reserved shared
+test_gpu_plans' made-up GPU: the oracle is the size formula (blocks per SM times dynamic, static and reserved shared
 memory, taken to the next SM configuration)."""
 
 from __future__ import annotations
 
-from tests.test_gpu_host import fake_kernels
+from tests.test_gpu_plans import fake_kernels
 
 
 def test_shared_carveout_holds_the_largest_launch(monkeypatch):
