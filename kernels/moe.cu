@@ -437,15 +437,14 @@ MOE_ENTRY(bf16, 16, 32)
 
 NINFER_QFORMATS(MOE_FAST_ENTRY)
 
-// moe_gate_up_routed_b{3,4}_t2_<f>: the same routed gate/up at three or four blocks an SM (76 registers; 64 with ~24
-// spilled bytes), for several rows a step: B = 2's 16 x 32 blocks then take one wave of 4 x 132 slots (or 1.3 of
-// 3 x 132), not two of 2 x 132. The recipes' routed gate/up formats only (moe.GATE_UP_BLOCKS_PER_SM; perf.md v83).
-#define MOE_BN_ENTRY(name, BITS, GROUP, NB)                                                                   \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, NB)                                             \
-    moe_gate_up_routed_b##NB##_t2_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, \
-                                         int H, int I, const float* x, MOE_ROUTED_PARAMS) {                   \
+// moe_gate_up_routed_b3_t2_<f>: the same routed gate/up at three blocks an SM (76 registers, no spill), for several
+// rows a step: B = 2's 16 x 32 blocks take 1.3 waves of 3 x 132 slots, not two of 2 x 132 (-0.8% a B = 2 step and
+// -2.3% at B = 4 on an H100; four blocks an SM spill and gain less, perf.md v83). The recipes' routed gate/up formats.
+#define MOE_B3_ENTRY(name, BITS, GROUP)                                                                       \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                              \
+    moe_gate_up_routed_b3_t2_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,    \
+                                    int H, int I, const float* x, MOE_ROUTED_PARAMS) {                        \
         gate_up_fast<BITS, GROUP, 2, true>(qs, qh, sc, kp, E, H, I, x, nullptr, top_k, act, MOE_ROUTED_ARGS);  \
     }
-#define MOE_B34_ENTRY(name, BITS, GROUP) MOE_BN_ENTRY(name, BITS, GROUP, 3) MOE_BN_ENTRY(name, BITS, GROUP, 4)
-MOE_B34_ENTRY(q4g64, 4, 64)
-MOE_B34_ENTRY(q5g64, 5, 64)
+MOE_B3_ENTRY(q4g64, 4, 64)
+MOE_B3_ENTRY(q5g64, 5, 64)

@@ -84,15 +84,15 @@ def test_fused_moe_plan_and_misuse():
 
 
 @pytest.mark.parametrize("fmt, M, blocks_per_sm, want", [
-    ("q4g64", 1, 4, "moe_gate_up_routed_t2_q4g64"),  # one row: the one-row kernel (moe.fused runs it in the engine)
-    ("q4g64", 2, 4, "moe_gate_up_routed_b4_t2_q4g64"),
+    ("q4g64", 1, 3, "moe_gate_up_routed_t2_q4g64"),  # one row: the one-row kernel (moe.fused runs it in the engine)
+    ("q4g64", 2, 3, "moe_gate_up_routed_b3_t2_q4g64"),
     ("q5g64", 8, 3, "moe_gate_up_routed_b3_t2_q5g64"),
     ("q4g64", 2, 2, "moe_gate_up_routed_t2_q4g64"),  # 2: the planner's way back to the one-row kernel
-    ("q4g32", 2, 4, "moe_gate_up_routed_t2_q4g32"),  # no b-build of this format
+    ("q4g32", 2, 3, "moe_gate_up_routed_t2_q4g32"),  # no b3 build of this format
 ])
 def test_routed_gate_up_build_per_row_count(monkeypatch, fmt, M, blocks_per_sm, want):
-    """moe.gate_up_routed of the 35B's bank [256, 1024, 2048] picks the build at moe.GATE_UP_BLOCKS_PER_SM blocks an
-    SM for several rows of a format that has one, on the same grid (M·k, 2I/32) and shared memory (H/32 records)."""
+    """moe.gate_up_routed of the 35B's bank [256, 1024, 2048] picks the build at 3 blocks an SM (moe.GATE_UP_BLOCKS_PER_SM)
+    for several rows of a format that has one, on the same grid (M·k, 2I/32) and shared memory (H/32 records)."""
     from ninfer_rt.gpu import moe
     from ninfer_rt.gpu.weights import DeviceWeight
 

@@ -32,10 +32,10 @@ XPAD = 33  # floats of shared memory per 32 activations (padded against bank con
 QCHUNK = x_chunk_bytes(1, True)  # shared-memory bytes per 32 activations as int16 codes in the fast paths
 FAST_T = (1, 2)  # fast paths (q formats): gate_up at H = 1024·T, down at I = 512·T, x / act 16-byte aligned
 SMEM_STATIC = 4096  # upper bound of the kernels' static shared memory (moe_fused: 3.6 KB)
-# Planner constant: gate_up_routed of several rows at 3 or 4 blocks an SM (moe_gate_up_routed_b{3,4}_t2_<fmt>), so
-# B = 2's 512 blocks take one wave on a 132-SM card, not two; 2 keeps the one-row kernel (perf.md v83).
-GATE_UP_BLOCKS_PER_SM = 4
-GATE_UP_BN_FORMATS = ("q4g64", "q5g64")  # the formats with those entries
+# Planner constant: gate_up_routed of several rows at 3 blocks an SM (moe_gate_up_routed_b3_t2_<fmt>: B = 2's 512
+# blocks in 1.3 waves on a 132-SM card, not two); 2 keeps the one-row kernel (perf.md v83: -0.8% at B = 2, -2.3% at 4).
+GATE_UP_BLOCKS_PER_SM = 3
+GATE_UP_B3_FORMATS = ("q4g64", "q5g64")  # the formats with that entry
 
 
 def _check_ptrs(op: str, **ptrs: int) -> None:
@@ -148,16 +148,15 @@ def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logit
     shared-expert gate); ids int32 / weights fp32 [M, top_k], shared_scale fp32 [M], act fp32 [M, top_k, I]
     (outputs). w: the gate/up bank [E, 2I, H] as in `gate_up`. Same grid as `gate_up`: every block routes and
     normalises its own row, block (m·top_k, 0) writes row m's ids, weights and shared_scale. Several rows of a q4g64
-    or q5g64 bank at H = 2048 take a build of the same kernel at more blocks an SM (GATE_UP_BLOCKS_PER_SM).
+    or q5g64 bank at H = 2048 take the build of the same kernel at three blocks an SM (GATE_UP_BLOCKS_PER_SM).
     """
     op = "gate_up_routed"
     _check_logits(op, E, top_k, ld)
     _check_ptrs(op, x=x, norm_w=norm_w, logits=logits, ids=ids, weights=weights, shared_scale=shared_scale,
                 act=act)
     name, E, H, I, grid, smem = _gate_up_kernel(k, op, w, M, top_k, x % 16 == 0 and norm_w % 16 == 0, E)
-    nb = GATE_UP_BLOCKS_PER_SM
-    if nb in (3, 4) and M > 1 and name == f"moe_{op}_t2_{w.fmt}" and w.fmt in GATE_UP_BN_FORMATS:
-        name = f"moe_{op}_b{nb}_t2_{w.fmt}"
+    if GATE_UP_BLOCKS_PER_SM == 3 and M > 1 and name == f"moe_{op}_t2_{w.fmt}" and w.fmt in GATE_UP_B3_FORMATS:
+        name = f"moe_{op}_b3_t2_{w.fmt}"
         smem = _smem(k, op, name, H // 32 * QCHUNK)
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(norm_w), f32(eps),
@@ -203,6 +202,9 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
 # Planner switch: decode a token's MoE block in one moe_fused launch where it applies (fused_kernel); False
 # keeps the router GEMV + gate_up_routed + down with the shared expert on a side stream (bench/planner_ab.py).
 FUSED_DECODE = True
+# Planner constant: decode steps of up to this many rows (B·T) run the fused launch once per row, after one router
+# GEMV over all rows; more rows take gate_up_routed + down (perf.md v83)
+FUSED_ROWS = 1
 FUSED_I = 512  # the routed and shared intermediate sizes moe_fused.cu is written for
 FUSED_DOWN_ROWS = 16  # x rows per block of moe_fused's down phase (MOE_FUSED_DR)
 

@@ -218,3 +218,49 @@ def test_fused_kernel_declines_what_it_cannot_run(kernels, monkeypatch):
     assert (moe.fused_kernel(kernels, *ws(), 16) is None) == (cap < 512)
     monkeypatch.setattr(moe, "FUSED_DECODE", False)
     assert moe.fused_kernel(kernels, *ws(), 8) is None
+
+
+def test_fused_launch_a_row_gives_the_separate_launches_logits(gpu, kernels, monkeypatch):
+    """A decode step of 3 sequences at the 35B-A3B's shapes (one DeltaNet + MoE layer, synthetic weights of recipe
+    qwen3.6-35b-a3b) with moe.FUSED_ROWS = 3 runs moe.fused once a row after one router GEMV over the 3 rows; with
+    FUSED_ROWS = 1 the same 4 (eager) steps take gate_up_routed, the shared expert on the side stream and moe.down. They
+    differ only in how the shared expert's gate|up codes its input (test_engine's
+    test_fused_moe_decode_gives_the_separate_launches_logits): 2^-10 of the largest logit. A row's pointer off by
+    a row swaps or repeats sequences' logits, O(1)."""
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    from .test_engine import one_layer
+
+    spec = one_layer("linear_attention")
+    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
+    rng = np.random.default_rng()
+    toks = rng.integers(0, 1000, size=(4, 3))
+    calls = []
+    plain = moe.fused
+    monkeypatch.setattr(moe, "fused", lambda *a, **kw: (calls.append(1), plain(*a, **kw)))
+
+    def run(rows: int) -> np.ndarray:
+        monkeypatch.setattr(moe, "FUSED_ROWS", rows)
+        model = GpuModel(gpu, kernels, spec, weights, slots=3, max_ctx=64, kv_dtype="int8")
+        try:
+            out = []
+            for p in range(len(toks)):
+                model.decode(toks[p].astype(np.int32), [p] * 3, [0, 1, 2], graph=False)  # eager: calls count
+                out.append(model.logits(3))
+            return np.stack(out)
+        finally:
+            model.free()
+
+    try:
+        fused = run(3)
+        assert len(calls) == 3 * len(toks), "a 3-row step did not take moe.fused once a row"
+        calls.clear()
+        separate = run(1)
+        assert not calls
+    finally:
+        weights.free(gpu)
+    assert np.isfinite(fused).all() and np.isfinite(separate).all()
+    np.testing.assert_allclose(fused, separate, rtol=0, atol=2.0 ** -10 * np.abs(separate).max())
