@@ -75,8 +75,6 @@ VARIANTS = [
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
     ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
-    ("MoE block of 2 rows as one fused launch a row", {"moe.FUSED_ROWS": 2}),
-    ("MoE block of up to 4 rows as one fused launch a row", {"moe.FUSED_ROWS": 4}),
     ("default again", {}),
 ]
 

@@ -374,7 +374,7 @@ class GpuModel:
                 # one token: the router GEMV (none where the mixer folded it), then the rest of the block in one
                 # launch (a grid barrier inside)
                 plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, acc=folded) \
-                    if M <= moe.FUSED_ROWS and post % 16 == 0 else None
+                    if M == 1 and post % 16 == 0 else None
                 # _fold_for planned this same entry (same arguments) before the step folded, so it exists
                 assert plan is not None or not folded, f"layer {i}: the step folded but no moe_fused_acc entry runs"
                 acc = self._folds[i][1] if folded else 0
@@ -389,13 +389,10 @@ class GpuModel:
                     self._join.record(self.side)
                 if not acc:  # with the fold the step (combine) two launches back computed the router's logits
                     self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
-                if plan is not None:  # one launch a row (the rows' experts differ; M <= moe.FUSED_ROWS)
-                    for r in range(M):
-                        moe.fused(self.k, plan, gate_up, down, shared_gate_up, shared_down, x=b.x + 4 * r * self.H,
-                                  norm_w=post, eps=s.rms_norm_eps, logits=b.router + 4 * r * (E + 1), E=E, top_k=k,
-                                  act=b.act + 4 * r * k * s.moe_intermediate_size,
-                                  act_s=b.act_s + 4 * r * self.ffn_cols, barrier=self._moe_barrier, acc=acc,
-                                  ids=b.ids + 4 * r * k, weights=b.wts + 4 * r * k, shared_scale=b.sscale + 4 * r)
+                if plan is not None:
+                    moe.fused(self.k, plan, gate_up, down, shared_gate_up, shared_down, x=b.x, norm_w=post,
+                              eps=s.rms_norm_eps, logits=b.router, E=E, top_k=k, act=b.act, act_s=b.act_s,
+                              barrier=self._moe_barrier, acc=acc, **routing)
                 else:
                     moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps, logits=b.router,
                                        ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)

@@ -34,7 +34,8 @@ _STREAM_MAX_M = 4  # the stream kernels for several rows: gemv_*_s2 .. _s4 (a ba
 # their x̂ slab may take more shared memory (opted in), two blocks an SM still fitting: the 27B's down (K = 17408)
 # at M = 2 is 78 KB of records
 _STREAM_ROWS_SMEM = 100 * 1024
-# at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11)
+# at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11); several rows
+# stream at any N (the 35B's B = 2 / 4 steps -0.3% / -0.9%, the 27B's B = 2 -0.25%: perf.md v83)
 _STREAM_BLOCK_ROWS = 65536
 # at M = 1, longer K takes the block kernel; no limit below the slab's (perf-history.md v11 A/B)
 _STREAM_K_MAX = 1 << 30
@@ -120,10 +121,10 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
-    At m <= _STREAM_MAX_M with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows and
-    no ks given, the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is
-    faster only on the lm_head at m = 1, perf-history.md v11; at m = 2 the block kernels ran at half the stream
-    kernel's rate, v81); stream=False keeps the block kernel, stream=True insists on the stream kernel; d and blocks
+    At m <= _STREAM_MAX_M with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows at
+    m = 1 and no ks given, the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block
+    kernel is faster only on the lm_head at m = 1, perf-history.md v11; at m = 2 the block kernels ran at half the
+    stream kernel's rate, v81, and the lm_head too streams faster, v83); stream=False keeps the block kernel, stream=True insists on the stream kernel; d and blocks
     override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
@@ -131,7 +132,7 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
         raise GpuError(f"gemv plans 1..{MAX_M} rows per launch, got {m}")
     if stream is None:
         stream = (m <= _STREAM_MAX_M and ks is None and kw_log2 is None and k <= min(_STREAM_K_MAX, _stream_k_cap(w, m))
-                  and n < _STREAM_BLOCK_ROWS)
+                  and (n < _STREAM_BLOCK_ROWS or m > 1))
     if stream:
         if m > _STREAM_MAX_M or ks is not None or kw_log2 is not None or k > _stream_k_cap(w, m):
             raise GpuError(f"{w.name}: the stream gemv needs M <= {_STREAM_MAX_M}, no slab or K-split override and "

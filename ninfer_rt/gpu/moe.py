@@ -202,9 +202,6 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
 # Planner switch: decode a token's MoE block in one moe_fused launch where it applies (fused_kernel); False
 # keeps the router GEMV + gate_up_routed + down with the shared expert on a side stream (bench/planner_ab.py).
 FUSED_DECODE = True
-# Planner constant: decode steps of up to this many rows (B·T) run the fused launch once per row, after one router
-# GEMV over all rows; more rows take gate_up_routed + down (perf.md v83)
-FUSED_ROWS = 1
 FUSED_I = 512  # the routed and shared intermediate sizes moe_fused.cu is written for
 FUSED_DOWN_ROWS = 16  # x rows per block of moe_fused's down phase (MOE_FUSED_DR)
 

@@ -166,6 +166,7 @@ SHAPES = [
     ("q8g32", (9216, 2048), "store", True),  # attention q|k|v|gate
     ("q8g32", (1024, 2048), "swiglu", True),  # shared expert gate|up
     ("q6g64", (16384, 2048), "store", True),  # lm_head rows (a slice of 248320)
+    ("q6g64", (65536, 2048), "store", True),  # lm_head rows past _STREAM_BLOCK_ROWS: the stream kernel at M = 2-4
     ("q4g64", (4096, 5120), "swiglu", True),  # 27B gate|up rows (a slice of 34816)
     ("q5g64", (5120, 17408), "add", False),  # 27B down_proj
     ("q8g32", (5120, 6144), "add", False),  # 27B out_proj / o_proj + residual
@@ -414,7 +415,7 @@ def test_stream_plans_of_several_rows():
     """M = 2..4 with all of K in one slab of M-row chunk records takes the stream kernel of M rows (gemv_*_s{M}):
     one unit per lane and row, the M = 1 plan's blocks; the slab is K/32 chunks of x_chunk_bytes(M) (int16 codes
     and (d, Σq) of every row, padded to an odd number of 16-byte units; fp32 rows of 36 plus 4 at even M for
-    bf16) within 100 KB (opted in past 46 KB), so the longest K shrinks with M. Launches stage x from registers (no
+    bf16) within 100 KB (opted in past 46 KB), so the longest K shrinks with M; at any N. Launches stage x from registers (no
     copy, no swiglu kernel of its own), with d appended."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
@@ -432,6 +433,8 @@ def test_stream_plans_of_several_rows():
                 assert (p.grid, p.blocks, p.ks) == (p1.grid, p1.blocks, k_) and p.smem == k_ // 32 * per_chunk
             cap = 100 * 1024 // per_chunk * 32 // 256 * 256
             assert linear.plan_gemv(DeviceWeight("w", fmt, (64, cap), 0), m, 132).stream
+            # the lm_head's rows, past _STREAM_BLOCK_ROWS: the block kernel at M = 1 (test_stream_plans) only
+            assert linear.plan_gemv(DeviceWeight("w", fmt, (248320, 2048), 0), m, 132).stream
             assert not linear.plan_gemv(DeviceWeight("w", fmt, (64, cap + 256), 0), m, 132).stream
             with pytest.raises(GpuError, match="d must be 1..1"):
                 linear.plan_gemv(DeviceWeight("w", fmt, (64, 2048), 0), m, 132, d=2)
