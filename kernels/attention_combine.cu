@@ -11,8 +11,9 @@
 // shared-memory sum over j. Same result as attn_combine (attention.cu):
 // out[m, h*D + i] = (sum_sp acc_sp * w_sp) / (sum_sp l_sp * w_sp) * sigmoid(gate), w_sp = 2^(m_sp - max m), over
 // the splits sp < ceil(n / cs) that row m's n keys reach; no keys -> 0. rt: the decode's runtime split
-// (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as o_proj's x̂ chunk
-// record (row·D + 32·z) / 32 in XQ order xq (store_codes4; reference act_records16).
+// (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as row m of o_proj's x̂
+// chunk record (h·D + 32·z) / 32 of all M rows (qchunk_bytes(M)) in XQ order xq (store_codes4_rows; reference
+// act_records16 of out [M, nH·D]).
 // fold_acc (if set; v72; M = 1, 256 threads): also adds block b = h·(D/32) + z's share of the next MoE's
 // raw router logits into fold_acc int64 [fold_n] (2^-32 fixed point): logit e += ms[e]·Σ_j mt[b, e, j]·out[32b + j]
 // + Σ_i wt[b, e, i]·(gain[16b + i]·x[16b + i]), gain = 1 + w_post (router_fold.py: the layout, reference and
@@ -150,9 +151,9 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     NINFER_TL_MARK(3);  // out written (warp 0)
     if (xrec && wp == 0) {  // lane i < 8 holds chunk offsets 4i..4i+3
-        uint8_t* rec = xrec + (row * D + 32 * blockIdx.z) / 32 * qchunk_bytes(1);
+        uint8_t* rec = xrec + (size_t)((h * D + 32 * blockIdx.z) >> 5) * qchunk_bytes(M);
         const float4 h4 = make_float4(v[0], v[1], v[2], v[3]);
-        store_codes4_xq(xq, rec, 4 * lane, h4, lane < 8);
+        store_codes4_rows_xq(xq, rec, M, m, 4 * lane, h4, lane < 8);
     }
     NINFER_TL_MARK(4);  // the records written (warp 0)
     // v72: this block's share of the next router's raw logits, G·x_new = G·x + (G·Ŵ_o)·out (router_fold.py), added

@@ -25,9 +25,9 @@
 // the step's own inputs (mixed, z).
 // Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
 // them to the ring, each channel from one block, at positions no block of the step reads.
-// xrec (where a block holds 32 columns: dv / C == 32): y also as out_proj's x̂, one int16 chunk record per 32
-// columns (xcodes.cuh, in out_proj's XQ order xq), record (row · nv·dv + h·dv + col0) / 32, so out_proj copies
-// them instead of coding y itself (reference: act_records16).
+// xrec (where a block holds 32 columns: dv / C == 32): y also as out_proj's x̂, one int16 chunk record of all
+// B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record (h·dv + col0) / 32,
+// row b·T + t, so out_proj copies them instead of coding y itself (reference: act_records16 of the rows).
 #include "common.cuh"
 #include "deltanet.cuh"
 #include "xcodes.cuh"  // the chunk records of y for out_proj (xrec)
@@ -497,8 +497,9 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         out[at] = yv;
         so[t][j] = yv;  // for the fold below (each element written and read by this thread first)
         if (xrec) {  // cols 32: the warp is a chunk, lane j its element j
-            uint8_t* rec = xrec + (at >> 5) * qchunk_bytes(1);
-            store_code1_xq(xq, rec, j, yv, true);
+            const int rows = (int)gridDim.y * T;
+            uint8_t* rec = xrec + (size_t)(((size_t)h * dv + col0 + j) >> 5) * qchunk_bytes(rows);
+            store_code1_rows_xq(xq, rec, rows, (int)row0 + t, j, yv);
         }
     }
     // v71/v73: this block's share of the next router's raw logits, G·x_new = G·x + (G·Ŵ_out)·y with

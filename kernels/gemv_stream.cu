@@ -76,7 +76,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int DM = StreamDepth<BITS, M>::value;
-    static_assert(M == 1 || (!BULK && !REC && !WREC && !SW), "M > 1 rows: x staged from registers, modes at run time");
+    static_assert(M == 1 || (!WREC && !SW && (REC || !BULK)),
+                  "M > 1 rows: x staged from registers or copied as records, modes at run time");
     // bytes of x̂ per 32-element chunk of the slab: M rows of fp32 (bf16 weights) or one M-row int16 chunk record
     constexpr int CB = F::XQ != 0 ? qchunk_bytes(M) : 4 * chunk_stride(M);
     constexpr int NV = next_pow2(kRows * M);  // values a warp sums per row group (ReduceScatter)
@@ -153,7 +154,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     // in L2); then issue the first two steps, then stage x̂ while they are in flight. A raw x is not asked for: it
     // is in L2 already, and asking before the wait for lines the predecessor still adds to delayed the release
     // (the 27B's norm GEMVs 0.3-0.6 µs, -1.2% a step: perf-history.md v60).
-    if (REC) prefetch_l2_span(x, (size_t)(K >> 5) * qchunk_bytes(1), threadIdx.x, kWarps * 32);
+    if (REC) prefetch_l2_span(x, (size_t)(K >> 5) * qchunk_bytes(M), threadIdx.x, kWarps * 32);
     if (!REC && norm_w) prefetch_l2_span(norm_w, (size_t)K * 4, threadIdx.x, kWarps * 32);
     Tile<DM> A, B;
     int ig = fg, it = sb - fg * S;  // the next step to issue
@@ -165,9 +166,9 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     if (se - sb >= 2) issue_next(B, StepsFull<false>{});
     float* xf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem4) + (K >> 5) * CB);
     float* gf = !REC && norm_w ? xf + K : nullptr;
-    // REC (xvec 2, no norm): x is x̂ already, the K/32 chunk records its producer wrote, copied straight into the
-    // slab (its mbarrier where xf would start)
-    constexpr int XC = REC ? qchunk_bytes(1) : 0;
+    // REC (xvec 2, no norm): x is x̂ already, the K/32 M-row chunk records its producer wrote, copied straight into
+    // the slab (its mbarrier where xf would start)
+    constexpr int XC = REC ? qchunk_bytes(M) : 0;
     // BULK (sm_90+, xvec 2): the copies by the copy engine, one bulk copy each, completing on an mbarrier after
     // them (16 bytes more); their requests do not wait for free miss slots in the SM's load path as cp.async's do
     [[maybe_unused]] const uint32_t bar = smem_addr(REC ? xf : xf + K * (gf ? 2 : 1));
@@ -192,7 +193,7 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         if ((int)threadIdx.x < nc) ycnt[(1 - ((yq >> 2) & 1)) * (N >> 6) + c0 + threadIdx.x] = 0u;
     }
 
-    if constexpr (M > 1) stage_slab<M, F::XQ>(smem4, x, ldx, norm_w, 0, K, xvec != 0, ssred);
+    if constexpr (M > 1 && !REC) stage_slab<M, F::XQ>(smem4, x, ldx, norm_w, 0, K, xvec != 0, ssred);
     else if (REC || xvec == 2) {
         if constexpr (BULK) {
             if (threadIdx.x == 0)
@@ -477,6 +478,16 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
         gemv_stream_body<BITS, false, false, false, false, M>(qs, qh, sc, x, y, norm_w, row_scale, N, K,   \
                                                               kp, gshift, ldx, ldy, mode, eps, xvec, d);        \
     }
+// gemv_q8_s{2,3,4}r: x is x̂ itself, K/32 M-row chunk records (qchunk_bytes(M) each, XQ 1) written by x's producer,
+// copied into the slab as _s1r copies one row's (linear.gemv x_records): out_proj and o_proj of a batched step.
+// q8 only, the recipes' format there: every format would add ~18 s a target to the build.
+#define NINFER_GEMV_SMR(name, BITS, M)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                  \
+        gemv_##name##_s##M##r(NINFER_GEMV_ARGS, int d) {                                                   \
+        gemv_stream_body<BITS, NINFER_GEMV_BULK, true, false, false, M>(qs, qh, sc, x, y, norm_w, row_scale,  \
+                                                                        N, K, kp, gshift, ldx, ldy, mode, eps, \
+                                                                        xvec, d);                          \
+    }
 #define NINFER_GEMV_SM_ALL(M) \
     NINFER_GEMV_SM(q4, 4, M) NINFER_GEMV_SM(q5, 5, M) NINFER_GEMV_SM(q6, 6, M) NINFER_GEMV_SM(q8, 8, M) \
     NINFER_GEMV_SM(bf16, 16, M)
@@ -502,3 +513,6 @@ NINFER_GEMV_S1W(q8, 8)
 NINFER_GEMV_SM_ALL(2)
 NINFER_GEMV_SM_ALL(3)
 NINFER_GEMV_SM_ALL(4)
+NINFER_GEMV_SMR(q8, 8, 2)
+NINFER_GEMV_SMR(q8, 8, 3)
+NINFER_GEMV_SMR(q8, 8, 4)

@@ -123,8 +123,9 @@ __device__ __forceinline__ void compute_unit_q(const Unit (&d)[R], const uint8_t
 // Store the int16 codes of 4 consecutive elements (chunk offset c4 = 4i) of one row, held by the 8 lanes of a
 // chunk (lane & 7 == i): codes in the order compute_unit_q reads (XQ 1 natural, XQ 2 the nibble formats' even
 // then odd elements of each 8-block), and lane 0 of the chunk the (d, Σq) pair. rec: the chunk's record.
-template <int M, int XQ>
-__device__ __forceinline__ void store_codes4(uint8_t* rec, int m, int c4, float4 h, bool on) {
+// rows: the record's M, at run time (store_codes4 below fixes it).
+template <int XQ>
+__device__ __forceinline__ void store_codes4_rows(uint8_t* rec, int rows, int m, int c4, float4 h, bool on) {
     float am = fmax_nan(fmax_nan(fabsf(h.x), fabsf(h.y)), fmax_nan(fabsf(h.z), fabsf(h.w)));
     am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 1));
     am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 2));
@@ -148,13 +149,18 @@ __device__ __forceinline__ void store_codes4(uint8_t* rec, int m, int c4, float4
         uint32_t* codes = reinterpret_cast<uint32_t*>(rec + 64 * m);
         codes[pa >> 1] = wa;
         codes[pb >> 1] = wb;
-        if ((c4 & 31) == 0) *reinterpret_cast<float2*>(rec + 64 * M + 8 * m) = make_float2(qs.d, __int_as_float(sq));
+        if ((c4 & 31) == 0) *reinterpret_cast<float2*>(rec + 64 * rows + 8 * m) = make_float2(qs.d, __int_as_float(sq));
     }
 }
-
-// The same for one element per lane, a whole warp holding the chunk (lane = chunk offset).
 template <int M, int XQ>
-__device__ __forceinline__ void store_code1(uint8_t* rec, int m, int lane, float h, bool on) {
+__device__ __forceinline__ void store_codes4(uint8_t* rec, int m, int c4, float4 h, bool on) {
+    store_codes4_rows<XQ>(rec, M, m, c4, h, on);
+}
+
+// The same for one element per lane, a whole warp holding the chunk (lane = chunk offset); rows: the record's M,
+// at run time (store_code1 below fixes it).
+template <int XQ>
+__device__ __forceinline__ void store_code1_rows(uint8_t* rec, int rows, int m, int lane, float h, bool on) {
     float am = fabsf(h);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
@@ -166,15 +172,25 @@ __device__ __forceinline__ void store_code1(uint8_t* rec, int m, int lane, float
     const int p = XQ == 1 ? lane : (lane & ~7) + ((lane & 7) >> 1) + 4 * (lane & 1);
     if (on) {
         reinterpret_cast<uint16_t*>(rec + 64 * m)[p] = (uint16_t)f;
-        if (lane == 0) *reinterpret_cast<float2*>(rec + 64 * M + 8 * m) = make_float2(qs.d, __int_as_float(sq));
+        if (lane == 0) *reinterpret_cast<float2*>(rec + 64 * rows + 8 * m) = make_float2(qs.d, __int_as_float(sq));
     }
 }
+template <int M, int XQ>
+__device__ __forceinline__ void store_code1(uint8_t* rec, int m, int lane, float h, bool on) {
+    store_code1_rows<XQ>(rec, M, m, lane, h, on);
+}
 
-// One-row records in the order a consumer chooses at run time (xq: its XQ, 1 or 2), for producers that feed
-// weights of either kind (the DeltaNet step, the attention combine, the SwiGLU GEMV's y records)
-__device__ __forceinline__ void store_codes4_xq(int xq, uint8_t* rec, int c4, float4 h, bool on) {
-    if (xq == 1) store_codes4<1, 1>(rec, 0, c4, h, on);
-    else store_codes4<1, 2>(rec, 0, c4, h, on);
+// Records in the order a consumer chooses at run time (xq: its XQ, 1 or 2), for producers that feed weights of
+// either kind: row m of an M-row record (rows = M at run time; the DeltaNet step, the attention combine), or a
+// one-row record (the SwiGLU GEMV's y records)
+__device__ __forceinline__ void store_codes4_rows_xq(int xq, uint8_t* rec, int rows, int m, int c4, float4 h,
+                                                     bool on) {
+    if (xq == 1) store_codes4_rows<1>(rec, rows, m, c4, h, on);
+    else store_codes4_rows<2>(rec, rows, m, c4, h, on);
+}
+__device__ __forceinline__ void store_code1_rows_xq(int xq, uint8_t* rec, int rows, int m, int lane, float h) {
+    if (xq == 1) store_code1_rows<1>(rec, rows, m, lane, h, true);
+    else store_code1_rows<2>(rec, rows, m, lane, h, true);
 }
 __device__ __forceinline__ void store_code1_xq(int xq, uint8_t* rec, int lane, float h, bool on) {
     if (xq == 1) store_code1<1, 1>(rec, 0, lane, h, on);

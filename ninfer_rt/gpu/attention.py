@@ -254,8 +254,8 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     (clamped to max_ctx); keys at or past it are never read. scratch: decode_scratch_bytes(M, nH, d, ctx_bucket)
     bytes (or a bound for a larger M / bucket). Rows of a sequence with an invalid slot come out 0.
     out_records (with records_order 1 or 2, linear.records_order of o_proj; 16-byte aligned): where the CUDA-core
-    path runs, its combine also writes out as o_proj's x̂, M·nH·d/32 int16 chunk records (reference.ops.
-    act_records16 of out) for linear.gemv's x_records. Returns whether it wrote them.
+    path runs, its combine also writes out as o_proj's x̂, nH·d/32 int16 chunk records of all M rows
+    (reference.ops.act_records16 of out [M, nH·d]) for linear.gemv's x_records. Returns whether it wrote them.
     fold (v72): (mt, ms, wt, gain, x, acc, ld, n, H), the router fold of the MoE after o_proj
     (router_fold's arrays in fold_blocks' layout, on the device; gain fp32 [H] = 1 + w_post of the MoE's norm, 16-byte
     aligned as x fp32 [H], the layer input): the combine also

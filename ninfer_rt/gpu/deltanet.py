@@ -277,8 +277,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     written two kernels back) or after issuing the loads of mixed and z; None: H <= STEP_BA_EARLY_MAX_H. Timing
     only: the same operations in the same order either way.
     out_records (with records_order 1 or 2, linear.records_order of out_proj): also write out as out_proj's x̂,
-    B·T·nv·dv/32 int16 chunk records (reference.ops.act_records16 of out, 16-byte aligned), for linear.gemv's
-    x_records; only where a block holds 32 columns (records_fit).
+    nv·dv/32 int16 chunk records of all B·T rows (reference.ops.act_records16 of out [B·T, nv·dv], 16-byte
+    aligned; B·T <= 8), for linear.gemv's x_records; only where a block holds 32 columns (records_fit).
     fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
     layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
     G·x + M·out into acc int64 [n] (fixed point, 2^-32); B = T = 1, 32 columns a block and at most 16 elements of x
@@ -300,9 +300,11 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"own cubin); this GPU is {k.gpu.info.arch}")
     if not cluster_fits(dv, C):
         raise GpuError(f"deltanet.step: dv={dv} does not split into whole warps over cluster={C} blocks")
-    if out_records and (records_order not in (1, 2) or not records_fit(k, dv=dv, cluster=C) or out_records % 16):
+    if out_records and (records_order not in (1, 2) or not records_fit(k, dv=dv, cluster=C) or out_records % 16
+                        or B * T > STEP_T):
         raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
-                       f"a block (dv / cluster = {dv} / {C}) and a 16-byte aligned buffer")
+                       f"a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and B·T <= {STEP_T} rows "
+                       f"(got {B * T})")
     if fold is not None and (B != 1 or T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
                              or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv):
         raise GpuError(f"deltanet.step: the router fold needs B = T = 1, 32 columns a block on clusters, at most "

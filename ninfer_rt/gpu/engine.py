@@ -193,8 +193,9 @@ class GpuModel:
         self.o_cols = max(s.num_attention_heads * s.head_dim, s.value_dim)
         b.o = self._alloc(rows * self.o_cols * f)
         b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
-        # one token's mixer output as out_proj's / o_proj's x̂ chunk records (deltanet.step, attention.decode)
-        b.o_rec = self._alloc(max(self.o_cols // 32, 1) * linear.x_chunk_bytes(1, True))
+        # a decode step's mixer output as out_proj's / o_proj's x̂ chunk records of its 1-4 rows (deltanet.step,
+        # attention.decode)
+        b.o_rec = self._alloc(max(self.o_cols // 32, 1) * linear.x_chunk_bytes(linear.RECORDS_MAX_M, True))
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
             b.router = self._alloc(rows * (E + 1) * f)
@@ -305,14 +306,14 @@ class GpuModel:
             folded = fold is not None
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
-            elif M == 1 and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w):
-                # one token: o also as o_proj's x̂ records where the combine can write them
+            elif M <= linear.RECORDS_MAX_M and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w, M):
+                # a decode step: o also as o_proj's x̂ records where the combine can write them
                 rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
                                        records_order=linear.records_order(o_w), fold=fold)
             else:
                 attention.decode(self.k, B=B, **attend, fold=fold)
             if rec:
-                linear.gemv(self.k, o_w, x=b.o_rec, M=1, y=b.x, mode="add", x_records=True)
+                linear.gemv(self.k, o_w, x=b.o_rec, M=M, y=b.x, mode="add", x_records=True)
             else:
                 self._linear(o_w, x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M, y=b.x, mode="add")
         else:
@@ -329,10 +330,11 @@ class GpuModel:
             if M <= GEMV_MAX_ROWS and deltanet.step_supported(w_ba, T=T, dk=s.linear_key_head_dim,
                                                               dv=s.linear_value_head_dim,
                                                               Kc=s.linear_conv_kernel_dim):
-                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; one token's y
-                # also as out_proj's x̂ records where both kernels can (out_proj then skips the coding)
-                if (M == 1 and deltanet.STEP_OUT_RECORDS and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
-                        and linear.records_fit(self.k, out_w)):
+                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; y also as
+                # out_proj's x̂ records of up to 4 rows where both kernels can (out_proj then skips the coding)
+                if (M <= linear.RECORDS_MAX_M and deltanet.STEP_OUT_RECORDS
+                        and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
+                        and linear.records_fit(self.k, out_w, M)):
                     rec = b.o_rec
                 fold = self._fold_for(i, M)
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
@@ -344,7 +346,7 @@ class GpuModel:
                 run = deltanet.prefill if B == 1 and T > deltanet.STEP_T else deltanet.decode
                 run(self.k, ba=b.ba, scratch=b.scratch, **mixer)
             if rec:
-                linear.gemv(self.k, out_w, x=rec, M=1, y=b.x, mode="add", x_records=True)
+                linear.gemv(self.k, out_w, x=rec, M=M, y=b.x, mode="add", x_records=True)
             else:
                 self._linear(out_w, x=self._o_input(M, s.value_dim), M=M, y=b.x, mode="add")
         post = P(p + "post_attention_layernorm.weight")

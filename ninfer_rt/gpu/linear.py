@@ -34,6 +34,9 @@ _STREAM_MAX_M = 4  # the stream kernels for several rows: gemv_*_s2 .. _s4 (a ba
 # their x̂ slab may take more shared memory (opted in), two blocks an SM still fitting: the 27B's down (K = 17408)
 # at M = 2 is 78 KB of records
 _STREAM_ROWS_SMEM = 100 * 1024
+# x̂ records of 2-4 rows (gemv_q8_s{2,3,4}r, out_proj and o_proj of a batched step) are built for q8 weights only
+_RECORDS_ROWS_BITS = (8,)
+RECORDS_MAX_M = _STREAM_MAX_M  # the most rows x_records takes (engine.py sizes its records buffer by it)
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11); several rows
 # stream at any N (the 35B's B = 2 / 4 steps -0.3% / -0.9%, the 27B's B = 2 -0.25%: perf.md v83)
 _STREAM_BLOCK_ROWS = 65536
@@ -218,11 +221,13 @@ def records_order(w: DeviceWeight) -> int:
     return 1 if w.bits == 8 else 2
 
 
-def records_fit(k, w: DeviceWeight) -> bool:
-    """Whether `gemv` takes this weight's x as chunk records (x_records) at M = 1 on this GPU: quantized codes, a
-    stream plan (K in one slab, fewer than _STREAM_BLOCK_ROWS rows) and the bulk-copy kernel (sm_90+; the tested
-    one: gemv_*_s1r built for older GPUs copies by cp.async, and no test reaches that path on the H200)."""
-    return k.gpu.info.major >= 9 and w.quantized and plan_gemv(w, 1, k.gpu.info.sm_count).stream
+def records_fit(k, w: DeviceWeight, m: int = 1) -> bool:
+    """Whether `gemv` takes this weight's x as chunk records of m rows (x_records) on this GPU: quantized codes, a
+    stream plan of m rows (K in one slab; at m = 1 fewer than _STREAM_BLOCK_ROWS rows) and the bulk-copy kernel
+    (sm_90+; the tested one: gemv_*_s{m}r built for older GPUs copies by cp.async, and no test reaches that path on
+    the H200); m > 1 only for the formats with such kernels (_RECORDS_ROWS_BITS)."""
+    return (k.gpu.info.major >= 9 and w.quantized and (m == 1 or w.bits in _RECORDS_ROWS_BITS)
+            and 1 <= m <= RECORDS_MAX_M and plan_gemv(w, m, k.gpu.info.sm_count).stream)
 
 
 def y_records_fit(k, w: DeviceWeight) -> bool:
@@ -243,9 +248,10 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     y[m, :N] += ...; "swiglu": W's rows are gate/up tiles of 16 and y[m, j] = silu(gate_j·x̂)·(up_j·x̂) for
     j < N/2 (row_scale ignored). ldy defaults to N (N/2 for swiglu). y must not overlap x. M > 8 runs in chunks
     of 8 rows (weights re-read per chunk).
-    x_records: x is x̂ itself, K/32 int16 chunk records in this weight's order (reference.ops.act_records16,
-    16-byte aligned), as a producer kernel wrote them (the DeltaNet step for out_proj): M = 1, no norm, and a
-    weight records_fit takes; the kernel copies them instead of coding x (gemv_*_s1r), the same y to the bit.
+    x_records: x is x̂ itself, K/32 int16 chunk records of all M rows in this weight's order
+    (reference.ops.act_records16 of x [M, K], 16-byte aligned), as a producer kernel wrote them (the DeltaNet step
+    for out_proj, the attention combine for o_proj): no norm, and a weight records_fit takes at M; the kernel
+    copies them instead of coding x (gemv_*_s{M}r), the same y to the bit.
     y_records (records, pairs, counters, order, parity), swiglu only: y's N/64 chunks as chunk records instead of y
     (y is not written), in XQ order `order` (the down projection's records_order) at `records` (16-byte aligned,
     N/64 · 80 bytes), each coded by a block that finds the chunk's values published as (value, 1) pairs in `pairs`
@@ -278,11 +284,11 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
         return
     sm_count = k.gpu.info.sm_count
     if x_records:
-        if M != 1 or norm_w or x % 16 or not records_fit(k, w):
-            raise GpuError(f"{w.name}: gemv x_records needs M = 1, no norm, a 16-byte aligned x and a quantized "
-                           f"weight with a stream plan on sm_90+; got M = {M}, norm_w={norm_w:#x}, x={x:#x}, "
-                           f"{w.fmt}, compute capability {k.gpu.info.major}.x")
-        _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=kk, ldy=ldy, mode=mode, norm_w=0,
+        if norm_w or x % 16 or not records_fit(k, w, M):
+            raise GpuError(f"{w.name}: gemv x_records needs M = 1 (2-{_STREAM_MAX_M} for q8 weights), no norm, a "
+                           f"16-byte aligned x and a quantized weight with a stream plan on sm_90+; got M = {M}, "
+                           f"norm_w={norm_w:#x}, x={x:#x}, {w.fmt}, compute capability {k.gpu.info.major}.x")
+        _launch_gemv(k, w, plan_gemv(w, M, sm_count), x=x, y=y, ldx=kk, ldy=ldy, mode=mode, norm_w=0,
                      norm_eps=norm_eps, row_scale=row_scale, stream=stream, x_records=True)
         return
     if y_records is not None:
@@ -312,7 +318,7 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
     force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK past K =
     _STREAM_X_ASYNC_UPTO, cp.async up to it). x_records: x is the K/32 chunk records gemv checked, copied into the
-    slab by gemv_*_s1r. y_records: gemv's checked (records, pairs, counters, order, parity), written by
+    slab by gemv_*_s{m}r. y_records: gemv's checked (records, pairs, counters, order, parity), written by
     gemv_*_s1bw (the _s1b body: its xvec picks the staging)."""
     n, kk = w.shape
     qs, qh, sc = w.planes()

@@ -57,21 +57,27 @@ def act_codes16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def act_records16(x: torch.Tensor, order: int) -> torch.Tensor:
-    """x as the decode GEMVs stage x̂ for quantized weights, one chunk record per 32 elements (kernels/xcodes.cuh
-    qchunk_bytes(1) = 80 bytes): the 32 int16 codes of act_codes16 (order 1: natural, for q8 weights; 2: each
-    8-block's even then odd elements, the nibble formats' order), then d (fp32) and Σq (int32), then 8 bytes
-    of padding that no kernel reads (zero here). Little-endian. x [K] fp32, K % 32 == 0 -> uint8 [K/32, 80].
+    """x as the decode GEMVs stage x̂ for quantized weights, one chunk record per 32 elements of all M rows
+    (kernels/xcodes.cuh qchunk_bytes(M): 72·M bytes padded to an odd number of 16-byte units, 80 at M = 1): row
+    m's 32 int16 codes of act_codes16 at +64m (order 1: natural, for q8 weights; 2: each 8-block's even then odd
+    elements, the nibble formats' order), then row m's d (fp32) and Σq (int32) at +64M+8m, then padding that no
+    kernel reads (zero here). Little-endian. x [K] or [M, K] fp32, K % 32 == 0 -> uint8 [K/32, qchunk_bytes(M)].
     """
-    q, d = act_codes16(x.reshape(-1))
-    qc = q.reshape(-1, 32)                                                       # qc: [K/32, 32]
-    if order == 2:
-        qc = qc.reshape(-1, 4, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1, 32)
-    elif order != 1:
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)  # rows: [M, K]
+    M, K = rows.shape
+    units = (72 * M + 15) // 16
+    rec = torch.zeros(K // 32, 16 * (units if units % 2 else units + 1), dtype=torch.uint8)
+    if order not in (1, 2):
         raise ValueError(f"act_records16: order must be 1 or 2, got {order}")
-    rec = torch.zeros(qc.shape[0], 80, dtype=torch.uint8)
-    rec[:, :64] = qc.to(torch.int16).contiguous().view(torch.uint8)
-    rec[:, 64:68] = d.float().reshape(-1, 1).contiguous().view(torch.uint8)
-    rec[:, 68:72] = qc.sum(-1, dtype=torch.int32).reshape(-1, 1).contiguous().view(torch.uint8)
+    for m in range(M):
+        q, d = act_codes16(rows[m])
+        qc = q.reshape(-1, 32)                                                   # qc: [K/32, 32]
+        if order == 2:
+            qc = qc.reshape(-1, 4, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1, 32)
+        rec[:, 64 * m:64 * m + 64] = qc.to(torch.int16).contiguous().view(torch.uint8)
+        at = 64 * M + 8 * m
+        rec[:, at:at + 4] = d.float().reshape(-1, 1).contiguous().view(torch.uint8)
+        rec[:, at + 4:at + 8] = qc.sum(-1, dtype=torch.int32).reshape(-1, 1).contiguous().view(torch.uint8)
     return rec
 
 

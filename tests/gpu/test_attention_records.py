@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from ninfer_rt.gpu.linear import x_chunk_bytes
 from ninfer_rt.reference.ops import act_records16
 
 from .test_attention import DIMS, _fill_cache, _new_cache
@@ -20,10 +21,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
-@pytest.mark.parametrize("dims,pos", [("35b", (8191,)), ("27b", (300,)), ("tiny", (5, 40))])
+@pytest.mark.parametrize("dims,pos", [("35b", (8191,)), ("35b", (8191, 100, 3000)), ("27b", (300,)),
+                                      ("tiny", (5, 40))])
 def test_decode_writes_o_proj_records(kernels, gpu, dev, rng, dims, pos, dtype):
-    """One token per sequence on the CUDA-core path (its combine block holds 32 columns of a head): the records
-    equal act_records16 of out in both orders (q8 and nibble weights), and out is the same bits as without them;
+    """One token per sequence on the CUDA-core path (its combine block holds 32 columns of a head): the records of
+    all M rows equal act_records16 of out [M, nH·d] in both orders (q8 and nibble weights), and out is the same bits as without them;
     decode says it wrote them."""
     from ninfer_rt.gpu import attention
     nH, nKV, d = DIMS[dims][:3]
@@ -40,15 +42,15 @@ def test_decode_writes_o_proj_records(kernels, gpu, dev, rng, dims, pos, dtype):
     plain = dev.empty(M * nH * d * 4)
     assert attention.decode(kernels, B=B, out=plain, scratch=scratch, **kw) is False
     want_out = dev.get(plain, (M, nH * d))
-    n_rec = M * nH * d // 32
+    n_rec, width = nH * d // 32, x_chunk_bytes(M, True)  # a record holds all M rows
     for order in (1, 2):
-        out, rec = dev.empty(M * nH * d * 4), dev.empty(n_rec * 80)
+        out, rec = dev.empty(M * nH * d * 4), dev.empty(n_rec * width)
         assert attention.decode(kernels, B=B, out=out, scratch=scratch, out_records=rec, records_order=order, **kw)
         got = dev.get(out, (M, nH * d))
         assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), want_out.view(np.uint32)), \
             f"{dims} {dtype}: records changed out"
-        have = dev.get(rec, (n_rec, 80), np.uint8)[:, :72]
-        want = act_records16(torch.from_numpy(got), order).numpy()[:, :72]
+        have = dev.get(rec, (n_rec, width), np.uint8)[:, :72 * M]
+        want = act_records16(torch.from_numpy(got), order).numpy()[:, :72 * M]
         bad = np.argwhere(have != want)
         assert bad.size == 0, (f"{dims} {dtype} order {order}: record {bad[0][0]} byte {bad[0][1]}: got "
                                f"{have[tuple(bad[0])]}, want {want[tuple(bad[0])]}")

@@ -102,6 +102,7 @@ class Layer:
         cluster, ba_early: the step's blocks per head and b|a position (None: deltanet.step's own choice);
         records_order (step): also out_proj's x̂ records of out in that order, kept in self.records."""
         from ninfer_rt.gpu import deltanet
+        from ninfer_rt.gpu.linear import x_chunk_bytes
         from ninfer_rt.gpu.weights import DeviceWeight
         d, dev = self.d, self.dev
         M = B * T
@@ -113,12 +114,12 @@ class Layer:
                       nv=d["nv"], dk=d["dk"], dv=d["dv"], Kc=d["Kc"], eps=EPS, out=out)
         if mode == "step":
             w_ba = DeviceWeight("in_proj_b|a", "bf16", (2 * d["nv"], self.H), self.p["w_ba_bits"])
-            n_rec = M * d["nv"] * d["dv"] // 32
-            rec = dev.empty(n_rec * 80) if records_order else 0
+            n_rec, width = d["nv"] * d["dv"] // 32, x_chunk_bytes(M, True)  # a record holds all M rows
+            rec = dev.empty(n_rec * width) if records_order else 0
             deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
                           cluster=cluster, ba_early=ba_early, out_records=rec, records_order=records_order,
                           **common)
-            self.records = dev.get(rec, (n_rec, 80), np.uint8) if records_order else None
+            self.records = dev.get(rec, (n_rec, width), np.uint8) if records_order else None
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
             scratch = dev.empty(deltanet.chunked_scratch_bytes(B, T, self.cd, d["nv"], d["dk"]))  # >= decode's
@@ -319,9 +320,9 @@ def test_step_ba_before_or_after_the_wait(kernels, dev, dims):
 
 @pytest.mark.parametrize("dims", ["35b", "27b", "gva3"])
 def test_step_writes_out_proj_records(kernels, dev, dims):
-    """out_records: the step also writes y as out_proj's x̂, whose record bytes (codes, d, Σq) equal
-    reference.ops.act_records16 of the step's own y in both orders (the codes are exact functions of y), at
-    2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's dv = 128 on a
+    """out_records: the step also writes y as out_proj's x̂, whose record bytes (codes, d, Σq of all B·T rows)
+    equal reference.ops.act_records16 of the step's own y [B·T, nv·dv] in both orders (the codes are exact
+    functions of y), at 2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's dv = 128 on a
     cluster of 4, dv = 32 in one block); y is the same bits as without records."""
     import torch
 
@@ -340,8 +341,8 @@ def test_step_writes_out_proj_records(kernels, dev, dims):
                               cluster=C, records_order=order)
             for t, ((out, rec), ref_out) in enumerate(zip(got, plain)):
                 assert np.array_equal(out.view(np.uint32), ref_out.view(np.uint32)), f"{dims} C={C}: y changed"
-                want = act_records16(torch.from_numpy(out), order).numpy()
-                bad = np.argwhere(rec[:, :72] != want[:, :72])
+                want = act_records16(torch.from_numpy(out), order).numpy()  # out [B·T, nv·dv]: B·T-row records
+                bad = np.argwhere(rec[:, :72 * len(out)] != want[:, :72 * len(out)])
                 assert bad.size == 0, (f"{dims} C={C} order {order} step {t}: record {bad[0][0]} byte {bad[0][1]}: "
                                        f"got {rec[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
 

@@ -19,37 +19,43 @@ from .test_linear import FakeKernels
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("fmt,shape", [("q8g32", (2048, 4096)), ("q6g64", (5120, 6144)), ("q5g64", (203, 2080)),
-                                       ("q4g128", (96, 352))])
-def test_gemv_x_records(kernels, dev, rng, fmt, shape):
-    """x_records: x given as its chunk records (reference.ops.act_records16, as the DeltaNet step writes them for
-    out_proj) gives y to the bit of x itself (the same codes and the same plan, so the same sums in the same
-    order), store and add, at the 35B's and 27B's out_proj shapes and two small ones (N past a block's rows, K
-    with a padded last group)."""
+@pytest.mark.parametrize("fmt,shape,M", [("q8g32", (2048, 4096), 1), ("q6g64", (5120, 6144), 1),
+                                         ("q5g64", (203, 2080), 1), ("q4g128", (96, 352), 1),
+                                         ("q8g32", (2048, 4096), 2), ("q8g32", (5120, 6144), 3),
+                                         ("q8g32", (203, 2080), 4)])
+def test_gemv_x_records(kernels, dev, rng, fmt, shape, M):
+    """x_records: x [M, K] given as its chunk records of M rows (reference.ops.act_records16, as the DeltaNet step
+    writes them for out_proj) gives y to the bit of x itself (the same codes and the same plan, so the same sums in
+    the same order), store and add, at the 35B's and 27B's out_proj shapes and two small ones (N past a block's
+    rows, K with a padded last group); one row in every format, 2-4 rows of q8 weights (gemv_q8_s{M}r)."""
     import torch
 
     from ninfer_rt.reference.ops import act_records16
     w, _ = dev.weight(fmt, shape, rng)
     n, k = shape
-    x = rng.standard_normal(k).astype(np.float32)
+    x = rng.standard_normal((M, k)).astype(np.float32)
     rec = act_records16(torch.from_numpy(x), linear.records_order(w)).numpy()
-    if not linear.records_fit(kernels, w):
+    assert rec.shape == (k // 32, linear.x_chunk_bytes(M, True))
+    if not linear.records_fit(kernels, w, M):
         pytest.skip(f"x_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
-    y0 = rng.standard_normal(n).astype(np.float32)
+    y0 = rng.standard_normal((M, n)).astype(np.float32)
     for mode in ("store", "add"):
         ys = [dev.put(y0) for _ in range(2)]
-        linear.gemv(kernels, w, x=dev.put(x), M=1, y=ys[0], mode=mode)
-        linear.gemv(kernels, w, x=dev.put(rec), M=1, y=ys[1], mode=mode, x_records=True)
-        a, b = (dev.get(p, (n,)) for p in ys)
+        linear.gemv(kernels, w, x=dev.put(x), M=M, y=ys[0], mode=mode)
+        linear.gemv(kernels, w, x=dev.put(rec), M=M, y=ys[1], mode=mode, x_records=True)
+        a, b = (dev.get(p, (M, n)) for p in ys)
         assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
-            f"{fmt} {shape} {mode}: x_records changed y (first at {int(np.argmax(a != b))})"
+            f"{fmt} {shape} M={M} {mode}: x_records changed y (first at {np.argwhere(a != b)[:1].tolist()})"
 
 
 def test_gemv_x_records_errors():
-    """x_records takes one row of a quantized weight with a stream plan, no norm, a 16-byte aligned x, on sm_90+."""
+    """x_records takes 1 row of a quantized weight (2-4 of a q8 one) with a stream plan, no norm, a 16-byte aligned
+    x, on sm_90+."""
     k = FakeKernels()
     w = DeviceWeight("w", "q8g32", (64, 256), 1 << 20)
-    for bad in (dict(M=2), dict(norm_w=1 << 12), dict(x=4100), dict(w=DeviceWeight("w", "bf16", (64, 256), 1 << 20))):
+    w4 = DeviceWeight("w", "q4g64", (64, 256), 1 << 20)
+    for bad in (dict(M=5), dict(M=2, w=w4), dict(norm_w=1 << 12), dict(x=4100),
+                dict(w=DeviceWeight("w", "bf16", (64, 256), 1 << 20))):
         kw = {**dict(x=4096, M=1, y=8192), **bad}
         with pytest.raises(GpuError, match="x_records"):
             linear.gemv(k, kw.pop("w", w), x_records=True, **kw)
@@ -59,8 +65,10 @@ def test_gemv_x_records_errors():
     k.gpu.info.major = 9
     assert not k.calls
     linear.gemv(k, w, x=4096, M=1, y=8192, x_records=True)
-    name, _, _, args, smem = k.calls[0]
+    linear.gemv(k, w, x=4096, M=3, y=8192, x_records=True)
+    (name, _, _, args, smem), (name3, _, _, args3, smem3) = k.calls
     assert name == "gemv_q8_s1r" and args[17] == 2 and smem == linear.plan_gemv(w, 1, 132).smem + 16
+    assert name3 == "gemv_q8_s3r" and args3[17] == 2 and smem3 == 256 // 32 * linear.x_chunk_bytes(3, True) + 16
 
 
 # 27B gate|up (a slice of 34816 rows, and all of it), the shapes past and below one chunk per block
