@@ -37,6 +37,10 @@ _STREAM_ROWS_SMEM = 100 * 1024
 # x̂ records of 2-4 rows (gemv_q8_s{2,3,4}r, out_proj and o_proj of a batched step) are built for q8 weights only
 _RECORDS_ROWS_BITS = (8,)
 RECORDS_MAX_M = _STREAM_MAX_M  # the most rows x_records takes (engine.py sizes its records buffer by it)
+# Planner constant: the row counts at which the engine has the DeltaNet step and the attention combine write x̂ records
+# for out_proj / o_proj. 2 rows lost 3.4% (H100) and 4.0% (H200) a 35B step at 8K, 3 rows were even (H100), 4 rows
+# gained 2.9% (both cards): perf.md v83c
+RECORDS_ROWS = (1, 4)
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11); several rows
 # stream at any N (the 35B's B = 2 / 4 steps -0.3% / -0.9%, the 27B's B = 2 -0.25%: perf.md v83)
 _STREAM_BLOCK_ROWS = 65536

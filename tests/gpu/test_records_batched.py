@@ -19,19 +19,20 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("layer,switch", [("linear_attention", "deltanet.STEP_OUT_RECORDS"),
                                           ("full_attention", "attention.COMBINE_OUT_RECORDS")])
 def test_batched_records_give_the_same_logits(gpu, kernels, monkeypatch, layer, switch):
-    """3 sequences × 4 decode steps (one layer + its MoE block, synthetic weights of recipe qwen3.6-35b-a3b): with
-    the records every step's out_proj / o_proj runs with x_records at M = 3; with `switch` off none does; the
-    logits of all 3 rows agree to the bit."""
+    """4 sequences × 4 decode steps (one layer + its MoE block, synthetic weights of recipe qwen3.6-35b-a3b): with
+    the records (linear.RECORDS_ROWS holds 4) every step's out_proj / o_proj runs with x_records at M = 4; with
+    `switch` off none does; the logits of all 4 rows agree to the bit."""
     from ninfer_rt.gpu import attention, deltanet, linear
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
+    assert 4 in linear.RECORDS_ROWS
     spec = one_layer(layer)
     if kernels.gpu.info.major < 9:
         pytest.skip(f"no x̂ records on {kernels.gpu.info.arch} (linear.records_fit)")
     weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
-    toks = np.random.default_rng().integers(0, 1000, size=(4, 3)).astype(np.int32)
+    toks = np.random.default_rng().integers(0, 1000, size=(4, 4)).astype(np.int32)
     plain, rows = linear.gemv, []
 
     def gemv(*args, **kw):
@@ -40,12 +41,12 @@ def test_batched_records_give_the_same_logits(gpu, kernels, monkeypatch, layer, 
         plain(*args, **kw)
 
     def run() -> np.ndarray:
-        model = GpuModel(gpu, kernels, spec, weights, slots=3, max_ctx=64, kv_dtype="int8")
+        model = GpuModel(gpu, kernels, spec, weights, slots=4, max_ctx=64, kv_dtype="int8")
         try:
             out = []
             for p in range(len(toks)):
-                model.decode(toks[p], [p] * 3, [0, 1, 2], graph=False)  # eager: every step's launches recorded
-                out.append(model.logits(3))
+                model.decode(toks[p], [p] * 4, [0, 1, 2, 3], graph=False)  # eager: every step's launches recorded
+                out.append(model.logits(4))
             return np.stack(out)
         finally:
             model.free()
@@ -53,7 +54,7 @@ def test_batched_records_give_the_same_logits(gpu, kernels, monkeypatch, layer, 
     try:
         monkeypatch.setattr(linear, "gemv", gemv)
         with_records = run()
-        assert rows and set(rows) == {3}, f"the batched steps did not take x_records at M = 3: {rows}"
+        assert rows and set(rows) == {4}, f"the batched steps did not take x_records at M = 4: {rows}"
         rows.clear()
         module, name = switch.split(".")
         monkeypatch.setattr({"attention": attention, "deltanet": deltanet}[module], name, False)
