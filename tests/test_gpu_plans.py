@@ -91,8 +91,9 @@ def test_fused_moe_plan_and_misuse():
     ("q4g32", 2, 3, "moe_gate_up_routed_t2_q4g32"),  # no b3 build of this format
 ])
 def test_routed_gate_up_build_per_row_count(monkeypatch, fmt, M, blocks_per_sm, want):
-    """moe.gate_up_routed of the 35B's bank [256, 1024, 2048] picks the build at 3 blocks an SM (moe.GATE_UP_BLOCKS_PER_SM)
-    for several rows of a format that has one, on the same grid (M·k, 2I/32) and shared memory (H/32 records)."""
+    """moe.gate_up_routed of the 35B's bank [256, 1024, 2048] picks the build at 3 blocks an SM
+    (moe.GATE_UP_BLOCKS_PER_SM) for several rows of a format that has one, on the same grid (M·k, 2I/32) and shared
+    memory (H/32 records)."""
     from ninfer_rt.gpu import moe
     from ninfer_rt.gpu.weights import DeviceWeight
 

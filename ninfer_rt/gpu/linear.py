@@ -128,11 +128,11 @@ def plan_gemv(w: DeviceWeight, m: int, sm_count: int, *, kw_log2: int | None = N
     fills one wave of resident blocks (a short N with a long K splits K instead), x̂ slabs under 46 KB of equal
     length, in whole warp sweeps where possible. kw_log2 / ks override the choice (tests cover every split).
 
-    At m <= _STREAM_MAX_M with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows at
-    m = 1 and no ks given, the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block
-    kernel is faster only on the lm_head at m = 1, perf-history.md v11; at m = 2 the block kernels ran at half the
-    stream kernel's rate, v81, and the lm_head too streams faster, v83); stream=False keeps the block kernel, stream=True insists on the stream kernel; d and blocks
-    override the stream plan's choices (tests and the benchmark's sweep)."""
+    At m <= _STREAM_MAX_M with all of x̂ in one slab (K <= _stream_k_cap), fewer than _STREAM_BLOCK_ROWS rows at m = 1
+    and no ks given, the plan is a stream kernel's instead (plan_stream; on the int16-x̂ kernels the block kernel is
+    faster only on the lm_head at m = 1, perf-history.md v11; at m = 2 the block kernels ran at half the stream kernel's
+    rate, v81, and the lm_head too streams faster, v83); stream=False keeps the block kernel, stream=True insists on the
+    stream kernel; d and blocks override the stream plan's choices (tests and the benchmark's sweep)."""
     prefix, bits, eu = _code(w)
     n, k = w.shape
     if not 1 <= m <= MAX_M:

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.gpu
                                       ("tiny", (5, 40))])
 def test_decode_writes_o_proj_records(kernels, gpu, dev, rng, dims, pos, dtype):
     """One token per sequence on the CUDA-core path (its combine block holds 32 columns of a head): the records of
-    all M rows equal act_records16 of out [M, nH·d] in both orders (q8 and nibble weights), and out is the same bits as without them;
-    decode says it wrote them."""
+    all M rows equal act_records16 of out [M, nH·d] in both orders (q8 and nibble weights), and out is the same bits
+    as without them; decode says it wrote them."""
     from ninfer_rt.gpu import attention
     nH, nKV, d = DIMS[dims][:3]
     B, T = len(pos), 1

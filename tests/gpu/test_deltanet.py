@@ -322,8 +322,8 @@ def test_step_ba_before_or_after_the_wait(kernels, dev, dims):
 def test_step_writes_out_proj_records(kernels, dev, dims):
     """out_records: the step also writes y as out_proj's x̂, whose record bytes (codes, d, Σq of all B·T rows)
     equal reference.ops.act_records16 of the step's own y [B·T, nv·dv] in both orders (the codes are exact
-    functions of y), at 2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's dv = 128 on a
-    cluster of 4, dv = 32 in one block); y is the same bits as without records."""
+    functions of y), at 2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's
+    dv = 128 on a cluster of 4, dv = 32 in one block); y is the same bits as without records."""
     import torch
 
     from ninfer_rt.gpu import deltanet

@@ -415,8 +415,8 @@ def test_stream_plans_of_several_rows():
     """M = 2..4 with all of K in one slab of M-row chunk records takes the stream kernel of M rows (gemv_*_s{M}):
     one unit per lane and row, the M = 1 plan's blocks; the slab is K/32 chunks of x_chunk_bytes(M) (int16 codes
     and (d, Σq) of every row, padded to an odd number of 16-byte units; fp32 rows of 36 plus 4 at even M for
-    bf16) within 100 KB (opted in past 46 KB), so the longest K shrinks with M; at any N. Launches stage x from registers (no
-    copy, no swiglu kernel of its own), with d appended."""
+    bf16) within 100 KB (opted in past 46 KB), so the longest K shrinks with M; at any N. Launches stage x from
+    registers (no copy, no swiglu kernel of its own), with d appended."""
     for fmt in ("q4g64", "q5g32", "q6g64", "q8g32", "bf16"):
         bits = 16 if fmt == "bf16" else int(fmt[1])
         code = "bf16" if bits == 16 else fmt[:2]
