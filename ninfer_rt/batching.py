@@ -33,6 +33,7 @@ import numpy as np
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_prefix import JsonPrefix
+from ninfer_rt.json_schema import Node, SchemaPrefix
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner
@@ -61,7 +62,7 @@ class Generation:
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
                  snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 json_object: bool = False):
+                 json_object: bool = False, json_schema: Node | None = None):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
         self.logprobs = logprobs  # None: none; n: each token's logprob and its n most likely alternatives'
         self.prompt_logprobs = prompt_logprobs  # the same for the prompt's tokens
@@ -70,7 +71,9 @@ class Generation:
         self._prompt_lp = [TokenLogprob(ids[0], math.nan)] if prompt_logprobs is not None else []
         self._drawn: TokenLogprob | None = None  # the last draw's, kept once the token is
         self.sampler = Sampler(params)
-        self.constraint = JsonPrefix() if json_object else None  # the output must be a JSON object
+        # the output must be a JSON object, or JSON the schema accepts
+        self.constraint = (SchemaPrefix(json_schema) if json_schema is not None
+                           else JsonPrefix() if json_object else None)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
         self.done = False
@@ -138,7 +141,7 @@ class Batch:
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
             stop: list[str] | None = None, snapshot_at: int | None = None,
             logprobs: int | None = None, prompt_logprobs: int | None = None,
-            json_object: bool = False) -> Generation:
+            json_object: bool = False, json_schema: Node | None = None) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
@@ -146,7 +149,8 @@ class Batch:
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
         n_predict 0 does. json_object: the output is a JSON object (json_prefix; its tokens are then drawn on the
         host, each draw the constraint refuses masked out and drawn again, and a stop token only once the object
-        has closed). NinferError when the batch is full or the request is bad."""
+        has closed). json_schema (json_schema.compile_schema's): the same against a schema, the stop token once
+        the value it accepts is complete. NinferError when the batch is full or the request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -163,7 +167,7 @@ class Batch:
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs,
-                       prompt_logprobs, json_object)
+                       prompt_logprobs, json_object, json_schema)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
@@ -321,15 +325,15 @@ class Batch:
             if (after := self._allows(g.constraint, token)) is not None:
                 g.constraint = after
                 return token
-        raise NinferError("no token of the vocabulary continues the JSON object")
+        raise NinferError("no token of the vocabulary continues the JSON reply")
 
-    def _allows(self, c: JsonPrefix, token: int) -> JsonPrefix | None:
-        """c advanced over token's bytes, or None where token cannot continue the object: an added token, or a stop
-        token before the object has closed (and nothing but a stop token after)."""
+    def _allows(self, c: JsonPrefix | SchemaPrefix, token: int) -> JsonPrefix | SchemaPrefix | None:
+        """c advanced over token's bytes, or None where token cannot continue the JSON: an added token, or a stop
+        token before the value is complete (and nothing but a stop token once it has closed)."""
         tok = self.model.tokenizer
         if tok.is_stop(token):
             return c if c.complete else None
-        if c.complete or tok.is_added(token):
+        if c.closed or tok.is_added(token):
             return None
         after = c.copy()
         return after if after.feed(tok.token_bytes(token)) else None

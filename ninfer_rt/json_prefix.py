@@ -51,6 +51,8 @@ class JsonPrefix:
         """The top-level object has closed."""
         return self.started and not self.stack and self.state == _AFTER
 
+    closed = complete  # nothing but whitespace may follow (json_schema.SchemaPrefix's closed, for Batch)
+
     def feed(self, data: bytes) -> bool:
         """Advance over data; False as soon as a byte cannot continue a JSON object (the state is then
         undefined: feed a copy() to try a token)."""

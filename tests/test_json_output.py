@@ -82,10 +82,10 @@ def steered(packed_model, monkeypatch):
     return packed_model, ids
 
 
-def run(model, json_object: bool, sampling=GREEDY, max_new_tokens: int = 64):
+def run(model, json_object: bool, sampling=GREEDY, max_new_tokens: int = 64, json_schema=None):
     batch = model.batch(1)
     g = batch.add(model.tokenizer.encode("Reply in JSON"), max_new_tokens=max_new_tokens, sampling=sampling,
-                  json_object=json_object)
+                  json_object=json_object, json_schema=json_schema)
     text = ""
     while batch.busy:
         batch.step()
@@ -118,7 +118,8 @@ def test_a_budget_that_ends_first_leaves_a_prefix(steered):
 
 def test_the_server_answers_a_json_object(steered):
     """response_format json_object on both endpoints: the object, whole and streamed, as the content (the prompt's
-    reasoning closed, so the reply is not taken for reasoning); json_schema is refused, not ignored."""
+    reasoning closed, so the reply is not taken for reasoning); a json_schema without its schema, or an unknown
+    format, is refused, not ignored."""
     model, _ = steered
     with Running(model) as r:
         chat = {"messages": [{"role": "user", "content": "JSON please"}], "temperature": 0,
@@ -131,8 +132,71 @@ def test_the_server_answers_a_json_object(steered):
                                                    "response_format": {"type": "json_object"}})
         assert status == 200 and body["choices"][0]["text"] == T
         status, body = r.json("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}})
-        assert status == 400 and body["error"]["message"] == ("response_format 'json_schema' is not supported: use "
-                                                              "text or json_object")
+        assert status == 400 and body["error"]["message"] == ("response_format json_schema needs json_schema.schema, "
+                                                              "a JSON Schema object")
+        status, body = r.json("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}})
+        assert status == 400 and body["error"]["param"] == "response_format"
+        status, body = r.json("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+        assert status == 400 and body["error"]["param"] == "response_format"
+
+
+# ------------------------------------------------------------------------------------------------ json_schema
+
+# T's shape as a schema: a string, an array of numbers, booleans and nulls, a string, no other keys
+T_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "s"],
+            "properties": {"name": {"type": "string"}, "s": {"type": "string"},
+                           "n": {"type": "array", "items": {"type": ["number", "boolean", "null"]}}}}
+T2 = '{"name": 12}'
+T2_SCHEMA = {"type": "object", "properties": {"name": {"type": "integer"}}, "required": ["name"],
+             "additionalProperties": False}
+
+
+def test_a_schema_holds_the_reply_to_it(steered):
+    """T's own schema lets the steered reply through as json_object does; it validates (jsonschema)."""
+    import jsonschema
+
+    from ninfer_rt.json_schema import compile_schema
+    model, ids = steered
+    g, text = run(model, json_object=False, json_schema=compile_schema(T_SCHEMA))
+    assert g.stats.token_ids == ids[:-1] and text == T and g.stats.finish_reason == "eos"
+    jsonschema.validate(json.loads(text), T_SCHEMA)
+
+
+def test_a_schema_refuses_what_a_json_object_takes(packed_model, monkeypatch):
+    """Steered toward T2 with decoys at the value a JSON object may take (a string, true, null) but an integer
+    may not: json_object takes the first decoy, the schema refuses all three and the reply is T2."""
+    from ninfer_rt.json_schema import compile_schema
+    tok = packed_model.tokenizer
+    ids = tok.encode(T2) + [min(tok.eos_ids)]
+    at = next(i for i in range(len(ids)) if tok.decode(ids[:i]) in ('{"name":', '{"name": '))
+    by_bytes = {tok.token_bytes(i): i for i in range(packed_model.real_vocab_size) if not tok.is_added(i)}
+    decoys = [[] for _ in ids]
+    decoys[at] = [by_bytes[b'"'], by_bytes[b"t"], by_bytes[b"n"]]
+    monkeypatch.setattr(packed_model, "_backend", Steer(packed_model.real_vocab_size, ids, decoys))
+    g, text = run(packed_model, json_object=False, json_schema=compile_schema(T2_SCHEMA))
+    assert text == T2 and g.stats.finish_reason == "eos"
+    g, text = run(packed_model, json_object=True, max_new_tokens=at + 1)
+    assert g.stats.token_ids[at] == by_bytes[b'"']
+
+
+def test_the_server_answers_a_json_schema(steered):
+    """response_format json_schema (OpenAI's shape: json_schema.name / .schema / .strict) on both endpoints; a
+    schema outside the subset is a 400 naming its keyword; with a forced tool call a 400."""
+    model, _ = steered
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "strict": True, "schema": T_SCHEMA}}
+    with Running(model) as r:
+        chat = {"messages": [{"role": "user", "content": "JSON please"}], "temperature": 0, "response_format": fmt}
+        status, body = r.json("/v1/chat/completions", chat)
+        assert status == 200 and body["choices"][0]["message"]["content"] == T
+        assert "reasoning_content" not in body["choices"][0]["message"]
+        status, body = r.json("/v1/completions", {"prompt": "JSON:", "temperature": 0, "max_tokens": 64,
+                                                   "response_format": fmt})
+        assert status == 200 and body["choices"][0]["text"] == T
+        bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"anyOf": [{"type": "string"}]}}}
+        status, body = r.json("/v1/chat/completions", {**chat, "response_format": bad})
+        assert status == 400 and body["error"]["param"] == "response_format"
+        assert body["error"]["message"].startswith("json_schema: #: 'anyOf' is not supported")
         status, body = r.json("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
         assert status == 400 and body["error"]["param"] == "response_format"

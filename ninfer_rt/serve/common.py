@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ninfer_rt.errors import NinferError
+from ninfer_rt.json_schema import Node
 from ninfer_rt.sampling import SamplingParams, requested_sampling
 
 MAX_STOPS = 16          # stop strings a request may give (OpenAI allows 4, vLLM any number)
@@ -130,6 +131,12 @@ class Job:
     forced_call: str | None = None  # tool_choice forcing a call: "" any of the tools, else that tool's name
     n: int = 1  # OpenAI: choices of the prompt, each its own sequence of the batch
     json_object: bool = False  # OpenAI response_format json_object: the reply is one JSON object
+    json_schema: Node | None = None  # OpenAI response_format json_schema: the reply is JSON this schema accepts
+
+    @property
+    def json_reply(self) -> bool:
+        """The reply is JSON (json_object or json_schema) from its first token."""
+        return self.json_object or self.json_schema is not None
 
 
 @dataclass
@@ -149,6 +156,7 @@ class Prepared:
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
     json_object: bool = False  # Batch.add's: the reply is constrained to one JSON object
+    json_schema: Node | None = None  # Batch.add's: the reply is constrained to JSON this schema accepts
 
 
 def choice_prepared(prepared: Prepared, i: int) -> Prepared:
@@ -202,8 +210,8 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     """The rendered chat prompt of a messages job (None for a raw prompt); NinferError from the template becomes
     a 400 naming it. generation_prompt False: the history alone, without the assistant turn's opening. A forced
     tool call ends the prompt inside the call (call_opening), its reasoning closed empty, as the template writes
-    it with thinking off: a call made to come first has nothing to think before it. A JSON reply (json_object)
-    closes the reasoning the same way: the object starts at the reply's first token."""
+    it with thinking off: a call made to come first has nothing to think before it. A JSON reply (json_object,
+    json_schema) closes the reasoning the same way: the JSON starts at the reply's first token."""
     if job.messages is None:
         return None
     if job.continue_final and generation_prompt:
@@ -213,7 +221,7 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
-    if generation_prompt and (job.forced_call is not None or job.json_object):
+    if generation_prompt and (job.forced_call is not None or job.json_reply):
         if text.rstrip("\n").endswith("<think>"):  # the reply is the call or the object from its first token
             text = text.rstrip("\n") + "\n\n</think>\n\n"
         if job.forced_call is not None:
@@ -284,7 +292,8 @@ def prepare(model, job: Job) -> Prepared:
     scored = job.echo and job.logprobs is not None
     # a JSON reply holds no tool call: its text is not searched for one
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, None if job.json_object else job.tools,
+                    thinking, None if job.json_reply else job.tools,
                     history_length(model, job, ids) if model.can_snapshot else None,
                     job.logprobs, echo, (job.logprobs or 0) if scored else None,
-                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_object)
+                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_object,
+                    job.json_schema)
