@@ -13,6 +13,7 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - arrays: `items`, `minItems`, `maxItems`;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
   ensure_ascii=False)` writes them);
+- `anyOf` whose branches a value's first byte tells apart (pydantic's Optional: `[{"type": X}, {"type": "null"}]`);
 - `$ref` to `#/$defs/<name>` or `#/definitions/<name>` (recursive schemas too);
 - annotations, ignored: title, description, default, examples, format, $schema, $id, $comment.
 """
@@ -27,7 +28,7 @@ from ninfer_rt.json_prefix import WHITESPACE
 
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                       "enum", "const", "$ref", "$defs", "definitions"})
+                       "enum", "const", "$ref", "$defs", "definitions", "anyOf"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment"})
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -51,6 +52,7 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
+    any_of: tuple | None = None                    # branches told apart by a value's first byte
 
 
 ANY = Node()
@@ -76,6 +78,8 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"json_schema: {where}: {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
+        if "anyOf" in s:
+            return self.any_of(s, where)
         if "$ref" in s:
             if set(s) - _ANNOTATIONS - {"$ref", "$defs", "definitions"}:
                 raise SchemaError(f"json_schema: {where}: $ref must stand alone beside annotations and $defs")
@@ -121,6 +125,23 @@ class _Compiler:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
         return n
 
+    def any_of(self, s: dict, where: str) -> Node:
+        """anyOf whose branches no first byte of a value could enter twice (pydantic's Optional: a type and null),
+        so the first byte picks the branch; other anyOfs would need several parses at once and are refused."""
+        if set(s) - _ANNOTATIONS - {"anyOf", "$defs", "definitions"}:
+            raise SchemaError(f"json_schema: {where}: anyOf must stand alone beside annotations and $defs")
+        if not isinstance(s["anyOf"], list) or not s["anyOf"]:
+            raise SchemaError(f"json_schema: {where}: anyOf must be a non-empty array")
+        branches = tuple(self.node(b, f"{where}/anyOf/{i}") for i, b in enumerate(s["anyOf"]))
+        seen: set[int] = set()
+        for b in branches:
+            first = _first_bytes(b)
+            if first & seen:
+                raise SchemaError(f"json_schema: {where}: anyOf branches that a value's first byte does not tell "
+                                  "apart (two of one type) are not supported")
+            seen |= first
+        return Node(any_of=branches)
+
     def ref(self, ref, where: str) -> Node:
         if ref in self.refs:
             return self.refs[ref]
@@ -133,6 +154,19 @@ class _Compiler:
         self.refs[ref] = n = Node()  # filled below; a recursive $ref meets this same object
         n.__dict__.update(self.node(target, ref).__dict__)
         return n
+
+
+_TYPE_FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
+               "boolean": b"tf", "null": b"n"}
+
+
+def _first_bytes(n: Node) -> set[int]:
+    """The bytes a value of n may begin with (whitespace aside)."""
+    if n.any_of is not None:
+        return set().union(*(_first_bytes(b) for b in n.any_of))
+    if n.enum is not None:
+        return {o[0] for o in n.enum}
+    return set(b"".join(_TYPE_FIRST[t] for t in (TYPES if n.types is None else n.types)))
 
 
 def _json_type(v) -> set[str]:
@@ -225,6 +259,12 @@ class _Value(_Frame):
     def step(self, b: int, sp: SchemaPrefix) -> int:
         if b in WHITESPACE:
             return _OK
+        if self.node.any_of is not None:  # the branch this first byte enters (at most one, compile_schema checked)
+            branch = next((n for n in self.node.any_of if b in _first_bytes(n)), None)
+            if branch is None:
+                return _REJECT
+            self.node = branch
+            return self.step(b, sp)
         n, types = self.node, self.node.types
         allows = (lambda t: True) if types is None else (lambda t: t in types)
         if n.enum is not None:

@@ -27,8 +27,14 @@ TREE = {"$defs": {"node": {"type": "object", "required": ["v"],
         "$ref": "#/$defs/node"}
 OPEN = {"type": "object", "properties": {"n": {"type": "number"}}, "additionalProperties": {"type": "string"}}
 ROOT_NUMBER = {"type": "number", "description": "annotations are ignored", "title": "x"}
+# pydantic's shape of Optional fields and a nested model
+OPTIONAL = {"type": "object", "required": ["id"], "additionalProperties": False,
+            "$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}}},
+            "properties": {"id": {"type": "integer"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                           "pet": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "default": None},
+                           "n": {"anyOf": [{"type": "number"}, {"type": "array", "items": {"type": "number"}}]}}}
 ANY = {}
-SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY}
+SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL}
 
 DOCS = {
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
@@ -37,6 +43,8 @@ DOCS = {
     "open": [{}, {"n": -0.5, "a": "x", "b": "y"}, {"zz": "1"}],
     "number": [0, -12.25, 3e9, 7],
     "any": [{"a": [1, {"b": None}], "c": "d"}, [], "s", 1.5, True, None],
+    "optional": [{"id": 1}, {"id": 2, "note": None, "pet": {"kind": "dog"}, "n": [1, 2.5]},
+                 {"note": "x", "pet": None, "n": -3, "id": 0}],
 }
 
 
@@ -134,7 +142,10 @@ def test_a_root_number_may_go_on_or_stop():
 
 
 @pytest.mark.parametrize("schema, what", [
-    ({"anyOf": [{"type": "string"}]}, "'anyOf' is not supported"),
+    ({"not": {"type": "string"}}, "'not' is not supported"),
+    ({"anyOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "does not tell apart"),
+    ({"anyOf": [{"type": "integer"}, {"enum": [1, "a"]}]}, "does not tell apart"),
+    ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf must stand alone"),
     ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
     ({"type": "date"}, "type must be one of"),
     ({"$ref": "http://example.com/s"}, "only #/$defs/<name>"),
