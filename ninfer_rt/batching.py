@@ -32,8 +32,7 @@ import numpy as np
 
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
-from ninfer_rt.json_prefix import JsonPrefix
-from ninfer_rt.json_schema import Node, SchemaPrefix
+from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaPrefix
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner
@@ -62,7 +61,7 @@ class Generation:
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
                  snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 json_object: bool = False, json_schema: Node | None = None):
+                 json_schema: Node | None = None):
         self.prompt, self.budget, self.snapshot_at = ids, budget, snapshot_at
         self.logprobs = logprobs  # None: none; n: each token's logprob and its n most likely alternatives'
         self.prompt_logprobs = prompt_logprobs  # the same for the prompt's tokens
@@ -71,9 +70,7 @@ class Generation:
         self._prompt_lp = [TokenLogprob(ids[0], math.nan)] if prompt_logprobs is not None else []
         self._drawn: TokenLogprob | None = None  # the last draw's, kept once the token is
         self.sampler = Sampler(params)
-        # the output must be a JSON object, or JSON the schema accepts
-        self.constraint = (SchemaPrefix(json_schema) if json_schema is not None
-                           else JsonPrefix() if json_object else None)
+        self.constraint = SchemaPrefix(json_schema) if json_schema is not None else None  # the output is JSON
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
         self.done = False
@@ -147,10 +144,10 @@ class Batch:
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
         token (the whole prompt is then prefilled, no cached prefix reused). max_new_tokens 0 only prefills the
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
-        n_predict 0 does. json_object: the output is a JSON object (json_prefix; its tokens are then drawn on the
-        host, each draw the constraint refuses masked out and drawn again, and a stop token only once the object
-        has closed). json_schema (json_schema.compile_schema's): the same against a schema, the stop token once
-        the value it accepts is complete. NinferError when the batch is full or the request is bad."""
+        n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
+        drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
+        the object has closed). json_schema (json_schema.compile_schema's): the same against a schema, the stop
+        token once the value it accepts is complete. NinferError when the batch is full or the request is bad."""
         ids = self.model._check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -167,7 +164,7 @@ class Batch:
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs,
-                       prompt_logprobs, json_object, json_schema)
+                       prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._running.append(g)
@@ -327,7 +324,7 @@ class Batch:
                 return token
         raise NinferError("no token of the vocabulary continues the JSON reply")
 
-    def _allows(self, c: JsonPrefix | SchemaPrefix, token: int) -> JsonPrefix | SchemaPrefix | None:
+    def _allows(self, c: SchemaPrefix, token: int) -> SchemaPrefix | None:
         """c advanced over token's bytes, or None where token cannot continue the JSON: an added token, or a stop
         token before the value is complete (and nothing but a stop token once it has closed)."""
         tok = self.model.tokenizer

@@ -2,9 +2,11 @@
 
 `compile_schema(schema)` checks a schema against the subset enforced here and returns its root `Node`; anything
 outside the subset is a `SchemaError` with a one-line reason (the server answers 400), never a constraint that is
-silently looser than the schema. `SchemaPrefix(root)` has `json_prefix.JsonPrefix`'s interface (`feed`, `complete`,
-`copy`): `feed` says whether the bytes so far can still continue a JSON text the schema accepts, so
-`batching.Batch._constrained` draws against either.
+silently looser than the schema. `SchemaPrefix(root)` is the automaton `batching.Batch._constrained` draws against
+(`feed`, `complete`, `closed`, `copy`): `feed` says whether the bytes so far can still continue a JSON text the schema
+accepts. `JSON_OBJECT` is the root of `response_format: {"type": "json_object"}`: any JSON object (RFC 8259), keys
+free to repeat. Strings take any byte but the controls (0x00-0x1f), so a token may carry part of a
+UTF-8 character; numbers follow JSON's grammar (no leading zeros, a digit after `.` and after the exponent).
 
 The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_grammar` both take:
 - `type`: object, array, string, number, integer, boolean, null, or a list of them (none: any value);
@@ -24,8 +26,8 @@ import json
 from dataclasses import dataclass, field
 
 from ninfer_rt.errors import NinferError
-from ninfer_rt.json_prefix import WHITESPACE
 
+WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf"})
@@ -53,9 +55,14 @@ class Node:
     max_items: int | None = None
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
     any_of: tuple | None = None                    # branches told apart by a value's first byte
+    unique: bool = True                            # an object's keys may not repeat
 
 
 ANY = Node()
+# json_object's values: any JSON value whose objects' keys may repeat, all the way down
+_LOOSE = Node(unique=False)
+_LOOSE.additional = _LOOSE.items = _LOOSE
+JSON_OBJECT = Node(types=frozenset({"object"}), additional=_LOOSE, unique=False)  # one object, whatever it holds
 
 
 def compile_schema(schema) -> Node:
@@ -404,14 +411,17 @@ class _Object(_Frame):
             if r == _REJECT or (closed is not None and not any(k.startswith(self.key.raw) for k in closed)):
                 return _REJECT
             if r == _DONE:
+                self.state, n = self.COLON, self.node
+                if not n.unique and not n.props:  # any key, any value: its name is not needed (nor UTF-8)
+                    self.value = n.additional or ANY
+                    return _OK
                 try:
                     name = json.loads(b'"' + self.key.raw + b'"')
                 except ValueError:  # not UTF-8
                     return _REJECT
-                if name in self.used or (closed is not None and self.key.raw not in closed):
+                if (n.unique and name in self.used) or (closed is not None and self.key.raw not in closed):
                     return _REJECT
-                self.used, self.state = self.used | {name}, self.COLON
-                self.value = self.node.props.get(name, self.node.additional or ANY)
+                self.used, self.value = self.used | {name}, n.props.get(name, n.additional or ANY)
             return _OK
         if b in WHITESPACE:
             return _OK

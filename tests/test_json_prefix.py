@@ -1,4 +1,4 @@
-"""ninfer_rt.json_prefix.JsonPrefix against Python's json parser (the oracle).
+"""json_schema.JSON_OBJECT (the json_object constraint) against Python's json parser (the oracle).
 
 - Every prefix of a serialized JSON object (random nesting, strings with escapes and non-ASCII text, numbers of
   every form, literals; compact, spaced or indented) is accepted, fed whole or split into random pieces; the
@@ -16,7 +16,11 @@ import random
 
 import pytest
 
-from ninfer_rt.json_prefix import JsonPrefix
+from ninfer_rt.json_schema import JSON_OBJECT, SchemaPrefix
+
+
+def json_object_prefix() -> SchemaPrefix:
+    return SchemaPrefix(JSON_OBJECT)
 
 
 def random_value(rng: random.Random, depth: int):
@@ -51,7 +55,7 @@ def reject(name: str):
 
 def feeds(data: bytes) -> tuple[bool, bool]:
     """(every byte accepted, and then the object complete)."""
-    j = JsonPrefix()
+    j = json_object_prefix()
     accepted = j.feed(data)
     return accepted, accepted and j.complete
 
@@ -66,13 +70,13 @@ def documents(seed: int, n: int):
 @pytest.mark.parametrize("seed", range(4))
 def test_every_prefix_of_an_object_is_accepted_and_only_the_whole_is_complete(seed):
     for rng, data in documents(seed, 60):
-        j = JsonPrefix()
+        j = json_object_prefix()
         for i, b in enumerate(data):
             assert j.feed(bytes([b])), f"byte {i} of {data!r} refused"
             assert j.complete == (i == len(data) - 1), f"complete is wrong at byte {i} of {data!r}"
         assert j.feed(b" \n\t") and j.complete
         cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1)))
-        k = JsonPrefix()
+        k = json_object_prefix()
         assert all(k.feed(piece) for piece in (data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])))
         assert k.complete
 
@@ -119,7 +123,7 @@ def test_the_grammar_edges(text, accepted, complete):
 
 
 def test_a_copy_is_independent():
-    j = JsonPrefix()
+    j = json_object_prefix()
     assert j.feed(b'{"a": [')
     c = j.copy()
     assert not c.feed(b"}") and j.feed(b"1]}") and j.complete

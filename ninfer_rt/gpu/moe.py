@@ -157,7 +157,7 @@ def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logit
     name, E, H, I, grid, smem = _gate_up_kernel(k, op, w, M, top_k, x % 16 == 0 and norm_w % 16 == 0, E)
     if GATE_UP_BLOCKS_PER_SM == 3 and M > 1 and name == f"moe_{op}_t2_{w.fmt}" and w.fmt in GATE_UP_B3_FORMATS:
         name = f"moe_{op}_b3_t2_{w.fmt}"
-        smem = _smem(k, op, name, H // 32 * QCHUNK)
+        _smem(k, op, name, smem)  # the same bytes as the one-row build's, opted in for this entry too
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(norm_w), f32(eps),
             ptr(logits), i32(ld), i32(top_k), ptr(ids), ptr(weights), ptr(shared_scale), ptr(act)]

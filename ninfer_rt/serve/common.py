@@ -130,13 +130,9 @@ class Job:
     echo: bool = False  # completions: the reply starts with the prompt (and its tokens' logprobs, where asked)
     forced_call: str | None = None  # tool_choice forcing a call: "" any of the tools, else that tool's name
     n: int = 1  # OpenAI: choices of the prompt, each its own sequence of the batch
-    json_object: bool = False  # OpenAI response_format json_object: the reply is one JSON object
-    json_schema: Node | None = None  # OpenAI response_format json_schema: the reply is JSON this schema accepts
-
-    @property
-    def json_reply(self) -> bool:
-        """The reply is JSON (json_object or json_schema) from its first token."""
-        return self.json_object or self.json_schema is not None
+    # OpenAI response_format json_schema (compiled) or json_object (json_schema.JSON_OBJECT): the reply is JSON it
+    # accepts, from its first token
+    json_schema: Node | None = None
 
 
 @dataclass
@@ -155,7 +151,6 @@ class Prepared:
     echo: str | None = None         # the prompt's text, where the Job echoes it
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
-    json_object: bool = False  # Batch.add's: the reply is constrained to one JSON object
     json_schema: Node | None = None  # Batch.add's: the reply is constrained to JSON this schema accepts
 
 
@@ -221,7 +216,7 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
-    if generation_prompt and (job.forced_call is not None or job.json_reply):
+    if generation_prompt and (job.forced_call is not None or job.json_schema is not None):
         if text.rstrip("\n").endswith("<think>"):  # the reply is the call or the object from its first token
             text = text.rstrip("\n") + "\n\n</think>\n\n"
         if job.forced_call is not None:
@@ -292,8 +287,7 @@ def prepare(model, job: Job) -> Prepared:
     scored = job.echo and job.logprobs is not None
     # a JSON reply holds no tool call: its text is not searched for one
     return Prepared(ids, sampling, budget if job.max_tokens is None else min(job.max_tokens, budget), job.stop,
-                    thinking, None if job.json_reply else job.tools,
+                    thinking, None if job.json_schema is not None else job.tools,
                     history_length(model, job, ids) if model.can_snapshot else None,
                     job.logprobs, echo, (job.logprobs or 0) if scored else None,
-                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_object,
-                    job.json_schema)
+                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_schema)

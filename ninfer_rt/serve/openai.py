@@ -15,7 +15,7 @@ import time
 import uuid
 
 from ninfer_rt.api import GenerationStats
-from ninfer_rt.json_schema import Node, SchemaError, compile_schema
+from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
 from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float,
                                     get_int, get_stops)
@@ -56,22 +56,22 @@ def _choices(body: dict) -> int:
     return get_int(body, "n", 1, MAX_CHOICES, 1)
 
 
-def _response_format(body: dict) -> tuple[bool, Node | None]:
-    """response_format: text (the default), json_object (the reply is one JSON object) or json_schema (the reply is
-    JSON its json_schema.schema accepts, within json_schema.py's subset: a schema outside it is refused, not
-    loosened). Returns (json_object, the compiled schema or None)."""
+def _response_format(body: dict) -> Node | None:
+    """response_format: text (the default: None), json_object (the reply is one JSON object: JSON_OBJECT) or
+    json_schema (the reply is JSON its json_schema.schema accepts, within json_schema.py's subset: a schema outside
+    it is refused, not loosened; its compiled root)."""
     fmt = get(body, "response_format", (dict,), "an object", {})
     kind = fmt.get("type", "text")
     if kind not in ("text", "json_object", "json_schema"):
         raise bad(f"response_format {kind!r} is not supported: use text, json_object or json_schema",
                   "response_format")
     if kind != "json_schema":
-        return kind == "json_object", None
+        return JSON_OBJECT if kind == "json_object" else None
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise bad("response_format json_schema needs json_schema.schema, a JSON Schema object", "response_format")
     try:
-        return False, compile_schema(spec["schema"])
+        return compile_schema(spec["schema"])
     except SchemaError as e:
         raise bad(str(e), "response_format") from None
 
@@ -174,8 +174,8 @@ def parse_chat(body: dict) -> Job:
                   "continue_final_message")
     if forced is not None and continue_final:
         raise bad("a forced tool call starts the reply: it cannot continue the final message", "tool_choice")
-    json_object, json_schema = _response_format(body)
-    if forced is not None and (json_object or json_schema is not None):
+    json_schema = _response_format(body)
+    if forced is not None and json_schema is not None:
         raise bad("a forced tool call and a JSON response_format each ask for the whole reply", "response_format")
     job = Job(messages=messages, tools=None if choice == "none" else tools, continue_final=continue_final,
               forced_call=forced,
@@ -183,7 +183,7 @@ def parse_chat(body: dict) -> Job:
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body),
-              json_object=json_object, json_schema=json_schema)
+              json_schema=json_schema)
     return job
 
 
@@ -204,7 +204,7 @@ def parse_completion(body: dict) -> Job:
               echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
-    job.json_object, job.json_schema = _response_format(body)
+    job.json_schema = _response_format(body)
     return job
 
 
