@@ -32,7 +32,8 @@ import numpy as np
 
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
-from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaPrefix
+from ninfer_rt.json_automaton import SchemaPrefix
+from ninfer_rt.json_schema import JSON_OBJECT, Node
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner

@@ -2,17 +2,19 @@
 
 `compile_schema(schema)` checks a schema against the subset enforced here and returns its root `Node`; anything
 outside the subset is a `SchemaError` with a one-line reason (the server answers 400), never a constraint that is
-silently looser than the schema. `SchemaPrefix(root)` is the automaton `batching.Batch._constrained` draws against
-(`feed`, `complete`, `closed`, `copy`): `feed` says whether the bytes so far can still continue a JSON text the schema
-accepts. `JSON_OBJECT` is the root of `response_format: {"type": "json_object"}`: any JSON object (RFC 8259), keys
-free to repeat. Strings take any byte but the controls (0x00-0x1f), so a token may carry part of a
-UTF-8 character; numbers follow JSON's grammar (no leading zeros, a digit after `.` and after the exponent).
+silently looser than the schema. `json_automaton.SchemaPrefix(root)` is the automaton generation draws against.
+`JSON_OBJECT` is the root of `response_format: {"type": "json_object"}`: any JSON object (RFC 8259), keys free to
+repeat.
 
 The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_grammar` both take:
 - `type`: object, array, string, number, integer, boolean, null, or a list of them (none: any value);
 - objects: `properties`, `required`, `additionalProperties` (false, true or a schema; absent is true). Keys are
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
 - arrays: `items`, `minItems`, `maxItems`;
+- strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string);
+- numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers). Under a bound a
+  number is written without an exponent, so each prefix's reachable values are intervals checked exactly
+  (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
   ensure_ascii=False)` writes them);
 - `anyOf` whose branches a value's first byte tells apart (pydantic's Optional: `[{"type": X}, {"type": "null"}]`);
@@ -23,19 +25,19 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ninfer_rt.errors import NinferError
 
 WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                       "enum", "const", "$ref", "$defs", "definitions", "anyOf"})
+                       "enum", "const", "$ref", "$defs", "definitions", "anyOf", "minLength", "maxLength",
+                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment"})
-_ESCAPES = frozenset(b'"\\/bfnrt')
-_HEX = frozenset(b"0123456789abcdefABCDEF")
-_DIGITS = frozenset(b"0123456789")
-_LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
+LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
 
 
 class SchemaError(NinferError):
@@ -56,6 +58,49 @@ class Node:
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
     any_of: tuple | None = None                    # branches told apart by a value's first byte
     unique: bool = True                            # an object's keys may not repeat
+    min_length: int = 0                            # a string's characters
+    max_length: int | None = None
+    bounds: Bounds | None = None                   # a number's range
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """lo <= v <= hi, each side strict (<) where its flag says, None: unbounded; exact rationals."""
+
+    lo: Fraction | None = None
+    lo_strict: bool = False
+    hi: Fraction | None = None
+    hi_strict: bool = False
+
+    def holds(self, v: Fraction) -> bool:
+        return ((self.lo is None or v > self.lo or (v == self.lo and not self.lo_strict))
+                and (self.hi is None or v < self.hi or (v == self.hi and not self.hi_strict)))
+
+    def integers(self) -> tuple[int | None, int | None]:
+        """The least and the greatest integer within (None: unbounded on that side)."""
+        lo = None if self.lo is None else (math.floor(self.lo) + 1 if self.lo_strict else math.ceil(self.lo))
+        hi = None if self.hi is None else (math.ceil(self.hi) - 1 if self.hi_strict else math.floor(self.hi))
+        return lo, hi
+
+    def meets(self, a: Fraction, b: Fraction | None, integer: bool) -> bool:
+        """Some value of [a, b) (b None: unbounded), an integer where asked, lies within."""
+        if integer:
+            lo, hi = self.integers()
+            first = math.ceil(a) if lo is None else max(math.ceil(a), lo)
+            last = hi if b is None else (math.ceil(b) - 1 if hi is None else min(math.ceil(b) - 1, hi))
+            return last is None or first <= last
+        lower, lower_in = a, True  # the intersection's ends, each included or not
+        if self.lo is not None and (self.lo > a or (self.lo == a and self.lo_strict)):
+            lower, lower_in = self.lo, not self.lo_strict
+        upper, upper_in = b, False
+        if self.hi is not None and (b is None or self.hi < b):
+            upper, upper_in = self.hi, not self.hi_strict
+        return upper is None or lower < upper or (lower == upper and lower_in and upper_in)
+
+    def negated(self) -> Bounds:
+        """The bounds of -v."""
+        return Bounds(None if self.hi is None else -self.hi, self.hi_strict,
+                      None if self.lo is None else -self.lo, self.lo_strict)
 
 
 ANY = Node()
@@ -130,6 +175,18 @@ class _Compiler:
         n.min_items, n.max_items = s.get("minItems", 0), s.get("maxItems")
         if n.max_items is not None and n.max_items < n.min_items:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
+        for key in ("minLength", "maxLength"):
+            v = s.get(key)
+            if v is not None and not (type(v) is int and v >= 0):
+                raise SchemaError(f"json_schema: {where}: {key} must be a non-negative integer")
+        n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
+        if n.max_length is not None and n.max_length < n.min_length:
+            raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
+        n.bounds = _bounds(s, n.types, where)
+        if n.enum is not None:
+            n.enum = tuple(o for o in n.enum if _satisfies(json.loads(o), n))
+            if not n.enum:
+                raise SchemaError(f"json_schema: {where}: no enum value satisfies the schema's bounds")
         return n
 
     def any_of(self, s: dict, where: str) -> Node:
@@ -142,7 +199,7 @@ class _Compiler:
         branches = tuple(self.node(b, f"{where}/anyOf/{i}") for i, b in enumerate(s["anyOf"]))
         seen: set[int] = set()
         for b in branches:
-            first = _first_bytes(b)
+            first = first_bytes(b)
             if first & seen:
                 raise SchemaError(f"json_schema: {where}: anyOf branches that a value's first byte does not tell "
                                   "apart (two of one type) are not supported")
@@ -163,14 +220,52 @@ class _Compiler:
         return n
 
 
+def _bounds(s: dict, types, where: str) -> Bounds | None:
+    """The schema's numeric range (the tighter of minimum and exclusiveMinimum, likewise above), or None."""
+    lo = hi = None
+    lo_strict = hi_strict = False
+    for key, strict in (("minimum", False), ("exclusiveMinimum", True), ("maximum", False), ("exclusiveMaximum", True)):
+        if key not in s:
+            continue
+        v = s[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SchemaError(f"json_schema: {where}: {key} must be a finite number")
+        f = Fraction(v)
+        if key.endswith("inimum") and (lo is None or f > lo or (f == lo and strict)):
+            lo, lo_strict = f, strict
+        elif key.endswith("aximum") and (hi is None or f < hi or (f == hi and strict)):
+            hi, hi_strict = f, strict
+    if lo is None and hi is None:
+        return None
+    b = Bounds(lo, lo_strict, hi, hi_strict)
+    integer = types is not None and "number" not in types
+    if integer:
+        first, last = b.integers()
+        empty = first is not None and last is not None and first > last
+    else:
+        empty = lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_strict or hi_strict)))
+    if empty and (types is None or {"number", "integer"} & types):
+        raise SchemaError(f"json_schema: {where}: no {'integer' if integer else 'number'} lies within the bounds")
+    return b
+
+
+def _satisfies(v, n: Node) -> bool:
+    """An enum value (json.loads' Python value) against the node's string lengths and numeric bounds."""
+    if isinstance(v, str):
+        return n.min_length <= len(v) and (n.max_length is None or len(v) <= n.max_length)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and n.bounds is not None:
+        return n.bounds.holds(Fraction(v))
+    return True
+
+
 _TYPE_FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
                "boolean": b"tf", "null": b"n"}
 
 
-def _first_bytes(n: Node) -> set[int]:
+def first_bytes(n: Node) -> set[int]:
     """The bytes a value of n may begin with (whitespace aside)."""
     if n.any_of is not None:
-        return set().union(*(_first_bytes(b) for b in n.any_of))
+        return set().union(*(first_bytes(b) for b in n.any_of))
     if n.enum is not None:
         return {o[0] for o in n.enum}
     return set(b"".join(_TYPE_FIRST[t] for t in (TYPES if n.types is None else n.types)))
@@ -188,303 +283,3 @@ def _json_type(v) -> set[str]:
 
 def _compact(v) -> bytes:
     return json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-# ------------------------------------------------------------------------------------------------ the automaton
-
-# what a frame's step says of a byte: refused; taken; taken and the value is complete; the value was complete
-# before it (the byte goes to the frame below)
-_REJECT, _OK, _DONE, _PASS = range(4)
-
-
-class SchemaPrefix:
-    """The state of a JSON text being written against a compiled schema: a stack of frames, one per open value."""
-
-    __slots__ = ("stack", "done")
-
-    def __init__(self, root: Node):
-        self.stack: list = [_Value(root)]
-        self.done = False  # the top-level value is complete
-
-    def copy(self) -> SchemaPrefix:
-        c = SchemaPrefix.__new__(SchemaPrefix)
-        c.stack, c.done = [f.copy() for f in self.stack], self.done
-        return c
-
-    @property
-    def complete(self) -> bool:
-        """The top-level value is complete (a number or an enum value could also stop where it stands)."""
-        return self.done or (len(self.stack) == 1 and self.stack[0].can_end())
-
-    @property
-    def closed(self) -> bool:
-        """The top-level value has ended: nothing but whitespace may follow."""
-        return self.done
-
-    def feed(self, data: bytes) -> bool:
-        """Advance over data; False as soon as a byte cannot continue a text the schema accepts (the state is then
-        undefined: feed a copy() to try a token)."""
-        return all(self._byte(b) for b in data)
-
-    def _byte(self, b: int) -> bool:
-        while True:
-            if not self.stack:
-                return self.done and b in WHITESPACE
-            r = self.stack[-1].step(b, self)
-            if r == _OK:
-                return True
-            if r == _REJECT:
-                return False
-            self.stack.pop()
-            if self.stack:
-                self.stack[-1].child_done()
-            else:
-                self.done = True
-            if r == _DONE:
-                return True  # _PASS: the same byte again, to the frame below
-
-
-class _Frame:
-    def copy(self):
-        c = object.__new__(type(self))
-        c.__dict__.update(self.__dict__)
-        return c
-
-    def can_end(self) -> bool:
-        return False
-
-    def child_done(self) -> None:
-        pass
-
-
-class _Value(_Frame):
-    """The start of a value: whitespace, then the first byte picks the frame that replaces this one."""
-
-    def __init__(self, node: Node):
-        self.node = node
-
-    def step(self, b: int, sp: SchemaPrefix) -> int:
-        if b in WHITESPACE:
-            return _OK
-        if self.node.any_of is not None:  # the branch this first byte enters (at most one, compile_schema checked)
-            branch = next((n for n in self.node.any_of if b in _first_bytes(n)), None)
-            if branch is None:
-                return _REJECT
-            self.node = branch
-            return self.step(b, sp)
-        n, types = self.node, self.node.types
-        allows = (lambda t: True) if types is None else (lambda t: t in types)
-        if n.enum is not None:
-            frame = _Enum(n.enum)
-        elif b == 0x7B and allows("object"):
-            frame = _Object(n)
-        elif b == 0x5B and allows("array"):
-            frame = _Array(n)
-        elif b == 0x22 and allows("string"):
-            frame = _String()
-        elif (b == 0x2D or b in _DIGITS) and (allows("number") or allows("integer")):
-            frame = _Number(integer=not allows("number"))
-        elif b in _LITERALS and allows(_LITERALS[b][1]):
-            frame = _Literal(_LITERALS[b][0])
-        else:
-            return _REJECT
-        sp.stack[-1] = frame
-        return frame.step(b, sp)
-
-
-class _Enum(_Frame):
-    def __init__(self, options: tuple):
-        self.options, self.buf = options, b""
-
-    def step(self, b: int, sp) -> int:
-        nb = self.buf + bytes((b,))
-        if any(o.startswith(nb) for o in self.options):
-            self.buf = nb
-            return _DONE if nb in self.options and not any(len(o) > len(nb) and o.startswith(nb)
-                                                          for o in self.options) else _OK
-        return _PASS if self.buf in self.options else _REJECT
-
-    def can_end(self) -> bool:
-        return self.buf in self.options
-
-
-class _Literal(_Frame):
-    def __init__(self, text: bytes):
-        self.text, self.at = text, 0
-
-    def step(self, b: int, sp) -> int:
-        if b != self.text[self.at]:
-            return _REJECT
-        self.at += 1
-        return _DONE if self.at == len(self.text) else _OK
-
-
-class _String(_Frame):
-    """A string from its opening quote: any byte but the controls, JSON's escapes; `raw` keeps the bytes between the
-    quotes where asked (object keys)."""
-
-    def __init__(self, keep: bool = False):
-        self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
-
-    def step(self, b: int, sp) -> int:
-        s = self.state
-        if s == 0:
-            self.state = 1
-            return _OK if b == 0x22 else _REJECT
-        if self.raw is not None and not (s == 1 and b == 0x22):
-            self.raw += bytes((b,))
-        if s == 1:
-            if b == 0x22:
-                return _DONE
-            if b == 0x5C:
-                self.state = 2
-            return _OK if b >= 0x20 else _REJECT
-        if s == 2:
-            if b == ord("u"):
-                self.state, self.hex_left = 3, 4
-                return _OK
-            self.state = 1
-            return _OK if b in _ESCAPES else _REJECT
-        self.hex_left -= 1
-        if self.hex_left == 0:
-            self.state = 1
-        return _OK if b in _HEX else _REJECT
-
-
-class _Number(_Frame):
-    # after "-", a leading 0, integer digits, ".", fraction digits, "e", the exponent's sign, exponent digits
-    MINUS, ZERO, INT, DOT, FRAC, E, ESIGN, EXP = range(8)
-    ENDS = (ZERO, INT, FRAC, EXP)
-
-    def __init__(self, integer: bool):
-        self.integer, self.state = integer, None
-
-    def step(self, b: int, sp) -> int:
-        s, digit = self.state, b in _DIGITS
-        if s is None:
-            self.state = self.MINUS if b == 0x2D else self.ZERO if b == 0x30 else self.INT
-        elif s == self.MINUS and digit:
-            self.state = self.ZERO if b == 0x30 else self.INT
-        elif s in (self.INT, self.FRAC, self.EXP) and digit:
-            pass
-        elif s in (self.ZERO, self.INT) and b == 0x2E and not self.integer:
-            self.state = self.DOT
-        elif s == self.DOT and digit:
-            self.state = self.FRAC
-        elif s in (self.ZERO, self.INT, self.FRAC) and b in (0x65, 0x45) and not self.integer:
-            self.state = self.E
-        elif s == self.E and b in (0x2B, 0x2D):
-            self.state = self.ESIGN
-        elif s in (self.E, self.ESIGN) and digit:
-            self.state = self.EXP
-        else:
-            return _PASS if s in self.ENDS else _REJECT
-        return _OK
-
-    def can_end(self) -> bool:
-        return self.state in self.ENDS
-
-
-class _Object(_Frame):
-    """An object from its `{`: keys the schema allows, each once, and `}` only once every required key is in."""
-
-    OPEN, FIRST, KEY, COLON, VALUE, AFTER, NEXT = range(7)
-
-    def __init__(self, node: Node):
-        self.node, self.state, self.used, self.key = node, self.OPEN, frozenset(), None
-
-    def _closed_keys(self) -> list[bytes] | None:
-        """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties
-        false); else None."""
-        if self.node.additional is not False:
-            return None
-        return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in self.node.props if k not in self.used]
-
-    def step(self, b: int, sp: SchemaPrefix) -> int:
-        s = self.state
-        if s == self.OPEN:
-            self.state = self.FIRST
-            return _OK if b == 0x7B else _REJECT
-        if s == self.KEY:
-            r = self.key.step(b, sp)
-            closed = self._closed_keys()
-            if r == _REJECT or (closed is not None and not any(k.startswith(self.key.raw) for k in closed)):
-                return _REJECT
-            if r == _DONE:
-                self.state, n = self.COLON, self.node
-                if not n.unique and not n.props:  # any key, any value: its name is not needed (nor UTF-8)
-                    self.value = n.additional or ANY
-                    return _OK
-                try:
-                    name = json.loads(b'"' + self.key.raw + b'"')
-                except ValueError:  # not UTF-8
-                    return _REJECT
-                if (n.unique and name in self.used) or (closed is not None and self.key.raw not in closed):
-                    return _REJECT
-                self.used, self.value = self.used | {name}, n.props.get(name, n.additional or ANY)
-            return _OK
-        if b in WHITESPACE:
-            return _OK
-        if s == self.COLON:
-            if b != 0x3A:
-                return _REJECT
-            self.state = self.VALUE
-            sp.stack.append(_Value(self.value))
-            return _OK
-        if b == 0x7D and (s == self.FIRST or s == self.AFTER):
-            return _DONE if self.node.required <= self.used else _REJECT
-        if s == self.AFTER:
-            if b != 0x2C:
-                return _REJECT
-            closed = self._closed_keys()
-            if closed is not None and not closed:
-                return _REJECT  # every allowed key is in: nothing may follow a comma
-            self.state = self.NEXT
-            return _OK
-        if b == 0x22 and s in (self.FIRST, self.NEXT):
-            self.state, self.key = self.KEY, _String(keep=True)
-            return self.key.step(b, sp)
-        return _REJECT
-
-    def copy(self):
-        c = super().copy()
-        if self.key is not None:
-            c.key = self.key.copy()
-        return c
-
-    def child_done(self) -> None:
-        self.state = self.AFTER
-
-
-class _Array(_Frame):
-    """An array from its `[`: items of the item schema, `]` only at minItems or more, no `,` at maxItems."""
-
-    OPEN, FIRST, AFTER, NEXT = range(4)
-
-    def __init__(self, node: Node):
-        self.node, self.state, self.count = node, self.OPEN, 0
-
-    def step(self, b: int, sp: SchemaPrefix) -> int:
-        s, n = self.state, self.node
-        if s == self.OPEN:
-            self.state = self.FIRST
-            return _OK if b == 0x5B else _REJECT
-        if b in WHITESPACE:
-            return _OK
-        if b == 0x5D and s in (self.FIRST, self.AFTER):
-            return _DONE if self.count >= n.min_items else _REJECT
-        if s == self.AFTER:
-            if b != 0x2C or (n.max_items is not None and self.count >= n.max_items):
-                return _REJECT
-            self.state = self.NEXT
-            return _OK
-        if n.max_items is not None and self.count >= n.max_items:
-            return _REJECT  # maxItems 0: only "]"
-        self.state = self.AFTER  # once the item is complete (child_done)
-        child = _Value(n.items or ANY)
-        sp.stack.append(child)
-        return child.step(b, sp)
-
-    def child_done(self) -> None:
-        self.count += 1
-        self.state = self.AFTER

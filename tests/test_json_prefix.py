@@ -16,7 +16,8 @@ import random
 
 import pytest
 
-from ninfer_rt.json_schema import JSON_OBJECT, SchemaPrefix
+from ninfer_rt.json_automaton import SchemaPrefix
+from ninfer_rt.json_schema import JSON_OBJECT
 
 
 def json_object_prefix() -> SchemaPrefix:

@@ -14,7 +14,8 @@ import random
 import jsonschema
 import pytest
 
-from ninfer_rt.json_schema import SchemaError, SchemaPrefix, compile_schema
+from ninfer_rt.json_automaton import SchemaPrefix
+from ninfer_rt.json_schema import SchemaError, compile_schema
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -34,7 +35,15 @@ OPTIONAL = {"type": "object", "required": ["id"], "additionalProperties": False,
                            "pet": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "default": None},
                            "n": {"anyOf": [{"type": "number"}, {"type": "array", "items": {"type": "number"}}]}}}
 ANY = {}
-SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL}
+# pydantic's conint / confloat / constr fields: bounds and lengths
+BOUNDED = {"type": "object", "required": ["n"], "additionalProperties": False,
+           "properties": {"n": {"type": "integer", "minimum": -40, "exclusiveMaximum": 250},
+                          "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
+                          "s": {"type": "string", "minLength": 2, "maxLength": 5},
+                          "e": {"enum": [1, 7, 30, "ab", "abcdef"], "maximum": 10, "maxLength": 3},
+                          "big": {"type": "number", "minimum": 1000}}}
+SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
+           "bounded": BOUNDED}
 
 DOCS = {
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
@@ -45,6 +54,8 @@ DOCS = {
     "any": [{"a": [1, {"b": None}], "c": "d"}, [], "s", 1.5, True, None],
     "optional": [{"id": 1}, {"id": 2, "note": None, "pet": {"kind": "dog"}, "n": [1, 2.5]},
                  {"note": "x", "pet": None, "n": -3, "id": 0}],
+    "bounded": [{"n": -40}, {"n": 249, "x": 2.5, "s": "é\n😀", "e": 7, "big": 1000.5},
+                {"x": 0.001, "n": 0, "s": "ab", "e": "ab", "big": 123456}],
 }
 
 
@@ -141,6 +152,75 @@ def test_a_root_number_may_go_on_or_stop():
     assert p.feed(b"2.5") and p.complete and p.feed(b" ") and p.closed and not p.copy().feed(b"3")
 
 
+def prefixes_taken(schema: dict, texts) -> dict[str, bool]:
+    """For every prefix of every text: whether the constraint takes it; and each whole text: whether complete."""
+    root, out = compile_schema(schema), {}
+    for t in texts:
+        for i in range(1, len(t) + 1):
+            if t[:i] not in out:
+                p = SchemaPrefix(root)
+                out[t[:i]] = p.feed(t[:i].encode())
+        p = SchemaPrefix(root)
+        out["complete " + t] = p.feed(t.encode()) and p.complete
+    return out
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -40, "exclusiveMaximum": 250},
+    {"type": "integer", "exclusiveMinimum": 7.5, "maximum": 31},
+    {"type": "integer", "minimum": -120, "maximum": -15},
+])
+def test_integer_bounds_take_exactly_the_prefixes_of_in_range_integers(schema):
+    """Every integer from -999 to 999 as text: a prefix is taken iff some in-range integer's text begins with it
+    (in-range integers all lie within that span), and a whole text is complete iff jsonschema accepts its value."""
+    texts = [str(v) for v in range(-999, 1000)]
+    valid = {t for t in texts if jsonschema.Draft202012Validator(schema).is_valid(int(t))}
+    starts = {v[:i] for v in valid for i in range(1, len(v) + 1)}
+    taken = prefixes_taken(schema, texts)
+    for t in texts:
+        assert taken["complete " + t] == (t in valid), t
+        for i in range(1, len(t) + 1):
+            assert taken[t[:i]] == (t[:i] in starts), (t[:i], schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
+    {"type": "number", "minimum": -1.5, "exclusiveMaximum": 12},
+    {"type": "number", "exclusiveMinimum": -3, "exclusiveMaximum": -0.5},
+])
+def test_number_bounds_take_exactly_the_prefixes_of_in_range_numbers(schema):
+    """Decimals of up to 3 fraction digits in [-15, 15] as text (bounds of one fraction digit, so a prefix's
+    in-range continuations, if any, include one of these): a prefix is taken iff some in-range decimal's text
+    begins with it; complete iff jsonschema accepts the value. An exponent is never taken under bounds."""
+    texts = sorted({f"{v / 1000:.{d}f}" for v in range(-15000, 15001, 7) for d in (0, 1, 2, 3)
+                    if f"{v / 1000:.{d}f}" not in ("-0", "-0.0", "-0.00", "-0.000")})
+    v = jsonschema.Draft202012Validator(schema)
+    valid = {t for t in texts if v.is_valid(float(t))}
+    starts = {u[:i] for u in valid for i in range(1, len(u) + 1)}
+    taken = prefixes_taken(schema, texts + ["1e0", "0.5E1"])
+    for t in texts:
+        assert taken["complete " + t] == (t in valid), t
+        for i in range(1, len(t) + 1):
+            assert taken[t[:i]] == (t[:i] in starts), (t[:i], schema)
+    assert not taken["1e"] and not taken["0.5E"]
+
+
+def test_string_lengths_count_characters_as_len_does():
+    """minLength 2, maxLength 4 on random strings (ASCII, two- to four-byte UTF-8, controls, quotes, backslashes,
+    astral characters) written raw or as \\u escapes (surrogate pairs): every byte before the closing quote of a
+    string of at most 4 characters is taken, and the whole is complete iff 2 <= len(s) <= 4."""
+    schema = {"type": "string", "minLength": 2, "maxLength": 4}
+    root, rng = compile_schema(schema), random.Random(3)
+    alphabet = "ab\"\\\n\té€😀\u0001"
+    for _ in range(600):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randrange(7)))
+        text = json.dumps(value, ensure_ascii=rng.random() < 0.5).encode()
+        p = SchemaPrefix(root)
+        fed = all(p.feed(text[i:i + 1]) for i in range(len(text) - 1))  # all but the closing quote
+        assert fed or len(value) > 4, (value, text)
+        assert (fed and p.feed(b'"') and p.complete) == (2 <= len(value) <= 4), (value, text)
+
+
 @pytest.mark.parametrize("schema, what", [
     ({"not": {"type": "string"}}, "'not' is not supported"),
     ({"anyOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "does not tell apart"),
@@ -155,6 +235,12 @@ def test_a_root_number_may_go_on_or_stop():
     ({"enum": []}, "non-empty array"),
     ({"type": "string", "enum": [1, 2]}, "no enum value has the schema's type"),
     ([1], "must be a JSON object"),
+    ({"type": "integer", "minimum": 1.5, "maximum": 1.9}, "no integer lies within the bounds"),
+    ({"type": "number", "exclusiveMinimum": 2, "maximum": 2}, "no number lies within the bounds"),
+    ({"type": "number", "minimum": "1"}, "minimum must be a finite number"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength is below minLength"),
+    ({"type": "string", "maxLength": -1}, "maxLength must be a non-negative integer"),
+    ({"enum": [5, "abc"], "maximum": 4, "maxLength": 2}, "no enum value satisfies"),
 ])
 def test_schemas_outside_the_subset_are_refused_in_one_line(schema, what):
     with pytest.raises(SchemaError, match="^json_schema: ") as e:

@@ -1,0 +1,371 @@
+"""The byte-level automaton of a compiled JSON Schema (json_schema.compile_schema's Node): `SchemaPrefix`, which
+`batching.Batch._constrained` draws against (`feed`, `complete`, `closed`, `copy`). `feed` says whether the bytes so
+far can still continue a JSON text the schema accepts; one frame per open value (object, array, string, number,
+literal, enum), each taking a byte at a time. Strings take any byte but the controls (0x00-0x1f), so a token may
+carry part of a UTF-8 character; numbers follow JSON's grammar (no leading zeros, a digit after `.` and after the
+exponent)."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes
+
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_DIGITS = frozenset(b"0123456789")
+
+# what a frame's step says of a byte: refused; taken; taken and the value is complete; the value was complete
+# before it (the byte goes to the frame below)
+_REJECT, _OK, _DONE, _PASS = range(4)
+
+
+class SchemaPrefix:
+    """The state of a JSON text being written against a compiled schema: a stack of frames, one per open value."""
+
+    __slots__ = ("stack", "done")
+
+    def __init__(self, root: Node):
+        self.stack: list = [_Value(root)]
+        self.done = False  # the top-level value is complete
+
+    def copy(self) -> SchemaPrefix:
+        c = SchemaPrefix.__new__(SchemaPrefix)
+        c.stack, c.done = [f.copy() for f in self.stack], self.done
+        return c
+
+    @property
+    def complete(self) -> bool:
+        """The top-level value is complete (a number or an enum value could also stop where it stands)."""
+        return self.done or (len(self.stack) == 1 and self.stack[0].can_end())
+
+    @property
+    def closed(self) -> bool:
+        """The top-level value has ended: nothing but whitespace may follow."""
+        return self.done
+
+    def feed(self, data: bytes) -> bool:
+        """Advance over data; False as soon as a byte cannot continue a text the schema accepts (the state is then
+        undefined: feed a copy() to try a token)."""
+        return all(self._byte(b) for b in data)
+
+    def _byte(self, b: int) -> bool:
+        while True:
+            if not self.stack:
+                return self.done and b in WHITESPACE
+            r = self.stack[-1].step(b, self)
+            if r == _OK:
+                return True
+            if r == _REJECT:
+                return False
+            self.stack.pop()
+            if self.stack:
+                self.stack[-1].child_done()
+            else:
+                self.done = True
+            if r == _DONE:
+                return True  # _PASS: the same byte again, to the frame below
+
+
+class _Frame:
+    def copy(self):
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
+        return c
+
+    def can_end(self) -> bool:
+        return False
+
+    def child_done(self) -> None:
+        pass
+
+
+class _Value(_Frame):
+    """The start of a value: whitespace, then the first byte picks the frame that replaces this one."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def step(self, b: int, sp: SchemaPrefix) -> int:
+        if b in WHITESPACE:
+            return _OK
+        if self.node.any_of is not None:  # the branch this first byte enters (at most one, compile_schema checked)
+            branch = next((n for n in self.node.any_of if b in first_bytes(n)), None)
+            if branch is None:
+                return _REJECT
+            self.node = branch
+            return self.step(b, sp)
+        n, types = self.node, self.node.types
+        allows = (lambda t: True) if types is None else (lambda t: t in types)
+        if n.enum is not None:
+            frame = _Enum(n.enum)
+        elif b == 0x7B and allows("object"):
+            frame = _Object(n)
+        elif b == 0x5B and allows("array"):
+            frame = _Array(n)
+        elif b == 0x22 and allows("string"):
+            frame = _String(lengths=(n.min_length, n.max_length))
+        elif (b == 0x2D or b in _DIGITS) and (allows("number") or allows("integer")):
+            frame = _Number(integer=not allows("number"), bounds=n.bounds)
+        elif b in LITERALS and allows(LITERALS[b][1]):
+            frame = _Literal(LITERALS[b][0])
+        else:
+            return _REJECT
+        sp.stack[-1] = frame
+        return frame.step(b, sp)
+
+
+class _Enum(_Frame):
+    def __init__(self, options: tuple):
+        self.options, self.buf = options, b""
+
+    def step(self, b: int, sp) -> int:
+        nb = self.buf + bytes((b,))
+        if any(o.startswith(nb) for o in self.options):
+            self.buf = nb
+            return _DONE if nb in self.options and not any(len(o) > len(nb) and o.startswith(nb)
+                                                          for o in self.options) else _OK
+        return _PASS if self.buf in self.options else _REJECT
+
+    def can_end(self) -> bool:
+        return self.buf in self.options
+
+
+class _Literal(_Frame):
+    def __init__(self, text: bytes):
+        self.text, self.at = text, 0
+
+    def step(self, b: int, sp) -> int:
+        if b != self.text[self.at]:
+            return _REJECT
+        self.at += 1
+        return _DONE if self.at == len(self.text) else _OK
+
+
+class _String(_Frame):
+    """A string from its opening quote: any byte but the controls, JSON's escapes; `raw` keeps the bytes between the
+    quotes where asked (object keys). `lengths` (min, max or None): its characters as the decoded str's len counts
+    them: a UTF-8 lead byte or an escape starts one, a \\u low surrogate right after a \\u high one does not."""
+
+    def __init__(self, keep: bool = False, lengths: tuple = (0, None)):
+        self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
+        self.min_len, self.max_len = lengths
+        self.count, self.code, self.high = 0, 0, False  # characters; the \u escape's value; the last was \uD800-DBFF
+
+    def _char(self) -> int:
+        """One more character: refused past max_len."""
+        self.count, self.high = self.count + 1, False
+        return _REJECT if self.max_len is not None and self.count > self.max_len else _OK
+
+    def step(self, b: int, sp) -> int:
+        s = self.state
+        if s == 0:
+            self.state = 1
+            return _OK if b == 0x22 else _REJECT
+        if self.raw is not None and not (s == 1 and b == 0x22):
+            self.raw += bytes((b,))
+        if s == 1:
+            if b == 0x22:
+                return _DONE if self.count >= self.min_len else _REJECT
+            if b < 0x20:
+                return _REJECT
+            if b == 0x5C:
+                self.state = 2
+                return _OK
+            return _OK if 0x80 <= b < 0xC0 else self._char()  # a continuation byte is not a character of its own
+        if s == 2:
+            if b == ord("u"):
+                self.state, self.hex_left, self.code = 3, 4, 0
+                return _OK
+            self.state = 1
+            return self._char() if b in _ESCAPES else _REJECT
+        if b not in _HEX:
+            return _REJECT
+        self.hex_left, self.code = self.hex_left - 1, self.code * 16 + int(chr(b), 16)
+        if self.hex_left:
+            return _OK
+        self.state = 1
+        if self.high and 0xDC00 <= self.code <= 0xDFFF:  # the pair's second half: json.loads makes them one
+            self.high = False
+            return _OK
+        r = self._char()
+        self.high = 0xD800 <= self.code <= 0xDBFF
+        return r
+
+
+class _Number(_Frame):
+    """A number from its first byte. Under bounds: no exponent, and each byte only where some in-range number
+    still begins with the text so far (`_reachable`); it may end only in range."""
+
+    # after "-", a leading 0, integer digits, ".", fraction digits, "e", the exponent's sign, exponent digits
+    MINUS, ZERO, INT, DOT, FRAC, E, ESIGN, EXP = range(8)
+    ENDS = (ZERO, INT, FRAC, EXP)
+
+    def __init__(self, integer: bool, bounds: Bounds | None = None):
+        self.integer, self.state, self.bounds, self.text = integer, None, bounds, ""
+
+    def step(self, b: int, sp) -> int:
+        r = self._grammar(b)
+        if r != _OK or self.bounds is None:
+            return r if r != _PASS or self.bounds is None or self.can_end() else _REJECT
+        if self.state in (self.E, self.ESIGN, self.EXP):
+            return _REJECT
+        self.text += chr(b)
+        return _OK if self._reachable() else _REJECT
+
+    def _reachable(self) -> bool:
+        """Whether some number within the bounds is written with self.text as its prefix (no exponent)."""
+        neg = self.text.startswith("-")
+        body, bounds = self.text[neg:], self.bounds.negated() if neg else self.bounds  # bounds of the magnitude
+        if not body:  # "-": any magnitude
+            return bounds.meets(Fraction(0), None, self.integer)
+        whole, _, frac = body.partition(".")
+        if "." in body:  # [whole.frac, whole.frac + 10^-len(frac))
+            a = Fraction(int(whole + frac), 10 ** len(frac))
+            return bounds.meets(a, a + Fraction(1, 10 ** len(frac)), False)
+        if whole == "0":  # 0, or 0.xxx
+            return bounds.meets(Fraction(0), Fraction(1), self.integer)
+        d = int(whole)  # more digits to come: [d·10^k, (d + 1)·10^k) for some k >= 0
+        k = 0
+        while True:
+            a, b = Fraction(d * 10 ** k), Fraction((d + 1) * 10 ** k)
+            if bounds.meets(a, b, self.integer):
+                return True
+            if bounds.hi is not None and a > bounds.hi:
+                return False
+            if bounds.hi is None:  # unbounded above: a large enough k lands past any lower bound
+                return True
+            k += 1
+
+    def can_end(self) -> bool:
+        if self.state not in self.ENDS:
+            return False
+        return self.bounds is None or self.bounds.holds(Fraction(self.text))
+
+    def _grammar(self, b: int) -> int:
+        s, digit = self.state, b in _DIGITS
+        if s is None:
+            self.state = self.MINUS if b == 0x2D else self.ZERO if b == 0x30 else self.INT
+        elif s == self.MINUS and digit:
+            self.state = self.ZERO if b == 0x30 else self.INT
+        elif s in (self.INT, self.FRAC, self.EXP) and digit:
+            pass
+        elif s in (self.ZERO, self.INT) and b == 0x2E and not self.integer:
+            self.state = self.DOT
+        elif s == self.DOT and digit:
+            self.state = self.FRAC
+        elif s in (self.ZERO, self.INT, self.FRAC) and b in (0x65, 0x45) and not self.integer:
+            self.state = self.E
+        elif s == self.E and b in (0x2B, 0x2D):
+            self.state = self.ESIGN
+        elif s in (self.E, self.ESIGN) and digit:
+            self.state = self.EXP
+        else:
+            return _PASS if s in self.ENDS else _REJECT
+        return _OK
+
+
+class _Object(_Frame):
+    """An object from its `{`: keys the schema allows, each once, and `}` only once every required key is in."""
+
+    OPEN, FIRST, KEY, COLON, VALUE, AFTER, NEXT = range(7)
+
+    def __init__(self, node: Node):
+        self.node, self.state, self.used, self.key = node, self.OPEN, frozenset(), None
+
+    def _closed_keys(self) -> list[bytes] | None:
+        """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties
+        false); else None."""
+        if self.node.additional is not False:
+            return None
+        return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in self.node.props if k not in self.used]
+
+    def step(self, b: int, sp: SchemaPrefix) -> int:
+        s = self.state
+        if s == self.OPEN:
+            self.state = self.FIRST
+            return _OK if b == 0x7B else _REJECT
+        if s == self.KEY:
+            r = self.key.step(b, sp)
+            closed = self._closed_keys()
+            if r == _REJECT or (closed is not None and not any(k.startswith(self.key.raw) for k in closed)):
+                return _REJECT
+            if r == _DONE:
+                self.state, n = self.COLON, self.node
+                if not n.unique and not n.props:  # any key, any value: its name is not needed (nor UTF-8)
+                    self.value = n.additional or ANY
+                    return _OK
+                try:
+                    name = json.loads(b'"' + self.key.raw + b'"')
+                except ValueError:  # not UTF-8
+                    return _REJECT
+                if (n.unique and name in self.used) or (closed is not None and self.key.raw not in closed):
+                    return _REJECT
+                self.used, self.value = self.used | {name}, n.props.get(name, n.additional or ANY)
+            return _OK
+        if b in WHITESPACE:
+            return _OK
+        if s == self.COLON:
+            if b != 0x3A:
+                return _REJECT
+            self.state = self.VALUE
+            sp.stack.append(_Value(self.value))
+            return _OK
+        if b == 0x7D and (s == self.FIRST or s == self.AFTER):
+            return _DONE if self.node.required <= self.used else _REJECT
+        if s == self.AFTER:
+            if b != 0x2C:
+                return _REJECT
+            closed = self._closed_keys()
+            if closed is not None and not closed:
+                return _REJECT  # every allowed key is in: nothing may follow a comma
+            self.state = self.NEXT
+            return _OK
+        if b == 0x22 and s in (self.FIRST, self.NEXT):
+            self.state, self.key = self.KEY, _String(keep=True)
+            return self.key.step(b, sp)
+        return _REJECT
+
+    def copy(self):
+        c = super().copy()
+        if self.key is not None:
+            c.key = self.key.copy()
+        return c
+
+    def child_done(self) -> None:
+        self.state = self.AFTER
+
+
+class _Array(_Frame):
+    """An array from its `[`: items of the item schema, `]` only at minItems or more, no `,` at maxItems."""
+
+    OPEN, FIRST, AFTER, NEXT = range(4)
+
+    def __init__(self, node: Node):
+        self.node, self.state, self.count = node, self.OPEN, 0
+
+    def step(self, b: int, sp: SchemaPrefix) -> int:
+        s, n = self.state, self.node
+        if s == self.OPEN:
+            self.state = self.FIRST
+            return _OK if b == 0x5B else _REJECT
+        if b in WHITESPACE:
+            return _OK
+        if b == 0x5D and s in (self.FIRST, self.AFTER):
+            return _DONE if self.count >= n.min_items else _REJECT
+        if s == self.AFTER:
+            if b != 0x2C or (n.max_items is not None and self.count >= n.max_items):
+                return _REJECT
+            self.state = self.NEXT
+            return _OK
+        if n.max_items is not None and self.count >= n.max_items:
+            return _REJECT  # maxItems 0: only "]"
+        self.state = self.AFTER  # once the item is complete (child_done)
+        child = _Value(n.items or ANY)
+        sp.stack.append(child)
+        return child.step(b, sp)
+
+    def child_done(self) -> None:
+        self.count += 1
+        self.state = self.AFTER
