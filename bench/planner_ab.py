@@ -75,6 +75,7 @@ VARIANTS = [
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
     ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
+    ("routed down of several rows at 2 blocks an SM (v83)", {"moe.DOWN_BLOCKS_PER_SM": 2}),
     ("x̂ records at one row only (v82)", {"linear.RECORDS_ROWS": (1,)}),
     ("x̂ records at 1-4 rows", {"linear.RECORDS_ROWS": (1, 2, 3, 4)}),
     ("default again", {}),

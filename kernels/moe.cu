@@ -448,3 +448,17 @@ NINFER_QFORMATS(MOE_FAST_ENTRY)
     }
 MOE_B3_ENTRY(q4g64, 4, 64)
 MOE_B3_ENTRY(q5g64, 5, 64)
+
+// moe_down_b3_t1_<f>: moe_down_t1 at three blocks an SM (<= 85 registers), for several rows a step: B = 2's 2 x 256
+// blocks in 1.3 waves of 3 x 132 slots, not two of 2 x 132, as the gate/up's b3 (perf.md v84). The recipes' down
+// formats.
+#define MOE_DOWN_B3_ENTRY(name, BITS, GROUP)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                              \
+    moe_down_b3_t1_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, \
+                          const float* act, const int* ids, const float* weights, int top_k, float* y,        \
+                          const float* extra, const float* extra_scale) {                                     \
+        ninfer_pdl_begin();                                                                                   \
+        down_fast<BITS, GROUP, 1>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale);  \
+    }
+MOE_DOWN_B3_ENTRY(q5g64, 5, 64)
+MOE_DOWN_B3_ENTRY(q6g64, 6, 64)

@@ -105,6 +105,24 @@ def test_routed_gate_up_build_per_row_count(monkeypatch, fmt, M, blocks_per_sm, 
     assert k.gpu.launches == [(want, (8 * M, 1024 // 32), 256, None)]
 
 
+@pytest.mark.parametrize("fmt, M, blocks_per_sm, want", [
+    ("q5g64", 2, 3, "moe_down_b3_t1_q5g64"), ("q6g64", 4, 3, "moe_down_b3_t1_q6g64"),
+    ("q5g64", 1, 3, "moe_down_t1_q5g64"),  # one row: the one-row build
+    ("q5g64", 2, 2, "moe_down_t1_q5g64"),  # 2: the planner's way back to it
+    ("q4g64", 2, 3, "moe_down_t1_q4g64"),  # no b3 build of this format
+])
+def test_down_build_per_row_count(monkeypatch, fmt, M, blocks_per_sm, want):
+    """moe.down of the 35B's down bank [256, 2048, 512] picks the build at 3 blocks an SM (moe.DOWN_BLOCKS_PER_SM)
+    for several rows of a format that has one, on the same grid (M, H/8) and shared memory (k·I/32 records)."""
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.weights import DeviceWeight
+
+    monkeypatch.setattr(moe, "DOWN_BLOCKS_PER_SM", blocks_per_sm)
+    k = fake_kernels(9, 0, smem_optin=227 * 1024)
+    w = DeviceWeight("dn", fmt, (256, 2048, 512), 256)
+    moe.down(k, w, act=1 << 20, ids=1 << 21, weights=1 << 22, M=M, top_k=8, y=1 << 23)
+    assert k.gpu.launches == [(want, (M, 2048 // 8), 256, None)]
+
 def test_sampler_plan():
     """misc.sample on 2 rows of the family's 248,320-entry vocabulary: the histogram zeroed, then sample_hist and
     sample_compact over 31 segments of 8192 entries per row, then one sample_rows block per row; the scratch holds

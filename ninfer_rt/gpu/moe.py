@@ -36,6 +36,10 @@ SMEM_STATIC = 4096  # upper bound of the kernels' static shared memory (moe_fuse
 # blocks in 1.3 waves on a 132-SM card, not two); 2 keeps the one-row kernel (perf.md v83: -0.8% at B = 2, -2.3% at 4).
 GATE_UP_BLOCKS_PER_SM = 3
 GATE_UP_B3_FORMATS = ("q4g64", "q5g64")  # the formats with that entry
+# Planner constant: down of several rows at 3 blocks an SM (moe_down_b3_t1_<fmt>, the same grid (M, H/8)); 2 keeps the
+# one-row build (perf.md v84).
+DOWN_BLOCKS_PER_SM = 3
+DOWN_B3_FORMATS = ("q5g64", "q6g64")
 
 
 def _check_ptrs(op: str, **ptrs: int) -> None:
@@ -173,7 +177,8 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     act fp32 [M, top_k, I]; ids int32 / weights fp32 [M, top_k]; y fp32 [M, H].
     extra fp32 [M, H] with extra_scale fp32 [M] (both or neither): then y[m, n] = fma(extra_scale[m],
     extra[m, n], y[m, n] + routed sum), the shared expert's output and gate added in the same pass.
-    Grid (M, H/8): each block reads 8 rows of each of the row's top_k experts.
+    Grid (M, H/8): each block reads 8 rows of each of the row's top_k experts. Several rows of a q5g64 or q6g64
+    bank at I = 512 take the build of the same kernel at three blocks an SM (DOWN_BLOCKS_PER_SM), the same bits.
     """
     name = _kernel_name("down", w)
     E, H, I = _bank("down", w)
@@ -188,6 +193,8 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     t = I // 512
     if w.quantized and I == 512 * t and t in FAST_T and act % 16 == 0:
         name = f"moe_down_t{t}_{w.fmt}"
+        if DOWN_BLOCKS_PER_SM == 3 and M > 1 and t == 1 and w.fmt in DOWN_B3_FORMATS:
+            name = f"moe_down_b3_t1_{w.fmt}"
         smem = _smem(k, "down", name, top_k * (I // 32) * QCHUNK)
     else:
         smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)

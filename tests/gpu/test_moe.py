@@ -354,6 +354,36 @@ def test_moe(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
                  chain_tol(y1, want_ids, want_w, exact_act, exact_tol, dn_vals, a_d / 2 if fast_dn else None))
 
 
+@pytest.mark.parametrize("fmt, M, extra", [("q5g64", 2, True), ("q6g64", 3, False)])
+def test_down_three_blocks_per_sm(kernels, dev, rng, monkeypatch, fmt, M, extra):
+    """moe_down_b3_t1 (several rows: the same source at three blocks an SM) gives moe_down_t1's bits on the 35B's
+    down bank, the shared expert's extra term included; row 1 holds an expert id out of range, which makes exactly
+    that row NaN. (test_moe checks moe_down_t1 against the oracle.)"""
+    from ninfer_rt.gpu import moe
+    E, k, I, H = DIMS["35b"]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
+    dn, _ = bank(dev, fmt, E, H, I, ids.ravel(), rng)
+    ids[1, 3] = E
+    ids_d, w = put(dev, ids), put(dev, rng.uniform(0, 1, (M, k)).astype(np.float32))
+    act = put(dev, (rng.standard_normal((M, k, I)) * 0.1).astype(np.float32))
+    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    ex = dict(extra=put(dev, rng.standard_normal((M, H)).astype(np.float32)),
+              extra_scale=put(dev, rng.uniform(0, 1, M).astype(np.float32))) if extra else {}
+    launched = []
+    monkeypatch.setattr(kernels, "launch", lambda name, *a, _l=kernels.launch, **kw: (launched.append(name),
+                                                                                        _l(name, *a, **kw)))
+    out = []
+    for blocks_per_sm in (2, 3):
+        monkeypatch.setattr(moe, "DOWN_BLOCKS_PER_SM", blocks_per_sm)
+        y = put(dev, y0)
+        moe.down(kernels, dn, act=act, ids=ids_d, weights=w, M=M, top_k=k, y=y, **ex)
+        out.append(dev.get(y, (M, H)))
+    assert launched == [f"moe_down_t1_{fmt}", f"moe_down_b3_t1_{fmt}"]
+    assert np.isnan(out[1][1]).all() and np.isfinite(np.delete(out[1], 1, 0)).all()
+    np.testing.assert_array_equal(out[1].view(np.uint32), out[0].view(np.uint32),
+                                  err_msg="moe_down_b3_t1 differs from moe_down_t1's bits")
+
+
 # ------------------------------------------------------------------------------------------ misuse
 
 @pytest.mark.parametrize("I,H", [(32, 64), (512, 1024)])  # general paths; fast paths (q formats, T = 1)
