@@ -17,55 +17,102 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _DIGITS = frozenset(b"0123456789")
 
 # what a frame's step says of a byte: refused; taken; taken and the value is complete; the value was complete
-# before it (the byte goes to the frame below)
-_REJECT, _OK, _DONE, _PASS = range(4)
+# before it (the byte goes to the frame below); a child value was pushed that takes this byte (from the top)
+_REJECT, _OK, _DONE, _PASS, _AGAIN = range(5)
+MAX_PARSES = 64  # readings kept at once: past it the latest forks are dropped (stricter, never looser)
 
 
 class SchemaPrefix:
-    """The state of a JSON text being written against a compiled schema: a stack of frames, one per open value."""
+    """The state of a JSON text being written against a compiled schema: the ways of reading it so far (one, but
+    where an anyOf's branches both still fit), each a stack of frames, one per open value."""
 
-    __slots__ = ("stack", "done")
+    __slots__ = ("parses",)
 
     def __init__(self, root: Node):
-        self.stack: list = [_Value(root)]
-        self.done = False  # the top-level value is complete
+        self.parses = [_Parse([_Value(root)], False)]
 
     def copy(self) -> SchemaPrefix:
         c = SchemaPrefix.__new__(SchemaPrefix)
-        c.stack, c.done = [f.copy() for f in self.stack], self.done
+        c.parses = [p.copy() for p in self.parses]
         return c
 
     @property
     def complete(self) -> bool:
-        """The top-level value is complete (a number or an enum value could also stop where it stands)."""
-        return self.done or (len(self.stack) == 1 and self.stack[0].can_end())
+        """The top-level value is complete in some reading (a number or an enum value could also stop where it
+        stands)."""
+        return any(p.done or (len(p.stack) == 1 and p.stack[0].can_end()) for p in self.parses)
 
     @property
     def closed(self) -> bool:
-        """The top-level value has ended: nothing but whitespace may follow."""
-        return self.done
+        """The top-level value has ended in every reading: nothing but whitespace may follow."""
+        return all(p.done for p in self.parses)
 
     def feed(self, data: bytes) -> bool:
         """Advance over data; False as soon as a byte cannot continue a text the schema accepts (the state is then
         undefined: feed a copy() to try a token)."""
-        return all(self._byte(b) for b in data)
+        for b in data:
+            nxt = [q for p in self.parses for q in p.advance(b)]
+            if len(nxt) > 1:  # readings that have come to the same state are one
+                nxt = list({q.key(): q for q in nxt}.values())[:MAX_PARSES]
+            self.parses = nxt
+            if not nxt:
+                return False
+        return True
 
-    def _byte(self, b: int) -> bool:
+
+class _Parse:
+    """One reading of the text so far: its open values' frames, and whether the top-level value has ended."""
+
+    __slots__ = ("stack", "done")
+
+    def __init__(self, stack: list, done: bool):
+        self.stack, self.done = stack, done
+
+    def copy(self) -> _Parse:
+        return _Parse([f.copy() for f in self.stack], self.done)
+
+    def key(self) -> tuple:
+        return self.done, tuple(_state(f) for f in self.stack)
+
+    def advance(self, b: int) -> list:
+        """This reading after byte b: none (refused), itself, or one per anyOf branch the byte can begin."""
         while True:
             if not self.stack:
-                return self.done and b in WHITESPACE
-            r = self.stack[-1].step(b, self)
+                return [self] if self.done and b in WHITESPACE else []
+            top = self.stack[-1]
+            if type(top) is _Value and top.node.any_of is not None and b not in WHITESPACE:
+                branches = [n for n in top.node.any_of if b in first_bytes(n)]
+                readings = [self.copy() for _ in branches[1:]] + [self] if branches else []
+                out = []
+                for c, n in zip(readings, branches):
+                    c.stack[-1] = _Value(n)
+                    out += c.advance(b)
+                return out
+            r = top.step(b, self)
             if r == _OK:
-                return True
+                return [self]
             if r == _REJECT:
-                return False
+                return []
+            if r == _AGAIN:
+                continue
             self.stack.pop()
             if self.stack:
                 self.stack[-1].child_done()
             else:
                 self.done = True
             if r == _DONE:
-                return True  # _PASS: the same byte again, to the frame below
+                return [self]  # _PASS: the same byte again, to the frame below
+
+
+def _state(v):
+    """A hashable picture of a frame's state (nodes by identity), so that equal readings are found."""
+    if isinstance(v, _Frame):
+        return type(v).__name__, tuple((k, _state(x)) for k, x in sorted(vars(v).items()))
+    if isinstance(v, (Node, Bounds)):
+        return id(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_state(x) for x in v)
+    return v
 
 
 class _Frame:
@@ -87,15 +134,9 @@ class _Value(_Frame):
     def __init__(self, node: Node):
         self.node = node
 
-    def step(self, b: int, sp: SchemaPrefix) -> int:
+    def step(self, b: int, sp: _Parse) -> int:
         if b in WHITESPACE:
             return _OK
-        if self.node.any_of is not None:  # the branch this first byte enters (at most one, compile_schema checked)
-            branch = next((n for n in self.node.any_of if b in first_bytes(n)), None)
-            if branch is None:
-                return _REJECT
-            self.node = branch
-            return self.step(b, sp)
         n, types = self.node, self.node.types
         allows = (lambda t: True) if types is None else (lambda t: t in types)
         if n.enum is not None:
@@ -281,7 +322,7 @@ class _Object(_Frame):
             return None
         return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in self.node.props if k not in self.used]
 
-    def step(self, b: int, sp: SchemaPrefix) -> int:
+    def step(self, b: int, sp: _Parse) -> int:
         s = self.state
         if s == self.OPEN:
             self.state = self.FIRST
@@ -345,7 +386,7 @@ class _Array(_Frame):
     def __init__(self, node: Node):
         self.node, self.state, self.count = node, self.OPEN, 0
 
-    def step(self, b: int, sp: SchemaPrefix) -> int:
+    def step(self, b: int, sp: _Parse) -> int:
         s, n = self.state, self.node
         if s == self.OPEN:
             self.state = self.FIRST
@@ -362,9 +403,8 @@ class _Array(_Frame):
         if n.max_items is not None and self.count >= n.max_items:
             return _REJECT  # maxItems 0: only "]"
         self.state = self.AFTER  # once the item is complete (child_done)
-        child = _Value(n.items or ANY)
-        sp.stack.append(child)
-        return child.step(b, sp)
+        sp.stack.append(_Value(n.items or ANY))
+        return _AGAIN
 
     def child_done(self) -> None:
         self.count += 1

@@ -17,7 +17,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
   ensure_ascii=False)` writes them);
-- `anyOf` whose branches a value's first byte tells apart (pydantic's Optional: `[{"type": X}, {"type": "null"}]`);
+- `anyOf` (any branches: the automaton reads the value every way its branches still allow), and `oneOf` whose
+  branches no value can match twice: a value's first byte tells them apart (pydantic's Optional), or they are objects
+  with a required property whose const / enum values differ (pydantic's discriminated unions), so that it is anyOf;
 - `$ref` to `#/$defs/<name>` or `#/definitions/<name>` (recursive schemas too);
 - annotations, ignored: title, description, default, examples, format, $schema, $id, $comment.
 """
@@ -34,9 +36,10 @@ from ninfer_rt.errors import NinferError
 WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                       "enum", "const", "$ref", "$defs", "definitions", "anyOf", "minLength", "maxLength",
+                       "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "minLength", "maxLength",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment"})
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
+                          "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
 LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
 
 
@@ -56,7 +59,7 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
-    any_of: tuple | None = None                    # branches told apart by a value's first byte
+    any_of: tuple | None = None                    # a value of any of these (anyOf, and oneOf's exclusive branches)
     unique: bool = True                            # an object's keys may not repeat
     min_length: int = 0                            # a string's characters
     max_length: int | None = None
@@ -130,7 +133,7 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"json_schema: {where}: {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
-        if "anyOf" in s:
+        if "anyOf" in s or "oneOf" in s:
             return self.any_of(s, where)
         if "$ref" in s:
             if set(s) - _ANNOTATIONS - {"$ref", "$defs", "definitions"}:
@@ -190,20 +193,19 @@ class _Compiler:
         return n
 
     def any_of(self, s: dict, where: str) -> Node:
-        """anyOf whose branches no first byte of a value could enter twice (pydantic's Optional: a type and null),
-        so the first byte picks the branch; other anyOfs would need several parses at once and are refused."""
-        if set(s) - _ANNOTATIONS - {"anyOf", "$defs", "definitions"}:
-            raise SchemaError(f"json_schema: {where}: anyOf must stand alone beside annotations and $defs")
-        if not isinstance(s["anyOf"], list) or not s["anyOf"]:
-            raise SchemaError(f"json_schema: {where}: anyOf must be a non-empty array")
-        branches = tuple(self.node(b, f"{where}/anyOf/{i}") for i, b in enumerate(s["anyOf"]))
-        seen: set[int] = set()
-        for b in branches:
-            first = first_bytes(b)
-            if first & seen:
-                raise SchemaError(f"json_schema: {where}: anyOf branches that a value's first byte does not tell "
-                                  "apart (two of one type) are not supported")
-            seen |= first
+        """anyOf, or oneOf whose branches are exclusive (_exclusive), so that at most one can match and it is anyOf."""
+        kw = "anyOf" if "anyOf" in s else "oneOf"
+        if set(s) - _ANNOTATIONS - {kw, "$defs", "definitions"}:
+            raise SchemaError(f"json_schema: {where}: {kw} must stand alone beside annotations and $defs")
+        if not isinstance(s[kw], list) or not s[kw]:
+            raise SchemaError(f"json_schema: {where}: {kw} must be a non-empty array")
+        branches = tuple(self.node(b, f"{where}/{kw}/{i}") for i, b in enumerate(s[kw]))
+        if kw == "oneOf":
+            for i, a in enumerate(branches):
+                for j in range(i):
+                    if not _exclusive(a, branches[j]):
+                        raise SchemaError(f"json_schema: {where}: oneOf branches {j} and {i} could both match a value "
+                                          "(only branches a first byte or a required const property tells apart)")
         return Node(any_of=branches)
 
     def ref(self, ref, where: str) -> Node:
@@ -269,6 +271,22 @@ def first_bytes(n: Node) -> set[int]:
     if n.enum is not None:
         return {o[0] for o in n.enum}
     return set(b"".join(_TYPE_FIRST[t] for t in (TYPES if n.types is None else n.types)))
+
+
+def _exclusive(a: Node, b: Node) -> bool:
+    """No value matches both: their first bytes differ, or both are objects only, requiring one property whose
+    allowed values (an enum or const) do not meet."""
+    if not first_bytes(a) & first_bytes(b):
+        return True
+    objects = frozenset({"object"})
+    if a.types != objects or b.types != objects:
+        return False
+    for key in a.required & b.required:
+        pa, pb = a.props.get(key), b.props.get(key)
+        if pa is not None and pb is not None and pa.enum is not None and pb.enum is not None:
+            if not set(pa.enum) & set(pb.enum):
+                return True
+    return False
 
 
 def _json_type(v) -> set[str]:
