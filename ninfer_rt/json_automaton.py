@@ -379,7 +379,8 @@ class _Object(_Frame):
 
 
 class _Array(_Frame):
-    """An array from its `[`: items of the item schema, `]` only at minItems or more, no `,` at maxItems."""
+    """An array from its `[`: item i of prefixItems[i], past them of the item schema; `]` only at minItems or more,
+    no `,` at maxItems (the compiler caps it at the tuple's length where items is false)."""
 
     OPEN, FIRST, AFTER, NEXT = range(4)
 
@@ -403,7 +404,8 @@ class _Array(_Frame):
         if n.max_items is not None and self.count >= n.max_items:
             return _REJECT  # maxItems 0: only "]"
         self.state = self.AFTER  # once the item is complete (child_done)
-        sp.stack.append(_Value(n.items or ANY))
+        item = n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
+        sp.stack.append(_Value(item or ANY))
         return _AGAIN
 
     def child_done(self) -> None:

@@ -10,7 +10,8 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - `type`: object, array, string, number, integer, boolean, null, or a list of them (none: any value);
 - objects: `properties`, `required`, `additionalProperties` (false, true or a schema; absent is true). Keys are
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
-- arrays: `items`, `minItems`, `maxItems`;
+- arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`;
+- `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`);
 - strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string);
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers). Under a bound a
   number is written without an exponent, so each prefix's reachable values are intervals checked exactly
@@ -36,7 +37,8 @@ from ninfer_rt.errors import NinferError
 WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                       "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "minLength", "maxLength",
+                       "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
+                       "minLength", "maxLength",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
@@ -55,7 +57,8 @@ class Node:
     props: dict = field(default_factory=dict)    # key -> Node
     required: frozenset = frozenset()
     additional: Node | bool | None = None
-    items: Node | None = None
+    items: Node | bool | None = None               # past prefix_items; False: no more items
+    prefix_items: tuple = ()
     min_items: int = 0
     max_items: int | None = None
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
@@ -133,6 +136,11 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"json_schema: {where}: {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
+        if "allOf" in s:
+            one = s["allOf"]
+            if not (isinstance(one, list) and len(one) == 1) or set(s) - _ANNOTATIONS - {"allOf", "$defs", "definitions"}:
+                raise SchemaError(f"json_schema: {where}: allOf is supported only as one schema standing alone")
+            return self.node(one[0], f"{where}/allOf/0")
         if "anyOf" in s or "oneOf" in s:
             return self.any_of(s, where)
         if "$ref" in s:
@@ -169,13 +177,21 @@ class _Compiler:
             raise SchemaError(f"json_schema: {where}: required {sorted(set(req) - set(n.props))[0]!r} is not among "
                               "the properties, and additionalProperties is false")
         n.required = frozenset(req)
-        if "items" in s:
+        prefix = s.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise SchemaError(f"json_schema: {where}: prefixItems must be an array of schemas")
+        n.prefix_items = tuple(self.node(x, f"{where}/prefixItems/{i}") for i, x in enumerate(prefix))
+        if s.get("items") is False:
+            n.items = False
+        elif "items" in s:
             n.items = self.node(s["items"], f"{where}/items")
         for key in ("minItems", "maxItems"):
             v = s.get(key)
             if v is not None and not (type(v) is int and v >= 0):
                 raise SchemaError(f"json_schema: {where}: {key} must be a non-negative integer")
         n.min_items, n.max_items = s.get("minItems", 0), s.get("maxItems")
+        if n.items is False:  # no item past the tuple's
+            n.max_items = len(n.prefix_items) if n.max_items is None else min(n.max_items, len(n.prefix_items))
         if n.max_items is not None and n.max_items < n.min_items:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
         for key in ("minLength", "maxLength"):

@@ -54,8 +54,13 @@ TAGGED = {"$defs": {"Circle": {"type": "object", "required": ["kind", "r"], "add
           "type": "object", "required": ["shape"], "properties": {"shape": {
               "oneOf": [{"$ref": "#/$defs/Circle"}, {"$ref": "#/$defs/Rect"}],
               "discriminator": {"propertyName": "kind"}}}}
+# pydantic's Tuple[int, str] (prefixItems, items false) and v1's description beside a $ref (allOf of one)
+TUPLE = {"type": "object", "$defs": {"P": {"type": "array", "minItems": 1, "items": False,
+                                           "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}},
+         "properties": {"t": {"allOf": [{"$ref": "#/$defs/P"}], "description": "a pair"},
+                        "rest": {"type": "array", "prefixItems": [{"const": 0}], "items": {"type": "boolean"}}}}
 SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
-           "bounded": BOUNDED, "union": UNION, "tagged": TAGGED}
+           "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE}
 
 DOCS = {
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
@@ -70,6 +75,7 @@ DOCS = {
                 {"x": 0.001, "n": 0, "s": "ab", "e": "ab", "big": 123456}],
     "union": [[], [{"a": 1}, {"a": "s"}, {}, {"b": "x", "a": ""}, 7, -2.5, 0, 123, -1e-3]],
     "tagged": [{"shape": {"kind": "circle", "r": 1}}, {"shape": {"w": 2.5, "kind": "square", "extra": None}}],
+    "tuple": [{"t": [1]}, {"t": [-2, "abc"], "rest": [0, True, False]}, {"rest": []}, {"rest": [0]}],
 }
 
 
@@ -260,6 +266,9 @@ def test_anyof_readings_merge_again():
     ({"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"enum": ["a", "b"]}}},
                 {"type": "object", "required": ["k"], "properties": {"k": {"const": "b"}}}]}, "could both match"),
     ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf must stand alone"),
+    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf is supported only as one schema"),
+    ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
     ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
     ({"type": "date"}, "type must be one of"),
     ({"$ref": "http://example.com/s"}, "only #/$defs/<name>"),
