@@ -146,7 +146,8 @@ class _Value(_Frame):
         elif b == 0x5B and allows("array"):
             frame = _Array(n)
         elif b == 0x22 and allows("string"):
-            frame = _String(lengths=(n.min_length, n.max_length))
+            checked = n.min_length or n.max_length is not None or n.pattern is not None
+            frame = _CheckedString(n) if checked else _String()
         elif (b == 0x2D or b in _DIGITS) and (allows("number") or allows("integer")):
             frame = _Number(integer=not allows("number"), bounds=n.bounds)
         elif b in LITERALS and allows(LITERALS[b][1]):
@@ -186,18 +187,10 @@ class _Literal(_Frame):
 
 class _String(_Frame):
     """A string from its opening quote: any byte but the controls, JSON's escapes; `raw` keeps the bytes between the
-    quotes where asked (object keys). `lengths` (min, max or None): its characters as the decoded str's len counts
-    them: a UTF-8 lead byte or an escape starts one, a \\u low surrogate right after a \\u high one does not."""
+    quotes where asked (object keys)."""
 
-    def __init__(self, keep: bool = False, lengths: tuple = (0, None)):
+    def __init__(self, keep: bool = False):
         self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
-        self.min_len, self.max_len = lengths
-        self.count, self.code, self.high = 0, 0, False  # characters; the \u escape's value; the last was \uD800-DBFF
-
-    def _char(self) -> int:
-        """One more character: refused past max_len."""
-        self.count, self.high = self.count + 1, False
-        return _REJECT if self.max_len is not None and self.count > self.max_len else _OK
 
     def step(self, b: int, sp) -> int:
         s = self.state
@@ -208,31 +201,125 @@ class _String(_Frame):
             self.raw += bytes((b,))
         if s == 1:
             if b == 0x22:
-                return _DONE if self.count >= self.min_len else _REJECT
+                return _DONE
+            if b == 0x5C:
+                self.state = 2
+            return _OK if b >= 0x20 else _REJECT
+        if s == 2:
+            if b == ord("u"):
+                self.state, self.hex_left = 3, 4
+                return _OK
+            self.state = 1
+            return _OK if b in _ESCAPES else _REJECT
+        self.hex_left -= 1
+        if self.hex_left == 0:
+            self.state = 1
+        return _OK if b in _HEX else _REJECT
+
+
+class _CheckedString(_Frame):
+    """A string under minLength, maxLength or pattern: its bytes decoded into characters (UTF-8, JSON's escapes, a
+    \\u surrogate pair as one, as json.loads decodes), each counted and stepped through the pattern's NFA. A byte is
+    taken only where the characters so far still begin some string the pattern matches within the lengths (for a
+    character still being written: where some character it can become fits the next step)."""
+
+    def __init__(self, node: Node):
+        self.node, self.state, self.count = node, 0, 0  # state: 0 before the quote, 1 in, 2 escape, 3 \u digits
+        self.nfa = node.pattern.start() if node.pattern is not None else None
+        self.code, self.need = 0, 0  # the character being decoded, and its UTF-8 bytes or hex digits still to come
+        self.least = 0  # the least code point the UTF-8 sequence being read may encode
+        self.high = None  # a \u high surrogate waiting for its low half
+
+    def _char(self, c: int) -> int:
+        n, self.count = self.node, self.count + 1
+        if n.max_length is not None and self.count > n.max_length:
+            return _REJECT
+        if self.nfa is None:
+            return _OK
+        self.nfa = n.pattern.step(self.nfa, c)
+        fewest, most = n.pattern.lengths(self.nfa)
+        if fewest is None or (n.max_length is not None and self.count + fewest > n.max_length):
+            return _REJECT
+        return _OK if most is None or self.count + most >= n.min_length else _REJECT
+
+    def _may(self, lo: int, hi: int) -> bool:
+        """Whether one more character, some code point in [lo, hi], can follow."""
+        n = self.node
+        return (lo <= hi and (n.max_length is None or self.count < n.max_length)
+                and (self.nfa is None or n.pattern.admits(self.nfa, lo, hi)))
+
+    def _flush(self) -> int:
+        """The waiting high surrogate as a character of its own (json.loads keeps a lone one)."""
+        h, self.high = self.high, None
+        return _OK if h is None else self._char(h)
+
+    def step(self, b: int, sp) -> int:
+        s = self.state
+        if s == 0:
+            self.state = 1
+            return _OK if b == 0x22 else _REJECT
+        if s == 1 and self.need:  # a UTF-8 continuation byte
+            if not 0x80 <= b < 0xC0:
+                return _REJECT
+            self.code, self.need = (self.code << 6) | (b & 0x3F), self.need - 1
+            if self.need:
+                return self._utf8_may()
+            if self.code < self.least or 0xD800 <= self.code <= 0xDFFF or self.code > 0x10FFFF:
+                return _REJECT  # an overlong form or a surrogate: not UTF-8 (json.loads' decode refuses it)
+            return self._char(self.code)
+        if s == 1:
             if b < 0x20:
                 return _REJECT
             if b == 0x5C:
                 self.state = 2
                 return _OK
-            return _OK if 0x80 <= b < 0xC0 else self._char()  # a continuation byte is not a character of its own
+            if self._flush() == _REJECT:
+                return _REJECT
+            if b == 0x22:
+                n = self.node
+                ok = self.count >= n.min_length and (self.nfa is None or n.pattern.accepts(self.nfa))
+                return _DONE if ok else _REJECT
+            if b < 0x80:
+                return self._char(b)
+            lead = next(((k, b & m) for lo, hi, k, m in _UTF8_LEADS if lo <= b <= hi), None)
+            if lead is None:
+                return _REJECT
+            self.need, self.code = lead
+            self.least = _UTF8_LEAST[self.need]
+            return self._utf8_may()
         if s == 2:
             if b == ord("u"):
-                self.state, self.hex_left, self.code = 3, 4, 0
+                self.state, self.need, self.code = 3, 4, 0
                 return _OK
             self.state = 1
-            return self._char() if b in _ESCAPES else _REJECT
+            if b not in _ESCAPES or self._flush() == _REJECT:
+                return _REJECT
+            return self._char(_ESCAPED[b])
         if b not in _HEX:
             return _REJECT
-        self.hex_left, self.code = self.hex_left - 1, self.code * 16 + int(chr(b), 16)
-        if self.hex_left:
+        self.code, self.need = self.code * 16 + int(chr(b), 16), self.need - 1
+        if self.need:
             return _OK
-        self.state = 1
-        if self.high and 0xDC00 <= self.code <= 0xDFFF:  # the pair's second half: json.loads makes them one
-            self.high = False
-            return _OK
-        r = self._char()
-        self.high = 0xD800 <= self.code <= 0xDBFF
-        return r
+        self.state, c = 1, self.code
+        if self.high is not None and 0xDC00 <= c <= 0xDFFF:  # the pair's second half: one character
+            c, self.high = 0x10000 + ((self.high - 0xD800) << 10) + (c - 0xDC00), None
+            return self._char(c)
+        if self._flush() == _REJECT:
+            return _REJECT
+        if 0xD800 <= c <= 0xDBFF:  # a lone surrogate, or the first half of an astral character
+            self.high, base = c, 0x10000 + ((c - 0xD800) << 10)
+            return _OK if self._may(c, c) or self._may(base, base + 0x3FF) else _REJECT
+        return self._char(c)
+
+    def _utf8_may(self) -> int:
+        lo = self.code << (6 * self.need)
+        return _OK if self._may(max(lo, self.least), lo | ((1 << (6 * self.need)) - 1)) else _REJECT
+
+
+_UTF8_LEADS = ((0xC2, 0xDF, 1, 0x1F), (0xE0, 0xEF, 2, 0x0F), (0xF0, 0xF4, 3, 0x07))  # (first, last, more, bits)
+_UTF8_LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of each length (shorter forms are overlong)
+_ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+            ord("r"): 0x0D, ord("t"): 0x09}
 
 
 class _Number(_Frame):

@@ -12,7 +12,8 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
 - arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`;
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`);
-- strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string);
+- strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string), `pattern` (the
+  ECMA-262 subset json_regex reads: classes, groups, alternation, quantifiers, anchors at the ends);
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers). Under a bound a
   number is written without an exponent, so each prefix's reachable values are intervals checked exactly
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
@@ -33,12 +34,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from ninfer_rt.errors import NinferError
+from ninfer_rt.json_regex import Pattern, PatternError, compile_pattern
 
 WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
-                       "minLength", "maxLength",
+                       "minLength", "maxLength", "pattern",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
@@ -66,6 +68,7 @@ class Node:
     unique: bool = True                            # an object's keys may not repeat
     min_length: int = 0                            # a string's characters
     max_length: int | None = None
+    pattern: Pattern | None = None                 # a string's regular expression (json_regex)
     bounds: Bounds | None = None                   # a number's range
 
 
@@ -201,6 +204,15 @@ class _Compiler:
         n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
         if n.max_length is not None and n.max_length < n.min_length:
             raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
+        if "pattern" in s:
+            try:
+                n.pattern = compile_pattern(s["pattern"])
+            except PatternError as e:
+                raise SchemaError(f"json_schema: {where}: {e}") from None
+            fewest, most = n.pattern.lengths(n.pattern.start())
+            if fewest is None or (n.max_length is not None and fewest > n.max_length) or (
+                    most is not None and most < n.min_length):
+                raise SchemaError(f"json_schema: {where}: no string within minLength and maxLength matches the pattern")
         n.bounds = _bounds(s, n.types, where)
         if n.enum is not None:
             n.enum = tuple(o for o in n.enum if _satisfies(json.loads(o), n))
@@ -270,7 +282,8 @@ def _bounds(s: dict, types, where: str) -> Bounds | None:
 def _satisfies(v, n: Node) -> bool:
     """An enum value (json.loads' Python value) against the node's string lengths and numeric bounds."""
     if isinstance(v, str):
-        return n.min_length <= len(v) and (n.max_length is None or len(v) <= n.max_length)
+        return (n.min_length <= len(v) and (n.max_length is None or len(v) <= n.max_length)
+                and (n.pattern is None or n.pattern.matches(v)))
     if isinstance(v, (int, float)) and not isinstance(v, bool) and n.bounds is not None:
         return n.bounds.holds(Fraction(v))
     return True

@@ -59,8 +59,13 @@ TUPLE = {"type": "object", "$defs": {"P": {"type": "array", "minItems": 1, "item
                                            "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}},
          "properties": {"t": {"allOf": [{"$ref": "#/$defs/P"}], "description": "a pair"},
                         "rest": {"type": "array", "prefixItems": [{"const": 0}], "items": {"type": "boolean"}}}}
+PATTERNS = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2,4}$"},
+    "mail": {"type": "string", "pattern": "^[^@\\s]+@[^@\\s]+\\.[a-z]{2,}$", "maxLength": 20},
+    "any": {"type": "string", "pattern": "é|x.y"}, "tags": {"type": "array", "items": {"enum": ["a1", "b", "c2"],
+                                                                                    "pattern": "\\d"}}}}
 SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
-           "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE}
+           "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
@@ -76,6 +81,8 @@ DOCS = {
     "union": [[], [{"a": 1}, {"a": "s"}, {}, {"b": "x", "a": ""}, 7, -2.5, 0, 123, -1e-3]],
     "tagged": [{"shape": {"kind": "circle", "r": 1}}, {"shape": {"w": 2.5, "kind": "square", "extra": None}}],
     "tuple": [{"t": [1]}, {"t": [-2, "abc"], "rest": [0, True, False]}, {"rest": []}, {"rest": [0]}],
+    "patterns": [{"code": "AB-123", "mail": "a.b@c.de", "any": "--é--", "tags": ["c2", "a1"]},
+                 {"code": "ZZ-0000", "mail": "x@y.zz", "any": "x\ny x😀y"}],
 }
 
 
@@ -259,6 +266,47 @@ def test_anyof_readings_merge_again():
     assert q.feed(b"0]") and q.complete  # 30
 
 
+@pytest.mark.parametrize("pattern, lengths", [
+    ("^[ab]+c?$", (0, None)), ("b.c", (0, None)), ("^(?:ab|b\\\\)*$", (0, 6)), ("^[^a\\n]{2,3}$", (0, None)),
+    ("\\d{2}", (3, 5)), ("^(?:\\\\|[😀-😂é])$", (0, None)), ("^[ab]*$", (2, 4)), ("x", (0, None)),
+])
+def test_patterns_and_lengths_against_jsonschema(pattern, lengths):
+    """Random strings over characters the pattern dialects read alike (ASCII letters and digits, quotes, backslashes,
+    newlines, é and astral characters), written raw or escaped: every byte before the closing quote of a valid
+    string is taken, and a string is complete iff jsonschema (re.search) accepts it. The oracle's pattern ends in \\Z
+    where ours ends in $: Python's $ also matches before a final newline, ECMA-262's (JSON Schema's) only at the end."""
+    schema = {"type": "string", "pattern": pattern, "minLength": lengths[0]}
+    if lengths[1] is not None:
+        schema["maxLength"] = lengths[1]
+    oracle = {**schema, "pattern": pattern[:-1] + "\\Z" if pattern.endswith("$") else pattern}
+    root, rng, v = compile_schema(schema), random.Random(5), jsonschema.Draft202012Validator(oracle)
+    alphabet = ["a", "b", "c", "x", "1", "2", '"', "\\", "\n", "é", "😀", "😁"]
+    valid = 0
+    for _ in range(1500):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randrange(8)))
+        text = json.dumps(value, ensure_ascii=rng.random() < 0.5).encode()
+        ok = v.is_valid(value)
+        valid += ok
+        p = SchemaPrefix(root)
+        fed = all(p.feed(text[i:i + 1]) for i in range(len(text) - 1))
+        assert fed or not ok, (value, text)
+        assert (fed and p.feed(b'"') and p.complete) == ok, (value, text)
+    assert valid > 5
+
+
+def test_a_pattern_refuses_a_character_as_soon_as_no_match_can_follow():
+    root = compile_schema({"type": "string", "pattern": "^\\d{3}-\\d{4}$"})
+    for prefix, taken in (('"123-', True), ('"12a', False), ('"1234', False), ('"123-4567', True),
+                          ('"123-45678', False), ('"12', True)):
+        assert SchemaPrefix(root).feed(prefix.encode()) == taken, prefix
+    p = SchemaPrefix(root)
+    assert p.feed(b'"123-456') and not p.copy().feed(b'"') and p.feed(b'7"') and p.complete
+    # a character still being written: its first UTF-8 byte is refused where no character it can begin fits
+    q = SchemaPrefix(compile_schema({"type": "string", "pattern": "^é+$"}))
+    assert q.copy().feed(b'"' + "é".encode()[:1]) and not q.copy().feed(b'"' + "😀".encode()[:1])
+    assert not q.copy().feed(b'"\xc3\x28') and not q.copy().feed(b'"\xe0\x83\xa9')  # not UTF-8; é overlong
+
+
 @pytest.mark.parametrize("schema, what", [
     ({"not": {"type": "string"}}, "'not' is not supported"),
     ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "could both match"),
@@ -269,7 +317,12 @@ def test_anyof_readings_merge_again():
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf is supported only as one schema"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
-    ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
+    ({"type": "string", "multipleOf": 2}, "'multipleOf' is not supported"),
+    ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
+    ({"type": "string", "pattern": "(a)\\1"}, "\\1 is not supported"),
+    ({"type": "string", "pattern": "^a|b$"}, "beside a top-level |"),
+    ({"type": "string", "pattern": "a{3,2}"}, "the maximum is below the minimum"),
+    ({"type": "string", "pattern": "^ab?$", "minLength": 3}, "no string within minLength and maxLength matches"),
     ({"type": "date"}, "type must be one of"),
     ({"$ref": "http://example.com/s"}, "only #/$defs/<name>"),
     ({"$ref": "#/$defs/missing"}, "names no schema"),
