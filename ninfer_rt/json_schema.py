@@ -23,7 +23,8 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   branches no value can match twice: a value's first byte tells them apart (pydantic's Optional), or they are objects
   with a required property whose const / enum values differ (pydantic's discriminated unions), so that it is anyOf;
 - `$ref` to `#/$defs/<name>` or `#/definitions/<name>` (recursive schemas too);
-- annotations, ignored: title, description, default, examples, format, $schema, $id, $comment.
+- `format` date, time, date-time, uuid and ipv4 held as patterns (FORMATS) where no `pattern` is given;
+- annotations, ignored: title, description, default, examples, other formats, $schema, $id, $comment, discriminator.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
 LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
+
+
+# `format`s written as patterns (RFC 3339's date, time and date-time, RFC 4122's uuid, dotted-quad ipv4): stricter
+# than Draft 2020-12, where format is an annotation, as OpenAI's structured outputs hold them. Others stay annotations.
+_TIME = "(?:[01]\\d|2[0-3]):[0-5]\\d:(?:[0-5]\\d|60)(?:\\.\\d+)?(?:[Zz]|[+-](?:[01]\\d|2[0-3]):[0-5]\\d)"
+_DATE = "\\d{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\\d|3[01])"
+_OCTET = "(?:25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)"
+FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt ]{_TIME}$",
+           "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+           "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$"}
 
 
 class SchemaError(NinferError):
@@ -141,7 +152,8 @@ class _Compiler:
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
         if "allOf" in s:
             one = s["allOf"]
-            if not (isinstance(one, list) and len(one) == 1) or set(s) - _ANNOTATIONS - {"allOf", "$defs", "definitions"}:
+            alone = not set(s) - _ANNOTATIONS - {"allOf", "$defs", "definitions"}
+            if not (isinstance(one, list) and len(one) == 1 and alone):
                 raise SchemaError(f"json_schema: {where}: allOf is supported only as one schema standing alone")
             return self.node(one[0], f"{where}/allOf/0")
         if "anyOf" in s or "oneOf" in s:
@@ -204,9 +216,10 @@ class _Compiler:
         n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
         if n.max_length is not None and n.max_length < n.min_length:
             raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
-        if "pattern" in s:
+        text = s.get("pattern", FORMATS.get(s.get("format")))  # a format holds where no pattern does
+        if text is not None:
             try:
-                n.pattern = compile_pattern(s["pattern"])
+                n.pattern = compile_pattern(text)
             except PatternError as e:
                 raise SchemaError(f"json_schema: {where}: {e}") from None
             fewest, most = n.pattern.lengths(n.pattern.start())

@@ -307,6 +307,46 @@ def test_a_pattern_refuses_a_character_as_soon_as_no_match_can_follow():
     assert not q.copy().feed(b'"\xc3\x28') and not q.copy().feed(b'"\xe0\x83\xa9')  # not UTF-8; é overlong
 
 
+def test_formats_are_held_as_patterns():
+    """format ipv4 against ipaddress (random dotted quads, leading zeros and octets past 255 among them), uuid
+    against uuid.UUID's canonical text, date and date-time: every real one taken (datetime.fromisoformat), and every
+    one taken has a month 01-12, a day 01-31, an hour 00-23. A format beside a pattern stays an annotation."""
+    import datetime
+    import ipaddress
+    import uuid
+
+    def taken(fmt: str, text: str, extra=None) -> bool:
+        p = SchemaPrefix(compile_schema({"type": "string", "format": fmt, **(extra or {})}))
+        return p.feed(json.dumps(text).encode()) and p.complete
+
+    rng = random.Random(11)
+    for _ in range(400):
+        octets = ["0", "7", "09", "255", "256", "199", "25", "300"]
+        quad = ".".join(rng.choice(octets) for _ in range(rng.choice([3, 4, 4, 5])))
+        try:
+            ok = str(ipaddress.IPv4Address(quad)) == quad
+        except ValueError:
+            ok = False
+        assert taken("ipv4", quad) == ok, quad
+        u = str(uuid.UUID(int=rng.getrandbits(128)))
+        bad = u[:rng.randrange(36)] + rng.choice("g-xA") + u[rng.randrange(36):]
+        assert taken("uuid", u) and taken("uuid", u.upper())
+        try:
+            ok = str(uuid.UUID(bad)) == bad.lower() and len(bad) == 36
+        except ValueError:
+            ok = False
+        assert taken("uuid", bad) == ok, bad
+        day = datetime.date(2000, 1, 1) + datetime.timedelta(days=rng.randrange(20000))
+        stamp = f"{day.isoformat()}T{rng.randrange(24):02d}:{rng.randrange(60):02d}:{rng.randrange(60):02d}Z"
+        assert taken("date", day.isoformat()) and taken("date-time", stamp)
+        text = f"{rng.randrange(10000):04d}-{rng.randrange(15):02d}-{rng.randrange(35):02d}"
+        if taken("date", text):
+            assert 1 <= int(text[5:7]) <= 12 and 1 <= int(text[8:]) <= 31, text
+    assert not taken("date-time", "2024-01-01T24:00:00Z") and taken("date-time", "2024-01-01 23:59:60.25+05:30")
+    assert taken("date", "not a date", {"pattern": "^[a-z ]+$"})  # the pattern holds, the format is an annotation
+    assert taken("email", "anything")  # formats without a pattern of their own stay annotations
+
+
 @pytest.mark.parametrize("schema, what", [
     ({"not": {"type": "string"}}, "'not' is not supported"),
     ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "could both match"),
