@@ -14,8 +14,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`);
 - strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string), `pattern` (the
   ECMA-262 subset json_regex reads: classes, groups, alternation, quantifiers, anchors at the ends);
-- numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers). Under a bound a
-  number is written without an exponent, so each prefix's reachable values are intervals checked exactly
+- numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers), `multipleOf`
+  (exactly, as the schema writes it: 0.07 is a multiple of 0.01). Under any of them a number is written without an
+  exponent, so each prefix's reachable values are intervals checked exactly
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
   ensure_ascii=False)` writes them);
@@ -41,7 +42,7 @@ WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
-                       "minLength", "maxLength", "pattern",
+                       "minLength", "maxLength", "pattern", "multipleOf",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
@@ -85,42 +86,49 @@ class Node:
 
 @dataclass(frozen=True)
 class Bounds:
-    """lo <= v <= hi, each side strict (<) where its flag says, None: unbounded; exact rationals."""
+    """lo <= v <= hi, each side strict (<) where its flag says, None: unbounded; v a multiple of step where given
+    (multipleOf); exact rationals."""
 
     lo: Fraction | None = None
     lo_strict: bool = False
     hi: Fraction | None = None
     hi_strict: bool = False
+    step: Fraction | None = None
 
     def holds(self, v: Fraction) -> bool:
         return ((self.lo is None or v > self.lo or (v == self.lo and not self.lo_strict))
-                and (self.hi is None or v < self.hi or (v == self.hi and not self.hi_strict)))
+                and (self.hi is None or v < self.hi or (v == self.hi and not self.hi_strict))
+                and (self.step is None or (v / self.step).denominator == 1))
 
-    def integers(self) -> tuple[int | None, int | None]:
-        """The least and the greatest integer within (None: unbounded on that side)."""
-        lo = None if self.lo is None else (math.floor(self.lo) + 1 if self.lo_strict else math.ceil(self.lo))
-        hi = None if self.hi is None else (math.ceil(self.hi) - 1 if self.hi_strict else math.floor(self.hi))
-        return lo, hi
+    def grid(self, integer: bool) -> Fraction | None:
+        """The spacing of the allowed values: the step, and for integers the step's multiples that are integers
+        (k·p/q is one iff q divides k, p/q in lowest terms); None: any value."""
+        if self.step is None:
+            return Fraction(1) if integer else None
+        return Fraction(self.step.numerator) if integer else self.step
 
-    def meets(self, a: Fraction, b: Fraction | None, integer: bool) -> bool:
-        """Some value of [a, b) (b None: unbounded), an integer where asked, lies within."""
-        if integer:
-            lo, hi = self.integers()
-            first = math.ceil(a) if lo is None else max(math.ceil(a), lo)
-            last = hi if b is None else (math.ceil(b) - 1 if hi is None else min(math.ceil(b) - 1, hi))
-            return last is None or first <= last
+    def meets(self, a: Fraction | None, b: Fraction | None, integer: bool) -> bool:
+        """Some allowed value (an integer where asked) lies in [a, b); None: unbounded on that side."""
         lower, lower_in = a, True  # the intersection's ends, each included or not
-        if self.lo is not None and (self.lo > a or (self.lo == a and self.lo_strict)):
+        if self.lo is not None and (a is None or self.lo > a or (self.lo == a and self.lo_strict)):
             lower, lower_in = self.lo, not self.lo_strict
         upper, upper_in = b, False
         if self.hi is not None and (b is None or self.hi < b):
             upper, upper_in = self.hi, not self.hi_strict
-        return upper is None or lower < upper or (lower == upper and lower_in and upper_in)
+        if lower is None or upper is None:
+            return True
+        grid = self.grid(integer)
+        if grid is None:
+            return lower < upper or (lower == upper and lower_in and upper_in)
+        k0, k1 = math.ceil(lower / grid), math.floor(upper / grid)  # the grid points within, by index
+        k0 += not lower_in and k0 * grid == lower
+        k1 -= not upper_in and k1 * grid == upper
+        return k0 <= k1
 
     def negated(self) -> Bounds:
         """The bounds of -v."""
         return Bounds(None if self.hi is None else -self.hi, self.hi_strict,
-                      None if self.lo is None else -self.lo, self.lo_strict)
+                      None if self.lo is None else -self.lo, self.lo_strict, self.step)
 
 
 ANY = Node()
@@ -278,17 +286,18 @@ def _bounds(s: dict, types, where: str) -> Bounds | None:
             lo, lo_strict = f, strict
         elif key.endswith("aximum") and (hi is None or f < hi or (f == hi and strict)):
             hi, hi_strict = f, strict
-    if lo is None and hi is None:
+    step = s.get("multipleOf")
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
+            raise SchemaError(f"json_schema: {where}: multipleOf must be a positive number")
+        step = Fraction(repr(step)) if isinstance(step, float) else Fraction(step)  # 0.01 as written, not its binary
+    if lo is None and hi is None and step is None:
         return None
-    b = Bounds(lo, lo_strict, hi, hi_strict)
+    b = Bounds(lo, lo_strict, hi, hi_strict, step)
     integer = types is not None and "number" not in types
-    if integer:
-        first, last = b.integers()
-        empty = first is not None and last is not None and first > last
-    else:
-        empty = lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_strict or hi_strict)))
-    if empty and (types is None or {"number", "integer"} & types):
-        raise SchemaError(f"json_schema: {where}: no {'integer' if integer else 'number'} lies within the bounds")
+    if not b.meets(None, None, integer) and (types is None or {"number", "integer"} & types):
+        raise SchemaError(f"json_schema: {where}: no {'integer' if integer else 'number'} lies within the bounds"
+                          f"{' and multipleOf' if step is not None else ''}")
     return b
 
 

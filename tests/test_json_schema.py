@@ -196,6 +196,8 @@ def prefixes_taken(schema: dict, texts) -> dict[str, bool]:
     {"type": "integer", "minimum": -40, "exclusiveMaximum": 250},
     {"type": "integer", "exclusiveMinimum": 7.5, "maximum": 31},
     {"type": "integer", "minimum": -120, "maximum": -15},
+    {"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 300},
+    {"type": "integer", "multipleOf": 1.5, "minimum": -999, "exclusiveMaximum": 999},  # integers of 1.5k: 3j
 ])
 def test_integer_bounds_take_exactly_the_prefixes_of_in_range_integers(schema):
     """Every integer from -999 to 999 as text: a prefix is taken iff some in-range integer's text begins with it
@@ -214,15 +216,21 @@ def test_integer_bounds_take_exactly_the_prefixes_of_in_range_integers(schema):
     {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
     {"type": "number", "minimum": -1.5, "exclusiveMaximum": 12},
     {"type": "number", "exclusiveMinimum": -3, "exclusiveMaximum": -0.5},
+    {"type": "number", "multipleOf": 0.25, "minimum": -2, "maximum": 3.5},
+    {"type": "number", "multipleOf": 0.3, "exclusiveMinimum": -15, "exclusiveMaximum": 15},
 ])
 def test_number_bounds_take_exactly_the_prefixes_of_in_range_numbers(schema):
     """Decimals of up to 3 fraction digits in [-15, 15] as text (bounds of one fraction digit, so a prefix's
     in-range continuations, if any, include one of these): a prefix is taken iff some in-range decimal's text
-    begins with it; complete iff jsonschema accepts the value. An exponent is never taken under bounds."""
-    texts = sorted({f"{v / 1000:.{d}f}" for v in range(-15000, 15001, 7) for d in (0, 1, 2, 3)
-                    if f"{v / 1000:.{d}f}" not in ("-0", "-0.0", "-0.00", "-0.000")})
-    v = jsonschema.Draft202012Validator(schema)
-    valid = {t for t in texts if v.is_valid(float(t))}
+    begins with it; complete iff jsonschema accepts the value. An exponent is never taken under bounds. multipleOf
+    is checked exactly (0.9 is a multiple of 0.3; jsonschema divides floats, 0.9 / 0.3 = 3.0000000000000004), so the
+    oracle checks it with Fraction and leaves the bounds to jsonschema."""
+    texts = sorted({f"{v / 1000:.{d}f}" for v in range(-15000, 15001, 7) for d in (0, 1, 2, 3)}
+                   | {f"{z}0{f}" for z in ("", "-") for f in ("", ".0", ".00")})  # zero, every way up to 2 digits
+    from fractions import Fraction
+    v = jsonschema.Draft202012Validator({k: x for k, x in schema.items() if k != "multipleOf"})
+    step = Fraction(repr(schema.get("multipleOf", 1e-3)))  # every text here is a multiple of 0.001
+    valid = {t for t in texts if v.is_valid(float(t)) and (Fraction(t) / step).denominator == 1}
     starts = {u[:i] for u in valid for i in range(1, len(u) + 1)}
     taken = prefixes_taken(schema, texts + ["1e0", "0.5E1"])
     for t in texts:
@@ -357,7 +365,9 @@ def test_formats_are_held_as_patterns():
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf is supported only as one schema"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
-    ({"type": "string", "multipleOf": 2}, "'multipleOf' is not supported"),
+    ({"type": "object", "minProperties": 1}, "'minProperties' is not supported"),
+    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a positive number"),
+    ({"type": "integer", "multipleOf": 2, "minimum": 3, "maximum": 3}, "no integer lies within the bounds and"),
     ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
     ({"type": "string", "pattern": "(a)\\1"}, "\\1 is not supported"),
     ({"type": "string", "pattern": "^a|b$"}, "beside a top-level |"),
