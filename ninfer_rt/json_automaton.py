@@ -1,9 +1,9 @@
 """The byte-level automaton of a compiled JSON Schema (json_schema.compile_schema's Node): `SchemaPrefix`, which
 `batching.Batch._constrained` draws against (`feed`, `complete`, `closed`, `copy`). `feed` says whether the bytes so
 far can still continue a JSON text the schema accepts; one frame per open value (object, array, string, number,
-literal, enum), each taking a byte at a time. Strings take any byte but the controls (0x00-0x1f), so a token may
-carry part of a UTF-8 character; numbers follow JSON's grammar (no leading zeros, a digit after `.` and after the
-exponent)."""
+literal, enum), each taking a byte at a time. Strings take well-formed UTF-8 but the controls (0x00-0x1f), a
+character's bytes possibly split across tokens; numbers follow JSON's grammar (no leading zeros, a digit after `.` and
+after the exponent)."""
 
 from __future__ import annotations
 
@@ -74,19 +74,21 @@ class _Parse:
     def key(self) -> tuple:
         return self.done, tuple(_state(f) for f in self.stack)
 
-    def advance(self, b: int) -> list:
-        """This reading after byte b: none (refused), itself, or one per anyOf branch the byte can begin."""
+    def advance(self, b: int, entered: frozenset = frozenset()) -> list:
+        """This reading after byte b: none (refused), itself, or one per anyOf branch the byte can begin (`entered`:
+        the anyOfs this byte has already forked at, so one that contains itself through a $ref forks once)."""
         while True:
             if not self.stack:
                 return [self] if self.done and b in WHITESPACE else []
             top = self.stack[-1]
             if type(top) is _Value and top.node.any_of is not None and b not in WHITESPACE:
-                branches = [n for n in top.node.any_of if b in first_bytes(n)]
+                inside = entered | {id(top.node)}
+                branches = [n for n in top.node.any_of if id(n) not in inside and b in first_bytes(n)]
                 readings = [self.copy() for _ in branches[1:]] + [self] if branches else []
                 out = []
                 for c, n in zip(readings, branches):
                     c.stack[-1] = _Value(n)
-                    out += c.advance(b)
+                    out += c.advance(b, inside)
                 return out
             r = top.step(b, self)
             if r == _OK:
@@ -186,11 +188,13 @@ class _Literal(_Frame):
 
 
 class _String(_Frame):
-    """A string from its opening quote: any byte but the controls, JSON's escapes; `raw` keeps the bytes between the
-    quotes where asked (object keys)."""
+    """A string from its opening quote: any character but the controls, as well-formed UTF-8 (what json.loads
+    decodes: no overlong forms, surrogates or code points past U+10FFFF), JSON's escapes; `raw` keeps the bytes between
+    the quotes where asked (object keys)."""
 
     def __init__(self, keep: bool = False):
         self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
+        self.need, self.next_lo, self.next_hi = 0, 0x80, 0xBF  # UTF-8 bytes still to come; the next one's range
 
     def step(self, b: int, sp) -> int:
         s = self.state
@@ -200,11 +204,23 @@ class _String(_Frame):
         if self.raw is not None and not (s == 1 and b == 0x22):
             self.raw += bytes((b,))
         if s == 1:
+            if self.need:
+                if not self.next_lo <= b <= self.next_hi:
+                    return _REJECT
+                self.need, self.next_lo, self.next_hi = self.need - 1, 0x80, 0xBF
+                return _OK
             if b == 0x22:
                 return _DONE
             if b == 0x5C:
                 self.state = 2
-            return _OK if b >= 0x20 else _REJECT
+                return _OK
+            if b < 0x80:
+                return _OK if b >= 0x20 else _REJECT
+            lead = _UTF8_SECOND.get(b)
+            if lead is None:
+                return _REJECT
+            self.need, self.next_lo, self.next_hi = lead
+            return _OK
         if s == 2:
             if b == ord("u"):
                 self.state, self.hex_left = 3, 4
@@ -215,6 +231,14 @@ class _String(_Frame):
         if self.hex_left == 0:
             self.state = 1
         return _OK if b in _HEX else _REJECT
+
+
+# a UTF-8 lead byte -> (continuation bytes, the range of the first of them): E0 and F0 exclude overlong forms, ED the
+# surrogates, F4 what lies past U+10FFFF (RFC 3629's table)
+_UTF8_SECOND = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0, 0xBF),
+                **{b: (2, 0x80, 0xBF) for b in range(0xE1, 0xED)}, 0xED: (2, 0x80, 0x9F), 0xEE: (2, 0x80, 0xBF),
+                0xEF: (2, 0x80, 0xBF), 0xF0: (3, 0x90, 0xBF), 0xF1: (3, 0x80, 0xBF), 0xF2: (3, 0x80, 0xBF),
+                0xF3: (3, 0x80, 0xBF), 0xF4: (3, 0x80, 0x8F)}
 
 
 class _CheckedString(_Frame):
@@ -313,7 +337,8 @@ class _CheckedString(_Frame):
 
     def _utf8_may(self) -> int:
         lo = self.code << (6 * self.need)
-        return _OK if self._may(max(lo, self.least), lo | ((1 << (6 * self.need)) - 1)) else _REJECT
+        hi = min(lo | ((1 << (6 * self.need)) - 1), 0x10FFFF)
+        return _OK if self._may(max(lo, self.least), hi) else _REJECT
 
 
 _UTF8_LEADS = ((0xC2, 0xDF, 1, 0x1F), (0xE0, 0xEF, 2, 0x0F), (0xF0, 0xF4, 3, 0x07))  # (first, last, more, bits)
@@ -369,7 +394,9 @@ class _Number(_Frame):
     def can_end(self) -> bool:
         if self.state not in self.ENDS:
             return False
-        return self.bounds is None or self.bounds.holds(Fraction(self.text))
+        # exact, and as the float a reader's json.loads makes of it (an exclusive bound could otherwise round away)
+        return self.bounds is None or (self.bounds.holds(Fraction(self.text))
+                                       and self.bounds.holds_float(float(self.text)))
 
     def _grammar(self, b: int) -> int:
         s, digit = self.state, b in _DIGITS

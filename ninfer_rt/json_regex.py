@@ -8,10 +8,11 @@ in effect, one without `$` ends with it. `lengths(states)` gives the fewest and 
 unbounded) that can still complete a match, so a string frame can also keep minLength and maxLength reachable.
 
 The subset: literals and escaped punctuation, `.` (any character but a line terminator), classes `[...]` / `[^...]`
-with ranges, `\\d \\w \\s` and their negations (ASCII digits and word characters, ECMA-262's whitespace), `\\n \\r
-\\t \\f \\v \\0 \\xHH \\uHHHH`, groups `(...)` and `(?:...)`, alternation, the quantifiers `* + ? {n} {n,} {n,m}`
-(lazy forms match the same strings), and `^` / `$` at the pattern's ends. Anything else (backreferences,
-lookaround, `\\b`, flags) is a PatternError with a one-line reason.
+with ranges (a `]` first in a class is a literal, as Python reads it), `\\d \\w \\s` and their negations (ASCII
+digits and word characters, ECMA-262's whitespace), `\\n \\r \\t \\f \\v \\0 \\xHH \\uHHHH`, groups `(...)` and
+`(?:...)`, alternation, the quantifiers `* + ? {n} {n,} {n,m}` (lazy forms match the same strings), and `^` / `$` at
+the pattern's ends. Anything else (backreferences, lookaround, `\\b`, flags) is a PatternError with a one-line
+reason.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Pattern:
         a 0-1 BFS backwards for the fewest; for the most, the strongly connected components (Kosaraju) of the
         states that can reach accept, unbounded where a component holds a character move or reaches one that does."""
         n = len(self.eps)
-        succ = [[(t, 0) for t in self.eps[s]] + [(t, 1) for _, _, t in self.edges[s]] for s in range(n)]
+        succ = [[(t, 0) for t in self.eps[s]] + [(t, 1) for r, neg, t in self.edges[s] if _meets(r, neg, 0, 0x10FFFF)]
+                for s in range(n)]
         pred: list[list] = [[] for _ in range(n)]
         for s in range(n):
             for t, w in succ[s]:
@@ -188,10 +190,13 @@ def compile_pattern(pattern: str) -> Pattern:
     body, head, tail = pattern, True, True
     if body.startswith("^"):
         body, head = body[1:], False
-    if body.endswith("$") and not body.endswith("\\$"):
+    if body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0:  # not an escaped $
         body, tail = body[:-1], False
     parser = _Parser(body)
-    tree = parser.alternation()
+    try:
+        tree = parser.alternation()
+    except RecursionError:
+        raise PatternError("pattern: nested too deeply") from None
     if parser.i != len(body):
         raise PatternError(f"pattern: unexpected {body[parser.i]!r} at {parser.i + (not head)}")
     if tree[0] == "alt" and not (head and tail):
@@ -199,7 +204,10 @@ def compile_pattern(pattern: str) -> Pattern:
     dot_star = ("rep", ("set", *_ANY), 0, None)
     tree = ("cat", [dot_star] * head + [tree] + [dot_star] * tail)
     p = Pattern()
-    start, end = _build(p, tree)
+    try:
+        start, end = _build(p, tree)
+    except RecursionError:
+        raise PatternError("pattern: nested too deeply") from None
     p.accept = end
     p._start = p.closure([start])
     p._distances()
@@ -250,14 +258,24 @@ class _Parser:
             if self.peek() == "?":  # lazy: the same strings match
                 self.i += 1
             atom = ("rep", atom, lo, hi)
+            if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self._counted()):
+                raise PatternError(f"pattern: nothing to repeat at {self.i} (a quantifier after a quantifier)")
         return atom
+
+    def _counted(self) -> bool:
+        """Whether a { at self.i opens {n}, {n,} or {n,m}."""
+        i = self.i
+        try:
+            return self.braces() is not None
+        finally:
+            self.i = i
 
     def braces(self):
         """{n}, {n,}, {n,m} at self.i, or None where the brace is a literal (as ECMA-262's Annex B reads it)."""
         j = self.t.find("}", self.i)
         inner = self.t[self.i + 1:j] if j > 0 else ""
         a, comma, b = inner.partition(",")
-        if not a.isdigit() or (b and not b.isdigit()):
+        if not (a.isascii() and a.isdigit()) or (b and not (b.isascii() and b.isdigit())):
             return None
         self.i = j + 1
         lo, hi = int(a), (int(b) if b else None) if comma else int(a)
@@ -334,7 +352,14 @@ class _Parser:
             if self.peek() == "-" and self.t[self.i + 1:self.i + 2] not in ("]", ""):
                 self.i += 1
                 h = self.take()
-                hi = self.escape(in_class=True)[1][0][0] if h == "\\" else ord(h)
+                if h == "\\":
+                    _, r, neg = self.escape(in_class=True)
+                    if neg or len(r) > 1 or r[0][0] != r[0][1]:  # [a-\w]: a, "-" and the class (Annex B)
+                        ranges += [(lo, lo), (0x2D, 0x2D)] + list(_complement(r) if neg else r)
+                        continue
+                    hi = r[0][0]
+                else:
+                    hi = ord(h)
                 if hi < lo:
                     raise PatternError("pattern: a class range out of order")
                 ranges.append((lo, hi))

@@ -19,21 +19,25 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   exponent, so each prefix's reachable values are intervals checked exactly
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
-  ensure_ascii=False)` writes them);
+  ensure_ascii=False)` writes them; the values the rest of the schema refuses are dropped);
 - `anyOf` (any branches: the automaton reads the value every way its branches still allow), and `oneOf` whose
   branches no value can match twice: a value's first byte tells them apart (pydantic's Optional), or they are objects
   with a required property whose const / enum values differ (pydantic's discriminated unions), so that it is anyOf;
-- `$ref` to `#/$defs/<name>` or `#/definitions/<name>` (recursive schemas too);
+- `$ref` to `#/$defs/<name>` or `#/definitions/<name>` (a JSON pointer: `~1`, `~0` and %-escapes; recursive schemas
+  too), `$id` at the root only;
 - `format` date, time, date-time, uuid and ipv4 held as patterns (FORMATS) where no `pattern` is given;
-- annotations, ignored: title, description, default, examples, other formats, $schema, $id, $comment, discriminator.
+- annotations, ignored: title, description, default, examples, other formats, $schema, $comment, discriminator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+
+from urllib.parse import unquote
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_regex import Pattern, PatternError, compile_pattern
@@ -44,7 +48,7 @@ _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
                        "minLength", "maxLength", "pattern", "multipleOf",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
 LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
 
@@ -100,6 +104,12 @@ class Bounds:
                 and (self.hi is None or v < self.hi or (v == self.hi and not self.hi_strict))
                 and (self.step is None or (v / self.step).denominator == 1))
 
+    def holds_float(self, v: float) -> bool:
+        """The range as a reader's json.loads float of the value compares it (0.99999999999999999 reads as 1.0)."""
+        lo, hi = (None if x is None else float(x) for x in (self.lo, self.hi))
+        return ((lo is None or v > lo or (v == lo and not self.lo_strict))
+                and (hi is None or v < hi or (v == hi and not self.hi_strict)))
+
     def grid(self, integer: bool) -> Fraction | None:
         """The spacing of the allowed values: the step, and for integers the step's multiples that are integers
         (k·p/q is one iff q divides k, p/q in lowest terms); None: any value."""
@@ -142,7 +152,22 @@ def compile_schema(schema) -> Node:
     """The root Node of `schema` (a dict, as the request carries it); SchemaError for anything outside the subset."""
     if not isinstance(schema, dict):
         raise SchemaError("json_schema: the schema must be a JSON object")
-    return _Compiler(schema).node(schema, "#")
+    try:
+        return _Compiler(schema).node(schema, "#")
+    except RecursionError:
+        raise SchemaError("json_schema: the schema is nested too deeply") from None
+
+
+def _name(key: str) -> str:
+    """A property or definition name as a schema location shows it: JSON-escaped, so a message stays one line."""
+    return json.dumps(key)[1:-1]
+
+
+def _utf8(text: str, where: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise SchemaError(f"json_schema: {where}: a string with a lone surrogate (not UTF-8)") from None
 
 
 class _Compiler:
@@ -154,7 +179,9 @@ class _Compiler:
             return ANY
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema: {where} must be a schema (an object), got {json.dumps(s)[:40]}")
-        unknown = sorted(set(s) - _KEYWORDS - _ANNOTATIONS)
+        if "$id" in s and s is not self.root:  # it would change what "#" means below it
+            raise SchemaError(f"json_schema: {where}: $id below the root is not supported")
+        unknown = sorted(set(s) - _KEYWORDS - _ANNOTATIONS - {"$id"})
         if unknown:
             raise SchemaError(f"json_schema: {where}: {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
@@ -176,18 +203,17 @@ class _Compiler:
             if not t or any(x not in TYPES for x in t):
                 raise SchemaError(f"json_schema: {where}: type must be one of {', '.join(TYPES)} or a list of them")
             n.types = frozenset(t)
+        values = None
         if "enum" in s or "const" in s:
             values = [s["const"]] if "const" in s else s["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"json_schema: {where}: enum must be a non-empty array")
-            kept = [v for v in values if n.types is None or _json_type(v) & n.types]
-            if not kept:
-                raise SchemaError(f"json_schema: {where}: no enum value has the schema's type")
-            n.enum = tuple(dict.fromkeys(_compact(v) for v in kept))
         props = s.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"json_schema: {where}: properties must be an object")
-        n.props = {k: self.node(v, f"{where}/properties/{k}") for k, v in props.items()}
+        for k in props:
+            _utf8(k, f"{where}/properties")
+        n.props = {k: self.node(v, f"{where}/properties/{_name(k)}") for k, v in props.items()}
         req = s.get("required", [])
         if not isinstance(req, list) or any(not isinstance(r, str) for r in req):
             raise SchemaError(f"json_schema: {where}: required must be an array of strings")
@@ -208,22 +234,19 @@ class _Compiler:
             n.items = False
         elif "items" in s:
             n.items = self.node(s["items"], f"{where}/items")
-        for key in ("minItems", "maxItems"):
-            v = s.get(key)
-            if v is not None and not (type(v) is int and v >= 0):
+        for key in ("minItems", "maxItems", "minLength", "maxLength"):
+            if key in s and not (type(s[key]) is int and s[key] >= 0):
                 raise SchemaError(f"json_schema: {where}: {key} must be a non-negative integer")
         n.min_items, n.max_items = s.get("minItems", 0), s.get("maxItems")
         if n.items is False:  # no item past the tuple's
             n.max_items = len(n.prefix_items) if n.max_items is None else min(n.max_items, len(n.prefix_items))
         if n.max_items is not None and n.max_items < n.min_items:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
-        for key in ("minLength", "maxLength"):
-            v = s.get(key)
-            if v is not None and not (type(v) is int and v >= 0):
-                raise SchemaError(f"json_schema: {where}: {key} must be a non-negative integer")
         n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
         if n.max_length is not None and n.max_length < n.min_length:
             raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
+        if not isinstance(s.get("format", ""), str):
+            raise SchemaError(f"json_schema: {where}: format must be a string")
         text = s.get("pattern", FORMATS.get(s.get("format")))  # a format holds where no pattern does
         if text is not None:
             try:
@@ -235,10 +258,17 @@ class _Compiler:
                     most is not None and most < n.min_length):
                 raise SchemaError(f"json_schema: {where}: no string within minLength and maxLength matches the pattern")
         n.bounds = _bounds(s, n.types, where)
-        if n.enum is not None:
-            n.enum = tuple(o for o in n.enum if _satisfies(json.loads(o), n))
-            if not n.enum:
-                raise SchemaError(f"json_schema: {where}: no enum value satisfies the schema's bounds")
+        if values is not None:  # the values the rest of the schema accepts, as the automaton reads them
+            from ninfer_rt.json_automaton import SchemaPrefix
+            probe, kept = dataclasses.replace(n), []
+            for v in values:
+                text = _utf8(json.dumps(v, separators=(",", ":"), ensure_ascii=False), f"{where}/enum")
+                p = SchemaPrefix(probe)
+                if p.feed(text) and p.complete:
+                    kept.append(text)
+            if not kept:
+                raise SchemaError(f"json_schema: {where}: no enum value satisfies the rest of the schema")
+            n.enum = tuple(dict.fromkeys(kept))
         return n
 
     def any_of(self, s: dict, where: str) -> Node:
@@ -260,14 +290,16 @@ class _Compiler:
     def ref(self, ref, where: str) -> Node:
         if ref in self.refs:
             return self.refs[ref]
-        parts = ref.split("/") if isinstance(ref, str) else []
+        # a JSON pointer in a URI fragment: %-escapes, then ~1 for "/" and ~0 for "~"
+        steps = ref.split("/") if isinstance(ref, str) else []
+        parts = [unquote(x).replace("~1", "/").replace("~0", "~") for x in steps]
         if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
             raise SchemaError(f"json_schema: {where}: $ref {ref!r}: only #/$defs/<name> and #/definitions/<name>")
         target = self.root.get(parts[1], {}).get(parts[2]) if isinstance(self.root.get(parts[1]), dict) else None
         if target is None:
             raise SchemaError(f"json_schema: {where}: $ref {ref!r} names no schema")
         self.refs[ref] = n = Node()  # filled below; a recursive $ref meets this same object
-        n.__dict__.update(self.node(target, ref).__dict__)
+        n.__dict__.update(self.node(target, "#/" + "/".join(_name(x) for x in parts[1:])).__dict__)
         return n
 
 
@@ -279,18 +311,18 @@ def _bounds(s: dict, types, where: str) -> Bounds | None:
         if key not in s:
             continue
         v = s[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _finite(v):
             raise SchemaError(f"json_schema: {where}: {key} must be a finite number")
-        f = Fraction(v)
+        f = _exact(v)
         if key.endswith("inimum") and (lo is None or f > lo or (f == lo and strict)):
             lo, lo_strict = f, strict
         elif key.endswith("aximum") and (hi is None or f < hi or (f == hi and strict)):
             hi, hi_strict = f, strict
     step = s.get("multipleOf")
-    if step is not None:
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
+    if "multipleOf" in s:
+        if not (_finite(step) and step > 0):
             raise SchemaError(f"json_schema: {where}: multipleOf must be a positive number")
-        step = Fraction(repr(step)) if isinstance(step, float) else Fraction(step)  # 0.01 as written, not its binary
+        step = _exact(step)
     if lo is None and hi is None and step is None:
         return None
     b = Bounds(lo, lo_strict, hi, hi_strict, step)
@@ -301,32 +333,33 @@ def _bounds(s: dict, types, where: str) -> Bounds | None:
     return b
 
 
-def _satisfies(v, n: Node) -> bool:
-    """An enum value (json.loads' Python value) against the node's string lengths and numeric bounds."""
-    if isinstance(v, str):
-        return (n.min_length <= len(v) and (n.max_length is None or len(v) <= n.max_length)
-                and (n.pattern is None or n.pattern.matches(v)))
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and n.bounds is not None:
-        return n.bounds.holds(Fraction(v))
-    return True
+def _finite(v) -> bool:
+    return not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and math.isfinite(v)))
+
+
+def _exact(v) -> Fraction:
+    """A schema's number as written (0.1 is 1/10, not its binary value): json.loads made it a float, whose repr is the
+    shortest decimal that reads back to it."""
+    return Fraction(repr(v)) if isinstance(v, float) else Fraction(v)
 
 
 _TYPE_FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
                "boolean": b"tf", "null": b"n"}
 
 
-def first_bytes(n: Node) -> set[int]:
-    """The bytes a value of n may begin with (whitespace aside)."""
-    if n.any_of is not None:
-        return set().union(*(first_bytes(b) for b in n.any_of))
+def first_bytes(n: Node, _seen: frozenset = frozenset()) -> set[int]:
+    """The bytes a value of n may begin with (whitespace aside). A number's, whatever its text: -0 equals 0."""
+    if n.any_of is not None:  # an anyOf that reaches itself through a $ref adds nothing the first time did not
+        seen = _seen | {id(n)}
+        return set().union(set(), *(first_bytes(b, seen) for b in n.any_of if id(b) not in seen))
     if n.enum is not None:
-        return {o[0] for o in n.enum}
+        return set().union(*(set(_TYPE_FIRST["number"]) if o[0] in _TYPE_FIRST["number"] else {o[0]} for o in n.enum))
     return set(b"".join(_TYPE_FIRST[t] for t in (TYPES if n.types is None else n.types)))
 
 
 def _exclusive(a: Node, b: Node) -> bool:
     """No value matches both: their first bytes differ, or both are objects only, requiring one property whose
-    allowed values (an enum or const) do not meet."""
+    allowed values (an enum or const, compared as JSON values: 1 is 1.0, keys in any order) do not meet."""
     if not first_bytes(a) & first_bytes(b):
         return True
     objects = frozenset({"object"})
@@ -335,20 +368,17 @@ def _exclusive(a: Node, b: Node) -> bool:
     for key in a.required & b.required:
         pa, pb = a.props.get(key), b.props.get(key)
         if pa is not None and pb is not None and pa.enum is not None and pb.enum is not None:
-            if not set(pa.enum) & set(pb.enum):
+            if not {_canon(json.loads(o)) for o in pa.enum} & {_canon(json.loads(o)) for o in pb.enum}:
                 return True
     return False
 
 
-def _json_type(v) -> set[str]:
-    """The schema types a Python value of json.loads satisfies."""
-    if isinstance(v, bool):
-        return {"boolean"}
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return {"integer", "number"}
-    return {float: {"number"}, str: {"string"}, list: {"array"}, dict: {"object"}, type(None): {"null"}}.get(
-        type(v), set())
-
-
-def _compact(v) -> bytes:
-    return json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode()
+def _canon(v):
+    """A JSON value as JSON Schema compares them: numbers by value (true is not 1), objects without key order."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return type(v).__name__, v
+    if isinstance(v, (int, float)):
+        return "number", _exact(v)
+    if isinstance(v, list):
+        return "array", tuple(_canon(x) for x in v)
+    return "object", frozenset((k, _canon(x)) for k, x in v.items())

@@ -8,6 +8,7 @@ documents). Schemas outside the subset are refused with a one-line reason.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -355,6 +356,44 @@ def test_formats_are_held_as_patterns():
     assert taken("email", "anything")  # formats without a pattern of their own stay annotations
 
 
+REVIEWED = [  # (schema, text): a review's cases, each judged by json.loads (strict UTF-8) and jsonschema
+    ({"enum": [[1, 2, 3], [1]], "maxItems": 2}, b"[1,2,3]"), ({"enum": [[1, 2, 3], [1]], "maxItems": 2}, b"[1]"),
+    ({"type": "string"}, b'"\xff"'), ({"type": "string"}, b'"\xc3"'), ({"type": "string"}, b'"\xed\xa0\x80"'),
+    ({"type": "string"}, '"é😀"'.encode()), ({"type": "object"}, b'{"\xff": 1}'),
+    ({"type": "number", "exclusiveMaximum": 1}, b"0.99999999999999999"),  # json.loads reads 1.0
+    ({"type": "number", "exclusiveMaximum": 1}, b"0.9999"),
+    ({"$defs": {"a~1b": {"type": "string"}, "a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, b'"x"'),
+    ({"$defs": {"a~1b": {"type": "string"}, "a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, b"7"),
+    ({"$defs": {"a b": {"type": "integer"}}, "$ref": "#/$defs/a%20b"}, b"7"),
+    ({"type": "string", "pattern": "^a{\u0663}$"}, '"a{\u0663}"'.encode()),  # not a count: literal text
+    ({"type": "number", "minimum": 0.1}, b"0.1"), ({"type": "number", "maximum": 0.3}, b"0.3"),
+    ({"type": "string", "pattern": "^\\\\$"}, b'"\\\\"'),
+    ({"$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, b"null"),
+]
+
+
+@pytest.mark.parametrize("schema, text", REVIEWED)
+def test_reviewed_cases_agree_with_json_loads_and_jsonschema(schema, text):
+    try:
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text.decode("utf-8")))
+    except ValueError:
+        valid = False
+    p = SchemaPrefix(compile_schema(schema))
+    assert (p.feed(text) and p.complete) == valid
+
+
+def test_reviewed_cases_read_as_ecma_262():
+    """Where the dialects part: [!-\\w] is "!", "-" and \\w (Annex B; Python refuses it); a 4-byte UTF-8 lead past
+    U+10FFFF is refused at once; an empty class leaves no string to match, refused at compile."""
+    cls = compile_schema({"type": "string", "pattern": "^[!-\\w]$"})
+    for text, whole in ((b'"a"', True), (b'"-"', True), (b'"!"', True), (b'"#"', False)):
+        p = SchemaPrefix(cls)
+        assert (p.feed(text) and p.complete) == whole, text
+    assert not SchemaPrefix(compile_schema({"type": "string", "maxLength": 5})).feed(b'"\xf4\x90')
+    with pytest.raises(SchemaError, match="no string within"):
+        compile_schema({"type": "string", "pattern": "^[^\\s\\S]$"})
+
+
 @pytest.mark.parametrize("schema, what", [
     ({"not": {"type": "string"}}, "'not' is not supported"),
     ({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]}, "could both match"),
@@ -379,7 +418,7 @@ def test_formats_are_held_as_patterns():
     ({"type": "object", "required": ["a"], "additionalProperties": False}, "'a' is not among the properties"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems is below minItems"),
     ({"enum": []}, "non-empty array"),
-    ({"type": "string", "enum": [1, 2]}, "no enum value has the schema's type"),
+    ({"type": "string", "enum": [1, 2]}, "no enum value satisfies the rest of the schema"),
     ([1], "must be a JSON object"),
     ({"type": "integer", "minimum": 1.5, "maximum": 1.9}, "no integer lies within the bounds"),
     ({"type": "number", "exclusiveMinimum": 2, "maximum": 2}, "no number lies within the bounds"),
@@ -387,6 +426,20 @@ def test_formats_are_held_as_patterns():
     ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength is below minLength"),
     ({"type": "string", "maxLength": -1}, "maxLength must be a non-negative integer"),
     ({"enum": [5, "abc"], "maximum": 4, "maxLength": 2}, "no enum value satisfies"),
+    ({"enum": [[1, 2, 3]], "maxItems": 2}, "no enum value satisfies"),
+    ({"oneOf": [{"const": 0}, {"const": -0.0}]}, "could both match"),  # 0 equals -0.0
+    ({"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"const": 1}}},
+                {"type": "object", "required": ["k"], "properties": {"k": {"const": 1.0}}}]}, "could both match"),
+    ({"type": "string", "pattern": "^a*+a$"}, "a quantifier after a quantifier"),
+    ({"properties": {"a\nb": {"type": "foo"}}}, "#/properties/a\\nb: type must be one of"),
+    ({"type": "string", "format": ["x"]}, "format must be a string"),
+    ({"type": "string", "pattern": "a{٣}b+*"}, "nothing to repeat"),
+    ({"type": "array", "minItems": None}, "minItems must be a non-negative integer"),
+    ({"minimum": 10 ** 400, "maximum": 1}, "no number lies within the bounds"),
+    ({"enum": ["\ud800"]}, "lone surrogate"),
+    ({"properties": {"a": {"$id": "http://e.com/a", "type": "string"}}}, "$id below the root"),
+    ({"type": "array", "items": {"pattern": "(" * 3000 + ")" * 3000}}, "nested too deeply"),
+    (functools.reduce(lambda d, _: {"type": "array", "items": d}, range(3000), {}), "nested too deeply"),
 ])
 def test_schemas_outside_the_subset_are_refused_in_one_line(schema, what):
     with pytest.raises(SchemaError, match="^json_schema: ") as e:
