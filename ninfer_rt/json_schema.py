@@ -19,7 +19,8 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   exponent, so each prefix's reachable values are intervals checked exactly
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
-  ensure_ascii=False)` writes them; the values the rest of the schema refuses are dropped);
+  ensure_ascii=False)` writes them, an integral float also as an integer; the values the rest of the schema refuses
+  are dropped);
 - `anyOf` (any branches: the automaton reads the value every way its branches still allow), and `oneOf` whose
   branches no value can match twice: a value's first byte tells them apart (pydantic's Optional), or they are objects
   with a required property whose const / enum values differ (pydantic's discriminated unions), so that it is anyOf;
@@ -262,10 +263,11 @@ class _Compiler:
             from ninfer_rt.json_automaton import SchemaPrefix
             probe, kept = dataclasses.replace(n), []
             for v in values:
-                text = _utf8(json.dumps(v, separators=(",", ":"), ensure_ascii=False), f"{where}/enum")
-                p = SchemaPrefix(probe)
-                if p.feed(text) and p.complete:
-                    kept.append(text)
+                for w in (v, _ints(v)):  # 5.0 also as 5: JSON Schema's values are numbers, not their texts
+                    text = _utf8(json.dumps(w, separators=(",", ":"), ensure_ascii=False), f"{where}/enum")
+                    p = SchemaPrefix(probe)
+                    if p.feed(text) and p.complete:
+                        kept.append(text)
             if not kept:
                 raise SchemaError(f"json_schema: {where}: no enum value satisfies the rest of the schema")
             n.enum = tuple(dict.fromkeys(kept))
@@ -371,6 +373,17 @@ def _exclusive(a: Node, b: Node) -> bool:
             if not {_canon(json.loads(o)) for o in pa.enum} & {_canon(json.loads(o)) for o in pb.enum}:
                 return True
     return False
+
+
+def _ints(v):
+    """v with every integral float an int (json.dumps writes 5.0 and 5)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_ints(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _ints(x) for k, x in v.items()}
+    return v
 
 
 def _canon(v):
