@@ -161,15 +161,34 @@ class _Value(_Frame):
 
 
 class _Enum(_Frame):
+    """One of the enum's values, matched against their compact texts; whitespace is skipped where JSON allows it
+    inside an object or array value (after `{ [ , :` and before `} ] , :`), outside its strings."""
+
     def __init__(self, options: tuple):
-        self.options, self.buf = options, b""
+        self.options, self.buf, self.in_str, self.escaped = options, b"", False, False
+        self.spaced = False  # whitespace was skipped after a value: only } ] , : may come next
 
     def step(self, b: int, sp) -> int:
         nb = self.buf + bytes((b,))
+        if self.spaced and b not in WHITESPACE:
+            self.spaced = False
+            if self.buf[-1] not in b"{[,:" and b not in b"}],:":
+                return _PASS if self.buf in self.options else _REJECT
         if any(o.startswith(nb) for o in self.options):
             self.buf = nb
+            if self.in_str:  # the compact text's own string state, to tell its whitespace from JSON's
+                self.in_str, self.escaped = (self.escaped or b != 0x22), not self.escaped and b == 0x5C
+            else:
+                self.in_str = b == 0x22
             return _DONE if nb in self.options and not any(len(o) > len(nb) and o.startswith(nb)
                                                           for o in self.options) else _OK
+        if b in WHITESPACE and not self.in_str and self.buf:
+            longer = [o for o in self.options if len(o) > len(self.buf) and o.startswith(self.buf)]
+            if self.buf[-1] in b"{[,:" and longer:
+                return _OK
+            if any(o[len(self.buf)] in b"}],:" for o in longer):
+                self.spaced = True
+                return _OK
         return _PASS if self.buf in self.options else _REJECT
 
     def can_end(self) -> bool:

@@ -19,8 +19,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   exponent, so each prefix's reachable values are intervals checked exactly
   (`fractions.Fraction`): no digit is taken that no in-range number can follow;
 - `enum` and `const` (any JSON values, written compactly as `json.dumps(v, separators=(",", ":"),
-  ensure_ascii=False)` writes them, an integral float also as an integer; the values the rest of the schema refuses
-  are dropped);
+  ensure_ascii=False)` writes them, an integral float also as an integer, whitespace taken where JSON allows it;
+  their strings are matched raw, as are a closed object's keys: a \\u escape there is refused; the values the rest
+  of the schema refuses are dropped);
 - `anyOf` (any branches: the automaton reads the value every way its branches still allow), and `oneOf` whose
   branches no value can match twice: a value's first byte tells them apart (pydantic's Optional), or they are objects
   with a required property whose const / enum values differ (pydantic's discriminated unions), so that it is anyOf;
