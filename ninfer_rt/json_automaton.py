@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 
-from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes
+from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes, value_key
 
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -61,15 +61,16 @@ class SchemaPrefix:
 
 
 class _Parse:
-    """One reading of the text so far: its open values' frames, and whether the top-level value has ended."""
+    """One reading of the text so far: its open values' frames, whether the top-level value has ended, and how many
+    uniqueItems arrays are recording an item's bytes."""
 
-    __slots__ = ("stack", "done")
+    __slots__ = ("stack", "done", "rec")
 
-    def __init__(self, stack: list, done: bool):
-        self.stack, self.done = stack, done
+    def __init__(self, stack: list, done: bool, rec: int = 0):
+        self.stack, self.done, self.rec = stack, done, rec
 
     def copy(self) -> _Parse:
-        return _Parse([f.copy() for f in self.stack], self.done)
+        return _Parse([f.copy() for f in self.stack], self.done, self.rec)
 
     def key(self) -> tuple:
         return self.done, tuple(_state(f) for f in self.stack)
@@ -77,6 +78,10 @@ class _Parse:
     def advance(self, b: int, entered: frozenset = frozenset()) -> list:
         """This reading after byte b: none (refused), itself, or one per anyOf branch the byte can begin (`entered`:
         the anyOfs this byte has already forked at, so one that contains itself through a $ref forks once)."""
+        if self.rec and not entered:  # once a byte: into every item a uniqueItems array is recording
+            for f in self.stack:
+                if type(f) is _Array and f.cur is not None:
+                    f.cur += bytes((b,))
         while True:
             if not self.stack:
                 return [self] if self.done and b in WHITESPACE else []
@@ -99,7 +104,8 @@ class _Parse:
                 continue
             self.stack.pop()
             if self.stack:
-                self.stack[-1].child_done()
+                if self.stack[-1].child_done(self, passed=r == _PASS) is False:
+                    return []
             else:
                 self.done = True
             if r == _DONE:
@@ -126,8 +132,10 @@ class _Frame:
     def can_end(self) -> bool:
         return False
 
-    def child_done(self) -> None:
-        pass
+    def child_done(self, sp, passed: bool) -> bool | None:
+        """The value this frame pushed is complete (passed: the byte that showed it is not part of it); False refuses
+        that byte."""
+        return None
 
 
 class _Value(_Frame):
@@ -441,7 +449,8 @@ class _Number(_Frame):
 
 
 class _Object(_Frame):
-    """An object from its `{`: keys the schema allows, each once, and `}` only once every required key is in."""
+    """An object from its `{`: keys the schema allows, each once, at most maxProperties of them, and `}` only once every
+    required key is in and minProperties are."""
 
     OPEN, FIRST, KEY, COLON, VALUE, AFTER, NEXT = range(7)
 
@@ -486,8 +495,11 @@ class _Object(_Frame):
             self.state = self.VALUE
             sp.stack.append(_Value(self.value))
             return _OK
+        n = self.node
         if b == 0x7D and (s == self.FIRST or s == self.AFTER):
-            return _DONE if self.node.required <= self.used else _REJECT
+            return _DONE if n.required <= self.used and len(self.used) >= n.min_props else _REJECT
+        if n.max_props is not None and len(self.used) >= n.max_props and s in (self.FIRST, self.AFTER):
+            return _REJECT  # no key more: only "}"
         if s == self.AFTER:
             if b != 0x2C:
                 return _REJECT
@@ -507,7 +519,7 @@ class _Object(_Frame):
             c.key = self.key.copy()
         return c
 
-    def child_done(self) -> None:
+    def child_done(self, sp, passed: bool) -> None:
         self.state = self.AFTER
 
 
@@ -519,6 +531,7 @@ class _Array(_Frame):
 
     def __init__(self, node: Node):
         self.node, self.state, self.count = node, self.OPEN, 0
+        self.cur, self.seen = None, frozenset()  # uniqueItems: the item's bytes so far; the earlier items' values
 
     def step(self, b: int, sp: _Parse) -> int:
         s, n = self.state, self.node
@@ -539,8 +552,18 @@ class _Array(_Frame):
         self.state = self.AFTER  # once the item is complete (child_done)
         item = n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
         sp.stack.append(_Value(item or ANY))
+        if n.unique_items:
+            self.cur, sp.rec = bytes((b,)), sp.rec + 1
         return _AGAIN
 
-    def child_done(self) -> None:
+    def child_done(self, sp, passed: bool) -> bool:
         self.count += 1
         self.state = self.AFTER
+        if self.cur is None:
+            return True
+        text, self.cur, sp.rec = self.cur[:-1] if passed else self.cur, None, sp.rec - 1
+        key = value_key(json.loads(text))
+        if key in self.seen:
+            return False
+        self.seen = self.seen | {key}
+        return True

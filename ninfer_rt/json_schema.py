@@ -10,7 +10,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - `type`: object, array, string, number, integer, boolean, null, or a list of them (none: any value);
 - objects: `properties`, `required`, `additionalProperties` (false, true or a schema; absent is true). Keys are
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
-- arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`;
+- arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`, `uniqueItems`
+  (an item equal to an earlier one, as JSON values, is refused at the byte that completes it);
+- objects also: `minProperties`, `maxProperties`;
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`);
 - strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string), `pattern` (the
   ECMA-262 subset json_regex reads: classes, groups, alternation, quantifiers, anchors at the ends);
@@ -49,6 +51,7 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
                        "minLength", "maxLength", "pattern", "multipleOf",
+                       "minProperties", "maxProperties", "uniqueItems",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
@@ -84,6 +87,9 @@ class Node:
     enum: tuple | None = None                      # the allowed values' compact JSON bytes
     any_of: tuple | None = None                    # a value of any of these (anyOf, and oneOf's exclusive branches)
     unique: bool = True                            # an object's keys may not repeat
+    min_props: int = 0                             # an object's keys
+    max_props: int | None = None
+    unique_items: bool = False                     # an array's items pairwise different (as JSON values)
     min_length: int = 0                            # a string's characters
     max_length: int | None = None
     pattern: Pattern | None = None                 # a string's regular expression (json_regex)
@@ -236,7 +242,7 @@ class _Compiler:
             n.items = False
         elif "items" in s:
             n.items = self.node(s["items"], f"{where}/items")
-        for key in ("minItems", "maxItems", "minLength", "maxLength"):
+        for key in ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"):
             if key in s and not (type(s[key]) is int and s[key] >= 0):
                 raise SchemaError(f"json_schema: {where}: {key} must be a non-negative integer")
         n.min_items, n.max_items = s.get("minItems", 0), s.get("maxItems")
@@ -244,6 +250,16 @@ class _Compiler:
             n.max_items = len(n.prefix_items) if n.max_items is None else min(n.max_items, len(n.prefix_items))
         if n.max_items is not None and n.max_items < n.min_items:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
+        n.min_props, n.max_props = s.get("minProperties", 0), s.get("maxProperties")
+        most = len(n.props) if n.additional is False else None  # keys a closed object can hold
+        if n.max_props is not None:
+            most = n.max_props if most is None else min(most, n.max_props)
+        if (most is not None and (most < n.min_props or most < len(n.required))):
+            raise SchemaError(f"json_schema: {where}: no object holds the keys minProperties, maxProperties, required "
+                              "and the properties allow")
+        if not isinstance(s.get("uniqueItems", False), bool):
+            raise SchemaError(f"json_schema: {where}: uniqueItems must be true or false")
+        n.unique_items = s.get("uniqueItems", False)
         n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
         if n.max_length is not None and n.max_length < n.min_length:
             raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
@@ -371,7 +387,7 @@ def _exclusive(a: Node, b: Node) -> bool:
     for key in a.required & b.required:
         pa, pb = a.props.get(key), b.props.get(key)
         if pa is not None and pb is not None and pa.enum is not None and pb.enum is not None:
-            if not {_canon(json.loads(o)) for o in pa.enum} & {_canon(json.loads(o)) for o in pb.enum}:
+            if not {value_key(json.loads(o)) for o in pa.enum} & {value_key(json.loads(o)) for o in pb.enum}:
                 return True
     return False
 
@@ -387,12 +403,12 @@ def _ints(v):
     return v
 
 
-def _canon(v):
+def value_key(v):
     """A JSON value as JSON Schema compares them: numbers by value (true is not 1), objects without key order."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return type(v).__name__, v
     if isinstance(v, (int, float)):
         return "number", _exact(v)
     if isinstance(v, list):
-        return "array", tuple(_canon(x) for x in v)
-    return "object", frozenset((k, _canon(x)) for k, x in v.items())
+        return "array", tuple(value_key(x) for x in v)
+    return "object", frozenset((k, value_key(x)) for k, x in v.items())

@@ -1,6 +1,6 @@
 """json_schema / json_automaton on random schemas, against json.loads and jsonschema.
 
-Random schemas from the supported keywords (objects, arrays and tuples, anyOf, oneOf told apart by type or by a
+Random schemas from the supported keywords (objects and their sizes, arrays, tuples and sets, anyOf, oneOf told apart by type or by a
 const property, strings with lengths, patterns and formats, numbers with bounds and multipleOf, enums, a recursive
 $ref), random documents that loosely follow them, and random byte edits of those. Sound: whatever the automaton takes
 as complete parses (strict UTF-8) and validates. Complete: every valid document is taken byte by byte, written
@@ -86,6 +86,8 @@ class Gen:
             for k in ("minItems", "maxItems"):
                 if r.random() < 0.3:
                     s[k] = s.get("minItems", 0) + r.randint(0, 2)
+            if r.random() < 0.2:
+                s["uniqueItems"] = True
             return s
         if t < 0.7:
             props = {k: self.schema(depth + 1) for k in r.sample(KEYS, r.randint(0, 3))}
@@ -94,6 +96,9 @@ class Gen:
                 s["required"] = r.sample(list(props), r.randint(1, len(props)))
             if r.random() < 0.4:
                 s["additionalProperties"] = False
+            for k in ("minProperties", "maxProperties"):
+                if r.random() < 0.15:
+                    s[k] = s.get("minProperties", 0) + r.randint(0, 2)
             return s
         if t < 0.8:  # oneOf told apart by a const property, or by type
             if r.random() < 0.5:

@@ -65,7 +65,12 @@ PATTERNS = {"type": "object", "properties": {
     "mail": {"type": "string", "pattern": "^[^@\\s]+@[^@\\s]+\\.[a-z]{2,}$", "maxLength": 20},
     "any": {"type": "string", "pattern": "é|x.y"}, "tags": {"type": "array", "items": {"enum": ["a1", "b", "c2"],
                                                                                     "pattern": "\\d"}}}}
-SCHEMAS = {"person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
+# pydantic's set[...] (uniqueItems) and dict fields with a size (min/maxProperties)
+SETS = {"type": "object", "properties": {
+    "tags": {"type": "array", "uniqueItems": True, "items": {"anyOf": [{"type": "string"}, {"type": "number"},
+                                                                      {"type": "array", "maxItems": 2}]}},
+    "extra": {"type": "object", "minProperties": 1, "maxProperties": 2, "additionalProperties": {"type": "integer"}}}}
+SCHEMAS = {"sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
            "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
@@ -81,6 +86,7 @@ DOCS = {
                 {"x": 0.001, "n": 0, "s": "ab", "e": "ab", "big": 123456}],
     "union": [[], [{"a": 1}, {"a": "s"}, {}, {"b": "x", "a": ""}, 7, -2.5, 0, 123, -1e-3]],
     "tagged": [{"shape": {"kind": "circle", "r": 1}}, {"shape": {"w": 2.5, "kind": "square", "extra": None}}],
+    "sets": [{"tags": ["a", 1, [1, 2], [2, 1], "b", 1.5], "extra": {"x": 1}}, {"tags": [], "extra": {"x": 1, "y": 2}}],
     "tuple": [{"t": [1]}, {"t": [-2, "abc"], "rest": [0, True, False]}, {"rest": []}, {"rest": [0]}],
     "patterns": [{"code": "AB-123", "mail": "a.b@c.de", "any": "--é--", "tags": ["c2", "a1"]},
                  {"code": "ZZ-0000", "mail": "x@y.zz", "any": "x\ny x😀y"}],
@@ -404,7 +410,10 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf is supported only as one schema"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
-    ({"type": "object", "minProperties": 1}, "'minProperties' is not supported"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames' is not supported"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}, "no object holds"),
+    ({"type": "object", "required": ["a", "b"], "maxProperties": 1}, "no object holds"),
+    ({"type": "array", "uniqueItems": 1}, "uniqueItems must be true or false"),
     ({"type": "integer", "multipleOf": 0}, "multipleOf must be a positive number"),
     ({"type": "integer", "multipleOf": 2, "minimum": 3, "maximum": 3}, "no integer lies within the bounds and"),
     ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
