@@ -278,6 +278,7 @@ class _CheckedString(_Frame):
         self.node, self.state, self.count = node, 0, 0  # state: 0 before the quote, 1 in, 2 escape, 3 \u digits
         self.nfa = node.pattern.start() if node.pattern is not None else None
         self.code, self.need = 0, 0  # the character being decoded, and its UTF-8 bytes or hex digits still to come
+        self.next_lo, self.next_hi = 0x80, 0xBF  # UTF-8: the next byte's range (_UTF8_SECOND's for the first)
         self.least = 0  # the least code point the UTF-8 sequence being read may encode
         self.high = None  # a \u high surrogate waiting for its low half
 
@@ -310,14 +311,11 @@ class _CheckedString(_Frame):
             self.state = 1
             return _OK if b == 0x22 else _REJECT
         if s == 1 and self.need:  # a UTF-8 continuation byte
-            if not 0x80 <= b < 0xC0:
+            if not self.next_lo <= b <= self.next_hi:
                 return _REJECT
             self.code, self.need = (self.code << 6) | (b & 0x3F), self.need - 1
-            if self.need:
-                return self._utf8_may()
-            if self.code < self.least or 0xD800 <= self.code <= 0xDFFF or self.code > 0x10FFFF:
-                return _REJECT  # an overlong form or a surrogate: not UTF-8 (json.loads' decode refuses it)
-            return self._char(self.code)
+            self.next_lo, self.next_hi = 0x80, 0xBF
+            return self._utf8_may() if self.need else self._char(self.code)
         if s == 1:
             if b < 0x20:
                 return _REJECT
@@ -332,11 +330,11 @@ class _CheckedString(_Frame):
                 return _DONE if ok else _REJECT
             if b < 0x80:
                 return self._char(b)
-            lead = next(((k, b & m) for lo, hi, k, m in _UTF8_LEADS if lo <= b <= hi), None)
+            lead = _UTF8_SECOND.get(b)
             if lead is None:
                 return _REJECT
-            self.need, self.code = lead
-            self.least = _UTF8_LEAST[self.need]
+            self.need, self.next_lo, self.next_hi = lead
+            self.code, self.least = b & (0x3F >> self.need), _UTF8_LEAST[self.need]  # the lead's payload bits
             return self._utf8_may()
         if s == 2:
             if b == ord("u"):
@@ -368,7 +366,6 @@ class _CheckedString(_Frame):
         return _OK if self._may(max(lo, self.least), hi) else _REJECT
 
 
-_UTF8_LEADS = ((0xC2, 0xDF, 1, 0x1F), (0xE0, 0xEF, 2, 0x0F), (0xF0, 0xF4, 3, 0x07))  # (first, last, more, bits)
 _UTF8_LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of each length (shorter forms are overlong)
 _ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
             ord("r"): 0x0D, ord("t"): 0x09}
@@ -462,7 +459,7 @@ class _Object(_Frame):
         false); else None."""
         if self.node.additional is not False:
             return None
-        return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in self.node.props if k not in self.used]
+        return [raw for k, raw in self.node.key_raw.items() if k not in self.used]
 
     def step(self, b: int, sp: _Parse) -> int:
         s = self.state

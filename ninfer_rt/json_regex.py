@@ -75,14 +75,6 @@ class Pattern:
         """Some character in [lo, hi] has a move from these states."""
         return any(_meets(ranges, neg, lo, hi) for s in states for ranges, neg, _ in self.edges[s])
 
-    def matches(self, text: str) -> bool:
-        states = self._start
-        for ch in text:
-            states = self.step(states, ord(ch))
-            if not states:
-                return False
-        return self.accepts(states)
-
     def lengths(self, states: frozenset) -> tuple[int | None, int | None]:
         """(fewest, most) characters that complete a match from these states; most None: unbounded. (None, 0) where
         none can."""

@@ -78,6 +78,7 @@ class Node:
 
     types: frozenset | None = None
     props: dict = field(default_factory=dict)    # key -> Node
+    key_raw: dict = field(default_factory=dict)  # key -> its bytes between the quotes, as a closed object's are matched
     required: frozenset = frozenset()
     additional: Node | bool | None = None
     items: Node | bool | None = None               # past prefix_items; False: no more items
@@ -108,13 +109,13 @@ class Bounds:
     step: Fraction | None = None
 
     def holds(self, v: Fraction) -> bool:
-        return ((self.lo is None or v > self.lo or (v == self.lo and not self.lo_strict))
-                and (self.hi is None or v < self.hi or (v == self.hi and not self.hi_strict))
-                and (self.step is None or (v / self.step).denominator == 1))
+        return self._within(v, self.lo, self.hi) and (self.step is None or (v / self.step).denominator == 1)
 
     def holds_float(self, v: float) -> bool:
         """The range as a reader's json.loads float of the value compares it (0.99999999999999999 reads as 1.0)."""
-        lo, hi = (None if x is None else float(x) for x in (self.lo, self.hi))
+        return self._within(v, *(None if x is None else float(x) for x in (self.lo, self.hi)))
+
+    def _within(self, v, lo, hi) -> bool:
         return ((lo is None or v > lo or (v == lo and not self.lo_strict))
                 and (hi is None or v < hi or (v == hi and not self.hi_strict)))
 
@@ -219,8 +220,7 @@ class _Compiler:
         props = s.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"json_schema: {where}: properties must be an object")
-        for k in props:
-            _utf8(k, f"{where}/properties")
+        n.key_raw = {k: _utf8(json.dumps(k, ensure_ascii=False)[1:-1], f"{where}/properties") for k in props}
         n.props = {k: self.node(v, f"{where}/properties/{_name(k)}") for k, v in props.items()}
         req = s.get("required", [])
         if not isinstance(req, list) or any(not isinstance(r, str) for r in req):
@@ -278,16 +278,14 @@ class _Compiler:
         n.bounds = _bounds(s, n.types, where)
         if values is not None:  # the values the rest of the schema accepts, as the automaton reads them
             from ninfer_rt.json_automaton import SchemaPrefix
-            probe, kept = dataclasses.replace(n), []
-            for v in values:
-                for w in (v, _ints(v)):  # 5.0 also as 5: JSON Schema's values are numbers, not their texts
-                    text = _utf8(json.dumps(w, separators=(",", ":"), ensure_ascii=False), f"{where}/enum")
-                    p = SchemaPrefix(probe)
-                    if p.feed(text) and p.complete:
-                        kept.append(text)
+            probe = dataclasses.replace(n)
+            # 5.0 also as 5: JSON Schema's values are numbers, not their texts
+            texts = dict.fromkeys(_utf8(json.dumps(w, separators=(",", ":"), ensure_ascii=False), f"{where}/enum")
+                                  for v in values for w in (v, _ints(v)))
+            kept = [t for t in texts if (p := SchemaPrefix(probe)).feed(t) and p.complete]
             if not kept:
                 raise SchemaError(f"json_schema: {where}: no enum value satisfies the rest of the schema")
-            n.enum = tuple(dict.fromkeys(kept))
+            n.enum = tuple(kept)
         return n
 
     def any_of(self, s: dict, where: str) -> Node:
@@ -370,7 +368,7 @@ def first_bytes(n: Node, _seen: frozenset = frozenset()) -> set[int]:
     """The bytes a value of n may begin with (whitespace aside). A number's, whatever its text: -0 equals 0."""
     if n.any_of is not None:  # an anyOf that reaches itself through a $ref adds nothing the first time did not
         seen = _seen | {id(n)}
-        return set().union(set(), *(first_bytes(b, seen) for b in n.any_of if id(b) not in seen))
+        return set().union(*(first_bytes(b, seen) for b in n.any_of if id(b) not in seen))
     if n.enum is not None:
         return set().union(*(set(_TYPE_FIRST["number"]) if o[0] in _TYPE_FIRST["number"] else {o[0]} for o in n.enum))
     return set(b"".join(_TYPE_FIRST[t] for t in (TYPES if n.types is None else n.types)))
