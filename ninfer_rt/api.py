@@ -25,6 +25,7 @@ from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
+from ninfer_rt.speculative import MAX_DRAFT_TOKENS
 from ninfer_rt.stops import StopScanner
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -48,6 +49,13 @@ class GenerationStats:
     token_ids: list[int] = field(default_factory=list)
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
     cached_tokens: int = 0          # prompt tokens taken from the previous generation's cache (reuse_cache)
+    draft_tokens: int = 0           # speculative decoding: tokens the MTP head drafted
+    accepted_tokens: int = 0        # ... and how many of them verification kept
+
+    @property
+    def acceptance(self) -> float:
+        """Share of the drafted tokens that were kept (0 without speculative decoding)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -59,43 +67,6 @@ class GenerationStats:
         """Tokens per second of the decode steps: each after the first sampled token costs one forward."""
         steps = max(self.generated_tokens - 1, 0)
         return steps / self.decode_s if self.decode_s > 0 else 0.0
-
-
-class _ReferenceBackend:
-    """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact (torch imported here, lazily)."""
-
-    def __init__(self, artifact: Artifact, cache_slots: int = 1):
-        """Decode the text weights and build the reference model. cache_slots: how many sequences Model may keep
-        at once (load's; host caches are objects, so this only mirrors the GPU's choice)."""
-        from ninfer_rt.reference.model import ReferenceModel
-        from ninfer_rt.reference.weights import artifact_weights
-
-        # the MTP head is not used by plain decoding, so its tensors are not decoded
-        self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=("text",)))
-        self.cache_slots = cache_slots
-
-    def new_cache(self, slot: int = 0):
-        """Empty decode state for one sequence (slot: the GPU's; host caches need none)."""
-        return self.model.new_cache()
-
-    def copy_cache(self, cache, slot: int):
-        """An independent copy of a sequence's state."""
-        return cache.clone()
-
-    @property
-    def max_ctx(self) -> int:
-        """Positions one sequence may hold: the model's whole context (the reference's cache grows as it goes)."""
-        return self.model.spec.max_position_embeddings
-
-    def forward(self, ids: np.ndarray, cache, last_only: bool = False) -> np.ndarray:
-        """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
-        logits = self.model.forward(ids, cache).numpy()
-        return logits[-1:] if last_only else logits
-
-    def decode_batch(self, ids: list[int], caches: list) -> np.ndarray:
-        """One token for each of B sequences -> their logits float32 [B, V]; advances each cache."""
-        return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
-                               for i, c in zip(ids, caches)])
 
 
 class _KeptCaches:
@@ -165,9 +136,10 @@ class Model:
     """A loaded artifact ready to run. Attributes: `spec` (ModelSpec), `artifact`, `device`, `tokenizer`,
     `chat_template`, `generation_config`, and `last_stats` (GenerationStats of the latest generate call)."""
 
-    def __init__(self, artifact: Artifact, backend: _ReferenceBackend, device: str):
+    def __init__(self, artifact: Artifact, backend, device: str, speculative_tokens: int = 0):
         """Wrap an opened artifact and its backend; use `load` instead."""
         self.artifact, self.device = artifact, device
+        self.speculative_tokens = speculative_tokens
         self.spec = artifact.spec
         self._backend = backend
         self._resources = {name: artifact.resource(name) for name in artifact.resources}
@@ -298,8 +270,21 @@ class Model:
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
         params, budget = self._check_request(ids, max_new_tokens, sampling, reuse_cache, snapshot_at)
         stats = GenerationStats(prompt_tokens=len(ids))
-        loop = self._decode_loop(ids, budget, Sampler(params), stats, reuse_cache, snapshot_at)
+        if self.speculative_tokens:
+            loop = self._speculative_loop(ids, budget, Sampler(params), stats)
+        else:
+            loop = self._decode_loop(ids, budget, Sampler(params), stats, reuse_cache, snapshot_at)
         return loop, stats
+
+    def _speculative_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats
+                          ) -> Iterator[int]:
+        """`_decode_loop` by drafts of the MTP head verified together (ninfer_rt.speculative), from an empty cache."""
+        from ninfer_rt import speculative
+
+        self.last_stats = stats
+        yield from speculative.decode(self._backend, self._kept.fresh()[0], ids, budget, sampler, stats,
+                                      draft_tokens=self.speculative_tokens, real_vocab=self.real_vocab_size,
+                                      is_stop=self.tokenizer.is_stop)
 
     def batch(self, parallel: int | None = None, prefill_chunk: int | None = None):
         """A ninfer_rt.batching.Batch over this model's cache slots: up to parallel (default: all of them)
@@ -322,6 +307,9 @@ class Model:
                               "together)")
         if not isinstance(reuse_cache, bool):
             raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
+        if reuse_cache and self.speculative_tokens:
+            raise NinferError("reuse_cache: not with speculative decoding (the MTP head's cache is not kept); load "
+                              "without speculative_tokens to reuse caches")
         if snapshot_at is not None and not (reuse_cache and _is_int(snapshot_at) and 1 <= snapshot_at < len(ids)):
             raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)}) and "
                               "needs reuse_cache")
@@ -492,7 +480,7 @@ def gpu_available() -> bool:
 
 def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_dtype: str = "int8",
          prefill_chunk: int | None = None, progress=None, check_checksums: bool = False,
-         cache_slots: int = 1) -> Model:
+         cache_slots: int = 1, speculative_tokens: int = 0) -> Model:
     """Open and validate the artifact at `path` and build a Model on `device`.
 
     "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
@@ -502,6 +490,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     cache_slots: sequences kept at once (1 to MAX_CACHE_SLOTS; on the GPU each has its own KV cache of max_ctx
     positions and DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside
     the last run, and a ninfer_rt.batching.Batch runs up to that many sequences at once.
+    speculative_tokens: k > 0 makes generate draft up to k tokens a step with the checkpoint's MTP head and verify
+    them in one forward (ninfer_rt.speculative; cpu only so far; a Batch decodes without it).
     """
     if not isinstance(path, (str, PathLike)):
         raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -520,8 +510,13 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
     if not (_is_int(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):
         raise NinferError(f"cache_slots={cache_slots!r}: must be an integer in [1, {MAX_CACHE_SLOTS}]")
+    if not (_is_int(speculative_tokens) and 0 <= speculative_tokens <= MAX_DRAFT_TOKENS):
+        raise NinferError(f"speculative_tokens={speculative_tokens!r}: must be an integer in [0, {MAX_DRAFT_TOKENS}]")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
+    if device == "cuda" and speculative_tokens:
+        raise NinferError("speculative decoding (MTP drafts) runs on the cpu device only so far: the GPU runtime has "
+                          "no MTP step yet; load without it, or on device cpu")
     artifact = Artifact.open(path)
     try:
         problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])
@@ -547,8 +542,12 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
                                  prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
                                  cache_slots=int(cache_slots))
         else:
-            backend = _ReferenceBackend(artifact, cache_slots=int(cache_slots))
-        return Model(artifact, backend, device)
+            if speculative_tokens and not any(e.group == "mtp" for e in artifact.tensors.values()):
+                raise NinferError(f"{artifact.path}: speculative decoding drafts with the MTP head, and this "
+                                  "artifact has no MTP head (no mtp.* tensors)")
+            from ninfer_rt.reference.backend import ReferenceBackend
+            backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), mtp=bool(speculative_tokens))
+        return Model(artifact, backend, device, int(speculative_tokens))
     except BaseException:
         artifact.close()
         raise

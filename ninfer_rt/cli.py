@@ -67,6 +67,9 @@ def run(
     kv_cache: KvCacheOption = "int8",
     prefill_chunk: PrefillChunkOption = None,
     check_checksums: ChecksumsOption = False,
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens", help="Draft up to N tokens a step with the "
+                                           "checkpoint's MTP head and verify them in one forward (0 = off, at most "
+                                           "7; cpu only so far). Same output distribution; greedy, the same text."),
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
@@ -76,7 +79,7 @@ def run(
     _check_chunk(prefill_chunk)
     t0 = time.perf_counter()
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
-                 progress=_loading_bar(), check_checksums=check_checksums)
+                 progress=_loading_bar(), check_checksums=check_checksums, speculative_tokens=speculative_tokens)
     load_s = time.perf_counter() - t0
     params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                            presence_penalty=presence_penalty,
@@ -95,6 +98,9 @@ def run(
     err.print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_s:.3f} s ({s.prefill_tok_s:.1f} tok/s); "
               f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.1f} tok/s ({s.finish_reason}); "
               f"load {load_s:.2f} s on {model.device}", highlight=False, soft_wrap=True, emoji=False)
+    if s.draft_tokens:
+        err.print(f"speculative: {s.accepted_tokens} of {s.draft_tokens} drafted tokens accepted "
+                  f"({100 * s.acceptance:.1f}%)", highlight=False, soft_wrap=True, emoji=False)
 
 
 @app.command()

@@ -204,6 +204,20 @@ class Sampler:
         ids, probs = self._survivors(logits, history, prompt_len)
         if self.params.is_greedy:
             return int(ids[0])
+        return self._invert(ids, probs)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A draw from any distribution over the vocabulary (float [V], not necessarily normalized, some mass > 0)
+        from this sampler's stream: speculative decoding's draft tokens and its corrections."""
+        ids = np.flatnonzero(probs > 0)
+        return self._invert(ids, probs[ids])
+
+    def uniform(self) -> float:
+        """A uniform draw in [0, 1) from this sampler's stream (speculative decoding's acceptance test)."""
+        return float(self._rng.random())
+
+    def _invert(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """Invert the CDF of probs (> 0 somewhere) over ids, in id order, with one uniform draw."""
         cdf = np.cumsum(probs)
         u = self._rng.random() * cdf[-1]
         i = int(np.searchsorted(cdf, u, side="right"))

@@ -84,6 +84,20 @@ class Cache:
         """An independent copy (to roll back after rejected speculative tokens)."""
         return copy.deepcopy(self)
 
+    def restore(self, other: Cache) -> None:
+        """Take other's contents (a clone made earlier) in place, so holders of this object see the rollback."""
+        self.layers, self.pos = other.layers, other.pos
+
+    def truncate(self, pos: int) -> None:
+        """Keep the first pos positions. Only KV caches can: a DeltaNet state has no earlier positions in it."""
+        if any(isinstance(st, DeltaState) for st in self.layers):
+            raise ValueError("truncate: a DeltaNet state cannot rewind (restore a clone instead)")
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"truncate: position {pos} outside [0, {self.pos}]")
+        for kv in self.layers:
+            kv.k, kv.v = kv.k[:pos], kv.v[:pos]
+        self.pos = pos
+
 
 # ---------------------------------------------------------------------------------------------- blocks
 

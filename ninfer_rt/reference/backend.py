@@ -1,0 +1,82 @@
+"""The CPU backend of `ninfer_rt.load`: the ReferenceModel in fp32 on weights decoded from the artifact.
+
+Besides the plain contract every backend keeps (new_cache, copy_cache, max_ctx, forward, decode_batch) it has the
+one speculative decoding needs (`ninfer_rt.speculative`): `verify` returns the hidden states with the logits and
+can be undone down to a prefix of its tokens (`rewind`); `draft` runs the checkpoint's MTP head over its own KV
+cache (`new_draft_cache`, `rewind_draft`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ninfer_rt.format import Artifact
+from ninfer_rt.reference.model import Cache, ReferenceModel
+from ninfer_rt.reference.weights import artifact_weights
+
+
+class ReferenceBackend:
+    """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact."""
+
+    def __init__(self, artifact: Artifact, cache_slots: int = 1, mtp: bool = False):
+        """Decode the text weights (and the MTP head's when mtp) and build the reference model. cache_slots: how
+        many sequences Model may keep at once (load's; host caches are objects, so this only mirrors the GPU's)."""
+        groups = ("text", "mtp") if mtp else ("text",)  # plain decoding never reads the mtp.* tensors
+        self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=groups))
+        self.cache_slots = cache_slots
+
+    def new_cache(self, slot: int = 0) -> Cache:
+        """Empty decode state for one sequence (slot: the GPU's; host caches need none)."""
+        return self.model.new_cache()
+
+    def copy_cache(self, cache: Cache, slot: int) -> Cache:
+        """An independent copy of a sequence's state."""
+        return cache.clone()
+
+    @property
+    def max_ctx(self) -> int:
+        """Positions one sequence may hold: the model's whole context (the reference's cache grows as it goes)."""
+        return self.model.spec.max_position_embeddings
+
+    def forward(self, ids: np.ndarray, cache: Cache, last_only: bool = False) -> np.ndarray:
+        """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
+        logits = self.model.forward(ids, cache).numpy()
+        return logits[-1:] if last_only else logits
+
+    def decode_batch(self, ids: list[int], caches: list) -> np.ndarray:
+        """One token for each of B sequences -> their logits float32 [B, V]; advances each cache."""
+        return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
+                               for i, c in zip(ids, caches)])
+
+    # ------------------------------------------------------------------------------------ speculative decoding
+
+    def verify(self, ids: np.ndarray, cache: Cache, undoable: bool = True):
+        """ids int64 [T] -> (logits float32 [T, V], post-norm hidden float32 [T, H], undo); advances cache by T.
+        undo (None unless undoable) lets `rewind` keep only a prefix of ids: the DeltaNet state cannot go back,
+        so it is the state before them."""
+        undo = cache.clone() if undoable else None
+        logits, hidden = self.model.forward_with_hidden(np.asarray(ids, np.int64), cache)
+        return logits.numpy(), hidden.float().numpy(), undo
+
+    def rewind(self, cache: Cache, undo: Cache, ids: np.ndarray, keep: int) -> None:
+        """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1)."""
+        if keep < len(ids):
+            cache.restore(undo)
+            self.model.forward(np.asarray(ids[:keep], np.int64), cache)
+
+    def new_draft_cache(self) -> Cache:
+        """Empty state of the MTP head (its one attention layer's KV cache)."""
+        return self.model.new_mtp_cache()
+
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache):
+        """MTP rows at the draft cache's next positions p: hidden [T, H] (h_p), next_ids [T] (x_{p+1}) -> (draft
+        logits float32 [T, V] for x_{p+2}, the head's hidden float32 [T, H] to chain a further row from)."""
+        positions = torch.arange(draft_cache.pos, draft_cache.pos + len(next_ids))
+        h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))
+        logits, out = self.model.mtp_forward(h, np.asarray(next_ids, np.int64), positions, draft_cache)
+        return logits.numpy(), out.float().numpy()
+
+    def rewind_draft(self, draft_cache: Cache, pos: int) -> None:
+        """Drop the MTP head's rows from position pos on."""
+        draft_cache.truncate(pos)

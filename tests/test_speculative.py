@@ -1,0 +1,241 @@
+"""Speculative decoding with the MTP head (ninfer_rt.speculative) on the CPU reference.
+
+Oracles: plain decoding (greedy output must be the same ids, whether drafts are accepted or not) and the target
+distribution itself (speculative sampling's acceptance must emit tokens distributed as p, whatever q is).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from ninfer_rt import load
+from ninfer_rt.errors import NinferError
+from ninfer_rt.sampling import Sampler, SamplingParams
+from ninfer_rt.speculative import MAX_DRAFT_TOKENS, accept
+
+GREEDY = SamplingParams(greedy=True)
+PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
+
+
+# ------------------------------------------------------------------------------------------ acceptance maths
+
+
+def _dist(rng, vocab: int, zeros: int) -> np.ndarray:
+    """A random distribution over vocab ids with `zeros` of them impossible."""
+    p = rng.random(vocab) + 0.05
+    p[rng.choice(vocab, zeros, replace=False)] = 0.0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("n_drafts", [1, 2])
+def test_accept_emits_the_target_distribution(n_drafts):
+    """The first token a step emits (an accepted draft or the correction) is distributed as p_0, for any q.
+    Tolerance: 5 binomial standard deviations of each frequency over N draws (fixed seeds, so no flakes)."""
+    rng = np.random.default_rng(7)
+    vocab, N = 6, 40_000
+    p_rows = [_dist(rng, vocab, 1) for _ in range(n_drafts + 1)]
+    q_rows = [_dist(rng, vocab, 2) for _ in range(n_drafts)]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+    counts, accepted = np.zeros(vocab), 0
+    for _ in range(N):
+        drafts = [sampler.draw(q) for q in q_rows]
+        j, nxt = accept(drafts, q_rows, lambda i: p_rows[i], sampler)
+        first = drafts[0] if j >= 1 else nxt
+        counts[first] += 1
+        accepted += j >= 1
+    freq, p = counts / N, p_rows[0]
+    assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / N) + 1e-12), (freq, p)
+    # and the first draft is kept at the rate sum_x min(p, q) (the overlap of the two)
+    overlap = np.minimum(p, q_rows[0]).sum()
+    assert abs(accepted / N - overlap) <= 5 * np.sqrt(overlap * (1 - overlap) / N)
+
+
+def test_accept_greedy_is_the_argmax_rule():
+    """One-hot p and q: a draft is kept exactly when it is p's arg-max; the correction is p's arg-max."""
+    sampler = Sampler(GREEDY)
+    one_hot = np.eye(5)
+    targets = [one_hot[2], one_hot[4], one_hot[1]]
+    assert accept([2, 4], [one_hot[2], one_hot[4]], lambda i: targets[i], sampler) == (2, 1)
+    assert accept([2, 3], [one_hot[2], one_hot[3]], lambda i: targets[i], sampler) == (1, 4)
+    assert accept([0], [one_hot[0]], lambda i: targets[i], sampler) == (0, 2)
+
+
+# ------------------------------------------------------------------------------------------ the loop, end to end
+
+
+class OracleDrafts:
+    """The reference backend with the MTP head's logits replaced by a peak at the token plain greedy decoding
+    produces there (wrong where `wrong(position)`), so that acceptance is known; counts verification forwards."""
+
+    def __init__(self, backend, sequence: list[int], wrong=lambda pos: False):
+        self.inner, self.sequence, self.wrong, self.verifies = backend, sequence, wrong, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify(self, ids, cache, undoable=True):
+        self.verifies += 1
+        return self.inner.verify(ids, cache, undoable)
+
+    def draft(self, hidden, next_ids, draft_cache):
+        start = draft_cache.pos
+        logits, out = self.inner.draft(hidden, next_ids, draft_cache)
+        logits = np.zeros_like(logits)
+        for r in range(len(next_ids)):
+            target = start + r + 2  # row p predicts x_{p+2}
+            if target < len(self.sequence):
+                tok = self.sequence[target]
+                logits[r, (tok + 1) % logits.shape[1] if self.wrong(target) else tok] = 30.0
+        return logits, out
+
+
+@pytest.fixture(scope="module")
+def spec_model(packed, one_thread):
+    m = load(packed, "cpu", speculative_tokens=3)
+    yield m
+    m.close()
+
+
+def _plain(packed_model, sampling=GREEDY, n=24, prompt=PROMPT):
+    return list(packed_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
+
+
+@pytest.mark.parametrize("k", [1, 3, MAX_DRAFT_TOKENS])
+def test_greedy_matches_plain_decoding(packed, packed_model, one_thread, k):
+    """With the checkpoint's own (random) MTP head, greedy speculative output is plain greedy output."""
+    with load(packed, "cpu", speculative_tokens=k) as m:
+        out = list(m.generate_ids(PROMPT, max_new_tokens=24, sampling=GREEDY))
+        s = m.last_stats
+    assert out == _plain(packed_model)
+    assert s.finish_reason == "length" and s.generated_tokens == 24 and s.token_ids == out
+    assert 0 < s.draft_tokens <= k * 23 and 0 <= s.accepted_tokens <= s.draft_tokens
+
+
+PENALTIES = SamplingParams(greedy=True, repetition_penalty=2.0, presence_penalty=4.0)
+REPEATS = [1, 2, 3, 4, 5]  # a prompt whose greedy output repeats a token two places on, so penalties change it
+
+
+@pytest.mark.parametrize("sampling, prompt", [(GREEDY, PROMPT), (PENALTIES, REPEATS)], ids=["greedy", "penalties"])
+@pytest.mark.parametrize("every", [0, 3], ids=["all-right", "every-third-wrong"])
+def test_accepted_drafts_keep_the_output(packed_model, spec_model, sampling, prompt, every):
+    """Drafts that are right get accepted (all of them: one verification per k + 1 tokens), wrong ones are
+    corrected; either way the ids are plain decoding's, penalties over the accepted drafts included (the
+    penalised text differs from the greedy one inside a step, so drafts missing from the history would show)."""
+    n = 24
+    plain = _plain(packed_model, sampling, n, prompt)
+    if sampling is PENALTIES:
+        assert plain != _plain(packed_model, GREEDY, n, prompt)
+    oracle = OracleDrafts(spec_model._backend, prompt + plain, lambda pos: every and pos % every == 0)
+    spec_model._backend = oracle
+    try:
+        out = list(spec_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
+    finally:
+        spec_model._backend = oracle.inner
+    s = spec_model.last_stats
+    assert out == plain
+    if not every:
+        assert s.accepted_tokens == s.draft_tokens > 0
+        assert oracle.verifies == 1 + -(-(n - 1) // 4)  # the prefill, then 4 tokens a step
+    else:
+        assert 0 < s.accepted_tokens < s.draft_tokens
+        assert oracle.verifies < n
+
+
+def test_stop_token_inside_an_accepted_run(packed_model, spec_model):
+    """A stop id among accepted drafts ends the output there, as plain decoding ends."""
+    plain = _plain(packed_model, n=12)
+    stop = plain[6]
+    first = plain.index(stop)
+    tok = spec_model.tokenizer
+    original = tok.is_stop
+    tok.is_stop = lambda t: t == stop
+    oracle = OracleDrafts(spec_model._backend, PROMPT + plain)
+    spec_model._backend = oracle
+    try:
+        out = list(spec_model.generate_ids(PROMPT, max_new_tokens=12, sampling=GREEDY))
+    finally:
+        spec_model._backend, tok.is_stop = oracle.inner, original
+    assert out == plain[:first]
+    s = spec_model.last_stats
+    assert s.finish_reason == "eos" and s.generated_tokens == first + 1
+
+
+def test_seeded_sampling_repeats(spec_model):
+    """Sampling with drafts draws from one seeded stream: the same seed gives the same ids."""
+    params = SamplingParams(temperature=0.9, top_k=20, seed=1234)
+    a = list(spec_model.generate_ids(PROMPT, max_new_tokens=16, sampling=params))
+    b = list(spec_model.generate_ids(PROMPT, max_new_tokens=16, sampling=params))
+    assert a == b and len(a) == spec_model.last_stats.generated_tokens == 16
+
+
+def test_rewind_leaves_the_prefix_state(spec_model):
+    """verify of 4 tokens rewound to 2 leaves the cache a fresh forward of those 2 makes (bit for bit: the same
+    ops on the same inputs), and the draft cache truncates to a position."""
+    be = spec_model._backend
+    a, b = be.new_cache(), be.new_cache()
+    be.forward(np.asarray(PROMPT, np.int64), a)
+    be.forward(np.asarray(PROMPT, np.int64), b)
+    feed = np.asarray([7, 8, 9, 10], np.int64)
+    _, _, undo = be.verify(feed, a)
+    be.rewind(a, undo, feed, 2)
+    be.forward(feed[:2], b)
+    assert a.pos == b.pos == len(PROMPT) + 2
+    for x, y in zip(a.layers, b.layers):
+        for f in ("k", "v", "conv", "ssm"):
+            if hasattr(x, f):
+                assert np.array_equal(getattr(x, f).numpy(), getattr(y, f).numpy())
+    d = be.new_draft_cache()
+    hidden = np.zeros((3, spec_model.spec.hidden_size), np.float32)
+    be.draft(hidden, np.asarray([1, 2, 3]), d)
+    be.rewind_draft(d, 1)
+    assert d.pos == 1 and d.layers[0].k.shape[0] == 1
+
+
+@pytest.mark.parametrize("k", [-1, MAX_DRAFT_TOKENS + 1, 1.0, "2", True])
+def test_bad_draft_counts(packed, k):
+    with pytest.raises(NinferError, match="speculative_tokens"):
+        load(packed, "cpu", speculative_tokens=k)
+
+
+def test_refused_with_reuse_cache(spec_model):
+    with pytest.raises(NinferError, match="reuse_cache"):
+        spec_model.generate_ids(PROMPT, max_new_tokens=4, reuse_cache=True)
+
+
+def test_refused_on_the_gpu_before_loading(packed):
+    """The GPU runtime has no MTP step yet: a one-line refusal, before any weight is read."""
+    with pytest.raises(NinferError, match="cpu device only"):
+        load(packed, "cuda", speculative_tokens=2)
+
+
+def test_refused_without_an_mtp_head(tiny_moe, models, tmp_path, one_thread):
+    """A checkpoint without mtp.* tensors packs, but cannot draft: load says so in one line."""
+    import checkpoints
+    from ninfer_pack.pipeline import quantize
+
+    src, _ = checkpoints.write_checkpoint(tmp_path / "src", models["causal_moe"], prefix="causal", mtp=False)
+    for f in tiny_moe.glob("tokenizer*"):
+        (src / f.name).write_bytes(f.read_bytes())
+    quantize(str(src), "tiny", tmp_path / "a.ninfer")
+    with pytest.raises(NinferError, match="no MTP head"):
+        load(tmp_path / "a.ninfer", "cpu", speculative_tokens=2)
+
+
+def test_cli_run(packed, packed_model, capsys):
+    """`ninfer-rt run --speculative-tokens` prints plain greedy decoding's text and the acceptance; a count out of
+    range is one line and exit 1."""
+    from cli_runner import error_line, run_main
+    from ninfer_rt import cli
+
+    prompt = "The assistant reads the question"
+    code, out, err = run_main(cli.main, "ninfer-rt", ["run", packed, "--prompt", prompt, "--max-new-tokens", 10,
+                                                      "--greedy", "--speculative-tokens", 3], capsys)
+    assert code == 0, err
+    assert out == "".join(packed_model.generate(prompt, max_new_tokens=10, sampling=GREEDY)) + "\n"
+    assert re.search(r"speculative: \d+ of \d+ drafted tokens accepted", err)
+    code, out, err = run_main(cli.main, "ninfer-rt", ["run", packed, "--prompt", prompt,
+                                                      "--speculative-tokens", 9], capsys)
+    assert code == 1 and "speculative_tokens=9" in error_line(err)
