@@ -16,13 +16,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence, Set
-from dataclasses import dataclass, field
 from os import PathLike
 
 import numpy as np
 
 from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
+from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.speculative import MAX_DRAFT_TOKENS
@@ -30,43 +30,6 @@ from ninfer_rt.stops import StopScanner
 
 DEVICES = ("cpu", "cuda", "auto")
 MAX_CACHE_SLOTS = 64  # sequences a model keeps at once (each a KV cache and DeltaNet state on the GPU)
-
-
-@dataclass
-class GenerationStats:
-    """Timings and counts of one generate call.
-
-    generated_tokens counts every sampled token, the stop token included (it cost a forward like the others);
-    token_ids holds the output without the stop token. finish_reason: "eos" (a stop id), "stop" (a stop
-    string), "length" (max_new_tokens or the context end), or "cancelled" (the caller stopped iterating).
-    """
-
-    prompt_tokens: int
-    generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    finish_reason: str = "cancelled"
-    token_ids: list[int] = field(default_factory=list)
-    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
-    cached_tokens: int = 0          # prompt tokens taken from the previous generation's cache (reuse_cache)
-    draft_tokens: int = 0           # speculative decoding: tokens the MTP head drafted
-    accepted_tokens: int = 0        # ... and how many of them verification kept
-
-    @property
-    def acceptance(self) -> float:
-        """Share of the drafted tokens that were kept (0 without speculative decoding)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        """Prompt tokens per second of the prefill (which includes sampling the first token)."""
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens per second of the decode steps: each after the first sampled token costs one forward."""
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class _KeptCaches:
@@ -379,17 +342,7 @@ class Model:
                 kept.keep_snapshot(cache, fed, slot)  # (again, when this run began from the snapshot itself)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0
-            while True:
-                stats.generated_tokens += 1
-                if is_stop(token):
-                    stats.finish_reason = "eos"
-                    return
-                stats.token_ids.append(token)
-                history.append(token)
-                yield token
-                if len(stats.token_ids) >= budget:
-                    stats.finish_reason = "length"
-                    return
+            while not (yield from emit([token], stats, history, budget, is_stop)):
                 t0 = time.perf_counter()
                 token = step([token])
                 stats.decode_s += time.perf_counter() - t0

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.sampling import Sampler
 
 MAX_DRAFT_TOKENS = 7  # a verification feeds k + 1 tokens; the GPU's decode kernels take up to 8 a sequence
@@ -49,7 +50,7 @@ def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray], target: Callable
     return len(drafts), sampler.draw(target(len(drafts)))
 
 
-def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats, *, draft_tokens: int,
+def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats, *, draft_tokens: int,
            real_vocab: int, is_stop: Callable[[int], bool]) -> Iterator[int]:
     """Prefill ids into cache, then speculative steps; yields the output ids as plain decoding does (the stop id
     is counted in stats.generated_tokens, not yielded) and fills stats (timings, draft_tokens, accepted_tokens).
@@ -74,18 +75,7 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats,
     fed = len(ids)  # positions in the main cache; `last` goes in at position fed
     stats.prefill_s = time.perf_counter() - t0
     new = [last]
-    while True:
-        for tok in new:
-            stats.generated_tokens += 1
-            if is_stop(tok):
-                stats.finish_reason = "eos"
-                return
-            stats.token_ids.append(tok)
-            history.append(tok)
-            yield tok
-            if len(stats.token_ids) >= budget:
-                stats.finish_reason = "length"
-                return
+    while not (yield from emit(new, stats, history, budget, is_stop)):
         t0 = time.perf_counter()
         last = new[-1]
         n = min(draft_tokens, budget - len(stats.token_ids) - 1)  # drafts whose tokens could still be output
