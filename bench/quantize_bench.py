@@ -3,6 +3,8 @@
 Generates a checkpoint with the exact Qwen3.6-35B-A3B widths (hidden 2048, 256 experts, vocab 248,320)
 but only --layers layers, in shards of --shard-gb, then runs `ninfer-pack quantize` in a child process and
 reads the child's peak RSS. Target (issue 2): peak RSS < 4 GB + one shard. Prints a table, writes JSON.
+With --calibrate-tokens N it first runs `ninfer-pack calibrate` on N tokens of generated text (windows of 512)
+the same way: seconds, tokens/s and peak RSS of a reference run that holds one layer at a time.
 
     python bench/quantize_bench.py --layers 4 --recipe qwen3.6-35b-a3b --json bench/results/quantize.json
 """
@@ -95,6 +97,27 @@ def write_checkpoint(dest: Path, layers: int, shard_bytes: int, seed: int = 0) -
     return total, largest
 
 
+def child(tmp: Path, *argv: str) -> tuple[float, int]:
+    """`ninfer-pack ARGV` in a child process: (wall seconds, the child's peak RSS in bytes)."""
+    peak_file = tmp / "peak"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", CHILD, str(peak_file), *argv], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0, int(peak_file.read_text())
+
+
+def calibrate(ckpt: Path, tmp: Path, tokens: int) -> dict:
+    """`ninfer-pack calibrate` on `tokens` tokens of generated text (the tiny tokenizer: about a token a
+    character), in windows of 512."""
+    g = torch.Generator().manual_seed(1)
+    words = ["the", "keeper", "wrote", "in", "his", "log", "every", "evening", "wind", "sea", "ship", "light"]
+    text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (tokens,), generator=g))
+    (tmp / "cal.txt").write_text(text, encoding="utf-8")
+    wall, peak = child(tmp, "calibrate", str(ckpt), "--text", str(tmp / "cal.txt"), "--out",
+                       str(tmp / "imp.safetensors"), "--window", "512", "--max-tokens", str(tokens))
+    return {"tokens": tokens, "window": 512, "seconds": round(wall, 2), "peak_rss_bytes": peak}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (35B-A3B widths)")
@@ -102,6 +125,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="qwen3.6-35b-a3b")
     ap.add_argument("--workdir", default=None, help="where to generate (default: a temp dir, removed after)")
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--calibrate-tokens", type=int, default=0, help="also time `calibrate` on this many tokens")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -111,12 +135,8 @@ def main() -> None:
         total, largest = write_checkpoint(ckpt, args.layers, int(args.shard_gb * 1e9))
         gen_s = time.perf_counter() - t0
         os.sync()
-        t0 = time.perf_counter()
-        peak_file = Path(tmp) / "peak"
-        subprocess.run([sys.executable, "-c", CHILD, str(peak_file), "quantize", str(ckpt), "--recipe", args.recipe,
-                        "--out", str(art)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-        peak = int(peak_file.read_text())
+        cal = calibrate(ckpt, Path(tmp), args.calibrate_tokens) if args.calibrate_tokens else None
+        wall, peak = child(Path(tmp), "quantize", str(ckpt), "--recipe", args.recipe, "--out", str(art))
         out_bytes = art.stat().st_size
     limit = 4e9 + largest
     res = {"bench": "quantize", "recipe": args.recipe, "layers": args.layers, "source_bytes": total,
@@ -130,6 +150,13 @@ def main() -> None:
     t.add_row(f"{total / 1e9:.2f}", f"{largest / 1e9:.2f}", f"{out_bytes / 1e9:.2f}", f"{wall:.1f}",
               f"{res['gb_per_s']:.3f}", f"{peak / 1e9:.2f}", f"{limit / 1e9:.2f}", "yes" if res["rss_ok"] else "NO")
     Console().print(t)
+    if cal:
+        res["calibrate"] = cal
+        t = Table(title=f"calibrate: {args.layers} layers of Qwen3.6-35B-A3B widths, {cal['tokens']} tokens")
+        for col in ("seconds", "tokens/s", "peak RSS GB"):
+            t.add_column(col, justify="right")
+        t.add_row(f"{cal['seconds']:.1f}", f"{cal['tokens'] / cal['seconds']:.1f}", f"{cal['peak_rss_bytes'] / 1e9:.2f}")
+        Console().print(t)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""ninfer-pack: a thin Typer CLI over the ninfer_pack library (quantize, inspect, verify, publish)."""
+"""ninfer-pack: a thin Typer CLI over the ninfer_pack library (quantize, calibrate, inspect, verify, publish)."""
 
 from __future__ import annotations
 
@@ -195,6 +195,54 @@ def verify(
         raise NinferError(f"{path} is not sound: {first}")
     err.print(f"{path}: sound ({rep.tensors} tensors, {rep.bytes:,} bytes"
               f"{', every tensor within its format error' if rep.checks else ''})")
+
+
+@app.command()
+def calibrate(
+    source: str = typer.Argument(..., help="Checkpoint: a local directory, a Hub repo id (owner/name), "
+                                           "or builtin:tiny-moe / builtin:tiny-dense."),
+    text: list[Path] = typer.Option(..., "--text", help="UTF-8 calibration text (repeatable; read in order, encoded "
+                                                         "with the checkpoint's tokenizer)."),
+    out_path: Path = typer.Option(..., "--out", help="Importance file to write (safetensors, atomically): pass it "
+                                                     "to quantize --importance."),
+    window: int = typer.Option(512, "--window", help="Tokens a window; each starts from an empty cache."),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="Most tokens of text to use, in all."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+):
+    """Measure per-input-channel importance (mean squared activations) on text, one decoder layer at a time."""
+    import torch
+
+    from ninfer_pack import calibrate as cal
+    from ninfer_pack.source import Checkpoint
+    from ninfer_rt.format import check_output_path
+
+    check_output_path(out_path)
+    if out_path.exists() and not overwrite:
+        raise NinferError(f"{out_path} exists; pass --overwrite to replace it")
+    if window < 2 or max_tokens < 2:
+        raise NinferError(f"--window {window} and --max-tokens {max_tokens} must each be at least 2")
+    ckpt = Checkpoint.open(source, revision=revision)
+    windows = cal.text_windows(ckpt, text, window, max_tokens)
+    if not windows:
+        raise NinferError("the text gives fewer than 2 tokens: nothing to calibrate on")
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err) as prog:
+        task = prog.add_task("calibrate (layers)", total=None)
+        res = cal.calibrate(ckpt, windows, progress=lambda d, n: prog.update(task, completed=d, total=n))
+    cal.save(res, out_path, source)
+    t = Table(title=f"{out_path}: importance of {len(res.importance)} weights")
+    for col in ("weights", "tensors", "rows measured", "mean importance"):
+        t.add_column(col, justify="left" if col == "weights" else "right")
+    groups: dict[str, list[str]] = {}
+    for name in res.importance:
+        groups.setdefault(name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1], []).append(name)
+    for kind, names in sorted(groups.items()):
+        mean = torch.stack([res.importance[n].mean() for n in names]).mean().item()
+        t.add_row(kind, str(len(names)), human_count(sum(res.rows[n] for n in names)), f"{mean:.4g}")
+    out.print(t)
+    err.print(f"wrote {out_path}: {res.tokens:,} tokens in {res.windows} windows, {time.perf_counter() - t0:.1f} s")
 
 
 @app.command()

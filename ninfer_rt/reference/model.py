@@ -246,6 +246,14 @@ class MTPHead:
         self.layer = DecoderLayer(spec, read, MTP + "layers.0.", "full_attention")
         self.eps = spec.rms_norm_eps
 
+    def __call__(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: KVCache) -> torch.Tensor:
+        """embedded [T, H] (embed(x_{p+1})), hidden [T, H] (h_p) -> the head's output post mtp.norm [T, H]."""
+        e = ops.rms_norm_zc(embedded, self.norm_embedding, self.eps)              # e: [T, H]
+        hh = ops.rms_norm_zc(hidden, self.norm_hidden, self.eps)                  # hh: [T, H]
+        u = torch.cat([e, hh], -1) @ self.fc.T                                  # u: [T, H]
+        return ops.rms_norm_zc(self.layer(u, cos, sin, kv), self.norm, self.eps)
+
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -335,15 +343,10 @@ class ReferenceModel:
             if self.spec.mtp_num_hidden_layers < 1:
                 raise ConfigError("mtp_num_hidden_layers: this model has no MTP layer")
             self._mtp = MTPHead(self.spec, self._read)
-        m, eps = self._mtp, self.spec.rms_norm_eps
         mtp_cache = self.new_mtp_cache() if mtp_cache is None else mtp_cache
-        e = ops.rms_norm_zc(self.embed[next_ids], m.norm_embedding, eps)        # e: [T, H]
-        hh = ops.rms_norm_zc(hidden.to(self.dtype), m.norm_hidden, eps)         # hh: [T, H]
-        u = torch.cat([e, hh], -1) @ m.fc.T                                     # u: [T, H]
         cos, sin = self._rope(positions)
-        u = m.layer(u, cos, sin, mtp_cache.layers[0])
+        out = self._mtp(self.embed[next_ids], hidden.to(self.dtype), cos, sin, mtp_cache.layers[0])
         mtp_cache.pos += next_ids.shape[0]
-        out = ops.rms_norm_zc(u, m.norm, eps)
         return (out @ self.lm_head.T).float(), out
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,218 @@
+"""calibrate: per-input-channel importance for `ninfer-pack quantize --importance`, measured on text.
+
+For every weight W [N, K] that multiplies activations (an expert bank [E, N, K] counts as one weight) the
+importance of input channel k is the mean of x_k² over the activation rows x that meet W: llama.cpp's imatrix
+statistic. The quantizer's clipping search then weighs each column's error by it (ninfer_pack.quant). A bank's rows
+are every (token, routed expert) pair; the router and bf16 weights are measured too and simply unused by the
+search.
+
+The activations come from the fp32 PyTorch reference (ninfer_rt.reference) run one decoder layer at a time: the
+residual stream of every window is carried from layer to layer while only that layer's weights are in memory
+(about 3.3 GB in fp32 for a Qwen3.6-35B-A3B layer), so a checkpoint of any size calibrates on a machine that
+could never hold it whole. Each window starts from an empty cache at position 0. The rows a weight meets are
+seen by intercepting the reference's matrix products (`x @ W.T`) whose right operand lives in that weight's
+storage, so the model code itself carries no hooks. The MTP head is measured on the pairs (h_p, x_{p+1}) of each
+window, as decoding feeds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ninfer_rt.errors import NinferError, SourceError
+from ninfer_rt.format import check_output_path
+from ninfer_rt.reference import ops
+from ninfer_rt.reference.model import LM, MTP, Cache, DecoderLayer, MTPHead, _Reader
+from ninfer_rt.tokenizer import Tokenizer
+from ninfer_pack.source import Checkpoint
+
+class _Weights(Mapping):
+    """The checkpoint's tensors read on first access, each into storage of its own (so a product's right operand
+    names its weight), remembered until `release`."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.shapes, self.live = ckpt, ckpt.shapes(), {}
+        self.reads = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.live:
+            if name not in self.shapes:
+                raise KeyError(name)
+            self.live[name] = self.ckpt.read(name).float()  # a fresh tensor: read() allocates, .float() copies
+            self.reads += 1
+        return self.live[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def release(self) -> None:
+        """Forget every tensor read so far (the layer that used them is done)."""
+        self.live.clear()
+
+
+# `x @ W` reaches a function mode as TensorBase.matmul; torch.matmul and Tensor.__matmul__ where called so
+_MATMULS = (torch.Tensor.matmul, torch.Tensor.__matmul__, torch.matmul)
+
+
+class _Recorder(TorchFunctionMode):
+    """Adds Σ x² over the rows of x, per input channel, for every `x @ W.T` whose W (or a slice of a bank) is one
+    of `weights` {name: tensor}."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor], rows: dict[str, int]):
+        super().__init__()
+        self.names = {t.untyped_storage().data_ptr(): n for n, t in weights.items()}
+        self.sums, self.rows = sums, rows
+        self._last = None  # a SwiGLU's gate and up rows are one x: its second product is not counted again
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _MATMULS and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            name = self.names.get(args[1].untyped_storage().data_ptr())
+            seen = (name, args[0].data_ptr(), tuple(args[0].shape))
+            if name is not None and seen != self._last:
+                self._last = seen
+                x = args[0].reshape(-1, args[0].shape[-1]).double()             # x: [rows, K]
+                s = (x * x).sum(0)
+                self.sums[name] = self.sums[name] + s if name in self.sums else s
+                self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Calibration:
+    """importance {checkpoint name: mean x_k² [K] float32}, rows {name: activation rows measured}, windows and
+    tokens the text gave."""
+
+    importance: dict[str, torch.Tensor]
+    rows: dict[str, int]
+    windows: int
+    tokens: int
+
+
+def token_windows(ids: Sequence[int], window: int, max_tokens: int) -> list[list[int]]:
+    """The first max_tokens ids cut into windows of `window` (a last shorter one kept if it has 2 or more)."""
+    if window < 2 or max_tokens < 2:
+        raise NinferError(f"window {window} and max tokens {max_tokens} must be at least 2 tokens")
+    ids = list(ids[:max_tokens])
+    out = [ids[i:i + window] for i in range(0, len(ids), window)]
+    return [w for w in out if len(w) >= 2]
+
+
+def calibrate(ckpt: Checkpoint, windows: Sequence[Sequence[int]], *, mtp: bool = True,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Measure every weight's input-channel mean squares over `windows` of token ids (see the module doc).
+
+    mtp: also the MTP head's weights, where the checkpoint has them. progress(done, total) after each stage
+    (the embedding, each decoder layer, the head)."""
+    spec = ckpt.spec
+    if not windows:
+        raise NinferError("calibration needs at least one window of 2 or more tokens")
+    V = spec.vocab_size
+    for w in windows:
+        bad = [i for i in w if not 0 <= int(i) < V]
+        if bad:
+            raise NinferError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+    weights = _Weights(ckpt)
+    read = _Reader(weights, torch.float32)
+    sums: dict[str, torch.Tensor] = {}
+    rows: dict[str, int] = {}
+    ids = [torch.tensor(list(w), dtype=torch.long) for w in windows]
+    has_mtp = mtp and spec.mtp_num_hidden_layers >= 1 and MTP + "fc.weight" in ckpt.shapes()
+    L = spec.num_hidden_layers
+    total = L + 2 + has_mtp
+    embed = read(LM + "embed_tokens.weight", (V, spec.hidden_size))
+    xs = [embed[i] for i in ids]                                                 # xs[w]: [T, H]
+    nexts = [embed[i[1:]] for i in ids] if has_mtp else []                      # embed(x_{p+1}): [T - 1, H]
+    del embed
+    weights.release()
+    if progress:
+        progress(1, total)
+    ropes = {}
+    for n in {len(i) for i in ids}:
+        ropes[n] = ops.rope_cos_sin(torch.arange(n), spec.rotary_dim, spec.rope_theta, spec.mrope_section,
+                                    torch.float32, spec.yarn)
+
+    with torch.no_grad():
+        for li, kind in enumerate(spec.layer_types):
+            layer = DecoderLayer(spec, read, f"{LM}layers.{li}.", kind)
+            with _Recorder(weights.live, sums, rows):
+                for w, x in enumerate(xs):
+                    state = Cache(spec, torch.float32, (kind,)).layers[0]
+                    xs[w] = layer(x, *ropes[x.shape[0]], state)
+            del layer
+            weights.release()
+            if progress:
+                progress(li + 2, total)
+        norm = read(LM + "norm.weight", (spec.hidden_size,))
+        hs = [ops.rms_norm_zc(x, norm, spec.rms_norm_eps) for x in xs]           # hs[w]: [T, H] post-norm
+        head = "lm_head.weight"
+        if head in ckpt.shapes():  # the lm_head's input is the post-norm stream (a tied head is the embedding)
+            for h in hs:
+                sums[head] = sums.get(head, 0) + (h.double() ** 2).sum(0)
+                rows[head] = rows.get(head, 0) + h.shape[0]
+        weights.release()
+        if progress:
+            progress(L + 2, total)
+        if has_mtp:
+            mtp_head = MTPHead(spec, read)
+            with _Recorder(weights.live, sums, rows):
+                for h, e in zip(hs, nexts):
+                    T = e.shape[0]
+                    if T:
+                        kv = Cache(spec, torch.float32, ("full_attention",)).layers[0]
+                        mtp_head(e, h[:T], ropes[T + 1][0][:T], ropes[T + 1][1][:T], kv)
+            del mtp_head
+            weights.release()
+            if progress:
+                progress(total, total)
+    importance = {n: (s / rows[n]).float() for n, s in sums.items()}
+    return Calibration(importance, rows, len(windows), sum(len(w) for w in windows))
+
+
+def text_windows(ckpt: Checkpoint, paths: Sequence[str | Path], window: int, max_tokens: int) -> list[list[int]]:
+    """The UTF-8 text files, each encoded with the checkpoint's own tokenizer and joined in order, as
+    `token_windows`; SourceError naming a file that is missing, not UTF-8 or gives no tokens."""
+    if "tokenizer.json" not in ckpt.resources:
+        raise SourceError("the checkpoint has no tokenizer.json to encode calibration text with")
+    tok = Tokenizer.from_resources(dict(ckpt.resources))
+    ids: list[int] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise SourceError(f"no such text file: {p}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as e:
+            raise SourceError(f"{p}: cannot read it as UTF-8 text ({e})") from None
+        got = tok.encode(text)
+        if not got:
+            raise SourceError(f"{p}: no tokens in it")
+        ids += got
+        if len(ids) >= max_tokens:
+            break
+    return token_windows(ids, window, max_tokens)
+
+
+def save(cal: Calibration, path: str | Path, source: str) -> None:
+    """Write the importance as safetensors {checkpoint name: [K] float32} (what `quantize --importance` reads),
+    with how it was measured in the metadata; atomically: a temporary file renamed over `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    check_output_path(path)
+    meta = {"ninfer.calibration": json.dumps({"source": source, "windows": cal.windows, "tokens": cal.tokens,
+                                              "statistic": "mean of x_k^2 over the rows that meet the weight"})}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({n: t.contiguous() for n, t in sorted(cal.importance.items())}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
