@@ -6,20 +6,19 @@ statistic. The quantizer's clipping search then weighs each column's error by it
 are every (token, routed expert) pair; the router and bf16 weights are measured too and simply unused by the
 search.
 
-The activations come from the fp32 PyTorch reference (ninfer_rt.reference) run one decoder layer at a time: the
-residual stream of every window is carried from layer to layer while only that layer's weights are in memory
-(about 3.3 GB in fp32 for a Qwen3.6-35B-A3B layer), so a checkpoint of any size calibrates on a machine that
-could never hold it whole. Each window starts from an empty cache at position 0. The rows a weight meets are
-seen by intercepting the reference's matrix products (`x @ W.T`) whose right operand lives in that weight's
-storage, so the model code itself carries no hooks. The MTP head is measured on the pairs (h_p, x_{p+1}) of each
-window, as decoding feeds it.
+The activations come from the fp32 PyTorch reference run one decoder layer at a time (reference.stream: only that
+layer's weights in memory, ~3.4 GB in fp32 for a Qwen3.6-35B-A3B layer), so a checkpoint of any size calibrates
+on a machine that could never hold it whole. Each window starts from an empty cache at position 0. The rows a
+weight meets are seen by intercepting the reference's matrix products (`x @ W.T`) whose right operand lives in
+that weight's storage, so the model code itself carries no hooks. The MTP head is measured on the pairs
+(h_p, x_{p+1}) of each window, as decoding feeds it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,36 +28,11 @@ from torch.overrides import TorchFunctionMode
 from ninfer_rt.errors import NinferError, SourceError
 from ninfer_rt.format import check_output_path
 from ninfer_rt.reference import ops
-from ninfer_rt.reference.model import LM, MTP, Cache, DecoderLayer, MTPHead, _Reader
+from ninfer_rt.reference.model import LM, MTP, Cache, MTPHead, _Reader
+from ninfer_rt.reference.stream import run_layers
+from ninfer_rt.reference.weights import LazyCheckpointWeights
 from ninfer_rt.tokenizer import Tokenizer
 from ninfer_pack.source import Checkpoint
-
-class _Weights(Mapping):
-    """The checkpoint's tensors read on first access, each into storage of its own (so a product's right operand
-    names its weight), remembered until `release`."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.shapes, self.live = ckpt, ckpt.shapes(), {}
-        self.reads = 0
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.live:
-            if name not in self.shapes:
-                raise KeyError(name)
-            self.live[name] = self.ckpt.read(name).float()  # a fresh tensor: read() allocates, .float() copies
-            self.reads += 1
-        return self.live[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-    def release(self) -> None:
-        """Forget every tensor read so far (the layer that used them is done)."""
-        self.live.clear()
-
 
 # `x @ W` reaches a function mode as TensorBase.matmul; torch.matmul and Tensor.__matmul__ where called so
 _MATMULS = (torch.Tensor.matmul, torch.Tensor.__matmul__, torch.matmul)
@@ -112,7 +86,7 @@ def calibrate(ckpt: Checkpoint, windows: Sequence[Sequence[int]], *, mtp: bool =
     """Measure every weight's input-channel mean squares over `windows` of token ids (see the module doc).
 
     mtp: also the MTP head's weights, where the checkpoint has them. progress(done, total) after each stage
-    (the embedding, each decoder layer, the head)."""
+    (the embedding, each decoder layer, the final norm, the head)."""
     spec = ckpt.spec
     if not windows:
         raise NinferError("calibration needs at least one window of 2 or more tokens")
@@ -121,59 +95,36 @@ def calibrate(ckpt: Checkpoint, windows: Sequence[Sequence[int]], *, mtp: bool =
         bad = [i for i in w if not 0 <= int(i) < V]
         if bad:
             raise NinferError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
-    weights = _Weights(ckpt)
-    read = _Reader(weights, torch.float32)
+    weights = LazyCheckpointWeights(ckpt, ("text", "mtp"))
     sums: dict[str, torch.Tensor] = {}
     rows: dict[str, int] = {}
-    ids = [torch.tensor(list(w), dtype=torch.long) for w in windows]
-    has_mtp = mtp and spec.mtp_num_hidden_layers >= 1 and MTP + "fc.weight" in ckpt.shapes()
+    has_mtp = mtp and spec.mtp_num_hidden_layers >= 1 and MTP + "fc.weight" in weights
     L = spec.num_hidden_layers
     total = L + 2 + has_mtp
-    embed = read(LM + "embed_tokens.weight", (V, spec.hidden_size))
-    xs = [embed[i] for i in ids]                                                 # xs[w]: [T, H]
-    nexts = [embed[i[1:]] for i in ids] if has_mtp else []                      # embed(x_{p+1}): [T - 1, H]
-    del embed
-    weights.release()
-    if progress:
-        progress(1, total)
-    ropes = {}
-    for n in {len(i) for i in ids}:
-        ropes[n] = ops.rope_cos_sin(torch.arange(n), spec.rotary_dim, spec.rope_theta, spec.mrope_section,
-                                    torch.float32, spec.yarn)
-
-    with torch.no_grad():
-        for li, kind in enumerate(spec.layer_types):
-            layer = DecoderLayer(spec, read, f"{LM}layers.{li}.", kind)
-            with _Recorder(weights.live, sums, rows):
-                for w, x in enumerate(xs):
-                    state = Cache(spec, torch.float32, (kind,)).layers[0]
-                    xs[w] = layer(x, *ropes[x.shape[0]], state)
-            del layer
-            weights.release()
-            if progress:
-                progress(li + 2, total)
-        norm = read(LM + "norm.weight", (spec.hidden_size,))
-        hs = [ops.rms_norm_zc(x, norm, spec.rms_norm_eps) for x in xs]           # hs[w]: [T, H] post-norm
-        head = "lm_head.weight"
-        if head in ckpt.shapes():  # the lm_head's input is the post-norm stream (a tied head is the embedding)
-            for h in hs:
-                sums[head] = sums.get(head, 0) + (h.double() ** 2).sum(0)
-                rows[head] = rows.get(head, 0) + h.shape[0]
+    run = run_layers(spec, weights, windows, observe=lambda: _Recorder(weights.live, sums, rows),
+                     progress=None if progress is None else lambda d, _n: progress(d, total))
+    head = "lm_head.weight"
+    if head in weights:  # the lm_head's input is the post-norm stream (a tied head is the embedding: not measured)
+        for h in run.hidden:
+            sums[head] = sums.get(head, 0) + (h.double() ** 2).sum(0)
+            rows[head] = rows.get(head, 0) + h.shape[0]
+    if has_mtp:
+        read = _Reader(weights, torch.float32)
+        embed = read(LM + "embed_tokens.weight", (V, spec.hidden_size))
+        nexts = [embed[torch.tensor(list(w[1:]), dtype=torch.long)] for w in windows]  # embed(x_{p+1}): [T-1, H]
+        del embed
+        weights.release()
+        mtp_head = MTPHead(spec, read)
+        with torch.no_grad(), _Recorder(weights.live, sums, rows):
+            for h, e in zip(run.hidden, nexts):
+                T = e.shape[0]
+                cos, sin = ops.rope_cos_sin(torch.arange(T), spec.rotary_dim, spec.rope_theta, spec.mrope_section,
+                                            torch.float32, spec.yarn)
+                mtp_head(e, h[:T], cos, sin, Cache(spec, torch.float32, ("full_attention",)).layers[0])
+        del mtp_head
         weights.release()
         if progress:
-            progress(L + 2, total)
-        if has_mtp:
-            mtp_head = MTPHead(spec, read)
-            with _Recorder(weights.live, sums, rows):
-                for h, e in zip(hs, nexts):
-                    T = e.shape[0]
-                    if T:
-                        kv = Cache(spec, torch.float32, ("full_attention",)).layers[0]
-                        mtp_head(e, h[:T], ropes[T + 1][0][:T], ropes[T + 1][1][:T], kv)
-            del mtp_head
-            weights.release()
-            if progress:
-                progress(total, total)
+            progress(total, total)
     importance = {n: (s / rows[n]).float() for n, s in sums.items()}
     return Calibration(importance, rows, len(windows), sum(len(w) for w in windows))
 

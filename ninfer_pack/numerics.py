@@ -25,16 +25,17 @@ is the stage that adds the most difference, which points at a damaged or unusual
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from ninfer_rt.errors import ConfigError, NinferError, SourceError
 from ninfer_rt.format import Artifact
-from ninfer_rt.reference.model import ReferenceModel
-from ninfer_rt.reference.weights import artifact_weights, checkpoint_weights
+from ninfer_rt.reference.stream import lm_head, release, run_layers
+from ninfer_rt.reference.weights import LazyArtifactWeights, LazyCheckpointWeights
 from ninfer_rt.tokenizer import Tokenizer
 from ninfer_pack.source import Checkpoint
 
@@ -229,17 +230,19 @@ def score_range(T: int) -> tuple[int, int]:
     return T // 2, T - 1
 
 
-def run_reference(spec, weights, windows: Sequence[Sequence[int]]) -> ReferenceRun:
-    """Run each window from an empty cache through the fp32 reference model; keep scored logits and streams."""
-    model = ReferenceModel(spec, weights, torch.float32)
-    logits, per_stage = [], None
+def run_reference(spec, weights: Mapping[str, torch.Tensor], windows: Sequence[Sequence[int]]) -> ReferenceRun:
+    """Run each window from an empty cache through the fp32 reference model, one decoder layer at a time
+    (reference.stream: with lazy weights only that layer is in memory); keep scored logits and streams."""
+    run = run_layers(spec, weights, windows, keep_stream=True)
+    head = lm_head(spec, weights)
+    logits = []
     with torch.no_grad():
-        for ids in windows:
-            lg, _h, stream = model.forward_with_hidden(torch.tensor(ids), return_layers=True)
+        for ids, h in zip(windows, run.hidden):
             a, b = score_range(len(ids))
-            logits.append(lg[a:b].clone())
-            per_stage = [[s] for s in stream] if per_stage is None else [p + [s] for p, s in zip(per_stage, stream)]
-    return ReferenceRun(logits, [torch.cat(p) for p in per_stage])
+            logits.append((h @ head.T).float()[a:b].clone())  # every row, as the whole model computes them
+    del head
+    release(weights)
+    return ReferenceRun(logits, run.stream)
 
 
 def tokenize_prompts(tok: Tokenizer, prompts: Sequence[tuple[str, str]], vocab_size: int) -> list[list[int]]:
@@ -275,13 +278,27 @@ def available_memory() -> int | None:
     return None
 
 
-def check_memory(spec) -> None:
-    """Refuse, before anything is loaded, a model whose fp32 text weights exceed the available RAM.
+def memory_needed(spec) -> int:
+    """Bytes the layer-by-layer runs need at most: one stage's fp32 weights (the embedding, a decoder layer or
+    the lm_head) plus two more fp32 copies of the largest tensor while it decodes. The short prompts' activations
+    are small beside it."""
+    stages: dict[str, int] = {}
+    largest = 0
+    for name, info in spec.tensor_shapes().items():
+        if info.group != "text":
+            continue
+        n = math.prod(info.shape)
+        layer = re.match(r"(.*\.layers\.\d+)\.", name)
+        stage = layer[1] if layer else name  # a decoder layer's tensors together; the rest one by one
+        stages[stage] = stages.get(stage, 0) + n
+        largest = max(largest, n)
+    return 4 * (max(stages.values()) + 2 * largest)
 
-    One fp32 copy of the text weights is alive at a time (source, then artifact); activations of the short
-    prompts are small beside it. Skipped where the available memory cannot be read.
-    """
-    need = 4 * spec.num_parameters(("text",))
+
+def check_memory(spec) -> None:
+    """Refuse, before anything is loaded, a model whose largest stage (memory_needed) exceeds the available RAM.
+    Skipped where the available memory cannot be read."""
+    need = memory_needed(spec)
     avail = available_memory()
     if avail is not None and need > avail:
         raise NinferError(f"--numerics runs the fp32 reference on the CPU: needs ~{need / 1e9:.3g} GB, "
@@ -306,11 +323,11 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
             tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
             windows = tokenize_prompts(tok, prompts, spec.vocab_size)
 
-            # Source first, then the artifact: only one set of fp32 weights is alive at a time.
+            # Source first, then the artifact, each one layer at a time.
             say(f"reference model on {source}")
-            src = run_reference(spec, checkpoint_weights(ckpt, ("text",)), windows)
+            src = run_reference(spec, LazyCheckpointWeights(ckpt, ("text",)), windows)
             say(f"reference model on {artifact_path}")
-            got = run_reference(spec, artifact_weights(art, ("text",)), windows)
+            got = run_reference(spec, LazyArtifactWeights(art, ("text",)), windows)
 
     per_window = []
     for ids, ls, la in zip(windows, src.logits, got.logits):
