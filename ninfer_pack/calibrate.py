@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ninfer_rt.errors import NinferError, SourceError
+from ninfer_rt.errors import NinferError
 from ninfer_rt.format import check_output_path
 from ninfer_rt.reference import ops
 from ninfer_rt.reference.model import LM, MTP, Cache, MTPHead, _Reader
 from ninfer_rt.reference.stream import run_layers
 from ninfer_rt.reference.weights import LazyCheckpointWeights
-from ninfer_rt.tokenizer import Tokenizer
 from ninfer_pack.source import Checkpoint
 
 # `x @ W` reaches a function mode as TensorBase.matmul; torch.matmul and Tensor.__matmul__ where called so
@@ -70,15 +69,6 @@ class Calibration:
     rows: dict[str, int]
     windows: int
     tokens: int
-
-
-def token_windows(ids: Sequence[int], window: int, max_tokens: int) -> list[list[int]]:
-    """The first max_tokens ids cut into windows of `window` (a last shorter one kept if it has 2 or more)."""
-    if window < 2 or max_tokens < 2:
-        raise NinferError(f"window {window} and max tokens {max_tokens} must be at least 2 tokens")
-    ids = list(ids[:max_tokens])
-    out = [ids[i:i + window] for i in range(0, len(ids), window)]
-    return [w for w in out if len(w) >= 2]
 
 
 def calibrate(ckpt: Checkpoint, windows: Sequence[Sequence[int]], *, mtp: bool = True,
@@ -127,29 +117,6 @@ def calibrate(ckpt: Checkpoint, windows: Sequence[Sequence[int]], *, mtp: bool =
             progress(total, total)
     importance = {n: (s / rows[n]).float() for n, s in sums.items()}
     return Calibration(importance, rows, len(windows), sum(len(w) for w in windows))
-
-
-def text_windows(ckpt: Checkpoint, paths: Sequence[str | Path], window: int, max_tokens: int) -> list[list[int]]:
-    """The UTF-8 text files, each encoded with the checkpoint's own tokenizer and joined in order, as
-    `token_windows`; SourceError naming a file that is missing, not UTF-8 or gives no tokens."""
-    if "tokenizer.json" not in ckpt.resources:
-        raise SourceError("the checkpoint has no tokenizer.json to encode calibration text with")
-    tok = Tokenizer.from_resources(dict(ckpt.resources))
-    ids: list[int] = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            raise SourceError(f"no such text file: {p}")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError) as e:
-            raise SourceError(f"{p}: cannot read it as UTF-8 text ({e})") from None
-        got = tok.encode(text)
-        if not got:
-            raise SourceError(f"{p}: no tokens in it")
-        ids += got
-        if len(ids) >= max_tokens:
-            break
-    return token_windows(ids, window, max_tokens)
 
 
 def save(cal: Calibration, path: str | Path, source: str) -> None:

@@ -145,6 +145,11 @@ def verify(
     numerics: bool = typer.Option(False, "--numerics", help="Also measure what quantization cost: KL divergence, "
                                                             "top-token agreement, PPL and per-layer hidden-state "
                                                             "differences against --source (fp32 reference, CPU)."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="With --numerics: score windows of these UTF-8 "
+                                                                   "files (repeatable) instead of the built-in "
+                                                                   "prompts, as llama-perplexity does."),
+    window: int = typer.Option(512, "--window", help="Tokens a --text window (its second half is scored)."),
+    max_tokens: int = typer.Option(4096, "--max-tokens", help="Most --text tokens to use, in all."),
 ):
     """Check magic, header, bounds, alignment and checksums (and, with --source, every tensor's error)."""
     from ninfer_pack.verify import verify as run_verify
@@ -152,12 +157,24 @@ def verify(
 
     if numerics and source is None:
         raise NinferError("--numerics needs --source: the checkpoint the artifact was made from")
+    if text and not numerics:
+        raise NinferError("--text is what --numerics scores: add --numerics")
+    windows = None
     with Artifact.open(path) as art:  # structural problems end here with one line
         size = art.size
         if numerics:
-            from ninfer_pack.numerics import check_memory
+            from ninfer_pack.numerics import WINDOW_MIN, check_memory
 
             check_memory(art.spec)  # before the long tensor-by-tensor comparison
+            if text:
+                from ninfer_pack.windows import text_windows
+                from ninfer_rt.tokenizer import Tokenizer
+
+                tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
+                ids = text_windows(tok, text, window, max_tokens, WINDOW_MIN)
+                if not ids:
+                    raise NinferError(f"--text gives no window of {WINDOW_MIN} or more tokens to score")
+                windows = [(f"{text[0].name}[{i}]" if len(text) == 1 else f"text[{i}]", w) for i, w in enumerate(ids)]
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=size)
         rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))
@@ -165,7 +182,8 @@ def verify(
     if numerics and rep.ok:  # numerics of an unsound file would measure the damage, not the quantization
         from ninfer_pack.numerics import measure
 
-        num = measure(path, source, revision=revision, progress=lambda m: err.print(f"numerics: {m}"))
+        num = measure(path, source, revision=revision, windows=windows,
+                      progress=lambda m: err.print(f"numerics: {m}"))
     if as_json:
         report = {"ok": rep.ok, "path": rep.path, "bad_checksums": rep.bad_checksums, "problems": rep.problems,
                   "tensors": [c.__dict__ for c in rep.checks]}
@@ -215,7 +233,9 @@ def calibrate(
 
     from ninfer_pack import calibrate as cal
     from ninfer_pack.source import Checkpoint
+    from ninfer_pack.windows import text_windows
     from ninfer_rt.format import check_output_path
+    from ninfer_rt.tokenizer import Tokenizer
 
     check_output_path(out_path)
     if out_path.exists() and not overwrite:
@@ -223,7 +243,9 @@ def calibrate(
     if window < 2 or max_tokens < 2:
         raise NinferError(f"--window {window} and --max-tokens {max_tokens} must each be at least 2")
     ckpt = Checkpoint.open(source, revision=revision)
-    windows = cal.text_windows(ckpt, text, window, max_tokens)
+    if "tokenizer.json" not in ckpt.resources:
+        raise NinferError(f"{source} has no tokenizer.json to encode the calibration text with")
+    windows = text_windows(Tokenizer.from_resources(dict(ckpt.resources)), text, window, max_tokens)
     if not windows:
         raise NinferError("the text gives fewer than 2 tokens: nothing to calibrate on")
     t0 = time.perf_counter()

@@ -77,6 +77,8 @@ PROMPTS: tuple[tuple[str, str], ...] = (
 # floor (exactly 0 on a bf16 checkpoint) lie far below. Above it, a stage differs by more than bf16 can explain.
 DIVERGENCE_THRESHOLD = 2.0 ** -8
 
+WINDOW_MIN = 4  # tokens a scored window needs: its second half, each predicting the next, is at least one
+
 
 @dataclass
 class LayerDiff:
@@ -246,12 +248,12 @@ def run_reference(spec, weights: Mapping[str, torch.Tensor], windows: Sequence[S
 
 
 def tokenize_prompts(tok: Tokenizer, prompts: Sequence[tuple[str, str]], vocab_size: int) -> list[list[int]]:
-    """Token ids of each prompt; each needs at least 4 tokens so its second half scores something."""
+    """Token ids of each prompt; each needs at least WINDOW_MIN tokens so its second half scores something."""
     windows = []
     for name, text in prompts:
         ids = tok.encode(text)
-        if len(ids) < 4:
-            raise ConfigError(f"prompt {name!r}: only {len(ids)} tokens; a window needs at least 4")
+        if len(ids) < WINDOW_MIN:
+            raise ConfigError(f"prompt {name!r}: only {len(ids)} tokens; a window needs at least {WINDOW_MIN}")
         if max(ids) >= vocab_size:
             raise ConfigError(f"prompt {name!r}: token id {max(ids)} is outside the model's vocab ({vocab_size})")
         windows.append(ids)
@@ -306,10 +308,13 @@ def check_memory(spec) -> None:
 
 
 def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str, str]] | None = None, *,
-            revision: str | None = None, threshold: float = DIVERGENCE_THRESHOLD,
-            progress: Callable[[str], None] | None = None) -> NumericsReport:
-    """Run `prompts` ((name, text) pairs; default PROMPTS) through the reference model on the source's and on
-    the artifact's weights (fp32, CPU) and report what the quantization cost."""
+            windows: Sequence[tuple[str, Sequence[int]]] | None = None, revision: str | None = None,
+            threshold: float = DIVERGENCE_THRESHOLD, progress: Callable[[str], None] | None = None) -> NumericsReport:
+    """Run `prompts` ((name, text) pairs; default PROMPTS), or `windows` ((name, token ids) pairs, each at least
+    WINDOW_MIN ids below the vocabulary size), through the reference model on the source's and on the artifact's
+    weights (fp32, CPU) and report what the quantization cost."""
+    if windows is not None and prompts is not None:
+        raise NinferError("measure: give prompts or windows, not both")
     prompts = PROMPTS if prompts is None else tuple(prompts)
     say = progress or (lambda _msg: None)
     with Artifact.open(artifact_path) as art:
@@ -320,8 +325,14 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
             if field_ is not None:
                 raise SourceError(f"{source} is not the model {artifact_path} was made from ({field_} differs)")
             recipe = art.header.get("recipe", {}).get("name", "?")
-            tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
-            windows = tokenize_prompts(tok, prompts, spec.vocab_size)
+            if windows is None:
+                tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
+                names, windows = [n for n, _ in prompts], tokenize_prompts(tok, prompts, spec.vocab_size)
+            else:
+                names, windows = [n for n, _ in windows], [list(w) for _, w in windows]
+                for n, w in zip(names, windows):
+                    if len(w) < WINDOW_MIN or not all(0 <= int(i) < spec.vocab_size for i in w):
+                        raise ConfigError(f"window {n!r}: needs at least {WINDOW_MIN} ids in [0, {spec.vocab_size})")
 
             # Source first, then the artifact, each one layer at a time.
             say(f"reference model on {source}")
@@ -339,7 +350,7 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
     return NumericsReport(
         artifact=str(artifact_path), source=str(source), recipe=recipe,
         prompts=[{"name": n, "tokens": len(ids), "scored": int(w["kld"].numel())}
-                 for (n, _t), ids, w in zip(prompts, windows, per_window)],
+                 for n, ids, w in zip(names, windows, per_window)],
         threshold=threshold, first_divergent_layer=first_divergent(layers, threshold),
         largest_jump_layer=largest_jump(layers), layers=layers, **stats)
 

@@ -124,11 +124,14 @@ def test_one_layer_at_a_time(tiny_moe, monkeypatch, one_thread):
 
 
 def test_windows():
-    assert cal.token_windows(list(range(10)), 4, 100) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert cal.token_windows(list(range(9)), 4, 100) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a lone last token: dropped
-    assert cal.token_windows(list(range(10)), 4, 6) == [[0, 1, 2, 3], [4, 5]]
+    from ninfer_pack.windows import token_windows
+
+    assert token_windows(list(range(10)), 4, 100) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert token_windows(list(range(9)), 4, 100) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a lone last token: dropped
+    assert token_windows(list(range(10)), 4, 6) == [[0, 1, 2, 3], [4, 5]]
+    assert token_windows(list(range(11)), 4, 100, min_len=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(NinferError, match="at least 2"):
-        cal.token_windows([1, 2, 3], 1, 10)
+        token_windows([1, 2, 3], 1, 10)
 
 
 def run(args, capsys):

@@ -270,3 +270,29 @@ def test_memory_is_checked_before_loading(builtins, packer, capsys, monkeypatch)
                                    r"1e-06 GB available$", error_line(e)), e
     with pytest.raises(NinferError, match="needs"):
         measure(art, str(src))
+
+
+def test_text_windows_are_scored(builtins, packer, capsys, tmp_path):
+    """verify --numerics --text FILE scores windows of the file (each window's second half) and reports the
+    library's numbers for the same windows; --text alone is refused in one line."""
+    src = builtins["dense"]
+    art = packer(src, "qwen3.6-27b")
+    text = tmp_path / "eval.txt"
+    text.write_text(PROMPTS[0][1] + "\n" + PROMPTS[1][1], encoding="utf-8")
+    code, o, e = run(["verify", art, "--source", src, "--numerics", "--json", "--text", text, "--window", 40,
+                      "--max-tokens", 100], capsys)
+    assert code == 0, e
+    num = json.loads(o)["numerics"]
+    with Artifact.open(art) as a:
+        ids = Tokenizer.from_resources({n: a.resource(n) for n in a.resources}).encode(text.read_text())[:100]
+    cuts = [ids[i:i + 40] for i in range(0, len(ids), 40)]
+    cuts = [c for c in cuts if len(c) >= 4]
+    assert [p["name"] for p in num["prompts"]] == [f"eval.txt[{i}]" for i in range(len(cuts))]
+    assert [p["tokens"] for p in num["prompts"]] == [len(c) for c in cuts]
+    assert num["scored"] == sum(len(c) - 1 - len(c) // 2 for c in cuts)
+    lib = measure(art, str(src), windows=[(f"w{i}", c) for i, c in enumerate(cuts)])
+    assert num["kld_mean"] == lib.kld_mean and num["ppl_ratio"] == lib.ppl_ratio
+    code, _o, e = run(["verify", art, "--text", text], capsys)
+    assert code == 1 and "add --numerics" in error_line(e)
+    with pytest.raises(ConfigError, match="window 'short'"):
+        measure(art, str(src), windows=[("short", [1, 2, 3])])
