@@ -34,6 +34,7 @@ import torch
 
 from ninfer_rt.errors import ConfigError, NinferError, SourceError
 from ninfer_rt.format import Artifact
+from ninfer_rt.hostmem import available_memory, check_fits
 from ninfer_rt.reference.stream import lm_head, release, run_layers
 from ninfer_rt.reference.weights import LazyArtifactWeights, LazyCheckpointWeights
 from ninfer_rt.tokenizer import Tokenizer
@@ -268,18 +269,6 @@ def _spec_mismatch(a, b) -> str | None:
     return next((k for k in da if k != "raw" and da[k] != db.get(k)), "config")
 
 
-def available_memory() -> int | None:
-    """Bytes of RAM available to a new allocation (MemAvailable in /proc/meminfo); None where unreadable."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def memory_needed(spec) -> int:
     """Bytes the layer-by-layer runs need at most: one stage's fp32 weights (the embedding, a decoder layer or
     the lm_head) plus two more fp32 copies of the largest tensor while it decodes. The short prompts' activations
@@ -300,11 +289,7 @@ def memory_needed(spec) -> int:
 def check_memory(spec) -> None:
     """Refuse, before anything is loaded, a model whose largest stage (memory_needed) exceeds the available RAM.
     Skipped where the available memory cannot be read."""
-    need = memory_needed(spec)
-    avail = available_memory()
-    if avail is not None and need > avail:
-        raise NinferError(f"--numerics runs the fp32 reference on the CPU: needs ~{need / 1e9:.3g} GB, "
-                          f"{avail / 1e9:.3g} GB available")
+    check_fits(memory_needed(spec), "--numerics runs the fp32 reference on the CPU", available_memory())
 
 
 def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str, str]] | None = None, *,

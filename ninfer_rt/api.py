@@ -23,6 +23,7 @@ import numpy as np
 from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.generation import GenerationStats, emit
+from ninfer_rt.hostmem import available_memory, check_fits
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.speculative import MAX_DRAFT_TOKENS
@@ -498,6 +499,10 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
             if speculative_tokens and not any(e.group == "mtp" for e in artifact.tensors.values()):
                 raise NinferError(f"{artifact.path}: speculative decoding drafts with the MTP head, and this "
                                   "artifact has no MTP head (no mtp.* tensors)")
+            groups = ("text", "mtp") if speculative_tokens else ("text",)
+            # the reference holds every weight in fp32: a model far larger than RAM gets a line, not the OOM killer
+            check_fits(4 * artifact.spec.num_parameters(groups), "the CPU reference holds the model in fp32 "
+                       "(run it on a GPU: --device cuda)", available_memory())
             from ninfer_rt.reference.backend import ReferenceBackend
             backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), mtp=bool(speculative_tokens))
         return Model(artifact, backend, device, int(speculative_tokens))

@@ -179,3 +179,21 @@ def test_greedy_run_with_a_penalty_is_the_penalised_argmax(packed, capsys):
                                   sampling=SamplingParams(greedy=True, repetition_penalty=1.5)))
         plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
     assert out == want + "\n" and want != plain
+
+
+def test_cpu_reference_too_large_for_ram_is_one_line(packed, capsys, monkeypatch):
+    """The CPU reference decodes every text weight to fp32: where that exceeds the free RAM, run says so in one
+    line (the size summed from the artifact's own tensor table) before decoding anything."""
+    import math
+
+    from ninfer_rt import api
+    from ninfer_rt.format import Artifact
+
+    with Artifact.open(packed) as art:
+        need = 4 * sum(math.prod(s) for e in art.tensors.values() if e.group == "text" for s in e.plan().part_shapes)
+    monkeypatch.setattr(api, "available_memory", lambda: 1000)
+    monkeypatch.setattr("ninfer_rt.reference.backend.ReferenceBackend", lambda *a, **k: pytest.fail("decoded"))
+    code, out, err = run(["run", packed, "--prompt", PROMPT, "--device", "cpu"], capsys)
+    assert code == 1 and out == ""
+    assert error_line(err) == (f"error: the CPU reference holds the model in fp32 (run it on a GPU: --device cuda): "
+                               f"needs ~{need / 1e9:.3g} GB, 1e-06 GB available")
