@@ -165,7 +165,6 @@ def verify(
         if numerics:
             from ninfer_pack.numerics import WINDOW_MIN, check_memory
 
-            check_memory(art.spec)  # before the long tensor-by-tensor comparison
             if text:
                 from ninfer_pack.windows import text_windows
                 from ninfer_rt.tokenizer import Tokenizer
@@ -175,6 +174,8 @@ def verify(
                 if not ids:
                     raise NinferError(f"--text gives no window of {WINDOW_MIN} or more tokens to score")
                 windows = [(f"{text[0].name}[{i}]" if len(text) == 1 else f"text[{i}]", w) for i, w in enumerate(ids)]
+            # before the long tensor-by-tensor comparison (measure checks again with the built-in prompts' lengths)
+            check_memory(art.spec, [len(w) for _, w in windows or ()])
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=size)
         rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))

@@ -269,10 +269,13 @@ def _spec_mismatch(a, b) -> str | None:
     return next((k for k in da if k != "raw" and da[k] != db.get(k)), "config")
 
 
-def memory_needed(spec) -> int:
+def memory_needed(spec, lengths: Sequence[int] = ()) -> int:
     """Bytes the layer-by-layer runs need at most: one stage's fp32 weights (the embedding, a decoder layer or
-    the lm_head) plus two more fp32 copies of the largest tensor while it decodes. The short prompts' activations
-    are small beside it."""
+    the lm_head) plus two more fp32 copies of the largest tensor while it decodes, and for windows of `lengths`
+    tokens the logits: the scored rows of both runs kept, one window's whole logits at a time. The residual
+    streams are small beside them."""
+    V = spec.vocab_size
+    logits = 4 * V * (2 * sum(score_range(n)[1] - score_range(n)[0] for n in lengths) + max(lengths, default=0))
     stages: dict[str, int] = {}
     largest = 0
     for name, info in spec.tensor_shapes().items():
@@ -283,13 +286,13 @@ def memory_needed(spec) -> int:
         stage = layer[1] if layer else name  # a decoder layer's tensors together; the rest one by one
         stages[stage] = stages.get(stage, 0) + n
         largest = max(largest, n)
-    return 4 * (max(stages.values()) + 2 * largest)
+    return 4 * (max(stages.values()) + 2 * largest) + logits
 
 
-def check_memory(spec) -> None:
-    """Refuse, before anything is loaded, a model whose largest stage (memory_needed) exceeds the available RAM.
-    Skipped where the available memory cannot be read."""
-    check_fits(memory_needed(spec), "--numerics runs the fp32 reference on the CPU", available_memory())
+def check_memory(spec, lengths: Sequence[int] = ()) -> None:
+    """Refuse, before anything is loaded, a run (memory_needed: windows of `lengths` tokens) that exceeds the
+    available RAM. Skipped where the available memory cannot be read."""
+    check_fits(memory_needed(spec, lengths), "--numerics runs the fp32 reference on the CPU", available_memory())
 
 
 def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str, str]] | None = None, *,
@@ -318,6 +321,7 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
                 for n, w in zip(names, windows):
                     if len(w) < WINDOW_MIN or not all(0 <= int(i) < spec.vocab_size for i in w):
                         raise ConfigError(f"window {n!r}: needs at least {WINDOW_MIN} ids in [0, {spec.vocab_size})")
+            check_memory(spec, [len(w) for w in windows])  # with the logits, still before any weight is read
 
             # Source first, then the artifact, each one layer at a time.
             say(f"reference model on {source}")

@@ -20,13 +20,13 @@ from os import PathLike
 
 import numpy as np
 
+from ninfer_rt import speculative
 from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.hostmem import available_memory, check_fits
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
-from ninfer_rt.speculative import MAX_DRAFT_TOKENS
 from ninfer_rt.stops import StopScanner
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -243,8 +243,6 @@ class Model:
     def _speculative_loop(self, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats
                           ) -> Iterator[int]:
         """`_decode_loop` by drafts of the MTP head verified together (ninfer_rt.speculative), from an empty cache."""
-        from ninfer_rt import speculative
-
         self.last_stats = stats
         yield from speculative.decode(self._backend, self._kept.fresh()[0], ids, budget, sampler, stats,
                                       draft_tokens=self.speculative_tokens, real_vocab=self.real_vocab_size,
@@ -464,8 +462,9 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
     if not (_is_int(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):
         raise NinferError(f"cache_slots={cache_slots!r}: must be an integer in [1, {MAX_CACHE_SLOTS}]")
-    if not (_is_int(speculative_tokens) and 0 <= speculative_tokens <= MAX_DRAFT_TOKENS):
-        raise NinferError(f"speculative_tokens={speculative_tokens!r}: must be an integer in [0, {MAX_DRAFT_TOKENS}]")
+    most = speculative.MAX_DRAFT_TOKENS
+    if not (_is_int(speculative_tokens) and 0 <= speculative_tokens <= most):
+        raise NinferError(f"speculative_tokens={speculative_tokens!r}: must be an integer in [0, {most}]")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     if device == "cuda" and speculative_tokens:

@@ -256,6 +256,11 @@ def test_memory_is_checked_before_loading(builtins, packer, capsys, monkeypatch)
         numerics.check_memory(spec)
     monkeypatch.setattr(numerics, "available_memory", lambda: 8 * 10**9)
     numerics.check_memory(spec)
+    # --text windows add their logits: 8 windows of 512 keep 255 scored rows each from both runs, and one
+    # window's 512 rows exist whole at a time: (2 x 8 x 255 + 512) rows x 248,320 x 4 bytes = 4.56 GB more
+    assert numerics.memory_needed(spec, [512] * 8) - numerics.memory_needed(spec) == 4_561_141_760
+    with pytest.raises(NinferError, match=r"needs ~12.2 GB, 8 GB available$"):
+        numerics.check_memory(spec, [512] * 8)
     monkeypatch.setattr(numerics, "available_memory", lambda: None)  # unreadable: no check
     numerics.check_memory(spec)
 
