@@ -326,6 +326,7 @@ def moe(h: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: to
 
     p = softmax_fp32(h Wrᵀ); (w, e) = topk(p, k); w = (w / Σw).to(dtype)   (always renormalised)
     routed = Σ_j w_j · SwiGLU_{e_j}(h), expert e's gate rows are gate_up[e, :I], up rows gate_up[e, I:]
+    (each token's terms added in expert-id order)
     y = routed + sigmoid(h Wsgᵀ) · SwiGLU_shared(h)
     Shapes: h [T, H], Wr [E, H], gate_up [E, 2I, H], down [E, H, I], shared Wg/Wu [Is, H], Wd [H, Is],
     Wsg [1, H] -> [T, H].
@@ -336,10 +337,9 @@ def moe(h: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: to
     w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
     I = down.shape[2]
     routed = torch.zeros_like(h)
-    for t in range(h.shape[0]):
-        for j in range(top_k):
-            ex = int(e[t, j])
-            y = swiglu_mlp(h[t:t + 1], gate_up[ex, :I], gate_up[ex, I:], down[ex])  # y: [1, H]
-            routed[t] += w[t, j] * y[0]
+    for ex in e.unique().tolist():  # each routed expert once over its tokens, in id order (as transformers does)
+        t, j = torch.where(e == ex)                                             # t: its tokens, j: their slots
+        y = swiglu_mlp(h[t], gate_up[ex, :I], gate_up[ex, I:], down[ex])       # y: [n, H]
+        routed.index_add_(0, t, w[t, j, None] * y)
     shared = swiglu_mlp(h, shared_gate_w, shared_up_w, shared_down_w)
     return routed + torch.sigmoid(h @ shared_expert_gate_w.T) * shared
