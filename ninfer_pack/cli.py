@@ -278,6 +278,9 @@ def publish(
     base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model for the card "
                                                                         "(default: the Hub repo it was packed from)."),
     license_: str = typer.Option("apache-2.0", "--license", help="License in the card's front matter."),
+    numerics: Optional[Path] = typer.Option(None, "--numerics", help="Put the quality measured by `verify "
+                                                                      "--numerics --json` (its output file) in "
+                                                                      "the card."),
 ):
     """Upload the artifact with a generated model card (token from `hf auth login` or HF_TOKEN)."""
     from ninfer_pack.publish import publish as run_publish
@@ -288,7 +291,7 @@ def publish(
     with _bytes_progress() as prog:
         task = prog.add_task("sha256", total=size)
         where = run_publish(path, repo, private=private, dry_run_dir=dry_run, base_model=base_model,
-                            license_=license_, on_bytes=lambda n: prog.advance(task, n))
+                            license_=license_, numerics=numerics, on_bytes=lambda n: prog.advance(task, n))
     err.print(f"{'staged' if dry_run else 'published'}: {where}")
 
 

@@ -105,6 +105,24 @@ def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
     return out
 
 
+def importance_calibration(path: str | Path | None) -> dict | None:
+    """How an importance file was measured, where `ninfer-pack calibrate` wrote it (its ninfer.calibration
+    metadata: source, windows, tokens, statistic); None for a file from elsewhere or no file."""
+    if path is None:
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get("ninfer.calibration")
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def match_importance(importance: dict[str, torch.Tensor], planned: list[PlannedTensor],
                      path: str | Path = "importance") -> dict[str, torch.Tensor]:
     """Importance per artifact tensor {artifact name: [K]}; every entry must name a planned checkpoint
@@ -167,6 +185,7 @@ class QuantizeJob:
     warnings: list[str]
     importance: dict[str, torch.Tensor]  # artifact tensor name -> [K]
     importance_path: str | None
+    calibration: dict | None = None      # how the importance was measured (importance_calibration)
 
 
 @dataclass
@@ -201,7 +220,7 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
     order = {n: i for i, n in enumerate(ckpt.names)}
     planned.sort(key=lambda t: min(order[p] for p in t.plan.parts))  # stream the shards in order
     return QuantizeJob(source, out, ckpt, rec, planned, warnings, match_importance(imp, planned, importance),
-                       str(importance) if importance else None)
+                       str(importance) if importance else None, importance_calibration(importance))
 
 
 def write_artifact(job: QuantizeJob, progress: Callable[[int, str], None] | None = None) -> QuantizeResult:
@@ -214,7 +233,7 @@ def write_artifact(job: QuantizeJob, progress: Callable[[int, str], None] | None
     meta = {
         "model": {"config": ckpt.config, "spec": ckpt.spec.to_dict(), "missing_groups": sorted(ckpt.missing_groups)},
         "recipe": {**job.recipe.to_dict(), "resolved": {t.name: t.format for t in planned},
-                   "importance": job.importance_path},
+                   "importance": job.importance_path, "calibration": job.calibration},
         "provenance": {**ckpt.provenance, "ninfer_version": __version__},
     }
     with ArtifactWriter(job.out, meta, entries, dict(ckpt.resources)) as writer:

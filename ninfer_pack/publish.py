@@ -69,9 +69,55 @@ def check_license(license_: str) -> None:
         raise PublishError(f"--license {license_!r} is not a license id such as apache-2.0, mit or other")
 
 
+NUMERICS_KEYS = ("recipe", "scored", "prompts", "kld_mean", "kld_mean_stderr", "kld_p99", "kld_p999", "same_top",
+                 "rms_dp", "ppl_ratio")
+
+
+def read_numerics(path: str | Path, art: Artifact) -> dict:
+    """The `numerics` report inside a `ninfer-pack verify --numerics --json` output, checked to be one of this
+    artifact's recipe; PublishError naming what is wrong."""
+    import json
+
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PublishError(f"--numerics {path}: not a readable JSON report ({type(e).__name__})") from None
+    num = report.get("numerics") if isinstance(report, dict) else None
+    if not isinstance(num, dict) or any(k not in num for k in NUMERICS_KEYS):
+        raise PublishError(f"--numerics {path}: not the output of `ninfer-pack verify --numerics --json` "
+                           f"(needs numerics.{{{','.join(NUMERICS_KEYS)}}})")
+    recipe = art.header["recipe"].get("name", "?")
+    if num["recipe"] != recipe:
+        raise PublishError(f"--numerics {path}: measured on recipe {num['recipe']!r}, this artifact is {recipe!r}")
+    return num
+
+
+def _quality(num: dict | None, recipe: dict) -> list[str]:
+    """The card's Quality section: the numerics report (when given) and how the scale search was weighted."""
+    lines = []
+    cal = recipe.get("calibration")
+    if recipe.get("importance"):
+        tokens = cal.get("tokens") if isinstance(cal, dict) else None
+        how = (f"measured by `ninfer-pack calibrate` on {tokens:,} tokens in {cal.get('windows', '?')} windows"
+               if isinstance(tokens, int) else "from an importance file")
+        lines += [f"Each group's scale was chosen by a clipping search weighted by per-input-channel importance "
+                  f"(mean squared activations, {how}).", ""]
+    if num is not None:
+        names = ", ".join(str(p.get("name", "?")) for p in num["prompts"][:8])
+        lines += [f"Against the source checkpoint on the fp32 reference model (`ninfer-pack verify --numerics`), "
+                  f"{num['scored']:,} scored positions ({names}{', ...' if len(num['prompts']) > 8 else ''}):", "",
+                  "| mean KLD | 99% KLD | 99.9% KLD | same top token | RMS Δp | PPL ratio |",
+                  "|---:|---:|---:|---:|---:|---:|",
+                  f"| {num['kld_mean']:.6f} ± {num['kld_mean_stderr']:.6f} | {num['kld_p99']:.6f} | "
+                  f"{num['kld_p999']:.6f} | {100 * num['same_top']:.2f}% | {100 * num['rms_dp']:.3f}% | "
+                  f"{num['ppl_ratio']:.4f} |", ""]
+    return ["## Quality", "", *lines] if lines else []
+
+
 def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None = None,
-               license_: str = DEFAULT_LICENSE) -> str:
-    """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, how to run."""
+               license_: str = DEFAULT_LICENSE, numerics: dict | None = None) -> str:
+    """The README.md of the published repo: YAML front matter, recipe summary, size, checksum, the quality
+    measured (numerics, a `verify --numerics` report) and how the search was weighted, how to run."""
     check_license(license_)
     prov = art.header["provenance"]
     base = base_model_of(art, base_model)
@@ -110,6 +156,7 @@ def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None 
         f"- SHA-256: `{sha256}`",
         f"- source revision: `{prov.get('revision', 'local')}`; written by ninfer {prov.get('ninfer_version', '?')}",
         "",
+        *_quality(numerics, art.header["recipe"]),
         "## Run",
         "",
         "```bash",
@@ -138,7 +185,9 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path
     check_stage_folder(path, folder)
     with Artifact.open(path) as art:
         base = base_model_of(art, card_kw.pop("base_model", None))  # fail before hashing the whole file
-        card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, **card_kw)
+        report = card_kw.pop("numerics", None)
+        num = read_numerics(report, art) if report is not None else None
+        card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, numerics=num, **card_kw)
     # both files under temporary names first, then renamed: a full disk leaves the folder as it was
     target, readme = folder / path.name, folder / "README.md"
     temps = [f.with_name(f".{f.name}.tmp-{os.getpid()}") for f in (target, readme)]
@@ -161,9 +210,11 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path
 
 
 def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: str | Path | None = None,
-            on_bytes=None, base_model: str | None = None, license_: str = DEFAULT_LICENSE) -> str:
-    """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder."""
-    card_kw = {"base_model": base_model, "license_": license_}
+            on_bytes=None, base_model: str | None = None, license_: str = DEFAULT_LICENSE,
+            numerics: str | Path | None = None) -> str:
+    """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder.
+    numerics: a `verify --numerics --json` report whose quality figures go into the card."""
+    card_kw = {"base_model": base_model, "license_": license_, "numerics": numerics}
     path = Path(path)
     _check_repo_id(repo, "--repo")  # before hashing a 20 GB file or asking the Hub
     check_license(license_)

@@ -186,3 +186,42 @@ def test_cli_bad_input(tmp_path, capsys, case):
     assert code == 1 and {"missing": "no such text file", "not-utf8": "UTF-8", "empty": "no tokens",
                           "window": "at least 2", "out-dir": "is a directory"}[case] in line
     assert not out.exists() and not list(tmp_path.glob(".imp*"))
+
+
+def test_card_carries_calibration_and_quality(tiny_moe, tmp_path, capsys, one_thread):
+    """quantize records how its importance was measured (recipe.calibration); publish --numerics puts the
+    verify --numerics report's figures in the card, and refuses a report that is not one or is another recipe's."""
+    import json
+
+    from ninfer_rt.format import Artifact
+
+    text = tmp_path / "cal.txt"
+    text.write_text("A ship passed too close to the rocks that night. " * 30, encoding="utf-8")
+    imp, art = tmp_path / "imp.safetensors", tmp_path / "cal.ninfer"
+    assert run(["calibrate", tiny_moe, "--text", text, "--out", imp, "--max-tokens", 300, "--window", 100],
+               capsys)[0] == 0
+    assert run(["quantize", tiny_moe, "--recipe", "tiny", "--importance", imp, "--out", art], capsys)[0] == 0
+    with Artifact.open(art) as a:
+        cal_info = a.header["recipe"]["calibration"]
+    assert cal_info["tokens"] == 300 and cal_info["windows"] == 3 and cal_info["source"] == str(tiny_moe)
+    code, o, e = run(["verify", art, "--source", tiny_moe, "--numerics", "--json"], capsys)
+    assert code == 0, e
+    report = tmp_path / "numerics.json"
+    report.write_text(o, encoding="utf-8")
+    num = json.loads(o)["numerics"]
+    stage = tmp_path / "stage"
+    code, _, e = run(["publish", art, "--repo", "me/tiny", "--base-model", "Qwen/Qwen3.6-35B-A3B", "--dry-run",
+                      stage, "--numerics", report], capsys)
+    assert code == 0, e
+    card = (stage / "README.md").read_text()
+    assert "## Quality" in card and "on 300 tokens in 3 windows" in card
+    assert f"| {num['kld_mean']:.6f} ± {num['kld_mean_stderr']:.6f} | {num['kld_p99']:.6f} |" in card
+    assert f"{num['scored']:,} scored positions (prose, code, numbers, chat)" in card
+    bad = tmp_path / "bad.json"
+    for content, why in (("{not json", "not a readable JSON report"), ('{"ok": true}', "not the output of"),
+                         (o.replace('"recipe": "tiny"', '"recipe": "bf16"'), "measured on recipe 'bf16'")):
+        bad.write_text(content, encoding="utf-8")
+        code, _, e = run(["publish", art, "--repo", "me/tiny", "--base-model", "Qwen/Qwen3.6-35B-A3B",
+                          "--dry-run", tmp_path / "s2", "--numerics", bad], capsys)
+        assert code == 1 and why in error_line(e)
+        assert not (tmp_path / "s2").exists()
