@@ -286,6 +286,9 @@ def bench(
     decode_batch: str = typer.Option("", "--decode-batch", help="Sequence counts (> 1) to also time a decode "
                                                                 "step of, all at the same context, comma-separated "
                                                                 "(each holds a KV cache of the largest context)."),
+    decode_tokens: str = typer.Option("", "--decode-tokens", help="Token counts (2-8) to also time one sequence's "
+                                                                  "step of, with every row's logits: what a "
+                                                                  "speculative step's verification costs."),
     kv_cache: KvCacheOption = "int8",
     prefill_budget: float = typer.Option(60.0, "--prefill-budget", help="Skip a prefill size whose estimated "
                                                                         "time (two prompts: cold, then timed) "
@@ -312,10 +315,13 @@ def bench(
     batches = ints(decode_batch, "--decode-batch")
     if any(b < 2 for b in batches):
         raise NinferError("--decode-batch: sequence counts must be >= 2 (one sequence is the plain decode row)")
+    tokens = ints(decode_tokens, "--decode-tokens")
+    if any(not 2 <= t <= 8 for t in tokens):
+        raise NinferError("--decode-tokens: token counts must be 2 to 8 (one token is the plain decode row)")
     res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
                     prefill_sizes=ints(prefill, "--prefill"), decode_contexts=ints(decode_context, "--decode-context"),
                     kv_dtype=kv_cache, prefill_budget_s=prefill_budget, prefill_chunk=prefill_chunk,
-                    decode_batches=batches,
+                    decode_batches=batches, decode_tokens=tokens,
                     progress=_loading_bar(),
                     log=lambda line: err.print(line, highlight=False))
     out.print(table(res))

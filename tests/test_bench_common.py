@@ -114,6 +114,30 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
         (SAMPLED["temperature"], SAMPLED["top_k"]))
 
 
+def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
+    """--decode-tokens: one GpuModel.verify of T tokens at ctx (slot 0), then the replays of its graph: one
+    sequence, T rows, the bucket of ctx + T, every row's logits."""
+    from ninfer_rt.gpu.bench import _time_decode
+
+    class FakeModel:
+        max_ctx, sample_vocab = 1 << 20, 1000
+
+        def __init__(self):
+            self.gpu, self.keys, self.verified = gpu, [], []
+
+        def verify(self, tok, pos, slot):
+            self.verified.append((len(tok), pos, slot, len(set(tok.tolist()))))
+
+        def step_graph(self, B, T, bucket, logit_rows="last", draw=None):
+            self.keys.append((B, T, bucket, logit_rows, draw))
+            return FakeGraph(gpu)
+
+    m = FakeModel()
+    assert _time_decode(m, 16383, rounds=2, reps=3, tokens=4) == pytest.approx(REPLAY_MS / 1e3)
+    assert m.verified == [(4, 16383, 0, 4)] and m.keys == [(1, 4, 32768, "all", None)]
+    assert gpu.log.count("replay") == 2 * 3
+
+
 def test_step_rows_out_prints_the_table_and_writes_the_rows(tmp_path):
     """The decode-step benches' table and JSON: every row printed, the JSON exactly the rows and the device."""
     import json

@@ -220,6 +220,8 @@ def test_synthetic_table_is_the_packers_plan(name):
     (["bench", "--synthetic", "qwen3.6-27b", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["bench", "--synthetic", "qwen3.6-27b", "--decode-batch", "1,4"], "--decode-batch: sequence counts must be >= 2"),
     (["bench", "--synthetic", "qwen3.6-27b", "--decode-batch", "four"], "--decode-batch: expected comma-separated"),
+    (["bench", "--synthetic", "qwen3.6-27b", "--decode-tokens", "1"], "--decode-tokens: token counts must be 2 to 8"),
+    (["bench", "--synthetic", "qwen3.6-27b", "--decode-tokens", "4,9"], "--decode-tokens: token counts must be 2"),
     (["run", "missing.ninfer", "--prompt", "hi", "--prefill-chunk", "-3"], "--prefill-chunk must be >= 1"),
 ])
 def test_cli_misuse_is_one_line(argv, what, capsys):

@@ -46,6 +46,9 @@ class BenchResult:
     # {context, batch, ms_per_step, tok_s}: B sequences a step, each in its own slot at the same context; tok_s is
     # all of them together (the server's continuous batching decodes this way)
     decode_batched: list[dict] = field(default_factory=list)
+    # {context, tokens, ms_per_step, vs_one_token}: one sequence fed T tokens with every row's logits (what a
+    # speculative step's verification costs against a one-token step at that context)
+    decode_tokens: list[dict] = field(default_factory=list)
 
 
 def builtin_spec(name: str):
@@ -127,14 +130,18 @@ def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[f
 SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 
 
-def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1):
+def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, tokens: int = 1):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
     arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled), each fed its own
-    token, so that each routes to its own experts."""
+    token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
+    of every row (GpuModel.verify: speculative decoding's verification)."""
     from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import context_bucket
 
+    if tokens > 1:
+        model.verify((17 + 1009 * np.arange(tokens, dtype=np.int32)) % model.sample_vocab, ctx, 0)
+        return model.step_graph(1, tokens, min(model.max_ctx, context_bucket(ctx + tokens)), "all")
     tok = (17 + 1009 * np.arange(batch, dtype=np.int32)) % model.sample_vocab
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
@@ -143,9 +150,10 @@ def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1):
 
 
 def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False,
-                 batch: int = 1) -> float:
-    """Median seconds per decode step (graph replay) at context ctx; sampled, batch: as decode_step_graph."""
-    graph = decode_step_graph(model, ctx, sampled, batch)
+                 batch: int = 1, tokens: int = 1) -> float:
+    """Median seconds per decode step (graph replay) at context ctx; sampled, batch, tokens: as
+    decode_step_graph."""
+    graph = decode_step_graph(model, ctx, sampled, batch, tokens)
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
 
@@ -153,10 +161,11 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
               prefill_sizes=(512, 8192, 65536), decode_contexts=(0, 8192, 65536, 262144),
               kv_dtype: str = "int8", prefill_budget_s: float = 60.0, prefill_chunk: int | None = None,
-              decode_batches=(), progress=None, log=print) -> BenchResult:
+              decode_batches=(), decode_tokens=(), progress=None, log=print) -> BenchResult:
     """Run the benchmark; `log` receives one line per measurement as it lands. prefill_chunk: prompt tokens per
     prefill step (default: the engine's). decode_batches: sequence counts (> 1) to time a decode step of at each
-    decode context too (each sequence a slot with its own KV cache of the largest context: memory grows with it)."""
+    decode context too (each sequence a slot with its own KV cache of the largest context: memory grows with it).
+    decode_tokens: token counts (2-8) to time one sequence's verification step of at each decode context."""
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
@@ -232,9 +241,14 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
         log(f"decode @ {ctx}: {1 / step:,.1f} tok/s, {nbytes / 1e9:.2f} GB/token, "
             f"{100 * nbytes / step / bw:.0f}% of copy bandwidth (ceiling {bw / nbytes:,.0f} tok/s)")
         for b in decode_batches:
-            step = _time_decode(model, ctx, batch=b)
-            res.decode_batched.append({"context": ctx, "batch": b, "ms_per_step": step * 1e3, "tok_s": b / step})
-            log(f"decode @ {ctx}, {b} sequences: {b / step:,.1f} tok/s together ({step * 1e3:.3f} ms a step)")
+            many = _time_decode(model, ctx, batch=b)
+            res.decode_batched.append({"context": ctx, "batch": b, "ms_per_step": many * 1e3, "tok_s": b / many})
+            log(f"decode @ {ctx}, {b} sequences: {b / many:,.1f} tok/s together ({many * 1e3:.3f} ms a step)")
+        for t in decode_tokens:
+            verify = _time_decode(model, ctx, tokens=t)
+            res.decode_tokens.append({"context": ctx, "tokens": t, "ms_per_step": verify * 1e3,
+                                      "vs_one_token": verify / step})
+            log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's)")
     if res.decode:  # the same step drawing its token (top-k / top-p on the device), at the middle context
         ctx = res.decode[len(res.decode) // 2]["context"]
         step = _time_decode(model, ctx, sampled=True)
@@ -275,6 +289,9 @@ def table(res: BenchResult):
         t.add_row(f"decode @ {d['context']:,}", f"{d['tok_s']:,.1f} tok/s",
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
                   f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
+    for d in res.decode_tokens:
+        t.add_row(f"verify @ {d['context']:,}, {d['tokens']} tokens", f"{d['ms_per_step']:.3f} ms a step",
+                  f"{d['vs_one_token']:.2f}x a one-token step")
     for d in res.decode_batched:
         t.add_row(f"decode @ {d['context']:,}, {d['batch']} sequences", f"{d['tok_s']:,.1f} tok/s",
                   f"together: {d['ms_per_step']:.3f} ms a step, {d['tok_s'] / d['batch']:,.1f} tok/s each")

@@ -501,6 +501,16 @@ class GpuModel:
         self._set_batch(tokens, pos, slots)
         self._run(B, T, bucket, "last", graph, None if draw is None else self._draw_op(*draw))
 
+    def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> None:
+        """One step of T = tokens.size (<= 8) new tokens of one sequence leaving the logits of every row (rows
+        0..T-1) and their argmax: speculative decoding's verification."""
+        T = tokens.size
+        if not 1 <= T <= GEMV_MAX_ROWS:
+            raise NinferError(f"verify takes 1..{GEMV_MAX_ROWS} tokens, got {T}")
+        self._check([pos], T, [slot])
+        self._set_batch(tokens, [pos], [slot])
+        self._run(1, T, min(context_bucket(pos + T), self.max_ctx), "all", graph)
+
     def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
         return self.graphs[(B, T, bucket, logit_rows, draw)]

@@ -99,6 +99,32 @@ def test_decode_logits_match_the_reference(gpu, kernels, artifact, reference):
     assert np.isfinite(d).all() and d.max() <= 1e-3, " ".join(f"{x:.1e}" for x in d)
 
 
+@pytest.mark.parametrize("T", [2, 4, 8])
+def test_verify_logits_match_the_reference(gpu, kernels, artifact, reference, T):
+    """GpuModel.verify (speculative decoding's step): T tokens after a 24-token prompt, every row's logits against
+    the reference's full forward (mean KL <= 1e-3 per row, as for decode), then a second verify continuing from
+    there (its graph replayed), and the argmax rows are the logits' arg-max."""
+    ids = prompt(24 + 2 * T, 5)
+    want = reference.logits(ids.tolist())[24:]
+    model, weights = gpu_model(gpu, kernels, artifact)
+    got, top = [], []
+    try:
+        model.prefill(ids[:24], 0)
+        for start in (24, 24 + T):
+            model.verify(ids[start:start + T], start, 0)
+            got.append(model.logits(T))
+            top.append(model.argmax(T))
+    finally:
+        model.free()
+        weights.free(gpu)
+    got = np.concatenate(got)
+    d = kld(want, got)
+    print(f"T = {T}: per-row KLD", " ".join(f"{x:.1e}" for x in d))
+    assert np.isfinite(d).all() and d.max() <= 1e-3
+    # the device's arg-max of the same logits buffer (ties to the lowest id, as numpy's)
+    assert np.array_equal(np.concatenate(top), got.argmax(-1))
+
+
 ROUTER_MARGIN = 1e-4   # smallest gap between the k-th and (k+1)-th router logit a greedy path may meet
 TOKEN_MARGIN = 1e-4    # smallest gap between the two largest token logits
 
@@ -397,7 +423,9 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
 
     lines = []
     res = run_bench(artifact_path=str(artifact), prefill_sizes=(16, 40), decode_contexts=(0, 100),
-                    decode_batches=(3,), log=lines.append)
+                    decode_batches=(3,), decode_tokens=(4,), log=lines.append)
+    assert [(r["context"], r["tokens"]) for r in res.decode_tokens] == [(0, 4), (100, 4)]
+    assert all(r["ms_per_step"] > 0 and r["vs_one_token"] > 0 for r in res.decode_tokens)
     assert [r["tokens"] for r in res.prefill] == [16, 40] and all(r["tok_s"] > 0 for r in res.prefill)
     assert [r["context"] for r in res.decode] == [0, 100] and all(r["tok_s"] > 0 for r in res.decode)
     assert res.decode[1]["bytes_per_token"] > res.decode[0]["bytes_per_token"] > 0
