@@ -199,3 +199,21 @@ def test_count_tokens_equals_the_rendered_prompt(srv, model):
     status, body = srv.json("/v1/chat/completions", {"messages": openai_chat, "tools": [WEATHER], "max_tokens": 1,
                                                      "temperature": 0})
     assert status == 200 and body["usage"]["prompt_tokens"] == want
+
+
+def test_tokenize_and_detokenize(srv, model):
+    """vLLM's /tokenize: a prompt's ids are the tokenizer's, a chat's are the rendered prompt's (what the chat
+    endpoint counts); /detokenize gives the text back. Bad bodies are a 400 naming the field."""
+    status, body = srv.json("/tokenize", {"prompt": "Hello there, tiny model"})
+    ids = model.tokenizer.encode("Hello there, tiny model")
+    assert status == 200 and body == {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}
+    status, body = srv.json("/tokenize", {"messages": USER, "tools": [WEATHER],
+                                          "chat_template_kwargs": NO_THINK})
+    want = model.prompt_ids(messages=USER, tools=[WEATHER], enable_thinking=False)
+    assert status == 200 and body["tokens"] == want and body["count"] == len(want)
+    status, body = srv.json("/detokenize", {"tokens": ids})
+    assert status == 200 and body == {"prompt": "Hello there, tiny model"}
+    for path, bad_body, param in (("/tokenize", {"prompt": ""}, "prompt"), ("/detokenize", {"tokens": "12"}, "tokens"),
+                                  ("/detokenize", {"tokens": [model.spec.vocab_size]}, "tokens")):
+        status, body = srv.json(path, bad_body)
+        assert status == 400 and body["error"]["param"] == param, body

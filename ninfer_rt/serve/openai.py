@@ -15,10 +15,11 @@ import time
 import uuid
 
 from ninfer_rt.api import GenerationStats
+from ninfer_rt.errors import NinferError
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
-from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float,
-                                    get_int, get_stops)
+from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float, get_int,
+                                    get_stops, prompt_ids)
 from ninfer_rt.serve.replies import Event
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -431,3 +432,24 @@ def choices_body(replies: list, stats: list) -> dict:
 def stream_error(e: RequestError) -> bytes:
     """An error after the stream began (headers sent): one event with the error object, then [DONE]."""
     return sse(error_body(e)) + b"data: [DONE]\n\n"
+
+
+def tokens_reply(model, action: str, body: dict) -> dict:
+    """vLLM's /tokenize (a completion's "prompt" text, or a chat's "messages" rendered as /v1/chat/completions
+    renders them) -> {count, max_model_len, tokens}; /detokenize ({"tokens": [ids]}) -> {prompt}."""
+    if action == "detokenize":
+        ids = body.get("tokens")
+        if not isinstance(ids, list):
+            raise bad("'tokens' must be a list of token ids", "tokens")
+        try:
+            return {"prompt": model.tokenizer.decode(model._check_ids(ids))}
+        except NinferError as e:
+            raise bad(str(e), "tokens") from None
+    if "messages" in body:
+        job = parse_chat(body)
+    elif isinstance(body.get("prompt"), str) and body["prompt"]:
+        job = Job(prompt=body["prompt"])
+    else:
+        raise bad("give 'prompt' (a non-empty string) or 'messages'", "prompt")
+    _, ids = prompt_ids(model, job)
+    return {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}

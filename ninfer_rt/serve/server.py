@@ -39,10 +39,12 @@ _ROUTES = {
     "/health": ("GET", "health"), "/v1/health": ("GET", "health"), "/v1/models": ("GET", "models"),
     "/v1/chat/completions": ("POST", "chat"), "/v1/completions": ("POST", "completion"),
     "/v1/messages": ("POST", "messages"), "/v1/messages/count_tokens": ("POST", "count_tokens"),
+    "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),  # vLLM's
 }
 _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
                "completion": (openai.parse_completion, openai.CompletionReply, openai),
                "messages": (anthropic.parse_messages, anthropic.MessagesReply, anthropic)}
+_TOKEN_ONLY = ("count_tokens", "tokenize", "detokenize")  # answered at once: no generation, no queue
 _ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 _PREPARING = 4  # requests rendered and tokenized at once (under the GIL more would only wait on each other)
 
@@ -171,13 +173,15 @@ class _Handler(BaseHTTPRequestHandler):
                 raise RequestError(404, f"no model {name!r} here (this server runs {self.app.model_name!r})",
                                    kind="not_found_error")
             return self._send_json(200, self.app.model_card())
-        if action != "count_tokens":
+        if action not in _TOKEN_ONLY:
             self.app.worker.check_room()  # a full queue refuses before the body is read and prepared
         body = self._read_body()
         with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
             if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
                 _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
                 return self._send_json(200, {"input_tokens": len(ids)})
+            if action in _TOKEN_ONLY:
+                return self._send_json(200, openai.tokens_reply(self.app.model, action, body))
             parse, reply, front = _GENERATORS[action]
             job: Job = parse(body)
             prepared = prepare(self.app.model, job)
