@@ -217,3 +217,34 @@ def test_tokenize_and_detokenize(srv, model):
                                   ("/detokenize", {"tokens": [model.spec.vocab_size]}, "tokens")):
         status, body = srv.json(path, bad_body)
         assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_metrics_count_what_the_replies_reported(model):
+    """GET /metrics (Prometheus text): the finished generations and their prompt / cached / generated tokens are
+    the sums of what the replies' usage said; nothing runs or waits once they are answered."""
+    from serve_client import Running
+
+    def metrics(r) -> dict[str, float]:
+        status, headers, data = r.request("GET", "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        lines = data.decode().splitlines()
+        assert all(ln.startswith(("# HELP ", "# TYPE ")) for ln in lines if ln.startswith("#"))
+        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines if not ln.startswith("#"))}
+
+    with Running(model) as r:
+        before = metrics(r)
+        assert before['ninfer_requests_total{outcome="done"}'] == 0 and before["ninfer_generation_tokens_total"] == 0
+        usages = []
+        for path, body in (("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "temperature": 0}),
+                           ("/v1/completions", {"prompt": "Once upon", "max_tokens": 5, "temperature": 0}),
+                           ("/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0})):
+            status, reply = r.json(path, body)
+            assert status == 200, reply
+            usages.append(reply["usage"])
+        got = metrics(r)
+    assert got['ninfer_requests_total{outcome="done"}'] == 3
+    assert got['ninfer_requests_total{outcome="error"}'] == got['ninfer_requests_total{outcome="cancelled"}'] == 0
+    assert got["ninfer_prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usages)
+    assert got["ninfer_prompt_tokens_cached_total"] == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert got["ninfer_generation_tokens_total"] == sum(u["completion_tokens"] for u in usages)
+    assert got["ninfer_requests_running"] == got["ninfer_requests_waiting"] == 0

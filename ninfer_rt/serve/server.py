@@ -40,6 +40,7 @@ _ROUTES = {
     "/v1/chat/completions": ("POST", "chat"), "/v1/completions": ("POST", "completion"),
     "/v1/messages": ("POST", "messages"), "/v1/messages/count_tokens": ("POST", "count_tokens"),
     "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),  # vLLM's
+    "/metrics": ("GET", "metrics"),  # Prometheus
 }
 _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
                "completion": (openai.parse_completion, openai.CompletionReply, openai),
@@ -165,6 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._authenticate()
         if action == "health":
             return self._send_json(200, {"status": "ok"})
+        if action == "metrics":
+            return self._send_bytes(200, self.app.worker.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
         if action == "models":
             return self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
         if action == "model":
@@ -336,9 +339,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, status: int, obj: dict) -> int:
         data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")  # a lone surrogate: \udXXX
+        return self._send_bytes(status, data, "application/json; charset=utf-8")
+
+    def _send_bytes(self, status: int, data: bytes, content_type: str) -> int:
         self.send_response(status)
         self._cors()
-        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
