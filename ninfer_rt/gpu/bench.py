@@ -245,6 +245,9 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
             res.decode_batched.append({"context": ctx, "batch": b, "ms_per_step": many * 1e3, "tok_s": b / many})
             log(f"decode @ {ctx}, {b} sequences: {b / many:,.1f} tok/s together ({many * 1e3:.3f} ms a step)")
         for t in decode_tokens:
+            if ctx + t > max_ctx:  # the model's last positions hold fewer than t more tokens
+                log(f"verify @ {ctx}, {t} tokens: skipped (past the {max_ctx}-position context)")
+                continue
             verify = _time_decode(model, ctx, tokens=t)
             res.decode_tokens.append({"context": ctx, "tokens": t, "ms_per_step": verify * 1e3,
                                       "vs_one_token": verify / step})

@@ -432,6 +432,12 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     assert [(r["context"], r["batch"]) for r in res.decode_batched] == [(0, 3), (100, 3)]
     assert all(r["tok_s"] == pytest.approx(3e3 / r["ms_per_step"]) for r in res.decode_batched)
     assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 8
+    # at the model's last position (the tiny's 4,095) four more tokens do not fit: the row is skipped, as the
+    # 35B's 262,143 must be, and the rest of the bench goes on
+    last = run_bench(artifact_path=str(artifact), prefill_sizes=(), decode_contexts=(4096,), decode_tokens=(4,),
+                     log=lines.append)
+    assert [r["context"] for r in last.decode] == [4095] and last.decode_tokens == [] and last.decode_sampled
+    assert "verify @ 4095, 4 tokens: skipped (past the 4096-position context)" in lines
 
 
 def one_layer(layer: str, model: str = "qwen3.6-35b-a3b"):
