@@ -155,7 +155,8 @@ def main() -> None:
         t = Table(title=f"calibrate: {args.layers} layers of Qwen3.6-35B-A3B widths, {cal['tokens']} tokens")
         for col in ("seconds", "tokens/s", "peak RSS GB"):
             t.add_column(col, justify="right")
-        t.add_row(f"{cal['seconds']:.1f}", f"{cal['tokens'] / cal['seconds']:.1f}", f"{cal['peak_rss_bytes'] / 1e9:.2f}")
+        t.add_row(f"{cal['seconds']:.1f}", f"{cal['tokens'] / cal['seconds']:.1f}",
+                  f"{cal['peak_rss_bytes'] / 1e9:.2f}")
         Console().print(t)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
