@@ -234,15 +234,12 @@ def calibrate(
 
     from ninfer_pack import calibrate as cal
     from ninfer_pack.source import Checkpoint
-    from ninfer_pack.windows import text_windows
+    from ninfer_pack.windows import check_window, text_windows
     from ninfer_rt.format import check_output_path
     from ninfer_rt.tokenizer import Tokenizer
 
-    check_output_path(out_path)
-    if out_path.exists() and not overwrite:
-        raise NinferError(f"{out_path} exists; pass --overwrite to replace it")
-    if window < 2 or max_tokens < 2:
-        raise NinferError(f"--window {window} and --max-tokens {max_tokens} must each be at least 2")
+    check_output_path(out_path, overwrite)
+    check_window(window, max_tokens)  # before the checkpoint is opened (a Hub repo: downloaded)
     ckpt = Checkpoint.open(source, revision=revision)
     if "tokenizer.json" not in ckpt.resources:
         raise NinferError(f"{source} has no tokenizer.json to encode the calibration text with")

@@ -15,7 +15,7 @@ import torch
 
 from ninfer_rt import __version__
 from ninfer_rt.chat import ChatTemplate
-from ninfer_rt.errors import FormatError, NinferError, SourceError
+from ninfer_rt.errors import NinferError, SourceError
 from ninfer_rt.format import ArtifactWriter, TensorEntry, check_output_path
 from ninfer_rt.formats import bf16_bits_to_f32, get_format
 from ninfer_rt.layout import apply_forward
@@ -208,9 +208,7 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
     overwrite=False refuses an existing `out` (the CLI's default); the write itself is atomic either way.
     """
     out = Path(out)
-    check_output_path(out)
-    if out.exists() and not overwrite:
-        raise FormatError(f"{out} exists; pass --overwrite to replace it")
+    check_output_path(out, overwrite)
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     imp = load_importance(importance)
     ckpt = ckpt or Checkpoint.open(source, revision=revision)

@@ -8,10 +8,15 @@ from pathlib import Path
 from ninfer_rt.errors import NinferError, SourceError
 
 
-def token_windows(ids: Sequence[int], window: int, max_tokens: int, min_len: int = 2) -> list[list[int]]:
-    """The first max_tokens ids cut into windows of `window` (a last shorter one kept if it has min_len or more)."""
+def check_window(window: int, max_tokens: int, min_len: int = 2) -> None:
+    """NinferError unless a window and the token budget each hold at least min_len tokens."""
     if window < min_len or max_tokens < min_len:
         raise NinferError(f"window {window} and max tokens {max_tokens} must be at least {min_len} tokens")
+
+
+def token_windows(ids: Sequence[int], window: int, max_tokens: int, min_len: int = 2) -> list[list[int]]:
+    """The first max_tokens ids cut into windows of `window` (a last shorter one kept if it has min_len or more)."""
+    check_window(window, max_tokens, min_len)
     ids = list(ids[:max_tokens])
     out = [ids[i:i + window] for i in range(0, len(ids), window)]
     return [w for w in out if len(w) >= min_len]

@@ -503,7 +503,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
             check_fits(4 * artifact.spec.num_parameters(groups), "the CPU reference holds the model in fp32 "
                        "(run it on a GPU: --device cuda)", available_memory())
             from ninfer_rt.reference.backend import ReferenceBackend
-            backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), mtp=bool(speculative_tokens))
+            backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), groups=groups)
         return Model(artifact, backend, device, int(speculative_tokens))
     except BaseException:
         artifact.close()

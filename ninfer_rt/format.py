@@ -123,8 +123,9 @@ def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[Resou
         payload = need
 
 
-def check_output_path(path: Path) -> None:
-    """Fail early, with one line, when `path` cannot become an artifact (before hours of work are spent)."""
+def check_output_path(path: Path, overwrite: bool = True) -> None:
+    """Fail early, with one line, when `path` cannot become an artifact (before hours of work are spent), or
+    already exists and overwrite is False (the CLIs' default without --overwrite)."""
     path = Path(path)
     if path.is_dir():
         raise FormatError(f"{path} is a directory; --out takes a file path such as model.ninfer")
@@ -134,6 +135,8 @@ def check_output_path(path: Path) -> None:
         raise FormatError(f"output directory does not exist: {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise FormatError(f"output directory is not writable: {path.parent}")
+    if path.exists() and not overwrite:
+        raise FormatError(f"{path} exists; pass --overwrite to replace it")
 
 
 class ArtifactWriter:

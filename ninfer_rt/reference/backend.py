@@ -19,10 +19,10 @@ from ninfer_rt.reference.weights import artifact_weights
 class ReferenceBackend:
     """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact."""
 
-    def __init__(self, artifact: Artifact, cache_slots: int = 1, mtp: bool = False):
-        """Decode the text weights (and the MTP head's when mtp) and build the reference model. cache_slots: how
-        many sequences Model may keep at once (load's; host caches are objects, so this only mirrors the GPU's)."""
-        groups = ("text", "mtp") if mtp else ("text",)  # plain decoding never reads the mtp.* tensors
+    def __init__(self, artifact: Artifact, cache_slots: int = 1, groups: tuple[str, ...] = ("text",)):
+        """Decode the weights of `groups` (plain decoding never reads the mtp.* tensors; drafting does) and build
+        the reference model. cache_slots: how many sequences Model may keep at once (load's; host caches are
+        objects, so this only mirrors the GPU's)."""
         self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=groups))
         self.cache_slots = cache_slots
 
