@@ -176,12 +176,12 @@ class Model:
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = self._check_ids(prompt)
+            ids = self.check_ids(prompt)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
         return ids
 
-    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+    def check_ids(self, token_ids: Sequence[int]) -> list[int]:
         """Token ids (a list, tuple, range, deque, array.array or 1-D integer array: an ordered collection of ints)
         as a list of ints in [0, vocab_size), at most the model's context; NinferError naming the first bad one.
         Nothing is coerced: 1.5, True and "1" are refused."""
@@ -208,7 +208,7 @@ class Model:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits float32 [T, vocab_size] of one sequence run from an empty cache (padded rows included)."""
-        ids = self._check_ids(token_ids)
+        ids = self.check_ids(token_ids)
         if not ids:
             raise NinferError("logits: token_ids is empty")
         return self._backend.forward(np.asarray(ids, dtype=np.int64), self._new_cache())

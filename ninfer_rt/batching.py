@@ -149,7 +149,7 @@ class Batch:
         drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
         the object has closed). json_schema (json_schema.compile_schema's): the same against a schema, the stop
         token once the value it accepts is complete. NinferError when the batch is full or the request is bad."""
-        ids = self.model._check_ids(ids)
+        ids = self.model.check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
         prefill_only = max_new_tokens == 0  # the prompt fed (and scored where asked), nothing drawn

@@ -386,6 +386,18 @@ class Gpu:
                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return int(n)
 
+    def max_active_clusters(self, fn, grid, block, smem: int, cluster) -> int:
+        """Clusters of fn (cluster dimensions as `launch` takes them, block threads, smem bytes of dynamic shared
+        memory) the whole GPU can hold at once: a grid of more clusters runs in waves (compute capability 9.0+)."""
+        d = _driver()
+        cfg = d.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = _dim3(grid)
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = _dim3(block)
+        cfg.sharedMemBytes, cfg.hStream = int(smem), self.stream.handle
+        attrs = [self._cluster_attr(_dim3(cluster))]
+        cfg.attrs, cfg.numAttrs = attrs, len(attrs)
+        return int(_check(d.cuOccupancyMaxActiveClusters(fn, cfg), "cuOccupancyMaxActiveClusters"))
+
     def launch(self, fn, grid, block, args, smem: int = 0, stream: Stream | None = None, cluster=None) -> None:
         """Launch fn on grid × block (ints or up-to-3 tuples) with ctypes-valued args on a stream.
 

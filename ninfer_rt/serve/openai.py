@@ -442,7 +442,7 @@ def tokens_reply(model, action: str, body: dict) -> dict:
         if not isinstance(ids, list):
             raise bad("'tokens' must be a list of token ids", "tokens")
         try:
-            return {"prompt": model.tokenizer.decode(model._check_ids(ids))}
+            return {"prompt": model.tokenizer.decode(model.check_ids(ids))}
         except NinferError as e:
             raise bad(str(e), "tokens") from None
     if "messages" in body:
