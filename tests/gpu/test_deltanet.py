@@ -355,6 +355,20 @@ def test_step_picks_the_cluster(kernels, recorder, dev, rng):
     assert recorder.names == [step_kernel("35b", C)] * 2
 
 
+def test_max_active_clusters_of_the_step(kernels):
+    """driver.max_active_clusters of the clustered step lies between 1 and what its per-SM occupancy allows
+    (blocks an SM × SMs / C: a cluster's blocks sit on SMs of one GPC, so fragmentation can only lower it)."""
+    from ninfer_rt.gpu import deltanet
+    if not kernels.clusters:
+        pytest.skip(f"no thread-block clusters on {kernels.gpu.info.arch}")
+    C, dv = deltanet.STEP_CLUSTER, 128
+    fn, threads = kernels.fn(step_kernel("35b", C)), deltanet.STEP_LANES[C] * dv // C
+    gpu = kernels.gpu
+    bound = gpu.max_active_blocks(fn, threads, 0) * gpu.info.sm_count // C
+    n = gpu.max_active_clusters(fn, (C * 32, 1), threads, 0, (C, 1, 1))
+    assert 1 <= n <= bound, f"{n} clusters of {C}, per-SM occupancy allows {bound}"
+
+
 @pytest.mark.parametrize("C", [1, STEP_CLUSTER], ids=["C1", f"C{STEP_CLUSTER}"])
 def test_step_after_decode(kernels, dev, rng, C):
     """The fused step and the three-kernel path share the states: prefill, then step, decode, step."""
