@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_engine import one_layer
+from .test_engine_layers import one_layer
 
 pytestmark = pytest.mark.gpu
 
