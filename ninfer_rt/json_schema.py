@@ -13,7 +13,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`, `uniqueItems`
   (an item equal to an earlier one, as JSON values, is refused at the byte that completes it);
 - objects also: `minProperties`, `maxProperties`;
-- `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`);
+- `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`), and of several object
+  schemas (`_Compiler.all_of`: inheritance, a base by `$ref` and a branch that adds properties), merged into one
+  where the conjunction is exact;
 - strings: `minLength`, `maxLength` (characters, as Python's len counts the decoded string), `pattern` (the
   ECMA-262 subset json_regex reads: classes, groups, alternation, quantifiers, anchors at the ends);
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (Draft 2020-12's numbers), `multipleOf`
@@ -55,6 +57,7 @@ _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
+_MERGED = frozenset({"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties"})
 LITERALS = {ord("t"): (b"true", "boolean"), ord("f"): (b"false", "boolean"), ord("n"): (b"null", "null")}
 
 
@@ -179,6 +182,12 @@ def _utf8(text: str, where: str) -> bytes:
         raise SchemaError(f"json_schema: {where}: a string with a lone surrogate (not UTF-8)") from None
 
 
+def _canonical(schema) -> str:
+    """A schema as one text for equality: keys sorted, so {"a": 1, "b": 2} equals {"b": 2, "a": 1}; true and 1,
+    1 and 1.0 stay apart (stricter than JSON's equality, so two schemas equal here are equal)."""
+    return json.dumps(schema, sort_keys=True)
+
+
 class _Compiler:
     def __init__(self, root: dict):
         self.root, self.refs = root, {}
@@ -195,11 +204,7 @@ class _Compiler:
             raise SchemaError(f"json_schema: {where}: {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - {'$defs', 'definitions'}))})")
         if "allOf" in s:
-            one = s["allOf"]
-            alone = not set(s) - _ANNOTATIONS - {"allOf", "$defs", "definitions"}
-            if not (isinstance(one, list) and len(one) == 1 and alone):
-                raise SchemaError(f"json_schema: {where}: allOf is supported only as one schema standing alone")
-            return self.node(one[0], f"{where}/allOf/0")
+            return self.node(*self.all_of(s, where))
         if "anyOf" in s or "oneOf" in s:
             return self.any_of(s, where)
         if "$ref" in s:
@@ -304,9 +309,67 @@ class _Compiler:
                                           "(only branches a first byte or a required const property tells apart)")
         return Node(any_of=branches)
 
-    def ref(self, ref, where: str) -> Node:
-        if ref in self.refs:
-            return self.refs[ref]
+    def all_of(self, s: dict, where: str) -> tuple[object, str]:
+        """allOf as one schema (and where it stands): one branch standing alone is that branch; several branches (the
+        keywords beside allOf one more) merge where their conjunction is again an object schema of the subset, as
+        inheritance writes it (allOf: [{$ref: Base}, {properties: ..}]). Each branch (a $ref followed) holds only type,
+        properties, required, additionalProperties true or false, min/maxProperties; a property two branches name
+        must have the same schema in both; a closed branch admits only its own properties, so the merged object
+        keeps those closed in every closed branch; types intersect, required unite, the size bounds tighten."""
+        one = s["allOf"]
+        if not isinstance(one, list) or not one:
+            raise SchemaError(f"json_schema: {where}: allOf must be a non-empty array")
+        rest = {k: v for k, v in s.items() if k not in _ANNOTATIONS and k not in ("allOf", "$defs", "definitions")}
+        if len(one) == 1 and not rest:
+            return one[0], f"{where}/allOf/0"
+        types, props, required, closed = set(TYPES), {}, [], None
+        least, most = 0, None
+        for b, at in [(b, f"{where}/allOf/{i}") for i, b in enumerate(one)] + ([(rest, where)] if rest else []):
+            for _ in range(len(self.root.get("$defs", {})) + len(self.root.get("definitions", {})) + 1):
+                if not (isinstance(b, dict) and "$ref" in b and not set(b) - _ANNOTATIONS - {"$ref"}):
+                    break
+                b, at = self.target(b["$ref"], at)
+            if b is True or b == {}:
+                continue
+            if not isinstance(b, dict):
+                raise SchemaError(f"json_schema: {at} must be a schema (an object), got {json.dumps(b)[:40]}")
+            other = sorted(set(b) - _ANNOTATIONS - _MERGED)
+            if other:
+                raise SchemaError(f"json_schema: {at}: allOf of several schemas merges object schemas only "
+                                  f"({', '.join(sorted(_MERGED))}), not {other[0]!r}")
+            t = b.get("type", list(TYPES))
+            types &= set(t if isinstance(t, list) else [t])
+            ps, add = b.get("properties", {}), b.get("additionalProperties", True)
+            if not isinstance(ps, dict) or not isinstance(b.get("required", []), list):
+                raise SchemaError(f"json_schema: {at}: properties must be an object and required an array")
+            for k, v in ps.items():
+                if k in props and _canonical(props[k]) != _canonical(v):
+                    raise SchemaError(f"json_schema: {at}: allOf: property {k!r} has another schema in an earlier "
+                                      "branch (only equal schemas merge)")
+                props.setdefault(k, v)
+            if add is False:
+                closed = set(ps) if closed is None else closed & set(ps)
+            elif add is not True:
+                raise SchemaError(f"json_schema: {at}: allOf of several schemas merges additionalProperties true or "
+                                  "false only")
+            required += [r for r in b["required"] if r not in required] if "required" in b else []
+            for key in ("minProperties", "maxProperties"):
+                if key in b and not (type(b[key]) is int and b[key] >= 0):
+                    raise SchemaError(f"json_schema: {at}: {key} must be a non-negative integer")
+            least = max(least, b.get("minProperties", 0))
+            most = b.get("maxProperties", most) if most is None else min(most, b.get("maxProperties", most))
+        merged = {"type": sorted(types, key=TYPES.index), "required": required, "minProperties": least,
+                  "properties": {k: v for k, v in props.items() if closed is None or k in closed}}
+        if closed is not None:
+            merged["additionalProperties"] = False
+        if most is not None:
+            merged["maxProperties"] = most
+        if not types:
+            raise SchemaError(f"json_schema: {where}: allOf: no type is allowed by every branch")
+        return merged, where
+
+    def target(self, ref, where: str) -> tuple[object, str]:
+        """The schema a $ref names (only #/$defs/<name> and #/definitions/<name>) and where it stands."""
         # a JSON pointer in a URI fragment: %-escapes, then ~1 for "/" and ~0 for "~"
         steps = ref.split("/") if isinstance(ref, str) else []
         parts = [unquote(x).replace("~1", "/").replace("~0", "~") for x in steps]
@@ -315,8 +378,14 @@ class _Compiler:
         target = self.root.get(parts[1], {}).get(parts[2]) if isinstance(self.root.get(parts[1]), dict) else None
         if target is None:
             raise SchemaError(f"json_schema: {where}: $ref {ref!r} names no schema")
+        return target, "#/" + "/".join(_name(x) for x in parts[1:])
+
+    def ref(self, ref, where: str) -> Node:
+        if ref in self.refs:
+            return self.refs[ref]
+        target, at = self.target(ref, where)
         self.refs[ref] = n = Node()  # filled below; a recursive $ref meets this same object
-        n.__dict__.update(self.node(target, "#/" + "/".join(_name(x) for x in parts[1:])).__dict__)
+        n.__dict__.update(self.node(target, at).__dict__)
         return n
 
 

@@ -70,10 +70,20 @@ SETS = {"type": "object", "properties": {
     "tags": {"type": "array", "uniqueItems": True, "items": {"anyOf": [{"type": "string"}, {"type": "number"},
                                                                       {"type": "array", "maxItems": 2}]}},
     "extra": {"type": "object", "minProperties": 1, "maxProperties": 2, "additionalProperties": {"type": "integer"}}}}
-SCHEMAS = {"sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
+# allOf as inheritance writes it: a base model by $ref, then a branch that adds properties and closes the object
+# (repeating the base's property, as it must to admit it), the keywords beside allOf a third branch
+INHERIT = {"$defs": {"Base": {"type": "object", "required": ["id"], "minProperties": 1,
+                              "properties": {"id": {"type": "integer", "minimum": 0}, "note": {"type": "string"}}}},
+           "description": "a derived model", "maxProperties": 3, "properties": {"tags": {"type": "array"}},
+           "allOf": [{"$ref": "#/$defs/Base"},
+                     {"type": ["object", "null"], "required": ["name"], "additionalProperties": False,
+                      "properties": {"name": {"type": "string", "maxLength": 4}, "tags": {"type": "array"},
+                                     "id": {"minimum": 0, "type": "integer"}}}]}
+SCHEMAS = {"inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
            "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
+    "inherit": [{"id": 0, "name": "ab"}, {"name": "", "tags": [1, "x"], "id": 12}],
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
                                             "ok": True, "kind": "person"}, {"name": "", "age": 0, "score": None}],
     "tree": [{"v": 1}, {"v": 2, "kids": [{"v": 3, "kids": []}, {"v": -4, "kids": [{"v": 5}]}]}],
@@ -142,6 +152,19 @@ def test_edited_documents_taken_as_complete_are_valid():
                 else:
                     refused += 1
     assert refused > 1000  # the edits mostly break the document
+
+
+@pytest.mark.parametrize("text", [
+    '{"id": 1, "name": "ab"}', '{"name": "ab"}', '{"id": -1, "name": "ab"}', '{"id": 1, "name": "abcde"}',
+    '{"id": 1, "name": "a", "note": "x"}', '{"id": 1, "name": "a", "tags": []}', '{"id": 1, "name": "a", "x": 1}',
+    '{"id": 1, "name": "a", "tags": [], "x": 1}', 'null', '[]', '{"id": 1.5, "name": "a"}',
+])
+def test_allof_of_several_schemas_accepts_what_jsonschema_accepts(text):
+    """INHERIT's merged allOf takes a document exactly when jsonschema validates it against the unmerged schema
+    (the base's "note" is shut out by the closed branch, null by the base's type, a fourth key by maxProperties)."""
+    p = SchemaPrefix(compile_schema(INHERIT))
+    assert bool(p.feed(text.encode()) and p.complete) == jsonschema.Draft202012Validator(INHERIT).is_valid(
+        json.loads(text))
 
 
 @pytest.mark.parametrize("text, why", [
@@ -407,7 +430,15 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"enum": ["a", "b"]}}},
                 {"type": "object", "required": ["k"], "properties": {"k": {"const": "b"}}}]}, "could both match"),
     ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf must stand alone"),
-    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf is supported only as one schema"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf of several schemas merges object schemas only"),
+    ({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
+     "property 'a' has another schema in an earlier branch"),
+    ({"allOf": [{"type": "object"}, {"additionalProperties": {"type": "string"}}]},
+     "merges additionalProperties true or false only"),
+    ({"allOf": [{"type": "object"}, {"type": "array"}]}, "no type is allowed by every branch"),
+    ({"allOf": [{"required": ["a"]}, {"properties": {"b": {}}, "additionalProperties": False}]},
+     "required 'a' is not among the properties"),
+    ({"allOf": []}, "allOf must be a non-empty array"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
     ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames' is not supported"),
