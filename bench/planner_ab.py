@@ -57,6 +57,8 @@ VARIANTS = [
     ("attention splits dealt at run time, ~2 blocks per SM at any length",
      {"attention._SPLIT_LONG_KEYS": 1 << 30}),
     ("DeltaNet step: one block per head (no cluster)", {"deltanet.STEP_CLUSTER": 1}),
+    ("DeltaNet step: the one-wave rule at B > 1 (v86)", {"deltanet.STEP_CLUSTER_WAVES": True}),
+    ("DeltaNet step: clusters of 4 at any B (v85)", {"deltanet.STEP_CLUSTER_WAVES": False}),
     ("DeltaNet step: b|a dots before the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 1 << 30}),
     ("DeltaNet step: b|a dots after the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 0}),
     ("DeltaNet step: out_proj codes y itself (no x̂ records from the step)", {"deltanet.STEP_OUT_RECORDS": False}),

@@ -8,10 +8,12 @@ import pytest
 
 from ninfer_rt.gpu.build import TARGETS
 
-def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132, smem_optin: int = 0):
+def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132, smem_optin: int = 0,
+                 blocks_per_sm: int = 2, clusters_at_once: int = 1 << 20):
     """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`, with
     sm_count SMs and smem_optin bytes of shared memory a block may opt into, 1280 bytes of static shared memory in
-    every entry point; its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster), its
+    every entry point, blocks_per_sm blocks of any entry point an SM and clusters_at_once clusters of any entry
+    point on the GPU; its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster), its
     opt-ins in k.gpu.opt_ins as (entry point, bytes)."""
     from pathlib import Path
     from types import SimpleNamespace
@@ -31,10 +33,12 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
                             launch=lambda fn, grid, block, args, smem, stream, cluster:
                             launches.append((fn, grid, block, cluster)), opt_ins=opt_ins,
                             set_max_dynamic_smem=lambda fn, nbytes: opt_ins.append((fn, nbytes)),
-                            static_smem=lambda fn: 1280)
+                            static_smem=lambda fn: 1280,
+                            max_active_blocks=lambda fn, threads, smem: blocks_per_sm,
+                            max_active_clusters=lambda fn, grid, block, smem, cluster: clusters_at_once)
     k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
     k.modules, k._fns, k._smem, k._carveout = [Module()], {}, {}, {}
-    k.shared_carveout, k.shared_names, k._unshared = 0, set(), set()
+    k.shared_carveout, k.shared_names, k._unshared, k._waves = 0, set(), set(), {}
     return k
 
 
@@ -153,6 +157,27 @@ def test_sampler_plan():
 def test_step_cluster_choice(cc, targets, dv, want):
     from ninfer_rt.gpu import deltanet
     assert deltanet.step_cluster(fake_kernels(*cc, targets), dv=dv) == want
+
+
+@pytest.mark.parametrize("B, clusters_at_once, blocks_per_sm, want", [
+    (1, 20, 1, 4),     # one sequence: the cluster kernel whatever the waves
+    (2, 64, 1, 4),     # 64 clusters, 64 at once: one wave each way
+    (2, 60, 1, 1),     # 64 clusters, 60 at once: two waves, against 64 blocks of C = 1 in one
+    (4, 128, 1, 4),    # 128 clusters in one wave, 128 blocks in 132 slots: one each, the clusters kept
+    (8, 60, 2, 1),     # 256 clusters in five waves, 256 blocks in 264 slots: one
+    (8, 130, 1, 4),    # two waves each way (256 blocks in 132 slots): the clusters kept
+])
+def test_step_cluster_by_waves(monkeypatch, B, clusters_at_once, blocks_per_sm, want):
+    """At B > 1 sequences the step keeps clusters of 4 only where its 32·B clusters take no more waves than 32·B
+    blocks of the one-block-a-head kernel (the counts from the occupancy queries) where STEP_CLUSTER_WAVES asks;
+    the switch off keeps 4."""
+    from ninfer_rt.gpu import deltanet
+    monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", True)
+    k = fake_kernels(9, 0, clusters_at_once=clusters_at_once, blocks_per_sm=blocks_per_sm)
+    assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=B) == want
+    assert deltanet.records_fit(k, dv=128, dk=128, nv=32, B=B) == (want == 4)
+    monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", False)
+    assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=B) == 4
 
 
 def _step_args(dv=128, nv=32, nk=16, dk=128, H=2048, B=3, T=1):

@@ -30,6 +30,10 @@ STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
+# planner switch: B > 1 sequences take the clustered step only where its nv·B clusters run in no more waves than
+# the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. Off until measured (perf.md v86:
+# prepared, planner_ab's "one-wave rule" variant times it)
+STEP_CLUSTER_WAVES = False
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
 # (H200: v36 found before 0.3% faster a decode step at the 35B-A3B's H = 2048; on v49's kernels after is faster
 # there, perf-history.md v50, as it was at the 27B's 5120)
@@ -236,7 +240,7 @@ def cluster_fits(dv: int, C: int) -> bool:
     return C in STEP_LANES and dv % (C * 32 // STEP_LANES[C]) == 0
 
 
-def step_cluster(k, *, dv: int) -> int:
+def step_cluster(k, *, dv: int, dk: int = 0, nv: int = 0, B: int = 1) -> int:
     """Blocks per (value head, sequence) that `step` uses by default: STEP_CLUSTER where the GPU has thread-block
     clusters (`k.clusters`: compute capability 9.0+ running its own cubin) and dv splits into whole warps over
     them (cluster_fits: dv % 16 == 0); else 1, one block per head.
@@ -244,16 +248,23 @@ def step_cluster(k, *, dv: int) -> int:
     Every phase is split C ways (the b|a dots over H, the conv channels, the columns of S, the gated norm's
     columns), so the chain of dependent latencies that bounds the step shortens, and 4·nv blocks of 256 threads
     fill the SMs that nv blocks of 512 left mostly idle (the 27B's 48 heads: 192 blocks, two per SM, one wave).
+    With STEP_CLUSTER_WAVES and the launch's shape (dk, nv heads, B sequences): 1 where the nv·B clusters take
+    more waves (Kernels.waves: the clusters the GPU holds at once) than nv·B blocks of the C = 1 kernel.
     """
-    if k.clusters and cluster_fits(dv, STEP_CLUSTER):
-        return STEP_CLUSTER
-    return 1
+    if not (k.clusters and cluster_fits(dv, STEP_CLUSTER)):
+        return 1
+    if STEP_CLUSTER_WAVES and B > 1 and dk and nv:
+        C, name = STEP_CLUSTER, f"deltanet_step_dk{dk}"
+        if (k.waves(f"{name}_c{C}", (C * nv, B), STEP_LANES[C] * dv // C, cluster=(C, 1, 1))
+                > k.waves(name, (nv, B), STEP_LANES[1] * dv)):
+            return 1
+    return STEP_CLUSTER
 
 
-def records_fit(k, *, dv: int, cluster: int | None = None) -> bool:
+def records_fit(k, *, dv: int, cluster: int | None = None, dk: int = 0, nv: int = 0, B: int = 1) -> bool:
     """Whether `step` can write out_records for this dv: each block holds 32 columns (dv / C == 32: the family's
-    dv = 128 on clusters of 4)."""
-    C = step_cluster(k, dv=dv) if cluster is None else cluster
+    dv = 128 on clusters of 4). cluster None: step_cluster's choice for the launch's shape (dk, nv, B)."""
+    C = step_cluster(k, dv=dv, dk=dk, nv=nv, B=B) if cluster is None else cluster
     return dv % C == 0 and dv // C == 32
 
 
@@ -269,8 +280,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     [b|a] = rms_norm_zc(x) W_baᵀ and everything else as `decode` (same layouts, same result within fp32
     rounding).
 
-    cluster: blocks per (value head, sequence), C. None picks step_cluster(k, dv=dv): STEP_CLUSTER on sm_90+
-    where dv allows, else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
+    cluster: blocks per (value head, sequence), C. None picks step_cluster(k, dv=dv, dk=dk, nv=nv, B=B):
+    STEP_CLUSTER on sm_90+ where dv allows and B's clusters take no more waves than C = 1's blocks, else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
     grid (nv, B), one block of 4·dv threads per head; C = STEP_CLUSTER is deltanet_step_dk{dk}_c{C}, grid
     (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with 8·dv/C threads.
     ba_early: whether the clustered kernel computes its b|a dots before its wait on the previous kernel (x is
@@ -292,7 +303,7 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"dv <= {STEP_COLS} (got {dv}); use decode")
     if tuple(w_ba.shape) != (2 * nv, H):
         raise GpuError(f"deltanet.step: b|a weight {w_ba.name} is {list(w_ba.shape)}, expected [{2 * nv}, {H}]")
-    C = step_cluster(k, dv=dv) if cluster is None else cluster
+    C = step_cluster(k, dv=dv, dk=dk, nv=nv, B=B) if cluster is None else cluster
     if C not in STEP_LANES:
         raise GpuError(f"deltanet.step: cluster={C}, must be 1 or {STEP_CLUSTER}")
     if C > 1 and not k.clusters:

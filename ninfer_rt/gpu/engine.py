@@ -333,7 +333,8 @@ class GpuModel:
                 # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; y also as
                 # out_proj's x̂ records (at linear.RECORDS_ROWS) where both kernels can (out_proj then skips coding)
                 if (M in linear.RECORDS_ROWS and deltanet.STEP_OUT_RECORDS
-                        and deltanet.records_fit(self.k, dv=s.linear_value_head_dim)
+                        and deltanet.records_fit(self.k, dv=s.linear_value_head_dim, dk=s.linear_key_head_dim,
+                                                 nv=s.linear_num_value_heads, B=B)
                         and linear.records_fit(self.k, out_w, M)):
                     rec = b.o_rec
                 fold = self._fold_for(i, M)

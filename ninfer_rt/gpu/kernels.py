@@ -26,6 +26,11 @@ SHARED_CARVEOUT_MAX = 0.5
 CARVEOUT_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 
 
+def _dims(d) -> tuple[int, int, int]:
+    t = tuple(int(v) for v in d) if isinstance(d, (tuple, list)) else (int(d),)
+    return t + (1,) * (3 - len(t))
+
+
 class LaunchRecorder:
     """A Kernels stand-in that records each launch's (entry point, grid, block, dynamic smem) instead of
     enqueueing it: a step's dry run. Everything else is the wrapped Kernels'."""
@@ -56,6 +61,7 @@ class Kernels:
         self.shared_carveout = 0  # percent the shared entry points prefer (0: not planned yet)
         self.shared_names: set[str] = set()  # those entry points
         self._unshared: set[str] = set()  # planned entry points too large to share
+        self._waves: dict[tuple, int] = {}  # waves(): launch shape -> waves
 
     def fn(self, name: str):
         f = self._fns.get(name)
@@ -82,6 +88,23 @@ class Kernels:
         if nbytes > self._smem[name]:
             self.gpu.set_max_dynamic_smem(self.fn(name), nbytes)
             self._smem[name] = nbytes
+
+    def waves(self, name: str, grid, block, smem: int = 0, cluster=None) -> int:
+        """Waves a launch of `name` runs in here: its blocks (its clusters, with `cluster` dimensions) over how many
+        the GPU holds at once (the driver's occupancy queries), memoised per launch shape."""
+        key = (name, _dims(grid), _dims(block), int(smem), _dims(cluster or 1))
+        w = self._waves.get(key)
+        if w is None:
+            fn, n = self.fn(name), math.prod(key[1])
+            if math.prod(key[4]) > 1:
+                at_once = self.gpu.max_active_clusters(fn, key[1], key[2], smem, key[4])
+                n //= math.prod(key[4])
+            else:
+                at_once = self.gpu.max_active_blocks(fn, math.prod(key[2]), smem) * self.gpu.info.sm_count
+            if at_once < 1:
+                raise GpuError(f"{name}: no block of {key[2]} threads and {smem} bytes of shared memory fits an SM")
+            w = self._waves[key] = -(-n // at_once)
+        return w
 
     @property
     def clusters(self) -> bool:

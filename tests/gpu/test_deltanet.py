@@ -347,11 +347,22 @@ def test_step_writes_out_proj_records(kernels, dev, dims):
                                        f"got {rec[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
 
 
-def test_step_picks_the_cluster(kernels, recorder, dev, rng):
-    """Without `cluster`, step takes deltanet.step_cluster's choice: the cluster kernel on sm_90+ at dv = 128."""
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_step_picks_the_cluster(kernels, recorder, dev, rng, B):
+    """Without `cluster`, step takes the cluster kernel on sm_90+ at dv = 128; with STEP_CLUSTER_WAVES, at B > 1
+    sequences only where its clusters take no more waves than the one-block-a-head kernel's blocks (by the driver's
+    occupancy counts)."""
     from ninfer_rt.gpu import deltanet
-    check_steps(recorder, dev, rng, "35b", 2, (1, 2), modes=["step"] * 2, H=2048)
-    C = deltanet.STEP_CLUSTER if kernels.clusters else 1
+    check_steps(recorder, dev, rng, "35b", B, (1, 2), modes=["step"] * 2, H=2048)
+    d, C, gpu = STEP_DIMS["35b"], deltanet.STEP_CLUSTER, kernels.gpu
+    if kernels.clusters and B > 1 and deltanet.STEP_CLUSTER_WAVES:
+        n = d["nv"] * B
+        fn4, fn1 = kernels.fn(step_kernel("35b", C)), kernels.fn(step_kernel("35b", 1))
+        waves4 = -(-n // gpu.max_active_clusters(fn4, (C * d["nv"], B), 256, 0, (C, 1, 1)))
+        waves1 = -(-n // (gpu.max_active_blocks(fn1, 4 * d["dv"], 0) * gpu.info.sm_count))
+        C = C if waves4 <= waves1 else 1
+    elif not kernels.clusters:
+        C = 1
     assert recorder.names == [step_kernel("35b", C)] * 2
 
 
