@@ -338,7 +338,10 @@ class _Compiler:
                 raise SchemaError(f"json_schema: {at}: allOf of several schemas merges object schemas only "
                                   f"({', '.join(sorted(_MERGED))}), not {other[0]!r}")
             t = b.get("type", list(TYPES))
-            types &= set(t if isinstance(t, list) else [t])
+            t = t if isinstance(t, list) else [t]
+            if not t or any(not isinstance(x, str) or x not in TYPES for x in t):
+                raise SchemaError(f"json_schema: {at}: type must be one of {', '.join(TYPES)} or a list of them")
+            types &= set(t)
             ps, add = b.get("properties", {}), b.get("additionalProperties", True)
             if not isinstance(ps, dict) or not isinstance(b.get("required", []), list):
                 raise SchemaError(f"json_schema: {at}: properties must be an object and required an array")

@@ -439,6 +439,7 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"allOf": [{"required": ["a"]}, {"properties": {"b": {}}, "additionalProperties": False}]},
      "required 'a' is not among the properties"),
     ({"allOf": []}, "allOf must be a non-empty array"),
+    ({"allOf": [{"type": {"a": 1}}, {"required": ["a"]}]}, "type must be one of"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
     ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames' is not supported"),

@@ -281,7 +281,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     rounding).
 
     cluster: blocks per (value head, sequence), C. None picks step_cluster(k, dv=dv, dk=dk, nv=nv, B=B):
-    STEP_CLUSTER on sm_90+ where dv allows and B's clusters take no more waves than C = 1's blocks, else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
+    STEP_CLUSTER on sm_90+ where dv allows (and, with STEP_CLUSTER_WAVES, B's clusters take no more waves than
+    C = 1's blocks), else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
     grid (nv, B), one block of 4·dv threads per head; C = STEP_CLUSTER is deltanet_step_dk{dk}_c{C}, grid
     (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with 8·dv/C threads.
     ba_early: whether the clustered kernel computes its b|a dots before its wait on the previous kernel (x is
