@@ -325,10 +325,13 @@ class _Compiler:
         types, props, required, closed = set(TYPES), {}, [], None
         least, most = 0, None
         for b, at in [(b, f"{where}/allOf/{i}") for i, b in enumerate(one)] + ([(rest, where)] if rest else []):
-            for _ in range(len(self.root.get("$defs", {})) + len(self.root.get("definitions", {})) + 1):
-                if not (isinstance(b, dict) and "$ref" in b and not set(b) - _ANNOTATIONS - {"$ref"}):
+            seen = set()  # a $ref chain that comes back to itself stays a $ref, refused below
+            while isinstance(b, dict) and "$ref" in b and not set(b) - _ANNOTATIONS - {"$ref"}:
+                target = self.target(b["$ref"], at)  # a $ref that is no string is refused here
+                if b["$ref"] in seen:
                     break
-                b, at = self.target(b["$ref"], at)
+                seen.add(b["$ref"])
+                b, at = target
             if b is True or b == {}:
                 continue
             if not isinstance(b, dict):
