@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ninfer_rt.gpu.build import TARGETS, BuildResult, build_kernels
-from ninfer_rt.gpu.driver import Gpu, GpuError
+from ninfer_rt.gpu.driver import Gpu, GpuError, _dim3
 
 
 # Shared-memory carveout every launch prefers, in percent of the SM's unified L1 / shared memory (None: the
@@ -24,11 +24,6 @@ SHARED_CARVEOUT_MAX = 0.5
 # The shared-memory capacities (KiB) an SM can be configured to (sm_80-sm_120; a GPU has those up to its
 # max_smem_per_sm): the driver maps a preference to one of them, so share_carveout asks for one exactly.
 CARVEOUT_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
-
-
-def _dims(d) -> tuple[int, int, int]:
-    t = tuple(int(v) for v in d) if isinstance(d, (tuple, list)) else (int(d),)
-    return t + (1,) * (3 - len(t))
 
 
 class LaunchRecorder:
@@ -92,7 +87,7 @@ class Kernels:
     def waves(self, name: str, grid, block, smem: int = 0, cluster=None) -> int:
         """Waves a launch of `name` runs in here: its blocks (its clusters, with `cluster` dimensions) over how many
         the GPU holds at once (the driver's occupancy queries), memoised per launch shape."""
-        key = (name, _dims(grid), _dims(block), int(smem), _dims(cluster or 1))
+        key = (name, _dim3(grid), _dim3(block), int(smem), _dim3(cluster or 1))
         w = self._waves.get(key)
         if w is None:
             fn, n = self.fn(name), math.prod(key[1])
