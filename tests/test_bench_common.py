@@ -88,9 +88,11 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
     that graph through the same eager_ms timer as the micro-benchmarks, per step, in seconds. sampled: the
     decode draws under SAMPLED's record and the graph replayed is the drawing one."""
     from ninfer_rt.gpu.bench import SAMPLED, _time_decode
+    from ninfer_rt.gpu.engine import GpuModel
 
     class FakeModel:
         max_ctx, sample_vocab = 1 << 20, 1000
+        bucket = GpuModel.bucket  # the engine's own bucket rule, on this max_ctx
 
         def __init__(self):
             self.gpu, self.keys, self.draws = gpu, [], []
@@ -118,9 +120,11 @@ def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
     """--decode-tokens: one GpuModel.verify of T tokens at ctx (slot 0), then the replays of its graph: one
     sequence, T rows, the bucket of ctx + T, every row's logits."""
     from ninfer_rt.gpu.bench import _time_decode
+    from ninfer_rt.gpu.engine import GpuModel
 
     class FakeModel:
         max_ctx, sample_vocab = 1 << 20, 1000
+        bucket = GpuModel.bucket  # the engine's own bucket rule, on this max_ctx
 
         def __init__(self):
             self.gpu, self.keys, self.verified = gpu, [], []

@@ -137,15 +137,14 @@ def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, to
     token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
     of every row (GpuModel.verify: speculative decoding's verification)."""
     from ninfer_rt.gpu import misc
-    from ninfer_rt.gpu.engine import context_bucket
 
+    tok = (17 + 1009 * np.arange(max(batch, tokens), dtype=np.int32)) % model.sample_vocab
     if tokens > 1:
-        model.verify((17 + 1009 * np.arange(tokens, dtype=np.int32)) % model.sample_vocab, ctx, 0)
-        return model.step_graph(1, tokens, min(model.max_ctx, context_bucket(ctx + tokens)), "all")
-    tok = (17 + 1009 * np.arange(batch, dtype=np.int32)) % model.sample_vocab
+        model.verify(tok, ctx, 0)
+        return model.step_graph(1, tokens, model.bucket(ctx + tokens), "all")
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
-    return model.step_graph(batch, 1, min(model.max_ctx, context_bucket(ctx + 1)), "last",
+    return model.step_graph(batch, 1, model.bucket(ctx + 1), "last",
                             ("sample", model.sample_vocab) if sampled else None)
 
 

@@ -476,6 +476,10 @@ class GpuModel:
         self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.slot, np.asarray(slots, np.int32), stream=self.gpu.stream)
 
+    def bucket(self, end: int) -> int:
+        """The graph bucket of a step whose tokens end before position `end`: context_bucket, within the cache."""
+        return min(context_bucket(end), self.max_ctx)
+
     def _check(self, pos: list[int], T: int, slots: list[int]) -> None:
         if any(not 0 <= sl < self.slots for sl in slots):
             raise NinferError(f"slot out of range [0, {self.slots})")
@@ -498,9 +502,8 @@ class GpuModel:
         if draw is not None and (B != 1 or not 1 <= draw[0] <= self.V):
             raise NinferError(f"decode draws one sequence's token over 1..{self.V} ids, got B = {B}, "
                               f"vocab = {draw[0]}")
-        bucket = min(context_bucket(max(pos) + T), self.max_ctx)
         self._set_batch(tokens, pos, slots)
-        self._run(B, T, bucket, "last", graph, None if draw is None else self._draw_op(*draw))
+        self._run(B, T, self.bucket(max(pos) + T), "last", graph, None if draw is None else self._draw_op(*draw))
 
     def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> None:
         """One step of T = tokens.size (<= 8) new tokens of one sequence leaving the logits of every row (rows
@@ -510,7 +513,7 @@ class GpuModel:
             raise NinferError(f"verify takes 1..{GEMV_MAX_ROWS} tokens, got {T}")
         self._check([pos], T, [slot])
         self._set_batch(tokens, [pos], [slot])
-        self._run(1, T, min(context_bucket(pos + T), self.max_ctx), "all", graph)
+        self._run(1, T, self.bucket(pos + T), "all", graph)
 
     def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
@@ -575,8 +578,8 @@ class GpuModel:
             self._set_batch(piece, [start + c0], [slot])
             last = c0 + T == n
             # full chunks replay a captured graph (host launch cost is ~500 launches per chunk otherwise)
-            self._run(1, T, min(context_bucket(start + c0 + T), self.max_ctx),
-                      "all" if all_logits else ("last" if last else "none"), graph=T == chunk and not all_logits)
+            self._run(1, T, self.bucket(start + c0 + T), "all" if all_logits else ("last" if last else "none"),
+                      graph=T == chunk and not all_logits)
             if all_logits:
                 out.append(self.gpu.download(self.buf.logits, (T, self.V), np.float32))
         return np.concatenate(out) if all_logits else None
