@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import open_gpu, patched, step_rows_out, synthetic_model, time_fresh_step  # noqa: E402
 
-from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe  # noqa: E402
+from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe, router_fold  # noqa: E402
 
-MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe}
+MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe,
+           "router_fold": router_fold}
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),
@@ -77,6 +78,9 @@ VARIANTS = [
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
     ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
+    ("router fold at B > 1: no router GEMV, the routed gate/up on acc's rows (v87)", {"router_fold.BATCH_FOLD": True}),
+    ("router fold at B > 1 with the one-wave rule (v86 + v87)",
+     {"router_fold.BATCH_FOLD": True, "deltanet.STEP_CLUSTER_WAVES": True}),
     ("routed down of several rows at 2 blocks an SM (v83)", {"moe.DOWN_BLOCKS_PER_SM": 2}),
     ("x̂ records at one row only (v82)", {"linear.RECORDS_ROWS": (1,)}),
     ("x̂ records at 1-4 rows", {"linear.RECORDS_ROWS": (1, 2, 3, 4)}),

@@ -14,10 +14,10 @@
 // (split_keys), so cs is the sequence's own. xrec (if set): the block's 32 columns also as row m of o_proj's x̂
 // chunk record (h·D + 32·z) / 32 of all M rows (qchunk_bytes(M)) in XQ order xq (store_codes4_rows; reference
 // act_records16 of out [M, nH·D]).
-// fold_acc (if set; v72; M = 1, 256 threads): also adds block b = h·(D/32) + z's share of the next MoE's
-// raw router logits into fold_acc int64 [fold_n] (2^-32 fixed point): logit e += ms[e]·Σ_j mt[b, e, j]·out[32b + j]
-// + Σ_i wt[b, e, i]·(gain[16b + i]·x[16b + i]), gain = 1 + w_post (router_fold.py: the layout, reference and
-// tests; fold_h = H).
+// fold_acc (if set; v72; 256 threads): also adds block b = h·(D/32) + z's share of the next MoE's raw router
+// logits of row m into fold_acc int64 [M, fold_ld] (2^-32 fixed point): logit e of row m += ms[e]·Σ_j mt[b, e, j]
+// ·out[m, 32b + j] + Σ_i wt[b, e, i]·(gain[16b + i]·x[m, 16b + i]), gain = 1 + w_post, x fp32 [M, fold_h]
+// (router_fold.py: the layout, reference and tests; fold_h = H; M > 1 since v87).
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,
@@ -48,11 +48,13 @@ extern "C" __global__ void __launch_bounds__(256)
     cs = split_keys(cs, n_splits, p0 + T, rt);
     const int keys = (sl >= 0 && sl < slots && p0 >= 0) ? min(p0 + t + 1, min(max_ctx, n_splits * cs)) : 0;
     const int ns = (keys + cs - 1) / cs;
-    // v72: the router fold, as deltanet_step.cu's (v71) on the DeltaNet layers, M = 1 and 256 threads.
+    // v72: the router fold, as deltanet_step.cu's (v71) on the DeltaNet layers, 256 threads, row m's sums.
     // Its block-major layout (router_fold.py's fold_blocks): block b's rows of fold_mt [nb, ld, 32] and fold_wt
     // [nb, ld, 16], thread e's column e 64 and 32 contiguous bytes, asked of L2 now (weights) and read after the
     // splits (held across them they took the block to 98 registers: no room beside two decode blocks)
-    const bool fold = fold_acc != nullptr && M == 1 && blockDim.x == 256;
+    const bool fold = fold_acc != nullptr && blockDim.x == 256;
+    long long* const facc = fold_acc + (size_t)m * fold_ld;
+    const float* const fxm = fold_x + (size_t)m * fold_h;
     if (fold_acc != nullptr && (!fold || fold_n > 257)) __trap();  // attention.decode refuses these: never skip
     const int fb = h * gridDim.z + blockIdx.z;
     const int fk0 = min(fold_h, fb * 16), fkn = min(fold_h, fk0 + 16) - fk0;
@@ -107,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(256)
             float* dst = (tid < 4 ? fold_x16 : fold_g16) + 4 * c;
             if (n > 0)
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                             "l"((tid < 4 ? fold_x : fold_gain) + fk0 + 4 * c), "r"(4 * n) : "memory");
+                             "l"((tid < 4 ? fxm : fold_gain) + fk0 + 4 * c), "r"(4 * n) : "memory");
             else
                 *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
             cp_async_commit();
@@ -178,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(256)
             for (int u = 0; u < 8; ++u)  // rows fk0 + 2u, + 1 of W_routerᵀ (bf16 pairs), times (1 + w_post)·x
                 xs = fmaf(__uint_as_float(ww[u] & 0xffff0000u), fold_g16[2 * u + 1] * fold_x16[2 * u + 1],
                           fmaf(__uint_as_float(ww[u] << 16), fold_g16[2 * u] * fold_x16[2 * u], xs));
-            atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + tid),
+            atomicAdd(reinterpret_cast<unsigned long long*>(facc + tid),
                       (unsigned long long)__float2ll_rn(fmaf(a, fms, xs) * 0x1p32f));
         }
         if (extra) {
@@ -186,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const float gx = lane < 16 ? fold_g16[lane & 15] * fold_x16[lane & 15] : 0.f;
             const float a = warp_sum(fmaf(m2, fold_y[lane], bf16_to_f32(fw2) * gx));
             if (lane == 0)
-                atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + nt),
+                atomicAdd(reinterpret_cast<unsigned long long*>(facc + nt),
                           (unsigned long long)__float2ll_rn(a * 0x1p32f));
         }
     }

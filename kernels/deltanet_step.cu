@@ -247,11 +247,13 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #pragma unroll
         for (int n = 0; n < PRE; ++n) xv0[t][n] = t < T && g0 + n * G < H ? xb[(size_t)t * H + g0 + n * G] : 0.f;
 
-    // v73: the router fold (router_fold.py). One token, 32 columns a block: block b = h·C + c sums rows
+    // v73: the router fold (router_fold.py). One token a sequence, 32 columns a block: block b = h·C + c sums rows
     // 32b.. of fold_mt [nb, ld, 32] against its y and rows 16b.. of fold_wt [nb, ld, 16] against (1 + w_post)·x,
     // thread e logit e (the last warp also logit nt, a lane a row). x (readable now, see above) and the gain go to
-    // shared memory by cp.async with the ring rows; the x term is summed once the conv inputs are in.
-    const bool fold = C > 1 && fold_acc != nullptr && T == 1 && gridDim.y == 1 && cols == 32;
+    // shared memory by cp.async with the ring rows; the x term is summed once the conv inputs are in. Sequence
+    // b's sums go to row b of fold_acc [B, fold_ld] (v87).
+    const bool fold = C > 1 && fold_acc != nullptr && T == 1 && cols == 32;
+    long long* const facc = fold_acc + (size_t)b * fold_ld;
     // deltanet.step refuses these: never skip or drop a term silently
     if (fold_acc != nullptr && (!fold || fold_n > nt + 1 || fold_ld < fold_n || H > 16 * (int)gridDim.x)) __trap();
     const int fb_ = h * C + c, fk0 = min(H, fb_ * 16), fkn = min(H, fk0 + 16) - fk0;
@@ -262,7 +264,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         float* dst = (tid < 4 ? sfx : sfg) + 4 * cq;
         if (n > 0)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                         "l"((tid < 4 ? x : fold_gain) + fk0 + 4 * cq), "r"(4 * n) : "memory");
+                         "l"((tid < 4 ? xb : fold_gain) + fk0 + 4 * cq), "r"(4 * n) : "memory");
         else
             *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -516,7 +518,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                 const float2 m2 = __half22float2(*reinterpret_cast<const __half2*>(&mw[j]));
                 a = fmaf(m2.y, so[0][2 * j + 1], fmaf(m2.x, so[0][2 * j], a));
             }
-            atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + tid),
+            atomicAdd(reinterpret_cast<unsigned long long*>(facc + tid),
                       (unsigned long long)__float2ll_rn(fmaf(a, fms, fxs) * 0x1p32f));
         }
         if (extra) {
@@ -524,7 +526,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             const float gx = lane < 16 ? sfg[lane & 15] * sfx[lane & 15] : 0.f;
             const float a = warp_sum(fmaf(m2, so[0][lane], bf16_to_f32(fw2) * gx));
             if (lane == 0)
-                atomicAdd(reinterpret_cast<unsigned long long*>(fold_acc + nt),
+                atomicAdd(reinterpret_cast<unsigned long long*>(facc + nt),
                           (unsigned long long)__float2ll_rn(a * 0x1p32f));
         }
     }

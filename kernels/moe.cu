@@ -10,10 +10,13 @@
 //                    experts moe_route picks (same code: moe_route.cuh), plus moe_route's ids, weights and
 //                    shared_scale (written by block (m·k, 0) for row m). One launch instead of rms_norm, route
 //                    and gate_up; every block routes and normalises its own row.
+//   moe_gate_up_routed_acc_*  the same, routed on a router fold's rows acc int64 [M, ld] (raw logits G·x_m in 2^-32
+//                    fixed point, router_fold.py) before the kernel's wait instead of on logits (v87)
 //   moe_down_<f>     act [M, k, I], ids, weights, down bank [E, H, I] -> y fp32 [M, H] +=
 //                    Σ_j weights[m, j] · (W_{ids[m, j]} act[m, j]), the k experts summed in order j = 0..k-1;
 //                    then, when extra is given, y[m, n] += extra_scale[m] · extra[m, n] (one fma: the shared
-//                    expert's output times its gate, computed beside the routed experts)
+//                    expert's output times its gate, computed beside the routed experts); the fast paths also
+//                    zero rows 0..M-1 of acc [., acc_ld] when given (the fold the gate/up routed on)
 // <f> is any q{4,5,6,8}g{32,64,128} (quant.cuh) or bf16; expert e's rows are bank rows e·N .. e·N + N - 1.
 // Fast paths moe_gate_up[_routed]_t{1,2}_<q>, moe_down_t{1,2}_<q> for decode shapes (see "fast paths"): x̂ and
 // act as int16 codes per 32 elements (xcodes.cuh, reference ops.act_codes16) in exact dp2a dot products.
@@ -50,6 +53,7 @@ struct MoeRouted {
     int* ids;
     float* weights;
     float* shared_scale;
+    const long long* acc;  // v87, the _acc entries: [M, ld] raw logits of the router fold, read instead of logits
 };
 
 // Warp 0 of block (pair = m·k + j, tile): route row m and put expert j's id in *s_e (read after a barrier).
@@ -263,7 +267,18 @@ __device__ __forceinline__ void down_impl(const uint8_t* qs, const uint8_t* qh, 
 // its Σ x² before the barrier that publishes the id, issues its weight loads right after it, then normalises
 // its own x (the gain norm_w loaded before the kernel's wait: ninfer_pdl_begin is called here) and stores the
 // codes.
-template <int BITS, int GROUP, int T, bool ROUTED>
+// ACC (v87, E <= 256): row m's raw logits G·x_m are rt.acc's row m (the router fold, moe_fused.cu's ACC for one
+// token), added by the DeltaNet step or the attention combine two launches back, so complete before this launch
+// began. Their top-k does not depend on rsqrt(mean x_m² + eps) > 0: the block routes and issues its tile before
+// the wait; block (m·k, 0) forms the weights and the shared gate on the scaled logits after it.
+template <bool ACC>
+struct AccRouteSmem {
+    RouteBlockSmem<MOE_THREADS> r;
+};
+template <>
+struct AccRouteSmem<false> {};
+
+template <int BITS, int GROUP, int T, bool ROUTED, bool ACC = false>
 __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                              int H, int I, const float* __restrict__ x, const int* __restrict__ ids,
                                              int top_k, float* __restrict__ act, const MoeRouted& rt) {
@@ -282,19 +297,34 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
 #pragma unroll
         for (int t = 0; t < T; ++t) g[t] = __ldg(reinterpret_cast<const float4*>(rt.norm_w) + tid + MOE_THREADS * t);
     }
+    static_assert(!ACC || ROUTED, "ACC routes");
+    __shared__ AccRouteSmem<ACC> s_acc;
+    QChunk<BITS> q[T][4];
+    int e = -1;
+    float g_raw = 0.f;  // ACC: warp 0's raw shared-expert gate logit
+    if constexpr (ACC) {
+        const long long* am = rt.acc + (long long)m * rt.ld;
+        const float v = tid < E ? __ll2float_rn(__ldcg(am + tid)) * 0x1p-32f : 0.f;
+        if (warp == 0) g_raw = __ll2float_rn(__ldcg(am + E)) * 0x1p-32f;
+        route_keys_block<MOE_THREADS>(v, E, top_k, s_acc.r);  // ends in a block barrier: sel_id is readable
+        e = (int)s_acc.r.sel_id[pair - m * top_k];
+        // the gain in registers before the tile is issued (one scoreboard for both, as in moe_fused.cu: its first
+        // use after the wait would wait for the whole tile); an all-ones word is a NaN, so h is NaN either way
+        const bool gain_in = __float_as_uint(g[0].x) != 0xffffffffu && __float_as_uint(g[T - 1].x) != 0xffffffffu;
+        if (e >= 0 && e < E && gain_in) tile_load<BITS, GROUP, T>(q, qs, qh, sc, kp, e, I, tile);
+    }
     ninfer_pdl_begin();
     float4 xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = __ldg(xm + tid + MOE_THREADS * t);
-    int e;
     if constexpr (ROUTED) {
-        if (warp == 0) route_block(rt, E, top_k, m, pair - m * top_k, tile, s_e);
+        if (!ACC && warp == 0) route_block(rt, E, top_k, m, pair - m * top_k, tile, s_e);
         float ss = 0.f;
 #pragma unroll
         for (int t = 0; t < T; ++t) ss += xr[t].x * xr[t].x + xr[t].y * xr[t].y + xr[t].z * xr[t].z + xr[t].w * xr[t].w;
         ss_partial(ss, s_red);
         __syncthreads();
-        e = s_e[0];
+        if constexpr (!ACC) e = s_e[0];
     } else {
         e = __ldg(ids + pair);
     }
@@ -303,10 +333,14 @@ __device__ __forceinline__ void gate_up_fast(const uint8_t* qs, const uint8_t* q
         if (tid < 16) out[tid] = __int_as_float(0x7fc00000);
         return;
     }
-    QChunk<BITS> q[T][4];
-    tile_load<BITS, GROUP, T>(q, qs, qh, sc, kp, e, I, tile);
+    if constexpr (!ACC) tile_load<BITS, GROUP, T>(q, qs, qh, sc, kp, e, I, tile);
     if constexpr (ROUTED) {
         const float r = rms_scale(s_red, H, rt.eps);
+        if constexpr (ACC) {  // row m's weights and shared gate on the logits r·(G·x_m), as route on them
+            if (warp == 0 && pair - m * top_k == 0 && tile == 0)
+                route_store(route_weights_block<MOE_THREADS>(s_acc.r, top_k, r, g_raw), m, top_k, rt.ids, rt.weights,
+                             rt.shared_scale);
+        }
 #pragma unroll
         for (int t = 0; t < T; ++t) xr[t] = norm_mul4(xr[t], r, g[t]);
     }
@@ -330,7 +364,8 @@ template <int BITS, int GROUP, int T>
 __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E,
                                           int H, int I, const float* __restrict__ act, const int* __restrict__ ids,
                                           const float* __restrict__ weights, int top_k, float* __restrict__ y,
-                                          const float* __restrict__ extra, const float* __restrict__ extra_scale) {
+                                          const float* __restrict__ extra, const float* __restrict__ extra_scale,
+                                          long long* __restrict__ acc, int acc_ld) {
     extern __shared__ float4 s_x4[];
     uint8_t* s_q = reinterpret_cast<uint8_t*>(s_x4);
     constexpr int CB = qchunk_bytes(1), XQ = BITS == 8 ? 1 : 2;
@@ -343,6 +378,10 @@ __device__ __forceinline__ void down_fast(const uint8_t* qs, const uint8_t* qh, 
     const int half = lane >> 4, cl = lane & 15;
     const long long yi = (long long)m * H + n0 + tid;
     const float y0 = tid < MOE_DOWN_ROWS ? y[yi] : 0.f;
+    // v87: row m of the router fold's acc, which every gate/up block has read (this launch is past its wait), zeroed
+    // for the next step's fold (moe_fused.cu's block 0 does the same for one token)
+    if (acc != nullptr && blockIdx.y == 0)
+        for (int i = tid; i < acc_ld; i += MOE_THREADS) acc[(long long)m * acc_ld + i] = 0;
     if (tid < top_k) {
         const int e = __ldg(ids + (long long)m * top_k + tid);
         s_e[tid] = (e >= 0 && e < E) ? e : -1;
@@ -429,9 +468,11 @@ MOE_ENTRY(bf16, 16, 32)
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_FAST_MINB(BITS, T))                          \
     moe_down_t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H,       \
                            int I, const float* act, const int* ids, const float* weights, int top_k,          \
-                           float* y, const float* extra, const float* extra_scale) {                          \
+                           float* y, const float* extra, const float* extra_scale, long long* acc,            \
+                           int acc_ld) {                                                                      \
         ninfer_pdl_begin();                                                                                   \
-        down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale);  \
+        down_fast<BITS, GROUP, T>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale, acc, \
+                                  acc_ld);                                                                    \
     }
 #define MOE_FAST_ENTRY(name, BITS, GROUP) MOE_FAST_ENTRY_T(name, BITS, GROUP, 1) MOE_FAST_ENTRY_T(name, BITS, GROUP, 2)
 
@@ -449,6 +490,23 @@ NINFER_QFORMATS(MOE_FAST_ENTRY)
 MOE_B3_ENTRY(q4g64, 4, 64)
 MOE_B3_ENTRY(q5g64, 5, 64)
 
+// moe_gate_up_routed_acc_t{1,2}_<f>, moe_gate_up_routed_acc_b3_t2_<f> (v87): the same kernels routed on the router
+// fold's rows acc int64 [M, ld] (ACC above; logits unused), at two and three blocks an SM. The recipes' formats.
+#define MOE_ACC_ENTRY_T(name, BITS, GROUP, T, MINB, PRE)                                                      \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MINB)                                           \
+    moe_gate_up_routed_acc_##PRE##t##T##_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, \
+                                                int E, int H, int I, const float* x, MOE_ROUTED_PARAMS,       \
+                                                const long long* acc) {                                       \
+        const MoeRouted rt{norm_w, eps, logits, ld, ids, weights, shared_scale, acc};                        \
+        gate_up_fast<BITS, GROUP, T, true, true>(qs, qh, sc, kp, E, H, I, x, nullptr, top_k, act, rt);        \
+    }
+#define MOE_ACC_ENTRY(name, BITS, GROUP)                                                                      \
+    MOE_ACC_ENTRY_T(name, BITS, GROUP, 1, MOE_FAST_MINB(BITS, 1), )                                           \
+    MOE_ACC_ENTRY_T(name, BITS, GROUP, 2, MOE_FAST_MINB(BITS, 2), )                                           \
+    MOE_ACC_ENTRY_T(name, BITS, GROUP, 2, 3, b3_)
+MOE_ACC_ENTRY(q4g64, 4, 64)
+MOE_ACC_ENTRY(q5g64, 5, 64)
+
 // moe_down_b3_t1_<f>: moe_down_t1 at three blocks an SM (<= 85 registers), for several rows a step: B = 2's 2 x 256
 // blocks in 1.3 waves of 3 x 132 slots, not two of 2 x 132, as the gate/up's b3 (perf.md v84). The recipes' down
 // formats.
@@ -456,9 +514,10 @@ MOE_B3_ENTRY(q5g64, 5, 64)
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                              \
     moe_down_b3_t1_##name(const uint8_t* qs, const uint8_t* qh, const __half* sc, int kp, int E, int H, int I, \
                           const float* act, const int* ids, const float* weights, int top_k, float* y,        \
-                          const float* extra, const float* extra_scale) {                                     \
+                          const float* extra, const float* extra_scale, long long* acc, int acc_ld) {         \
         ninfer_pdl_begin();                                                                                   \
-        down_fast<BITS, GROUP, 1>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale);  \
+        down_fast<BITS, GROUP, 1>(qs, qh, sc, kp, E, H, I, act, ids, weights, top_k, y, extra, extra_scale, acc, \
+                                  acc_ld);                                                                    \
     }
 MOE_DOWN_B3_ENTRY(q5g64, 5, 64)
 MOE_DOWN_B3_ENTRY(q6g64, 6, 64)

@@ -110,6 +110,42 @@ def test_routed_gate_up_build_per_row_count(monkeypatch, fmt, M, blocks_per_sm, 
 
 
 @pytest.mark.parametrize("fmt, M, blocks_per_sm, want", [
+    ("q4g64", 1, 3, "moe_gate_up_routed_acc_t2_q4g64"),
+    ("q4g64", 2, 3, "moe_gate_up_routed_acc_b3_t2_q4g64"),
+    ("q5g64", 4, 2, "moe_gate_up_routed_acc_t2_q5g64"),
+    ("q4g32", 2, 3, None),  # no _acc build of this format: refused, never launched
+])
+def test_routed_gate_up_on_a_router_fold(monkeypatch, fmt, M, blocks_per_sm, want):
+    """v87: moe.gate_up_routed with acc (a router fold's rows) takes the _acc build of the kernel it would run on
+    logits, acc as its last argument, and moe.acc_fits agrees; moe.down with the acc passes it and its row stride
+    to the fast build, which zeroes the rows."""
+    from ninfer_rt.gpu import moe
+    from ninfer_rt.gpu.driver import GpuError
+    from ninfer_rt.gpu.weights import DeviceWeight
+
+    monkeypatch.setattr(moe, "GATE_UP_BLOCKS_PER_SM", blocks_per_sm)
+    k = fake_kernels(9, 0, smem_optin=227 * 1024)
+    args = []
+    k.gpu.launch = lambda fn, grid, block, a, smem, stream, cluster: args.append((fn, grid, a))
+    w = DeviceWeight("gu", fmt, (256, 1024, 2048), 256)
+    dn = DeviceWeight("dn", "q5g64", (256, 2048, 512), 256)
+    kw = dict(x=1 << 20, norm_w=1 << 21, eps=1e-6, logits=0, ld=264, M=M, E=256, top_k=8, ids=1 << 23,
+              weights=1 << 24, shared_scale=1 << 25, act=1 << 26, acc=1 << 27)
+    assert moe.acc_fits(w, 256, dn) == (want is not None)
+    if want is None:
+        with pytest.raises(GpuError, match="routing on a router fold needs a q4g64 or q5g64 bank"):
+            moe.gate_up_routed(k, w, **kw)
+        assert args == []
+        return
+    moe.gate_up_routed(k, w, **kw)
+    moe.down(k, dn, act=1 << 26, ids=1 << 23, weights=1 << 24, M=M, top_k=8, y=1 << 20, acc=1 << 27, acc_ld=264)
+    (gu_fn, gu_grid, gu_args), (_, dn_grid, dn_args) = args
+    assert (gu_fn, gu_grid) == (want, (8 * M, 1024 // 32))
+    assert gu_args[-1].value == gu_args[10].value == 1 << 27  # acc last; logits (unused) points at it too
+    assert dn_grid == (M, 2048 // 8) and [a.value for a in dn_args[-2:]] == [1 << 27, 264]
+
+
+@pytest.mark.parametrize("fmt, M, blocks_per_sm, want", [
     ("q5g64", 2, 3, "moe_down_b3_t1_q5g64"), ("q6g64", 4, 3, "moe_down_b3_t1_q6g64"),
     ("q5g64", 1, 3, "moe_down_t1_q5g64"),  # one row: the one-row build
     ("q5g64", 2, 2, "moe_down_t1_q5g64"),  # 2: the planner's way back to it

@@ -258,8 +258,8 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     (reference.ops.act_records16 of out [M, nH·d]) for linear.gemv's x_records. Returns whether it wrote them.
     fold (v72): (mt, ms, wt, gain, x, acc, ld, n, H), the router fold of the MoE after o_proj
     (router_fold's arrays in fold_blocks' layout, on the device; gain fp32 [H] = 1 + w_post of the MoE's norm, 16-byte
-    aligned as x fp32 [H], the layer input): the combine also
-    adds G·x + M·out into acc int64 [n] (fixed point, 2^-32); one token on the CUDA-core path (fold_fits).
+    aligned as x fp32 [M, H], the layer input): the combine also adds G·x_m + M·out_m into row m of acc int64
+    [M, ld] (fixed point, 2^-32; n logits a row) on the CUDA-core path (fold_fits); every row since v87.
     """
     if out_records:
         _need(records_order in (1, 2) and out_records % 16 == 0,
@@ -315,9 +315,9 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     # combine: 4..32 splits read side by side per block (32 with the router fold: a thread a logit)
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
     if fold is not None:
-        _need(bool(smem) and M == 1 and fold[7] <= FOLD_THREADS + 1 and fold[8] <= 16 * nH * d // 32,
-              f"{name}: the router fold needs one token on the CUDA-core path, at most {FOLD_THREADS + 1} logits "
-              f"and H <= {16 * nH * d // 32} (got M={M}, n={fold[7]}, H={fold[8]})")
+        _need(bool(smem) and fold[7] <= FOLD_THREADS + 1 and fold[7] <= fold[6] and fold[8] <= 16 * nH * d // 32,
+              f"{name}: the router fold needs the CUDA-core path, at most {FOLD_THREADS + 1} logits, ld >= n "
+              f"and H <= {16 * nH * d // 32} (got M={M}, n={fold[7]}, ld={fold[6]}, H={fold[8]})")
         lanes = FOLD_THREADS // 8
     fm, fs, fw, fg, fx, fa, fld, fn, fh = fold or (0,) * 9
     if smem:
@@ -346,10 +346,11 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
 FOLD_THREADS = 256  # attn_combine_fast's block with a fold: thread e sums logit e, the last warp also logit 256
 
 
-def fold_fits(k, cache: KVCache, *, nH: int, H: int, n: int) -> bool:
-    """Whether one token's decode can add a router fold of n logits (decode's fold): the CUDA-core path, whose
-    combine runs nH·d/32 blocks of FOLD_THREADS, each summing 32 values of out and at most 16 elements of x."""
-    return (bool(_fast_path(k, nH // cache.nKV, cache.d, cache.dtype)) and n <= FOLD_THREADS + 1
+def fold_fits(k, cache: KVCache, *, nH: int, H: int, n: int, T: int = 1) -> bool:
+    """Whether a decode of T tokens a sequence can add a router fold of n logits (decode's fold): the CUDA-core
+    path, whose combine runs nH·d/32 blocks of FOLD_THREADS a row, each summing 32 values of out and at most 16
+    elements of x."""
+    return (bool(_fast_path(k, T * (nH // cache.nKV), cache.d, cache.dtype)) and n <= FOLD_THREADS + 1
             and H <= 16 * nH * cache.d // 32)
 
 

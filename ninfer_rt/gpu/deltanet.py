@@ -293,8 +293,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     aligned; B·T <= 8), for linear.gemv's x_records; only where a block holds 32 columns (records_fit).
     fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
     layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
-    G·x + M·out into acc int64 [n] (fixed point, 2^-32); B = T = 1, 32 columns a block and at most 16 elements of x
-    a block (H <= 16·C·nv).
+    G·x_b + M·out_b of sequence b into row b of acc int64 [B, ld] (fixed point, 2^-32; n logits a row); T = 1,
+    32 columns a block and at most 16 elements of x a block (H <= 16·C·nv). B > 1 since v87.
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -317,10 +317,10 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
         raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
                        f"a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and B·T <= {STEP_T} rows "
                        f"(got {B * T})")
-    if fold is not None and (B != 1 or T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
+    if fold is not None and (T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
                              or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv):
-        raise GpuError(f"deltanet.step: the router fold needs B = T = 1, 32 columns a block on clusters, at most "
-                       f"{STEP_LANES[C] * dv // C + 1} logits and H <= {16 * C * nv} (got B={B}, T={T}, C={C}, "
+        raise GpuError(f"deltanet.step: the router fold needs T = 1, 32 columns a block on clusters, at most "
+                       f"{STEP_LANES[C] * dv // C + 1} logits and H <= {16 * C * nv} (got T={T}, C={C}, "
                        f"n={fold[6]}, H={H})")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")

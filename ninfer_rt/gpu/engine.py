@@ -126,7 +126,7 @@ class GpuModel:
         self.buf = self._alloc_buffers(self.rows)
         # v71/v72: layer -> (the step's or the combine's fold arguments, the MoE's acc)
         self._folds = router_fold.layer_folds(gpu, self.k, s, self.w.matrix, self.w.param, self.kv, self.buf.x,
-                                              self._alloc, self._fold_plan, LM)
+                                              self._alloc, LM, rows=GEMV_MAX_ROWS)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
@@ -236,21 +236,11 @@ class GpuModel:
             b.wscratch = self._alloc(b.wscratch_bytes) if b.wscratch_bytes else 0
         return b
 
-    def _fold_for(self, i: int, M: int) -> tuple | None:
-        """The step's (the combine's) fold arguments for layer i at M rows, when its MoE will route on them now:
-        one token, router_fold.ROUTER_FOLD on and the moe_fused_acc entry planned (FUSED_DECODE, the GPU); else
-        None, and the router GEMV runs. Decided before the mixer's launch, so that acc is only ever added to when
-        the MoE reads and clears it."""
-        if M != 1 or not router_fold.ROUTER_FOLD or i not in self._folds:
-            return None
-        return self._folds[i][0] if self._fold_plan(i) is not None else None
-
-    def _fold_plan(self, i: int):
-        """moe.fused_kernel's moe_fused_acc plan for layer i's MoE block (None where there is none)."""
-        m, W = f"{LM}layers.{i}.mlp.", self.w.matrix
-        return moe.fused_kernel(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"),
-                                W(m + "shared_expert.{gate_proj,up_proj}.weight"),
-                                W(m + "shared_expert.down_proj.weight"), self.spec.num_experts_per_tok, acc=True)
+    def _fold_for(self, i: int, B: int, T: int) -> tuple | None:
+        """router_fold.fold_for of layer i at B sequences of T tokens: the step's (the combine's) fold arguments,
+        or None where the router GEMV runs. Decided before the mixer's launch, so that acc is only ever added to
+        when the MoE reads and clears it."""
+        return router_fold.fold_for(self.k, self.spec, self.w.matrix, LM, self._folds, i, B, T, GEMV_MAX_ROWS)
 
     def free(self) -> None:
         for g in self.graphs.values():
@@ -302,7 +292,7 @@ class GpuModel:
                           nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
                           ctx_bucket=ctx_bucket)
             o_w, rec = k_view(W(a + "o_proj.weight")), False
-            fold = self._fold_for(i, M)  # None unless one token: never a prompt chunk's
+            fold = self._fold_for(i, B, T)  # None unless one token a sequence: never a prompt chunk's
             folded = fold is not None
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
@@ -337,7 +327,7 @@ class GpuModel:
                                                  nv=s.linear_num_value_heads, B=B)
                         and linear.records_fit(self.k, out_w, M)):
                     rec = b.o_rec
-                fold = self._fold_for(i, M)
+                fold = self._fold_for(i, B, T)
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
                               out_records=rec, records_order=linear.records_order(out_w) if rec else 0, fold=fold)
                 folded = fold is not None
@@ -378,8 +368,9 @@ class GpuModel:
                 # launch (a grid barrier inside)
                 plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, acc=folded) \
                     if M == 1 and post % 16 == 0 else None
-                # _fold_for planned this same entry (same arguments) before the step folded, so it exists
-                assert plan is not None or not folded, f"layer {i}: the step folded but no moe_fused_acc entry runs"
+                # _fold_for planned this same entry (same arguments) before the step folded, so it exists; at
+                # M > 1 it checked gate_up_routed's _acc entry (v87)
+                assert plan is not None or not folded or M > 1, f"layer {i}: the step folded but no MoE reads acc"
                 acc = self._folds[i][1] if folded else 0
                 if plan is None:
                     # the shared expert needs only x, so it runs on the side stream beside the router and the
@@ -397,11 +388,14 @@ class GpuModel:
                               eps=s.rms_norm_eps, logits=b.router, E=E, top_k=k, act=b.act, act_s=b.act_s,
                               barrier=self._moe_barrier, acc=acc, **routing)
                 else:
-                    moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps, logits=b.router,
-                                       ld=E + 1, M=M, E=E, top_k=k, act=b.act, **routing)
+                    # with the fold (v87) every row routes on acc before the kernel's wait; the down zeroes acc
+                    ld = router_fold.fold_ld(E) if acc else E + 1
+                    moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps,
+                                       logits=0 if acc else b.router, ld=ld, M=M, E=E, top_k=k, act=b.act, acc=acc,
+                                       **routing)
                     self.gpu.stream.wait(self._join)
                     moe.down(self.k, down, act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k, y=b.x,
-                             extra=b.shared_y, extra_scale=b.sscale)
+                             extra=b.shared_y, extra_scale=b.sscale, acc=acc, acc_ld=ld if acc else 0)
         else:
             gate_up, down = k_view(W(m + "{gate_proj,up_proj}.weight")), k_view(W(m + "down_proj.weight"))
             if (M == 1 and linear.SWIGLU_OUT_RECORDS and linear.y_records_fit(self.k, gate_up)

@@ -40,6 +40,7 @@ GATE_UP_B3_FORMATS = ("q4g64", "q5g64")  # the formats with that entry
 # one-row build (perf.md v84).
 DOWN_BLOCKS_PER_SM = 3
 DOWN_B3_FORMATS = ("q5g64", "q6g64")
+ACC_FORMATS = ("q4g64", "q5g64")  # the routed gate/up formats with _acc entries (routing on a router fold, v87)
 
 
 def _check_ptrs(op: str, **ptrs: int) -> None:
@@ -139,8 +140,21 @@ def gate_up(k, w: DeviceWeight, *, x: int, M: int, ids: int, top_k: int, act: in
     k.launch(name, grid, THREADS, args, smem, stream)
 
 
+def acc_fits(gate_up: DeviceWeight, E: int, down: DeviceWeight | None = None) -> bool:
+    """Whether gate_up_routed can route this bank's rows on a router fold's acc (its _acc entries, v87): a
+    q4g64 or q5g64 bank at H = 1024·T (T in FAST_T) and E <= THREADS (one logit a thread); with `down`, also
+    whether moe.down takes its fast path there (a q bank at I = 512·T), which zeroes acc's rows."""
+    w = gate_up
+    if not (len(w.shape) == 3 and w.fmt in ACC_FORMATS and w.shape[0] == E and E <= THREADS
+            and w.shape[2] % 1024 == 0 and w.shape[2] // 1024 in FAST_T):
+        return False
+    return down is None or (down.quantized and len(down.shape) == 3 and down.shape[2] % 512 == 0
+                            and down.shape[2] // 512 in FAST_T)
+
+
 def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, ld: int, M: int, E: int,
-                   top_k: int, ids: int, weights: int, shared_scale: int, act: int, stream=None) -> None:
+                   top_k: int, ids: int, weights: int, shared_scale: int, act: int, acc: int = 0,
+                   stream=None) -> None:
     """rms_norm_zc, route and gate_up of M rows in one launch (the decode MoE block before down).
 
     h = rms_norm_zc(x, norm_w, eps): h_m = (x_m · rsqrt(mean(x_m²) + eps)) · (1 + norm_w) in fp32 with the
@@ -153,23 +167,35 @@ def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logit
     (outputs). w: the gate/up bank [E, 2I, H] as in `gate_up`. Same grid as `gate_up`: every block routes and
     normalises its own row, block (m·top_k, 0) writes row m's ids, weights and shared_scale. Several rows of a q4g64
     or q5g64 bank at H = 2048 take the build of the same kernel at three blocks an SM (GATE_UP_BLOCKS_PER_SM).
+    acc (v87; acc_fits): int64 [M, ld], each row the raw logits G·x_m of a router fold (router_fold.py) in
+    2^-32 fixed point, complete before this launch begins; the kernel routes on it before its wait and scales
+    the logits by rsqrt(mean x_m² + eps) for the weights and the shared gate (logits is then not read). moe.down
+    with the same acc zeroes its rows for the next step's fold.
     """
     op = "gate_up_routed"
     _check_logits(op, E, top_k, ld)
+    logits = logits or acc
     _check_ptrs(op, x=x, norm_w=norm_w, logits=logits, ids=ids, weights=weights, shared_scale=shared_scale,
                 act=act)
     name, E, H, I, grid, smem = _gate_up_kernel(k, op, w, M, top_k, x % 16 == 0 and norm_w % 16 == 0, E)
+    fast = name == f"moe_{op}_t{H // 1024}_{w.fmt}"
+    if acc and not (fast and acc_fits(w, E)):
+        raise GpuError(f"moe.{op}: routing on a router fold needs a {' or '.join(ACC_FORMATS)} bank at H = 1024·T "
+                       f"(T in {FAST_T}) with E <= {THREADS}, 16-byte aligned x and norm_w (got {w.fmt} "
+                       f"{list(w.shape)})")
     if GATE_UP_BLOCKS_PER_SM == 3 and M > 1 and name == f"moe_{op}_t2_{w.fmt}" and w.fmt in GATE_UP_B3_FORMATS:
         name = f"moe_{op}_b3_t2_{w.fmt}"
-        _smem(k, op, name, smem)  # the same bytes as the one-row build's, opted in for this entry too
+    if acc:
+        name = name.replace(f"moe_{op}_", f"moe_{op}_acc_", 1)
+    _smem(k, op, name, smem)  # the same bytes as the one-row build's, opted in for this entry too
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(x), ptr(norm_w), f32(eps),
             ptr(logits), i32(ld), i32(top_k), ptr(ids), ptr(weights), ptr(shared_scale), ptr(act)]
-    k.launch(name, grid, THREADS, args, smem, stream)
+    k.launch(name, grid, THREADS, args + ([ptr(acc)] if acc else []), smem, stream)
 
 
 def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k: int, y: int, extra: int = 0,
-         extra_scale: int = 0, stream=None) -> None:
+         extra_scale: int = 0, acc: int = 0, acc_ld: int = 0, stream=None) -> None:
     """Down projections of the chosen experts, weighted and added to the residual stream.
 
     y[m, n] += Σ_j weights[m, j] · (W_{ids[m, j]}[n, :] · act[m, j, :]), the k terms summed in order
@@ -179,6 +205,7 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     extra[m, n], y[m, n] + routed sum), the shared expert's output and gate added in the same pass.
     Grid (M, H/8): each block reads 8 rows of each of the row's top_k experts. Several rows of a q5g64 or q6g64
     bank at I = 512 take the build of the same kernel at three blocks an SM (DOWN_BLOCKS_PER_SM), the same bits.
+    acc int64 [M, acc_ld] (v87, the fast paths): the router fold gate_up_routed routed on, zeroed after the wait.
     """
     name = _kernel_name("down", w)
     E, H, I = _bank("down", w)
@@ -196,11 +223,18 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
         if DOWN_BLOCKS_PER_SM == 3 and M > 1 and t == 1 and w.fmt in DOWN_B3_FORMATS:
             name = f"moe_down_b3_t1_{w.fmt}"
         smem = _smem(k, "down", name, top_k * (I // 32) * QCHUNK)
+        tail = [ptr(acc), i32(acc_ld)]
     else:
+        if acc:
+            raise GpuError(f"moe.down: zeroing a router fold's acc needs the fast path (a q bank at I = 512·T, "
+                           f"16-byte aligned act; got {w.fmt} {list(w.shape)})")
         smem = _smem(k, "down", name, top_k * (I // 32) * XPAD * 4)
+        tail = []
+    if acc and acc_ld < 1:
+        raise GpuError(f"moe.down: acc_ld={acc_ld} must be >= 1")
     qs, qh, sc = w.planes()
     args = [ptr(qs), ptr(qh), ptr(sc), i32(w.kp), i32(E), i32(H), i32(I), ptr(act), ptr(ids), ptr(weights),
-            i32(top_k), ptr(y), ptr(extra), ptr(extra_scale)]
+            i32(top_k), ptr(y), ptr(extra), ptr(extra_scale)] + tail
     k.launch(name, (M, H // DOWN_ROWS), THREADS, args, smem, stream)
 
 

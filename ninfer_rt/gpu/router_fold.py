@@ -14,10 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer_rt.formats import bf16_bits_to_f32, f32_to_bf16_bits, get_format, round_up
-from ninfer_rt.gpu import attention, deltanet
+from ninfer_rt.gpu import attention, deltanet, moe
 from ninfer_rt.gpu.driver import GpuError
 
 ROUTER_FOLD = True  # planner switch: False keeps the router GEMV on every layer
+# Planner switch (v87): a decode step of B > 1 sequences, one token each, folds too; its MoE routes on acc's rows
+# in moe.gate_up_routed's _acc entries instead of after a router GEMV. False keeps the GEMV there.
+BATCH_FOLD = False
 
 
 def fold_ld(E: int) -> int:
@@ -81,13 +84,52 @@ def fold_unblocks(mb: np.ndarray, wb: np.ndarray, H: int) -> tuple[np.ndarray, n
             np.ascontiguousarray(wb.transpose(0, 2, 1).reshape(16 * nb, ld)[:H]))
 
 
-def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, plan,
-                prefix: str) -> dict[int, tuple[tuple, int]]:
-    """For each layer whose one-token MoE can route on a fold (ROUTER_FOLD; plan(i) the moe_fused_acc entry; a
-    DeltaNet layer's clustered step of 32 columns a block, an attention layer's CUDA-core decode): router_fold's
-    arrays uploaded (alloc) and an acc int64 [fold_ld(E)] zeroed once, which the fused MoE zeroes again after its
-    grid barrier. matrix, param: the weights by name (prefix the text model's); kv: the layers' KV caches; x the
-    residual stream. Layer -> (deltanet.step's or attention.decode's fold arguments, acc)."""
+def fused_plan(k, spec, matrix, prefix: str, i: int):
+    """moe.fused_kernel's moe_fused_acc plan for layer i's MoE block of one token (None where there is none)."""
+    m = f"{prefix}layers.{i}.mlp."
+    return moe.fused_kernel(k, matrix(m + "experts.gate_up_proj"), matrix(m + "experts.down_proj"),
+                            matrix(m + "shared_expert.{gate_proj,up_proj}.weight"),
+                            matrix(m + "shared_expert.down_proj.weight"), spec.num_experts_per_tok, acc=True)
+
+
+def batch_reads(spec, matrix, prefix: str, i: int) -> bool:
+    """Whether layer i's MoE of several rows can route on a fold (v87): gate_up_routed's _acc entries and the down's
+    fast path, which zeroes acc's rows (moe.acc_fits)."""
+    m = f"{prefix}layers.{i}.mlp."
+    return moe.acc_fits(matrix(m + "experts.gate_up_proj"), spec.num_experts, matrix(m + "experts.down_proj"))
+
+
+def fold_for(k, spec, matrix, prefix: str, folds: dict, i: int, B: int, T: int, max_rows: int) -> tuple | None:
+    """The mixer's fold arguments (layer_folds') for layer i at B sequences of T tokens, when its MoE will route on
+    them (ROUTER_FOLD on): one token, where the moe_fused_acc entry is planned (moe.FUSED_DECODE, the GPU);
+    B <= max_rows sequences of one token each with BATCH_FOLD (v87), where gate_up_routed has its _acc entry and
+    the mixer its fold at B (mixer_folds). Else None: the router GEMV runs."""
+    if T != 1 or not ROUTER_FOLD or i not in folds:
+        return None
+    ok = (fused_plan(k, spec, matrix, prefix, i) is not None if B == 1 else
+          BATCH_FOLD and B <= max_rows and batch_reads(spec, matrix, prefix, i) and mixer_folds(k, spec, i, B))
+    return folds[i][0] if ok else None
+
+
+def mixer_folds(k, spec, i: int, B: int) -> bool:
+    """Whether layer i's mixer adds a fold at B sequences of one token: an attention layer's combine wherever
+    layer_folds took the layer (attention.fold_fits); a DeltaNet layer's step where it runs on clusters at B
+    (deltanet.step_cluster: the one-block step, which STEP_CLUSTER_WAVES may pick at B > 1, has no fold)."""
+    if spec.layer_types[i] == "full_attention":
+        return True
+    return deltanet.step_cluster(k, dv=spec.linear_value_head_dim, dk=spec.linear_key_head_dim,
+                                 nv=spec.linear_num_value_heads, B=B) > 1
+
+
+def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, prefix: str,
+                rows: int = 1) -> dict[int, tuple[tuple, int]]:
+    """For each layer whose MoE can route on a fold (ROUTER_FOLD; a kernel that reads it: the moe_fused_acc entry
+    (fused_plan) or moe.gate_up_routed's _acc entries (batch_reads); a DeltaNet layer's clustered step of 32
+    columns a block, an attention layer's CUDA-core decode): router_fold's arrays uploaded (alloc) and an acc int64
+    [rows, fold_ld(E)] (a row a sequence) zeroed once, which the MoE zeroes again once it has routed (the fused
+    kernel after its grid barrier, moe.down after its wait). matrix, param: the weights by name (prefix the text
+    model's); kv: the layers' KV caches; x the residual stream. Layer -> (deltanet.step's or attention.decode's
+    fold arguments, acc)."""
     s = spec
     if not (ROUTER_FOLD and s.is_moe):
         return {}
@@ -105,7 +147,8 @@ def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, plan,
         router = matrix(p + "mlp.{gate,shared_expert_gate}.weight")
         out_w = matrix(p + ("self_attn.o_proj.weight" if attn else "linear_attn.out_proj.weight"))
         post = param(p + "post_attention_layernorm.weight")
-        if plan(i) is None or router.fmt != "bf16" or tuple(router.shape) != (E + 1, H) or post % 16:
+        reads = fused_plan(k, spec, matrix, prefix, i) is not None or batch_reads(spec, matrix, prefix, i)
+        if not reads or router.fmt != "bf16" or tuple(router.shape) != (E + 1, H) or post % 16:
             continue
         r = bf16_bits_to_f32(gpu.download(router.base, (E + 1, H), np.uint16))
         w_post = gpu.download(post, (H,), np.float32)
@@ -118,8 +161,8 @@ def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, plan,
         dev = [alloc(a.nbytes) for a in arrays]
         for dst, a in zip(dev, arrays):
             gpu.upload(dst, a)
-        acc = alloc(8 * ld)
-        gpu.memset(acc, 0, 8 * ld)
+        acc = alloc(8 * ld * rows)
+        gpu.memset(acc, 0, 8 * ld * rows)
         folds[i] = ((*dev, x, acc, ld, E + 1, H) if attn else (*dev, acc, ld, E + 1), acc)
     gpu.stream.synchronize()
     return folds

@@ -1,6 +1,6 @@
 """GPU test of deltanet.step's router fold (v71/v73; kernels/deltanet_step.cu with fold_acc): for one
-token the clustered step also adds its blocks' shares of the next MoE's raw router logits into an int64 accumulator
-(router_fold.py).
+token a sequence the clustered step also adds its blocks' shares of the next MoE's raw router logits into an int64
+accumulator, a row a sequence (router_fold.py; B > 1 since v87).
 
 Oracle: fold_oracle.check_fold_sums over the step's own fp32 output y; y is the same bits as the step's without the
 fold (the states restored in between), so the fold reads the step's real output and changes nothing else.
@@ -19,36 +19,38 @@ from .test_deltanet import STEP_DIMS, Layer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("E,H", [(256, 2048), (40, 2043)])
-def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H):
-    """The 35B's DeltaNet shapes (128 blocks of 32 columns; H = 2048: 16 elements of x a block) with 257 logits (the
-    last warp takes the shared gate's); and with 41 (a thread each) at H = 2043, whose last block holds 11 elements
-    (chunks of 16, 16 and 12 bytes, one zeroed)."""
+@pytest.mark.parametrize("E,H,B", [(256, 2048, 1), (40, 2043, 1), (256, 2048, 2), (40, 2043, 4)])
+def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B):
+    """The 35B's DeltaNet shapes (128 blocks of 32 columns a sequence; H = 2048: 16 elements of x a block) with 257
+    logits (the last warp takes the shared gate's); and with 41 (a thread each) at H = 2043, whose last block holds
+    11 elements (chunks of 16, 16 and 12 bytes, one zeroed). B sequences: sequence b's sums in row b (v87), the row
+    past them untouched."""
     from ninfer_rt.gpu import deltanet, router_fold
     d = STEP_DIMS["35b"]
     C = deltanet.step_cluster(kernels, dv=d["dv"])
     if C == 1 or not deltanet.records_fit(kernels, dv=d["dv"], cluster=C):
         pytest.skip(f"no clustered step of 32 columns a block on {kernels.gpu.info.arch}")
-    L = Layer(dev, rng, d, 2, H=H)
-    mixed, _, x = L.inputs(rng, 1, fused=True)
+    L = Layer(dev, rng, d, B + 1, H=H)
+    mixed, _, x = L.inputs(rng, B, fused=True)
     D = d["nv"] * d["dv"]
     _, _, _, mb, ms, wb, g1 = random_fold(rng, E, H, D)
     ld = router_fold.fold_ld(E)
-    acc = dev.put(np.zeros(ld, np.int64))
+    acc = dev.put(np.zeros((B + 1) * ld, np.int64))
     fold = (dev.put(mb), dev.put(ms), dev.put(wb), dev.put(g1), acc, ld, E + 1)
     plain_step = deltanet.step
 
     def one_step(with_fold: bool) -> np.ndarray:
-        """One token of sequence slot 1 from the layer's initial states (restored first)."""
+        """One token of each sequence (slots B .. 1, not in order) from the layer's initial states (restored
+        first)."""
         dev.gpu.upload(L.p["conv_state"], L.conv_state)
         dev.gpu.upload(L.p["ssm_state"], L.ssm_state)
         monkeypatch.setattr(deltanet, "step", functools.partial(plain_step, fold=fold if with_fold else None))
-        return L.run(kernels, "step", mixed, None, x, [1], 1, 1, cluster=C)[0]
+        return L.run(kernels, "step", mixed, None, x, list(range(B, 0, -1)), B, 1, cluster=C)
 
     want_y = one_step(False)
     y = one_step(True)
     assert np.isfinite(y).all() and np.array_equal(y.view(np.uint32), want_y.view(np.uint32)), "the fold changed y"
-    got_acc = dev.get(acc, (ld,), np.int64)
-    assert not got_acc[E + 1:].any()
-
-    check_fold_sums(got_acc, mb, ms, wb, g1, x[0], y, E, H)
+    got_acc = dev.get(acc, (B + 1, ld), np.int64)
+    assert not got_acc[:, E + 1:].any() and not got_acc[B].any()
+    for b in range(B):
+        check_fold_sums(got_acc[b], mb, ms, wb, g1, x[b], y[b], E, H, label=f"sequence {b}: ")

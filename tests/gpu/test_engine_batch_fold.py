@@ -1,0 +1,85 @@
+"""v87: the router fold at B > 1 sequences of one token (router_fold.BATCH_FOLD). One DeltaNet or attention layer
+of the 35B-A3B with its MoE (synthetic weights of recipe qwen3.6-35b-a3b): with the switch on, the DeltaNet step
+(the attention combine) adds each sequence's raw router logits into its row of acc and gate_up_routed's _acc entry
+routes on them, with no router GEMV; with it off the router GEMV writes the logits L. The bounds are
+test_engine_layers.test_router_fold_routes_as_the_router_gemv's, row by row (its docstring derives them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_engine import prompt
+from .test_engine_layers import one_layer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("B", [2, 4])
+@pytest.mark.parametrize("layer", ["linear_attention", "full_attention"])
+def test_batch_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer, B):
+    """B sequences at different positions decode 8 steps together, the first steps recorded and captured, the rest
+    replayed; each row's experts, weights and shared scale agree with the router GEMV's run where its k-th logit is
+    clear; every gate_up_routed launch of the fold's run has acc and no router GEMV runs; acc is zero after the last
+    step (moe.down clears the rows it routed)."""
+    from ninfer_rt.gpu import moe, router_fold
+    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.loader import synthetic_weights
+    from ninfer_rt.recipe import load_recipe
+
+    spec = one_layer(layer)
+    E, k = spec.num_experts, spec.num_experts_per_tok
+    weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
+    steps, start = 8, [3 * b for b in range(B)]
+    ids = prompt(steps * B, 11, vocab=1000).reshape(steps, B)
+    plain_routed, accs = moe.gate_up_routed, []
+
+    def gate_up_routed(*args, **kw):
+        accs.append(kw.get("acc", 0))
+        plain_routed(*args, **kw)
+
+    monkeypatch.setattr(moe, "gate_up_routed", gate_up_routed)
+    monkeypatch.setattr(router_fold, "ROUTER_FOLD", True)
+
+    def run(fold: bool):
+        monkeypatch.setattr(router_fold, "BATCH_FOLD", fold)
+        accs.clear()
+        model = GpuModel(gpu, kernels, spec, weights, slots=B, max_ctx=64, kv_dtype="int8")
+        try:
+            if fold and model._fold_for(0, B, 1) is None:
+                pytest.skip(f"no router fold of {B} rows for a {layer} layer on {kernels.gpu.info.arch}")
+            rows = []
+            for s in range(steps):
+                model.decode(ids[s], [p + s for p in start], list(range(B)))
+                b = model.buf
+                rows.append((gpu.download(b.router, (B, E + 1), np.float32), gpu.download(b.ids, (B, k), np.int32),
+                             gpu.download(b.wts, (B, k), np.float32), gpu.download(b.sscale, (B,), np.float32)))
+            assert accs and all(bool(a) == fold for a in accs), (fold, accs)
+            acc = [gpu.download(a, (B, router_fold.fold_ld(E)), np.int64) for _, a in model._folds.values()]
+            return rows, acc
+        finally:
+            model.free()
+
+    try:
+        folded, acc = run(True)
+        plain, _ = run(False)
+    finally:
+        weights.free(gpu)
+    assert acc and all(not a.any() for a in acc), "acc was not cleared after the MoE read it"
+    compared = 0
+    for (_, f_ids, f_w, f_s), (Ls, p_ids, p_w, p_s) in zip(folded, plain):
+        for r in range(B):
+            L = Ls[r]
+            assert np.isfinite(L).all() and np.isfinite(f_w[r]).all()
+            tau = 2.0 ** -9 * np.abs(L).max()
+            top = np.sort(L[:E])[::-1]
+            if top[k - 1] - top[k] <= 2 * tau:
+                continue
+            compared += 1
+            assert sorted(f_ids[r]) == sorted(p_ids[r]) == sorted(np.argsort(-L[:E], kind="stable")[:k]), (r,)
+            fw, pw = dict(zip(f_ids[r], f_w[r])), dict(zip(p_ids[r], p_w[r]))
+            for e in p_ids[r]:
+                assert abs(fw[e] - pw[e]) <= 2 * tau * pw[e] + 1e-7, (r, e, fw[e], pw[e])
+            assert abs(f_s[r] - p_s[r]) <= tau / 4 + 1e-7, r
+    assert compared >= steps * B // 2, f"only {compared} of {steps * B} rows had a clear k-th expert"
