@@ -17,7 +17,8 @@
 // fold_acc (if set; v72; 256 threads): also adds block b = h·(D/32) + z's share of the next MoE's raw router
 // logits of row m into fold_acc int64 [M, fold_ld] (2^-32 fixed point): logit e of row m += ms[e]·Σ_j mt[b, e, j]
 // ·out[m, 32b + j] + Σ_i wt[b, e, i]·(gain[16b + i]·x[m, 16b + i]), gain = 1 + w_post, x fp32 [M, fold_h]
-// (router_fold.py: the layout, reference and tests; fold_h = H; M > 1 since v87).
+// (router_fold.py: the layout, reference and tests; fold_h = H; M > 1 since v87, with fold_h % 4 == 0: each row's
+// 16 elements go by 16-byte cp.async).
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_fast(const float* __restrict__ acc, const float2* __restrict__ ml, const float* __restrict__ gate,
                       int ld_gate, const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ out,

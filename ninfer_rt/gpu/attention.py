@@ -259,7 +259,8 @@ def decode(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int, B: int, T
     fold (v72): (mt, ms, wt, gain, x, acc, ld, n, H), the router fold of the MoE after o_proj
     (router_fold's arrays in fold_blocks' layout, on the device; gain fp32 [H] = 1 + w_post of the MoE's norm, 16-byte
     aligned as x fp32 [M, H], the layer input): the combine also adds G·x_m + M·out_m into row m of acc int64
-    [M, ld] (fixed point, 2^-32; n logits a row) on the CUDA-core path (fold_fits); every row since v87.
+    [M, ld] (fixed point, 2^-32; n logits a row) on the CUDA-core path (fold_fits); every row since v87, with
+    H % 4 == 0 at M > 1 (each row's 16 elements go by 16-byte cp.async).
     """
     if out_records:
         _need(records_order in (1, 2) and out_records % 16 == 0,
@@ -315,9 +316,11 @@ def _decode_launches(k, *, q: int, gate: int, ld_gate: int, pos: int, slot: int,
     # combine: 4..32 splits read side by side per block (32 with the router fold: a thread a logit)
     lanes = min(32, max(4, 1 << (ns - 1).bit_length()))
     if fold is not None:
-        _need(bool(smem) and fold[7] <= FOLD_THREADS + 1 and fold[7] <= fold[6] and fold[8] <= 16 * nH * d // 32,
-              f"{name}: the router fold needs the CUDA-core path, at most {FOLD_THREADS + 1} logits, ld >= n "
-              f"and H <= {16 * nH * d // 32} (got M={M}, n={fold[7]}, ld={fold[6]}, H={fold[8]})")
+        _need(bool(smem) and fold[7] <= FOLD_THREADS + 1 and fold[7] <= fold[6] and fold[8] <= 16 * nH * d // 32
+              and (M == 1 or fold[8] % 4 == 0),
+              f"{name}: the router fold needs the CUDA-core path, at most {FOLD_THREADS + 1} logits, ld >= n, "
+              f"H <= {16 * nH * d // 32} and, at M > 1, x's rows 16-byte aligned (H % 4 == 0) (got M={M}, "
+              f"n={fold[7]}, ld={fold[6]}, H={fold[8]})")
         lanes = FOLD_THREADS // 8
     fm, fs, fw, fg, fx, fa, fld, fn, fh = fold or (0,) * 9
     if smem:

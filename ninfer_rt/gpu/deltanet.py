@@ -294,7 +294,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
     layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
     G·x_b + M·out_b of sequence b into row b of acc int64 [B, ld] (fixed point, 2^-32; n logits a row); T = 1,
-    32 columns a block and at most 16 elements of x a block (H <= 16·C·nv). B > 1 since v87.
+    32 columns a block and at most 16 elements of x a block (H <= 16·C·nv). B > 1 since v87, with H % 4 == 0 (the
+    kernel copies each row's 16 elements by 16-byte cp.async).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -318,10 +319,11 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and B·T <= {STEP_T} rows "
                        f"(got {B * T})")
     if fold is not None and (T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
-                             or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv):
+                             or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv
+                             or (B > 1 and H % 4)):
         raise GpuError(f"deltanet.step: the router fold needs T = 1, 32 columns a block on clusters, at most "
-                       f"{STEP_LANES[C] * dv // C + 1} logits and H <= {16 * C * nv} (got T={T}, C={C}, "
-                       f"n={fold[6]}, H={H})")
+                       f"{STEP_LANES[C] * dv // C + 1} logits, H <= {16 * C * nv} and, at B > 1, x's rows 16-byte "
+                       f"aligned (H % 4 == 0) (got B={B}, T={T}, C={C}, n={fold[6]}, H={H})")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,

@@ -20,7 +20,7 @@ from ninfer_rt.gpu.driver import GpuError
 ROUTER_FOLD = True  # planner switch: False keeps the router GEMV on every layer
 # Planner switch (v87): a decode step of B > 1 sequences, one token each, folds too; its MoE routes on acc's rows
 # in moe.gate_up_routed's _acc entries instead of after a router GEMV. False keeps the GEMV there.
-BATCH_FOLD = False
+BATCH_FOLD = True
 
 
 def fold_ld(E: int) -> int:
@@ -114,7 +114,10 @@ def fold_for(k, spec, matrix, prefix: str, folds: dict, i: int, B: int, T: int, 
 def mixer_folds(k, spec, i: int, B: int) -> bool:
     """Whether layer i's mixer adds a fold at B sequences of one token: an attention layer's combine wherever
     layer_folds took the layer (attention.fold_fits); a DeltaNet layer's step where it runs on clusters at B
-    (deltanet.step_cluster: the one-block step, which STEP_CLUSTER_WAVES may pick at B > 1, has no fold)."""
+    (deltanet.step_cluster: the one-block step, which STEP_CLUSTER_WAVES may pick at B > 1, has no fold); both
+    with x's rows 16-byte aligned (H % 4 == 0)."""
+    if spec.hidden_size % 4:
+        return False  # x's rows by 16-byte copies
     if spec.layer_types[i] == "full_attention":
         return True
     return deltanet.step_cluster(k, dv=spec.linear_value_head_dim, dk=spec.linear_key_head_dim,

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dims,E,H,B", [("35b", 256, 2048, 1), ("d128", 40, 102, 1), ("d128", 8, 99, 1),
-                                          ("35b", 256, 2048, 2), ("d128", 40, 102, 4)])
+                                          ("35b", 256, 2048, 2), ("d128", 40, 100, 4)])
 def test_combine_adds_the_router_fold(kernels, gpu, dev, rng, dims, E, H, B):
     """35b: 128 blocks of 16 x elements and 257 logits (the last warp takes the shared gate's); d128: 32 blocks,
     H = 102 or 99 (block 6 holds 6 or 3 elements: chunks of 8 or 12 bytes, zero-filled; blocks past it none), 41 or
     9 logits (a thread each). B sequences of one token: row b's sums in acc's row b (v87), the row past them
-    untouched."""
+    untouched; H = 100 there (x's rows 16-byte aligned, as the fold needs at M > 1; block 6 holds 4 elements)."""
     from ninfer_rt.gpu import attention, router_fold
     nH, nKV, d = DIMS[dims][:3]
     pos, slots = [300 + 37 * b for b in range(B)], list(range(B, 0, -1))

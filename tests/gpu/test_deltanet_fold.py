@@ -19,12 +19,13 @@ from .test_deltanet import STEP_DIMS, Layer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("E,H,B", [(256, 2048, 1), (40, 2043, 1), (256, 2048, 2), (40, 2043, 4)])
+@pytest.mark.parametrize("E,H,B", [(256, 2048, 1), (40, 2043, 1), (256, 2048, 2), (40, 2036, 4)])
 def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B):
     """The 35B's DeltaNet shapes (128 blocks of 32 columns a sequence; H = 2048: 16 elements of x a block) with 257
     logits (the last warp takes the shared gate's); and with 41 (a thread each) at H = 2043, whose last block holds
     11 elements (chunks of 16, 16 and 12 bytes, one zeroed). B sequences: sequence b's sums in row b (v87), the row
-    past them untouched."""
+    past them untouched; H = 2036 there (x's rows 16-byte aligned, as the fold needs at B > 1; the last block
+    holds 4 elements)."""
     from ninfer_rt.gpu import deltanet, router_fold
     d = STEP_DIMS["35b"]
     C = deltanet.step_cluster(kernels, dv=d["dv"])
