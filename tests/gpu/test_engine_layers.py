@@ -175,15 +175,22 @@ def test_router_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer)
         finally:
             model.free()
 
+    folded, plain = fold_and_plain(gpu, weights, run)
+    # rows (logits, ids, weights, shared scale): the plain run's logits are the router GEMV's
+    compared = sum(same_routing(pl[0], fo[1:], pl[1:], E, k) for fo, pl in zip(folded, plain))
+    assert compared >= len(ids) // 2, f"only {compared} of {len(ids)} steps had a clear k-th expert"
+
+
+def fold_and_plain(gpu, weights, run) -> tuple[list, list]:
+    """run(True) (the fold) then run(False) (the router GEMV), each giving (rows, acc after its last step); the
+    weights freed either way. Asserts the folded run left every acc zero (the MoE clears what it routed on)."""
     try:
         folded, acc = run(True)
         plain, _ = run(False)
     finally:
         weights.free(gpu)
-    assert acc and all(not a.any() for a in acc), "acc was not cleared after the fused MoE read it"
-    # rows (logits, ids, weights, shared scale): the plain run's logits are the router GEMV's
-    compared = sum(same_routing(pl[0], fo[1:], pl[1:], E, k) for fo, pl in zip(folded, plain))
-    assert compared >= len(ids) // 2, f"only {compared} of {len(ids)} steps had a clear k-th expert"
+    assert acc and all(not a.any() for a in acc), "acc was not cleared after the MoE read it"
+    return folded, plain
 
 
 def same_routing(L: np.ndarray, folded: tuple, plain: tuple, E: int, k: int) -> bool:
