@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 def test_batch_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer, B):
     """B sequences at different positions decode 8 steps together, the first steps recorded and captured, the rest
     replayed; each row's experts, weights and shared scale agree with the router GEMV's run where its k-th logit is
-    clear; every gate_up_routed launch of the fold's run has acc and no router GEMV runs; acc is zero after the last
-    step (moe.down clears the rows it routed)."""
+    clear; every gate_up_routed launch of the fold's run has acc (its _acc entry reads no logits) and none of the
+    other run's does; acc is zero after the last step (moe.down clears the rows it routed)."""
     from ninfer_rt.gpu import moe, router_fold
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
