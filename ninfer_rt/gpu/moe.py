@@ -79,6 +79,13 @@ def _smem(k, op: str, name: str, nbytes: int) -> int:
     return nbytes
 
 
+def _fast_t(w: DeviceWeight, n: int, unit: int) -> int:
+    """T of the fast path for a q bank whose H (gate/up, unit 1024) or I (down, unit 512) is n = unit·T with T in
+    FAST_T; 0 where there is none (the caller still checks its inputs' alignment)."""
+    t = n // unit
+    return t if w.quantized and n == unit * t and t in FAST_T else 0
+
+
 def _check_logits(op: str, E: int, top_k: int, ld: int) -> None:
     if not 1 <= E <= MAX_EXPERTS:
         raise GpuError(f"moe.{op}: E={E} outside 1..{MAX_EXPERTS}")
@@ -117,8 +124,8 @@ def _gate_up_kernel(k, op: str, w: DeviceWeight, M: int, top_k: int, vec: bool, 
         raise GpuError(f"moe.{op}: bank {w.name} {list(w.shape)}: I and H must be multiples of 32")
     if two_i // GATE_UP_TILE > 65535:
         raise GpuError(f"moe.{op}: I={two_i // 2} is too large for the grid (at most {65535 * 16})")
-    t = H // 1024
-    if w.quantized and H == 1024 * t and t in FAST_T and vec:
+    t = _fast_t(w, H, 1024)
+    if t and vec:
         name = f"moe_{op}_t{t}_{w.fmt}"
         smem = _smem(k, op, name, H // 32 * QCHUNK)
     else:
@@ -144,12 +151,10 @@ def acc_fits(gate_up: DeviceWeight, E: int, down: DeviceWeight | None = None) ->
     """Whether gate_up_routed can route this bank's rows on a router fold's acc (its _acc entries, v87): a
     q4g64 or q5g64 bank at H = 1024·T (T in FAST_T) and E <= THREADS (one logit a thread); with `down`, also
     whether moe.down takes its fast path there (a q bank at I = 512·T), which zeroes acc's rows."""
-    w = gate_up
-    if not (len(w.shape) == 3 and w.fmt in ACC_FORMATS and w.shape[0] == E and E <= THREADS
-            and w.shape[2] % 1024 == 0 and w.shape[2] // 1024 in FAST_T):
+    if not (len(gate_up.shape) == 3 and gate_up.fmt in ACC_FORMATS and gate_up.shape[0] == E and E <= THREADS
+            and _fast_t(gate_up, gate_up.shape[2], 1024)):
         return False
-    return down is None or (down.quantized and len(down.shape) == 3 and down.shape[2] % 512 == 0
-                            and down.shape[2] // 512 in FAST_T)
+    return down is None or (len(down.shape) == 3 and bool(_fast_t(down, down.shape[2], 512)))
 
 
 def gate_up_routed(k, w: DeviceWeight, *, x: int, norm_w: int, eps: float, logits: int, ld: int, M: int, E: int,
@@ -217,8 +222,8 @@ def down(k, w: DeviceWeight, *, act: int, ids: int, weights: int, M: int, top_k:
     _check_ptrs("down", act=act, ids=ids, weights=weights, y=y)
     if bool(extra) != bool(extra_scale):
         raise GpuError("moe.down: extra and extra_scale come together (both device pointers, or neither)")
-    t = I // 512
-    if w.quantized and I == 512 * t and t in FAST_T and act % 16 == 0:
+    t = _fast_t(w, I, 512)
+    if t and act % 16 == 0:
         name = f"moe_down_t{t}_{w.fmt}"
         if DOWN_BLOCKS_PER_SM == 3 and M > 1 and t == 1 and w.fmt in DOWN_B3_FORMATS:
             name = f"moe_down_b3_t1_{w.fmt}"
