@@ -28,6 +28,9 @@
 // xrec (where a block holds 32 columns: dv / C == 32): y also as out_proj's x̂, one int16 chunk record of all
 // B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record (h·dv + col0) / 32,
 // row b·T + t, so out_proj copies them instead of coding y itself (reference: act_records16 of the rows).
+// fold (T = 1; 32 columns a block on clusters, dv = 128 in one block): also the next MoE router's raw logits
+// G·x + M·y of each sequence into its row of an int64 accumulator (router_fold.py; reference: the router's
+// rms_norm_zc(x_new) @ W_routerᵀ before its positive rsqrt, test_deltanet_fold.py's oracle).
 #include "common.cuh"
 #include "deltanet.cuh"
 #include "xcodes.cuh"  // the chunk records of y for out_proj (xrec)
@@ -144,6 +147,9 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // dv = 128 the cluster's 1024 threads cover H <= 6144 so (the family: 2048 to 5120)
     constexpr int PRE = C == 1 ? 4 : 6;
     constexpr int TP = 2;                      // tokens per b|a pass: 3·TP accumulators
+    // the router fold's 32-column blocks a block holds, and threads a logit, each summing FNB / FTL of them (v88:
+    // the one-block step at dv = 128, 512 threads over its 4 blocks; the cluster's block is one of 32 columns)
+    constexpr int FNB = C == 1 ? 4 : 1, FTL = C == 1 ? 2 : 1, FQ = FNB / FTL;
     // q, k of the key head (all DK) and v of this block's columns
     constexpr int QKV = (2 * DK + MAXC) * DN_STEP_T;
     __shared__ __align__(16) float sqkv[QKV];
@@ -159,7 +165,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     __shared__ uint64_t xbar;                                   // C > 1: the b|a sums and q/k channels arrived
     __shared__ float sba[DN_STEP_T][2];                         // β, e^g of each token
     __shared__ float sz[DN_STEP_T][MAXC], snw[MAXC], sAdt[2];   // z and norm_w of its columns; A_log, dt_bias
-    __shared__ __align__(16) float sfx[16], sfg[16];            // v73: the fold's 16 elements of x and of 1 + w_post
+    __shared__ __align__(16) float sfx[16 * FNB], sfg[16 * FNB];  // v73: the fold's elements of x and of 1 + w_post
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     const int c = blockIdx.x % C, h = blockIdx.x / C, b = blockIdx.y;
     const int cols = dv / C, col0 = c * cols;  // this block's columns of S
@@ -247,31 +253,34 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #pragma unroll
         for (int n = 0; n < PRE; ++n) xv0[t][n] = t < T && g0 + n * G < H ? xb[(size_t)t * H + g0 + n * G] : 0.f;
 
-    // v73: the router fold (router_fold.py). One token a sequence, 32 columns a block: block b = h·C + c sums rows
-    // 32b.. of fold_mt [nb, ld, 32] against its y and rows 16b.. of fold_wt [nb, ld, 16] against (1 + w_post)·x,
-    // thread e logit e (the last warp also logit nt, a lane a row). x (readable now, see above) and the gain go to
-    // shared memory by cp.async with the ring rows; the x term is summed once the conv inputs are in. Sequence
-    // b's sums go to row b of fold_acc [B, fold_ld] (v87).
-    const bool fold = C > 1 && fold_acc != nullptr && T == 1 && cols == 32;
+    // v73: the router fold (router_fold.py). One token a sequence, 32 columns a fold block: fold block f
+    // (h·C + c on clusters; 4h .. 4h + 3 in the one-block step, v88) sums rows 32f.. of fold_mt [nb, ld, 32]
+    // against its y and rows 16f.. of fold_wt [nb, ld, 16] against (1 + w_post)·x. Clusters: thread e logit e (the
+    // last warp also logit nt, a lane a row); one block: threads 2e, 2e + 1 logit e, two fold blocks each (the last
+    // warp also logit nt / 2). x (readable now, see above) and the gain go to shared memory by cp.async with the
+    // ring rows. Sequence b's sums go to row b of fold_acc [B, fold_ld] (v87).
+    const bool fold = fold_acc != nullptr && T == 1 && cols == 32 * FNB;
     long long* const facc = fold_acc + (size_t)b * fold_ld;
     // deltanet.step refuses these: never skip or drop a term silently
-    if (fold_acc != nullptr && (!fold || fold_n > nt + 1 || fold_ld < fold_n || H > 16 * (int)gridDim.x)) __trap();
-    const int fb_ = h * C + c, fk0 = min(H, fb_ * 16), fkn = min(H, fk0 + 16) - fk0;
-    const __half* fmt = fold_mt + (size_t)fb_ * fold_ld * 32;
-    const uint16_t* fwt = fold_wt + (size_t)fb_ * fold_ld * 16;
-    if (fold && tid < 8) {  // 4 chunks of x, then 4 of the gain; past fkn zero-filled (fk0 = 16b: 64-byte aligned)
-        const int cq = tid & 3, n = min(4, fkn - 4 * cq);
-        float* dst = (tid < 4 ? sfx : sfg) + 4 * cq;
+    if (fold_acc != nullptr &&
+        (!fold || fold_n > nt / FTL + 1 || fold_ld < fold_n || H > 16 * FNB * (int)gridDim.x)) __trap();
+    const int fb_ = (h * C + c) * FNB, fk0 = min(H, fb_ * 16), fkn = min(H, fk0 + 16 * FNB) - fk0;
+    const __half* fmt = fold_mt + (size_t)fb_ * fold_ld * 32;     // fold block fb_ + q: q·fold_ld·32 on
+    const uint16_t* fwt = fold_wt + (size_t)fb_ * fold_ld * 16;   // and q·fold_ld·16 on
+    if (fold && tid < 8 * FNB) {  // chunks of x, then of the gain; past fkn zero-filled (fk0 = 16f: 64-byte aligned)
+        const int cq = tid & (4 * FNB - 1), n = min(4, fkn - 4 * cq);
+        float* dst = (tid < 4 * FNB ? sfx : sfg) + 4 * cq;
         if (n > 0)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                         "l"((tid < 4 ? xb : fold_gain) + fk0 + 4 * cq), "r"(4 * n) : "memory");
+                         "l"((tid < 4 * FNB ? xb : fold_gain) + fk0 + 4 * cq), "r"(4 * n) : "memory");
         else
             *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // its W_router rows (thread e: 16 bf16, 32 contiguous bytes; weights), summed once the cluster's sums are in: by
-    // then long landed, so that no wait on their scoreboard holds the step
+    // then long landed, so that no wait on their scoreboard holds the step. The one-block step reads them on its
+    // tail (the state's 32 registers a thread are free there)
     uint4 fw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-    if (fold && tid < fold_n) {
+    if (C > 1 && fold && tid < fold_n) {
         const uint4* w4 = reinterpret_cast<const uint4*>(fwt + (size_t)tid * 16);
         fw[0] = w4[0], fw[1] = w4[1];
     }
@@ -392,7 +401,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #endif
     NINFER_TL_MARK(2);  // the cluster's b|a sums and q/k channels are in
     float fxs = 0.f;  // v73: this block's x term of logit tid (sfx, sfg: in since the conv's barrier)
-    if (fold) {
+    if (C > 1 && fold) {
         const uint32_t ww[8] = {fw[0].x, fw[0].y, fw[0].z, fw[0].w, fw[1].x, fw[1].y, fw[1].z, fw[1].w};
 #pragma unroll
         for (int u = 0; u < 8; ++u)  // rows fk0 + 2u, + 1 (bf16 pairs, the low half first; zero past fkn)
@@ -426,10 +435,12 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     NINFER_TL_MARK(5);  // q̂, k̂, β and e^g ready
     // v71/v73: the router fold's M rows this block reads on its tail, asked of L2 now, behind the step's
     // own loads (served in issue order: perf-history.md v66), so that they land while the delta rule runs
-    if (fold) {  // and the scales, and the last warp's W_router value (read before the Σ o² wait)
-        prefetch_l2_span(fmt, (size_t)fold_ld * 64, tid, nt);
+    if (fold) {  // and the scales, and the last warp's W_router value (read before the Σ o² wait); the one-block
+        // step all its W_router rows
+        prefetch_l2_span(fmt, (size_t)fold_ld * 64 * FNB, tid, nt);
         prefetch_l2_span(fold_ms, (size_t)fold_ld * 4, tid, nt);
-        if (tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
+        if (C > 1 && tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
+        if (C == 1) prefetch_l2_span(fwt, (size_t)fold_ld * 32 * FNB, tid, nt);
     }
 
     for (int t = 0; t < T; ++t) {
@@ -462,22 +473,37 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         }
     }
     NINFER_TL_MARK(3);  // the delta rule done, Σ o² sent, the state's stores issued
-    // v71/v73: the fold's M loads while the cluster's Σ o² arrive (thread e: column e's 32 fp16 values, 64
-    // contiguous bytes), read on the tail; the last warp's values for logit nt kept raw till then (sass_waits.py)
-    uint4 fm[4];
+    // v71/v73: the fold's M loads while the cluster's Σ o² arrive (logit e: column e's 32 fp16 values of a fold
+    // block, 64 contiguous bytes), read on the tail; the last warp's values for logit nt / FTL kept raw till then
+    // (sass_waits.py). Thread tid: logit e of fold blocks fb_ + q, q = (tid % FTL)·FQ + qq.
+    const int fe = tid / FTL, fq0 = (tid % FTL) * FQ, fne = nt / FTL;
+    const bool fmine = fold && fe < min(fold_n, fne);
+    uint4 fm[FQ][4], fwq[C == 1 ? FQ : 1][2];
     float fms = 0.f, fms2 = 0.f;
-    uint16_t fm2 = 0, fw2 = 0;
-    const bool extra = fold && fold_n > nt && warp == nw - 1;
+    uint16_t fm2[FNB], fw2[FNB];
+    const bool extra = fold && fold_n > fne && warp == nw - 1;
     if (fold) {
-        const bool mine = tid < fold_n;
-        const uint4* m4 = reinterpret_cast<const uint4*>(fmt + (size_t)tid * 32);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fm[i] = mine ? m4[i] : make_uint4(0u, 0u, 0u, 0u);
-        if (mine) fms = fold_ms[tid];
+        for (int qq = 0; qq < FQ; ++qq) {
+            const size_t at = (size_t)(fq0 + qq) * fold_ld + fe;  // logit fe's row of fold block fb_ + fq0 + qq
+            const uint4* m4 = reinterpret_cast<const uint4*>(fmt + at * 32);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) fm[qq][i] = fmine ? m4[i] : make_uint4(0u, 0u, 0u, 0u);
+            if constexpr (C == 1) {
+                const uint4* w4 = reinterpret_cast<const uint4*>(fwt + at * 16);
+                fwq[qq][0] = fmine ? w4[0] : make_uint4(0u, 0u, 0u, 0u);
+                fwq[qq][1] = fmine ? w4[1] : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        if (fmine) fms = fold_ms[fe];
         if (extra) {
-            fm2 = reinterpret_cast<const uint16_t*>(fmt)[(size_t)nt * 32 + lane];
-            fms2 = fold_ms[nt];
-            if (lane < 16) fw2 = fwt[(size_t)nt * 16 + lane];
+#pragma unroll
+            for (int q = 0; q < FNB; ++q) {
+                const size_t at = (size_t)q * fold_ld + fne;
+                fm2[q] = reinterpret_cast<const uint16_t*>(fmt)[at * 32 + lane];
+                fw2[q] = lane < 16 ? fwt[at * 16 + lane] : 0;
+            }
+            fms2 = fold_ms[fne];
         }
     }
     // then wait for all C blocks' sums
@@ -507,27 +533,50 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // v71/v73: this block's share of the next router's raw logits, G·x_new = G·x + (G·Ŵ_out)·y with
     // G = W_router·diag(1 + w_post) (router_fold.py: fp16 M with a power of two a logit that fold_ms undoes),
     // added as fixed-point int64 (2^-32): exact in any order, so that every block of the fused MoE routes the same.
+    // Each fold block's sum is rounded once, as on clusters, so both kernels add the same integers for the same y.
     if (fold) {
         __syncthreads();
-        if (tid < fold_n) {
-            const uint32_t mw[16] = {fm[0].x, fm[0].y, fm[0].z, fm[0].w, fm[1].x, fm[1].y, fm[1].z, fm[1].w,
-                                     fm[2].x, fm[2].y, fm[2].z, fm[2].w, fm[3].x, fm[3].y, fm[3].z, fm[3].w};
-            float a = 0.f;
+        long long v = 0;
+        if (fmine) {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {  // rows 2j, 2j + 1 of M (fp16 pairs, the low half first)
-                const float2 m2 = __half22float2(*reinterpret_cast<const __half2*>(&mw[j]));
-                a = fmaf(m2.y, so[0][2 * j + 1], fmaf(m2.x, so[0][2 * j], a));
+            for (int qq = 0; qq < FQ; ++qq) {
+                const int q = fq0 + qq;
+                const uint4* m = fm[qq];
+                const uint32_t mw[16] = {m[0].x, m[0].y, m[0].z, m[0].w, m[1].x, m[1].y, m[1].z, m[1].w,
+                                         m[2].x, m[2].y, m[2].z, m[2].w, m[3].x, m[3].y, m[3].z, m[3].w};
+                float a = 0.f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {  // rows 2j, 2j + 1 of M (fp16 pairs, the low half first)
+                    const float2 m2 = __half22float2(*reinterpret_cast<const __half2*>(&mw[j]));
+                    a = fmaf(m2.y, so[0][32 * q + 2 * j + 1], fmaf(m2.x, so[0][32 * q + 2 * j], a));
+                }
+                float fx = fxs;
+                if constexpr (C == 1) {  // the x term as the clusters' (after the cluster wait there)
+                    const uint4* w = fwq[qq];
+                    const uint32_t ww[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+                    const float* gq = sfg + 16 * q;
+                    const float* xq_ = sfx + 16 * q;
+                    fx = 0.f;
+#pragma unroll
+                    for (int u = 0; u < 8; ++u)
+                        fx = fmaf(__uint_as_float(ww[u] & 0xffff0000u), gq[2 * u + 1] * xq_[2 * u + 1],
+                                  fmaf(__uint_as_float(ww[u] << 16), gq[2 * u] * xq_[2 * u], fx));
+                }
+                v += __float2ll_rn(fmaf(a, fms, fx) * 0x1p32f);
             }
-            atomicAdd(reinterpret_cast<unsigned long long*>(facc + tid),
-                      (unsigned long long)__float2ll_rn(fmaf(a, fms, fxs) * 0x1p32f));
         }
+        if constexpr (FTL == 2) v += __shfl_xor_sync(0xffffffffu, v, 1);  // the pair's other fold blocks
+        if (fmine && tid % FTL == 0) atomicAdd(reinterpret_cast<unsigned long long*>(facc + fe), (unsigned long long)v);
         if (extra) {
-            const float m2 = __half2float(__ushort_as_half(fm2)) * fms2;
-            const float gx = lane < 16 ? sfg[lane & 15] * sfx[lane & 15] : 0.f;
-            const float a = warp_sum(fmaf(m2, so[0][lane], bf16_to_f32(fw2) * gx));
-            if (lane == 0)
-                atomicAdd(reinterpret_cast<unsigned long long*>(facc + nt),
-                          (unsigned long long)__float2ll_rn(a * 0x1p32f));
+            long long ve = 0;
+#pragma unroll
+            for (int q = 0; q < FNB; ++q) {
+                const float m2 = __half2float(__ushort_as_half(fm2[q])) * fms2;
+                const float gx = lane < 16 ? sfg[16 * q + (lane & 15)] * sfx[16 * q + (lane & 15)] : 0.f;
+                const float a = warp_sum(fmaf(m2, so[0][32 * q + lane], bf16_to_f32(fw2[q]) * gx));
+                ve += __float2ll_rn(a * 0x1p32f);
+            }
+            if (lane == 0) atomicAdd(reinterpret_cast<unsigned long long*>(facc + fne), (unsigned long long)ve);
         }
     }
 }

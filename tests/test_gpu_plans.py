@@ -243,6 +243,53 @@ def test_step_launches_a_cluster_per_head_on_sm90():
             deltanet.step(k, **args)
 
 
+@pytest.mark.parametrize("dv, C, n, H, nv, want", [
+    (128, 4, 257, 2048, 32, True),    # the 35B on clusters: a block of 32 columns, 256 threads, a logit each + 1
+    (128, 4, 258, 2048, 32, False),
+    (128, 1, 257, 2048, 32, True),    # v88: one block of 512 threads over 4 fold blocks, a pair a logit + 1
+    (128, 1, 258, 2048, 32, False),
+    (128, 1, 257, 2049, 32, False),   # x past the fold blocks' 16 elements each (nv·dv / 2)
+    (64, 1, 129, 1024, 32, False),    # one block of 64 columns: no whole 4 fold blocks
+    (64, 4, 129, 1024, 32, False),    # 16 columns a block of the cluster
+])
+def test_step_fold_fits(dv, C, n, H, nv, want):
+    """deltanet.fold_fits: the step folds where each block holds whole 32-column fold blocks (STEP_FOLD: one on a
+    cluster, four in one block), its threads cover n - 1 logits (one a thread, a pair in one block) and the fold
+    blocks' 16 elements of x cover H; deltanet.step launches such a fold and refuses the others in one line."""
+    from ninfer_rt.gpu import deltanet
+    from ninfer_rt.gpu.driver import GpuError
+    assert deltanet.fold_fits(dv=dv, C=C, n=n, H=H, nv=nv) == want
+    k = fake_kernels(9, 0)
+    args = {**_step_args(dv=dv, nv=nv, H=H, B=2), "fold": (1, 1, 1, 1, 1, 264, n), "cluster": C}
+    if not deltanet.cluster_fits(dv, C):
+        return
+    if want:
+        deltanet.step(k, **args)
+        assert k.gpu.launches == [(f"deltanet_step_dk128{'_c4' if C > 1 else ''}", (C * nv, 2),
+                                   deltanet.STEP_LANES[C] * dv // C, (C, 1, 1) if C > 1 else None)]
+    else:
+        with pytest.raises(GpuError, match="the router fold needs"):
+            deltanet.step(k, **args)
+
+
+def test_batch_fold_follows_the_steps_kernel(monkeypatch):
+    """router_fold.mixer_folds: a DeltaNet layer of the 35B folds at B > 1 whichever kernel step_cluster picks
+    there, clusters of 4 or (STEP_CLUSTER_WAVES, too few clusters at once) one block a head (v88), and not at an H
+    whose rows of x are not 16-byte aligned; one sequence needs no alignment."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import deltanet, router_fold
+    spec = SimpleNamespace(hidden_size=2048, layer_types=["linear_attention"], linear_value_head_dim=128,
+                           linear_key_head_dim=128, linear_num_value_heads=32, num_experts=256)
+    monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", True)
+    for at_once, C in [(1 << 10, 4), (60, 1)]:
+        k = fake_kernels(9, 0, clusters_at_once=at_once, blocks_per_sm=1)
+        assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=2) == C
+        assert router_fold.mixer_folds(k, spec, 0, 2)
+    spec.hidden_size = 2046
+    assert not router_fold.mixer_folds(k, spec, 0, 2) and router_fold.mixer_folds(k, spec, 0, 1)
+
+
 def test_cluster_launches_go_through_launch_kernel_ex(monkeypatch):
     """Gpu.launch with `cluster`: cuLaunchKernelEx with the cluster-dimension attribute (after the PDL one when
     PDL is on, alone when it is off); without a cluster and PDL, plain cuLaunchKernel; a cluster that does not

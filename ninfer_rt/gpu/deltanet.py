@@ -30,6 +30,9 @@ STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
 STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
+# the router fold's 32-column blocks in one step block and threads a logit (FNB, FTL in deltanet_step.cu), by
+# cluster: a block of the cluster is one fold block; the one-block step (v88) holds 4 (dv = 128), a pair a logit
+STEP_FOLD = {1: (4, 2), STEP_CLUSTER: (1, 1)}
 # planner switch: B > 1 sequences take the clustered step only where its nv·B clusters run in no more waves than
 # the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. Off until measured (perf.md v86:
 # prepared, planner_ab's "one-wave rule" variant times it)
@@ -268,6 +271,18 @@ def records_fit(k, *, dv: int, cluster: int | None = None, dk: int = 0, nv: int 
     return dv % C == 0 and dv // C == 32
 
 
+def fold_fits(*, dv: int, C: int, n: int, H: int, nv: int, ld: int | None = None) -> bool:
+    """Whether `step` on C blocks a head can add the router fold of n logits (ld columns a row): each block holds
+    whole fold blocks of 32 columns (STEP_FOLD[C]: dv / C == 32 on clusters, dv == 128 in one block), its threads
+    cover n - 1 logits (the last warp takes one more), and the fold's nv·dv / 32 blocks of 16 elements cover x
+    (H <= nv·dv / 2)."""
+    if C not in STEP_FOLD:
+        return False
+    nb, tl = STEP_FOLD[C]
+    return (dv % C == 0 and dv // C == 32 * nb and n <= STEP_LANES[C] * dv // C // tl + 1 and H <= 16 * nb * C * nv
+            and (ld is None or ld >= n))
+
+
 def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight, mixed: int, ld_mixed: int,
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
          B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
@@ -294,8 +309,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
     layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
     G·x_b + M·out_b of sequence b into row b of acc int64 [B, ld] (fixed point, 2^-32; n logits a row); T = 1,
-    32 columns a block and at most 16 elements of x a block (H <= 16·C·nv). B > 1 since v87, with H % 4 == 0 (the
-    kernel copies each row's 16 elements by 16-byte cp.async).
+    32 columns a block on clusters or dv = 128 in one block (v88), H <= nv·dv / 2 (fold_fits). B > 1 since v87,
+    with H % 4 == 0 (the kernel copies each row's elements of x by 16-byte cp.async).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -318,12 +333,12 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
         raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
                        f"a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and B·T <= {STEP_T} rows "
                        f"(got {B * T})")
-    if fold is not None and (T != 1 or C == 1 or not records_fit(k, dv=dv, cluster=C)
-                             or fold[6] > STEP_LANES[C] * dv // C + 1 or fold[5] < fold[6] or H > 16 * C * nv
+    if fold is not None and (T != 1 or not fold_fits(dv=dv, C=C, n=fold[6], H=H, nv=nv, ld=fold[5])
                              or (B > 1 and H % 4)):
-        raise GpuError(f"deltanet.step: the router fold needs T = 1, 32 columns a block on clusters, at most "
-                       f"{STEP_LANES[C] * dv // C + 1} logits, H <= {16 * C * nv} and, at B > 1, x's rows 16-byte "
-                       f"aligned (H % 4 == 0) (got B={B}, T={T}, C={C}, n={fold[6]}, H={H})")
+        raise GpuError(f"deltanet.step: the router fold needs T = 1, 32 columns a block on clusters or dv = 128 in "
+                       f"one block, at most {STEP_LANES[C] * dv // C // STEP_FOLD[C][1] + 1} logits, "
+                       f"H <= nv·dv / 2 and, at B > 1, x's rows 16-byte aligned (H % 4 == 0) (got B={B}, T={T}, "
+                       f"C={C}, dv={dv}, n={fold[6]}, H={H})")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
     name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,

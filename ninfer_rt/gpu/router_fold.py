@@ -102,33 +102,35 @@ def batch_reads(spec, matrix, prefix: str, i: int) -> bool:
 def fold_for(k, spec, matrix, prefix: str, folds: dict, i: int, B: int, T: int, max_rows: int) -> tuple | None:
     """The mixer's fold arguments (layer_folds') for layer i at B sequences of T tokens, when its MoE will route on
     them (ROUTER_FOLD on): one token, where the moe_fused_acc entry is planned (moe.FUSED_DECODE, the GPU);
-    B <= max_rows sequences of one token each with BATCH_FOLD (v87), where gate_up_routed has its _acc entry and
-    the mixer its fold at B (mixer_folds). Else None: the router GEMV runs."""
+    B <= max_rows sequences of one token each with BATCH_FOLD (v87), where gate_up_routed has its _acc entry; and
+    where the mixer's kernel at B has its fold (mixer_folds). Else None: the router GEMV runs."""
     if T != 1 or not ROUTER_FOLD or i not in folds:
         return None
     ok = (fused_plan(k, spec, matrix, prefix, i) is not None if B == 1 else
-          BATCH_FOLD and B <= max_rows and batch_reads(spec, matrix, prefix, i) and mixer_folds(k, spec, i, B))
-    return folds[i][0] if ok else None
+          BATCH_FOLD and B <= max_rows and batch_reads(spec, matrix, prefix, i))
+    return folds[i][0] if ok and mixer_folds(k, spec, i, B) else None
 
 
 def mixer_folds(k, spec, i: int, B: int) -> bool:
     """Whether layer i's mixer adds a fold at B sequences of one token: an attention layer's combine wherever
-    layer_folds took the layer (attention.fold_fits); a DeltaNet layer's step where it runs on clusters at B
-    (deltanet.step_cluster: the one-block step, which STEP_CLUSTER_WAVES may pick at B > 1, has no fold); both
-    with x's rows 16-byte aligned (H % 4 == 0)."""
-    if spec.hidden_size % 4:
+    layer_folds took the layer (attention.fold_fits); a DeltaNet layer's step where the kernel it takes at B
+    (deltanet.step_cluster: STEP_CLUSTER_WAVES may pick the one-block step at B > 1) has one (deltanet.fold_fits);
+    at B > 1 with x's rows 16-byte aligned (H % 4 == 0)."""
+    s = spec
+    if B > 1 and s.hidden_size % 4:
         return False  # x's rows by 16-byte copies
-    if spec.layer_types[i] == "full_attention":
+    if s.layer_types[i] == "full_attention":
         return True
-    return deltanet.step_cluster(k, dv=spec.linear_value_head_dim, dk=spec.linear_key_head_dim,
-                                 nv=spec.linear_num_value_heads, B=B) > 1
+    dv, nv = s.linear_value_head_dim, s.linear_num_value_heads
+    C = deltanet.step_cluster(k, dv=dv, dk=s.linear_key_head_dim, nv=nv, B=B)
+    return deltanet.fold_fits(dv=dv, C=C, n=s.num_experts + 1, H=s.hidden_size, nv=nv)
 
 
 def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, prefix: str,
                 rows: int = 1) -> dict[int, tuple[tuple, int]]:
     """For each layer whose MoE can route on a fold (ROUTER_FOLD; a kernel that reads it: the moe_fused_acc entry
-    (fused_plan) or moe.gate_up_routed's _acc entries (batch_reads); a DeltaNet layer's clustered step of 32
-    columns a block, an attention layer's CUDA-core decode): router_fold's arrays uploaded (alloc) and an acc int64
+    (fused_plan) or moe.gate_up_routed's _acc entries (batch_reads); a DeltaNet layer's step that folds
+    (deltanet.fold_fits), an attention layer's CUDA-core decode): router_fold's arrays uploaded (alloc) and an acc int64
     [rows, fold_ld(E)] (a row a sequence) zeroed once, which the MoE zeroes again once it has routed (the fused
     kernel after its grid barrier, moe.down after its wait). matrix, param: the weights by name (prefix the text
     model's); kv: the layers' KV caches; x the residual stream. Layer -> (deltanet.step's or attention.decode's
@@ -138,9 +140,9 @@ def layer_folds(gpu, k, spec, matrix, param, kv: dict, x: int, alloc, prefix: st
         return {}
     E, dv, H = s.num_experts, s.linear_value_head_dim, s.hidden_size
     ld = fold_ld(E)
-    C = deltanet.step_cluster(k, dv=dv)
-    step_fits = (deltanet.records_fit(k, dv=dv) and C > 1 and E + 1 <= deltanet.STEP_LANES[C] * dv // C + 1
-                 and H <= 16 * C * s.linear_num_value_heads)
+    # the step's kernel at one sequence (step_cluster), or the one-block one that B > 1 may take (v86, v88)
+    step_fits = any(deltanet.fold_fits(dv=dv, C=C, n=E + 1, H=H, nv=s.linear_num_value_heads)
+                    for C in {deltanet.step_cluster(k, dv=dv), 1})
     folds = {}
     for i in range(s.num_hidden_layers):
         attn = s.layer_types[i] == "full_attention"

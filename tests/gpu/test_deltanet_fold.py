@@ -1,6 +1,6 @@
 """GPU test of deltanet.step's router fold (v71/v73; kernels/deltanet_step.cu with fold_acc): for one
-token a sequence the clustered step also adds its blocks' shares of the next MoE's raw router logits into an int64
-accumulator, a row a sequence (router_fold.py; B > 1 since v87).
+token a sequence the step also adds its blocks' shares of the next MoE's raw router logits into an int64
+accumulator, a row a sequence (router_fold.py; B > 1 since v87), on clusters of 4 and in one block a head (v88).
 
 Oracle: fold_oracle.check_fold_sums over the step's own fp32 output y; y is the same bits as the step's without the
 fold (the states restored in between), so the fold reads the step's real output and changes nothing else.
@@ -19,18 +19,22 @@ from .test_deltanet import STEP_DIMS, Layer
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("C", ["clusters", 1])
 @pytest.mark.parametrize("E,H,B", [(256, 2048, 1), (40, 2043, 1), (256, 2048, 2), (40, 2036, 4)])
-def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B):
+def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B, C):
     """The 35B's DeltaNet shapes (128 blocks of 32 columns a sequence; H = 2048: 16 elements of x a block) with 257
     logits (the last warp takes the shared gate's); and with 41 (a thread each) at H = 2043, whose last block holds
     11 elements (chunks of 16, 16 and 12 bytes, one zeroed). B sequences: sequence b's sums in row b (v87), the row
     past them untouched; H = 2036 there (x's rows 16-byte aligned, as the fold needs at B > 1; the last block
-    holds 4 elements)."""
+    holds 4 elements). C: the clustered step (a block of 32 columns, a thread a logit) or the one-block step (v88:
+    512 threads over 4 fold blocks, a pair a logit; its last fold block holds H's last 4 or 11 elements)."""
     from ninfer_rt.gpu import deltanet, router_fold
     d = STEP_DIMS["35b"]
-    C = deltanet.step_cluster(kernels, dv=d["dv"])
-    if C == 1 or not deltanet.records_fit(kernels, dv=d["dv"], cluster=C):
-        pytest.skip(f"no clustered step of 32 columns a block on {kernels.gpu.info.arch}")
+    if C == "clusters":
+        C = deltanet.step_cluster(kernels, dv=d["dv"])
+        if C == 1:
+            pytest.skip(f"no clustered step on {kernels.gpu.info.arch}")
+    assert deltanet.fold_fits(dv=d["dv"], C=C, n=E + 1, H=H, nv=d["nv"])
     L = Layer(dev, rng, d, B + 1, H=H)
     mixed, _, x = L.inputs(rng, B, fused=True)
     D = d["nv"] * d["dv"]
