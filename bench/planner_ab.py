@@ -58,7 +58,7 @@ VARIANTS = [
     ("attention splits dealt at run time, ~2 blocks per SM at any length",
      {"attention._SPLIT_LONG_KEYS": 1 << 30}),
     ("DeltaNet step: one block per head (no cluster)", {"deltanet.STEP_CLUSTER": 1}),
-    ("DeltaNet step: the one-wave rule at B > 1 (v86; v88: the one-block step folds the router too)",
+    ("DeltaNet step: the one-wave rule at B > 1 (v86; the default since v88, whose one-block step folds too)",
      {"deltanet.STEP_CLUSTER_WAVES": True}),
     ("DeltaNet step: clusters of 4 at any B (v85)", {"deltanet.STEP_CLUSTER_WAVES": False}),
     ("DeltaNet step: b|a dots before the wait at every H", {"deltanet.STEP_BA_EARLY_MAX_H": 1 << 30}),

@@ -34,9 +34,9 @@ STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's bl
 # cluster: a block of the cluster is one fold block; the one-block step (v88) holds 4 (dv = 128), a pair a logit
 STEP_FOLD = {1: (4, 2), STEP_CLUSTER: (1, 1)}
 # planner switch: B > 1 sequences take the clustered step only where its nv·B clusters run in no more waves than
-# the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. Off until measured (perf.md v86:
-# prepared, planner_ab's "one-wave rule" variant times it)
-STEP_CLUSTER_WAVES = False
+# the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. On since v88, whose one-block step
+# folds the router too (perf.md: H100, 8K, B = 4 -3.0%, B = 2 -0.4%)
+STEP_CLUSTER_WAVES = True
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
 # (H200: v36 found before 0.3% faster a decode step at the 35B-A3B's H = 2048; on v49's kernels after is faster
 # there, perf-history.md v50, as it was at the 27B's 5120)
