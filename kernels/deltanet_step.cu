@@ -8,7 +8,8 @@
 // Layouts as in the header of deltanet.cu, plus x fp32 [B·T, H] (row b·T + t) and in_norm_w fp32 [H] (gain 1 + w).
 //
 // Work split: each (value head h, sequence b) is C blocks: a thread-block cluster of C = DN_STEP_CLUSTER on
-// sm_90+ (deltanet_step_dk*_c4), or one block (C = 1, deltanet_step_dk*, any GPU). Block c of the C does
+// sm_90+ (deltanet_step_dk*_c4; of 2, _c2, where B > 1 sequences fit one wave that way, v89), or one block
+// (C = 1, deltanet_step_dk*, any GPU). Block c of the C does
 //   b|a     1/C of the H-long dots (element k by thread k mod (C·threads) of the cluster);
 //   conv    q and k channels [c·dk/C, (c+1)·dk/C) of key head h / (nv/nk), and the v channels of its columns;
 //   delta   columns [c·dv/C, (c+1)·dv/C) of S (the columns are independent, deltanet.cu), P threads per column;
@@ -25,10 +26,10 @@
 // the step's own inputs (mixed, z).
 // Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
 // them to the ring, each channel from one block, at positions no block of the step reads.
-// xrec (where a block holds 32 columns: dv / C == 32): y also as out_proj's x̂, one int16 chunk record of all
-// B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record (h·dv + col0) / 32,
+// xrec (where a block holds whole 32-column chunks: dv / C % 32 == 0): y also as out_proj's x̂, one int16 record
+// of all B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record (h·dv + col0) / 32,
 // row b·T + t, so out_proj copies them instead of coding y itself (reference: act_records16 of the rows).
-// fold (T = 1; 32 columns a block on clusters, dv = 128 in one block): also the next MoE router's raw logits
+// fold (T = 1, dv = 128: 1, 2 or 4 fold blocks of 32 columns a block): also the next MoE router's raw logits
 // G·x + M·y of each sequence into its row of an int64 accumulator (router_fold.py; reference: the router's
 // rms_norm_zc(x_new) @ W_routerᵀ before its positive rsqrt, test_deltanet_fold.py's oracle).
 #include "common.cuh"
@@ -38,6 +39,7 @@
 #define DN_STEP_T 8        // most tokens per sequence in one step (the ring must hold Kc - 1 + T rows)
 #define DN_STEP_COLS 128   // largest dv
 #define DN_STEP_CLUSTER 4  // blocks per (value head, sequence) on sm_90+ (deltanet.py STEP_CLUSTER)
+#define DN_STEP_PAIR 2     // v89: clusters of 2, 4 lanes a column (deltanet.py STEP_PAIR)
 
 // ------------------------------------------------------------------------------------------------ clusters
 
@@ -120,7 +122,8 @@ __device__ __forceinline__ void store_all(float* p, float v, uint64_t* bar) {
 // grid (C·nv, B) with clusters (C, 1, 1): block x = h·C + c. Block of P·dv/C threads: lane = jj + (32/P)·p,
 // a warp owns 32/P adjacent columns (jj) of S and the P lanes of a column split its DK rows (delta_step).
 // P = 4 at C = 1 (512 threads at dv = 128, as many registers as one block may use); P = 8 at C = 4 (256 threads
-// at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave). There, with
+// at dv = 128: half the rows per lane and two blocks per SM, so the 27B's 192 blocks are one wave); P = 4 at C = 2
+// (v89: 256 threads at dv = 128, C = 1's rows per lane at two blocks an SM, for B > 1's waves). At C = 4, with
 // 32 columns a block, "row lanes" instead: lane = column, warp = p, so that every load and store of S is one
 // 128-byte line, and the column sums cross the warps through shared memory (perf-history.md v56: the 35B -0.4%).
 template <int DK, int C>
@@ -137,7 +140,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                                           const float* __restrict__ fold_ms,
                                           const uint16_t* __restrict__ fold_wt, const float* __restrict__ fold_gain,
                                           long long* __restrict__ fold_acc, int fold_ld, int fold_n) {
-    constexpr int P = C == 1 ? 4 : 8;          // lanes per column of S
+    constexpr int P = C == DN_STEP_CLUSTER ? 8 : 4;  // lanes per column of S
     constexpr int R = DK / P;                  // rows of S per lane
     constexpr int L = 32 / P;                  // columns per warp
     constexpr int QK = DK / C;                 // q (and k) channels each block convolves
@@ -145,11 +148,11 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     constexpr int MAXCH = 2 * QK + MAXC;       // most conv channels per block
     // b|a elements per thread whose weights are loaded before the wait (any more: after it); at C = 4 and
     // dv = 128 the cluster's 1024 threads cover H <= 6144 so (the family: 2048 to 5120)
-    constexpr int PRE = C == 1 ? 4 : 6;
+    constexpr int PRE = C == DN_STEP_CLUSTER ? 6 : 4;
     constexpr int TP = 2;                      // tokens per b|a pass: 3·TP accumulators
-    // the router fold's 32-column blocks a block holds, and threads a logit, each summing FNB / FTL of them (v88:
-    // the one-block step at dv = 128, 512 threads over its 4 blocks; the cluster's block is one of 32 columns)
-    constexpr int FNB = C == 1 ? 4 : 1, FTL = C == 1 ? 2 : 1, FQ = FNB / FTL;
+    // the router fold's 32-column blocks a block holds at dv = 128, and threads a logit, each summing FNB / FTL of
+    // them (v88: the one-block step, 512 threads over its 4 blocks; C = 2: 256 threads over 2; C = 4: one block)
+    constexpr int FNB = DN_STEP_COLS / 32 / C, FTL = C == 1 ? 2 : 1, FQ = FNB / FTL;
     // q, k of the key head (all DK) and v of this block's columns
     constexpr int QKV = (2 * DK + MAXC) * DN_STEP_T;
     __shared__ __align__(16) float sqkv[QKV];
@@ -244,8 +247,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 
     // x, the layer input, was written by the kernel before the in_proj GEMV that precedes this one (whose
     // blocks all passed their own wait before this launch began): its first TP tokens' PRE elements load now
-    // (C > 1: at C = 1, 512 threads a block, holding them spilled)
-    constexpr bool XPRE = C > 1;
+    // (C = 4: at C = 1, 512 threads a block, holding them spilled; C = 2 holds C = 1's state registers)
+    constexpr bool XPRE = C == DN_STEP_CLUSTER;
     const float* xb = x + (size_t)b * T * H;
     float xv0[XPRE ? TP : 1][XPRE ? PRE : 1];
 #pragma unroll
@@ -280,7 +283,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // then long landed, so that no wait on their scoreboard holds the step. The one-block step reads them on its
     // tail (the state's 32 registers a thread are free there)
     uint4 fw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-    if (C > 1 && fold && tid < fold_n) {
+    if (FNB == 1 && fold && tid < fold_n) {
         const uint4* w4 = reinterpret_cast<const uint4*>(fwt + (size_t)tid * 16);
         fw[0] = w4[0], fw[1] = w4[1];
     }
@@ -401,7 +404,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #endif
     NINFER_TL_MARK(2);  // the cluster's b|a sums and q/k channels are in
     float fxs = 0.f;  // v73: this block's x term of logit tid (sfx, sfg: in since the conv's barrier)
-    if (C > 1 && fold) {
+    if (FNB == 1 && fold) {
         const uint32_t ww[8] = {fw[0].x, fw[0].y, fw[0].z, fw[0].w, fw[1].x, fw[1].y, fw[1].z, fw[1].w};
 #pragma unroll
         for (int u = 0; u < 8; ++u)  // rows fk0 + 2u, + 1 (bf16 pairs, the low half first; zero past fkn)
@@ -439,8 +442,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         // step all its W_router rows
         prefetch_l2_span(fmt, (size_t)fold_ld * 64 * FNB, tid, nt);
         prefetch_l2_span(fold_ms, (size_t)fold_ld * 4, tid, nt);
-        if (C > 1 && tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
-        if (C == 1) prefetch_l2_span(fwt, (size_t)fold_ld * 32 * FNB, tid, nt);
+        if (FNB == 1 && tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
+        if (FNB > 1) prefetch_l2_span(fwt, (size_t)fold_ld * 32 * FNB, tid, nt);
     }
 
     for (int t = 0; t < T; ++t) {
@@ -478,7 +481,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     // (sass_waits.py). Thread tid: logit e of fold blocks fb_ + q, q = (tid % FTL)·FQ + qq.
     const int fe = tid / FTL, fq0 = (tid % FTL) * FQ, fne = nt / FTL;
     const bool fmine = fold && fe < min(fold_n, fne);
-    uint4 fm[FQ][4], fwq[C == 1 ? FQ : 1][2];
+    uint4 fm[FQ][4], fwq[FNB > 1 ? FQ : 1][2];
     float fms = 0.f, fms2 = 0.f;
     uint16_t fm2[FNB], fw2[FNB];
     const bool extra = fold && fold_n > fne && warp == nw - 1;
@@ -489,7 +492,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             const uint4* m4 = reinterpret_cast<const uint4*>(fmt + at * 32);
 #pragma unroll
             for (int i = 0; i < 4; ++i) fm[qq][i] = fmine ? m4[i] : make_uint4(0u, 0u, 0u, 0u);
-            if constexpr (C == 1) {
+            if constexpr (FNB > 1) {
                 const uint4* w4 = reinterpret_cast<const uint4*>(fwt + at * 16);
                 fwq[qq][0] = fmine ? w4[0] : make_uint4(0u, 0u, 0u, 0u);
                 fwq[qq][1] = fmine ? w4[1] : make_uint4(0u, 0u, 0u, 0u);
@@ -524,10 +527,10 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
         const float yv = (snw[j] * (so[t][j] * inv)) * siluf_(sz[t][j]);
         out[at] = yv;
         so[t][j] = yv;  // for the fold below (each element written and read by this thread first)
-        if (xrec) {  // cols 32: the warp is a chunk, lane j its element j
+        if (xrec) {  // cols % 32 == 0: the warp is a chunk, lane j % 32 its element (whole warps: T·cols % 32 == 0)
             const int rows = (int)gridDim.y * T;
             uint8_t* rec = xrec + (size_t)(((size_t)h * dv + col0 + j) >> 5) * qchunk_bytes(rows);
-            store_code1_rows_xq(xq, rec, rows, (int)row0 + t, j, yv);
+            store_code1_rows_xq(xq, rec, rows, (int)row0 + t, j & 31, yv);
         }
     }
     // v71/v73: this block's share of the next router's raw logits, G·x_new = G·x + (G·Ŵ_out)·y with
@@ -551,7 +554,7 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                     a = fmaf(m2.y, so[0][32 * q + 2 * j + 1], fmaf(m2.x, so[0][32 * q + 2 * j], a));
                 }
                 float fx = fxs;
-                if constexpr (C == 1) {  // the x term as the clusters' (after the cluster wait there)
+                if constexpr (FNB > 1) {  // the x term as C = 4's (after the cluster wait there)
                     const uint4* w = fwq[qq];
                     const uint32_t ww[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
                     const float* gq = sfg + 16 * q;
@@ -584,7 +587,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #define DN_CAT_(a, b) a##b
 #define DN_CAT(a, b) DN_CAT_(a, b)
 #define DN_STEP_ENTRY(NAME, DK, C)                                                                                \
-    extern "C" __global__ void __launch_bounds__((C == 1 ? 4 : 8) * DN_STEP_COLS / C, C == 1 ? 1 : 2) NAME(      \
+    extern "C" __global__ void __launch_bounds__((C == DN_STEP_CLUSTER ? 8 : 4) * DN_STEP_COLS / C,             \
+                                                 C == 1 ? 1 : 2) NAME(                                             \
         const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
         int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
         const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out,            \
@@ -595,9 +599,11 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                          dt_bias, norm_w, eps, ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early,  \
                          fold_mt, fold_ms, fold_wt, fold_gain, fold_acc, fold_ld, fold_n);                        \
     }
-// deltanet_step_dk{DK} (one block per head) and deltanet_step_dk{DK}_c{DN_STEP_CLUSTER} (a cluster per head)
-#define DN_STEP(DK)                                 \
-    DN_STEP_ENTRY(deltanet_step_dk##DK, DK, 1)      \
+// deltanet_step_dk{DK} (one block per head), deltanet_step_dk{DK}_c{DN_STEP_PAIR} and _c{DN_STEP_CLUSTER} (a
+// cluster per head)
+#define DN_STEP(DK)                                                                 \
+    DN_STEP_ENTRY(deltanet_step_dk##DK, DK, 1)                                      \
+    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_PAIR), DK, DN_STEP_PAIR) \
     DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_CLUSTER), DK, DN_STEP_CLUSTER)
 DN_STEP(16)
 DN_STEP(32)

@@ -13,8 +13,8 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
     """A Kernels on a made-up GPU of compute capability major.minor whose images were built for `targets`, with
     sm_count SMs and smem_optin bytes of shared memory a block may opt into, 1280 bytes of static shared memory in
     every entry point, blocks_per_sm blocks of any entry point an SM and clusters_at_once clusters of any entry
-    point on the GPU; its launches are recorded in k.gpu.launches as (entry point, grid, block, cluster), its
-    opt-ins in k.gpu.opt_ins as (entry point, bytes)."""
+    point on the GPU (or {cluster size: clusters}); its launches are recorded in k.gpu.launches as (entry point,
+    grid, block, cluster), its opt-ins in k.gpu.opt_ins as (entry point, bytes)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -35,7 +35,9 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
                             set_max_dynamic_smem=lambda fn, nbytes: opt_ins.append((fn, nbytes)),
                             static_smem=lambda fn: 1280,
                             max_active_blocks=lambda fn, threads, smem: blocks_per_sm,
-                            max_active_clusters=lambda fn, grid, block, smem, cluster: clusters_at_once)
+                            max_active_clusters=lambda fn, grid, block, smem, cluster:
+                            clusters_at_once.get(cluster[0], 0) if isinstance(clusters_at_once, dict)
+                            else clusters_at_once)
     k.build = BuildResult(Path("."), {}, "nvcc", tuple(targets), True)
     k.modules, k._fns, k._smem, k._carveout = [Module()], {}, {}, {}
     k.shared_carveout, k.shared_names, k._unshared, k._waves = 0, set(), set(), {}
@@ -195,23 +197,28 @@ def test_step_cluster_choice(cc, targets, dv, want):
     assert deltanet.step_cluster(fake_kernels(*cc, targets), dv=dv) == want
 
 
-@pytest.mark.parametrize("B, clusters_at_once, blocks_per_sm, want", [
-    (1, 20, 1, 4),     # one sequence: the cluster kernel whatever the waves
-    (2, 64, 1, 4),     # 64 clusters, 64 at once: one wave each way
-    (2, 60, 1, 1),     # 64 clusters, 60 at once: two waves, against 64 blocks of C = 1 in one
-    (4, 128, 1, 4),    # 128 clusters in one wave, 128 blocks in 132 slots: one each, the clusters kept
-    (8, 60, 2, 1),     # 256 clusters in five waves, 256 blocks in 264 slots: one
-    (8, 130, 1, 4),    # two waves each way (256 blocks in 132 slots): the clusters kept
+@pytest.mark.parametrize("B, clusters_at_once, blocks_per_sm, want, without_pairs", [
+    (1, 20, 1, 4, 4),                  # one sequence: the cluster kernel whatever the waves
+    (2, 64, 1, 4, 4),                  # 32·B = 64 clusters, 64 at once: one wave each way, the most blocks a head
+    (2, 60, 1, 1, 1),                  # 64 clusters of 4 or 2 in two waves, 64 blocks of C = 1 in one
+    (2, {4: 62, 2: 128}, 1, 2, 1),     # the H100's 62 clusters of 4: pairs and single blocks in one, pairs kept
+    (4, {4: 62, 2: 128}, 1, 2, 1),     # 128 pairs at once: one wave, as 128 blocks in 132 slots
+    (4, {4: 62, 2: 100}, 1, 1, 1),     # pairs in two waves
+    (8, 60, 2, 1, 1),                  # 256 clusters in five waves, 256 blocks in 264 slots: one
+    (8, 130, 1, 4, 4),                 # two waves each way (256 blocks in 132 slots): the clusters of 4 kept
 ])
-def test_step_cluster_by_waves(monkeypatch, B, clusters_at_once, blocks_per_sm, want):
-    """At B > 1 sequences the step keeps clusters of 4 only where its 32·B clusters take no more waves than 32·B
-    blocks of the one-block-a-head kernel (the counts from the occupancy queries) where STEP_CLUSTER_WAVES asks;
-    the switch off keeps 4."""
+def test_step_cluster_by_waves(monkeypatch, B, clusters_at_once, blocks_per_sm, want, without_pairs):
+    """At B > 1 sequences, where STEP_CLUSTER_WAVES asks, the step takes of 4, 2 and 1 blocks a head the size whose
+    32·B clusters (blocks) take the fewest waves (the counts from the occupancy queries), the most blocks a head
+    among equals; without STEP_PAIRS of 4 and 1 only; the switch off keeps 4. Every size writes x̂ records at
+    dv = 128 (whole 32-column chunks a block)."""
     from ninfer_rt.gpu import deltanet
     monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", True)
     k = fake_kernels(9, 0, clusters_at_once=clusters_at_once, blocks_per_sm=blocks_per_sm)
     assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=B) == want
-    assert deltanet.records_fit(k, dv=128, dk=128, nv=32, B=B) == (want == 4)
+    assert deltanet.records_fit(k, dv=128, dk=128, nv=32, B=B)
+    monkeypatch.setattr(deltanet, "STEP_PAIRS", False)
+    assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=B) == without_pairs
     monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", False)
     assert deltanet.step_cluster(k, dv=128, dk=128, nv=32, B=B) == 4
 
@@ -225,19 +232,23 @@ def _step_args(dv=128, nv=32, nk=16, dk=128, H=2048, B=3, T=1):
 
 def test_step_launches_a_cluster_per_head_on_sm90():
     """deltanet.step: on sm_90+ a cluster of 4 blocks of 256 threads per (head, sequence), grid (4·nv, B);
-    elsewhere, or with cluster=1, one block of 4·dv threads per head; a cluster it cannot run is a GpuError."""
+    with cluster=2 (v89) clusters of 2 blocks of 4·dv/2 threads; elsewhere, or with cluster=1, one block of 4·dv
+    threads per head; a cluster it cannot run is a GpuError."""
     from ninfer_rt.gpu import deltanet
     from ninfer_rt.gpu.driver import GpuError
     h100, a100 = fake_kernels(9, 0), fake_kernels(8, 0)
     deltanet.step(h100, **_step_args())
     deltanet.step(h100, **_step_args(), cluster=1)
+    deltanet.step(h100, **_step_args(), cluster=2)
     deltanet.step(a100, **_step_args(nv=48, H=5120))
     deltanet.step(h100, **_step_args(dv=24))
     assert h100.gpu.launches == [("deltanet_step_dk128_c4", (128, 3), 256, (4, 1, 1)),
                                  ("deltanet_step_dk128", (32, 3), 512, None),
+                                 ("deltanet_step_dk128_c2", (64, 3), 256, (2, 1, 1)),
                                  ("deltanet_step_dk128", (32, 3), 96, None)]
     assert a100.gpu.launches == [("deltanet_step_dk128", (48, 3), 512, None)]
-    for k, change in [(a100, dict(cluster=4)), (h100, dict(cluster=2)), (h100, dict(cluster=4, dv=24))]:
+    for k, change in [(a100, dict(cluster=4)), (a100, dict(cluster=2)), (h100, dict(cluster=3)),
+                      (h100, dict(cluster=4, dv=24))]:
         args = {**_step_args(dv=change.get("dv", 128)), **{n: v for n, v in change.items() if n != "dv"}}
         with pytest.raises(GpuError, match="cluster"):
             deltanet.step(k, **args)
@@ -248,13 +259,16 @@ def test_step_launches_a_cluster_per_head_on_sm90():
     (128, 4, 258, 2048, 32, False),
     (128, 1, 257, 2048, 32, True),    # v88: one block of 512 threads over 4 fold blocks, a pair a logit + 1
     (128, 1, 258, 2048, 32, False),
+    (128, 2, 257, 2048, 32, True),    # v89: clusters of 2, 256 threads over 2 fold blocks, a logit each + 1
+    (128, 2, 258, 2048, 32, False),
     (128, 1, 257, 2049, 32, False),   # x past the fold blocks' 16 elements each (nv·dv / 2)
     (64, 1, 129, 1024, 32, False),    # one block of 64 columns: no whole 4 fold blocks
     (64, 4, 129, 1024, 32, False),    # 16 columns a block of the cluster
 ])
 def test_step_fold_fits(dv, C, n, H, nv, want):
     """deltanet.fold_fits: the step folds where each block holds whole 32-column fold blocks (STEP_FOLD: one on a
-    cluster, four in one block), its threads cover n - 1 logits (one a thread, a pair in one block) and the fold
+    cluster of 4, two on one of 2, four in one block), its threads cover n - 1 logits (one a thread, a pair in one
+    block) and the fold
     blocks' 16 elements of x cover H; deltanet.step launches such a fold and refuses the others in one line."""
     from ninfer_rt.gpu import deltanet
     from ninfer_rt.gpu.driver import GpuError
@@ -265,7 +279,7 @@ def test_step_fold_fits(dv, C, n, H, nv, want):
         return
     if want:
         deltanet.step(k, **args)
-        assert k.gpu.launches == [(f"deltanet_step_dk128{'_c4' if C > 1 else ''}", (C * nv, 2),
+        assert k.gpu.launches == [(f"deltanet_step_dk128{f'_c{C}' if C > 1 else ''}", (C * nv, 2),
                                    deltanet.STEP_LANES[C] * dv // C, (C, 1, 1) if C > 1 else None)]
     else:
         with pytest.raises(GpuError, match="the router fold needs"):

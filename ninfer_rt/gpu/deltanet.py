@@ -29,14 +29,19 @@ STEP_COLS = 128                   # DN_STEP_COLS: largest dv of the fused step
 # them instead of coding y (perf-history.md v41); False: out_proj codes the fp32 y itself
 STEP_OUT_RECORDS = True
 STEP_CLUSTER = 4                  # DN_STEP_CLUSTER: blocks per (value head, sequence) of the clustered step
-STEP_LANES = {1: 4, STEP_CLUSTER: 8}  # threads per column of S in the step's block (the kernel's P), by cluster
+STEP_PAIR = 2                     # DN_STEP_PAIR: the clusters of 2 that B > 1 may take (v89)
+# threads per column of S in the step's block (the kernel's P), by cluster
+STEP_LANES = {1: 4, STEP_PAIR: 4, STEP_CLUSTER: 8}
 # the router fold's 32-column blocks in one step block and threads a logit (FNB, FTL in deltanet_step.cu), by
-# cluster: a block of the cluster is one fold block; the one-block step (v88) holds 4 (dv = 128), a pair a logit
-STEP_FOLD = {1: (4, 2), STEP_CLUSTER: (1, 1)}
+# cluster: a block of 4 is one fold block; of 2, two; the one-block step (v88) holds 4 (dv = 128), a pair a logit
+STEP_FOLD = {1: (4, 2), STEP_PAIR: (2, 1), STEP_CLUSTER: (1, 1)}
 # planner switch: B > 1 sequences take the clustered step only where its nv·B clusters run in no more waves than
 # the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. On since v88, whose one-block step
 # folds the router too (perf.md: H100, 8K, B = 4 -3.0%, B = 2 -0.4%)
 STEP_CLUSTER_WAVES = True
+# planner switch (v89): that rule may also take clusters of 2 (fewest waves first, then the most blocks a head);
+# False: clusters of 4 or one block
+STEP_PAIRS = True
 # the clustered step computes its b|a dots before its wait on the in_proj GEMV up to this H, after it above
 # (H200: v36 found before 0.3% faster a decode step at the 35B-A3B's H = 2048; on v49's kernels after is faster
 # there, perf-history.md v50, as it was at the 27B's 5120)
@@ -251,29 +256,31 @@ def step_cluster(k, *, dv: int, dk: int = 0, nv: int = 0, B: int = 1) -> int:
     Every phase is split C ways (the b|a dots over H, the conv channels, the columns of S, the gated norm's
     columns), so the chain of dependent latencies that bounds the step shortens, and 4·nv blocks of 256 threads
     fill the SMs that nv blocks of 512 left mostly idle (the 27B's 48 heads: 192 blocks, two per SM, one wave).
-    With STEP_CLUSTER_WAVES and the launch's shape (dk, nv heads, B sequences): 1 where the nv·B clusters take
-    more waves (Kernels.waves: the clusters the GPU holds at once) than nv·B blocks of the C = 1 kernel.
+    With STEP_CLUSTER_WAVES and the launch's shape (dk, nv heads, B sequences), at B > 1: of 4, 2 (STEP_PAIRS,
+    v89) and 1 blocks a head, the one whose launch takes the fewest waves (Kernels.waves: the clusters or blocks
+    the GPU holds at once), the most blocks a head among equals (the shortest chain).
     """
     if not (k.clusters and cluster_fits(dv, STEP_CLUSTER)):
         return 1
     if STEP_CLUSTER_WAVES and B > 1 and dk and nv:
-        C, name = STEP_CLUSTER, f"deltanet_step_dk{dk}"
-        if (k.waves(f"{name}_c{C}", (C * nv, B), STEP_LANES[C] * dv // C, cluster=(C, 1, 1))
-                > k.waves(name, (nv, B), STEP_LANES[1] * dv)):
-            return 1
+        sizes = [C for C in (STEP_CLUSTER, STEP_PAIR, 1) if (C != STEP_PAIR or STEP_PAIRS) and cluster_fits(dv, C)]
+        return min(sizes, key=lambda C: (k.waves(f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else ""), (C * nv, B),
+                                                 STEP_LANES[C] * dv // C, cluster=(C, 1, 1) if C > 1 else None),
+                                         -C))
     return STEP_CLUSTER
 
 
 def records_fit(k, *, dv: int, cluster: int | None = None, dk: int = 0, nv: int = 0, B: int = 1) -> bool:
-    """Whether `step` can write out_records for this dv: each block holds 32 columns (dv / C == 32: the family's
-    dv = 128 on clusters of 4). cluster None: step_cluster's choice for the launch's shape (dk, nv, B)."""
+    """Whether `step` can write out_records for this dv: each block holds whole 32-column chunks (dv / C a
+    multiple of 32: the family's dv = 128 in one block or on clusters of 2 or 4; v89, 32 only before). cluster
+    None: step_cluster's choice for the launch's shape (dk, nv, B)."""
     C = step_cluster(k, dv=dv, dk=dk, nv=nv, B=B) if cluster is None else cluster
-    return dv % C == 0 and dv // C == 32
+    return dv % C == 0 and dv // C % 32 == 0
 
 
 def fold_fits(*, dv: int, C: int, n: int, H: int, nv: int, ld: int | None = None) -> bool:
     """Whether `step` on C blocks a head can add the router fold of n logits (ld columns a row): each block holds
-    whole fold blocks of 32 columns (STEP_FOLD[C]: dv / C == 32 on clusters, dv == 128 in one block), its threads
+    whole fold blocks of 32 columns (STEP_FOLD[C]: dv = 128, one a block of 4, two of 2, four in one), its threads
     cover n - 1 logits (the last warp takes one more), and the fold's nv·dv / 32 blocks of 16 elements cover x
     (H <= nv·dv / 2)."""
     if C not in STEP_FOLD:
@@ -296,21 +303,22 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     rounding).
 
     cluster: blocks per (value head, sequence), C. None picks step_cluster(k, dv=dv, dk=dk, nv=nv, B=B):
-    STEP_CLUSTER on sm_90+ where dv allows (and, with STEP_CLUSTER_WAVES, B's clusters take no more waves than
-    C = 1's blocks), else 1; tests pass 1 or STEP_CLUSTER to run either kernel. C = 1 is deltanet_step_dk{dk},
-    grid (nv, B), one block of 4·dv threads per head; C = STEP_CLUSTER is deltanet_step_dk{dk}_c{C}, grid
-    (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with 8·dv/C threads.
+    STEP_CLUSTER on sm_90+ where dv allows (with STEP_CLUSTER_WAVES, at B > 1 the size whose launch takes the
+    fewest waves), else 1; tests pass 1, STEP_PAIR or STEP_CLUSTER to run each kernel. C = 1 is
+    deltanet_step_dk{dk}, grid (nv, B), one block of 4·dv threads per head; C > 1 is deltanet_step_dk{dk}_c{C},
+    grid (C·nv, B) in clusters of (C, 1, 1), each block dv/C columns with STEP_LANES[C]·dv/C threads.
     ba_early: whether the clustered kernel computes its b|a dots before its wait on the previous kernel (x is
     written two kernels back) or after issuing the loads of mixed and z; None: H <= STEP_BA_EARLY_MAX_H. Timing
     only: the same operations in the same order either way.
     out_records (with records_order 1 or 2, linear.records_order of out_proj): also write out as out_proj's x̂,
     nv·dv/32 int16 chunk records of all B·T rows (reference.ops.act_records16 of out [B·T, nv·dv], 16-byte
-    aligned; B·T <= 8), for linear.gemv's x_records; only where a block holds 32 columns (records_fit).
+    aligned; B·T <= 8), for linear.gemv's x_records; only where a block holds whole 32-column chunks
+    (records_fit).
     fold (v71/v73): (mt, ms, wt, gain, acc, ld, n), router_fold's arrays on the device (fold_blocks'
     layout; gain fp32 [H] = 1 + w_post of the MoE's norm): the step also adds the next router's raw logits
     G·x_b + M·out_b of sequence b into row b of acc int64 [B, ld] (fixed point, 2^-32; n logits a row); T = 1,
-    32 columns a block on clusters or dv = 128 in one block (v88), H <= nv·dv / 2 (fold_fits). B > 1 since v87,
-    with H % 4 == 0 (the kernel copies each row's elements of x by 16-byte cp.async).
+    dv = 128 (32 columns a block of 4, 64 of 2 (v89), 128 in one block (v88)), H <= nv·dv / 2 (fold_fits).
+    B > 1 since v87, with H % 4 == 0 (the kernel copies each row's elements of x by 16-byte cp.async).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -322,7 +330,7 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
         raise GpuError(f"deltanet.step: b|a weight {w_ba.name} is {list(w_ba.shape)}, expected [{2 * nv}, {H}]")
     C = step_cluster(k, dv=dv, dk=dk, nv=nv, B=B) if cluster is None else cluster
     if C not in STEP_LANES:
-        raise GpuError(f"deltanet.step: cluster={C}, must be 1 or {STEP_CLUSTER}")
+        raise GpuError(f"deltanet.step: cluster={C}, must be 1, {STEP_PAIR} or {STEP_CLUSTER}")
     if C > 1 and not k.clusters:
         raise GpuError(f"deltanet.step: cluster={C} needs thread-block clusters (compute capability 9.0+ with its "
                        f"own cubin); this GPU is {k.gpu.info.arch}")
@@ -330,13 +338,13 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
         raise GpuError(f"deltanet.step: dv={dv} does not split into whole warps over cluster={C} blocks")
     if out_records and (records_order not in (1, 2) or not records_fit(k, dv=dv, cluster=C) or out_records % 16
                         or B * T > STEP_T):
-        raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), 32 columns "
-                       f"a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and B·T <= {STEP_T} rows "
-                       f"(got {B * T})")
+        raise GpuError(f"deltanet.step: out_records needs records_order 1 or 2 (got {records_order}), whole "
+                       f"32-column chunks a block (dv / cluster = {dv} / {C}), a 16-byte aligned buffer and "
+                       f"B·T <= {STEP_T} rows (got {B * T})")
     if fold is not None and (T != 1 or not fold_fits(dv=dv, C=C, n=fold[6], H=H, nv=nv, ld=fold[5])
                              or (B > 1 and H % 4)):
-        raise GpuError(f"deltanet.step: the router fold needs T = 1, 32 columns a block on clusters or dv = 128 in "
-                       f"one block, at most {STEP_LANES[C] * dv // C // STEP_FOLD[C][1] + 1} logits, "
+        raise GpuError(f"deltanet.step: the router fold needs T = 1, dv = 128, at most "
+                       f"{STEP_LANES[C] * dv // C // STEP_FOLD[C][1] + 1} logits, "
                        f"H <= nv·dv / 2 and, at B > 1, x's rows 16-byte aligned (H % 4 == 0) (got B={B}, T={T}, "
                        f"C={C}, dv={dv}, n={fold[6]}, H={H})")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)

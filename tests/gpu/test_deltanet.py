@@ -279,10 +279,13 @@ def test_prefill_in_pieces(kernels, dev, rng, dims):
 
 
 def step_clusters(kernels, dims):
-    """The step's blocks per head to test on this GPU: 1, and the cluster where deltanet.step_cluster takes it."""
+    """The step's blocks per head to test on this GPU: 1, and where deltanet.step_cluster takes clusters, those
+    and the pairs B > 1 may take (v89) where dv splits over them."""
     from ninfer_rt.gpu import deltanet
-    C = deltanet.step_cluster(kernels, dv=STEP_DIMS[dims]["dv"])
-    return [1] + ([C] if C > 1 else [])
+    dv = STEP_DIMS[dims]["dv"]
+    C = deltanet.step_cluster(kernels, dv=dv)
+    pair = [deltanet.STEP_PAIR] if C > 1 and deltanet.cluster_fits(dv, deltanet.STEP_PAIR) else []
+    return [1] + pair + ([C] if C > 1 else [])
 
 
 def step_kernel(dims, C):
@@ -322,8 +325,8 @@ def test_step_ba_before_or_after_the_wait(kernels, dev, dims):
 def test_step_writes_out_proj_records(kernels, dev, dims):
     """out_records: the step also writes y as out_proj's x̂, whose record bytes (codes, d, Σq of all B·T rows)
     equal reference.ops.act_records16 of the step's own y [B·T, nv·dv] in both orders (the codes are exact
-    functions of y), at 2 sequences × 1 token and × 3 tokens, where a block holds 32 columns (the 35B's and 27B's
-    dv = 128 on a cluster of 4, dv = 32 in one block); y is the same bits as without records."""
+    functions of y), at 2 sequences × 1 token and × 3 tokens, where a block holds whole 32-column chunks (dv = 128
+    in one block, on clusters of 2 (v89) and 4; dv = 32 in one block); y is the same bits as without records."""
     import torch
 
     from ninfer_rt.gpu import deltanet
@@ -350,17 +353,22 @@ def test_step_writes_out_proj_records(kernels, dev, dims):
 @pytest.mark.parametrize("B", [1, 2, 4])
 def test_step_picks_the_cluster(kernels, recorder, dev, rng, B):
     """Without `cluster`, step takes the cluster kernel on sm_90+ at dv = 128; with STEP_CLUSTER_WAVES, at B > 1
-    sequences only where its clusters take no more waves than the one-block-a-head kernel's blocks (by the driver's
-    occupancy counts)."""
+    sequences the one of 4, 2 (STEP_PAIRS) and 1 blocks a head whose launch takes the fewest waves (by the
+    driver's occupancy counts), the most blocks a head among equals."""
     from ninfer_rt.gpu import deltanet
     check_steps(recorder, dev, rng, "35b", B, (1, 2), modes=["step"] * 2, H=2048)
     d, C, gpu = STEP_DIMS["35b"], deltanet.STEP_CLUSTER, kernels.gpu
     if kernels.clusters and B > 1 and deltanet.STEP_CLUSTER_WAVES:
         n = d["nv"] * B
-        fn4, fn1 = kernels.fn(step_kernel("35b", C)), kernels.fn(step_kernel("35b", 1))
-        waves4 = -(-n // gpu.max_active_clusters(fn4, (C * d["nv"], B), 256, 0, (C, 1, 1)))
-        waves1 = -(-n // (gpu.max_active_blocks(fn1, 4 * d["dv"], 0) * gpu.info.sm_count))
-        C = C if waves4 <= waves1 else 1
+
+        def waves(c):
+            fn, threads = kernels.fn(step_kernel("35b", c)), deltanet.STEP_LANES[c] * d["dv"] // c
+            if c == 1:
+                return -(-n // (gpu.max_active_blocks(fn, threads, 0) * gpu.info.sm_count))
+            return -(-n // gpu.max_active_clusters(fn, (c * d["nv"], B), threads, 0, (c, 1, 1)))
+
+        sizes = [4, 2, 1] if deltanet.STEP_PAIRS else [4, 1]
+        C = min(sizes, key=lambda c: (waves(c), -c))
     elif not kernels.clusters:
         C = 1
     assert recorder.names == [step_kernel("35b", C)] * 2
@@ -380,7 +388,7 @@ def test_max_active_clusters_of_the_step(kernels):
     assert 1 <= n <= bound, f"{n} clusters of {C}, per-SM occupancy allows {bound}"
 
 
-@pytest.mark.parametrize("C", [1, STEP_CLUSTER], ids=["C1", f"C{STEP_CLUSTER}"])
+@pytest.mark.parametrize("C", [1, 2, STEP_CLUSTER], ids=["C1", "C2", f"C{STEP_CLUSTER}"])
 def test_step_after_decode(kernels, dev, rng, C):
     """The fused step and the three-kernel path share the states: prefill, then step, decode, step."""
     if C not in step_clusters(kernels, "35b"):

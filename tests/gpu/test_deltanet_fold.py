@@ -19,7 +19,7 @@ from .test_deltanet import STEP_DIMS, Layer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("C", ["clusters", 1])
+@pytest.mark.parametrize("C", ["clusters", 2, 1])
 @pytest.mark.parametrize("E,H,B", [(256, 2048, 1), (40, 2043, 1), (256, 2048, 2), (40, 2036, 4)])
 def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B, C):
     """The 35B's DeltaNet shapes (128 blocks of 32 columns a sequence; H = 2048: 16 elements of x a block) with 257
@@ -27,13 +27,16 @@ def test_step_adds_the_router_fold(kernels, dev, rng, monkeypatch, E, H, B, C):
     11 elements (chunks of 16, 16 and 12 bytes, one zeroed). B sequences: sequence b's sums in row b (v87), the row
     past them untouched; H = 2036 there (x's rows 16-byte aligned, as the fold needs at B > 1; the last block
     holds 4 elements). C: the clustered step (a block of 32 columns, a thread a logit) or the one-block step (v88:
-    512 threads over 4 fold blocks, a pair a logit; its last fold block holds H's last 4 or 11 elements)."""
+    512 threads over 4 fold blocks, a pair a logit; its last fold block holds H's last 4 or 11 elements), or a
+    cluster of 2 (v89: 256 threads over 2 fold blocks, a logit each)."""
     from ninfer_rt.gpu import deltanet, router_fold
     d = STEP_DIMS["35b"]
     if C == "clusters":
         C = deltanet.step_cluster(kernels, dv=d["dv"])
         if C == 1:
             pytest.skip(f"no clustered step on {kernels.gpu.info.arch}")
+    elif C > 1 and not kernels.clusters:
+        pytest.skip(f"no thread-block clusters on {kernels.gpu.info.arch}")
     assert deltanet.fold_fits(dv=d["dv"], C=C, n=E + 1, H=H, nv=d["nv"])
     L = Layer(dev, rng, d, B + 1, H=H)
     mixed, _, x = L.inputs(rng, B, fused=True)

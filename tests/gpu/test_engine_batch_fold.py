@@ -17,14 +17,14 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("B", [2, 4])
-@pytest.mark.parametrize("layer, one_block", [("linear_attention", False), ("linear_attention", True),
-                                              ("full_attention", False)])
-def test_batch_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer, one_block, B):
+@pytest.mark.parametrize("layer, step", [("linear_attention", None), ("linear_attention", 1),
+                                         ("linear_attention", 2), ("full_attention", None)])
+def test_batch_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer, step, B):
     """B sequences at different positions decode 8 steps together, the first steps recorded and captured, the rest
     replayed; each row's experts, weights and shared scale agree with the router GEMV's run where its k-th logit is
     clear; every gate_up_routed launch of the fold's run has acc (its _acc entry reads no logits) and none of the
-    other run's does; acc is zero after the last step (moe.down clears the rows it routed). one_block: the DeltaNet
-    step in one block a head (v88: what STEP_CLUSTER_WAVES picks where B's clusters take a second wave)."""
+    other run's does; acc is zero after the last step (moe.down clears the rows it routed). step: the DeltaNet
+    step's blocks a head where forced (1: v88; 2: v89; what STEP_CLUSTER_WAVES may pick at B > 1), else its own."""
     from ninfer_rt.gpu import deltanet, moe, router_fold
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
@@ -43,8 +43,10 @@ def test_batch_fold_routes_as_the_router_gemv(gpu, kernels, monkeypatch, layer, 
 
     monkeypatch.setattr(moe, "gate_up_routed", gate_up_routed)
     monkeypatch.setattr(router_fold, "ROUTER_FOLD", True)
-    if one_block:
-        monkeypatch.setattr(deltanet, "step_cluster", lambda k, **shape: 1)
+    if step == 2 and not kernels.clusters:
+        pytest.skip(f"no thread-block clusters on {kernels.gpu.info.arch}")
+    if step:
+        monkeypatch.setattr(deltanet, "step_cluster", lambda k, **shape: step)
 
     def run(fold: bool):
         monkeypatch.setattr(router_fold, "BATCH_FOLD", fold)

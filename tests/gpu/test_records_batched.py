@@ -31,8 +31,6 @@ def test_batched_records_give_the_same_logits(gpu, kernels, monkeypatch, layer, 
     spec = one_layer(layer)
     if kernels.gpu.info.major < 9:
         pytest.skip(f"no x̂ records on {kernels.gpu.info.arch} (linear.records_fit)")
-    # the records come from the clustered step: at B = 4 the one-wave rule (v88) would take the one-block step
-    monkeypatch.setattr(deltanet, "STEP_CLUSTER_WAVES", False)
     weights = synthetic_weights(gpu, spec, load_recipe("qwen3.6-35b-a3b"))
     toks = np.random.default_rng().integers(0, 1000, size=(4, 4)).astype(np.int32)
     plain, rows = linear.gemv, []
