@@ -416,7 +416,7 @@ def test_bad_arguments(kernels):
     step = {k: v for k, v in good.items() if k not in ("ba", "scratch")}
     step.update(x=1, H=64, in_norm_w=1, eps_in=EPS, w_ba=DeviceWeight("ba", "bf16", (8, 64), 1))
     for change in [dict(T=9), dict(w_ba=DeviceWeight("ba", "q8g32", (8, 64), 1)),
-                   dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0), dict(cluster=2),
+                   dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0), dict(cluster=3),
                    dict(cluster=4, dv=8, ld_mixed=2 * 2 * 16 + 2 * 4 * 8)]:
         with pytest.raises(GpuError):
             deltanet.step(kernels, **{**step, **change})
