@@ -27,8 +27,9 @@
 // Conv ring: each of the nv/nk value heads of key head hk convolves hk's q/k channels; only the first writes
 // them to the ring, each channel from one block, at positions no block of the step reads.
 // xrec (where a block holds whole 32-column chunks: dv / C % 32 == 0): y also as out_proj's x̂, one int16 record
-// of all B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record (h·dv + col0) / 32,
-// row b·T + t, so out_proj copies them instead of coding y itself (reference: act_records16 of the rows).
+// of all B·T rows per 32 columns (xcodes.cuh qchunk_bytes(B·T), in out_proj's XQ order xq), record
+// (h·dv + col0 + j) / 32, row b·T + t, so out_proj copies them instead of coding y itself (reference:
+// act_records16 of the rows).
 // fold (T = 1, dv = 128: 1, 2 or 4 fold blocks of 32 columns a block): also the next MoE router's raw logits
 // G·x + M·y of each sequence into its row of an int64 accumulator (router_fold.py; reference: the router's
 // rms_norm_zc(x_new) @ W_routerᵀ before its positive rsqrt, test_deltanet_fold.py's oracle).
@@ -256,12 +257,12 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 #pragma unroll
         for (int n = 0; n < PRE; ++n) xv0[t][n] = t < T && g0 + n * G < H ? xb[(size_t)t * H + g0 + n * G] : 0.f;
 
-    // v73: the router fold (router_fold.py). One token a sequence, 32 columns a fold block: fold block f
-    // (h·C + c on clusters; 4h .. 4h + 3 in the one-block step, v88) sums rows 32f.. of fold_mt [nb, ld, 32]
-    // against its y and rows 16f.. of fold_wt [nb, ld, 16] against (1 + w_post)·x. Clusters: thread e logit e (the
-    // last warp also logit nt, a lane a row); one block: threads 2e, 2e + 1 logit e, two fold blocks each (the last
-    // warp also logit nt / 2). x (readable now, see above) and the gain go to shared memory by cp.async with the
-    // ring rows. Sequence b's sums go to row b of fold_acc [B, fold_ld] (v87).
+    // v73: the router fold (router_fold.py). One token a sequence, 32 columns a fold block: this block's fold
+    // blocks f = (h·C + c)·FNB + q, q < FNB, sum rows 32f.. of fold_mt [nb, ld, 32] against their y and rows 16f..
+    // of fold_wt [nb, ld, 16] against (1 + w_post)·x. C = 2, 4: thread e logit e (the last warp also logit nt, a
+    // lane a row); one block (v88): threads 2e, 2e + 1 logit e, two fold blocks each (the last warp also logit
+    // nt / 2). x (readable now, see above) and the gain go to shared memory by cp.async with the ring rows.
+    // Sequence b's sums go to row b of fold_acc [B, fold_ld] (v87).
     const bool fold = fold_acc != nullptr && T == 1 && cols == 32 * FNB;
     long long* const facc = fold_acc + (size_t)b * fold_ld;
     // deltanet.step refuses these: never skip or drop a term silently
@@ -280,8 +281,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // its W_router rows (thread e: 16 bf16, 32 contiguous bytes; weights), summed once the cluster's sums are in: by
-    // then long landed, so that no wait on their scoreboard holds the step. The one-block step reads them on its
-    // tail (the state's 32 registers a thread are free there)
+    // then long landed, so that no wait on their scoreboard holds the step. At C = 1 and 2 (several fold blocks
+    // a thread) they are read on the tail instead, where the state's 32 registers a thread are free
     uint4 fw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
     if (FNB == 1 && fold && tid < fold_n) {
         const uint4* w4 = reinterpret_cast<const uint4*>(fwt + (size_t)tid * 16);
@@ -438,8 +439,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     NINFER_TL_MARK(5);  // q̂, k̂, β and e^g ready
     // v71/v73: the router fold's M rows this block reads on its tail, asked of L2 now, behind the step's
     // own loads (served in issue order: perf-history.md v66), so that they land while the delta rule runs
-    if (fold) {  // and the scales, and the last warp's W_router value (read before the Σ o² wait); the one-block
-        // step all its W_router rows
+    if (fold) {  // and the scales, and the last warp's W_router value (read before the Σ o² wait); at C = 1 and
+        // 2 all the block's W_router rows
         prefetch_l2_span(fmt, (size_t)fold_ld * 64 * FNB, tid, nt);
         prefetch_l2_span(fold_ms, (size_t)fold_ld * 4, tid, nt);
         if (FNB == 1 && tid == 0) prefetch_l2(fwt + (size_t)nt * 16);
