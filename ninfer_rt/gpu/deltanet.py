@@ -35,9 +35,9 @@ STEP_LANES = {1: 4, STEP_PAIR: 4, STEP_CLUSTER: 8}
 # the router fold's 32-column blocks in one step block and threads a logit (FNB, FTL in deltanet_step.cu), by
 # cluster: a block of 4 is one fold block; of 2, two; the one-block step (v88) holds 4 (dv = 128), a pair a logit
 STEP_FOLD = {1: (4, 2), STEP_PAIR: (2, 1), STEP_CLUSTER: (1, 1)}
-# planner switch: B > 1 sequences take the clustered step only where its nv·B clusters run in no more waves than
-# the C = 1 kernel's nv·B blocks (step_cluster); False: clusters at any B. On since v88, whose one-block step
-# folds the router too (perf.md: H100, 8K, B = 4 -3.0%, B = 2 -0.4%)
+# planner switch: B > 1 sequences take the step's shape whose launch runs in the fewest waves (step_cluster);
+# False: clusters of 4 at any B. On since v88, whose one-block step folds the router too (perf.md, H100, 8K:
+# B = 4 -3.0%, B = 2 -0.4%; v89's clusters of 2 another -1.5% and -2.8%)
 STEP_CLUSTER_WAVES = True
 # planner switch (v89): that rule may also take clusters of 2 (fewest waves first, then the most blocks a head);
 # False: clusters of 4 or one block
