@@ -1,6 +1,7 @@
 """GPU test of deltanet.step's router fold (v71/v73; kernels/deltanet_step.cu with fold_acc): for one
 token a sequence the step also adds its blocks' shares of the next MoE's raw router logits into an int64
-accumulator, a row a sequence (router_fold.py; B > 1 since v87), on clusters of 4 and in one block a head (v88).
+accumulator, a row a sequence (router_fold.py; B > 1 since v87), on clusters of 4 and 2 (v89) and in one block a
+head (v88).
 
 Oracle: fold_oracle.check_fold_sums over the step's own fp32 output y; y is the same bits as the step's without the
 fold (the states restored in between), so the fold reads the step's real output and changes nothing else.
