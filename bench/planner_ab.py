@@ -81,6 +81,7 @@ VARIANTS = [
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
     ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
+    ("the shared expert's side stream at the greatest priority (v90)", {"moe.SHARED_STREAM_PRIORITY": True}),
     ("router fold at one token only, the router GEMV at B > 1 (v86)", {"router_fold.BATCH_FOLD": False}),
     ("routed down of several rows at 2 blocks an SM (v83)", {"moe.DOWN_BLOCKS_PER_SM": 2}),
     ("x̂ records at one row only (v82)", {"linear.RECORDS_ROWS": (1,)}),

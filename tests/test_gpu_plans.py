@@ -304,6 +304,32 @@ def test_batch_fold_follows_the_steps_kernel(monkeypatch):
     assert not router_fold.mixer_folds(k, spec, 0, 2) and router_fold.mixer_folds(k, spec, 0, 1)
 
 
+def test_high_priority_streams_and_graphs(monkeypatch):
+    """Gpu.new_stream(high_priority=True) creates its stream at the greatest priority the context reports
+    (cuCtxGetStreamPriorityRange), the plain one with cuStreamCreate; end_capture instantiates with
+    CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY only when node_priority asks (v90)."""
+    from types import SimpleNamespace
+
+    from ninfer_rt.gpu import driver
+    calls = []
+    fake = SimpleNamespace(
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0),
+        CUstream_flags=SimpleNamespace(CU_STREAM_NON_BLOCKING=1),
+        CUgraphInstantiate_flags=SimpleNamespace(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY=8),
+        cuCtxGetStreamPriorityRange=lambda: (0, 0, -5),
+        cuStreamCreate=lambda flags: calls.append(("create", flags)) or (0, "s0"),
+        cuStreamCreateWithPriority=lambda flags, prio: calls.append(("create_p", flags, prio)) or (0, "s1"),
+        cuStreamEndCapture=lambda h: (0, "graph"),
+        cuGraphInstantiate=lambda g, flags: calls.append(("instantiate", g, flags)) or (0, "exec"))
+    monkeypatch.setattr(driver, "_driver", lambda: fake)
+    g = driver.Gpu.__new__(driver.Gpu)
+    g.stream = SimpleNamespace(handle="main")
+    assert g.new_stream().handle == "s0" and g.new_stream(high_priority=True).handle == "s1"
+    g.end_capture()
+    g.end_capture(node_priority=True)
+    assert calls == [("create", 1), ("create_p", 1, -5), ("instantiate", "graph", 0), ("instantiate", "graph", 8)]
+
+
 def test_cluster_launches_go_through_launch_kernel_ex(monkeypatch):
     """Gpu.launch with `cluster`: cuLaunchKernelEx with the cluster-dimension attribute (after the PDL one when
     PDL is on, alone when it is off); without a cluster and PDL, plain cuLaunchKernel; a cluster that does not

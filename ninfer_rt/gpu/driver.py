@@ -262,10 +262,16 @@ class Gpu:
         self.peak_allocated = 0
         self._buffers: dict[int, int] = {}
 
-    def new_stream(self) -> Stream:
-        """A non-blocking stream of this context (the default one, or a side branch's)."""
+    def new_stream(self, high_priority: bool = False) -> Stream:
+        """A non-blocking stream of this context (the default one, or a side branch's). high_priority: at the
+        greatest priority the context has, so that where both wait for SMs its blocks are placed before those of
+        streams at the default (in a graph too, with end_capture(node_priority=True))."""
         d = _driver()
-        return Stream(_check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
+        if not high_priority:
+            return Stream(_check(d.cuStreamCreate(flags), "cuStreamCreate"))
+        _, greatest = _check(d.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        return Stream(_check(d.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreateWithPriority"))
 
     def make_current(self) -> None:
         _check(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -444,8 +450,11 @@ class Gpu:
         mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         _check(d.cuStreamBeginCapture((stream or self.stream).handle, mode), "cuStreamBeginCapture")
 
-    def end_capture(self, stream: Stream | None = None) -> Graph:
+    def end_capture(self, stream: Stream | None = None, node_priority: bool = False) -> Graph:
+        """The captured graph, instantiated. node_priority: each kernel node runs at the priority its stream had
+        during capture, not at the priority of the stream the graph is launched into."""
         d = _driver()
         graph = _check(d.cuStreamEndCapture((stream or self.stream).handle), "cuStreamEndCapture")
-        exec_ = _check(d.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        flags = int(d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY) if node_priority else 0
+        exec_ = _check(d.cuGraphInstantiate(graph, flags), "cuGraphInstantiate")
         return Graph(graph, exec_)

@@ -132,7 +132,8 @@ class GpuModel:
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T) the shared carveout holds
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
-        self.side = gpu.new_stream()
+        self._sides = [gpu.new_stream()]  # and one at the greatest priority once moe.SHARED_STREAM_PRIORITY asks
+        self.side = self._sides[0]
         self._fork, self._join = Event(timing=False), Event(timing=False)
         # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
         self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
@@ -375,6 +376,7 @@ class GpuModel:
                 if plan is None:
                     # the shared expert needs only x, so it runs on the side stream beside the router and the
                     # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
+                    self.side = self._sides[-1 if moe.SHARED_STREAM_PRIORITY else 0]
                     self._fork.record(self.gpu.stream)
                     self.side.wait(self._fork)
                     self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols,
@@ -521,6 +523,8 @@ class GpuModel:
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
         """
         self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
+        if moe.SHARED_STREAM_PRIORITY and len(self._sides) == 1:
+            self._sides.append(self.gpu.new_stream(high_priority=True))
         if B * T <= GEMV_MAX_ROWS and (B, T) not in self._carveout_planned:
             self._plan_carveout(B, T, bucket, logit_rows, draw)
         if not graph:
@@ -533,7 +537,7 @@ class GpuModel:
             try:
                 self._step(B, T, bucket, logit_rows, draw)
             finally:
-                g = self.gpu.end_capture()
+                g = self.gpu.end_capture(node_priority=moe.SHARED_STREAM_PRIORITY)
             self.graphs[key] = g
         g.launch(self.gpu.stream)
 
