@@ -1,6 +1,7 @@
 """Where a decode step's time goes in the graph, launch by launch: every warp of every kernel stamped.
 
-    python bench/decode_timeline.py [--model qwen3.6-35b-a3b ...] [--context 8192] [--json PATH]
+    python bench/decode_timeline.py [--model qwen3.6-35b-a3b ...] [--context 8192] [--batch B] [--json PATH]
+                                    [--set moe.SHARED_STREAM_PRIORITY=True ...]
 
 The kernels are rebuilt with -DNINFER_TIMELINE (kernels/common.cuh): ninfer_pdl_begin() (or _early) then records,
 for lane 0 of every warp, the global time when the warp called it (its "entry": after whatever the kernel issues
@@ -42,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import synthetic_model, time_fresh_step  # noqa: E402
+from gpu_common import parse_settings, patched, planner_modules, synthetic_model, time_fresh_step  # noqa: E402
 
 MARKS = 8  # NINFER_TL_MARKS
 RECORD = np.dtype([("grid", "<u8"), ("pre", "<u8"), ("post", "<u8"), ("exit", "<u8"), ("mark", "<u8", (MARKS,)),
@@ -262,7 +263,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every launch's row as JSON here")
     ap.add_argument("--warps", metavar="TEXT",
                     help="in the JSON, every warp's stamps of the launches whose label contains TEXT")
+    ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="planner constants for the stamped step, as planner_ab's variants set them "
+                         "(e.g. moe.SHARED_STREAM_PRIORITY=True)")
     args = ap.parse_args()
+    modules = planner_modules()
+    try:
+        settings = parse_settings(args.set, modules)
+    except ValueError as e:
+        sys.exit(f"decode_timeline: {e}")
 
     from rich.console import Console
 
@@ -284,9 +293,11 @@ def main() -> None:
 
     if args.smem_carveout is not None:
         kernels.SMEM_CARVEOUT = args.smem_carveout
-    out = {"device": gpu.info.name, "arch": gpu.info.arch, "context": args.context, "batch": args.batch, "models": {}}
+    out = {"device": gpu.info.name, "arch": gpu.info.arch, "context": args.context, "batch": args.batch,
+           "set": settings, "models": {}}
     for name in args.model:
-        with synthetic_model(gpu, k, name, context_bucket(args.context + 1), slots=args.batch) as model:
+        with synthetic_model(gpu, k, name, context_bucket(args.context + 1), slots=args.batch) as model, \
+                patched(modules, settings):
             launches, images = [], {}  # images: entry point -> the image holding it, looked up once
             plain_launch, weight = k.launch, [""]
 

@@ -75,6 +75,32 @@ def synthetic_model(gpu, k, name: str, max_ctx: int, slots: int = 1):
         weights.free(gpu)
 
 
+def planner_modules() -> dict:
+    """The modules whose planner constants the decode-step tools set, by the name "module.attr" uses."""
+    from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe, router_fold
+    return {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe,
+            "router_fold": router_fold}
+
+
+def parse_settings(items: list[str], modules: dict) -> dict:
+    """"module.attr=value" strings (value a Python literal) as patched() takes them: {"module.attr": value}.
+    A module not in `modules`, an attribute it lacks or a value that is no literal is a ValueError of one line."""
+    import ast
+
+    settings = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        module, _, attr = key.strip().partition(".")
+        if not eq or module not in modules or not attr or not hasattr(modules[module], attr):
+            raise ValueError(f"--set {item!r}: want module.ATTR=value with module one of {', '.join(modules)} "
+                             f"and ATTR one of its planner constants")
+        try:
+            settings[f"{module}.{attr}"] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {item!r}: {text.strip()!r} is not a Python literal") from None
+    return settings
+
+
 @contextmanager
 def patched(modules: dict, settings: dict):
     """Set module attributes named "module.attr" (module looked up in `modules`) to the values in `settings` for

@@ -19,12 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import open_gpu, patched, step_rows_out, synthetic_model, time_fresh_step  # noqa: E402
+from gpu_common import (open_gpu, patched, planner_modules, step_rows_out, synthetic_model,  # noqa: E402
+                        time_fresh_step)
 
-from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe, router_fold  # noqa: E402
-
-MODULES = {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe,
-           "router_fold": router_fold}
+MODULES = planner_modules()
 # (label, planner constants to set, as module.name)
 VARIANTS = [
     ("default", {}),

@@ -233,3 +233,32 @@ def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
     monkeypatch.setattr(bench, "_time_decode", fake_time_decode)
     assert time_fresh_step(model, 8192, batch=2) == 1.0
     assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 2, 0)] * 3
+
+
+def test_parse_settings_reads_planner_constants_and_refuses_the_rest():
+    """parse_settings (decode_timeline's --set): "module.ATTR=value" with a Python literal becomes patched()'s
+    {"module.ATTR": value}; an unknown module or attribute, a missing "=" or a value that is no literal is one
+    ValueError line naming the item."""
+    from types import SimpleNamespace
+
+    from gpu_common import parse_settings
+    mods = {"moe": SimpleNamespace(FLAG=False, ROWS=(1,)), "linear": SimpleNamespace(DEPTH={4: 1})}
+    assert parse_settings(["moe.FLAG=True", "linear.DEPTH={4: 2, 8: 1}", "moe.ROWS = (1, 2)"], mods) == {
+        "moe.FLAG": True, "linear.DEPTH": {4: 2, 8: 1}, "moe.ROWS": (1, 2)}
+    assert parse_settings([], mods) == {}
+    for bad, why in [("moe.NOPE=1", "want module.ATTR=value"), ("gemm.FLAG=1", "want module.ATTR=value"),
+                     ("moe.FLAG", "want module.ATTR=value"), ("moe=1", "want module.ATTR=value"),
+                     ("moe.FLAG=yes please", "is not a Python literal")]:
+        with pytest.raises(ValueError, match=why) as e:
+            parse_settings([bad], mods)
+        assert "\n" not in str(e.value) and repr(bad) in str(e.value)
+
+
+def test_planner_ab_variants_name_real_planner_constants():
+    """Every planner constant planner_ab's variants set exists in gpu_common.planner_modules() (a renamed switch
+    would otherwise only fail on the GPU, mid-run)."""
+    import planner_ab
+    from gpu_common import parse_settings, planner_modules
+    mods = planner_modules()
+    for label, over in planner_ab.VARIANTS:
+        parse_settings([f"{key}={value!r}" for key, value in over.items()], mods)
