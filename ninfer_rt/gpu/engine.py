@@ -133,7 +133,6 @@ class GpuModel:
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T) the shared carveout holds
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._sides = [gpu.new_stream()]  # and one at the greatest priority once moe.SHARED_STREAM_PRIORITY asks
-        self.side = self._sides[0]
         self._fork, self._join = Event(timing=False), Event(timing=False)
         # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
         self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
@@ -376,7 +375,6 @@ class GpuModel:
                 if plan is None:
                     # the shared expert needs only x, so it runs on the side stream beside the router and the
                     # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
-                    self.side = self._sides[-1 if moe.SHARED_STREAM_PRIORITY else 0]
                     self._fork.record(self.gpu.stream)
                     self.side.wait(self._fork)
                     self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols,
@@ -471,6 +469,12 @@ class GpuModel:
         self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.slot, np.asarray(slots, np.int32), stream=self.gpu.stream)
+
+    @property
+    def side(self):
+        """The stream batched decode runs the MoE's shared expert on: the greatest-priority one where
+        moe.SHARED_STREAM_PRIORITY asks (_run creates it), else the plain one."""
+        return self._sides[-1 if moe.SHARED_STREAM_PRIORITY else 0]
 
     def bucket(self, end: int) -> int:
         """The graph bucket of a step whose tokens end before position `end`: context_bucket, within the cache."""
