@@ -40,10 +40,10 @@ GATE_UP_B3_FORMATS = ("q4g64", "q5g64")  # the formats with that entry
 # one-row build (perf.md v84).
 DOWN_BLOCKS_PER_SM = 3
 DOWN_B3_FORMATS = ("q5g64", "q6g64")
-# Planner switch (v90, prepared): batched decode's shared expert runs on a side stream of the greatest priority, so
-# that its blocks are placed before the routed gate/up's second wave (v89's timelines: the routed down waits for
-# the side stream, which starts 5.8 µs after out_proj at B = 2 and 14.3 at B = 4). Off until measured.
-SHARED_STREAM_PRIORITY = False
+# Planner switch (v90): batched decode's shared expert runs on a side stream of the greatest priority, so that its
+# blocks are placed before the routed gate/up's second wave (v89's timelines: the routed down waited for the side
+# stream, which started 5.8 µs after out_proj at B = 2 and 14.3 at B = 4). B = 2 -2.2%, B = 4 -1.5% (H100, perf.md)
+SHARED_STREAM_PRIORITY = True
 ACC_FORMATS = ("q4g64", "q5g64")  # the routed gate/up formats with _acc entries (routing on a router fold, v87)
 
 
