@@ -1,7 +1,7 @@
 """Where a decode step's time goes in the graph, launch by launch: every warp of every kernel stamped.
 
     python bench/decode_timeline.py [--model qwen3.6-35b-a3b ...] [--context 8192] [--batch B] [--json PATH]
-                                    [--set moe.SHARED_STREAM_PRIORITY=True ...]
+                                    [--set deltanet.STEP_PAIRS=False ...]
 
 The kernels are rebuilt with -DNINFER_TIMELINE (kernels/common.cuh): ninfer_pdl_begin() (or _early) then records,
 for lane 0 of every warp, the global time when the warp called it (its "entry": after whatever the kernel issues
@@ -265,7 +265,7 @@ def main() -> None:
                     help="in the JSON, every warp's stamps of the launches whose label contains TEXT")
     ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.ATTR=VALUE",
                     help="planner constants for the stamped step, as planner_ab's variants set them "
-                         "(e.g. moe.SHARED_STREAM_PRIORITY=True)")
+                         "(e.g. deltanet.STEP_PAIRS=False)")
     args = ap.parse_args()
     modules = planner_modules()
     try:

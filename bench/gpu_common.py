@@ -119,17 +119,18 @@ def patched(modules: dict, settings: dict):
             setattr(*target(key), value)
 
 
-def time_fresh_step(model, ctx: int, batch: int = 1) -> float:
-    """Seconds per decode step of `batch` sequences (slots 0..batch-1) at context ctx on a freshly captured graph
-    (planner constants and left-out launches only act at capture): the model's graphs destroyed and its shared
-    carveout planned again, then the best of 3 medians of ninfer-rt bench's timer."""
+def time_fresh_step(model, ctx: int, batch: int = 1, tokens: int = 1) -> float:
+    """Seconds per decode step of `batch` sequences (slots 0..batch-1) at context ctx, or of one sequence's
+    verification of `tokens` tokens, on a freshly captured graph (planner constants and left-out launches only act
+    at capture): the model's graphs destroyed and its shared carveout planned again, then the best of 3 medians of
+    ninfer-rt bench's timer."""
     from ninfer_rt.gpu.bench import _time_decode
 
     for g in model.graphs.values():
         g.destroy()
     model.graphs.clear()
     model.forget_carveout()
-    return min(_time_decode(model, ctx, batch=batch) for _ in range(3))
+    return min(_time_decode(model, ctx, batch=batch, tokens=tokens) for _ in range(3))
 
 
 def step_rows_out(console, gpu, title: str, columns: list[tuple[str, bool]], cells, rows: list[dict],

@@ -1,6 +1,6 @@
 """In-graph A/B of the decode planners' constants (GEMV, attention splits, DeltaNet step): a synthetic model's step.
 
-    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--batch B]
+    python bench/planner_ab.py [--model qwen3.6-35b-a3b qwen3.6-27b] [--context 8192 ...] [--batch B | --tokens T]
                                [--only TEXT ...] [--json PATH]
 
 A kernel timed alone (bench/gemv_bench.py) is a poor guide to the step: in a decode graph, programmatic dependent
@@ -79,11 +79,13 @@ VARIANTS = [
     ("MoE after the router in separate launches, shared expert on a side stream (v30)",
      {"moe.FUSED_DECODE": False}),
     ("routed gate/up of several rows at 2 blocks an SM (v82)", {"moe.GATE_UP_BLOCKS_PER_SM": 2}),
-    ("the shared expert's side stream at the greatest priority (v90)", {"moe.SHARED_STREAM_PRIORITY": True}),
+    ("the shared expert's side stream at the default priority (before v90)", {"moe.SHARED_STREAM_PRIORITY": False}),
     ("router fold at one token only, the router GEMV at B > 1 (v86)", {"router_fold.BATCH_FOLD": False}),
     ("routed down of several rows at 2 blocks an SM (v83)", {"moe.DOWN_BLOCKS_PER_SM": 2}),
     ("x̂ records at one row only (v82)", {"linear.RECORDS_ROWS": (1,)}),
-    ("x̂ records at 1-4 rows", {"linear.RECORDS_ROWS": (1, 2, 3, 4)}),
+    ("x̂ records at 1 and 4 rows (v83c-v90)", {"linear.RECORDS_ROWS": (1, 4)}),
+    ("x̂ records at a verification of 2-4 tokens (v91's first cut)", {"linear.RECORDS_TOKENS": (2, 3, 4)}),
+    ("x̂ records at no verification", {"linear.RECORDS_TOKENS": ()}),
     ("default again", {}),
 ]
 
@@ -96,10 +98,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences in the timed step (each its own slot at the same context; B > 1 takes the "
                          "multi-row GEMVs and the MoE's separate launches)")
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="instead, one sequence's verification step of T tokens (GpuModel.verify, every row's logits)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--only", nargs="+", default=[],
                     help="run only the variants whose label contains one of these texts (the defaults always run)")
     args = ap.parse_args()
+    if args.batch > 1 and args.tokens > 1:
+        ap.error("--batch and --tokens are two kinds of step: give one")
     variants = [(label, over) for label, over in VARIANTS
                 if not args.only or not over or any(t in label for t in args.only)]
 
@@ -112,9 +118,10 @@ def main() -> None:
             for ctx in args.context:
                 for label, over in variants:
                     with patched(MODULES, over):
-                        s = time_fresh_step(model, ctx, args.batch)
+                        s = time_fresh_step(model, ctx, args.batch, args.tokens)
                     rows.append({"model": name, "variant": label, "set": {kk: v for kk, v in over.items()},
-                                 "context": ctx, "batch": args.batch, "ms": 1e3 * s, "tok_s": args.batch / s})
+                                 "context": ctx, "batch": args.batch, "tokens": args.tokens, "ms": 1e3 * s,
+                                 "tok_s": args.batch * args.tokens / s})
                     # one line each, whatever the terminal width (logs are grepped for "ms/step")
                     console.print(f"{name} @{ctx} {label}: {1e3 * s:.3f} ms/step", highlight=False, soft_wrap=True)
 
@@ -123,8 +130,9 @@ def main() -> None:
                     if (b["model"], b["context"], b["variant"]) == (r["model"], r["context"], "default"))
         return (r["model"], f"{r['context']:,}", r["variant"], f"{r['ms']:.3f}", f"{r['tok_s']:.1f}",
                 f"{100 * (base['ms'] / r['ms'] - 1):+.1f}%")
-    step_rows_out(console, gpu, f"decode step of {args.batch} sequence(s), graph replay (best of 3 medians; tok/s of "
-                  "all together)",
+    kind = (f"verification step of {args.tokens} tokens" if args.tokens > 1 else
+            f"decode step of {args.batch} sequence(s)")
+    step_rows_out(console, gpu, f"{kind}, graph replay (best of 3 medians; tok/s of all together)",
                   [("model", True), ("context", False), ("variant", True), ("ms / step", False), ("tok/s", False),
                    ("vs default", False)], cells, rows, args.json)
 

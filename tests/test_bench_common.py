@@ -226,13 +226,17 @@ def test_time_fresh_step_recaptures_and_takes_the_best_of_three(monkeypatch):
 
     model = SimpleNamespace(graphs={"a": Graph(), "b": Graph()}, forget_carveout=lambda: log.append("forget"))
 
-    def fake_time_decode(m, ctx, batch=1):
-        log.append(("time", ctx, batch, len(m.graphs)))
+    def fake_time_decode(m, ctx, batch=1, tokens=1):
+        log.append(("time", ctx, batch, tokens, len(m.graphs)))
         return next(times)
 
     monkeypatch.setattr(bench, "_time_decode", fake_time_decode)
     assert time_fresh_step(model, 8192, batch=2) == 1.0
-    assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 2, 0)] * 3
+    assert log == ["destroy", "destroy", "forget"] + [("time", 8192, 2, 1, 0)] * 3
+    log.clear()
+    times = iter([2.0, 3.0, 1.5])
+    assert time_fresh_step(model, 8192, tokens=3) == 1.5  # a verification step's timer
+    assert log == ["forget"] + [("time", 8192, 1, 3, 0)] * 3
 
 
 def test_parse_settings_reads_planner_constants_and_refuses_the_rest():

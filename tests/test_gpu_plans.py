@@ -513,3 +513,15 @@ def test_a_carveout_preference_is_set_once_per_change(monkeypatch):
     k.launch("a", 1, 32, [])
     k.launch("a", 1, 32, [])
     assert calls == [("a", 100), ("b", 100), ("a", -1)] and len(k.gpu.launches) == 6
+
+
+def test_records_rows_by_kind_of_step(monkeypatch):
+    """linear.records_rows takes RECORDS_ROWS for B sequences of one token and RECORDS_TOKENS for one sequence's
+    verification of T tokens (v91: the two kinds of step run different DeltaNet steps and differ in what records
+    are worth)."""
+    from ninfer_rt.gpu import linear
+
+    monkeypatch.setattr(linear, "RECORDS_ROWS", (1, 2))
+    monkeypatch.setattr(linear, "RECORDS_TOKENS", (3,))
+    assert linear.records_rows(1, 1) and linear.records_rows(2, 1) and not linear.records_rows(3, 1)
+    assert not linear.records_rows(1, 2) and linear.records_rows(1, 3)

@@ -194,7 +194,7 @@ class GpuModel:
         b.o = self._alloc(rows * self.o_cols * f)
         b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
         # a decode step's mixer output as out_proj's / o_proj's x̂ chunk records of its rows (deltanet.step,
-        # attention.decode; linear.RECORDS_ROWS)
+        # attention.decode; linear.records_rows)
         b.o_rec = self._alloc(max(self.o_cols // 32, 1) * linear.x_chunk_bytes(linear.RECORDS_MAX_M, True))
         if s.is_moe:
             E, k = s.num_experts, s.num_experts_per_tok
@@ -296,7 +296,7 @@ class GpuModel:
             folded = fold is not None
             if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
                 attention.prefill(self.k, **attend)
-            elif M in linear.RECORDS_ROWS and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w, M):
+            elif linear.records_rows(B, T) and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w, M):
                 # a decode step: o also as o_proj's x̂ records where the combine can write them
                 rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
                                        records_order=linear.records_order(o_w), fold=fold)
@@ -321,8 +321,8 @@ class GpuModel:
                                                               dv=s.linear_value_head_dim,
                                                               Kc=s.linear_conv_kernel_dim):
                 # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; y also as
-                # out_proj's x̂ records (at linear.RECORDS_ROWS) where both kernels can (out_proj then skips coding)
-                if (M in linear.RECORDS_ROWS and deltanet.STEP_OUT_RECORDS
+                # out_proj's x̂ records (linear.records_rows) where both kernels can (out_proj then skips coding)
+                if (linear.records_rows(B, T) and deltanet.STEP_OUT_RECORDS
                         and deltanet.records_fit(self.k, dv=s.linear_value_head_dim, dk=s.linear_key_head_dim,
                                                  nv=s.linear_num_value_heads, B=B)
                         and linear.records_fit(self.k, out_w, M)):

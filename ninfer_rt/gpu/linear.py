@@ -37,10 +37,12 @@ _STREAM_ROWS_SMEM = 100 * 1024
 # x̂ records of 2-4 rows (gemv_q8_s{2,3,4}r, out_proj and o_proj of a batched step) are built for q8 weights only
 _RECORDS_ROWS_BITS = (8,)
 RECORDS_MAX_M = _STREAM_MAX_M  # the most rows x_records takes (engine.py sizes its records buffer by it)
-# Planner constant: the row counts at which the engine has the DeltaNet step and the attention combine write x̂ records
-# for out_proj / o_proj. 2 rows lost 3.4% (H100) and 4.0% (H200) a 35B step at 8K, 3 rows were even (H100), 4 rows
-# gained 2.9% (both cards): perf.md v83c
-RECORDS_ROWS = (1, 4)
+# Planner constants: the row counts at which the engine has the DeltaNet step and the attention combine write x̂
+# records for out_proj / o_proj, in a step of B sequences of one token (ROWS) and in one sequence's verification of T
+# tokens (TOKENS). Batched: 2 and 3 rows gain 3.5% and 4.1% since v88-v89's steps of clusters of 1-2 (v91; in v83c,
+# over clusters of 4, 2 rows lost 3.4%). Verification (clusters of 4): 2 tokens lose 4.4%, 3 gain 0.4%, 4 gain 4.6%.
+RECORDS_ROWS = (1, 2, 3, 4)
+RECORDS_TOKENS = (3, 4)
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11); several rows
 # stream at any N (the 35B's B = 2 / 4 steps -0.3% / -0.9%, the 27B's B = 2 -0.25%: perf.md v83)
 _STREAM_BLOCK_ROWS = 65536
@@ -223,6 +225,12 @@ def records_order(w: DeviceWeight) -> int:
     """The order of x̂'s codes in a chunk record for this quantized weight (kernels/xcodes.cuh XQ): 1 natural
     (q8), 2 each 8-block's even then odd elements (the nibble formats' low and high nibbles)."""
     return 1 if w.bits == 8 else 2
+
+
+def records_rows(B: int, T: int) -> bool:
+    """Whether the planner has a step of B sequences of T tokens write x̂ records for out_proj / o_proj
+    (RECORDS_ROWS at one token a sequence, else RECORDS_TOKENS); records_fit says whether the kernels can."""
+    return B * T in (RECORDS_ROWS if T == 1 else RECORDS_TOKENS)
 
 
 def records_fit(k, w: DeviceWeight, m: int = 1) -> bool:
