@@ -16,7 +16,7 @@ fused DeltaNet step, the MoE kernels). A one-token step runs a DeltaNet layer as
 the fused step, out_proj GEMV), an attention layer as five (q|k|v|gate GEMV, prepare, split-KV decode, combine,
 o_proj), and the MoE block as one (moe.fused: routing, routed and shared experts, the residual add, with a grid
 barrier). Its router logits are not a launch of their own where router_fold fits: the DeltaNet step or the
-attention combine two launches back adds them up. Batched rows take the router GEMV and separate MoE launches.
+attention combine two launches back adds them up. Batched rows take separate MoE launches (ffn.py).
 
 Decode steps (T ≤ 8) are captured as CUDA graphs, one per (B, T, context bucket): the kernels read ids, pos
 and slot from device arrays, so a graph replays for every token until the context passes its bucket.
@@ -32,23 +32,15 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, gemm, linear, misc, moe, router_fold
+from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, moe, router_fold
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
-from ninfer_rt.gpu.weights import DeviceWeight
+from ninfer_rt.gpu.weights import k_view
 
 LM = "model.language_model."
 GEMV_MAX_ROWS = 8        # the GEMV reads weights once for up to 8 rows; more rows go to the tensor-core GEMM
 MIN_BUCKET = 1024        # smallest context bucket of a decode graph
-
-
-def k_view(w: DeviceWeight) -> DeviceWeight:
-    """A quantized [N, K] weight seen as [N, round_up(K, 32)]: the same bytes (rows are stored padded to 128 with
-    zero codes), so kernels that step K in 32s can read it; the input rows must be zero in [K, round_up(K, 32))."""
-    if w.k % 32 == 0 or not w.quantized or len(w.shape) != 2:
-        return w
-    return DeviceWeight(w.name, w.fmt, (w.shape[0], round_up(w.k, 32)), w.base)
 
 
 def context_bucket(n: int) -> int:
@@ -346,69 +338,11 @@ class GpuModel:
         else:
             misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=post, eps=s.rms_norm_eps, out="bf16")
             src, nw = b.h16, 0
-        act_s = b.act_s if M <= GEMV_MAX_ROWS else b.act_s16  # the shared / dense SwiGLU output
-        m = p + "mlp."
         if s.is_moe:
-            E, k = s.num_experts, s.num_experts_per_tok
-            routing = dict(ids=b.ids, weights=b.wts, shared_scale=b.sscale)
-            shared_gate_up = W(m + "shared_expert.{gate_proj,up_proj}.weight")
-            shared_down = W(m + "shared_expert.down_proj.weight")
-            if M > GEMV_MAX_ROWS:  # prefill: tokens grouped by expert, each expert's weights read once per tile
-                self._linear(W(m + "{gate,shared_expert_gate}.weight"), x=src, M=M, y=b.router)
-                moe.route(self.k, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
-                gemm.moe_grouped(self.k, W(m + "experts.gate_up_proj"), W(m + "experts.down_proj"), x=src, M=M,
-                                 ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x, scratch=b.scratch,
-                                 kernel=self.gemm_kernel)
-                self._linear(shared_gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols)
-                self._linear(shared_down, x=act_s, M=M, y=b.x, mode="add", row_scale=b.sscale)
-            else:
-                router = W(m + "{gate,shared_expert_gate}.weight")
-                gate_up, down = W(m + "experts.gate_up_proj"), W(m + "experts.down_proj")
-                # one token: the router GEMV (none where the mixer folded it), then the rest of the block in one
-                # launch (a grid barrier inside)
-                plan = moe.fused_kernel(self.k, gate_up, down, shared_gate_up, shared_down, k, acc=folded) \
-                    if M == 1 and post % 16 == 0 else None
-                # _fold_for planned this same entry (same arguments) before the step folded, so it exists; at
-                # M > 1 it checked gate_up_routed's _acc entry (v87)
-                assert plan is not None or not folded or M > 1, f"layer {i}: the step folded but no MoE reads acc"
-                acc = self._folds[i][1] if folded else 0
-                if plan is None:
-                    # the shared expert needs only x, so it runs on the side stream beside the router and the
-                    # routed gate/up (which normalise x themselves); moe.down adds its output times its gate
-                    self._fork.record(self.gpu.stream)
-                    self.side.wait(self._fork)
-                    self._linear(shared_gate_up, x=b.x, M=M, y=b.act_s, mode="swiglu", ldy=self.ffn_cols,
-                                 norm_w=post, stream=self.side)
-                    self._linear(shared_down, x=b.act_s, M=M, y=b.shared_y, stream=self.side)
-                    self._join.record(self.side)
-                if not acc:  # with the fold the step (combine) two launches back computed the router's logits
-                    self._linear(router, x=src, M=M, y=b.router, norm_w=nw)
-                if plan is not None:
-                    moe.fused(self.k, plan, gate_up, down, shared_gate_up, shared_down, x=b.x, norm_w=post,
-                              eps=s.rms_norm_eps, logits=b.router, E=E, top_k=k, act=b.act, act_s=b.act_s,
-                              barrier=self._moe_barrier, acc=acc, **routing)
-                else:
-                    # with the fold (v87) every row routes on acc before the kernel's wait; the down zeroes acc
-                    ld = router_fold.fold_ld(E) if acc else E + 1
-                    moe.gate_up_routed(self.k, gate_up, x=b.x, norm_w=post, eps=s.rms_norm_eps,
-                                       logits=0 if acc else b.router, ld=ld, M=M, E=E, top_k=k, act=b.act, acc=acc,
-                                       **routing)
-                    self.gpu.stream.wait(self._join)
-                    moe.down(self.k, down, act=b.act, ids=b.ids, weights=b.wts, M=M, top_k=k, y=b.x,
-                             extra=b.shared_y, extra_scale=b.sscale, acc=acc, acc_ld=ld if acc else 0)
+            ffn.moe_block(self, i, p + "mlp.", M, src=src, norm_w=nw, post=post, folded=folded,
+                          prefill=M > GEMV_MAX_ROWS)
         else:
-            gate_up, down = k_view(W(m + "{gate_proj,up_proj}.weight")), k_view(W(m + "down_proj.weight"))
-            if (M == 1 and linear.SWIGLU_OUT_RECORDS and linear.y_records_fit(self.k, gate_up)
-                    and linear.records_fit(self.k, down)):
-                # the gate/up's blocks code act straight into the down's x̂ records (act_s is not written);
-                # consecutive layers alternate the counters' parity (an odd layer count only costs a wait now and then)
-                rec = (b.act_rec, b.act_pairs, b.act_cnt, linear.records_order(down), i & 1)
-                linear.gemv(self.k, gate_up, x=src, M=1, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw,
-                            norm_eps=s.rms_norm_eps, y_records=rec)
-                linear.gemv(self.k, down, x=b.act_rec, M=1, y=b.x, mode="add", x_records=True)
-            else:
-                self._linear(gate_up, x=src, M=M, y=act_s, mode="swiglu", ldy=self.ffn_cols, norm_w=nw)
-                self._linear(down, x=act_s, M=M, y=b.x, mode="add")
+            ffn.dense_mlp(self, i, p + "mlp.", M, src=src, norm_w=nw, prefill=M > GEMV_MAX_ROWS)
 
     def _o_input(self, M: int, D: int) -> int:
         """The mixer output o [M, D] as the next projection reads it: fp32 for the GEMV, bf16 for the GEMM."""

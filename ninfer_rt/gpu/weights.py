@@ -61,3 +61,11 @@ class DeviceWeight:
         if not self.quantized:
             return p["data"], 0, 0
         return p["qs"], p.get("qh", 0), p["scales"]
+
+
+def k_view(w: DeviceWeight) -> DeviceWeight:
+    """A quantized [N, K] weight seen as [N, round_up(K, 32)]: the same bytes (rows are stored padded to 128 with
+    zero codes), so kernels that step K in 32s can read it; the input rows must be zero in [K, round_up(K, 32))."""
+    if w.k % 32 == 0 or not w.quantized or len(w.shape) != 2:
+        return w
+    return DeviceWeight(w.name, w.fmt, (w.shape[0], round_up(w.k, 32)), w.base)
