@@ -249,6 +249,25 @@ def test_recurrent_against_hf_with_gva():
     assert_close_rel(S, want_S[0], FP32_REL)
 
 
+def test_recurrent_trail_is_each_prefix_run():
+    """trail=True: row t is the state a run over tokens 0..t alone leaves (bit for bit: the same per-token ops on the
+    same rows), the last row the new state; the conv trail's row t is causal_conv1d's state after x[:t + 1]."""
+    T = 5
+    q, k, v, g, beta = delta_inputs(T, 2, 4, 16, 16, seed=45)
+    S0 = rand(4, 16, 16, seed=46, scale=0.3)
+    o, S, trail = ops.gated_delta_rule_recurrent(q, k, v, g, beta, S0, trail=True)
+    assert trail.shape == (T, 4, 16, 16) and torch.equal(trail[-1], S)
+    assert torch.equal(o, ops.gated_delta_rule_recurrent(q, k, v, g, beta, S0)[0])
+    for t in range(T):
+        assert torch.equal(trail[t], ops.gated_delta_rule_recurrent(q[:t + 1], k[:t + 1], v[:t + 1], g[:t + 1],
+                                                                    beta[:t + 1], S0)[1])
+    x, w, st = rand(T, 24, seed=47), rand(24, 4, seed=48), rand(24, 3, seed=49)
+    conv = ops.conv_state_trail(x, st)
+    assert conv.shape == (T, 24, 3)
+    for t in range(T):
+        assert torch.equal(conv[t], ops.causal_conv1d(x[:t + 1], w, st)[1])
+
+
 @pytest.mark.parametrize("T", [1, 64, 150])
 def test_chunked_equals_recurrent(T):
     # 150 = two full chunks and a zero-padded tail of 22; start from a non-zero state

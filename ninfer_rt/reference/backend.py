@@ -53,17 +53,17 @@ class ReferenceBackend:
 
     def verify(self, ids: np.ndarray, cache: Cache, undoable: bool = True):
         """ids int64 [T] -> (logits float32 [T, V], post-norm hidden float32 [T, H], undo); advances cache by T.
-        undo (None unless undoable) lets `rewind` keep only a prefix of ids: the DeltaNet state cannot go back,
-        so it is the state before them."""
-        undo = cache.clone() if undoable else None
+        undoable: the DeltaNet layers run the T tokens one by one and keep each one's state (Cache.track), so that
+        `rewind` keeps any prefix of ids without a second forward; undo is then T (else None)."""
+        if undoable:
+            cache.track()
         logits, hidden = self.model.forward_with_hidden(np.asarray(ids, np.int64), cache)
-        return logits.numpy(), hidden.float().numpy(), undo
+        return logits.numpy(), hidden.float().numpy(), len(ids) if undoable else None
 
-    def rewind(self, cache: Cache, undo: Cache, ids: np.ndarray, keep: int) -> None:
-        """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1)."""
-        if keep < len(ids):
-            cache.restore(undo)
-            self.model.forward(np.asarray(ids[:keep], np.int64), cache)
+    def rewind(self, cache: Cache, undo: int, ids: np.ndarray, keep: int) -> None:
+        """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1): the
+        states the verification kept after token keep - 1, the KV caches cut there."""
+        cache.rewind(undo - keep)
 
     def new_draft_cache(self) -> Cache:
         """Empty state of the MTP head (its one attention layer's KV cache)."""

@@ -62,6 +62,10 @@ class DeltaState:
 
     conv: torch.Tensor  # [conv_dim, K-1], model dtype, oldest column first
     ssm: torch.Tensor   # [nv, dk, dv], fp32
+    # Cache.track arms the next forward to run token by token and keep the states after each of its T tokens
+    # (conv [T, conv_dim, K-1], ssm [T, nv, dk, dv]), so that Cache.rewind can keep a prefix without a second forward
+    tracking: bool = False
+    trail: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Cache:
@@ -70,6 +74,7 @@ class Cache:
 
     def __init__(self, spec, dtype: torch.dtype = torch.float32, layer_types: tuple[str, ...] | None = None):
         self.pos = 0
+        self.fed = 0  # positions the last forward added (what rewind may take back of a tracked one)
         self.layers: list[KVCache | DeltaState] = []
         for kind in spec.layer_types if layer_types is None else layer_types:
             if kind == "full_attention":
@@ -86,7 +91,31 @@ class Cache:
 
     def restore(self, other: Cache) -> None:
         """Take other's contents (a clone made earlier) in place, so holders of this object see the rollback."""
-        self.layers, self.pos = other.layers, other.pos
+        self.layers, self.pos, self.fed = other.layers, other.pos, other.fed
+
+    def track(self) -> None:
+        """Arm the next forward (a verification, a few tokens): its DeltaNet layers run token by token (the
+        recurrent form) and keep every token's state, so that `rewind` may then drop its last tokens."""
+        for st in self.layers:
+            if isinstance(st, DeltaState):
+                st.tracking, st.trail = True, None
+
+    def rewind(self, drop: int) -> None:
+        """Drop the last `drop` positions of the last forward, which `track` armed and which fed more than
+        `drop`: the KV caches are cut, each DeltaNet state is the one its trail kept after the last token left."""
+        deltas = [st for st in self.layers if isinstance(st, DeltaState)]
+        if not 0 <= drop < self.fed or any(st.trail is None for st in deltas):
+            raise ValueError(f"rewind: {drop} of {self.fed} positions, or the last forward was not tracked")
+        keep = self.fed - drop
+        for st in self.layers:
+            if isinstance(st, DeltaState):
+                if drop:
+                    st.conv, st.ssm = st.trail[0][keep - 1].clone(), st.trail[1][keep - 1].clone()
+                st.trail = None
+            else:
+                st.k, st.v = st.k[:self.pos - drop], st.v[:self.pos - drop]
+        self.pos -= drop
+        self.fed = 0
 
     def truncate(self, pos: int) -> None:
         """Keep the first pos positions. Only KV caches can: a DeltaNet state has no earlier positions in it."""
@@ -157,6 +186,7 @@ class GatedDeltaNet:
         a = h @ self.in_proj_a.T                                                 # a: [T, nv]
         g = -self.A_log.exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)  # g ≤ 0: log-decay
 
+        conv_trail = ops.conv_state_trail(mixed, st.conv) if st.tracking else None
         if T == 1:
             c, st.conv = ops.causal_conv1d_step(mixed[0], self.conv, st.conv)
             c = c[None]
@@ -166,8 +196,12 @@ class GatedDeltaNet:
         q, k = q.reshape(T, self.nk, self.dk), k.reshape(T, self.nk, self.dk)
         v = v.reshape(T, self.nv, self.dv)
 
-        rule = ops.gated_delta_rule_recurrent if T == 1 else ops.gated_delta_rule_chunked
-        o, st.ssm = rule(q, k, v, g, beta, st.ssm)                               # o: [T, nv, dv]
+        if st.tracking:  # a verification: token by token, every token's state kept for Cache.rewind
+            o, st.ssm, ssm_trail = ops.gated_delta_rule_recurrent(q, k, v, g, beta, st.ssm, trail=True)
+            st.trail, st.tracking = (conv_trail, ssm_trail), False
+        else:
+            rule = ops.gated_delta_rule_recurrent if T == 1 else ops.gated_delta_rule_chunked
+            o, st.ssm = rule(q, k, v, g, beta, st.ssm)                           # o: [T, nv, dv]
         y = ops.gated_rms_norm(o, z, self.norm, self.eps).reshape(T, self.value_dim)
         return y @ self.out_proj.T
 
@@ -311,6 +345,7 @@ class ReferenceModel:
             if stream is not None:
                 stream.append(x)
         cache.pos += T
+        cache.fed = T  # what Cache.rewind may take back of a tracked forward
         x = ops.rms_norm_zc(x, self.norm, self.spec.rms_norm_eps)
         logits = (x @ self.lm_head.T).float()
         return (logits, x, stream) if return_layers else (logits, x)

@@ -244,27 +244,39 @@ def _prepare_delta_inputs(q, k, v, g, beta):
 
 
 def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               beta: torch.Tensor, state: torch.Tensor | None = None, *, trail: bool = False
+                               ) -> tuple[torch.Tensor, ...]:
     """Gated delta rule, one token at a time (the decode form), fp32 state.
 
     q̂ = l2norm(q)·dk^-0.5, k̂ = l2norm(k), per value head (GVA) and token t:
         S ← e^{g_t} S;  Δ = β_t (v_t − Sᵀk̂_t);  S ← S + k̂_t Δᵀ;  o_t = Sᵀ q̂_t
     Shapes: q/k [T, nk, dk], v [T, nv, dv], g/beta [T, nv], state [nv, dk, dv] fp32
-    -> o [T, nv, dv] in q.dtype, new state [nv, dk, dv] fp32.
+    -> o [T, nv, dv] in q.dtype, new state [nv, dk, dv] fp32; with trail, also the state after each token
+    [T, nv, dk, dv] (its last row is the new state): a verification keeps any prefix of its tokens from it.
     """
     dtype = q.dtype
     q, k, v, g, beta = _prepare_delta_inputs(q, k, v, g, beta)
     T, nv, dv = v.shape
     S = torch.zeros(nv, k.shape[-1], dv) if state is None else state.float().clone()
     o = torch.empty(T, nv, dv)
+    states = []
     for t in range(T):
         S = S * g[t].exp()[:, None, None]
         u = torch.einsum("hkv,hk->hv", S, k[t])                                 # u: [nv, dv] = Sᵀ k̂
         delta = beta[t][:, None] * (v[t] - u)
         S = S + k[t][:, :, None] * delta[:, None, :]
         o[t] = torch.einsum("hkv,hk->hv", S, q[t])
-    return o.to(dtype), S
+        if trail:
+            states.append(S)
+    return (o.to(dtype), S, torch.stack(states)) if trail else (o.to(dtype), S)
+
+
+def conv_state_trail(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The conv state `causal_conv1d` would leave after each of x's tokens: x [T, C], state [C, K-1] ->
+    [T, C, K-1], row t the K-1 pre-conv inputs ending at token t (oldest first)."""
+    K1 = state.shape[1]
+    xs = torch.cat([state.to(x.dtype), x.transpose(0, 1)], 1)                   # xs: [C, K-1+T]
+    return torch.stack([xs[:, t + 1:t + 1 + K1] for t in range(x.shape[0])])
 
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
