@@ -33,6 +33,10 @@
 // fold (T = 1, dv = 128: 1, 2 or 4 fold blocks of 32 columns a block): also the next MoE router's raw logits
 // G·x + M·y of each sequence into its row of an int64 accumulator (router_fold.py; reference: the router's
 // rms_norm_zc(x_new) @ W_routerᵀ before its positive rsqrt, test_deltanet_fold.py's oracle).
+// trail (a verification's, speculative decoding): also S after each token t < T - 1 into trail fp32
+// [T - 1, B, nv, dk, dv], row (t, b), so that a partial acceptance keeps the state of any prefix (GpuModel.rewind
+// copies the row into the slot; the conv ring needs nothing: a step's writes never reach the rows a prefix reads).
+// Reference: gated_delta_rule_recurrent(..., trail=True).
 #include "common.cuh"
 #include "deltanet.cuh"
 #include "xcodes.cuh"  // the chunk records of y for out_proj (xrec)
@@ -52,7 +56,7 @@
 // (v89: 256 threads at dv = 128, C = 1's rows per lane at two blocks an SM, for B > 1's waves). At C = 4, with
 // 32 columns a block, "row lanes" instead: lane = column, warp = p, so that every load and store of S is one
 // 128-byte line, and the column sums cross the warps through shared memory (perf-history.md v56: the 35B -0.4%).
-template <int DK, int C>
+template <int DK, int C, bool TRAIL>
 __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, const float* __restrict__ in_norm_w,
                                           float eps_in, const uint16_t* __restrict__ w_ba,
                                           const float* __restrict__ mixed, int ld_mixed,
@@ -65,7 +69,8 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
                                           int ba_early, const __half* __restrict__ fold_mt,
                                           const float* __restrict__ fold_ms,
                                           const uint16_t* __restrict__ fold_wt, const float* __restrict__ fold_gain,
-                                          long long* __restrict__ fold_acc, int fold_ld, int fold_n) {
+                                          long long* __restrict__ fold_acc, int fold_ld, int fold_n,
+                                          float* __restrict__ trail) {
     constexpr int P = C == DN_STEP_CLUSTER ? 8 : 4;  // lanes per column of S
     constexpr int R = DK / P;                  // rows of S per lane
     constexpr int L = 32 / P;                  // columns per warp
@@ -380,6 +385,11 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
             ov = delta_step<DK, P>(s, sk[t], sq[t], sba[t][0], sba[t][1], sv[t][jc], p);
         }
         if (p == 0) so[t][jc] = ov;
+        if (TRAIL && t + 1 < T) {  // a verification's trail: S after token t, row (t, b)
+            float* St = trail + (((size_t)t * gridDim.y + b) * nv + h) * DK * dv + col0 + jc;
+#pragma unroll
+            for (int r = 0; r < R; ++r) St[(size_t)(P * r + p) * dv] = s[r];
+        }
     }
     // The new state, now: its stores drain while o is normalised (row lanes: a 128-byte line a warp instruction).
     // Through an opaque copy of S, so that the compiler recomputes the R addresses here rather than holding them
@@ -512,25 +522,35 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
 
 #define DN_CAT_(a, b) a##b
 #define DN_CAT(a, b) DN_CAT_(a, b)
+// The entry points' parameters; trail only in the _trail entries (the decode kernels are the same code without it)
+#define DN_STEP_PARAMS                                                                                            \
+    const float *x, int H, const float *in_norm_w, float eps_in, const uint16_t *w_ba, const float *mixed,        \
+        int ld_mixed, const float *conv_w, float *conv_state, int ring, const float *A_log, const float *dt_bias, \
+        const float *norm_w, float eps, float *ssm_state, const int *slot, const int *pos, float *out,            \
+        uint8_t *xrec, int xq, int T, int nk, int nv, int dv, int Kc, int ba_early, const __half *fold_mt,        \
+        const float *fold_ms, const uint16_t *fold_wt, const float *fold_gain, long long *fold_acc, int fold_ld,  \
+        int fold_n
+#define DN_STEP_ARGS                                                                                              \
+    x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log, dt_bias, norm_w, eps,        \
+        ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early, fold_mt, fold_ms, fold_wt, fold_gain,   \
+        fold_acc, fold_ld, fold_n
+#define DN_STEP_BOUNDS(C) __launch_bounds__((C == DN_STEP_CLUSTER ? 8 : 4) * DN_STEP_COLS / C, C == 1 ? 1 : 2)
 #define DN_STEP_ENTRY(NAME, DK, C)                                                                                \
-    extern "C" __global__ void __launch_bounds__((C == DN_STEP_CLUSTER ? 8 : 4) * DN_STEP_COLS / C,             \
-                                                 C == 1 ? 1 : 2) NAME(                                             \
-        const float* x, int H, const float* in_norm_w, float eps_in, const uint16_t* w_ba, const float* mixed,    \
-        int ld_mixed, const float* conv_w, float* conv_state, int ring, const float* A_log, const float* dt_bias, \
-        const float* norm_w, float eps, float* ssm_state, const int* slot, const int* pos, float* out,            \
-        uint8_t* xrec, int xq, int T, int nk, int nv, int dv, int Kc, int ba_early, const __half* fold_mt,        \
-        const float* fold_ms, const uint16_t* fold_wt, const float* fold_gain, long long* fold_acc, int fold_ld,  \
-        int fold_n) {                                                                                             \
-        step_impl<DK, C>(x, H, in_norm_w, eps_in, w_ba, mixed, ld_mixed, conv_w, conv_state, ring, A_log,         \
-                         dt_bias, norm_w, eps, ssm_state, slot, pos, out, xrec, xq, T, nk, nv, dv, Kc, ba_early,  \
-                         fold_mt, fold_ms, fold_wt, fold_gain, fold_acc, fold_ld, fold_n);                        \
+    extern "C" __global__ void DN_STEP_BOUNDS(C) NAME(DN_STEP_PARAMS) {                                          \
+        step_impl<DK, C, false>(DN_STEP_ARGS, nullptr);                                                           \
+    }
+#define DN_STEP_TRAIL_ENTRY(NAME, DK, C)                                                                          \
+    extern "C" __global__ void DN_STEP_BOUNDS(C) NAME(DN_STEP_PARAMS, float* trail) {                            \
+        step_impl<DK, C, true>(DN_STEP_ARGS, trail);                                                              \
     }
 // deltanet_step_dk{DK} (one block per head), deltanet_step_dk{DK}_c{DN_STEP_PAIR} and _c{DN_STEP_CLUSTER} (a
-// cluster per head)
-#define DN_STEP(DK)                                                                 \
-    DN_STEP_ENTRY(deltanet_step_dk##DK, DK, 1)                                      \
-    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_PAIR), DK, DN_STEP_PAIR) \
-    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_CLUSTER), DK, DN_STEP_CLUSTER)
+// cluster per head); deltanet_step_trail_dk{DK}[_c{DN_STEP_CLUSTER}], the shapes one sequence's verification takes
+#define DN_STEP(DK)                                                                           \
+    DN_STEP_ENTRY(deltanet_step_dk##DK, DK, 1)                                                \
+    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_PAIR), DK, DN_STEP_PAIR)           \
+    DN_STEP_ENTRY(DN_CAT(deltanet_step_dk##DK##_c, DN_STEP_CLUSTER), DK, DN_STEP_CLUSTER)     \
+    DN_STEP_TRAIL_ENTRY(deltanet_step_trail_dk##DK, DK, 1)                                    \
+    DN_STEP_TRAIL_ENTRY(DN_CAT(deltanet_step_trail_dk##DK##_c, DN_STEP_CLUSTER), DK, DN_STEP_CLUSTER)
 DN_STEP(16)
 DN_STEP(32)
 DN_STEP(64)

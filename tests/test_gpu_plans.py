@@ -254,6 +254,22 @@ def test_step_launches_a_cluster_per_head_on_sm90():
             deltanet.step(k, **args)
 
 
+def test_step_trail_takes_the_trail_kernels():
+    """deltanet.step(trail=...): the same shapes on deltanet_step_trail_dk*: a cluster of 4 (one sequence's choice
+    on sm_90+) or one block a head, and no cluster of 2 (no such entry: batched steps keep no trail)."""
+    from ninfer_rt.gpu import deltanet
+    from ninfer_rt.gpu.driver import GpuError
+    h100, a100 = fake_kernels(9, 0), fake_kernels(8, 0)
+    deltanet.step(h100, **_step_args(B=1, T=4), trail=256)
+    deltanet.step(h100, **_step_args(B=1, T=4), trail=256, cluster=1)
+    deltanet.step(a100, **_step_args(B=1, T=4), trail=256)
+    assert h100.gpu.launches == [("deltanet_step_trail_dk128_c4", (128, 1), 256, (4, 1, 1)),
+                                 ("deltanet_step_trail_dk128", (32, 1), 512, None)]
+    assert a100.gpu.launches == [("deltanet_step_trail_dk128", (32, 1), 512, None)]
+    with pytest.raises(GpuError, match="trail"):
+        deltanet.step(h100, **_step_args(B=1, T=4), trail=256, cluster=2)
+
+
 @pytest.mark.parametrize("dv, C, n, H, nv, want", [
     (128, 4, 257, 2048, 32, True),    # the 35B on clusters: a block of 32 columns, 256 threads, a logit each + 1
     (128, 4, 258, 2048, 32, False),

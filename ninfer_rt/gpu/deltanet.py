@@ -294,7 +294,8 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
          conv_w: int, A_log: int, dt_bias: int, norm_w: int, conv_state: int, ssm_state: int, slot: int, pos: int,
          B: int, T: int, nk: int, nv: int, dk: int, dv: int, Kc: int, eps: float, out: int, stream=None,
          cluster: int | None = None, ba_early: bool | None = None, out_records: int = 0,
-         records_order: int = 0, fold: tuple[int, int, int, int, int, int, int] | None = None) -> None:
+         records_order: int = 0, fold: tuple[int, int, int, int, int, int, int] | None = None,
+         trail: int = 0) -> None:
     """One decode step of B sequences × T <= 8 tokens in one launch: `decode` with b|a computed here.
 
     x fp32 [B·T, H]: the layer input (the residual stream, not normalised); in_norm_w fp32 [H] its RMSNorm
@@ -319,6 +320,10 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     G·x_b + M·out_b of sequence b into row b of acc int64 [B, ld] (fixed point, 2^-32; n logits a row); T = 1,
     dv = 128 (32 columns a block of 4, 64 of 2 (v89), 128 in one block (v88)), H <= nv·dv / 2 (fold_fits).
     B > 1 since v87, with H % 4 == 0 (the kernel copies each row's elements of x by 16-byte cp.async).
+    trail (a verification's, speculative decoding): fp32 [T - 1, B, nv, dk, dv], receives S after each token
+    t < T - 1 of sequence b in row (t, b) (reference: gated_delta_rule_recurrent(..., trail=True)), so that a
+    partial acceptance can keep any prefix's state; deltanet_step_trail_dk{dk}[_c{STEP_CLUSTER}], the same step
+    with those stores (one block or STEP_CLUSTER a head, as one sequence takes).
     """
     _check(mixed=mixed, ld_mixed=ld_mixed, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w,
            conv_state=conv_state, ssm_state=ssm_state, slot=slot, pos=pos, B=B, T=T, nk=nk, nv=nv, dk=dk, dv=dv, Kc=Kc,
@@ -347,13 +352,15 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
                        f"{STEP_LANES[C] * dv // C // STEP_FOLD[C][1] + 1} logits, "
                        f"H <= nv·dv / 2 and, at B > 1, x's rows 16-byte aligned (H % 4 == 0) (got B={B}, T={T}, "
                        f"C={C}, dv={dv}, n={fold[6]}, H={H})")
+    if trail and C not in (1, STEP_CLUSTER):
+        raise GpuError(f"deltanet.step: a trail runs on one block or {STEP_CLUSTER} a head, got cluster={C}")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
-    name = f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else "")
+    name = f"deltanet_step{'_trail' if trail else ''}_dk{dk}" + (f"_c{C}" if C > 1 else "")
     k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
               ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), ptr(out_records), i32(records_order), i32(T), i32(nk),
               i32(nv), i32(dv), i32(Kc),
               i32(H <= STEP_BA_EARLY_MAX_H if ba_early is None else ba_early),
-              ptr(fm), ptr(fs), ptr(fw), ptr(fg), ptr(fa), i32(fld), i32(fn)], 0, stream,
-             cluster=(C, 1, 1) if C > 1 else None)
+              ptr(fm), ptr(fs), ptr(fw), ptr(fg), ptr(fa), i32(fld), i32(fn)] + ([ptr(trail)] if trail else []),
+             0, stream, cluster=(C, 1, 1) if C > 1 else None)

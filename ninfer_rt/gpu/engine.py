@@ -121,8 +121,9 @@ class GpuModel:
                                               self._alloc, LM, rows=GEMV_MAX_ROWS)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
-        self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw) -> captured step
-        self._carveout_planned: set[tuple] = set()  # the decode steps (B, T) the shared carveout holds
+        self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw, trail) -> captured step
+        self._carveout_planned: set[tuple] = set()  # the decode steps (B, T, trail) the shared carveout holds
+        self._trails: dict[int, int] = {}  # verification trails per DeltaNet layer (verify(trail=True) allocates)
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._sides = [gpu.new_stream()]  # and one at the greatest priority once moe.SHARED_STREAM_PRIORITY asks
         self._fork, self._join = Event(timing=False), Event(timing=False)
@@ -260,7 +261,7 @@ class GpuModel:
             linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
                         norm_eps=self.spec.rms_norm_eps, stream=stream)
 
-    def _layer(self, i: int, B: int, T: int, ctx_bucket: int) -> None:
+    def _layer(self, i: int, B: int, T: int, ctx_bucket: int, trail: bool = False) -> None:
         s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
         M, p = B * T, f"{LM}layers.{i}."
         folded = False  # v71/v72: the step (combine) added the router's logits into acc (the MoE routes on them)
@@ -321,7 +322,8 @@ class GpuModel:
                     rec = b.o_rec
                 fold = self._fold_for(i, B, T)
                 deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
-                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0, fold=fold)
+                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0, fold=fold,
+                              trail=self._trails[i] if trail else 0)
                 folded = fold is not None
             else:
                 self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
@@ -351,7 +353,8 @@ class GpuModel:
         misc.cast_bf16(self.k, x=self.buf.o, y=self.buf.o16, M=M, D=D)
         return self.buf.o16
 
-    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str, draw: tuple | None = None) -> None:
+    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str, draw: tuple | None = None,
+              trail: bool = False) -> None:
         """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
 
         logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
@@ -362,7 +365,7 @@ class GpuModel:
         b, s, M = self.buf, self.spec, B * T
         linear.embed(self.k, self.w.matrix(LM + "embed_tokens.weight"), ids=b.tokens, M=M, out=b.x)
         for i in range(s.num_hidden_layers):
-            self._layer(i, B, T, ctx_bucket)
+            self._layer(i, B, T, ctx_bucket, trail)
         if logit_rows == "none":
             return
         norm = self.w.param(LM + "norm.weight")
@@ -439,23 +442,57 @@ class GpuModel:
         self._set_batch(tokens, pos, slots)
         self._run(B, T, self.bucket(max(pos) + T), "last", graph, None if draw is None else self._draw_op(*draw))
 
-    def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> None:
+    def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True, trail: bool = False) -> None:
         """One step of T = tokens.size (<= 8) new tokens of one sequence leaving the logits of every row (rows
-        0..T-1) and their argmax: speculative decoding's verification."""
+        0..T-1) and their argmax: speculative decoding's verification. trail: every DeltaNet layer also keeps its
+        state after each token but the last, so that `rewind` can then keep any prefix of the tokens."""
         T = tokens.size
         if not 1 <= T <= GEMV_MAX_ROWS:
             raise NinferError(f"verify takes 1..{GEMV_MAX_ROWS} tokens, got {T}")
         self._check([pos], T, [slot])
+        if trail:
+            self._alloc_trails()
         self._set_batch(tokens, [pos], [slot])
-        self._run(1, T, self.bucket(pos + T), "all", graph)
+        self._run(1, T, self.bucket(pos + T), "all", graph, trail=trail)
 
-    def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None):
+    def _alloc_trails(self) -> None:
+        """The verification trails, once: per DeltaNet layer fp32 [GEMV_MAX_ROWS - 1, nv, dk, dv] (deltanet.step's
+        trail at B = 1), where every DeltaNet layer takes the one-launch step."""
+        if self._trails or not self.conv_state:
+            return
+        s = self.spec
+        for i in self.conv_state:
+            w_ba = self.w.matrix(f"{LM}layers.{i}.linear_attn.{{in_proj_b,in_proj_a}}.weight")
+            if not deltanet.step_supported(w_ba, T=GEMV_MAX_ROWS, dk=s.linear_key_head_dim,
+                                           dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim):
+                raise NinferError(f"layer {i}: its DeltaNet shape has no one-launch step, so no verification trail")
+        self._trails = {i: self._alloc((GEMV_MAX_ROWS - 1) * self.ssm_bytes) for i in self.conv_state}
+
+    def rewind(self, slot: int, keep: int, T: int) -> None:
+        """After verify(T tokens, trail=True) of the sequence in `slot`: leave it as if only its first `keep`
+        tokens had been fed (1 <= keep <= T), each DeltaNet state the trail's row keep - 1. The conv rings and the
+        KV caches need nothing: the next step's position (the caller's) overwrites and masks what was fed past
+        keep. Ordered on the stream like the steps."""
+        if not 1 <= keep <= T <= GEMV_MAX_ROWS or not 0 <= slot < self.slots:
+            raise NinferError(f"rewind keeps 1..T of T <= {GEMV_MAX_ROWS} tokens of a slot, got {keep} of {T} in "
+                              f"slot {slot}")
+        if keep == T:
+            return
+        if not self._trails and self.conv_state:
+            raise NinferError("rewind needs a verification with trail=True first")
+        for i, tr in self._trails.items():
+            self.gpu.copy(self.ssm_state[i] + slot * self.ssm_bytes, tr + (keep - 1) * self.ssm_bytes,
+                          self.ssm_bytes, stream=self.gpu.stream)
+
+    def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None,
+                   trail: bool = False):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
-        return self.graphs[(B, T, bucket, logit_rows, draw)]
+        return self.graphs[(B, T, bucket, logit_rows, draw, trail)]
 
-    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool, draw: tuple | None = None) -> None:
+    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool, draw: tuple | None = None,
+             trail: bool = False) -> None:
         """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows,
-        draw).
+        draw, trail).
 
         Decode steps (up to 8 rows) launch with programmatic dependent launch where the GPU has it: hundreds
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
@@ -463,33 +500,34 @@ class GpuModel:
         self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
         if moe.SHARED_STREAM_PRIORITY and len(self._sides) == 1:
             self._sides.append(self.gpu.new_stream(high_priority=True))
-        if B * T <= GEMV_MAX_ROWS and (B, T) not in self._carveout_planned:
-            self._plan_carveout(B, T, bucket, logit_rows, draw)
+        if B * T <= GEMV_MAX_ROWS and (B, T, trail) not in self._carveout_planned:
+            self._plan_carveout(B, T, bucket, logit_rows, draw, trail)
         if not graph:
-            self._step(B, T, bucket, logit_rows, draw)
+            self._step(B, T, bucket, logit_rows, draw, trail)
             return
-        key = (B, T, bucket, logit_rows, draw)
+        key = (B, T, bucket, logit_rows, draw, trail)
         g = self.graphs.get(key)
         if g is None:
             self.gpu.begin_capture()
             try:
-                self._step(B, T, bucket, logit_rows, draw)
+                self._step(B, T, bucket, logit_rows, draw, trail)
             finally:
                 g = self.gpu.end_capture(node_priority=moe.SHARED_STREAM_PRIORITY)
             self.graphs[key] = g
         g.launch(self.gpu.stream)
 
-    def _plan_carveout(self, B: int, T: int, bucket: int, logit_rows: str, draw: tuple | None) -> None:
+    def _plan_carveout(self, B: int, T: int, bucket: int, logit_rows: str, draw: tuple | None,
+                       trail: bool = False) -> None:
         """A dry run of the decode step (its launches recorded, none enqueued), so that the kernels' shared
         carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured."""
         real, rec = self.k, LaunchRecorder(self.k)
         self.k = rec
         try:
-            self._step(B, T, bucket, logit_rows, draw)
+            self._step(B, T, bucket, logit_rows, draw, trail)
         finally:
             self.k = real
         real.share_carveout(rec.launches)
-        self._carveout_planned.add((B, T))
+        self._carveout_planned.add((B, T, trail))
 
     def forget_carveout(self) -> None:
         """Forget the shared carveout's plan (the kernels' and which steps it holds): the next decode step plans it

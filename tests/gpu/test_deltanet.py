@@ -97,10 +97,11 @@ class Layer:
         ba = (h @ torch.from_numpy(self.w_ba).T).numpy()
         return mixed, ba, x
 
-    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None, ba_early=None, records_order=0):
+    def run(self, kernels, mode, mixed, ba, x, slot, B, T, cluster=None, ba_early=None, records_order=0, trail=0):
         """One device step (mode: decode, prefill or step) of B sequences in `slot`; returns out [B·T, nv·dv].
         cluster, ba_early: the step's blocks per head and b|a position (None: deltanet.step's own choice);
-        records_order (step): also out_proj's x̂ records of out in that order, kept in self.records."""
+        records_order (step): also out_proj's x̂ records of out in that order, kept in self.records; trail (step):
+        the device buffer deltanet.step keeps each token's state in."""
         from ninfer_rt.gpu import deltanet
         from ninfer_rt.gpu.linear import x_chunk_bytes
         from ninfer_rt.gpu.weights import DeviceWeight
@@ -118,7 +119,7 @@ class Layer:
             rec = dev.empty(n_rec * width) if records_order else 0
             deltanet.step(kernels, x=dev.put(x), H=self.H, in_norm_w=self.p["in_norm_w"], eps_in=EPS, w_ba=w_ba,
                           cluster=cluster, ba_early=ba_early, out_records=rec, records_order=records_order,
-                          **common)
+                          trail=trail, **common)
             self.records = dev.get(rec, (n_rec, width), np.uint8) if records_order else None
         else:
             fn = deltanet.prefill if mode == "prefill" else deltanet.decode
@@ -350,6 +351,40 @@ def test_step_writes_out_proj_records(kernels, dev, dims):
                                        f"got {rec[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
 
 
+@pytest.mark.parametrize("dims", ["35b", "gva3", "odd"])
+def test_step_keeps_each_tokens_state(kernels, dev, dims):
+    """trail: a step of T = 5 tokens of 2 sequences also writes S after each token t < T - 1 into trail row (t, b)
+    ([T - 1, B, nv, dk, dv]). Oracle: the same kernel on the first t + 1 tokens of each sequence from the same
+    states leaves, bit for bit, that state in the slot (the same per-token operations on the same values); and the
+    trail's step leaves y and the final state bit for bit as the step without one. Every kernel a trail runs on:
+    one block a head and, on sm_90+, the cluster of 4 (NaN-poisoned trail: a row left unwritten would show)."""
+    d, B, T, slots = STEP_DIMS[dims], 2, 5, [2, 0]
+    H = 2048 if dims == "35b" else 256
+    shape = (T - 1, B, d["nv"], d["dk"], d["dv"])
+
+    def layer():  # the same parameters, states and positions every time
+        return Layer(dev, np.random.default_rng(11), d, 3, H=H)
+
+    for C in [c for c in step_clusters(kernels, dims) if c != 2]:
+        L = layer()
+        mixed, ba, x = L.inputs(np.random.default_rng(12), B * T, fused=True)
+        trail = dev.empty(int(np.prod(shape)) * 4)
+        out = L.run(kernels, "step", mixed, ba, x, slots, B, T, C, trail=trail)
+        got = dev.get(trail, shape)
+        plain = layer()
+        out0 = plain.run(kernels, "step", mixed, ba, x, slots, B, T, C)
+        assert np.array_equal(out.view(np.uint32), out0.view(np.uint32)), f"{dims} C={C}: the trail changed y"
+        assert np.array_equal(L.device_states()[1].view(np.uint32), plain.device_states()[1].view(np.uint32))
+        for t in range(T - 1):
+            rows = np.concatenate([np.arange(b * T, b * T + t + 1) for b in range(B)])
+            P = layer()
+            P.run(kernels, "step", mixed[rows], ba[rows], x[rows], slots, B, t + 1, C)
+            want = P.device_states()[1]
+            for b, sl in enumerate(slots):
+                assert np.array_equal(got[t, b].view(np.uint32), want[sl].view(np.uint32)), \
+                    f"{dims} C={C}: trail row (token {t}, sequence {b}) is not the state of its first {t + 1} tokens"
+
+
 @pytest.mark.parametrize("B", [1, 2, 4])
 def test_step_picks_the_cluster(kernels, recorder, dev, rng, B):
     """Without `cluster`, step takes the cluster kernel on sm_90+ at dv = 128; with STEP_CLUSTER_WAVES, at B > 1
@@ -417,6 +452,6 @@ def test_bad_arguments(kernels):
     step.update(x=1, H=64, in_norm_w=1, eps_in=EPS, w_ba=DeviceWeight("ba", "bf16", (8, 64), 1))
     for change in [dict(T=9), dict(w_ba=DeviceWeight("ba", "q8g32", (8, 64), 1)),
                    dict(w_ba=DeviceWeight("ba", "bf16", (8, 32), 1)), dict(x=0), dict(pos=0), dict(cluster=3),
-                   dict(cluster=4, dv=8, ld_mixed=2 * 2 * 16 + 2 * 4 * 8)]:
+                   dict(cluster=4, dv=8, ld_mixed=2 * 2 * 16 + 2 * 4 * 8), dict(cluster=2, trail=256)]:
         with pytest.raises(GpuError):
             deltanet.step(kernels, **{**step, **change})
