@@ -101,8 +101,8 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
             gpu.log.append("decode")
             self.draws.append(draw)
 
-        def step_graph(self, B, T, bucket, logit_rows="last", draw=None):
-            self.keys.append((B, T, bucket, logit_rows, draw))
+        def step_graph(self, B, T, bucket, logit_rows="last", draw=None, trail=False):
+            self.keys.append((B, T, bucket, logit_rows, draw) + ((trail,) if trail else ()))
             return FakeGraph(gpu)
 
     m = FakeModel()
@@ -129,17 +129,19 @@ def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
         def __init__(self):
             self.gpu, self.keys, self.verified = gpu, [], []
 
-        def verify(self, tok, pos, slot):
-            self.verified.append((len(tok), pos, slot, len(set(tok.tolist()))))
+        def verify(self, tok, pos, slot, trail=False):
+            self.verified.append((len(tok), pos, slot, len(set(tok.tolist())), trail))
 
-        def step_graph(self, B, T, bucket, logit_rows="last", draw=None):
-            self.keys.append((B, T, bucket, logit_rows, draw))
+        def step_graph(self, B, T, bucket, logit_rows="last", draw=None, trail=False):
+            self.keys.append((B, T, bucket, logit_rows, draw, trail))
             return FakeGraph(gpu)
 
     m = FakeModel()
     assert _time_decode(m, 16383, rounds=2, reps=3, tokens=4) == pytest.approx(REPLAY_MS / 1e3)
-    assert m.verified == [(4, 16383, 0, 4)] and m.keys == [(1, 4, 32768, "all", None)]
+    assert m.verified == [(4, 16383, 0, 4, False)] and m.keys == [(1, 4, 32768, "all", None, False)]
     assert gpu.log.count("replay") == 2 * 3
+    _time_decode(m, 100, rounds=1, reps=1, tokens=2, trail=True)  # keeping each token's DeltaNet state
+    assert m.verified[-1] == (2, 100, 0, 2, True) and m.keys[-1] == (1, 2, 1024, "all", None, True)
 
 
 def test_step_rows_out_prints_the_table_and_writes_the_rows(tmp_path):

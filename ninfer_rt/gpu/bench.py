@@ -130,18 +130,18 @@ def eager_ms(gpu, enqueue, *, rounds: int, reps: int, warmup: int = 1) -> list[f
 SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 
 
-def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, tokens: int = 1):
+def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, tokens: int = 1, trail: bool = False):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
     arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled), each fed its own
     token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
-    of every row (GpuModel.verify: speculative decoding's verification)."""
+    of every row (GpuModel.verify: speculative decoding's verification; trail: keeping each token's DeltaNet state)."""
     from ninfer_rt.gpu import misc
 
     tok = (17 + 1009 * np.arange(max(batch, tokens), dtype=np.int32)) % model.sample_vocab
     if tokens > 1:
-        model.verify(tok, ctx, 0)
-        return model.step_graph(1, tokens, model.bucket(ctx + tokens), "all")
+        model.verify(tok, ctx, 0, trail=trail)
+        return model.step_graph(1, tokens, model.bucket(ctx + tokens), "all", None, trail)
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
     return model.step_graph(batch, 1, model.bucket(ctx + 1), "last",
@@ -149,10 +149,10 @@ def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, to
 
 
 def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False,
-                 batch: int = 1, tokens: int = 1) -> float:
-    """Median seconds per decode step (graph replay) at context ctx; sampled, batch, tokens: as
+                 batch: int = 1, tokens: int = 1, trail: bool = False) -> float:
+    """Median seconds per decode step (graph replay) at context ctx; sampled, batch, tokens, trail: as
     decode_step_graph."""
-    graph = decode_step_graph(model, ctx, sampled, batch, tokens)
+    graph = decode_step_graph(model, ctx, sampled, batch, tokens, trail)
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
 
@@ -248,9 +248,18 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
                 log(f"verify @ {ctx}, {t} tokens: skipped (past the {max_ctx}-position context)")
                 continue
             verify = _time_decode(model, ctx, tokens=t)
-            res.decode_tokens.append({"context": ctx, "tokens": t, "ms_per_step": verify * 1e3,
-                                      "vs_one_token": verify / step})
-            log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's)")
+            row = {"context": ctx, "tokens": t, "ms_per_step": verify * 1e3, "vs_one_token": verify / step,
+                   "trail_ms_per_step": None, "rewind_ms": None}
+            try:  # what speculative decoding pays to keep any prefix: each token's DeltaNet state, a rewind
+                row["trail_ms_per_step"] = 1e3 * _time_decode(model, ctx, tokens=t, trail=True)
+                row["rewind_ms"] = statistics.median(eager_ms(gpu, lambda: model.rewind(0, 1, t), rounds=5,
+                                                              reps=20))
+            except NinferError as e:
+                log(f"verify @ {ctx}, {t} tokens: no trail ({e})")
+            res.decode_tokens.append(row)
+            kept = (f"; keeping each token's DeltaNet state {row['trail_ms_per_step']:.3f} ms, a rewind "
+                    f"{row['rewind_ms']:.3f} ms" if row["rewind_ms"] is not None else "")
+            log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's){kept}")
     if res.decode:  # the same step drawing its token (top-k / top-p on the device), at the middle context
         ctx = res.decode[len(res.decode) // 2]["context"]
         step = _time_decode(model, ctx, sampled=True)
@@ -292,8 +301,10 @@ def table(res: BenchResult):
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
                   f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
     for d in res.decode_tokens:
+        kept = (f"; with each token's DeltaNet state {d['trail_ms_per_step']:.3f} ms, a rewind "
+                f"{d['rewind_ms']:.3f} ms" if d.get("rewind_ms") is not None else "")
         t.add_row(f"verify @ {d['context']:,}, {d['tokens']} tokens", f"{d['ms_per_step']:.3f} ms a step",
-                  f"{d['vs_one_token']:.2f}x a one-token step")
+                  f"{d['vs_one_token']:.2f}x a one-token step{kept}")
     for d in res.decode_batched:
         t.add_row(f"decode @ {d['context']:,}, {d['batch']} sequences", f"{d['tok_s']:,.1f} tok/s",
                   f"together: {d['ms_per_step']:.3f} ms a step, {d['tok_s'] / d['batch']:,.1f} tok/s each")
