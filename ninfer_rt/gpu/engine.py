@@ -32,13 +32,14 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, moe, router_fold
+from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, mixer, moe, router_fold
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
 from ninfer_rt.gpu.weights import k_view
 
 LM = "model.language_model."
+MTP = "mtp."
 GEMV_MAX_ROWS = 8        # the GEMV reads weights once for up to 8 rows; more rows go to the tensor-core GEMM
 MIN_BUCKET = 1024        # smallest context bucket of a decode graph
 
@@ -261,10 +262,18 @@ class GpuModel:
             linear.gemv(self.k, w, x=x, M=M, y=y, ldx=ldx, ldy=ldy, mode=mode, row_scale=row_scale, norm_w=norm_w,
                         norm_eps=self.spec.rms_norm_eps, stream=stream)
 
+    def _prefix(self, i: int) -> str:
+        """Layer i's tensor prefix; i = num_hidden_layers is the MTP head's layer."""
+        return f"{LM}layers.{i}." if i < self.spec.num_hidden_layers else f"{MTP}layers.0."
+
+    def _kind(self, i: int) -> str:
+        return self.spec.layer_types[i] if i < self.spec.num_hidden_layers else "full_attention"
+
     def _layer(self, i: int, B: int, T: int, ctx_bucket: int, trail: bool = False) -> None:
-        s, b, W, P = self.spec, self.buf, self.w.matrix, self.w.param
-        M, p = B * T, f"{LM}layers.{i}."
-        folded = False  # v71/v72: the step (combine) added the router's logits into acc (the MoE routes on them)
+        """Decoder layer i (the MTP head's at i = num_hidden_layers) on x: [M, H] fp32, in place; `folded` (the
+        mixer's launch added the router's logits into the fold accumulator) tells the MoE to route on them."""
+        s, b, P = self.spec, self.buf, self.w.param
+        M, p = B * T, self._prefix(i)
         # decode fuses the input norm into the projections (the GEMV normalises as it stages x)
         if M <= GEMV_MAX_ROWS:
             src, nw = b.x, P(p + "input_layernorm.weight")
@@ -272,68 +281,12 @@ class GpuModel:
             misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=P(p + "input_layernorm.weight"),
                           eps=s.rms_norm_eps, out="bf16")
             src, nw = b.h16, 0
-        if s.layer_types[i] == "full_attention":
-            a = p + "self_attn."
-            self._linear(W(a + "{q_proj,k_proj,v_proj}.weight"), x=src, M=M, y=b.mixed, ldy=self.qkvg_cols,
-                         norm_w=nw)
-            attention.prepare(self.k, qkvg=b.mixed, ld=self.qkvg_cols, q_norm=P(a + "q_norm.weight"),
-                              k_norm=P(a + "k_norm.weight"), inv_freq=self.inv_freq, rope_scale=self.rope_scale,
-                              rot=s.rotary_dim, pos=self.pos, slot=self.slot, B=B, T=T,
-                              nH=s.num_attention_heads, eps=s.rms_norm_eps, cache=self.kv[i], q_out=b.q)
-            gate = b.mixed + 4 * (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
-            attend = dict(q=b.q, gate=gate, ld_gate=self.qkvg_cols, pos=self.pos, slot=self.slot, T=T,
-                          nH=s.num_attention_heads, cache=self.kv[i], out=b.o, scratch=b.scratch,
-                          ctx_bucket=ctx_bucket)
-            o_w, rec = k_view(W(a + "o_proj.weight")), False
-            fold = self._fold_for(i, B, T)  # None unless one token a sequence: never a prompt chunk's
-            folded = fold is not None
-            if B == 1 and M > GEMV_MAX_ROWS:  # a prompt chunk: bf16 q and p, as its GEMMs' bf16 inputs
-                attention.prefill(self.k, **attend)
-            elif linear.records_rows(B, T) and attention.COMBINE_OUT_RECORDS and linear.records_fit(self.k, o_w, M):
-                # a decode step: o also as o_proj's x̂ records where the combine can write them
-                rec = attention.decode(self.k, B=B, **attend, out_records=b.o_rec,
-                                       records_order=linear.records_order(o_w), fold=fold)
-            else:
-                attention.decode(self.k, B=B, **attend, fold=fold)
-            if rec:
-                linear.gemv(self.k, o_w, x=b.o_rec, M=M, y=b.x, mode="add", x_records=True)
-            else:
-                self._linear(o_w, x=self._o_input(M, s.num_attention_heads * s.head_dim), M=M, y=b.x, mode="add")
+        if self._kind(i) == "full_attention":
+            folded = mixer.attention(self, i, p + "self_attn.", B, T, ctx_bucket, src=src, norm_w=nw,
+                                     prefill=M > GEMV_MAX_ROWS)
         else:
-            d = p + "linear_attn."
-            cols = s.conv_dim + s.value_dim
-            w_ba = W(d + "{in_proj_b,in_proj_a}.weight")
-            self._linear(W(d + "{in_proj_qkv,in_proj_z}.weight"), x=src, M=M, y=b.mixed, ldy=cols, norm_w=nw)
-            mixer = dict(mixed=b.mixed, ld_mixed=cols, conv_w=P(d + "conv1d.weight"), A_log=P(d + "A_log"),
-                         dt_bias=P(d + "dt_bias"), norm_w=P(d + "norm.weight"), conv_state=self.conv_state[i],
-                         ssm_state=self.ssm_state[i], slot=self.slot, pos=self.pos, B=B, T=T,
-                         nk=s.linear_num_key_heads, nv=s.linear_num_value_heads, dk=s.linear_key_head_dim,
-                         dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim, eps=s.rms_norm_eps, out=b.o)
-            out_w, rec = k_view(W(d + "out_proj.weight")), 0
-            if M <= GEMV_MAX_ROWS and deltanet.step_supported(w_ba, T=T, dk=s.linear_key_head_dim,
-                                                              dv=s.linear_value_head_dim,
-                                                              Kc=s.linear_conv_kernel_dim):
-                # one launch from x to y: b|a (input norm folded in), conv, delta rule, gated norm; y also as
-                # out_proj's x̂ records (linear.records_rows) where both kernels can (out_proj then skips coding)
-                if (linear.records_rows(B, T) and deltanet.STEP_OUT_RECORDS
-                        and deltanet.records_fit(self.k, dv=s.linear_value_head_dim, dk=s.linear_key_head_dim,
-                                                 nv=s.linear_num_value_heads, B=B)
-                        and linear.records_fit(self.k, out_w, M)):
-                    rec = b.o_rec
-                fold = self._fold_for(i, B, T)
-                deltanet.step(self.k, x=b.x, H=self.H, in_norm_w=nw, eps_in=s.rms_norm_eps, w_ba=w_ba, **mixer,
-                              out_records=rec, records_order=linear.records_order(out_w) if rec else 0, fold=fold,
-                              trail=self._trails[i] if trail else 0)
-                folded = fold is not None
-            else:
-                self._linear(w_ba, x=src, M=M, y=b.ba, norm_w=nw)
-                # one sequence's prompt chunk: the delta rule in chunks, not token by token
-                run = deltanet.prefill if B == 1 and T > deltanet.STEP_T else deltanet.decode
-                run(self.k, ba=b.ba, scratch=b.scratch, **mixer)
-            if rec:
-                linear.gemv(self.k, out_w, x=rec, M=M, y=b.x, mode="add", x_records=True)
-            else:
-                self._linear(out_w, x=self._o_input(M, s.value_dim), M=M, y=b.x, mode="add")
+            folded = mixer.deltanet(self, i, p + "linear_attn.", B, T, src=src, norm_w=nw,
+                                    prefill=M > GEMV_MAX_ROWS, trail=trail)
         post = P(p + "post_attention_layernorm.weight")
         if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)
             src, nw = b.x, post
