@@ -468,8 +468,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     if device == "cuda" and speculative_tokens:
-        raise NinferError("speculative decoding (MTP drafts) runs on the cpu device only so far: the GPU runtime has "
-                          "no MTP step yet; load without it, or on device cpu")
+        raise NinferError("speculative decoding (MTP drafts) runs on the cpu device only so far: the GPU runtime's "
+                          "MTP path is not yet verified; load without it, or on device cpu")
     artifact = Artifact.open(path)
     try:
         problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])

@@ -55,8 +55,8 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
     """Prefill ids into cache, then speculative steps; yields the output ids as plain decoding does (the stop id
     is counted in stats.generated_tokens, not yielded) and fills stats (timings, draft_tokens, accepted_tokens).
 
-    backend: verify / rewind / new_draft_cache / draft / rewind_draft (ninfer_rt.reference.backend). budget: most
-    tokens to output. draft_tokens: k, the most drafts a step. real_vocab: ids past it (padding) never drawn."""
+    backend: verify / rewind / new_draft_cache / draft / rewind_draft (ninfer_rt.reference.backend; the GPU
+    backend's return only the last row where this loop reads no other). budget: most tokens to output. draft_tokens: k, the most drafts a step. real_vocab: ids past it (padding) never drawn."""
     prompt_len, history = len(ids), list(ids)
 
     def final(row: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
@@ -68,7 +68,7 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
     t0 = time.perf_counter()
     logits, hidden, _ = backend.verify(np.asarray(ids, np.int64), cache, undoable=False)
     last = sampler.draw(final(logits[-1], ()))
-    draft_cache = backend.new_draft_cache()
+    draft_cache = backend.new_draft_cache(cache)
     # the MTP head's rows for the prompt: pairs (h_p, x_{p+1}), the last one with the token just drawn
     d_logits, d_hidden = backend.draft(hidden, np.asarray(ids[1:] + [last], np.int64), draft_cache)
     row = (d_logits[-1], d_hidden[-1])

@@ -42,7 +42,7 @@ def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
 
     monkeypatch.setattr(backend, "Gpu", lambda i: "gpu0")
     monkeypatch.setattr(backend, "Kernels", lambda gpu: None)
-    monkeypatch.setattr(backend, "load_artifact", lambda gpu, art, progress=None: weights)
+    monkeypatch.setattr(backend, "load_artifact", lambda gpu, art, groups=("text",), progress=None: weights)
     monkeypatch.setattr(backend, "GpuModel", no_room)
     art = SimpleNamespace(spec=SimpleNamespace(max_position_embeddings=262144))
     with pytest.raises(GpuError, match=r"^5 sequence slot\(s\) of 262,144 positions do not fit in GPU memory "
@@ -73,3 +73,68 @@ def test_a_failed_driver_call_names_its_result_code(monkeypatch):
     with pytest.raises(driver.GpuError, match=r"^cuMemAlloc\(64\) failed: CUDA_ERROR_OUT_OF_MEMORY$") as e:
         driver._check((CUresult.CUDA_ERROR_OUT_OF_MEMORY,), "cuMemAlloc(64)")
     assert e.value.out_of_memory and e.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def test_speculative_contract_keeps_the_positions(monkeypatch):
+    """GpuBackend's verify / rewind / draft (ninfer_rt.speculative's contract) on a recording GpuModel: a prompt
+    runs as a prefill keeping every row's hidden state and returns the last logits row; a verification keeps each
+    token's DeltaNet state (trail) and returns every row; a rewind hands the kept count to GpuModel.rewind and moves
+    the position back; drafts run at the draft cache's positions in the sequence's slot and return the last row."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ninfer_rt.gpu import backend
+
+    H, V, log = 4, 7, []
+
+    class Model:
+        prefill_chunk = 3
+
+        def __init__(self, *a, **k):
+            pass
+
+        def reset_slot(self, slot):
+            log.append(("reset", slot))
+
+        def prefill(self, ids, slot, start=0, hidden=False):
+            log.append(("prefill", len(ids), slot, start, hidden))
+            return np.ones((len(ids), H), np.float32)
+
+        def verify(self, ids, pos, slot, graph=True, trail=False):
+            log.append(("verify", len(ids), pos, slot, trail))
+
+        def rewind(self, slot, keep, T):
+            log.append(("rewind", slot, keep, T))
+
+        def draft(self, hidden, ids, pos, slot, graph=True):
+            log.append(("draft", len(ids), pos, slot))
+
+        def logits(self, rows):
+            return np.zeros((rows, V), np.float32)
+
+        def hidden(self, rows):
+            return np.arange(rows * H, dtype=np.float32).reshape(rows, H)
+
+    monkeypatch.setattr(backend, "Gpu", lambda i: "gpu0")
+    monkeypatch.setattr(backend, "Kernels", lambda gpu: None)
+    monkeypatch.setattr(backend, "load_artifact", lambda gpu, art, groups=("text",), progress=None: groups)
+    monkeypatch.setattr(backend, "GpuModel", Model)
+    be = backend.GpuBackend(SimpleNamespace(spec=SimpleNamespace(max_position_embeddings=4096)), cache_slots=2,
+                            groups=("text", "mtp"))
+    assert be.weights == ("text", "mtp")
+    cache = be.new_cache(1)
+    logits, hidden, undo = be.verify(np.arange(10), cache, undoable=False)
+    assert logits.shape == (1, V) and hidden.shape == (10, H) and undo is None and cache.pos == 10
+    logits, hidden, undo = be.verify(np.arange(4), cache)
+    assert logits.shape == (4, V) and hidden.shape == (4, H) and undo == 4 and cache.pos == 14
+    be.rewind(cache, undo, np.arange(4), 2)
+    assert cache.pos == 12
+    d = be.new_draft_cache(cache)
+    d_logits, d_hidden = be.draft(np.zeros((10, H)), np.arange(10), d)  # chunks of 3: the last holds 1 row
+    assert d_logits.shape == (1, V) and d_hidden.tolist() == [[0, 1, 2, 3]] and d.pos == 10 and d.slot == 1
+    be.draft(np.zeros((2, H)), np.arange(2), d)
+    be.rewind_draft(d, 11)
+    assert d.pos == 11
+    assert log == [("reset", 1), ("prefill", 10, 1, 0, True), ("verify", 4, 10, 1, True), ("rewind", 1, 2, 4),
+                   ("draft", 10, 0, 1), ("draft", 2, 10, 1)]

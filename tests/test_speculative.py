@@ -219,7 +219,7 @@ def test_refused_with_reuse_cache(spec_model):
 
 
 def test_refused_on_the_gpu_before_loading(packed):
-    """The GPU runtime has no MTP step yet: a one-line refusal, before any weight is read."""
+    """The GPU runtime's MTP path is not yet verified on a GPU: a one-line refusal, before any weight is read."""
     with pytest.raises(NinferError, match="cpu device only"):
         load(packed, "cuda", speculative_tokens=2)
 

@@ -29,11 +29,14 @@ class GpuBackend:
     device. cache_slots sequences (each its own KV cache and DeltaNet state) live on the device at once."""
 
     def __init__(self, artifact, *, max_ctx: int = 32768, kv_dtype: str = "int8", progress=None,
-                 use_graphs: bool = True, prefill_chunk: int | None = None, cache_slots: int = 1):
+                 use_graphs: bool = True, prefill_chunk: int | None = None, cache_slots: int = 1,
+                 groups: tuple[str, ...] = ("text",)):
+        """groups: the artifact's tensor groups to load; ("text", "mtp") adds the MTP head, for the speculative
+        decoding contract (verify, rewind, new_draft_cache, draft, rewind_draft)."""
         self.gpu = Gpu(0)
         self.kernels = Kernels(self.gpu)
         spec = artifact.spec
-        self.weights = load_artifact(self.gpu, artifact, progress=progress)
+        self.weights = load_artifact(self.gpu, artifact, groups=groups, progress=progress)
         self.max_ctx = min(max_ctx, spec.max_position_embeddings)  # positions a sequence may hold (Model reads it)
         self.cache_slots = cache_slots
         self.exclusive_slots = True  # a slot is device memory: one sequence at a time (api._KeptCaches)
@@ -109,6 +112,45 @@ class GpuBackend:
         if self._run_last(ids, cache, (vocab, record)):  # a decode step: the draw was part of its graph
             return self.model.drawn()
         return self.model.draw(vocab, record)
+
+    # ------------------------------------------------------------------------------------ speculative decoding
+    # The reference backend's contract (ninfer_rt.speculative), with the logits and hidden states of the last row
+    # only where the loop reads no other: a prompt's verification and every draft.
+
+    def verify(self, ids: np.ndarray, cache: GpuCache, undoable: bool = True):
+        """ids [T] -> (logits float32, post-norm hidden float32 [T, H], undo); advances cache by T. A prompt
+        (undoable False) returns its last row's logits [1, V]; a verification (T <= 8) every row's [T, V], each
+        token's DeltaNet state kept (GpuModel.verify trail) so that `rewind` keeps any prefix; undo is then T."""
+        ids = np.asarray(ids, np.int32)
+        if not undoable:
+            hidden = self.model.prefill(ids, cache.slot, start=cache.pos, hidden=True)
+            logits = self.model.logits(1)
+        else:
+            self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=True)
+            logits, hidden = self.model.logits(ids.size), self.model.hidden(ids.size)
+        cache.pos += ids.size
+        return logits, hidden, ids.size if undoable else None
+
+    def rewind(self, cache: GpuCache, undo: int, ids: np.ndarray, keep: int) -> None:
+        """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1)."""
+        self.model.rewind(cache.slot, keep, undo)
+        cache.pos -= undo - keep
+
+    def new_draft_cache(self, cache: GpuCache) -> GpuCache:
+        """The MTP head's KV cache of cache's sequence (in its slot), empty."""
+        return GpuCache(slot=cache.slot)
+
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache):
+        """MTP rows at the draft cache's next positions: hidden [T, H], next_ids [T] -> (the last row's draft
+        logits float32 [1, V], its hidden float32 [1, H] to chain the next row from)."""
+        self.model.draft(hidden, next_ids, draft_cache.pos, draft_cache.slot, graph=self.use_graphs)
+        draft_cache.pos += len(next_ids)
+        rows = (len(next_ids) - 1) % self.model.prefill_chunk + 1  # the last chunk's
+        return self.model.logits(1), self.model.hidden(rows)[-1:]
+
+    def rewind_draft(self, draft_cache: GpuCache, pos: int) -> None:
+        """Drop the MTP head's rows from position pos on (later rows overwrite them; attention reads below pos)."""
+        draft_cache.pos = pos
 
     def close(self) -> None:
         self.model.free()

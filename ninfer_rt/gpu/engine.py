@@ -32,14 +32,14 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, mixer, moe, router_fold
+from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, mixer, moe, mtp, router_fold
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
 from ninfer_rt.gpu.weights import k_view
 
 LM = "model.language_model."
-MTP = "mtp."
+MTP = mtp.MTP
 GEMV_MAX_ROWS = 8        # the GEMV reads weights once for up to 8 rows; more rows go to the tensor-core GEMM
 MIN_BUCKET = 1024        # smallest context bucket of a decode graph
 
@@ -105,7 +105,9 @@ class GpuModel:
         self.sample_vocab = min(sample_vocab or s.vocab_size, s.vocab_size)
         self.qkvg_cols = (2 * s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
         self.mixed_cols = max(self.qkvg_cols, s.conv_dim + s.value_dim)
-        self.lm_head = weights.matrices.get("lm_head.weight") or weights.matrix(LM + "embed_tokens.weight")
+        self.embed_w = weights.matrix(LM + "embed_tokens.weight")
+        self.lm_head = weights.matrices.get("lm_head.weight") or self.embed_w
+        self.has_mtp = MTP + "fc.weight" in weights.matrices  # loaded with the MTP head (speculative decoding)
         # rows of logits one step can produce (prefill with all_logits asks for more than decode's)
         self.logit_rows = max(logit_rows or slots * GEMV_MAX_ROWS, slots)
         # per-slot DeltaNet state: the ring of conv inputs and the fp32 recurrent state
@@ -117,6 +119,8 @@ class GpuModel:
         gpu.upload(self.inv_freq, inv_freq)
         self._alloc_state()
         self.buf = self._alloc_buffers(self.rows)
+        if self.has_mtp:
+            mtp.alloc(self)
         # v71/v72: layer -> (the step's or the combine's fold arguments, the MoE's acc)
         self._folds = router_fold.layer_folds(gpu, self.k, s, self.w.matrix, self.w.param, self.kv, self.buf.x,
                                               self._alloc, LM, rows=GEMV_MAX_ROWS)
@@ -144,7 +148,8 @@ class GpuModel:
         self.kv: dict[int, attention.KVCache] = {}
         self.conv_state: dict[int, int] = {}
         self.ssm_state: dict[int, int] = {}
-        for i, kind in enumerate(s.layer_types):
+        # the MTP head's attention layer (index num_hidden_layers) has a KV cache of its own
+        for i, kind in enumerate(s.layer_types + (("full_attention",) if self.has_mtp else ())):
             if kind == "full_attention":
                 n = attention.KVCache.nbytes(self.slots, self.max_ctx, s.num_key_value_heads, s.head_dim,
                                              self.kv_dtype)
@@ -311,18 +316,24 @@ class GpuModel:
         """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
 
         logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
-        "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last).
+        "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last);
+        "hidden" (B = 1): every row's post-norm hidden state into buf.h (the MTP head's input) and the last row's
+        logits.
         draw ("argmax" | "sample", vocab), with "last" and B = 1: instead of the argmax, the next token over ids
         < vocab into the draw slot (sample: under the params record in the draw params buffer).
         """
         b, s, M = self.buf, self.spec, B * T
-        linear.embed(self.k, self.w.matrix(LM + "embed_tokens.weight"), ids=b.tokens, M=M, out=b.x)
+        linear.embed(self.k, self.embed_w, ids=b.tokens, M=M, out=b.x)
         for i in range(s.num_hidden_layers):
             self._layer(i, B, T, ctx_bucket, trail)
         if logit_rows == "none":
             return
         norm = self.w.param(LM + "norm.weight")
-        if logit_rows == "all":
+        if logit_rows == "hidden":  # a prompt chunk for the MTP head: every row's post-norm h (fp32), the last logits
+            misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out="f32")
+            self._linear(self.lm_head, x=b.h + 4 * (M - 1) * self.H, M=1, y=b.logits)
+            rows = 1
+        elif logit_rows == "all":
             h, out = (b.h, "f32") if M <= GEMV_MAX_ROWS else (b.h16, "bf16")
             misc.rms_norm(self.k, x=b.x, y=h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out=out)
             self._linear(self.lm_head, x=h, M=M, y=b.logits)
@@ -455,15 +466,19 @@ class GpuModel:
             self._sides.append(self.gpu.new_stream(high_priority=True))
         if B * T <= GEMV_MAX_ROWS and (B, T, trail) not in self._carveout_planned:
             self._plan_carveout(B, T, bucket, logit_rows, draw, trail)
+        self._graphed((B, T, bucket, logit_rows, draw, trail),
+                      lambda: self._step(B, T, bucket, logit_rows, draw, trail), graph)
+
+    def _graphed(self, key: tuple, enqueue, graph: bool) -> None:
+        """enqueue() directly, or replay (capturing on first use) the graph it makes, kept under `key`."""
         if not graph:
-            self._step(B, T, bucket, logit_rows, draw, trail)
+            enqueue()
             return
-        key = (B, T, bucket, logit_rows, draw, trail)
         g = self.graphs.get(key)
         if g is None:
             self.gpu.begin_capture()
             try:
-                self._step(B, T, bucket, logit_rows, draw, trail)
+                enqueue()
             finally:
                 g = self.gpu.end_capture(node_priority=moe.SHARED_STREAM_PRIORITY)
             self.graphs[key] = g
@@ -488,11 +503,13 @@ class GpuModel:
         self.k.reset_shared_carveout()
         self._carveout_planned.clear()
 
-    def prefill(self, tokens: np.ndarray, slot: int, start: int = 0, all_logits: bool = False):
+    def prefill(self, tokens: np.ndarray, slot: int, start: int = 0, all_logits: bool = False,
+                hidden: bool = False):
         """Run a prompt through one sequence's slot from position `start`, in chunks.
 
-        Returns the logits of every position (float32 [T, V]) when all_logits, else None: the last token's
-        logits are left in logits row 0 (and argmax row 0).
+        Returns the logits of every position (float32 [T, V]) when all_logits; with hidden, every position's
+        post-norm hidden state (float32 [T, H], the MTP head's input); else None. The last token's logits are left
+        in logits row 0 (and argmax row 0).
         """
         tokens = np.asarray(tokens, np.int32)
         n = tokens.size
@@ -505,11 +522,36 @@ class GpuModel:
             self._set_batch(piece, [start + c0], [slot])
             last = c0 + T == n
             # full chunks replay a captured graph (host launch cost is ~500 launches per chunk otherwise)
-            self._run(1, T, self.bucket(start + c0 + T), "all" if all_logits else ("last" if last else "none"),
-                      graph=T == chunk and not all_logits)
-            if all_logits:
-                out.append(self.gpu.download(self.buf.logits, (T, self.V), np.float32))
-        return np.concatenate(out) if all_logits else None
+            rows = "all" if all_logits else "hidden" if hidden else "last" if last else "none"
+            self._run(1, T, self.bucket(start + c0 + T), rows, graph=T == chunk and not all_logits)
+            if all_logits or hidden:
+                out.append(self.logits(T) if all_logits else self.hidden(T))
+        return np.concatenate(out) if all_logits or hidden else None
+
+    def hidden(self, rows: int) -> np.ndarray:
+        """buf.h's first `rows` rows (float32 [rows, H]): the post-norm hidden states a verification ("all") or a
+        prefill with hidden left, or the MTP head's output (draft)."""
+        return self.gpu.download(self.buf.h, (rows, self.H), np.float32)
+
+    def draft(self, hidden: np.ndarray, ids: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> None:
+        """The MTP head (mtp.py) over T = ids.size rows of the sequence in `slot`: row t pairs hidden[t] (float32
+        [T, H]: the main model's post-norm state at position pos + t, or the head's own output when chaining) with
+        ids[t]; the head's KV cache takes positions pos .. pos + T - 1. Leaves every row's output in `hidden(T)`
+        (of the last chunk: prompts run in prefill chunks) and the last row's draft logits in logits row 0."""
+        if not self.has_mtp:
+            raise NinferError("draft: the model was loaded without its MTP head (mtp.* tensors)")
+        ids, hidden = np.asarray(ids, np.int32), np.ascontiguousarray(hidden, np.float32)
+        if ids.ndim != 1 or hidden.shape != (ids.size, self.H) or not ids.size:
+            raise NinferError(f"draft: hidden {hidden.shape} and ids {ids.shape} must be [T, {self.H}] and [T]")
+        self._check([pos], ids.size, [slot])
+        for c0 in range(0, ids.size, self.prefill_chunk):
+            T = min(self.prefill_chunk, ids.size - c0)
+            self.gpu.upload(self.buf.hin, hidden[c0:c0 + T], stream=self.gpu.stream)
+            self._set_batch(ids[c0:c0 + T], [pos + c0], [slot])
+            bucket, decode = self.bucket(pos + c0 + T), T <= GEMV_MAX_ROWS
+            self.gpu.pdl = self.gpu.pdl_capable and decode
+            self._graphed(("mtp", T, bucket), lambda: mtp.step(self, T, bucket, prefill=not decode),
+                          graph and decode)
 
     def logits(self, rows: int) -> np.ndarray:
         """The logits buffer's first `rows` rows (float32 [rows, V]), after the stream finishes."""

@@ -65,8 +65,9 @@ class ReferenceBackend:
         states the verification kept after token keep - 1, the KV caches cut there."""
         cache.rewind(undo - keep)
 
-    def new_draft_cache(self) -> Cache:
-        """Empty state of the MTP head (its one attention layer's KV cache)."""
+    def new_draft_cache(self, cache: Cache | None = None) -> Cache:
+        """Empty state of the MTP head (its one attention layer's KV cache), for cache's sequence (host caches are
+        objects of their own: cache is not needed here, as it is on the GPU)."""
         return self.model.new_mtp_cache()
 
     def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache):

@@ -1,0 +1,81 @@
+"""The MTP head and speculative decoding on the GPU (ninfer_rt/gpu/mtp.py, GpuBackend's verify / rewind / draft),
+on the tiny built-in checkpoints packed with the tiny recipe, MTP head included.
+
+Oracles: the reference backend (ReferenceModel.mtp_forward, the same artifact in fp32 on the CPU) for the draft
+logits, within the engine tests' bound (mean KL <= 1e-3 nats a row), the head fed the reference's own hidden states
+so that only the head is compared; and plain greedy decoding on the GPU for the speculative loop's output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_engine import kld, prompt
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def backends(gpu, artifact):  # gpu: skipped without one
+    from ninfer_rt.format import Artifact
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.reference.backend import ReferenceBackend
+
+    art = Artifact.open(artifact)
+    ref = ReferenceBackend(art, groups=("text", "mtp"))
+    dev = GpuBackend(art, max_ctx=512, kv_dtype="bf16", groups=("text", "mtp"), cache_slots=2)
+    yield ref, dev, art
+    dev.close()
+
+
+def test_draft_matches_the_reference_head(backends):
+    """A 24-token prompt (its rows through the head as one prefill-sized draft), a verification of 4 tokens, the
+    head over those 4 rows (a decode-sized, captured draft) and one chained row: each draft's last-row logits
+    against the reference head's on the same hidden states, and the verification's rows against the reference's."""
+    ref, dev, _ = backends
+    ids = prompt(32, 9)
+    rc, gc = ref.new_cache(), dev.new_cache()
+    r_logits, r_hidden, _ = ref.verify(ids[:24], rc, undoable=False)
+    g_logits, g_hidden, _ = dev.verify(ids[:24], gc, undoable=False)
+    assert g_logits.shape == (1, r_logits.shape[1]) and g_hidden.shape == r_hidden.shape
+    assert kld(r_logits[-1:], g_logits).max() <= 1e-3
+    rd, gd = ref.new_draft_cache(rc), dev.new_draft_cache(gc)
+    r_dl, _ = ref.draft(r_hidden, ids[1:25], rd)  # the prompt's rows (h_p, x_{p+1})
+    g_dl, _ = dev.draft(r_hidden, ids[1:25], gd)
+    bounds = [kld(r_dl[-1:], g_dl).max()]
+    r_l, r_h, _ = ref.verify(ids[24:28], rc)  # a verification of 4 tokens, then the head over its rows
+    g_l, g_h, undo = dev.verify(ids[24:28], gc)
+    assert undo == 4 and kld(r_l, g_l).max() <= 1e-3
+    r_dl, r_dh = ref.draft(r_h, ids[25:29], rd)
+    g_dl, g_dh = dev.draft(r_h, ids[25:29], gd)
+    bounds.append(kld(r_dl[-1:], g_dl).max())
+    tok = np.asarray([int(r_dl[-1].argmax())])
+    r_cl, _ = ref.draft(r_dh[-1:], tok, rd)  # chained: the head's own output and its draft
+    g_cl, _ = dev.draft(r_dh[-1:], tok, gd)
+    bounds.append(kld(r_cl[-1:], g_cl).max())
+    print("draft KLD: prompt {:.1e}, 4 rows {:.1e}, chained {:.1e}".format(*bounds))
+    assert max(bounds) <= 1e-3
+    assert g_dh.shape == (1, r_dh.shape[1]) and rd.pos == gd.pos == 29
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_greedy_is_plain_greedy(backends, k):
+    """ninfer_rt.speculative.decode on the GPU backend (drafts by the head, verifications keeping each token's
+    DeltaNet state, rewinds on rejections): greedy output equals the GPU's plain greedy decoding of 24 tokens."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    _, dev, art = backends
+    ids = prompt(20, 11).tolist()
+    c = dev.new_cache(0)
+    plain = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
+    while len(plain) < 24:
+        plain.append(int(dev.forward(np.asarray(plain[-1:], np.int32), c, last_only=True)[0].argmax()))
+    stats = GenerationStats()
+    out = list(speculative.decode(dev, dev.new_cache(1), ids, 24, Sampler(SamplingParams(greedy=True)), stats,
+                                  draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+    print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
+    assert out == plain
+    assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
