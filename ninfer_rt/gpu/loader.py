@@ -126,13 +126,13 @@ def load_artifact(gpu: Gpu, artifact, groups=("text",), progress=None) -> Device
 # ---------------------------------------------------------------------------------------------- synthetic
 
 
-def synthetic_table(spec, recipe) -> list[tuple[str, tuple[int, ...], str]]:
-    """(artifact name, shape, format) of every text tensor a checkpoint of `spec` packed with `recipe` has."""
+def synthetic_table(spec, recipe, groups: tuple[str, ...] = ("text",)) -> list[tuple[str, tuple[int, ...], str]]:
+    """(artifact name, shape, format) of every tensor of `groups` a checkpoint of `spec` packed with `recipe` has."""
     from ninfer_rt.layout import plan_tensors
     from ninfer_rt.recipe import resolve_plans
 
     info = spec.tensor_shapes()
-    shapes = {n: tuple(i.shape) for n, i in info.items() if i.group == "text"}
+    shapes = {n: tuple(i.shape) for n, i in info.items() if i.group in groups}
     plans = plan_tensors(spec, list(shapes), shapes)
     formats, _ = resolve_plans(recipe, plans, shapes)
     return [(p.name, tuple(p.shape), formats[p.name]) for p in plans]

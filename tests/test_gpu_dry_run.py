@@ -1,0 +1,180 @@
+"""GpuModel's steps planned end to end on a made-up GPU, without one: every op wrapper's argument checks and launch
+shapes run for the real models' shapes, and the launches are recorded instead of enqueued.
+
+A dry run cannot check results (nothing computes); it checks what reaches the driver: which entry points a step
+launches, how many times, and the copies a rewind makes. It catches a wrong argument before a device call would
+(a launch on bad pointers costs the CUDA context, and every later test of that run).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ninfer_rt.errors import NinferError
+from test_gpu_plans import fake_kernels
+
+
+class FakeGpu:
+    """The driver surface GpuModel uses: allocations are addresses from a counter, copies and launches are
+    recorded, uploads and memsets do nothing, downloads are zeros, graphs replay nothing."""
+
+    def __init__(self, info):
+        self.info, self.launches, self.copies, self.next = info, [], [], 1 << 20
+        self.pdl = self.pdl_capable = True
+        self.stream = SimpleNamespace(handle="s0", wait=lambda e: None, synchronize=lambda: None)
+
+    def alloc(self, nbytes):
+        p = self.next
+        self.next += (int(nbytes) + 511) // 256 * 256
+        return p
+
+    def free(self, p):
+        pass
+
+    def upload(self, dst, array, stream=None):
+        pass
+
+    def download(self, src, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def copy(self, dst, src, nbytes, stream=None):
+        self.copies.append((dst, src, nbytes))
+
+    def memset(self, dst, byte, nbytes, stream=None):
+        pass
+
+    def new_stream(self, high_priority=False):
+        return SimpleNamespace(handle="s1", wait=lambda e: None, synchronize=lambda: None)
+
+    def begin_capture(self):
+        pass
+
+    def end_capture(self, node_priority=False):
+        return SimpleNamespace(launch=lambda stream: None, destroy=lambda: None)
+
+    def synchronize(self):
+        pass
+
+    def launch(self, fn, grid, block, args, smem, stream, cluster):
+        self.launches.append(fn)
+
+    def set_max_dynamic_smem(self, fn, nbytes):
+        pass
+
+    def set_smem_carveout(self, fn, percent):
+        pass
+
+    def static_smem(self, fn):
+        return 1280
+
+    def max_active_blocks(self, fn, threads, smem):
+        return 2
+
+    def max_active_clusters(self, fn, grid, block, smem, cluster):
+        return 64
+
+
+def dry_model(monkeypatch, name: str, groups=("text",), slots: int = 1):
+    """GpuModel of the built-in shapes `name` (its recipe's formats) on an H100-like FakeGpu: weights at made-up
+    addresses, the mma.sync prefill GEMMs (the wgmma ones build TMA descriptors through the driver)."""
+    from ninfer_rt.formats import get_format
+    from ninfer_rt.gpu import engine, loader
+    from ninfer_rt.gpu.bench import builtin_spec
+    from ninfer_rt.gpu.weights import DeviceWeight
+    from ninfer_rt.recipe import load_recipe
+
+    k = fake_kernels(9, 0, smem_optin=227 * 1024)
+    gpu = k.gpu = FakeGpu(k.gpu.info)
+    spec = builtin_spec(name)
+    w = loader.DeviceWeights()
+    for n, shape, fmt in loader.synthetic_table(spec, load_recipe(name), groups):
+        if loader.is_small_param(n, shape):
+            w.params[n] = gpu.alloc(4 * int(np.prod(shape)))
+        else:
+            w.matrices[n] = DeviceWeight(n, fmt, shape, gpu.alloc(get_format(fmt).nbytes(shape)))
+    monkeypatch.setattr(engine, "Event", lambda timing=False: SimpleNamespace(record=lambda stream: None))
+    model = engine.GpuModel(gpu, k, spec, w, slots=slots, max_ctx=4096, prefill_chunk=512, gemm_kernel="mma")
+    return model, gpu
+
+
+def count(launches, prefix):
+    return sum(1 for n in launches if n.startswith(prefix))
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.6-27b"])
+def test_a_verification_keeps_each_tokens_state_and_rewinds_by_copies(monkeypatch, name):
+    """verify(trail=True): every DeltaNet layer's step is the trail kernel (one sequence: a cluster of 4 on sm_90),
+    and only then; rewind(keep) copies trail row keep - 1 into the slot's state, one copy a DeltaNet layer of
+    nv·dk·dv fp32, and nothing when every token is kept."""
+    m, gpu = dry_model(monkeypatch, name, slots=2)
+    L = len(m.ssm_state)
+    m.verify(np.arange(3, dtype=np.int32), 10, 1)
+    assert count(gpu.launches, "deltanet_step_trail") == 0 and count(gpu.launches, "deltanet_step_dk128_c4") == L
+    gpu.launches.clear()
+    m.verify(np.arange(3, dtype=np.int32), 10, 1, trail=True)
+    assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L and count(gpu.launches, "deltanet_step_dk") == 0
+    m.rewind(1, 3, 3)
+    assert gpu.copies == []
+    m.rewind(1, 2, 3)
+    nbytes = m.spec.linear_num_value_heads * m.spec.linear_key_head_dim * m.spec.linear_value_head_dim * 4
+    assert sorted(gpu.copies) == sorted((m.ssm_state[i] + nbytes, m._trails[i] + nbytes, nbytes) for i in m._trails)
+    for keep, T in [(0, 3), (4, 3), (1, 9)]:
+        with pytest.raises(NinferError, match="rewind keeps"):
+            m.rewind(1, keep, T)
+
+
+def test_rewind_before_a_trail_is_refused(monkeypatch):
+    m, _ = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+    with pytest.raises(NinferError, match="trail=True first"):
+        m.rewind(0, 1, 2)
+
+
+def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):
+    """With the mtp group loaded: prefill(hidden=True) gives every row's hidden state; draft runs the head over a
+    prompt in prefill chunks and over a few rows as one step: the embedding, the two norms, fc, one attention layer
+    (prepare, decode, combine) and its MoE block, mtp.norm, the lm_head and an arg-max. Without the group, draft is
+    refused in one line."""
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b", groups=("text", "mtp"))
+    assert m.has_mtp and m.spec.num_hidden_layers in m.kv
+    hidden = m.prefill(np.arange(600, dtype=np.int32), 0, hidden=True)
+    assert hidden.shape == (600, m.H)
+    m.draft(hidden, np.arange(600), 0, 0)
+    gpu.launches.clear()
+    m.draft(np.zeros((3, m.H), np.float32), np.arange(3), 600, 0)
+    steps = gpu.launches
+    assert steps[:3] == [steps[0], "rms_norm", "rms_norm"] and steps[0].startswith("embed_")
+    assert [count(steps, p) for p in ("attn_prepare", "attn_decode", "attn_combine", "deltanet")] == [1, 1, 1, 0]
+    assert steps[-1] == "argmax_finish" and ("mtp", 3, m.bucket(603)) in m.graphs
+    with pytest.raises(NinferError, match=r"must be \[T, 2048\]"):
+        m.draft(np.zeros((2, m.H), np.float32), np.arange(3), 0, 0)
+    plain, _ = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+    with pytest.raises(NinferError, match="without its MTP head"):
+        plain.draft(np.zeros((1, plain.H), np.float32), np.arange(1), 0, 0)
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.6-27b"])
+def test_every_step_launches_each_layers_ops(monkeypatch, name):
+    """Decode at B = 1, 2, 4 and a 600-token prompt (two chunks of 512): per the spec's layer kinds, each DeltaNet
+    layer one step launch a decode step and the chunked delta rule a prompt chunk; each attention layer prepare,
+    decode and combine (prefill attention for a chunk); each MoE block its fused launch at one sequence and the
+    routed gate/up and down at several; one embedding and one arg-max a step."""
+    m, gpu = dry_model(monkeypatch, name, slots=4)
+    s = m.spec
+    n_lin, n_att = s.layer_types.count("linear_attention"), s.layer_types.count("full_attention")
+    n_moe = s.num_hidden_layers if s.is_moe else 0
+    for B in (1, 2, 4):
+        gpu.launches.clear()
+        m.decode(np.arange(B, dtype=np.int32), [10] * B, list(range(B)))
+        got = gpu.launches
+        assert count(got, "deltanet_step_dk") == n_lin and count(got, "embed_") == 1, (B, got)
+        assert [count(got, f"attn_{k}") for k in ("prepare", "decode", "combine")] == [n_att] * 3
+        moe = ([count(got, "moe_fused")] if B == 1 else [count(got, "moe_gate_up_routed"), count(got, "moe_down")])
+        assert moe == [n_moe] * len(moe) and count(got, "argmax_finish") == 1
+    gpu.launches.clear()
+    m.prefill(np.arange(600, dtype=np.int32), 0)
+    got = gpu.launches
+    assert count(got, "deltanet_chunk_prep") == 2 * n_lin and count(got, "attn_prefill") == 2 * n_att
+    assert count(got, "embed_") == 2 and count(got, "argmax_finish") == 1
