@@ -144,6 +144,32 @@ def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
     assert m.verified[-1] == (2, 100, 0, 2, True) and m.keys[-1] == (1, 2, 1024, "all", None, True)
 
 
+def test_time_draft_replays_the_heads_one_row_graph(gpu):
+    """The bench's draft row: one GpuModel.draft of one row at ctx (slot 0, the head's positions from ctx), then the
+    replays of that row count's graph in the bucket of ctx + 1."""
+    from ninfer_rt.gpu.bench import _time_draft
+    from ninfer_rt.gpu.engine import GpuModel
+
+    class FakeModel:
+        max_ctx, H = 1 << 20, 8
+        bucket = GpuModel.bucket
+
+        def __init__(self):
+            self.gpu, self.drafts, self.keys = gpu, [], []
+
+        def draft(self, hidden, ids, pos, slot):
+            self.drafts.append((hidden.shape, ids.tolist(), pos, slot))
+
+        def draft_graph(self, T, bucket):
+            self.keys.append((T, bucket))
+            return FakeGraph(gpu)
+
+    m = FakeModel()
+    assert _time_draft(m, 8192, rounds=2, reps=3) == pytest.approx(REPLAY_MS / 1e3)
+    assert m.drafts == [((1, 8), [17], 8192, 0)] and m.keys == [(1, 16384)]
+    assert gpu.log.count("replay") == 2 * 3
+
+
 def test_step_rows_out_prints_the_table_and_writes_the_rows(tmp_path):
     """The decode-step benches' table and JSON: every row printed, the JSON exactly the rows and the device."""
     import json

@@ -136,7 +136,7 @@ def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):
     """With the mtp group loaded: prefill(hidden=True) gives every row's hidden state; draft runs the head over a
     prompt in prefill chunks and over a few rows as one step: the embedding, the two norms, fc, one attention layer
     (prepare, decode, combine) and its MoE block, mtp.norm, the lm_head and an arg-max. Without the group, draft is
-    refused in one line."""
+    refused in one line; and the bench's bytes a decode step reads are the same with the head loaded."""
     m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b", groups=("text", "mtp"))
     assert m.has_mtp and m.spec.num_hidden_layers in m.kv
     hidden = m.prefill(np.arange(600, dtype=np.int32), 0, hidden=True)
@@ -153,6 +153,8 @@ def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):
     plain, _ = dry_model(monkeypatch, "qwen3.6-35b-a3b")
     with pytest.raises(NinferError, match="without its MTP head"):
         plain.draft(np.zeros((1, plain.H), np.float32), np.arange(1), 0, 0)
+    from ninfer_rt.gpu.bench import decode_bytes  # a decode step reads no MTP weight: the bench's bytes agree
+    assert decode_bytes(m.spec, m.w, 8192, "int8") == decode_bytes(plain.spec, plain.w, 8192, "int8")
 
 
 @pytest.mark.parametrize("name", ["qwen3.6-35b-a3b", "qwen3.6-27b"])

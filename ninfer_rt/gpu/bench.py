@@ -46,9 +46,10 @@ class BenchResult:
     # {context, batch, ms_per_step, tok_s}: B sequences a step, each in its own slot at the same context; tok_s is
     # all of them together (the server's continuous batching decodes this way)
     decode_batched: list[dict] = field(default_factory=list)
-    # {context, tokens, ms_per_step, vs_one_token}: one sequence fed T tokens with every row's logits (what a
-    # speculative step's verification costs against a one-token step at that context)
+    # {context, tokens, ms_per_step, vs_one_token, trail_ms_per_step, rewind_ms}: one sequence fed T tokens with
+    # every row's logits (what a speculative step's verification costs against a one-token step at that context)
     decode_tokens: list[dict] = field(default_factory=list)
+    draft: list[dict] = field(default_factory=list)  # {context, ms_per_step}: the MTP head's step over one row
 
 
 def builtin_spec(name: str):
@@ -87,6 +88,8 @@ def decode_bytes(spec, weights, ctx: int, kv_dtype: str) -> int:
     total = 0
     E, k = max(spec.num_experts, 1), spec.num_experts_per_tok
     for name, w in weights.matrices.items():
+        if name.startswith("mtp."):  # the MTP head: drafting reads it, a decode step does not
+            continue
         if name.endswith("embed_tokens.weight"):
             total += w.nbytes // w.shape[0]  # one gathered row
         elif ".mlp.experts." in name:
@@ -157,6 +160,14 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool
     return statistics.median(times) / 1e3
 
 
+def _time_draft(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
+    """Median seconds of the MTP head's step over one row at context ctx (its graph replayed; GpuModel.draft)."""
+    model.draft(np.zeros((1, model.H), np.float32), np.asarray([17], np.int32), ctx, 0)
+    graph = model.draft_graph(1, model.bucket(ctx + 1))
+    times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
+    return statistics.median(times) / 1e3
+
+
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
               prefill_sizes=(512, 8192, 65536), decode_contexts=(0, 8192, 65536, 262144),
               kv_dtype: str = "int8", prefill_budget_s: float = 60.0, prefill_chunk: int | None = None,
@@ -164,7 +175,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     """Run the benchmark; `log` receives one line per measurement as it lands. prefill_chunk: prompt tokens per
     prefill step (default: the engine's). decode_batches: sequence counts (> 1) to time a decode step of at each
     decode context too (each sequence a slot with its own KV cache of the largest context: memory grows with it).
-    decode_tokens: token counts (2-8) to time one sequence's verification step of at each decode context."""
+    decode_tokens: token counts (2-8) to time one sequence's verification step of at each decode context; with
+    them the MTP head is loaded too (where the model has one) and its draft step timed."""
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
@@ -180,14 +192,16 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
 
         spec = builtin_spec(synthetic)
         rec = load_recipe(recipe or synthetic)
-        weights = synthetic_weights(gpu, spec, rec, progress=progress)
+        groups = ("text", "mtp") if decode_tokens and spec.mtp_num_hidden_layers else ("text",)
+        weights = synthetic_weights(gpu, spec, rec, progress=progress, groups=groups)
         model_name, recipe_name = synthetic, rec.name
     else:
         from ninfer_rt.format import Artifact
 
         art = Artifact.open(artifact_path)
         spec = art.spec
-        weights = load_artifact(gpu, art, progress=progress)
+        mtp = decode_tokens and any(e.group == "mtp" for e in art.tensors.values())
+        weights = load_artifact(gpu, art, groups=("text", "mtp") if mtp else ("text",), progress=progress)
         model_name, recipe_name = str(artifact_path), art.header["recipe"].get("name", "?")
     log(f"weights: {weights.arena_bytes / 2**30:.2f} GiB in {weights.load_s:.1f} s")
     # the longest context decodes its last position: 262144 means 262143 cached tokens plus the new one
@@ -260,6 +274,10 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
             kept = (f"; keeping each token's DeltaNet state {row['trail_ms_per_step']:.3f} ms, a rewind "
                     f"{row['rewind_ms']:.3f} ms" if row["rewind_ms"] is not None else "")
             log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's){kept}")
+        if decode_tokens and model.has_mtp and ctx + 1 <= max_ctx:
+            d = _time_draft(model, ctx)
+            res.draft.append({"context": ctx, "ms_per_step": d * 1e3})
+            log(f"draft @ {ctx}: {d * 1e3:.3f} ms a step (the MTP head over one row)")
     if res.decode:  # the same step drawing its token (top-k / top-p on the device), at the middle context
         ctx = res.decode[len(res.decode) // 2]["context"]
         step = _time_decode(model, ctx, sampled=True)
@@ -305,6 +323,8 @@ def table(res: BenchResult):
                 f"{d['rewind_ms']:.3f} ms" if d.get("rewind_ms") is not None else "")
         t.add_row(f"verify @ {d['context']:,}, {d['tokens']} tokens", f"{d['ms_per_step']:.3f} ms a step",
                   f"{d['vs_one_token']:.2f}x a one-token step{kept}")
+    for d in res.draft:
+        t.add_row(f"draft @ {d['context']:,}", f"{d['ms_per_step']:.3f} ms a step", "the MTP head over one row")
     for d in res.decode_batched:
         t.add_row(f"decode @ {d['context']:,}, {d['batch']} sequences", f"{d['tok_s']:,.1f} tok/s",
                   f"together: {d['ms_per_step']:.3f} ms a step, {d['tok_s'] / d['batch']:,.1f} tok/s each")

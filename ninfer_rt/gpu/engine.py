@@ -448,6 +448,10 @@ class GpuModel:
             self.gpu.copy(self.ssm_state[i] + slot * self.ssm_bytes, tr + (keep - 1) * self.ssm_bytes,
                           self.ssm_bytes, stream=self.gpu.stream)
 
+    def draft_graph(self, T: int, bucket: int):
+        """The captured graph of a draft step of T rows that ran before; KeyError if none did."""
+        return self.graphs[("mtp", T, bucket)]
+
     def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None,
                    trail: bool = False):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""

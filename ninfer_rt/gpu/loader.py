@@ -181,11 +181,13 @@ def _synthetic_small(name: str, shape, rng) -> np.ndarray:
     return (rng.standard_normal(shape) * 0.05).astype(np.float32)  # zero-centred norm weights
 
 
-def synthetic_weights(gpu: Gpu, spec, recipe, seed: int = 0, progress=None) -> DeviceWeights:
-    """Random weights of the exact shapes and formats `recipe` gives a checkpoint of `spec`, on the device."""
+def synthetic_weights(gpu: Gpu, spec, recipe, seed: int = 0, progress=None,
+                      groups: tuple[str, ...] = ("text",)) -> DeviceWeights:
+    """Random weights of the exact shapes and formats `recipe` gives a checkpoint of `spec`'s tensor `groups`,
+    on the device."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
-    table = synthetic_table(spec, recipe)
+    table = synthetic_table(spec, recipe, groups)
     mats = [(n, s, f) for n, s, f in table if not is_small_param(n, s)]
     offsets, total = _layout((n, get_format(f).nbytes(s)) for n, s, f in mats)
     out = DeviceWeights()
