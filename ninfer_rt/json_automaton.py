@@ -453,6 +453,7 @@ class _Object(_Frame):
 
     def __init__(self, node: Node):
         self.node, self.state, self.used, self.key = node, self.OPEN, frozenset(), None
+        self.names = None  # propertyNames' check of the key being written (Node.names)
 
     def _closed_keys(self) -> list[bytes] | None:
         """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties
@@ -468,6 +469,8 @@ class _Object(_Frame):
             return _OK if b == 0x7B else _REJECT
         if s == self.KEY:
             r = self.key.step(b, sp)
+            if self.names is not None and self.names.step(b, sp) == _REJECT:
+                return _REJECT
             closed = self._closed_keys()
             if r == _REJECT or (closed is not None and not any(k.startswith(self.key.raw) for k in closed)):
                 return _REJECT
@@ -506,7 +509,12 @@ class _Object(_Frame):
             self.state = self.NEXT
             return _OK
         if b == 0x22 and s in (self.FIRST, self.NEXT):
+            if self._closed_keys() == []:
+                return _REJECT  # no key is left to write: a quote would lead nowhere
             self.state, self.key = self.KEY, _String(keep=True)
+            self.names = _CheckedString(n.names) if n.names is not None else None
+            if self.names is not None:
+                self.names.step(b, sp)
             return self.key.step(b, sp)
         return _REJECT
 
@@ -514,6 +522,8 @@ class _Object(_Frame):
         c = super().copy()
         if self.key is not None:
             c.key = self.key.copy()
+        if self.names is not None:
+            c.names = self.names.copy()
         return c
 
     def child_done(self, sp, passed: bool) -> None:

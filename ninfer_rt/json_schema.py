@@ -12,7 +12,9 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
 - arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`, `uniqueItems`
   (an item equal to an earlier one, as JSON values, is refused at the byte that completes it);
-- objects also: `minProperties`, `maxProperties`;
+- objects also: `minProperties`, `maxProperties`, `propertyNames` (an enum or const of strings closes the object over
+  them: pydantic's dict keyed by a Literal or an Enum; a string schema of pattern and lengths checks each other key
+  as it is written);
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`), and of several object
   schemas (`_Compiler.all_of`: inheritance, a base by `$ref` and a branch that adds properties), merged into one
   where the conjunction is exact;
@@ -54,7 +56,7 @@ _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
                        "minLength", "maxLength", "pattern", "multipleOf",
                        "minProperties", "maxProperties", "uniqueItems",
-                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "propertyNames"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
 _MERGED = frozenset({"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties"})
@@ -97,6 +99,7 @@ class Node:
     min_length: int = 0                            # a string's characters
     max_length: int | None = None
     pattern: Pattern | None = None                 # a string's regular expression (json_regex)
+    names: Node | None = None                      # an object's other keys: strings this schema takes (propertyNames)
     bounds: Bounds | None = None                   # a number's range
 
 
@@ -235,6 +238,8 @@ class _Compiler:
             n.additional = False if add is False else None  # None: any value
         else:
             n.additional = self.node(add, f"{where}/additionalProperties")
+        if "propertyNames" in s:
+            self.property_names(n, s["propertyNames"], req, where)
         if n.additional is False and set(req) - set(n.props):
             raise SchemaError(f"json_schema: {where}: required {sorted(set(req) - set(n.props))[0]!r} is not among "
                               "the properties, and additionalProperties is false")
@@ -292,6 +297,41 @@ class _Compiler:
                 raise SchemaError(f"json_schema: {where}: no enum value satisfies the rest of the schema")
             n.enum = tuple(kept)
         return n
+
+    def property_names(self, n: Node, schema, req: list, where: str) -> None:
+        """propertyNames: every key is a string this schema takes. An enum or const (pydantic's dict keyed by a
+        Literal or an Enum) closes the object over its strings, each with its property's schema or else
+        additionalProperties'; any other string schema (pattern, lengths: constr keys) checks the keys not among
+        the properties as they are written (Node.names). A property whose name it refuses can never appear: dropped,
+        or, required, no object satisfies the schema."""
+        from ninfer_rt.json_automaton import SchemaPrefix
+        at = f"{where}/propertyNames"
+        names = Node(types=frozenset()) if schema is False else self.node(schema, at)  # false: no name at all
+        if names is ANY:
+            return
+        if names.any_of is not None:
+            raise SchemaError(f"json_schema: {at}: anyOf / oneOf there is not supported")
+
+        def takes(key: str) -> bool:
+            p = SchemaPrefix(names)
+            return p.feed(_utf8(json.dumps(key, ensure_ascii=False), at)) and p.complete
+
+        refused = sorted(k for k in set(n.props) | set(req) if not takes(k))
+        if set(refused) & set(req):
+            raise SchemaError(f"json_schema: {where}: required {sorted(set(refused) & set(req))[0]!r} is not a name "
+                              "propertyNames allows")
+        for k in refused:
+            del n.props[k], n.key_raw[k]
+        if names.enum is not None or (names.types is not None and "string" not in names.types):
+            keys = [v for t in names.enum or () if isinstance(v := json.loads(t), str)]
+            if n.additional is not False:
+                for k in keys:
+                    if k not in n.props:
+                        n.props[k] = n.additional or ANY
+                        n.key_raw[k] = _utf8(json.dumps(k, ensure_ascii=False)[1:-1], at)
+            n.additional = False
+        elif n.additional is not False:
+            n.names = names
 
     def any_of(self, s: dict, where: str) -> Node:
         """anyOf, or oneOf whose branches are exclusive (_exclusive), so that at most one can match and it is anyOf."""

@@ -79,10 +79,22 @@ INHERIT = {"$defs": {"Base": {"type": "object", "required": ["id"], "minProperti
                      {"type": ["object", "null"], "required": ["name"], "additionalProperties": False,
                       "properties": {"name": {"type": "string", "maxLength": 4}, "tags": {"type": "array"},
                                      "id": {"minimum": 0, "type": "integer"}}}]}
-SCHEMAS = {"inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
+# propertyNames: pydantic's dict keyed by a Literal or an Enum (an enum of names; a number among them names no key),
+# by a constr (pattern and lengths, checked as the key is written), a listed property whose name it refuses, none
+NAMES = {"type": "object", "properties": {
+    "counts": {"type": "object", "propertyNames": {"enum": ["red", "green", "x\"y", 5]},
+               "additionalProperties": {"type": "integer"}},
+    "ids": {"type": "object", "propertyNames": {"pattern": "^[a-z]{1,3}\\d$", "maxLength": 3},
+            "additionalProperties": {"type": "boolean"}},
+    "named": {"type": "object", "properties": {"ab1": {"type": "string"}, "zzzz": {"type": "null"}},
+              "propertyNames": {"maxLength": 3}},
+    "none": {"type": "object", "propertyNames": False}}}
+SCHEMAS = {"names": NAMES, "inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
            "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
+    "names": [{"counts": {"red": 1, "x\"y": -2}, "ids": {"ab1": True, "c9": False}, "named": {"ab1": "s", "q": 5},
+               "none": {}}, {"counts": {}, "named": {"é": None, "": [1]}}],
     "inherit": [{"id": 0, "name": "ab"}, {"name": "", "tags": [1, "x"], "id": 12}],
     "person": [{"name": "Ann", "age": 30}, {"age": -7, "name": "é\n\"", "tags": ["b\"c", 1, None], "score": 1.5e-3,
                                             "ok": True, "kind": "person"}, {"name": "", "age": 0, "score": None}],
@@ -445,7 +457,9 @@ def test_reviewed_cases_read_as_ecma_262():
      "not '$ref'"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "prefixItems must be an array"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "maxItems is below minItems"),
-    ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames' is not supported"),
+    ({"type": "object", "required": ["abcd"], "propertyNames": {"maxLength": 3}},
+     "required 'abcd' is not a name propertyNames allows"),
+    ({"type": "object", "propertyNames": {"anyOf": [{"maxLength": 1}, {"pattern": "x"}]}}, "anyOf / oneOf there"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}, "no object holds"),
     ({"type": "object", "required": ["a", "b"], "maxProperties": 1}, "no object holds"),
     ({"type": "array", "uniqueItems": 1}, "uniqueItems must be true or false"),
@@ -489,3 +503,24 @@ def test_schemas_outside_the_subset_are_refused_in_one_line(schema, what):
     with pytest.raises(SchemaError, match="^json_schema: ") as e:
         compile_schema(schema)
     assert what in str(e.value) and "\n" not in str(e.value)
+
+
+CLOSED = {"type": "object", "properties": {"a": {}, "b": {}}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, text", [
+    (NAMES, '{"counts": {"b'),         # no listed name begins with b
+    (NAMES, '{"counts": {"re"'),       # "re" is no name: the closing quote
+    (NAMES, '{"ids": {"abc'),          # a third letter leaves no room for the digit within 3
+    (NAMES, '{"ids": {"a1x'),          # nothing after the digit
+    (NAMES, '{"ids": {"ab"'),          # the digit is missing
+    (NAMES, '{"named": {"zzzz'),       # listed, but longer than propertyNames allows
+    (NAMES, '{"none": {"'),            # no key at all: not even its quote
+    (CLOSED, '{"a": 1, "b": 2,'),      # every key in: no comma
+], ids=range(8))
+def test_keys_are_refused_at_their_first_impossible_byte(schema, text):
+    """propertyNames and closed objects are enforced while the key is written: the text's last byte is the first
+    one no allowed name can continue with, and every byte before it is taken."""
+    p = SchemaPrefix(compile_schema(schema))
+    data = text.encode()
+    assert all(p.feed(data[i:i + 1]) for i in range(len(data) - 1)) and not p.feed(data[-1:])
