@@ -40,7 +40,7 @@ RECORDS_MAX_M = _STREAM_MAX_M  # the most rows x_records takes (engine.py sizes 
 # Planner constants: the row counts at which the engine has the DeltaNet step and the attention combine write x̂
 # records for out_proj / o_proj, in a step of B sequences of one token (ROWS) and in one sequence's verification of T
 # tokens (TOKENS). Batched: 2 and 3 rows gain 3.5% and 4.1% since v88-v89's steps of clusters of 1-2 (v91; in v83c,
-# over clusters of 4, 2 rows lost 3.4%). Verification (clusters of 4): 2 tokens lose 4.4%, 3 gain 0.4%, 4 gain 4.6%.
+# over clusters of 4, 2 rows lost 3.4%). Verification (clusters of 4): 2 tokens lose 4.5%, 3 gain 0.4%, 4 gain 4.6%.
 RECORDS_ROWS = (1, 2, 3, 4)
 RECORDS_TOKENS = (3, 4)
 # at M = 1, weights of at least this many rows (lm_head) take the block kernel (perf-history.md v11); several rows
