@@ -454,6 +454,7 @@ class _Object(_Frame):
     def __init__(self, node: Node):
         self.node, self.state, self.used, self.key = node, self.OPEN, frozenset(), None
         self.names = None  # propertyNames' check of the key being written (Node.names)
+        self.pats = []  # patternProperties' patterns the key being written can still match (string frames)
 
     def _closed_keys(self) -> list[bytes] | None:
         """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties
@@ -471,8 +472,12 @@ class _Object(_Frame):
             r = self.key.step(b, sp)
             if self.names is not None and self.names.step(b, sp) == _REJECT:
                 return _REJECT
+            steps = [(f, f.step(b, sp)) for f in self.pats]
+            self.pats = [f for f, x in steps if x != _REJECT]
+            matched = any(x == _DONE for _, x in steps)
             closed = self._closed_keys()
-            if r == _REJECT or (closed is not None and not any(k.startswith(self.key.raw) for k in closed)):
+            listed = closed is None or any(k.startswith(self.key.raw) for k in closed)
+            if r == _REJECT or not (listed or self.pats):
                 return _REJECT
             if r == _DONE:
                 self.state, n = self.COLON, self.node
@@ -483,9 +488,11 @@ class _Object(_Frame):
                     name = json.loads(b'"' + self.key.raw + b'"')
                 except ValueError:  # not UTF-8
                     return _REJECT
-                if (n.unique and name in self.used) or (closed is not None and self.key.raw not in closed):
+                if (n.unique and name in self.used) or (closed is not None and self.key.raw not in closed
+                                                        and not matched):
                     return _REJECT
-                self.used, self.value = self.used | {name}, n.props.get(name, n.additional or ANY)
+                value = n.pattern_value if matched and name not in n.props else n.additional or ANY
+                self.used, self.value = self.used | {name}, n.props.get(name, value)
             return _OK
         if b in WHITESPACE:
             return _OK
@@ -504,17 +511,19 @@ class _Object(_Frame):
             if b != 0x2C:
                 return _REJECT
             closed = self._closed_keys()
-            if closed is not None and not closed:
+            if closed is not None and not closed and not n.key_patterns:
                 return _REJECT  # every allowed key is in: nothing may follow a comma
             self.state = self.NEXT
             return _OK
         if b == 0x22 and s in (self.FIRST, self.NEXT):
-            if self._closed_keys() == []:
+            if self._closed_keys() == [] and not n.key_patterns:
                 return _REJECT  # no key is left to write: a quote would lead nowhere
             self.state, self.key = self.KEY, _String(keep=True)
             self.names = _CheckedString(n.names) if n.names is not None else None
-            if self.names is not None:
-                self.names.step(b, sp)
+            self.pats = [_CheckedString(Node(pattern=p)) for p in n.key_patterns]
+            for f in [self.names, *self.pats]:
+                if f is not None:
+                    f.step(b, sp)
             return self.key.step(b, sp)
         return _REJECT
 
@@ -524,6 +533,7 @@ class _Object(_Frame):
             c.key = self.key.copy()
         if self.names is not None:
             c.names = self.names.copy()
+        c.pats = [f.copy() for f in self.pats]
         return c
 
     def child_done(self, sp, passed: bool) -> None:

@@ -14,7 +14,8 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
   (an item equal to an earlier one, as JSON values, is refused at the byte that completes it);
 - objects also: `minProperties`, `maxProperties`, `propertyNames` (an enum or const of strings closes the object over
   them: pydantic's dict keyed by a Literal or an Enum; a string schema of pattern and lengths checks each other key
-  as it is written);
+  as it is written), `patternProperties` (a key that is not listed and matches a pattern has its schema's value;
+  several patterns must share one schema, as pydantic writes one);
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`), and of several object
   schemas (`_Compiler.all_of`: inheritance, a base by `$ref` and a branch that adds properties), merged into one
   where the conjunction is exact;
@@ -56,7 +57,8 @@ _KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
                        "enum", "const", "$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "prefixItems",
                        "minLength", "maxLength", "pattern", "multipleOf",
                        "minProperties", "maxProperties", "uniqueItems",
-                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "propertyNames"})
+                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "propertyNames",
+                       "patternProperties"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$comment",
                           "discriminator"})  # OpenAPI's name of the property that tells oneOf's branches apart
 _MERGED = frozenset({"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties"})
@@ -100,6 +102,8 @@ class Node:
     max_length: int | None = None
     pattern: Pattern | None = None                 # a string's regular expression (json_regex)
     names: Node | None = None                      # an object's other keys: strings this schema takes (propertyNames)
+    key_patterns: tuple = ()                       # patternProperties: a key matching any of these (not listed)...
+    pattern_value: Node | None = None              # ...has a value of this schema
     bounds: Bounds | None = None                   # a number's range
 
 
@@ -185,6 +189,17 @@ def _utf8(text: str, where: str) -> bytes:
         raise SchemaError(f"json_schema: {where}: a string with a lone surrogate (not UTF-8)") from None
 
 
+def _matches_any(patterns, key: str) -> bool:
+    """Whether some of the patterns (json_regex.Pattern: a match anywhere) matches the key."""
+    for p in patterns:
+        states = p.start()
+        for ch in key:
+            states = p.step(states, ord(ch))
+        if p.accepts(states):
+            return True
+    return False
+
+
 def _canonical(schema) -> str:
     """A schema as one text for equality: keys sorted, so {"a": 1, "b": 2} equals {"b": 2, "a": 1}; true and 1,
     1 and 1.0 stay apart (stricter than JSON's equality, so two schemas equal here are equal)."""
@@ -239,10 +254,15 @@ class _Compiler:
         else:
             n.additional = self.node(add, f"{where}/additionalProperties")
         if "propertyNames" in s:
+            if "patternProperties" in s:
+                raise SchemaError(f"json_schema: {where}: propertyNames beside patternProperties is not supported")
             self.property_names(n, s["propertyNames"], req, where)
-        if n.additional is False and set(req) - set(n.props):
-            raise SchemaError(f"json_schema: {where}: required {sorted(set(req) - set(n.props))[0]!r} is not among "
-                              "the properties, and additionalProperties is false")
+        if "patternProperties" in s:
+            self.pattern_properties(n, s["patternProperties"], s.get("properties", {}), where)
+        unlisted = set(req) - set(n.props) - {r for r in req if _matches_any(n.key_patterns, r)}
+        if n.additional is False and unlisted:
+            raise SchemaError(f"json_schema: {where}: required {sorted(unlisted)[0]!r} is not among the properties or "
+                              "their patterns, and additionalProperties is false")
         n.required = frozenset(req)
         prefix = s.get("prefixItems", [])
         if not isinstance(prefix, list):
@@ -261,7 +281,7 @@ class _Compiler:
         if n.max_items is not None and n.max_items < n.min_items:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
         n.min_props, n.max_props = s.get("minProperties", 0), s.get("maxProperties")
-        most = len(n.props) if n.additional is False else None  # keys a closed object can hold
+        most = len(n.props) if n.additional is False and not n.key_patterns else None  # keys a closed object holds
         if n.max_props is not None:
             most = n.max_props if most is None else min(most, n.max_props)
         if (most is not None and (most < n.min_props or most < len(n.required))):
@@ -332,6 +352,33 @@ class _Compiler:
             n.additional = False
         elif n.additional is not False:
             n.names = names
+
+    def pattern_properties(self, n: Node, pats, props: dict, where: str) -> None:
+        """patternProperties: a key not among the properties that matches a pattern (a match anywhere, as `pattern`)
+        has a value of its schema; additionalProperties then holds for the keys that match none. Several patterns
+        must share one schema (a key matching two would need both: pydantic writes one), and a listed property whose
+        name a pattern matches must have that same schema (JSON Schema applies both)."""
+        at = f"{where}/patternProperties"
+        if not isinstance(pats, dict):
+            raise SchemaError(f"json_schema: {at} must be an object")
+        if not pats:
+            return
+        if len({_canonical(v) for v in pats.values()}) > 1:
+            raise SchemaError(f"json_schema: {at}: patterns with different schemas are not supported (a key matching "
+                              "two would need both)")
+        patterns = []
+        for text in pats:
+            try:
+                patterns.append(compile_pattern(text))
+            except PatternError as e:
+                raise SchemaError(f"json_schema: {at}: {e}") from None
+        schema = next(iter(pats.values()))
+        for k in props:
+            if _matches_any(patterns, k) and _canonical(props[k]) != _canonical(schema):
+                raise SchemaError(f"json_schema: {where}: property {k!r} matches a patternProperties pattern whose "
+                                  "schema differs from its own (both would hold)")
+        n.key_patterns = tuple(patterns)
+        n.pattern_value = self.node(schema, f"{at}/{_name(next(iter(pats)))}")
 
     def any_of(self, s: dict, where: str) -> Node:
         """anyOf, or oneOf whose branches are exclusive (_exclusive), so that at most one can match and it is anyOf."""

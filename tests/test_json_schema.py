@@ -89,10 +89,21 @@ NAMES = {"type": "object", "properties": {
     "named": {"type": "object", "properties": {"ab1": {"type": "string"}, "zzzz": {"type": "null"}},
               "propertyNames": {"maxLength": 3}},
     "none": {"type": "object", "propertyNames": False}}}
-SCHEMAS = {"names": NAMES, "inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
+# patternProperties: pydantic's dict keyed by a constr with a pattern (closed over the pattern), beside listed
+# properties and additionalProperties for the rest, and two patterns sharing one schema (a required key by a pattern)
+PATPROPS = {"type": "object", "properties": {
+    "scores": {"type": "object", "patternProperties": {"^[a-z]+_\\d$": {"type": "integer"}},
+               "additionalProperties": False},
+    "meta": {"type": "object", "properties": {"id": {"type": "string"}}, "patternProperties": {"^x-": {"type": "boolean"}},
+             "additionalProperties": {"type": "null"}},
+    "two": {"type": "object", "patternProperties": {"a": {"type": "number"}, "b$": {"type": "number"}},
+            "additionalProperties": False, "required": ["ab"]}}}
+SCHEMAS = {"patprops": PATPROPS, "names": NAMES, "inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
            "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
+    "patprops": [{"scores": {"ab_1": 3, "z_0": -1}, "meta": {"id": "q", "x-y": True, "other": None, "x": None},
+                  "two": {"ab": 1, "b": 2.5, "xa": -1}}, {"two": {"ab": 0}, "scores": {}, "meta": {}}],
     "names": [{"counts": {"red": 1, "x\"y": -2}, "ids": {"ab1": True, "c9": False}, "named": {"ab1": "s", "q": 5},
                "none": {}}, {"counts": {}, "named": {"é": None, "": [1]}}],
     "inherit": [{"id": 0, "name": "ab"}, {"name": "", "tags": [1, "x"], "id": 12}],
@@ -460,6 +471,13 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"type": "object", "required": ["abcd"], "propertyNames": {"maxLength": 3}},
      "required 'abcd' is not a name propertyNames allows"),
     ({"type": "object", "propertyNames": {"anyOf": [{"maxLength": 1}, {"pattern": "x"}]}}, "anyOf / oneOf there"),
+    ({"type": "object", "patternProperties": {"a": {"type": "string"}, "b": {}}}, "patterns with different schemas"),
+    ({"type": "object", "properties": {"ab": {"type": "string"}}, "patternProperties": {"a": {"type": "number"}}},
+     "property 'ab' matches a patternProperties pattern"),
+    ({"type": "object", "required": ["zz"], "patternProperties": {"a": {}}, "additionalProperties": False},
+     "required 'zz' is not among the properties or their patterns"),
+    ({"type": "object", "patternProperties": {"(?=a)": {}}}, "lookaround"),
+    ({"type": "object", "patternProperties": {"a": {}}, "propertyNames": {"maxLength": 2}}, "beside patternProperties"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}, "no object holds"),
     ({"type": "object", "required": ["a", "b"], "maxProperties": 1}, "no object holds"),
     ({"type": "array", "uniqueItems": 1}, "uniqueItems must be true or false"),
@@ -517,7 +535,12 @@ CLOSED = {"type": "object", "properties": {"a": {}, "b": {}}, "additionalPropert
     (NAMES, '{"named": {"zzzz'),       # listed, but longer than propertyNames allows
     (NAMES, '{"none": {"'),            # no key at all: not even its quote
     (CLOSED, '{"a": 1, "b": 2,'),      # every key in: no comma
-], ids=range(8))
+    (PATPROPS, '{"scores": {"A'),      # closed over ^[a-z]+_\d$: no key begins with A
+    (PATPROPS, '{"scores": {"ab_1x'),  # the pattern ends after the digit
+    (PATPROPS, '{"scores": {"ab_1": "'),  # a pattern's value: an integer
+    (PATPROPS, '{"meta": {"x-1": 0'),  # ^x- keys are booleans
+    (PATPROPS, '{"meta": {"y": 0'),    # the rest null
+], ids=range(13))
 def test_keys_are_refused_at_their_first_impossible_byte(schema, text):
     """propertyNames and closed objects are enforced while the key is written: the text's last byte is the first
     one no allowed name can continue with, and every byte before it is taken."""
