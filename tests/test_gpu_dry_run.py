@@ -141,7 +141,7 @@ def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):
     assert m.has_mtp and m.spec.num_hidden_layers in m.kv
     hidden = m.prefill(np.arange(600, dtype=np.int32), 0, hidden=True)
     assert hidden.shape == (600, m.H)
-    m.draft(hidden, np.arange(600), 0, 0)
+    assert m.draft(hidden, np.arange(600), 0, 0) == 600 - 512  # the last prefill chunk's rows
     gpu.launches.clear()
     m.draft(np.zeros((3, m.H), np.float32), np.arange(3), 600, 0)
     steps = gpu.launches

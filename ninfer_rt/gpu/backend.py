@@ -143,9 +143,8 @@ class GpuBackend:
     def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache):
         """MTP rows at the draft cache's next positions: hidden [T, H], next_ids [T] -> (the last row's draft
         logits float32 [1, V], its hidden float32 [1, H] to chain the next row from)."""
-        self.model.draft(hidden, next_ids, draft_cache.pos, draft_cache.slot, graph=self.use_graphs)
+        rows = self.model.draft(hidden, next_ids, draft_cache.pos, draft_cache.slot, graph=self.use_graphs)
         draft_cache.pos += len(next_ids)
-        rows = (len(next_ids) - 1) % self.model.prefill_chunk + 1  # the last chunk's
         return self.model.logits(1), self.model.hidden(rows)[-1:]
 
     def rewind_draft(self, draft_cache: GpuCache, pos: int) -> None:

@@ -130,7 +130,7 @@ class GpuModel:
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T, trail) the shared carveout holds
         self._trails: dict[int, int] = {}  # verification trails per DeltaNet layer (verify(trail=True) allocates)
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
-        self._sides = [gpu.new_stream()]  # and one at the greatest priority once moe.SHARED_STREAM_PRIORITY asks
+        self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
         # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
         self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
@@ -277,32 +277,32 @@ class GpuModel:
     def _layer(self, i: int, B: int, T: int, ctx_bucket: int, trail: bool = False) -> None:
         """Decoder layer i (the MTP head's at i = num_hidden_layers) on x: [M, H] fp32, in place; `folded` (the
         mixer's launch added the router's logits into the fold accumulator) tells the MoE to route on them."""
-        s, b, P = self.spec, self.buf, self.w.param
+        P = self.w.param
         M, p = B * T, self._prefix(i)
-        # decode fuses the input norm into the projections (the GEMV normalises as it stages x)
-        if M <= GEMV_MAX_ROWS:
-            src, nw = b.x, P(p + "input_layernorm.weight")
-        else:
-            misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=P(p + "input_layernorm.weight"),
-                          eps=s.rms_norm_eps, out="bf16")
-            src, nw = b.h16, 0
+        prefill = M > GEMV_MAX_ROWS
+        src, nw = self._norm_input(P(p + "input_layernorm.weight"), M)
         if self._kind(i) == "full_attention":
             folded = mixer.attention(self, i, p + "self_attn.", B, T, ctx_bucket, src=src, norm_w=nw,
-                                     prefill=M > GEMV_MAX_ROWS)
+                                     prefill=prefill)
         else:
-            folded = mixer.deltanet(self, i, p + "linear_attn.", B, T, src=src, norm_w=nw,
-                                    prefill=M > GEMV_MAX_ROWS, trail=trail)
+            folded = mixer.deltanet(self, i, p + "linear_attn.", B, T, src=src, norm_w=nw, prefill=prefill,
+                                    trail=trail)
         post = P(p + "post_attention_layernorm.weight")
-        if M <= GEMV_MAX_ROWS:  # every consumer of h normalises x itself (GEMV prologue, routed gate/up)
-            src, nw = b.x, post
+        src, nw = self._norm_input(post, M)
+        if self.spec.is_moe:
+            ffn.moe_block(self, i, p + "mlp.", M, src=src, norm_w=nw, post=post, folded=folded, prefill=prefill)
         else:
-            misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=post, eps=s.rms_norm_eps, out="bf16")
-            src, nw = b.h16, 0
-        if s.is_moe:
-            ffn.moe_block(self, i, p + "mlp.", M, src=src, norm_w=nw, post=post, folded=folded,
-                          prefill=M > GEMV_MAX_ROWS)
-        else:
-            ffn.dense_mlp(self, i, p + "mlp.", M, src=src, norm_w=nw, prefill=M > GEMV_MAX_ROWS)
+            ffn.dense_mlp(self, i, p + "mlp.", M, src=src, norm_w=nw, prefill=prefill)
+
+    def _norm_input(self, w: int, M: int) -> tuple[int, int]:
+        """(src, norm_w): what a layer's projections read for rms_norm(x) with weight w. At decode x itself and w,
+        each consumer normalising as it stages x (GEMV prologue, the DeltaNet step, the routed gate/up); for a
+        prompt chunk h in bf16 (the GEMMs' input), and no weight."""
+        b = self.buf
+        if M <= GEMV_MAX_ROWS:
+            return b.x, w
+        misc.rms_norm(self.k, x=b.x, y=b.h16, M=M, D=self.H, w=w, eps=self.spec.rms_norm_eps, out="bf16")
+        return b.h16, 0
 
     def _o_input(self, M: int, D: int) -> int:
         """The mixer output o [M, D] as the next projection reads it: fp32 for the GEMV, bf16 for the GEMM."""
@@ -374,8 +374,8 @@ class GpuModel:
     @property
     def side(self):
         """The stream batched decode runs the MoE's shared expert on: the greatest-priority one where
-        moe.SHARED_STREAM_PRIORITY asks (_run creates it), else the plain one."""
-        return self._sides[-1 if moe.SHARED_STREAM_PRIORITY else 0]
+        moe.SHARED_STREAM_PRIORITY asks, else the plain one."""
+        return self._side_streams[1 if moe.SHARED_STREAM_PRIORITY else 0]
 
     def bucket(self, end: int) -> int:
         """The graph bucket of a step whose tokens end before position `end`: context_bucket, within the cache."""
@@ -466,8 +466,6 @@ class GpuModel:
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
         """
         self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
-        if moe.SHARED_STREAM_PRIORITY and len(self._sides) == 1:
-            self._sides.append(self.gpu.new_stream(high_priority=True))
         if B * T <= GEMV_MAX_ROWS and (B, T, trail) not in self._carveout_planned:
             self._plan_carveout(B, T, bucket, logit_rows, draw, trail)
         self._graphed((B, T, bucket, logit_rows, draw, trail),
@@ -537,11 +535,12 @@ class GpuModel:
         prefill with hidden left, or the MTP head's output (draft)."""
         return self.gpu.download(self.buf.h, (rows, self.H), np.float32)
 
-    def draft(self, hidden: np.ndarray, ids: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> None:
+    def draft(self, hidden: np.ndarray, ids: np.ndarray, pos: int, slot: int, *, graph: bool = True) -> int:
         """The MTP head (mtp.py) over T = ids.size rows of the sequence in `slot`: row t pairs hidden[t] (float32
         [T, H]: the main model's post-norm state at position pos + t, or the head's own output when chaining) with
-        ids[t]; the head's KV cache takes positions pos .. pos + T - 1. Leaves every row's output in `hidden(T)`
-        (of the last chunk: prompts run in prefill chunks) and the last row's draft logits in logits row 0."""
+        ids[t]; the head's KV cache takes positions pos .. pos + T - 1. Leaves the last chunk's rows' output in
+        `hidden(rows)` (prompts run in prefill chunks) and the last row's draft logits in logits row 0; returns
+        rows."""
         if not self.has_mtp:
             raise NinferError("draft: the model was loaded without its MTP head (mtp.* tensors)")
         ids, hidden = np.asarray(ids, np.int32), np.ascontiguousarray(hidden, np.float32)
@@ -556,6 +555,7 @@ class GpuModel:
             self.gpu.pdl = self.gpu.pdl_capable and decode
             self._graphed(("mtp", T, bucket), lambda: mtp.step(self, T, bucket, prefill=not decode),
                           graph and decode)
+        return T
 
     def logits(self, rows: int) -> np.ndarray:
         """The logits buffer's first `rows` rows (float32 [rows, V]), after the stream finishes."""
