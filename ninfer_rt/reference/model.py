@@ -86,12 +86,8 @@ class Cache:
                     torch.zeros(spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim)))
 
     def clone(self) -> Cache:
-        """An independent copy (to roll back after rejected speculative tokens)."""
+        """An independent copy (a sequence continued in another slot: the backend's copy_cache)."""
         return copy.deepcopy(self)
-
-    def restore(self, other: Cache) -> None:
-        """Take other's contents (a clone made earlier) in place, so holders of this object see the rollback."""
-        self.layers, self.pos, self.fed = other.layers, other.pos, other.fed
 
     def track(self) -> None:
         """Arm the next forward (a verification, a few tokens): its DeltaNet layers run token by token (the
