@@ -155,17 +155,27 @@ def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool
                  batch: int = 1, tokens: int = 1, trail: bool = False) -> float:
     """Median seconds per decode step (graph replay) at context ctx; sampled, batch, tokens, trail: as
     decode_step_graph."""
-    graph = decode_step_graph(model, ctx, sampled, batch, tokens, trail)
-    times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
-    return statistics.median(times) / 1e3
+    return _replay_s(model, decode_step_graph(model, ctx, sampled, batch, tokens, trail), rounds, reps)
 
 
 def _time_draft(model, ctx: int, rounds: int = 5, reps: int = 20) -> float:
     """Median seconds of the MTP head's step over one row at context ctx (its graph replayed; GpuModel.draft)."""
     model.draft(np.zeros((1, model.H), np.float32), np.asarray([17], np.int32), ctx, 0)
-    graph = model.draft_graph(1, model.bucket(ctx + 1))
+    return _replay_s(model, model.draft_graph(1, model.bucket(ctx + 1)), rounds, reps)
+
+
+def _replay_s(model, graph, rounds: int, reps: int) -> float:
+    """Median seconds of one replay of a captured graph on the model's stream."""
     times = eager_ms(model.gpu, lambda: graph.launch(model.gpu.stream), rounds=rounds, reps=reps, warmup=0)
     return statistics.median(times) / 1e3
+
+
+def _trail_text(row: dict) -> str:
+    """A verify row's trail and rewind, as the log line and the table put them ("" where none was timed)."""
+    if row.get("rewind_ms") is None:
+        return ""
+    return (f"; keeping each token's DeltaNet state {row['trail_ms_per_step']:.3f} ms, a rewind "
+            f"{row['rewind_ms']:.3f} ms")
 
 
 def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None, recipe: str | None = None,
@@ -271,9 +281,8 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
             except NinferError as e:
                 log(f"verify @ {ctx}, {t} tokens: no trail ({e})")
             res.decode_tokens.append(row)
-            kept = (f"; keeping each token's DeltaNet state {row['trail_ms_per_step']:.3f} ms, a rewind "
-                    f"{row['rewind_ms']:.3f} ms" if row["rewind_ms"] is not None else "")
-            log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's){kept}")
+            log(f"verify @ {ctx}, {t} tokens: {verify * 1e3:.3f} ms a step ({verify / step:.2f}x one token's)"
+                f"{_trail_text(row)}")
         if decode_tokens and model.has_mtp and ctx + 1 <= max_ctx:
             d = _time_draft(model, ctx)
             res.draft.append({"context": ctx, "ms_per_step": d * 1e3})
@@ -319,10 +328,8 @@ def table(res: BenchResult):
                   f"{d['bytes_per_token'] / 1e9:.2f} GB/token, {100 * d['fraction_of_copy_bw']:.0f}% of copy "
                   f"bandwidth, ceiling {d['ceiling_tok_s']:,.0f} tok/s")
     for d in res.decode_tokens:
-        kept = (f"; with each token's DeltaNet state {d['trail_ms_per_step']:.3f} ms, a rewind "
-                f"{d['rewind_ms']:.3f} ms" if d.get("rewind_ms") is not None else "")
         t.add_row(f"verify @ {d['context']:,}, {d['tokens']} tokens", f"{d['ms_per_step']:.3f} ms a step",
-                  f"{d['vs_one_token']:.2f}x a one-token step{kept}")
+                  f"{d['vs_one_token']:.2f}x a one-token step{_trail_text(d)}")
     for d in res.draft:
         t.add_row(f"draft @ {d['context']:,}", f"{d['ms_per_step']:.3f} ms a step", "the MTP head over one row")
     for d in res.decode_batched:
