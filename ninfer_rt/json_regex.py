@@ -2,10 +2,11 @@
 
 `compile_pattern(pattern)` parses the subset of ECMA-262 regular expressions that schemas use and builds a Thompson
 NFA over Unicode code points; `Pattern.start()` is the state set before any character, `step(states, c)` the set
-after character c (empty: no match can continue), `accepts(states)` whether the characters so far match. JSON Schema
-patterns are not anchored (a match anywhere in the string, as `re.search`): a pattern without `^` begins with `.*`
-in effect, one without `$` ends with it. `lengths(states)` gives the fewest and the most characters (None:
-unbounded) that can still complete a match, so a string frame can also keep minLength and maxLength reachable.
+after character c (empty: no match can continue), `accepts(states)` whether the characters so far match
+(`matches(text)`: of a whole string). JSON Schema patterns are not anchored (a match anywhere in the string, as
+`re.search`): a pattern without `^` begins with `.*` in effect, one without `$` ends with it. `lengths(states)`
+gives the fewest and the most characters (None: unbounded) that can still complete a match, so a string frame can
+also keep minLength and maxLength reachable.
 
 The subset: literals and escaped punctuation, `.` (any character but a line terminator), classes `[...]` / `[^...]`
 with ranges (a `]` first in a class is a literal, as Python reads it), `\\d \\w \\s` and their negations (ASCII
@@ -70,6 +71,13 @@ class Pattern:
 
     def accepts(self, states: frozenset) -> bool:
         return self.accept in states
+
+    def matches(self, text: str) -> bool:
+        """Whether the pattern matches the whole string as JSON Schema reads it (a match anywhere, unless anchored)."""
+        states = self._start
+        for ch in text:
+            states = self.step(states, ord(ch))
+        return self.accepts(states)
 
     def admits(self, states: frozenset, lo: int, hi: int) -> bool:
         """Some character in [lo, hi] has a move from these states."""

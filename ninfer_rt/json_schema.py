@@ -189,17 +189,6 @@ def _utf8(text: str, where: str) -> bytes:
         raise SchemaError(f"json_schema: {where}: a string with a lone surrogate (not UTF-8)") from None
 
 
-def _matches_any(patterns, key: str) -> bool:
-    """Whether some of the patterns (json_regex.Pattern: a match anywhere) matches the key."""
-    for p in patterns:
-        states = p.start()
-        for ch in key:
-            states = p.step(states, ord(ch))
-        if p.accepts(states):
-            return True
-    return False
-
-
 def _canonical(schema) -> str:
     """A schema as one text for equality: keys sorted, so {"a": 1, "b": 2} equals {"b": 2, "a": 1}; true and 1,
     1 and 1.0 stay apart (stricter than JSON's equality, so two schemas equal here are equal)."""
@@ -259,7 +248,7 @@ class _Compiler:
             self.property_names(n, s["propertyNames"], req, where)
         if "patternProperties" in s:
             self.pattern_properties(n, s["patternProperties"], s.get("properties", {}), where)
-        unlisted = set(req) - set(n.props) - {r for r in req if _matches_any(n.key_patterns, r)}
+        unlisted = set(req) - set(n.props) - {r for r in req if any(p.matches(r) for p in n.key_patterns)}
         if n.additional is False and unlisted:
             raise SchemaError(f"json_schema: {where}: required {sorted(unlisted)[0]!r} is not among the properties or "
                               "their patterns, and additionalProperties is false")
@@ -374,7 +363,7 @@ class _Compiler:
                 raise SchemaError(f"json_schema: {at}: {e}") from None
         schema = next(iter(pats.values()))
         for k in props:
-            if _matches_any(patterns, k) and _canonical(props[k]) != _canonical(schema):
+            if any(p.matches(k) for p in patterns) and _canonical(props[k]) != _canonical(schema):
                 raise SchemaError(f"json_schema: {where}: property {k!r} matches a patternProperties pattern whose "
                                   "schema differs from its own (both would hold)")
         n.key_patterns = tuple(patterns)

@@ -94,12 +94,12 @@ NAMES = {"type": "object", "properties": {
 PATPROPS = {"type": "object", "properties": {
     "scores": {"type": "object", "patternProperties": {"^[a-z]+_\\d$": {"type": "integer"}},
                "additionalProperties": False},
-    "meta": {"type": "object", "properties": {"id": {"type": "string"}}, "patternProperties": {"^x-": {"type": "boolean"}},
-             "additionalProperties": {"type": "null"}},
+    "meta": {"type": "object", "properties": {"id": {"type": "string"}},
+             "patternProperties": {"^x-": {"type": "boolean"}}, "additionalProperties": {"type": "null"}},
     "two": {"type": "object", "patternProperties": {"a": {"type": "number"}, "b$": {"type": "number"}},
             "additionalProperties": False, "required": ["ab"]}}}
-SCHEMAS = {"patprops": PATPROPS, "names": NAMES, "inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE, "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL,
-           "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
+SCHEMAS = {"patprops": PATPROPS, "names": NAMES, "inherit": INHERIT, "sets": SETS, "person": PERSON, "tree": TREE,
+           "open": OPEN, "number": ROOT_NUMBER, "any": ANY, "optional": OPTIONAL, "bounded": BOUNDED, "union": UNION, "tagged": TAGGED, "tuple": TUPLE, "patterns": PATTERNS}
 
 DOCS = {
     "patprops": [{"scores": {"ab_1": 3, "z_0": -1}, "meta": {"id": "q", "x-y": True, "other": None, "x": None},
@@ -547,3 +547,15 @@ def test_keys_are_refused_at_their_first_impossible_byte(schema, text):
     p = SchemaPrefix(compile_schema(schema))
     data = text.encode()
     assert all(p.feed(data[i:i + 1]) for i in range(len(data) - 1)) and not p.feed(data[-1:])
+
+
+@pytest.mark.parametrize("pattern", ["^[a-z]+_\\d$", "x-", "(?:a|b)$", "^é.{2}"])
+def test_pattern_matches_a_whole_string_as_re_search(pattern):
+    """json_regex.Pattern.matches (what patternProperties and a required key's check use) against Python's re.search
+    over strings that do and do not match each pattern (these patterns read the same in both dialects)."""
+    import re
+
+    from ninfer_rt.json_regex import compile_pattern
+    p = compile_pattern(pattern)
+    for text in ["ab_1", "ab_12", "x-y", "yx-", "a", "cb", "bc", "éab", "éa", "", "_1"]:
+        assert p.matches(text) == bool(re.search(pattern, text)), text
