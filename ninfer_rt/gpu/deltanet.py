@@ -264,10 +264,14 @@ def step_cluster(k, *, dv: int, dk: int = 0, nv: int = 0, B: int = 1) -> int:
         return 1
     if STEP_CLUSTER_WAVES and B > 1 and dk and nv:
         sizes = [C for C in (STEP_CLUSTER, STEP_PAIR, 1) if (C != STEP_PAIR or STEP_PAIRS) and cluster_fits(dv, C)]
-        return min(sizes, key=lambda C: (k.waves(f"deltanet_step_dk{dk}" + (f"_c{C}" if C > 1 else ""), (C * nv, B),
-                                                 STEP_LANES[C] * dv // C, cluster=(C, 1, 1) if C > 1 else None),
-                                         -C))
+        return min(sizes, key=lambda C: (k.waves(step_kernel(dk, C), (C * nv, B), STEP_LANES[C] * dv // C,
+                                                 cluster=(C, 1, 1) if C > 1 else None), -C))
     return STEP_CLUSTER
+
+
+def step_kernel(dk: int, C: int, trail: bool = False) -> str:
+    """The step's entry point on C blocks a head: deltanet_step[_trail]_dk{dk}[_c{C}] (deltanet_step.cu)."""
+    return f"deltanet_step{'_trail' if trail else ''}_dk{dk}" + (f"_c{C}" if C > 1 else "")
 
 
 def records_fit(k, *, dv: int, cluster: int | None = None, dk: int = 0, nv: int = 0, B: int = 1) -> bool:
@@ -355,8 +359,7 @@ def step(k, *, x: int, H: int, in_norm_w: int, eps_in: float, w_ba: DeviceWeight
     if trail and C not in (1, STEP_CLUSTER):
         raise GpuError(f"deltanet.step: a trail runs on one block or {STEP_CLUSTER} a head, got cluster={C}")
     fm, fs, fw, fg, fa, fld, fn = fold or (0, 0, 0, 0, 0, 0, 0)
-    name = f"deltanet_step{'_trail' if trail else ''}_dk{dk}" + (f"_c{C}" if C > 1 else "")
-    k.launch(name, (C * nv, B), STEP_LANES[C] * dv // C,
+    k.launch(step_kernel(dk, C, bool(trail)), (C * nv, B), STEP_LANES[C] * dv // C,
              [ptr(x), i32(H), ptr(in_norm_w), f32(eps_in), ptr(w_ba.base), ptr(mixed), i32(ld_mixed), ptr(conv_w),
               ptr(conv_state), i32(ring_rows(Kc)), ptr(A_log), ptr(dt_bias), ptr(norm_w), f32(eps),
               ptr(ssm_state), ptr(slot), ptr(pos), ptr(out), ptr(out_records), i32(records_order), i32(T), i32(nk),
