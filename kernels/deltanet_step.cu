@@ -35,7 +35,8 @@
 // rms_norm_zc(x_new) @ W_routerᵀ before its positive rsqrt, test_deltanet_fold.py's oracle).
 // trail (a verification's, speculative decoding): also S after each token t < T - 1 into trail fp32
 // [T - 1, B, nv, dk, dv], row (t, b), so that a partial acceptance keeps the state of any prefix (GpuModel.rewind
-// copies the row into the slot; the conv ring needs nothing: a step's writes never reach the rows a prefix reads).
+// copies the row into the slot); with a trail the step writes every new position into the conv ring, not only the
+// last Kc - 1, so that the rows before any kept prefix's end hold its inputs (the ring has room: Kc - 1 + T rows).
 // Reference: gated_delta_rule_recurrent(..., trail=True).
 #include "common.cuh"
 #include "deltanet.cuh"
@@ -320,13 +321,13 @@ __device__ __forceinline__ void step_impl(const float* __restrict__ x, int H, co
     } else {
         __syncthreads();
     }
-    // the new positions among the last Kc - 1 into the ring, each channel by its block; only the first value
-    // head of a key head writes the q/k channels
+    // the new positions among the last Kc - 1 into the ring (with a trail all T: a rewind may keep any prefix),
+    // each channel by its block; only the first value head of a key head writes the q/k channels
     const bool own_qk = h % (nv / nk) == 0;
     for (int ci = tid; ci < nch; ci += nt) {
         if (ci < 2 * QK && !own_qk) continue;
         const int ch = channel(ci);
-        for (int t = max(0, T - (Kc - 1)); t < T; ++t)
+        for (int t = TRAIL ? 0 : max(0, T - (Kc - 1)); t < T; ++t)
             ring0[(size_t)row_of(t) * conv_dim + ch] = seq[DN_KMAX - 1 + t][ci];
     }
 

@@ -356,7 +356,8 @@ def test_step_keeps_each_tokens_state(kernels, dev, dims):
     """trail: a step of T = 5 tokens of 2 sequences also writes S after each token t < T - 1 into trail row (t, b)
     ([T - 1, B, nv, dk, dv]). Oracle: the same kernel on the first t + 1 tokens of each sequence from the same
     states leaves, bit for bit, that state in the slot (the same per-token operations on the same values); and the
-    trail's step leaves y and the final state bit for bit as the step without one. Every kernel a trail runs on:
+    trail's step leaves y and the final state bit for bit as the step without one, and its conv ring holds the
+    inputs a step after any prefix reads (the same prefix run's ring rows). Every kernel a trail runs on:
     one block a head and, on sm_90+, the cluster of 4 (NaN-poisoned trail: a row left unwritten would show)."""
     d, B, T, slots = STEP_DIMS[dims], 2, 5, [2, 0]
     H = 2048 if dims == "35b" else 256
@@ -374,15 +375,20 @@ def test_step_keeps_each_tokens_state(kernels, dev, dims):
         plain = layer()
         out0 = plain.run(kernels, "step", mixed, ba, x, slots, B, T, C)
         assert np.array_equal(out.view(np.uint32), out0.view(np.uint32)), f"{dims} C={C}: the trail changed y"
-        assert np.array_equal(L.device_states()[1].view(np.uint32), plain.device_states()[1].view(np.uint32))
+        rings, states = L.device_states()
+        assert np.array_equal(states.view(np.uint32), plain.device_states()[1].view(np.uint32))
         for t in range(T - 1):
             rows = np.concatenate([np.arange(b * T, b * T + t + 1) for b in range(B)])
             P = layer()
             P.run(kernels, "step", mixed[rows], ba[rows], x[rows], slots, B, t + 1, C)
-            want = P.device_states()[1]
+            ring, want = P.device_states()
             for b, sl in enumerate(slots):
                 assert np.array_equal(got[t, b].view(np.uint32), want[sl].view(np.uint32)), \
                     f"{dims} C={C}: trail row (token {t}, sequence {b}) is not the state of its first {t + 1} tokens"
+                # the conv inputs a step after that prefix reads: the trail's step wrote every new position
+                after, Kc = L.pos[sl] + t + 1, d["Kc"]
+                assert np.array_equal(ring_window(rings[sl], after, Kc), ring_window(ring[sl], after, Kc)), \
+                    f"{dims} C={C}: the ring before position {after} (sequence {b}) is not its first {t + 1} tokens'"
 
 
 @pytest.mark.parametrize("B", [1, 2, 4])

@@ -129,8 +129,10 @@ def test_verify_logits_match_the_reference(gpu, kernels, artifact, reference, T)
 def test_verify_trail_rewinds_to_the_kept_tokens(gpu, kernels, artifact, reference, T, keep):
     """verify(trail=True) of `keep` real tokens and T - keep other ids (rejected drafts), rewind(keep), then a
     verification of the next 8 real tokens: every kept row and every later row against the reference's forward
-    over the real tokens alone (mean KL <= 1e-3 per row, as decode). Control: the same run without the rewind
-    (the rejected ids left in the DeltaNet states) must miss that bound by far, so the check can fail."""
+    over the real tokens alone (mean KL <= 1e-3 per row, as decode). Control: the same run without the rewind (the
+    rejected ids left in the DeltaNet states) must be further off in the rows after the kept ones. One junk token
+    moves the tiny models' logits by only ~1e-5 nats, under the decode bound, so the control compares against the
+    rewound run's own distance (~1e-6 nats), not the bound."""
     ids = prompt(24 + keep + 8, 7)
     junk = (ids[24 + keep:24 + T] + 101) % 497  # other ids where the real ones would follow
     feed = np.concatenate([ids[24:24 + keep], junk]).astype(np.int32)
@@ -153,8 +155,8 @@ def test_verify_trail_rewinds_to_the_kept_tokens(gpu, kernels, artifact, referen
     print(f"T = {T}, keep {keep}: per-row KLD", " ".join(f"{x:.1e}" for x in d), "| without the rewind",
           " ".join(f"{x:.1e}" for x in bad))
     assert np.isfinite(d).all() and d.max() <= 1e-3
-    if keep < T:
-        assert bad[keep:].max() > 10 * max(d.max(), 1e-4), "the rejected ids left no trace: the check cannot fail"
+    if keep < T:  # the rows after the kept ones: without the rewind several times further off (8x to 10^4x seen)
+        assert bad[keep:].max() > 4 * d[keep:].max(), "the rejected ids left no trace: the check cannot fail"
 
 
 ROUTER_MARGIN = 1e-4   # smallest gap between the k-th and (k+1)-th router logit a greedy path may meet
