@@ -57,16 +57,16 @@ def replay_ms(gpu, capture, *, rounds: int, replays: int, warmup: int = 3, eager
 
 
 @contextmanager
-def synthetic_model(gpu, k, name: str, max_ctx: int, slots: int = 1):
-    """A GpuModel of the synthetic weights of `name` (exact shapes, recipe of the same name), `slots` sequence
-    slots, INT8 KV; weights and buffers freed on exit."""
+def synthetic_model(gpu, k, name: str, max_ctx: int, slots: int = 1, groups: tuple[str, ...] = ("text",)):
+    """A GpuModel of the synthetic weights of `name` (exact shapes, recipe of the same name; groups ("text",
+    "mtp") adds the MTP head), `slots` sequence slots, INT8 KV; weights and buffers freed on exit."""
     from ninfer_rt.gpu.bench import builtin_spec
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import synthetic_weights
     from ninfer_rt.recipe import load_recipe
 
     spec = builtin_spec(name)
-    weights = synthetic_weights(gpu, spec, load_recipe(name))
+    weights = synthetic_weights(gpu, spec, load_recipe(name), groups=groups)
     model = GpuModel(gpu, k, spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype="int8")
     try:
         yield model

@@ -467,9 +467,6 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"speculative_tokens={speculative_tokens!r}: must be an integer in [0, {most}]")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
-    if device == "cuda" and speculative_tokens:
-        raise NinferError("speculative decoding (MTP drafts) runs on the cpu device only so far: the GPU runtime's "
-                          "MTP path is not yet verified; load without it, or on device cpu")
     artifact = Artifact.open(path)
     try:
         problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])
@@ -489,16 +486,16 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
             if bad:
                 raise FormatError(f"{artifact.path}: checksum mismatch in {bad[0]} ({len(bad)} in all): the file "
                                   "is corrupted; download or pack it again")
+        if speculative_tokens and not any(e.group == "mtp" for e in artifact.tensors.values()):
+            raise NinferError(f"{artifact.path}: speculative decoding drafts with the MTP head, and this "
+                              "artifact has no MTP head (no mtp.* tensors)")
+        groups = ("text", "mtp") if speculative_tokens else ("text",)
         if device == "cuda":
             from ninfer_rt.gpu.backend import GpuBackend
             backend = GpuBackend(artifact, max_ctx=int(max_ctx), kv_dtype=kv_dtype, progress=progress,
                                  prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
-                                 cache_slots=int(cache_slots))
+                                 cache_slots=int(cache_slots), groups=groups)
         else:
-            if speculative_tokens and not any(e.group == "mtp" for e in artifact.tensors.values()):
-                raise NinferError(f"{artifact.path}: speculative decoding drafts with the MTP head, and this "
-                                  "artifact has no MTP head (no mtp.* tensors)")
-            groups = ("text", "mtp") if speculative_tokens else ("text",)
             # the reference holds every weight in fp32: a model far larger than RAM gets a line, not the OOM killer
             check_fits(4 * artifact.spec.num_parameters(groups), "the CPU reference holds the model in fp32 "
                        "(run it on a GPU: --device cuda)", available_memory())

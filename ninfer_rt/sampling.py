@@ -74,6 +74,11 @@ class SamplingParams:
         the device sampler's fp32 logits / T would overflow long before T reaches 0)."""
         return bool(self.greedy) or self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (they read the history, so a pick needs the logits on the host)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     @classmethod
     def defaults_from_generation_config(cls, cfg: dict, **overrides) -> SamplingParams:
         """The checkpoint's defaults from generation_config.json: do_sample false (or absent, as in HF) means

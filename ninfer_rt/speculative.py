@@ -4,16 +4,21 @@ Every Qwen3.5/3.6 checkpoint carries a multi-token-prediction block (`mtp.*`, qw
 it pairs the main model's post-norm hidden state h_p with the token x_{p+1} and predicts x_{p+2}; fed its own
 output hidden state and its draft, it chains further. One step of a generation here:
 
-    drafts d_1..d_n ~ q_i   from the MTP head, chained from its last real row        (n <= k, n MTP rows)
+    drafts d_1..d_n         the MTP head's arg-maxes, chained from its last real row      (n <= k, n MTP rows)
     [last, d_1..d_n]        through the main model in one forward -> target rows p_1..p_{n+1}
-    accept d_i while u * q_i(d_i) < p_i(d_i)  (u uniform; always, for greedy, when d_i is p_i's arg-max)
-    the first rejected d_i is replaced by a draw from max(p_i - q_i, 0); all accepted: a bonus draw from p_{n+1}
+    accept d_i while u < p_i(d_i)  (u uniform; for greedy p_i is one-hot: d_i is kept when it is p_i's arg-max)
+    the first rejected d_i is replaced by a draw from p_i without d_i; all accepted: a bonus draw from p_{n+1}
 
-so each step emits between 1 and n + 1 tokens, and every emitted token follows the target distribution exactly
-(Leviathan et al. 2023, Chen et al. 2023): greedy output is the plain greedy text up to the rounding of a forward
-over several tokens, and sampled output follows the same distribution (not the same draws: the random stream is
-consumed differently). q and p are the Sampler's final distributions (penalties, temperature, top-k/p, min-p), each
-over the history the token would extend.
+This is speculative sampling (Leviathan et al. 2023, Chen et al. 2023) with a deterministic draft, q_i one-hot
+at d_i (as vLLM's MTP and EAGLE proposers draft): min(1, p/q) is p_i(d_i), and max(p_i - q_i, 0) is p_i with d_i
+removed. So each step emits between 1 and n + 1 tokens, and every emitted token follows the target distribution
+exactly: greedy output is the plain greedy text up to the rounding of a forward over several tokens, and sampled
+output follows the same distribution (not the same draws: the random stream is consumed differently). p is the
+Sampler's final distribution (penalties, temperature, top-k/p, min-p) over the history the token would extend.
+
+Where the picks need no history (no penalties) the backend does the work: for greedy it returns the rows'
+arg-maxes (top1), and a GPU computes sampled rows' final distributions itself (dist), so that only the few
+probabilities the test reads cross to the host, and a whole row only for a correction or the bonus draw.
 
 The backend rewinds the main cache to the accepted prefix (`verify` / `rewind`) and drops the MTP head's draft rows
 (`rewind_draft`) before feeding it the real pairs (h_p, x_{p+1}) of the accepted tokens.
@@ -32,22 +37,29 @@ from ninfer_rt.sampling import Sampler
 MAX_DRAFT_TOKENS = 7  # a verification feeds k + 1 tokens; the GPU's decode kernels take up to 8 a sequence
 
 
-def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray], target: Callable[[int], np.ndarray],
+def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: Callable[[int], np.ndarray],
            sampler: Sampler) -> tuple[int, int]:
     """Speculative sampling's acceptance: (drafts accepted, the token that follows them).
 
-    drafts[i] was drawn from q_rows[i] (float [V]); target(i) is the target distribution at draft i, given the
-    drafts before it (called only while they are accepted). Draft i is kept with probability
+    drafts[i] was drawn from q_rows[i] (float [V]), or with q_rows None picked deterministically (q one-hot at the
+    draft); target(i) is the target distribution at draft i, given the drafts before it (called only while they
+    are accepted; any row that indexes by id and converts to an array). Draft i is kept with probability
     min(1, p_i(d_i) / q_i(d_i)); the first one refused is replaced by a draw from max(p_i - q_i, 0), and when every
     draft is kept one more token comes from target(len(drafts))."""
-    for i, (d, q) in enumerate(zip(drafts, q_rows)):
+    for i, d in enumerate(drafts):
         p = target(i)
-        if sampler.uniform() * q[d] < p[d]:
+        q_d = 1.0 if q_rows is None else q_rows[i][d]
+        if sampler.uniform() * q_d < p[d]:
             continue
-        residual = np.maximum(p - q, 0.0)
+        p = np.array(p, dtype=np.float64)
+        if q_rows is None:
+            residual = p.copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p - q_rows[i], 0.0)
         # p(d) < q(d) leaves mass in the residual; rounding could still empty it, and then p itself is the answer
         return i, sampler.draw(residual if residual.sum() > 0 else p)
-    return len(drafts), sampler.draw(target(len(drafts)))
+    return len(drafts), sampler.draw(np.asarray(target(len(drafts)), dtype=np.float64))
 
 
 def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats, *, draft_tokens: int,
@@ -56,8 +68,17 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
     is counted in stats.generated_tokens, not yielded) and fills stats (timings, draft_tokens, accepted_tokens).
 
     backend: verify / rewind / new_draft_cache / draft / rewind_draft (ninfer_rt.reference.backend; the GPU
-    backend's return only the last row where this loop reads no other). budget: most tokens to output. draft_tokens: k, the most drafts a step. real_vocab: ids past it (padding) never drawn."""
+    backend's return only the last row where this loop reads no other); with top1=V verify and draft return each
+    row's arg-max over ids < V instead of its logits, and with dist=(params, V) (a backend whose can_sample(params)
+    holds) verify returns rows of final probabilities that index by id and convert to arrays. budget: most tokens
+    to output. draft_tokens: k, the most drafts a step. real_vocab: ids past it (padding) never drawn."""
     prompt_len, history = len(ids), list(ids)
+    params = sampler.params
+    # how the target rows come back: arg-max ids (greedy), final distributions computed by the backend (sampling
+    # a GPU can do itself), or logits the Sampler turns into distributions here (penalties, or the CPU)
+    top1 = real_vocab if params.is_greedy and not params.penalised else None
+    can = getattr(backend, "can_sample", None)
+    dist = (params, real_vocab) if top1 is None and can is not None and can(params) else None
 
     def final(row: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
         """The sampler's distribution for one row of logits, after history + drafts, padding masked."""
@@ -65,13 +86,26 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
         row[real_vocab:] = -np.inf
         return sampler.distribution(row, history + list(drafts), prompt_len)
 
+    def target(rows, i: int, drafts: Sequence[int]):
+        """Row i's target distribution (given drafts before it), as rows came back from the backend."""
+        return rows[i] if dist is not None else final(rows[i], drafts)
+
+    def judge(drafts: list[int], rows) -> tuple[int, int]:
+        """(drafts kept, the token after them) from the verification's rows."""
+        if top1 is None:
+            return accept(drafts, None, lambda i: target(rows, i, drafts[:i]), sampler)
+        j = next((i for i, d in enumerate(drafts) if d != int(rows[i])), len(drafts))
+        return j, int(rows[j])
+
     t0 = time.perf_counter()
-    logits, hidden, _ = backend.verify(np.asarray(ids, np.int64), cache, undoable=False)
-    last = sampler.draw(final(logits[-1], ()))
+    rows, hidden, _ = backend.verify(np.asarray(ids, np.int64), cache, undoable=False, top1=top1, dist=dist)
+    last = int(rows[-1]) if top1 is not None else sampler.draw(np.asarray(target(rows, len(rows) - 1, ()),
+                                                                          dtype=np.float64))
     draft_cache = backend.new_draft_cache(cache)
-    # the MTP head's rows for the prompt: pairs (h_p, x_{p+1}), the last one with the token just drawn
-    d_logits, d_hidden = backend.draft(hidden, np.asarray(ids[1:] + [last], np.int64), draft_cache)
-    row = (d_logits[-1], d_hidden[-1])
+    # the MTP head's rows for the prompt: pairs (h_p, x_{p+1}), the last one with the token just drawn; every
+    # draft is the head's arg-max over real ids
+    d_ids, d_hidden = backend.draft(hidden, np.asarray(ids[1:] + [last], np.int64), draft_cache, top1=real_vocab)
+    row = (int(d_ids[-1]), d_hidden[-1])
     fed = len(ids)  # positions in the main cache; `last` goes in at position fed
     stats.prefill_s = time.perf_counter() - t0
     new = [last]
@@ -79,23 +113,54 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
         t0 = time.perf_counter()
         last = new[-1]
         n = min(draft_tokens, budget - len(stats.token_ids) - 1)  # drafts whose tokens could still be output
-        drafts, q_rows = [], []
+        drafts = []
         for i in range(n):
-            q = final(row[0], drafts)
-            drafts.append(sampler.draw(q))
-            q_rows.append(q)
+            drafts.append(row[0])
             if i + 1 < n:
-                r_logits, r_hidden = backend.draft(row[1][None], np.asarray(drafts[-1:], np.int64), draft_cache)
-                row = (r_logits[0], r_hidden[0])
+                r_ids, r_hidden = backend.draft(row[1][None], np.asarray(drafts[-1:], np.int64), draft_cache,
+                                                top1=real_vocab)
+                row = (int(r_ids[0]), r_hidden[0])
         feed = np.asarray([last] + drafts, np.int64)
-        logits, hidden, undo = backend.verify(feed, cache)
-        j, nxt = accept(drafts, q_rows, lambda i: final(logits[i], drafts[:i]), sampler)
+        rows, hidden, undo = backend.verify(feed, cache, top1=top1, dist=dist)
+        j, nxt = judge(drafts, rows)
         backend.rewind(cache, undo, feed, j + 1)
         new = drafts[:j] + [nxt]
         backend.rewind_draft(draft_cache, fed)  # the chained rows were drafts; the real pairs replace them
-        d_logits, d_hidden = backend.draft(hidden[:j + 1], np.asarray(new, np.int64), draft_cache)
-        row = (d_logits[-1], d_hidden[-1])
+        d_ids, d_hidden = backend.draft(hidden[:j + 1], np.asarray(new, np.int64), draft_cache, top1=real_vocab)
+        row = (int(d_ids[-1]), d_hidden[-1])
         fed += j + 1
         stats.draft_tokens += n
         stats.accepted_tokens += j
         stats.decode_s += time.perf_counter() - t0
+
+
+class SteeredDrafts:
+    """A backend whose MTP head drafts a known continuation: after the head runs (same kernels, caches and
+    transfers), each returned row's pick becomes sequence[target], or another id where wrong(target) (target: the
+    position the row drafts). For tests and benchmarks that need a known acceptance (a random head drafts nothing
+    a verification keeps); counts verifications."""
+
+    def __init__(self, backend, sequence: Sequence[int], wrong: Callable[[int], bool] = lambda pos: False):
+        self.inner, self.sequence, self.wrong, self.verifies = backend, list(sequence), wrong, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify(self, ids, cache, undoable: bool = True, top1: int | None = None, dist=None):
+        self.verifies += 1
+        return self.inner.verify(ids, cache, undoable, top1=top1, dist=dist)
+
+    def draft(self, hidden, next_ids, draft_cache, top1: int | None = None):
+        start = draft_cache.pos
+        rows, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1)
+        V = top1 if top1 is not None else rows.shape[1]  # a wrong pick stays a real id
+        picks = []
+        for r in range(len(next_ids) - len(rows), len(next_ids)):  # the returned rows are the last ones
+            target = start + r + 2  # row p pairs (h_p, x_{p+1}) and drafts x_{p+2}
+            tok = self.sequence[target] if target < len(self.sequence) else 0
+            picks.append((tok + 1) % V if self.wrong(target) else tok)
+        if top1 is not None:
+            return np.asarray(picks, np.int64), out
+        logits = np.zeros_like(rows)
+        logits[np.arange(len(picks)), picks] = 30.0
+        return logits, out

@@ -212,7 +212,7 @@ def test_synthetic_model_frees_its_buffers_and_weights_even_on_error(monkeypatch
 
     monkeypatch.setattr(bench, "builtin_spec", lambda name: f"spec of {name}")
     monkeypatch.setattr(recipe, "load_recipe", lambda name: f"recipe {name}")
-    monkeypatch.setattr(loader, "synthetic_weights", lambda gpu, spec, rec: FakeWeights())
+    monkeypatch.setattr(loader, "synthetic_weights", lambda gpu, spec, rec, groups: FakeWeights())
     monkeypatch.setattr(engine, "GpuModel", FakeModel)
     with pytest.raises(RuntimeError):
         with synthetic_model("gpu", "k", "qwen3.6-27b", 4096):

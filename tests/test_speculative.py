@@ -14,7 +14,7 @@ import pytest
 from ninfer_rt import load
 from ninfer_rt.errors import NinferError
 from ninfer_rt.sampling import Sampler, SamplingParams
-from ninfer_rt.speculative import MAX_DRAFT_TOKENS, accept
+from ninfer_rt.speculative import MAX_DRAFT_TOKENS, SteeredDrafts, accept
 
 GREEDY = SamplingParams(greedy=True)
 PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
@@ -53,6 +53,25 @@ def test_accept_emits_the_target_distribution(n_drafts):
     assert abs(accepted / N - overlap) <= 5 * np.sqrt(overlap * (1 - overlap) / N)
 
 
+def test_accept_of_deterministic_drafts_emits_the_target_distribution():
+    """q_rows None (each draft picked, not drawn: q one-hot at it, as the MTP head's arg-max drafts): the first
+    token a step emits is distributed as p_0 whichever draft was picked, and the draft is kept at the rate
+    p_0(d). Tolerance: 5 binomial standard deviations over N draws (fixed seed)."""
+    rng = np.random.default_rng(8)
+    vocab, N = 6, 40_000
+    p_rows = [_dist(rng, vocab, 1) for _ in range(3)]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=12))
+    for d in (int(p_rows[0].argmax()), int(np.flatnonzero(p_rows[0])[0])):
+        counts, accepted = np.zeros(vocab), 0
+        for _ in range(N):
+            j, nxt = accept([d, 3], None, lambda i: p_rows[i], sampler)
+            counts[d if j >= 1 else nxt] += 1
+            accepted += j >= 1
+        freq, p = counts / N, p_rows[0]
+        assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / N) + 1e-12), (d, freq, p)
+        assert abs(accepted / N - p[d]) <= 5 * np.sqrt(p[d] * (1 - p[d]) / N)
+
+
 def test_accept_greedy_is_the_argmax_rule():
     """One-hot p and q: a draft is kept exactly when it is p's arg-max; the correction is p's arg-max."""
     sampler = Sampler(GREEDY)
@@ -61,35 +80,10 @@ def test_accept_greedy_is_the_argmax_rule():
     assert accept([2, 4], [one_hot[2], one_hot[4]], lambda i: targets[i], sampler) == (2, 1)
     assert accept([2, 3], [one_hot[2], one_hot[3]], lambda i: targets[i], sampler) == (1, 4)
     assert accept([0], [one_hot[0]], lambda i: targets[i], sampler) == (0, 2)
+    assert accept([2, 3], None, lambda i: targets[i], sampler) == (1, 4)  # picked drafts: the same rule
 
 
 # ------------------------------------------------------------------------------------------ the loop, end to end
-
-
-class OracleDrafts:
-    """The reference backend with the MTP head's logits replaced by a peak at the token plain greedy decoding
-    produces there (wrong where `wrong(position)`), so that acceptance is known; counts verification forwards."""
-
-    def __init__(self, backend, sequence: list[int], wrong=lambda pos: False):
-        self.inner, self.sequence, self.wrong, self.verifies = backend, sequence, wrong, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def verify(self, ids, cache, undoable=True):
-        self.verifies += 1
-        return self.inner.verify(ids, cache, undoable)
-
-    def draft(self, hidden, next_ids, draft_cache):
-        start = draft_cache.pos
-        logits, out = self.inner.draft(hidden, next_ids, draft_cache)
-        logits = np.zeros_like(logits)
-        for r in range(len(next_ids)):
-            target = start + r + 2  # row p predicts x_{p+2}
-            if target < len(self.sequence):
-                tok = self.sequence[target]
-                logits[r, (tok + 1) % logits.shape[1] if self.wrong(target) else tok] = 30.0
-        return logits, out
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +122,7 @@ def test_accepted_drafts_keep_the_output(packed_model, spec_model, sampling, pro
     plain = _plain(packed_model, sampling, n, prompt)
     if sampling is PENALTIES:
         assert plain != _plain(packed_model, GREEDY, n, prompt)
-    oracle = OracleDrafts(spec_model._backend, prompt + plain, lambda pos: every and pos % every == 0)
+    oracle = SteeredDrafts(spec_model._backend, prompt + plain, lambda pos: every and pos % every == 0)
     spec_model._backend = oracle
     try:
         out = list(spec_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
@@ -152,7 +146,7 @@ def test_stop_token_inside_an_accepted_run(packed_model, spec_model):
     tok = spec_model.tokenizer
     original = tok.is_stop
     tok.is_stop = lambda t: t == stop
-    oracle = OracleDrafts(spec_model._backend, PROMPT + plain)
+    oracle = SteeredDrafts(spec_model._backend, PROMPT + plain)
     spec_model._backend = oracle
     try:
         out = list(spec_model.generate_ids(PROMPT, max_new_tokens=12, sampling=GREEDY))
@@ -216,12 +210,6 @@ def test_bad_draft_counts(packed, k):
 def test_refused_with_reuse_cache(spec_model):
     with pytest.raises(NinferError, match="reuse_cache"):
         spec_model.generate_ids(PROMPT, max_new_tokens=4, reuse_cache=True)
-
-
-def test_refused_on_the_gpu_before_loading(packed):
-    """The GPU runtime's MTP path is not yet verified on a GPU: a one-line refusal, before any weight is read."""
-    with pytest.raises(NinferError, match="cpu device only"):
-        load(packed, "cuda", speculative_tokens=2)
 
 
 def test_refused_without_an_mtp_head(tiny_moe, models, tmp_path, one_thread):

@@ -51,6 +51,15 @@ class GpuBackend:
                            "beside the weights: lower --max-context, or serve's --parallel") from None
         self.use_graphs = use_graphs
 
+    @classmethod
+    def of_model(cls, model: GpuModel, weights, max_ctx: int, use_graphs: bool = True) -> GpuBackend:
+        """The backend over a GpuModel built elsewhere (bench/: synthetic weights, no artifact); close() stays
+        with whoever built it."""
+        self = cls.__new__(cls)
+        self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, weights, model
+        self.max_ctx, self.cache_slots, self.exclusive_slots, self.use_graphs = max_ctx, model.slots, True, use_graphs
+        return self
+
     def new_cache(self, slot: int = 0) -> GpuCache:
         """An empty sequence in `slot` (whatever it held is forgotten)."""
         self.model.reset_slot(slot)
@@ -97,9 +106,7 @@ class GpuBackend:
     def can_sample(params: SamplingParams) -> bool:
         """Whether sample_next draws exactly as Sampler would (same distribution, its own RNG): no penalties
         (they need the history on the host), and greedy or a top_k within the device's candidate cap."""
-        neutral = (params.presence_penalty == 0 and params.frequency_penalty == 0
-                   and params.repetition_penalty == 1)
-        return neutral and (params.is_greedy or 1 <= params.top_k <= SAMPLE_MAX_CANDIDATES)
+        return not params.penalised and (params.is_greedy or 1 <= params.top_k <= SAMPLE_MAX_CANDIDATES)
 
     def sample_next(self, ids: np.ndarray, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,
                     step: int) -> int:
@@ -117,19 +124,31 @@ class GpuBackend:
     # The reference backend's contract (ninfer_rt.speculative), with the logits and hidden states of the last row
     # only where the loop reads no other: a prompt's verification and every draft.
 
-    def verify(self, ids: np.ndarray, cache: GpuCache, undoable: bool = True):
+    def verify(self, ids: np.ndarray, cache: GpuCache, undoable: bool = True, top1: int | None = None,
+               dist: tuple[SamplingParams, int] | None = None):
         """ids [T] -> (logits float32, post-norm hidden float32 [T, H], undo); advances cache by T. A prompt
         (undoable False) returns its last row's logits [1, V]; a verification (T <= 8) every row's [T, V], each
-        token's DeltaNet state kept (GpuModel.verify trail) so that `rewind` keeps any prefix; undo is then T."""
+        token's DeltaNet state kept (GpuModel.verify trail) so that `rewind` keeps any prefix; undo is then T.
+        top1=V: each of those rows' arg-max over ids < V (int64) instead of its logits, only the ids downloaded.
+        dist=(params, V) (can_sample(params)): DeviceRows of those rows' final probabilities over ids < V under
+        params, computed on the device; a probability or a whole row crosses to the host when read."""
         ids = np.asarray(ids, np.int32)
         if not undoable:
             hidden = self.model.prefill(ids, cache.slot, start=cache.pos, hidden=True)
-            logits = self.model.logits(1)
+            rows = 1
         else:
             self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=True)
-            logits, hidden = self.model.logits(ids.size), self.model.hidden(ids.size)
+            rows, hidden = ids.size, self.model.hidden(ids.size)
         cache.pos += ids.size
-        return logits, hidden, ids.size if undoable else None
+        if dist is not None:
+            params, vocab = dist
+            record = sample_params(params.temperature, params.top_k, params.top_p, params.min_p)
+            return DeviceRows(self.model, rows, vocab, record), hidden, ids.size if undoable else None
+        return self._rows(rows, top1), hidden, ids.size if undoable else None
+
+    def _rows(self, rows: int, top1: int | None) -> np.ndarray:
+        """The logits buffer's first rows, or with top1 = V their arg-maxes over ids < V."""
+        return self.model.logits(rows) if top1 is None else self.model.top1(rows, top1).astype(np.int64)
 
     def rewind(self, cache: GpuCache, undo: int, ids: np.ndarray, keep: int) -> None:
         """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1)."""
@@ -140,12 +159,13 @@ class GpuBackend:
         """The MTP head's KV cache of cache's sequence (in its slot), empty."""
         return GpuCache(slot=cache.slot)
 
-    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache):
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache, top1: int | None = None):
         """MTP rows at the draft cache's next positions: hidden [T, H], next_ids [T] -> (the last row's draft
-        logits float32 [1, V], its hidden float32 [1, H] to chain the next row from)."""
+        logits float32 [1, V], or with top1 = V its arg-max [1] over ids < V; its hidden float32 [1, H] to chain
+        the next row from)."""
         rows = self.model.draft(hidden, next_ids, draft_cache.pos, draft_cache.slot, graph=self.use_graphs)
         draft_cache.pos += len(next_ids)
-        return self.model.logits(1), self.model.hidden(rows)[-1:]
+        return self._rows(1, top1), self.model.hidden(rows)[-1:]
 
     def rewind_draft(self, draft_cache: GpuCache, pos: int) -> None:
         """Drop the MTP head's rows from position pos on (later rows overwrite them; attention reads below pos)."""
@@ -154,3 +174,35 @@ class GpuBackend:
     def close(self) -> None:
         self.model.free()
         self.weights.free(self.gpu)
+
+
+class DeviceRows:
+    """The final probabilities of a step's first rows, computed on the device (GpuModel.probs) and read lazily:
+    rows[i][d] downloads one probability, np.asarray(rows[i]) the whole row [V] (speculative decoding reads
+    p_i(d_i) for each draft and a full row only to draw a correction or the bonus token)."""
+
+    def __init__(self, model: GpuModel, rows: int, vocab: int, record: np.ndarray):
+        self.model, self.n, self.vocab = model, rows, vocab
+        model.probs(rows, vocab, record)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> DeviceRow:
+        if not -self.n <= i < self.n:
+            raise IndexError(f"row {i} of {self.n}")
+        return DeviceRow(self.model, i % self.n, self.vocab)
+
+
+class DeviceRow:
+    """Row i of DeviceRows: row[d] is one probability (0 past the vocabulary), np.asarray(row) all of them."""
+
+    def __init__(self, model: GpuModel, i: int, vocab: int):
+        self.model, self.i, self.vocab = model, i, vocab
+
+    def __getitem__(self, d: int) -> float:
+        return self.model.prob(self.i, int(d)) if 0 <= d < self.vocab else 0.0
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        row = self.model.prob_row(self.i)
+        return row if dtype is None else row.astype(dtype)

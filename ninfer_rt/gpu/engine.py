@@ -129,6 +129,8 @@ class GpuModel:
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw, trail) -> captured step
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T, trail) the shared carveout holds
         self._trails: dict[int, int] = {}  # verification trails per DeltaNet layer (verify(trail=True) allocates)
+        self._probs: tuple[int, int, int] | None = None  # probs' (out, params, scratch), allocated on first use
+        self._probs_vocab = 0
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
@@ -435,8 +437,8 @@ class GpuModel:
     def rewind(self, slot: int, keep: int, T: int) -> None:
         """After verify(T tokens, trail=True) of the sequence in `slot`: leave it as if only its first `keep`
         tokens had been fed (1 <= keep <= T), each DeltaNet state the trail's row keep - 1. The conv rings and the
-        KV caches need nothing: the next step's position (the caller's) overwrites and masks what was fed past
-        keep. Ordered on the stream like the steps."""
+        KV caches need nothing: a trail's step wrote every position into the ring, and the next step's position
+        (the caller's) overwrites and masks what was fed past keep. Ordered on the stream like the steps."""
         if not 1 <= keep <= T <= GEMV_MAX_ROWS or not 0 <= slot < self.slots:
             raise NinferError(f"rewind keeps 1..T of T <= {GEMV_MAX_ROWS} tokens of a slot, got {keep} of {T} in "
                               f"slot {slot}")
@@ -563,6 +565,41 @@ class GpuModel:
 
     def argmax(self, rows: int) -> np.ndarray:
         return self.gpu.download(self.buf.argmax, (rows,), np.int32)
+
+    def top1(self, rows: int, vocab: int) -> np.ndarray:
+        """The arg-max over ids < vocab of each of the logits buffer's first `rows` rows (int32 [rows]; ties to
+        the lowest id), computed on the device after the step: only the ids cross to the host."""
+        if not 1 <= rows <= self.logit_rows or not 1 <= vocab <= self.V:
+            raise NinferError(f"top1: {rows} rows of ids < {vocab} (the buffer holds {self.logit_rows} rows of "
+                              f"{self.V})")
+        misc.argmax(self.k, logits=self.buf.logits, ld=self.V, M=rows, V=vocab, out=self.buf.argmax,
+                    scratch=self.buf.scratch)
+        return self.argmax(rows)
+
+    def probs(self, rows: int, vocab: int, record: np.ndarray) -> None:
+        """The final probabilities under one misc.sample_params record (temperature, top-k, top-p, min-p) of the
+        logits buffer's first `rows` rows over ids < vocab, into the probs buffer fp32 [rows, vocab] (allocated on
+        first use; speculative sampling's target rows): read them with prob / prob_row."""
+        if not 1 <= rows <= GEMV_MAX_ROWS or not 1 <= vocab <= self.V:
+            raise NinferError(f"probs: {rows} rows of ids < {vocab} (at most {GEMV_MAX_ROWS} rows of {self.V})")
+        if self._probs is None:
+            n = GEMV_MAX_ROWS
+            self._probs = (self._alloc(n * self.V * 4), self._alloc(n * misc.SAMPLE_PARAMS.itemsize),
+                           self._alloc(misc.sample_scratch_bytes(n, self.V)))
+        out, params, scratch = self._probs
+        self.gpu.upload(params, np.concatenate([record] * rows), stream=self.gpu.stream)
+        misc.sample_probs(self.k, logits=self.buf.logits, ld=self.V, M=rows, V=vocab, params=params, out=out,
+                          scratch=scratch)
+        self._probs_vocab = vocab
+
+    def prob(self, row: int, token: int) -> float:
+        """One probability of the probs buffer (after `probs`): row's, of id token."""
+        at = self._probs[0] + 4 * (row * self._probs_vocab + token)
+        return float(self.gpu.download(at, (1,), np.float32)[0])
+
+    def prob_row(self, row: int) -> np.ndarray:
+        """A whole row of the probs buffer (float32 [vocab], after `probs`)."""
+        return self.gpu.download(self._probs[0] + 4 * row * self._probs_vocab, (self._probs_vocab,), np.float32)
 
     def draw(self, vocab: int, record: np.ndarray | None = None) -> int:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the

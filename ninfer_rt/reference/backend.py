@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ninfer_rt.errors import NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.reference.model import Cache, ReferenceModel
 from ninfer_rt.reference.weights import artifact_weights
@@ -51,14 +52,18 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------------------------ speculative decoding
 
-    def verify(self, ids: np.ndarray, cache: Cache, undoable: bool = True):
+    def verify(self, ids: np.ndarray, cache: Cache, undoable: bool = True, top1: int | None = None, dist=None):
         """ids int64 [T] -> (logits float32 [T, V], post-norm hidden float32 [T, H], undo); advances cache by T.
         undoable: the DeltaNet layers run the T tokens one by one and keep each one's state (Cache.track), so that
-        `rewind` keeps any prefix of ids without a second forward; undo is then T (else None)."""
+        `rewind` keeps any prefix of ids without a second forward; undo is then T (else None). top1=V: each row's
+        arg-max over ids < V (int64 [T]) instead of its logits. dist: not here (no can_sample: the loop's Sampler
+        turns these logits into distributions)."""
+        if dist is not None:
+            raise NinferError("verify: the reference backend returns logits, not distributions (dist)")
         if undoable:
             cache.track()
         logits, hidden = self.model.forward_with_hidden(np.asarray(ids, np.int64), cache)
-        return logits.numpy(), hidden.float().numpy(), len(ids) if undoable else None
+        return _top1(logits.numpy(), top1), hidden.float().numpy(), len(ids) if undoable else None
 
     def rewind(self, cache: Cache, undo: int, ids: np.ndarray, keep: int) -> None:
         """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1): the
@@ -70,14 +75,20 @@ class ReferenceBackend:
         objects of their own: cache is not needed here, as it is on the GPU)."""
         return self.model.new_mtp_cache()
 
-    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache):
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache, top1: int | None = None):
         """MTP rows at the draft cache's next positions p: hidden [T, H] (h_p), next_ids [T] (x_{p+1}) -> (draft
-        logits float32 [T, V] for x_{p+2}, the head's hidden float32 [T, H] to chain a further row from)."""
+        logits float32 [T, V] for x_{p+2}, or with top1 = V their arg-maxes over ids < V; the head's hidden float32
+        [T, H] to chain a further row from)."""
         positions = torch.arange(draft_cache.pos, draft_cache.pos + len(next_ids))
         h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))
         logits, out = self.model.mtp_forward(h, np.asarray(next_ids, np.int64), positions, draft_cache)
-        return logits.numpy(), out.float().numpy()
+        return _top1(logits.numpy(), top1), out.float().numpy()
 
     def rewind_draft(self, draft_cache: Cache, pos: int) -> None:
         """Drop the MTP head's rows from position pos on."""
         draft_cache.truncate(pos)
+
+
+def _top1(logits: np.ndarray, vocab: int | None) -> np.ndarray:
+    """logits [T, V] unchanged, or with vocab their rows' arg-max over ids < vocab (int64 [T]; ties to the lowest)."""
+    return logits if vocab is None else logits[:, :vocab].argmax(-1).astype(np.int64)

@@ -73,9 +73,99 @@ def test_speculative_greedy_is_plain_greedy(backends, k):
     plain = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
     while len(plain) < 24:
         plain.append(int(dev.forward(np.asarray(plain[-1:], np.int32), c, last_only=True)[0].argmax()))
-    stats = GenerationStats()
+    stats = GenerationStats(prompt_tokens=len(ids))
     out = list(speculative.decode(dev, dev.new_cache(1), ids, 24, Sampler(SamplingParams(greedy=True)), stats,
                                   draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
     print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
     assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_speculative_accepts_steered_drafts(backends, k):
+    """The speculative loop on the GPU where drafts are often right (SteeredDrafts: every position but each third):
+    accepted prefixes of every length run the verification's rewind to keep > 1 and the head over several real
+    rows; the greedy output still equals plain greedy decoding, and some but not all drafts were kept."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    _, dev, art = backends
+    ids = prompt(20, 17).tolist()
+    c = dev.new_cache(0)
+    plain = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
+    while len(plain) < 32:
+        plain.append(int(dev.forward(np.asarray(plain[-1:], np.int32), c, last_only=True)[0].argmax()))
+    stats = GenerationStats(prompt_tokens=len(ids))
+    steered = speculative.SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0)
+    out = list(speculative.decode(steered, dev.new_cache(1), ids, 32, Sampler(SamplingParams(greedy=True)), stats,
+                                  draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+    print(f"steered k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
+    assert out == plain
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_load_on_cuda_drafts_and_keeps_greedy_output(gpu, artifact):  # gpu: skipped without one
+    """load(..., "cuda", speculative_tokens=2): the MTP head loaded and drafting (stats count drafts), and the
+    greedy output of 24 tokens equal to the same artifact's plain greedy decoding on the GPU."""
+    from ninfer_rt.api import load
+    from ninfer_rt.sampling import SamplingParams
+
+    ids, greedy = prompt(20, 13).tolist(), SamplingParams(greedy=True)
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
+        want = list(plain.generate_ids(ids, max_new_tokens=24, sampling=greedy))
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", speculative_tokens=2) as spec:
+        got = list(spec.generate_ids(ids, max_new_tokens=24, sampling=greedy))
+        stats = spec.last_stats
+    print(f"api: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
+    assert got == want and stats.draft_tokens > 0
+
+
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.95)
+
+
+def test_verify_rows_of_final_probabilities(backends):
+    """verify(dist=(params, V)): each row's final probabilities computed on the device equal the host Sampler's
+    distribution of the same verification's logits (padding masked), within fp32 rounding of a softmax (1e-6
+    absolute); a single probability read equals the row's entry."""
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    _, dev, art = backends
+    params, V = SamplingParams(**SAMPLED), art.spec.vocab_size - 3  # a real vocabulary short of the rows
+    ids = prompt(28, 19)
+    got = {}
+    for slot, dist in ((0, None), (1, (params, V))):
+        c = dev.new_cache(slot)
+        dev.verify(ids[:24], c, undoable=False)
+        got[slot] = dev.verify(ids[24:], c, dist=dist)[0]
+    logits, rows = got[0], got[1]
+    assert len(rows) == 4
+    for i in range(4):
+        row = logits[i].copy()
+        row[V:] = -np.inf
+        want = Sampler(params).distribution(row)
+        have = np.asarray(rows[i])
+        assert have.shape == (V,) and np.abs(have - want[:V]).max() <= 1e-6
+        top = int(want.argmax())
+        assert rows[i][top] == have[top]
+
+
+def test_speculative_sampling_runs_on_device_rows(backends):
+    """A sampled speculative run on the GPU (dist rows, arg-max drafts steered right at most positions): it
+    emits the budget of real ids, counts its drafts, and the same seed repeats it."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    _, dev, art = backends
+    ids = prompt(20, 23).tolist()
+    runs = []
+    for _ in range(2):
+        stats = GenerationStats(prompt_tokens=len(ids))
+        steered = speculative.SteeredDrafts(dev, ids + [0] * 40, lambda p: p % 3 == 0)
+        out = list(speculative.decode(steered, dev.new_cache(1), ids, 24, Sampler(SamplingParams(**SAMPLED, seed=5)),
+                                      stats, draft_tokens=3, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+        runs.append(out)
+        assert len(out) == 24 and all(0 <= t < art.spec.vocab_size for t in out) and stats.draft_tokens > 0
+    assert runs[0] == runs[1]

@@ -1,0 +1,99 @@
+"""The speculative loop end to end on the GPU (ninfer_rt.speculative.decode over GpuBackend) at set acceptance rates.
+
+    python bench/speculative_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--draft-tokens 1 2 3]
+                                     [--accept 0 0.6 0.8 1] [--tokens 64] [--sampled] [--json PATH]
+
+Synthetic weights draft nothing a verification keeps, so the head's drafts are steered (speculative.SteeredDrafts):
+the head runs as it would (same kernels, caches and host transfers), then its pick is replaced by plain greedy
+decoding's token at that position, wrong with probability 1 - accept (a fixed hash of the position).
+What this measures is the loop's cost (verifications with trails, rewinds, draft steps, the host's sampling and
+transfers) at a given acceptance; what acceptance a real head reaches is the checkpoint's, not measured here.
+Plain rows: the same tokens by GpuBackend.sample_next (the api's path, the draw inside the step's graph).
+Exits with a one-line message when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import open_gpu, synthetic_model  # noqa: E402
+
+
+def wrong_at(accept: float):
+    """wrong(position) for SteeredDrafts: a fixed hash of the position falls above `accept`."""
+    def wrong(p: int) -> bool:
+        u = int.from_bytes(hashlib.blake2b(p.to_bytes(8, "little"), digest_size=8).digest(), "little") / 2**64
+        return u >= accept
+    return wrong
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.6-35b-a3b")
+    ap.add_argument("--context", type=int, default=8192, help="prompt tokens before the generated ones")
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--accept", type=float, nargs="+", default=[0.0, 0.6, 0.8, 1.0])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
+    ap.add_argument("--sampled", action="store_true", help="also sample (ninfer-rt bench's temperature 0.6, "
+                    "top_k 20, top_p 0.95): the target rows' distributions on the device")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.gpu.bench import SAMPLED
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    gpu, k, console = open_gpu("speculative_loop")
+    modes = {"greedy": SamplingParams(greedy=True)}
+    if a.sampled:
+        modes["sampled"] = SamplingParams(**SAMPLED, seed=1)
+    rows = []
+    with synthetic_model(gpu, k, a.model, a.context + a.tokens + 16, slots=1, groups=("text", "mtp")) as model:
+        be = GpuBackend.of_model(model, model.w, model.max_ctx)
+        vocab = model.spec.vocab_size
+        ids = np.random.default_rng(0).integers(0, vocab, a.context).tolist()
+        for mode, params in modes.items():
+            for rep in range(2):  # the first run captures the graphs
+                c = be.new_cache(0)
+                plain = [be.sample_next(np.asarray(ids, np.int32), c, params, vocab=vocab, seed=1, step=0)]
+                gpu.synchronize()
+                t0 = time.perf_counter()
+                while len(plain) < a.tokens:
+                    plain.append(be.sample_next(np.asarray(plain[-1:], np.int32), c, params, vocab=vocab, seed=1,
+                                                step=len(plain)))
+                dt = time.perf_counter() - t0
+            rows.append({"mode": mode, "draft_tokens": 0, "accept": None, "tok_s": (a.tokens - 1) / dt})
+            console.print(f"plain {mode} (sample_next): {(a.tokens - 1) / dt:,.1f} tok/s", highlight=False)
+            # sampled runs leave plain's stream at the first draw, so their drafts are rarely right
+            for n in a.draft_tokens:
+                for acc in a.accept if mode == "greedy" else [1.0]:
+                    for rep in range(2):
+                        stats = GenerationStats(prompt_tokens=len(ids))
+                        steered = speculative.SteeredDrafts(be, ids + plain, wrong_at(acc))
+                        out = list(speculative.decode(steered, be.new_cache(0), ids, a.tokens, Sampler(params),
+                                                      stats, draft_tokens=n, real_vocab=vocab,
+                                                      is_stop=lambda t: False))
+                    tok_s = (len(out) - 1) / stats.decode_s
+                    kept = stats.accepted_tokens / max(stats.draft_tokens, 1)
+                    rows.append({"mode": mode, "draft_tokens": n, "accept": acc, "tok_s": tok_s, "kept": kept,
+                                 "match": out == plain})
+                    console.print(f"{mode}, k = {n}, steered acceptance {acc:.1f}: {tok_s:,.1f} tok/s, {kept:.2f} "
+                                  f"of drafts kept, output {'=' if out == plain else '!='} plain", highlight=False)
+    if a.json:
+        a.json.write_text(json.dumps({"model": a.model, "gpu": gpu.info.name, "context": a.context,
+                                      "tokens": a.tokens, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
