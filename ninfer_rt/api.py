@@ -443,7 +443,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     positions and DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside
     the last run, and a ninfer_rt.batching.Batch runs up to that many sequences at once.
     speculative_tokens: k > 0 makes generate draft up to k tokens a step with the checkpoint's MTP head and verify
-    them in one forward (ninfer_rt.speculative; cpu only so far; a Batch decodes without it).
+    them in one forward (ninfer_rt.speculative; a Batch decodes without it).
     """
     if not isinstance(path, (str, PathLike)):
         raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")

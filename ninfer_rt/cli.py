@@ -69,7 +69,7 @@ def run(
     check_checksums: ChecksumsOption = False,
     speculative_tokens: int = typer.Option(0, "--speculative-tokens", help="Draft up to N tokens a step with the "
                                            "checkpoint's MTP head and verify them in one forward (0 = off, at most "
-                                           "7; cpu only so far). Same output distribution; greedy, the same text."),
+                                           "7). Same output distribution; greedy, the same text."),
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
