@@ -18,11 +18,11 @@ from test_gpu_plans import fake_kernels
 
 
 class FakeGpu:
-    """The driver surface GpuModel uses: allocations are addresses from a counter, copies and launches are
-    recorded, uploads and memsets do nothing, downloads are zeros, graphs replay nothing."""
+    """The driver surface GpuModel uses: allocations are addresses from a counter, copies, launches and downloads
+    are recorded, uploads and memsets do nothing, downloads are zeros, graphs replay nothing."""
 
     def __init__(self, info):
-        self.info, self.launches, self.copies, self.next = info, [], [], 1 << 20
+        self.info, self.launches, self.copies, self.downloads, self.next = info, [], [], [], 1 << 20
         self.pdl = self.pdl_capable = True
         self.stream = SimpleNamespace(handle="s0", wait=lambda e: None, synchronize=lambda: None)
 
@@ -38,6 +38,7 @@ class FakeGpu:
         pass
 
     def download(self, src, shape, dtype):
+        self.downloads.append((src, tuple(shape)))
         return np.zeros(shape, dtype)
 
     def copy(self, dst, src, nbytes, stream=None):
@@ -130,6 +131,36 @@ def test_rewind_before_a_trail_is_refused(monkeypatch):
     m, _ = dry_model(monkeypatch, "qwen3.6-35b-a3b")
     with pytest.raises(NinferError, match="trail=True first"):
         m.rewind(0, 1, 2)
+
+
+def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
+    """What speculative decoding reads of a verification of 3 tokens: top1 launches one arg-max over the 3 rows and
+    downloads 3 ids; probs launches the sampler's three kernels over them (its buffers allocated once), and a
+    probability or a row is read at its place in the [rows, vocab] buffer (row stride vocab, as sample_probs writes
+    it); rows past the buffer or ids past the logits are refused in one line."""
+    from ninfer_rt.gpu import misc
+
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+    m.verify(np.arange(3, dtype=np.int32), 10, 0)
+    gpu.launches.clear()
+    V = m.V - 7
+    assert m.top1(3, V).shape == (3,)
+    assert gpu.launches == ["argmax_rows", "argmax_finish"] and gpu.downloads[-1] == (m.buf.argmax, (3,))
+    gpu.launches.clear()
+    record = misc.sample_params(0.6, 20, 0.95)
+    m.probs(3, V, record)
+    first = m._probs
+    m.probs(2, V, record)
+    assert m._probs == first and gpu.launches == ["sample_hist", "sample_compact", "sample_rows"] * 2
+    m.prob(1, 5)
+    assert gpu.downloads[-1] == (first[0] + 4 * (V + 5), (1,))
+    m.prob_row(1)
+    assert gpu.downloads[-1] == (first[0] + 4 * V, (V,))
+    for rows, vocab in [(0, V), (9, V), (3, m.V + 1)]:
+        with pytest.raises(NinferError, match="probs"):
+            m.probs(rows, vocab, record)
+        with pytest.raises(NinferError, match="top1"):
+            m.top1(rows, vocab)
 
 
 def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):

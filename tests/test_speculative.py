@@ -165,6 +165,53 @@ def test_seeded_sampling_repeats(spec_model):
     assert a == b and len(a) == spec_model.last_stats.generated_tokens == 16
 
 
+class HostDist:
+    """The reference backend answering verify(dist=(params, V)) as the GPU does, with rows of final probabilities
+    (here the host Sampler's, padding masked): the loop's dist branch, run on the CPU."""
+
+    def __init__(self, backend):
+        self.inner, self.dist_verifies = backend, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def can_sample(self, params: SamplingParams) -> bool:
+        return not params.penalised
+
+    def verify(self, ids, cache, undoable=True, top1=None, dist=None):
+        logits, hidden, undo = self.inner.verify(ids, cache, undoable, top1=top1)
+        if dist is None:
+            return logits, hidden, undo
+        params, vocab = dist
+        self.dist_verifies += 1
+        rows = []
+        for row in logits:
+            row = row.copy()
+            row[vocab:] = -np.inf
+            rows.append(Sampler(params).distribution(row))
+        return rows, hidden, undo
+
+
+@pytest.mark.parametrize("every", [0, 3], ids=["all-right", "every-third-wrong"])
+def test_distribution_rows_draw_as_logits_rows(packed_model, spec_model, every):
+    """Sampling where the backend returns the rows' distributions (dist, the GPU's way) consumes the seeded stream
+    exactly as the host's own distributions of the logits do: the same ids and acceptances. Drafts steered to the
+    greedy text (right, or every third wrong) at a low temperature, so that drafts are kept, and corrected."""
+    params = SamplingParams(temperature=0.002, top_k=5, seed=99)  # the tiny model's logits lie close together
+    greedy = _plain(packed_model, GREEDY, 20)
+    inner, outs, host = spec_model._backend, [], HostDist(spec_model._backend)
+    for backend in (inner, host):
+        spec_model._backend = SteeredDrafts(backend, PROMPT + greedy, lambda pos: every and pos % every == 0)
+        try:
+            out = list(spec_model.generate_ids(PROMPT, max_new_tokens=20, sampling=params))
+            s = spec_model.last_stats
+            outs.append((out, s.accepted_tokens, s.draft_tokens))
+        finally:
+            spec_model._backend = inner
+    assert host.dist_verifies > 1 and outs[0] == outs[1] and len(outs[0][0]) == 20
+    assert outs[0][1] > 0 and (not every or outs[0][1] < outs[0][2])  # drafts kept (and, steered wrong, refused)
+
+
 def test_rewind_leaves_the_prefix_state(spec_model):
     """verify of 4 tokens rewound to 2 leaves the cache a forward of those 2 makes: the same positions and KV rows,
     and DeltaNet states and next logits within fp32 rounding (the kept states are the verification's own, whose
