@@ -60,7 +60,7 @@ def main() -> None:
         modes["sampled"] = SamplingParams(**SAMPLED, seed=1)
     rows = []
     with synthetic_model(gpu, k, a.model, a.context + a.tokens + 16, slots=1, groups=("text", "mtp")) as model:
-        be = GpuBackend.of_model(model, model.w, model.max_ctx)
+        be = GpuBackend.of_model(model)
         vocab = model.spec.vocab_size
         ids = np.random.default_rng(0).integers(0, vocab, a.context).tolist()
         for mode, params in modes.items():

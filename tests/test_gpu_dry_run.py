@@ -163,6 +163,27 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
             m.top1(rows, vocab)
 
 
+def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
+    """ninfer_rt.speculative.decode, greedy, over GpuBackend.of_model at the 35B's shapes with its MTP head: a
+    600-token prompt (two prefill chunks, the head over its rows), then steps of 3 drafts. The made-up GPU's ids
+    are all 0, so every draft is kept: each step is 2 chained draft steps, a verification of 4 with the trail
+    kernels (captured once, then replayed), the head over the 4 kept rows; no rewind copies."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b", groups=("text", "mtp"))
+    be = GpuBackend.of_model(m)
+    stats = GenerationStats(prompt_tokens=600)
+    out = list(speculative.decode(be, be.new_cache(0), list(range(600)), 9, Sampler(SamplingParams(greedy=True)),
+                                  stats, draft_tokens=3, real_vocab=m.spec.vocab_size, is_stop=lambda t: False))
+    assert out == [0] * 9 and stats.draft_tokens == stats.accepted_tokens == 6 and gpu.copies == []
+    L = len(m.ssm_state)
+    assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L  # the second verification replays its graph
+    assert (1, 4, m.bucket(604), "all", None, True) in m.graphs and ("mtp", 4, m.bucket(608)) in m.graphs
+
+
 def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):
     """With the mtp group loaded: prefill(hidden=True) gives every row's hidden state; draft runs the head over a
     prompt in prefill chunks and over a few rows as one step: the embedding, the two norms, fc, one attention layer

@@ -52,12 +52,13 @@ class GpuBackend:
         self.use_graphs = use_graphs
 
     @classmethod
-    def of_model(cls, model: GpuModel, weights, max_ctx: int, use_graphs: bool = True) -> GpuBackend:
-        """The backend over a GpuModel built elsewhere (bench/: synthetic weights, no artifact); close() stays
-        with whoever built it."""
+    def of_model(cls, model: GpuModel, use_graphs: bool = True) -> GpuBackend:
+        """The backend over a GpuModel built elsewhere (bench/: synthetic weights, no artifact); freeing the model
+        and its weights stays with whoever built them."""
         self = cls.__new__(cls)
-        self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, weights, model
-        self.max_ctx, self.cache_slots, self.exclusive_slots, self.use_graphs = max_ctx, model.slots, True, use_graphs
+        self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, model.w, model
+        self.max_ctx, self.cache_slots, self.exclusive_slots = model.max_ctx, model.slots, True
+        self.use_graphs = use_graphs
         return self
 
     def new_cache(self, slot: int = 0) -> GpuCache:
