@@ -135,32 +135,38 @@ def test_rewind_before_a_trail_is_refused(monkeypatch):
 
 def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
     """What speculative decoding reads of a verification of 3 tokens: top1 launches one arg-max over the 3 rows and
-    downloads 3 ids; probs launches the sampler's three kernels over them (its buffers allocated once), and a
-    probability or a row is read at its place in the [rows, vocab] buffer (row stride vocab, as sample_probs writes
-    it); rows past the buffer or ids past the logits are refused in one line."""
-    from ninfer_rt.gpu import misc
+    downloads 3 ids; dist rows (GpuBackend._probs_of) launch the sampler's three kernels over them (the buffers
+    allocated once), and a probability or a row is read at its place in the [rows, vocab] buffer (row stride
+    vocab, as sample_probs writes it); rows past a step's or ids past the logits are refused in one line."""
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
 
     m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+    be = GpuBackend.of_model(m)
     m.verify(np.arange(3, dtype=np.int32), 10, 0)
     gpu.launches.clear()
     V = m.V - 7
     assert m.top1(3, V).shape == (3,)
     assert gpu.launches == ["argmax_rows", "argmax_finish"] and gpu.downloads[-1] == (m.buf.argmax, (3,))
     gpu.launches.clear()
-    record = misc.sample_params(0.6, 20, 0.95)
-    m.probs(3, V, record)
-    first = m._probs
-    m.probs(2, V, record)
-    assert m._probs == first and gpu.launches == ["sample_hist", "sample_compact", "sample_rows"] * 2
-    m.prob(1, 5)
+    params = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    rows = be._probs_of(3, params, V)
+    first = be._probs
+    be._probs_of(2, params, V)
+    assert be._probs == first and gpu.launches == ["sample_hist", "sample_compact", "sample_rows"] * 2
+    rows[1][5]
     assert gpu.downloads[-1] == (first[0] + 4 * (V + 5), (1,))
-    m.prob_row(1)
-    assert gpu.downloads[-1] == (first[0] + 4 * V, (V,))
-    for rows, vocab in [(0, V), (9, V), (3, m.V + 1)]:
+    np.asarray(rows[-2])
+    assert gpu.downloads[-1] == (first[0] + 4 * V, (V,)) and len(rows) == 3
+    n = len(gpu.downloads)
+    assert rows[1][V] == 0.0 and len(gpu.downloads) == n  # an id past the vocabulary: nothing read
+    for n, vocab in [(0, V), (9, V), (3, m.V + 1)]:
         with pytest.raises(NinferError, match="probs"):
-            m.probs(rows, vocab, record)
+            be._probs_of(n, params, vocab)
         with pytest.raises(NinferError, match="top1"):
-            m.top1(rows, vocab)
+            m.top1(n, vocab)
+    with pytest.raises(IndexError):
+        rows[3]
 
 
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):

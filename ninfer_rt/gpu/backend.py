@@ -8,9 +8,10 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.gpu.driver import Gpu, GpuError
-from ninfer_rt.gpu.engine import GpuModel
+from ninfer_rt.gpu.engine import GEMV_MAX_ROWS, GpuModel
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import load_artifact
+from ninfer_rt.gpu import misc
 from ninfer_rt.gpu.misc import SAMPLE_MAX_CANDIDATES, sample_params
 from ninfer_rt.sampling import SamplingParams
 
@@ -50,6 +51,7 @@ class GpuBackend:
             raise GpuError(f"{cache_slots} sequence slot(s) of {self.max_ctx:,} positions do not fit in GPU memory "
                            "beside the weights: lower --max-context, or serve's --parallel") from None
         self.use_graphs = use_graphs
+        self._probs: tuple[int, int, int] | None = None  # _probs_of's buffers
 
     @classmethod
     def of_model(cls, model: GpuModel, use_graphs: bool = True) -> GpuBackend:
@@ -58,7 +60,7 @@ class GpuBackend:
         self = cls.__new__(cls)
         self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, model.w, model
         self.max_ctx, self.cache_slots, self.exclusive_slots = model.max_ctx, model.slots, True
-        self.use_graphs = use_graphs
+        self.use_graphs, self._probs = use_graphs, None
         return self
 
     def new_cache(self, slot: int = 0) -> GpuCache:
@@ -132,7 +134,7 @@ class GpuBackend:
         token's DeltaNet state kept (GpuModel.verify trail) so that `rewind` keeps any prefix; undo is then T.
         top1=V: each of those rows' arg-max over ids < V (int64) instead of its logits, only the ids downloaded.
         dist=(params, V) (can_sample(params)): DeviceRows of those rows' final probabilities over ids < V under
-        params, computed on the device; a probability or a whole row crosses to the host when read."""
+        params, computed on the device (_probs_of); a probability or a whole row crosses to the host when read."""
         ids = np.asarray(ids, np.int32)
         if not undoable:
             hidden = self.model.prefill(ids, cache.slot, start=cache.pos, hidden=True)
@@ -142,10 +144,25 @@ class GpuBackend:
             rows, hidden = ids.size, self.model.hidden(ids.size)
         cache.pos += ids.size
         if dist is not None:
-            params, vocab = dist
-            record = sample_params(params.temperature, params.top_k, params.top_p, params.min_p)
-            return DeviceRows(self.model, rows, vocab, record), hidden, ids.size if undoable else None
+            return self._probs_of(rows, *dist), hidden, ids.size if undoable else None
         return self._rows(rows, top1), hidden, ids.size if undoable else None
+
+    def _probs_of(self, rows: int, params: SamplingParams, vocab: int) -> DeviceRows:
+        """The final probabilities under params of the logits buffer's first rows over ids < vocab, computed on
+        the device (misc.sample_probs into fp32 [rows, vocab]; its buffers allocated on first use)."""
+        m = self.model
+        if not 1 <= rows <= GEMV_MAX_ROWS or not 1 <= vocab <= m.V:
+            raise NinferError(f"probs: {rows} rows of ids < {vocab} (at most {GEMV_MAX_ROWS} rows of {m.V})")
+        if self._probs is None:  # (out, params, scratch) for the most rows a step has
+            n = GEMV_MAX_ROWS
+            self._probs = (m._alloc(n * m.V * 4), m._alloc(n * misc.SAMPLE_PARAMS.itemsize),
+                           m._alloc(misc.sample_scratch_bytes(n, m.V)))
+        out, records, scratch = self._probs
+        record = sample_params(params.temperature, params.top_k, params.top_p, params.min_p)
+        self.gpu.upload(records, np.concatenate([record] * rows), stream=self.gpu.stream)
+        misc.sample_probs(self.kernels, logits=m.buf.logits, ld=m.V, M=rows, V=vocab, params=records, out=out,
+                          scratch=scratch)
+        return DeviceRows(self.gpu, out, rows, vocab)
 
     def _rows(self, rows: int, top1: int | None) -> np.ndarray:
         """The logits buffer's first rows, or with top1 = V their arg-maxes over ids < V."""
@@ -178,13 +195,12 @@ class GpuBackend:
 
 
 class DeviceRows:
-    """The final probabilities of a step's first rows, computed on the device (GpuModel.probs) and read lazily:
-    rows[i][d] downloads one probability, np.asarray(rows[i]) the whole row [V] (speculative decoding reads
-    p_i(d_i) for each draft and a full row only to draw a correction or the bonus token)."""
+    """Final probabilities of a step's rows, fp32 [rows, vocab] at device address `out` (GpuBackend._probs_of),
+    read lazily: rows[i][d] downloads one probability, np.asarray(rows[i]) the whole row (speculative decoding
+    reads p_i(d_i) for each draft and a full row only to draw a correction or the bonus token)."""
 
-    def __init__(self, model: GpuModel, rows: int, vocab: int, record: np.ndarray):
-        self.model, self.n, self.vocab = model, rows, vocab
-        model.probs(rows, vocab, record)
+    def __init__(self, gpu, out: int, rows: int, vocab: int):
+        self.gpu, self.out, self.n, self.vocab = gpu, out, rows, vocab
 
     def __len__(self) -> int:
         return self.n
@@ -192,18 +208,20 @@ class DeviceRows:
     def __getitem__(self, i: int) -> DeviceRow:
         if not -self.n <= i < self.n:
             raise IndexError(f"row {i} of {self.n}")
-        return DeviceRow(self.model, i % self.n, self.vocab)
+        return DeviceRow(self.gpu, self.out + 4 * (i % self.n) * self.vocab, self.vocab)
 
 
 class DeviceRow:
-    """Row i of DeviceRows: row[d] is one probability (0 past the vocabulary), np.asarray(row) all of them."""
+    """One row of DeviceRows at device address `at`: row[d] is one probability (0 past the vocabulary),
+    np.asarray(row) all of them."""
 
-    def __init__(self, model: GpuModel, i: int, vocab: int):
-        self.model, self.i, self.vocab = model, i, vocab
+    def __init__(self, gpu, at: int, vocab: int):
+        self.gpu, self.at, self.vocab = gpu, at, vocab
 
     def __getitem__(self, d: int) -> float:
-        return self.model.prob(self.i, int(d)) if 0 <= d < self.vocab else 0.0
+        d = int(d)
+        return float(self.gpu.download(self.at + 4 * d, (1,), np.float32)[0]) if 0 <= d < self.vocab else 0.0
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        row = self.model.prob_row(self.i)
+        row = self.gpu.download(self.at, (self.vocab,), np.float32)
         return row if dtype is None else row.astype(dtype)

@@ -129,8 +129,6 @@ class GpuModel:
         self.graphs: dict[tuple, object] = {}  # (B, T, bucket, logit_rows, draw, trail) -> captured step
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T, trail) the shared carveout holds
         self._trails: dict[int, int] = {}  # verification trails per DeltaNet layer (verify(trail=True) allocates)
-        self._probs: tuple[int, int, int] | None = None  # probs' (out, params, scratch), allocated on first use
-        self._probs_vocab = 0
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
@@ -575,31 +573,6 @@ class GpuModel:
         misc.argmax(self.k, logits=self.buf.logits, ld=self.V, M=rows, V=vocab, out=self.buf.argmax,
                     scratch=self.buf.scratch)
         return self.argmax(rows)
-
-    def probs(self, rows: int, vocab: int, record: np.ndarray) -> None:
-        """The final probabilities under one misc.sample_params record (temperature, top-k, top-p, min-p) of the
-        logits buffer's first `rows` rows over ids < vocab, into the probs buffer fp32 [rows, vocab] (allocated on
-        first use; speculative sampling's target rows): read them with prob / prob_row."""
-        if not 1 <= rows <= GEMV_MAX_ROWS or not 1 <= vocab <= self.V:
-            raise NinferError(f"probs: {rows} rows of ids < {vocab} (at most {GEMV_MAX_ROWS} rows of {self.V})")
-        if self._probs is None:
-            n = GEMV_MAX_ROWS
-            self._probs = (self._alloc(n * self.V * 4), self._alloc(n * misc.SAMPLE_PARAMS.itemsize),
-                           self._alloc(misc.sample_scratch_bytes(n, self.V)))
-        out, params, scratch = self._probs
-        self.gpu.upload(params, np.concatenate([record] * rows), stream=self.gpu.stream)
-        misc.sample_probs(self.k, logits=self.buf.logits, ld=self.V, M=rows, V=vocab, params=params, out=out,
-                          scratch=scratch)
-        self._probs_vocab = vocab
-
-    def prob(self, row: int, token: int) -> float:
-        """One probability of the probs buffer (after `probs`): row's, of id token."""
-        at = self._probs[0] + 4 * (row * self._probs_vocab + token)
-        return float(self.gpu.download(at, (1,), np.float32)[0])
-
-    def prob_row(self, row: int) -> np.ndarray:
-        """A whole row of the probs buffer (float32 [vocab], after `probs`)."""
-        return self.gpu.download(self._probs[0] + 4 * row * self._probs_vocab, (self._probs_vocab,), np.float32)
 
     def draw(self, vocab: int, record: np.ndarray | None = None) -> int:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
