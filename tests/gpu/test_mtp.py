@@ -59,27 +59,38 @@ def test_draft_matches_the_reference_head(backends):
     assert g_dh.shape == (1, r_dh.shape[1]) and rd.pos == gd.pos == 29
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_speculative_greedy_is_plain_greedy(backends, k):
-    """ninfer_rt.speculative.decode on the GPU backend (drafts by the head, verifications keeping each token's
-    DeltaNet state, rewinds on rejections): greedy output equals the GPU's plain greedy decoding of 24 tokens."""
+def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
+    """n tokens of plain greedy decoding on the GPU backend in slot 0 (host arg-max of each step's logits)."""
+    c = dev.new_cache(0)
+    out = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
+    while len(out) < n:
+        out.append(int(dev.forward(np.asarray(out[-1:], np.int32), c, last_only=True)[0].argmax()))
+    return out
+
+
+def spec_greedy(backend, art, ids: list[int], n: int, k: int):
+    """(n tokens of speculative.decode's greedy output in slot 1, its stats)."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
     from ninfer_rt.sampling import Sampler, SamplingParams
 
+    stats = GenerationStats(prompt_tokens=len(ids))
+    out = list(speculative.decode(backend, backend.new_cache(1), ids, n, Sampler(SamplingParams(greedy=True)),
+                                  stats, draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+    return out, stats
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_greedy_is_plain_greedy(backends, k):
+    """ninfer_rt.speculative.decode on the GPU backend (drafts by the head, verifications keeping each token's
+    DeltaNet state, rewinds on rejections): greedy output equals the GPU's plain greedy decoding of 24 tokens."""
     _, dev, art = backends
     ids = prompt(20, 11).tolist()
-    c = dev.new_cache(0)
-    plain = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
-    while len(plain) < 24:
-        plain.append(int(dev.forward(np.asarray(plain[-1:], np.int32), c, last_only=True)[0].argmax()))
-    stats = GenerationStats(prompt_tokens=len(ids))
-    out = list(speculative.decode(dev, dev.new_cache(1), ids, 24, Sampler(SamplingParams(greedy=True)), stats,
-                                  draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+    plain = plain_greedy(dev, ids, 24)
+    out, stats = spec_greedy(dev, art, ids, 24, k)
     print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
     assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
-
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -87,20 +98,12 @@ def test_speculative_accepts_steered_drafts(backends, k):
     """The speculative loop on the GPU where drafts are often right (SteeredDrafts: every position but each third):
     accepted prefixes of every length run the verification's rewind to keep > 1 and the head over several real
     rows; the greedy output still equals plain greedy decoding, and some but not all drafts were kept."""
-    from ninfer_rt import speculative
-    from ninfer_rt.generation import GenerationStats
-    from ninfer_rt.sampling import Sampler, SamplingParams
+    from ninfer_rt.speculative import SteeredDrafts
 
     _, dev, art = backends
     ids = prompt(20, 17).tolist()
-    c = dev.new_cache(0)
-    plain = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
-    while len(plain) < 32:
-        plain.append(int(dev.forward(np.asarray(plain[-1:], np.int32), c, last_only=True)[0].argmax()))
-    stats = GenerationStats(prompt_tokens=len(ids))
-    steered = speculative.SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0)
-    out = list(speculative.decode(steered, dev.new_cache(1), ids, 32, Sampler(SamplingParams(greedy=True)), stats,
-                                  draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+    plain = plain_greedy(dev, ids, 32)
+    out, stats = spec_greedy(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k)
     print(f"steered k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
     assert 0 < stats.accepted_tokens < stats.draft_tokens
