@@ -8,7 +8,8 @@ the head runs as it would (same kernels, caches and host transfers), then its pi
 decoding's token at that position, wrong with probability 1 - accept (a fixed hash of the position).
 What this measures is the loop's cost (verifications with trails, rewinds, draft steps, the host's sampling and
 transfers) at a given acceptance; what acceptance a real head reaches is the checkpoint's, not measured here.
-Plain rows: the same tokens by GpuBackend.sample_next (the api's path, the draw inside the step's graph).
+Plain rows: the same tokens by GpuBackend.sample_next (the api's path, the draw inside the step's graph). Each
+count runs fixed, then the planner (speculative.DraftPlanner, the api's default) choosing up to the most.
 Exits with a one-line message when there is no GPU.
 """
 
@@ -76,20 +77,24 @@ def main() -> None:
             rows.append({"mode": mode, "draft_tokens": 0, "accept": None, "tok_s": (a.tokens - 1) / dt})
             console.print(f"plain {mode} (sample_next): {(a.tokens - 1) / dt:,.1f} tok/s", highlight=False)
             # sampled runs leave plain's stream at the first draw, so their drafts are rarely right
-            for n in a.draft_tokens:
+            # each count fixed, then the planner choosing up to the most (DraftPlanner, the api's default)
+            for n, adaptive in [(n, False) for n in a.draft_tokens] + [(max(a.draft_tokens), True)]:
                 for acc in a.accept if mode == "greedy" else [1.0]:
                     for rep in range(2):
                         stats = GenerationStats(prompt_tokens=len(ids))
                         steered = speculative.SteeredDrafts(be, ids + plain, wrong_at(acc))
                         out = list(speculative.decode(steered, be.new_cache(0), ids, a.tokens, Sampler(params),
                                                       stats, draft_tokens=n, real_vocab=vocab,
-                                                      is_stop=lambda t: False))
+                                                      is_stop=lambda t: False,
+                                                      planner=speculative.DraftPlanner(n, fixed=not adaptive)))
                     tok_s = (len(out) - 1) / stats.decode_s
                     kept = stats.accepted_tokens / max(stats.draft_tokens, 1)
-                    rows.append({"mode": mode, "draft_tokens": n, "accept": acc, "tok_s": tok_s, "kept": kept,
-                                 "match": out == plain})
-                    console.print(f"{mode}, k = {n}, steered acceptance {acc:.1f}: {tok_s:,.1f} tok/s, {kept:.2f} "
-                                  f"of drafts kept, output {'=' if out == plain else '!='} plain", highlight=False)
+                    rows.append({"mode": mode, "draft_tokens": n, "adaptive": adaptive, "accept": acc,
+                                 "tok_s": tok_s, "kept": kept, "drafted": stats.draft_tokens, "match": out == plain})
+                    k = f"k <= {n} (planner)" if adaptive else f"k = {n}"
+                    console.print(f"{mode}, {k}, steered acceptance {acc:.1f}: {tok_s:,.1f} tok/s, "
+                                  f"{stats.accepted_tokens} of {stats.draft_tokens} drafts kept, output "
+                                  f"{'=' if out == plain else '!='} plain", highlight=False)
     if a.json:
         a.json.write_text(json.dumps({"model": a.model, "gpu": gpu.info.name, "context": a.context,
                                       "tokens": a.tokens, "rows": rows}, indent=1))

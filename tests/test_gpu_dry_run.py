@@ -171,7 +171,7 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
 
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     """ninfer_rt.speculative.decode, greedy, over GpuBackend.of_model at the 35B's shapes with its MTP head: a
-    600-token prompt (two prefill chunks, the head over its rows), then steps of 3 drafts. The made-up GPU's ids
+    600-token prompt (two prefill chunks, the head over its rows), then steps of 3 drafts (fixed). The made-up GPU's ids
     are all 0, so every draft is kept: each step is 2 chained draft steps, a verification of 4 with the trail
     kernels (captured once, then replayed), the head over the 4 kept rows; no rewind copies."""
     from ninfer_rt import speculative
@@ -183,7 +183,8 @@ def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     be = GpuBackend.of_model(m)
     stats = GenerationStats(prompt_tokens=600)
     out = list(speculative.decode(be, be.new_cache(0), list(range(600)), 9, Sampler(SamplingParams(greedy=True)),
-                                  stats, draft_tokens=3, real_vocab=m.spec.vocab_size, is_stop=lambda t: False))
+                                  stats, draft_tokens=3, real_vocab=m.spec.vocab_size, is_stop=lambda t: False,
+                                  planner=speculative.DraftPlanner(3, fixed=True)))
     assert out == [0] * 9 and stats.draft_tokens == stats.accepted_tokens == 6 and gpu.copies == []
     L = len(m.ssm_state)
     assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L  # the second verification replays its graph
