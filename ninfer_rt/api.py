@@ -486,7 +486,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
             if bad:
                 raise FormatError(f"{artifact.path}: checksum mismatch in {bad[0]} ({len(bad)} in all): the file "
                                   "is corrupted; download or pack it again")
-        if speculative_tokens and not any(e.group == "mtp" for e in artifact.tensors.values()):
+        if speculative_tokens and "mtp" not in artifact.groups:
             raise NinferError(f"{artifact.path}: speculative decoding drafts with the MTP head, and this "
                               "artifact has no MTP head (no mtp.* tensors)")
         groups = ("text", "mtp") if speculative_tokens else ("text",)

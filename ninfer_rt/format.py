@@ -298,6 +298,11 @@ class Artifact:
 
         return ModelSpec.from_dict(self.header["model"]["spec"])
 
+    @property
+    def groups(self) -> set[str]:
+        """The tensor groups the artifact holds ("text", and "mtp" where it kept the MTP head, ...)."""
+        return {e.group for e in self.tensors.values()}
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy from the mapping."""
         e = self.tensors[name]

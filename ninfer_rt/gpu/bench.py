@@ -210,7 +210,7 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
 
         art = Artifact.open(artifact_path)
         spec = art.spec
-        mtp = decode_tokens and any(e.group == "mtp" for e in art.tensors.values())
+        mtp = decode_tokens and "mtp" in art.groups
         weights = load_artifact(gpu, art, groups=("text", "mtp") if mtp else ("text",), progress=progress)
         model_name, recipe_name = str(artifact_path), art.header["recipe"].get("name", "?")
     log(f"weights: {weights.arena_bytes / 2**30:.2f} GiB in {weights.load_s:.1f} s")

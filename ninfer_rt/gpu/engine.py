@@ -426,7 +426,7 @@ class GpuModel:
             return
         s = self.spec
         for i in self.conv_state:
-            w_ba = self.w.matrix(f"{LM}layers.{i}.linear_attn.{{in_proj_b,in_proj_a}}.weight")
+            w_ba = self.w.matrix(self._prefix(i) + "linear_attn.{in_proj_b,in_proj_a}.weight")
             if not deltanet.step_supported(w_ba, T=GEMV_MAX_ROWS, dk=s.linear_key_head_dim,
                                            dv=s.linear_value_head_dim, Kc=s.linear_conv_kernel_dim):
                 raise NinferError(f"layer {i}: its DeltaNet shape has no one-launch step, so no verification trail")
