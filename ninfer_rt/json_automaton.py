@@ -520,7 +520,7 @@ class _Object(_Frame):
                 return _REJECT  # no key is left to write: a quote would lead nowhere
             self.state, self.key = self.KEY, _String(keep=True)
             self.names = _CheckedString(n.names) if n.names is not None else None
-            self.pats = [_CheckedString(Node(pattern=p)) for p in n.key_patterns]
+            self.pats = [_CheckedString(p) for p in n.key_patterns]
             for f in [self.names, *self.pats]:
                 if f is not None:
                     f.step(b, sp)

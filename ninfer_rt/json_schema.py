@@ -79,6 +79,14 @@ class SchemaError(NinferError):
     """A JSON Schema outside the subset this module enforces, or a malformed one."""
 
 
+def _pattern(text, where: str) -> Pattern:
+    """A schema's regular expression compiled (json_regex), or a SchemaError naming where it stands."""
+    try:
+        return compile_pattern(text)
+    except PatternError as e:
+        raise SchemaError(f"json_schema: {where}: {e}") from None
+
+
 @dataclass(eq=False)
 class Node:
     """One compiled (sub)schema. types None: any JSON value; additional None: any value, False: no other keys."""
@@ -102,7 +110,8 @@ class Node:
     max_length: int | None = None
     pattern: Pattern | None = None                 # a string's regular expression (json_regex)
     names: Node | None = None                      # an object's other keys: strings this schema takes (propertyNames)
-    key_patterns: tuple = ()                       # patternProperties: a key matching any of these (not listed)...
+    key_patterns: tuple = ()                       # patternProperties: a key (not listed) matching the pattern of
+                                                   # any of these string nodes...
     pattern_value: Node | None = None              # ...has a value of this schema
     bounds: Bounds | None = None                   # a number's range
 
@@ -248,7 +257,7 @@ class _Compiler:
             self.property_names(n, s["propertyNames"], req, where)
         if "patternProperties" in s:
             self.pattern_properties(n, s["patternProperties"], s.get("properties", {}), where)
-        unlisted = set(req) - set(n.props) - {r for r in req if any(p.matches(r) for p in n.key_patterns)}
+        unlisted = set(req) - set(n.props) - {r for r in req if any(p.pattern.matches(r) for p in n.key_patterns)}
         if n.additional is False and unlisted:
             raise SchemaError(f"json_schema: {where}: required {sorted(unlisted)[0]!r} is not among the properties or "
                               "their patterns, and additionalProperties is false")
@@ -286,10 +295,7 @@ class _Compiler:
             raise SchemaError(f"json_schema: {where}: format must be a string")
         text = s.get("pattern", FORMATS.get(s.get("format")))  # a format holds where no pattern does
         if text is not None:
-            try:
-                n.pattern = compile_pattern(text)
-            except PatternError as e:
-                raise SchemaError(f"json_schema: {where}: {e}") from None
+            n.pattern = _pattern(text, where)
             fewest, most = n.pattern.lengths(n.pattern.start())
             if fewest is None or (n.max_length is not None and fewest > n.max_length) or (
                     most is not None and most < n.min_length):
@@ -355,18 +361,13 @@ class _Compiler:
         if len({_canonical(v) for v in pats.values()}) > 1:
             raise SchemaError(f"json_schema: {at}: patterns with different schemas are not supported (a key matching "
                               "two would need both)")
-        patterns = []
-        for text in pats:
-            try:
-                patterns.append(compile_pattern(text))
-            except PatternError as e:
-                raise SchemaError(f"json_schema: {at}: {e}") from None
+        patterns = [_pattern(text, at) for text in pats]
         schema = next(iter(pats.values()))
         for k in props:
             if any(p.matches(k) for p in patterns) and _canonical(props[k]) != _canonical(schema):
                 raise SchemaError(f"json_schema: {where}: property {k!r} matches a patternProperties pattern whose "
                                   "schema differs from its own (both would hold)")
-        n.key_patterns = tuple(patterns)
+        n.key_patterns = tuple(Node(pattern=p) for p in patterns)  # string nodes: the automaton checks keys on them
         n.pattern_value = self.node(schema, f"{at}/{_name(next(iter(pats)))}")
 
     def any_of(self, s: dict, where: str) -> Node:
