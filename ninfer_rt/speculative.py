@@ -20,8 +20,10 @@ Where the picks need no history (no penalties) the backend does the work: for gr
 arg-maxes (top1), and a GPU computes sampled rows' final distributions itself (dist), so that only the few
 probabilities the test reads cross to the host, and a whole row only for a correction or the bonus draw.
 
-The backend rewinds the main cache to the accepted prefix (`verify` / `rewind`) and drops the MTP head's draft rows
-(`rewind_draft`) before feeding it the real pairs (h_p, x_{p+1}) of the accepted tokens.
+The backend rewinds the main cache to the accepted prefix (`verify` / `rewind`). The MTP head's cache holds the real
+pairs (h_p, x_{p+1}) only: before it drafts, its chained draft rows are dropped (`rewind_draft`) and the real pairs
+since it last ran are fed in the call that drafts, so steps that take no drafts skip the head (it catches up
+HEAD_ROWS pairs at a time).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.sampling import Sampler
 
 MAX_DRAFT_TOKENS = 7  # a verification feeds k + 1 tokens; the GPU's decode kernels take up to 8 a sequence
+HEAD_ROWS = 8  # most pending pairs a head call takes (on the GPU: a captured decode-sized step, not a prefill)
 
 
 def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: Callable[[int], np.ndarray],
@@ -62,17 +65,24 @@ def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: C
     return len(drafts), sampler.draw(np.asarray(target(len(drafts)), dtype=np.float64))
 
 
+def default_cost(n: int) -> float:
+    """A step of n drafts in plain decode steps: on an H100 at 8K (35B shapes, v94) a plain step took 1.62 ms, a
+    step of n >= 1 drafts 2.19 + 0.65 n ms (a verification of n + 1 tokens, the head's rows, the host's waits);
+    a step of 0 drafts is a plain step with the post-norm hidden state kept for the head."""
+    return 1.0 if n == 0 else 1.35 + 0.40 * n
+
+
 class DraftPlanner:
     """How many drafts the next step takes, 0..max_drafts: the count whose expected tokens per unit of cost is
     highest.
 
     A draft is kept with probability `accept` given the ones before it were (a moving average over drafts, from
-    ACCEPT_PRIOR), so a step of n drafts emits E(n) = 1 + a + ... + a^n tokens, for cost(n): by default
-    (n + 2) / 2 steps, a verification of n + 1 tokens plus n head rows (on the H100 at 8K a step of n drafts took
-    1.95 + 0.77 n ms, v93). The plan depends only on which drafts were kept, never on timings, so a seeded sampled
-    run repeats. A count of 0 still feeds the MTP head (one verified token, one head row), and every PROBE_EVERY
-    such steps one draft is tried again, so a head that starts to agree is seen. fixed=True always takes
-    max_drafts. Any count emits exactly the target's tokens: this trades only speed."""
+    ACCEPT_PRIOR), so a step of n drafts emits E(n) = 1 + a + ... + a^n tokens, for cost(n) in plain decode
+    steps (default_cost by default: a verification of n + 1 tokens plus the head's rows). The plan depends only
+    on which drafts were kept, never on timings, so a seeded sampled run repeats. A count of 0 is one verified
+    token with no head row (decode feeds the head those rows when drafts resume), and every PROBE_EVERY such
+    steps one draft is tried again, so a head that starts to agree is seen. fixed=True always takes max_drafts.
+    Any count emits exactly the target's tokens: this trades only speed."""
 
     ACCEPT_PRIOR = 0.73   # NInfer's per-draft acceptance with Qwen3.x's MTP head
     ACCEPT_WEIGHT = 0.1   # the moving average's weight of one draft's outcome
@@ -80,7 +90,7 @@ class DraftPlanner:
 
     def __init__(self, max_drafts: int, cost: Callable[[int], float] | None = None, fixed: bool = False):
         self.max_drafts, self.fixed = max_drafts, fixed
-        self.cost = cost or (lambda n: (n + 2) / 2)
+        self.cost = cost or default_cost
         self.accept = self.ACCEPT_PRIOR
         self.idle = 0  # steps in a row without drafts
 
@@ -113,7 +123,8 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
 
     backend: verify / rewind / new_draft_cache / draft / rewind_draft (ninfer_rt.reference.backend; the GPU
     backend's return only the last row where this loop reads no other); with top1=V verify and draft return each
-    row's arg-max over ids < V instead of its logits, and with dist=(params, V) (a backend whose can_sample(params)
+    row's arg-max over ids < V instead of its logits (and draft(..., chain=c) c more rows after the last, each on
+    the head's own output and pick: one call drafts a step), and with dist=(params, V) (a backend whose can_sample(params)
     holds) verify returns rows of final probabilities that index by id and convert to arrays. budget: most tokens
     to output. draft_tokens: k, the most drafts a step (planner, default DraftPlanner(k), picks each step's count).
     real_vocab: ids past it (padding) never drawn."""
@@ -148,33 +159,41 @@ def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats:
     last = int(rows[-1]) if top1 is not None else sampler.draw(np.asarray(target(rows, len(rows) - 1, ()),
                                                                           dtype=np.float64))
     draft_cache = backend.new_draft_cache(cache)
-    # the MTP head's rows for the prompt: pairs (h_p, x_{p+1}), the last one with the token just drawn; every
-    # draft is the head's arg-max over real ids
-    d_ids, d_hidden = backend.draft(hidden, np.asarray(ids[1:] + [last], np.int64), draft_cache, top1=real_vocab)
-    row = (int(d_ids[-1]), d_hidden[-1])
-    fed = len(ids)  # positions in the main cache; `last` goes in at position fed
+    # the MTP head takes the pairs (h_p, x_{p+1}) of real tokens: the prompt's now (its prefill), the last one and
+    # each step's when a step drafts (a step of 0 drafts runs no head row), at most HEAD_ROWS a call
+    pend_h, pend_t = [hidden], ids[1:] + [last]
+    head = 0  # real rows in the head's cache (positions 0..head-1)
+
+    def feed(count: int, chain: int = 0) -> list[int]:
+        """The first `count` pending pairs into the head (its chained rows dropped first) and `chain` more rows on
+        its own output and picks -> the picks of the last pair and the chained rows."""
+        nonlocal head, pend_h, pend_t
+        h = np.concatenate(pend_h) if len(pend_h) > 1 else pend_h[0]
+        backend.rewind_draft(draft_cache, head)
+        picks, _ = backend.draft(h[:count], np.asarray(pend_t[:count], np.int64), draft_cache, top1=real_vocab,
+                                 chain=chain)
+        head += count
+        pend_h, pend_t = [h[count:]], pend_t[count:]
+        return [int(t) for t in picks[-(chain + 1):]]
+
+    if len(pend_t) > 1:
+        feed(len(pend_t) - 1)  # the last pair waits: the first drafting step chains on from its output
     stats.prefill_s = time.perf_counter() - t0
     new = [last]
     while not (yield from emit(new, stats, history, budget, is_stop)):
         t0 = time.perf_counter()
         last = new[-1]
         n = planner.choose(budget - len(stats.token_ids) - 1)  # drafts whose tokens could still be output
-        drafts = []
-        for i in range(n):
-            drafts.append(row[0])
-            if i + 1 < n:
-                r_ids, r_hidden = backend.draft(row[1][None], np.asarray(drafts[-1:], np.int64), draft_cache,
-                                                top1=real_vocab)
-                row = (int(r_ids[0]), r_hidden[0])
-        feed = np.asarray([last] + drafts, np.int64)
-        rows, hidden, undo = backend.verify(feed, cache, top1=top1, dist=dist)
+        drafts = feed(len(pend_t), n - 1) if n else []  # the pending pairs, then n - 1 chained rows
+        tokens = np.asarray([last] + drafts, np.int64)
+        rows, hidden, undo = backend.verify(tokens, cache, top1=top1, dist=dist)
         j, nxt = judge(drafts, rows)
-        backend.rewind(cache, undo, feed, j + 1)
+        backend.rewind(cache, undo, tokens, j + 1)
         new = drafts[:j] + [nxt]
-        backend.rewind_draft(draft_cache, fed)  # the chained rows were drafts; the real pairs replace them
-        d_ids, d_hidden = backend.draft(hidden[:j + 1], np.asarray(new, np.int64), draft_cache, top1=real_vocab)
-        row = (int(d_ids[-1]), d_hidden[-1])
-        fed += j + 1
+        pend_h.append(hidden[:j + 1])
+        pend_t += new
+        while len(pend_t) > HEAD_ROWS:  # steps without drafts: the head keeps up in calls of HEAD_ROWS
+            feed(HEAD_ROWS)
         stats.draft_tokens += n
         stats.accepted_tokens += j
         planner.observe(n, j)
@@ -197,12 +216,12 @@ class SteeredDrafts:
         self.verifies += 1
         return self.inner.verify(ids, cache, undoable, top1=top1, dist=dist)
 
-    def draft(self, hidden, next_ids, draft_cache, top1: int | None = None):
-        start = draft_cache.pos
-        rows, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1)
+    def draft(self, hidden, next_ids, draft_cache, top1: int | None = None, chain: int = 0):
+        start, n = draft_cache.pos, len(next_ids) + chain
+        rows, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1, chain=chain)
         V = top1 if top1 is not None else rows.shape[1]  # a wrong pick stays a real id
         picks = []
-        for r in range(len(next_ids) - len(rows), len(next_ids)):  # the returned rows are the last ones
+        for r in range(n - len(rows), n):  # the returned rows are the last ones (chained rows last of all)
             target = start + r + 2  # row p pairs (h_p, x_{p+1}) and drafts x_{p+2}
             tok = self.sequence[target] if target < len(self.sequence) else 0
             picks.append((tok + 1) % V if self.wrong(target) else tok)

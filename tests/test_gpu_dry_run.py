@@ -109,7 +109,7 @@ def count(launches, prefix):
 def test_a_verification_keeps_each_tokens_state_and_rewinds_by_copies(monkeypatch, name):
     """verify(trail=True): every DeltaNet layer's step is the trail kernel (one sequence: a cluster of 4 on sm_90),
     and only then; rewind(keep) copies trail row keep - 1 into the slot's state, one copy a DeltaNet layer of
-    nv·dk·dv fp32, and nothing when every token is kept."""
+    nv·dk·dv fp32 (in a graph captured once per slot and keep), and nothing when every token is kept."""
     m, gpu = dry_model(monkeypatch, name, slots=2)
     L = len(m.ssm_state)
     m.verify(np.arange(3, dtype=np.int32), 10, 1)
@@ -118,10 +118,15 @@ def test_a_verification_keeps_each_tokens_state_and_rewinds_by_copies(monkeypatc
     m.verify(np.arange(3, dtype=np.int32), 10, 1, trail=True)
     assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L and count(gpu.launches, "deltanet_step_dk") == 0
     m.rewind(1, 3, 3)
-    assert gpu.copies == []
-    m.rewind(1, 2, 3)
+    assert gpu.copies == [] and not any(k[0] == "rewind" for k in m.graphs)
     nbytes = m.spec.linear_num_value_heads * m.spec.linear_key_head_dim * m.spec.linear_value_head_dim * 4
-    assert sorted(gpu.copies) == sorted((m.ssm_state[i] + nbytes, m._trails[i] + nbytes, nbytes) for i in m._trails)
+    want = sorted((m.ssm_state[i] + nbytes, m._trails[i] + nbytes, nbytes) for i in m._trails)
+    m.rewind(1, 2, 3, graph=False)
+    assert sorted(gpu.copies) == want
+    gpu.copies.clear()
+    m.rewind(1, 2, 3)  # captured once (the copies recorded as they are captured), then replayed
+    m.rewind(1, 2, 3)
+    assert sorted(gpu.copies) == want and ("rewind", 1, 2) in m.graphs
     for keep, T in [(0, 3), (4, 3), (1, 9)]:
         with pytest.raises(NinferError, match="rewind keeps"):
             m.rewind(1, keep, T)
@@ -171,9 +176,10 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
 
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     """ninfer_rt.speculative.decode, greedy, over GpuBackend.of_model at the 35B's shapes with its MTP head: a
-    600-token prompt (two prefill chunks, the head over its rows), then steps of 3 drafts (fixed). The made-up GPU's ids
-    are all 0, so every draft is kept: each step is 2 chained draft steps, a verification of 4 with the trail
-    kernels (captured once, then replayed), the head over the 4 kept rows; no rewind copies."""
+    600-token prompt (two prefill chunks), then steps of 3 drafts (fixed). The made-up GPU's ids are all 0, so every
+    draft is kept: each step is the head over the real rows since it last ran (the prompt's last, then the 4 kept
+    ones) and 2 rows chained on the device, then a verification of 4 with the trail kernels (captured once, then
+    replayed); no rewind copies."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
     from ninfer_rt.gpu.backend import GpuBackend
@@ -185,7 +191,11 @@ def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     out = list(speculative.decode(be, be.new_cache(0), list(range(600)), 9, Sampler(SamplingParams(greedy=True)),
                                   stats, draft_tokens=3, real_vocab=m.spec.vocab_size, is_stop=lambda t: False,
                                   planner=speculative.DraftPlanner(3, fixed=True)))
-    assert out == [0] * 9 and stats.draft_tokens == stats.accepted_tokens == 6 and gpu.copies == []
+    assert out == [0] * 9 and stats.draft_tokens == stats.accepted_tokens == 6
+    b, row = m.buf, 4 * m.H  # no rewind copies; the chains' pick and hidden copies, the first from the last real row
+    want = [c for rows in (1, 4) for i in range(2)
+            for c in [(b.tokens, b.picks + 4 * i, 4), (b.hin, b.h + (rows - 1 if i == 0 else 0) * row, row)]]
+    assert gpu.copies == want
     L = len(m.ssm_state)
     assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L  # the second verification replays its graph
     assert (1, 4, m.bucket(604), "all", None, True) in m.graphs and ("mtp", 4, m.bucket(608)) in m.graphs

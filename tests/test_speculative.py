@@ -119,14 +119,17 @@ def test_planner_stops_drafting_when_none_is_kept_and_probes_again():
 
 
 def test_planner_default_costs_and_limits():
-    """Without given costs a step of n drafts costs (n + 2) / 2 steps: at the prior's acceptance (0.73) one draft
-    pays best (1.73 tokens for 1.5), every draft kept the most drafts; fixed always takes the most; never more
-    than the budget still takes."""
+    """default_cost (plain steps: 1 for no draft, 1.35 + 0.4 n for n): at the prior's acceptance (0.73) two drafts
+    pay best (2.26 tokens for 2.15 steps against 1.73 for 1.75 and 2.65 for 2.55), every draft kept the most,
+    none kept none; fixed always takes the most; never more than the budget still takes."""
     p = DraftPlanner(3)
-    assert p.choose(100) == 1
+    assert p.choose(100) == 2
     for _ in range(20):
         p.observe(3, 3)
     assert p.choose(100) == 3 and p.choose(2) == 2 and p.choose(0) == 0
+    for _ in range(20):
+        p.observe(1, 0)
+    assert p.choose(100) == 0
     assert DraftPlanner(3, fixed=True).choose(100) == 3
 
 
@@ -150,6 +153,83 @@ def test_loop_with_no_draft_kept_stops_drafting(packed_model, spec_model):
 
 
 # ------------------------------------------------------------------------------------------ the loop, end to end
+
+
+class ScriptedPlanner(DraftPlanner):
+    """Takes the draft counts of a script, then none."""
+
+    def __init__(self, counts):
+        super().__init__(max(counts))
+        self.counts = list(counts)
+
+    def choose(self, limit: int) -> int:
+        return min(self.counts.pop(0), limit) if self.counts else 0
+
+
+class HeadLog:
+    """A backend that records each MTP head call (the head cache's position, the ids fed, the picks returned)."""
+
+    def __init__(self, backend):
+        self.inner, self.calls = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, hidden, next_ids, draft_cache, top1=None, chain=0):
+        start = draft_cache.pos
+        picks, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1, chain=chain)
+        self.calls.append((start, [int(t) for t in next_ids], [int(t) for t in picks], chain))
+        return picks, out
+
+
+def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_model):
+    """Steps of 0 drafts run no head row; the next drafting step feeds the head every real pair since, in one call
+    from where its real rows end, and drafts what the head drafts over the whole real sequence at once (oracle:
+    the backend's own forward and head over prompt + output in one call each). Output: plain greedy decoding's."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+
+    be = HeadLog(spec_model._backend)
+    stats = GenerationStats(prompt_tokens=len(PROMPT))
+    V = spec_model.real_vocab_size
+    out = list(speculative.decode(be, be.new_cache(0), PROMPT, 12, Sampler(GREEDY), stats, draft_tokens=2,
+                                  real_vocab=V, is_stop=spec_model.tokenizer.is_stop,
+                                  planner=ScriptedPlanner([0, 0, 0, 2, 0, 1])))
+    assert out == _plain(packed_model, GREEDY, 12)
+    seq = PROMPT + out
+    assert len(be.calls) == 3  # the prompt's pairs but its last; the step of 2; the step of 1
+    (start0, ids0, _, chain0), (start1, ids1, picks1, chain1), (start2, ids2, _, chain2) = be.calls
+    P = len(PROMPT) + 3  # the pairs (h_p, x_{p+1}) of the prompt and the 3 steps of 0 drafts: p < P
+    assert (start0, ids0, chain0) == (0, seq[1:len(PROMPT)], 0)
+    assert start1 == len(PROMPT) - 1 and ids1 == seq[len(PROMPT):P + 1] and chain1 == 1 and chain2 == 0
+    # the step of 2 kept some drafts and a token, the step of 0 after it one token: fed from P, over the chained row
+    assert start2 == P and len(ids2) >= 2 and ids2 == seq[P + 1:P + 1 + len(ids2)]
+    # the oracle: the head over the whole real sequence at once drafts the same from row P - 1, and from there
+    # one more row on its own output and pick (the chained draft)
+    ref = spec_model._backend
+    _, hidden, _ = ref.verify(np.asarray(seq, np.int64), ref.new_cache(1), undoable=False)
+    d = ref.new_draft_cache()
+    picks, out = ref.draft(hidden[:P], np.asarray(seq[1:P + 1], np.int64), d, top1=V)
+    more, _ = ref.draft(out[-1:], picks[-1:], d, top1=V)
+    assert picks1[-2:] == [picks[-1], more[0]]
+
+
+def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, spec_model):
+    """Steps of 0 drafts only: the head takes the real pairs HEAD_ROWS at a time (calls its GPU runs as captured
+    decode-sized steps), contiguous from where the prompt's end, one pair always left for a drafting step."""
+    from ninfer_rt import speculative
+    from ninfer_rt.generation import GenerationStats
+
+    be = HeadLog(spec_model._backend)
+    stats = GenerationStats(prompt_tokens=len(PROMPT))
+    out = list(speculative.decode(be, be.new_cache(0), PROMPT, 24, Sampler(GREEDY), stats, draft_tokens=2,
+                                  real_vocab=spec_model.real_vocab_size, is_stop=spec_model.tokenizer.is_stop,
+                                  planner=ScriptedPlanner([0])))
+    seq = PROMPT + out
+    assert out == _plain(packed_model, GREEDY, 24) and stats.draft_tokens == 0
+    R = speculative.HEAD_ROWS
+    starts = list(range(len(PROMPT) - 1, len(PROMPT) - 1 + 2 * R, R))  # 23 steps leave 1 + 23 pairs: 2 calls of R
+    assert [(c[0], c[1], c[3]) for c in be.calls[1:]] == [(p, seq[p + 1:p + 1 + R], 0) for p in starts]
 
 
 @pytest.fixture(scope="module")

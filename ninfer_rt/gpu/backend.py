@@ -11,7 +11,7 @@ from ninfer_rt.gpu.driver import Gpu, GpuError
 from ninfer_rt.gpu.engine import GEMV_MAX_ROWS, GpuModel
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import load_artifact
-from ninfer_rt.gpu import misc
+from ninfer_rt.gpu import misc, mtp
 from ninfer_rt.gpu.misc import SAMPLE_MAX_CANDIDATES, sample_params
 from ninfer_rt.sampling import SamplingParams
 
@@ -140,7 +140,8 @@ class GpuBackend:
             hidden = self.model.prefill(ids, cache.slot, start=cache.pos, hidden=True)
             rows = 1
         else:
-            self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=True)
+            # one token keeps itself: no trail (the trail kernels cost a lone token's step more than the plain one)
+            self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=ids.size > 1)
             rows, hidden = ids.size, self.model.hidden(ids.size)
         cache.pos += ids.size
         if dist is not None:
@@ -170,19 +171,28 @@ class GpuBackend:
 
     def rewind(self, cache: GpuCache, undo: int, ids: np.ndarray, keep: int) -> None:
         """After verify(ids, cache) -> undo: leave cache as if only ids[:keep] had been fed (keep >= 1)."""
-        self.model.rewind(cache.slot, keep, undo)
+        self.model.rewind(cache.slot, keep, undo, graph=self.use_graphs)
         cache.pos -= undo - keep
 
     def new_draft_cache(self, cache: GpuCache) -> GpuCache:
         """The MTP head's KV cache of cache's sequence (in its slot), empty."""
         return GpuCache(slot=cache.slot)
 
-    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache, top1: int | None = None):
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache, top1: int | None = None,
+              chain: int = 0):
         """MTP rows at the draft cache's next positions: hidden [T, H], next_ids [T] -> (the last row's draft
         logits float32 [1, V], or with top1 = V its arg-max [1] over ids < V; its hidden float32 [1, H] to chain
-        the next row from)."""
+        the next row from). chain = c (with top1): c more rows, each the head's own output and pick (mtp.chain,
+        on the device) -> (the picks int64 [1 + c], None)."""
         rows = self.model.draft(hidden, next_ids, draft_cache.pos, draft_cache.slot, graph=self.use_graphs)
         draft_cache.pos += len(next_ids)
+        if chain:
+            if top1 is None:
+                raise NinferError("draft: a chain picks arg-maxes (top1)")
+            picks = mtp.chain(self.model, rows, draft_cache.pos, draft_cache.slot, chain, top1,
+                              graph=self.use_graphs)
+            draft_cache.pos += chain
+            return picks.astype(np.int64), None
         return self._rows(1, top1), self.model.hidden(rows)[-1:]
 
     def rewind_draft(self, draft_cache: GpuCache, pos: int) -> None:

@@ -14,15 +14,47 @@ rest reuses the main model's kernels and buffers: ids in buf.tokens, h uploaded 
 
 from __future__ import annotations
 
+import numpy as np
+
+from ninfer_rt.errors import NinferError
 from ninfer_rt.gpu import linear, misc
 
 MTP = "mtp."
 
 
 def alloc(m) -> None:
-    """The head's own buffers on model m (a GpuModel): h in, fp32 [rows, H]; [e | g], fp32 or bf16 [rows, 2H]."""
+    """The head's own buffers on model m (a GpuModel): h in, fp32 [rows, H]; [e | g], fp32 or bf16 [rows, 2H];
+    a chain's picks, int32 [CHAIN_MAX + 1]."""
     m.buf.hin = m._alloc(m.rows * m.H * 4)
     m.buf.cat = m._alloc(m.rows * 2 * m.H * 4)
+    m.buf.picks = m._alloc(4 * (CHAIN_MAX + 1))
+
+
+CHAIN_MAX = 7  # chained rows a call takes: a verification feeds at most 8 tokens, the last real one and 7 drafts
+
+
+def chain(m, rows: int, pos: int, slot: int, count: int, vocab: int, *, graph: bool = True) -> np.ndarray:
+    """After m.draft over `rows` rows (its last row's output in buf.h, its draft logits in logits row 0): that
+    row's pick (arg-max over ids < vocab), then `count` more head rows at positions pos .. pos + count - 1, each
+    pairing the head's previous output with the previous pick, all enqueued before one download: int32 [count + 1].
+    The picks and hidden rows move by device copies, so the host waits once, not once a row."""
+    if not 0 <= count <= CHAIN_MAX or not 1 <= vocab <= m.V or not 1 <= rows <= m.rows:
+        raise NinferError(f"chain: {count} rows (at most {CHAIN_MAX}) of picks over {vocab} ids after {rows} rows")
+    m._check([pos], max(count, 1), [slot])
+    b, g = m.buf, m.gpu
+    last = b.h + 4 * (rows - 1) * m.H
+    misc.argmax(m.k, logits=b.logits, ld=m.V, M=1, V=vocab, out=b.picks, scratch=b.scratch)
+    for i in range(count):
+        g.copy(b.tokens, b.picks + 4 * i, 4, stream=g.stream)
+        g.copy(b.hin, last, 4 * m.H, stream=g.stream)
+        g.upload(m.pos, np.asarray([pos + i], np.int32), stream=g.stream)
+        g.upload(m.slot, np.asarray([slot], np.int32), stream=g.stream)
+        bucket = m.bucket(pos + i + 1)
+        g.pdl = g.pdl_capable
+        m._graphed(("mtp", 1, bucket), lambda: step(m, 1, bucket, prefill=False), graph)
+        misc.argmax(m.k, logits=b.logits, ld=m.V, M=1, V=vocab, out=b.picks + 4 * (i + 1), scratch=b.scratch)
+        last = b.h
+    return g.download(b.picks, (count + 1,), np.int32)
 
 
 def step(m, T: int, ctx_bucket: int, *, prefill: bool) -> None:

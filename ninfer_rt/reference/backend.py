@@ -75,14 +75,23 @@ class ReferenceBackend:
         objects of their own: cache is not needed here, as it is on the GPU)."""
         return self.model.new_mtp_cache()
 
-    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache, top1: int | None = None):
+    def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache, top1: int | None = None,
+              chain: int = 0):
         """MTP rows at the draft cache's next positions p: hidden [T, H] (h_p), next_ids [T] (x_{p+1}) -> (draft
         logits float32 [T, V] for x_{p+2}, or with top1 = V their arg-maxes over ids < V; the head's hidden float32
-        [T, H] to chain a further row from)."""
-        positions = torch.arange(draft_cache.pos, draft_cache.pos + len(next_ids))
-        h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))
-        logits, out = self.model.mtp_forward(h, np.asarray(next_ids, np.int64), positions, draft_cache)
-        return _top1(logits.numpy(), top1), out.float().numpy()
+        [T, H] to chain a further row from). chain = c (with top1): c more rows, each pairing the head's last output
+        with its pick -> (the picks int64 [T + c], the head's hidden [T + c, H])."""
+        if chain and top1 is None:
+            raise NinferError("draft: a chain picks arg-maxes (top1)")
+        picks, outs = [], []
+        h, ids = np.ascontiguousarray(hidden, np.float32), np.asarray(next_ids, np.int64)
+        for _ in range(chain + 1):
+            positions = torch.arange(draft_cache.pos, draft_cache.pos + len(ids))
+            logits, out = self.model.mtp_forward(torch.from_numpy(h), ids, positions, draft_cache)
+            picks.append(_top1(logits.numpy(), top1))
+            outs.append(out.float().numpy())
+            h, ids = outs[-1][-1:], picks[-1][-1:]
+        return np.concatenate(picks), np.concatenate(outs)
 
     def rewind_draft(self, draft_cache: Cache, pos: int) -> None:
         """Drop the MTP head's rows from position pos on."""

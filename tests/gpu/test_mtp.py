@@ -59,6 +59,29 @@ def test_draft_matches_the_reference_head(backends):
     assert g_dh.shape == (1, r_dh.shape[1]) and rd.pos == gd.pos == 29
 
 
+@pytest.mark.parametrize("chain", [1, 3, 7])
+def test_a_chain_on_the_device_is_the_chain_through_the_host(backends, chain):
+    """draft(..., chain=c) (mtp.chain: picks and hidden rows moved by device copies, one download) after a prompt's
+    rows and after 4 rows: the same picks, bit for bit, as c more draft calls each fed the downloaded hidden row and
+    pick (the same kernels on the same inputs, in another slot), and the head cache c rows further on."""
+    ref, dev, art = backends
+    V = art.spec.vocab_size
+    ids = prompt(32, 11)
+    _, hidden, _ = ref.verify(ids[:28], ref.new_cache(), undoable=False)
+    for rows in (slice(0, 24), slice(24, 28)):
+        on_dev = dev.new_draft_cache(dev.new_cache(0))
+        by_host = dev.new_draft_cache(dev.new_cache(1))
+        for d in (on_dev, by_host):
+            d.pos = rows.start  # both slots went through the same head rows before these
+        picks, none = dev.draft(hidden[rows], ids[rows.start + 1:rows.stop + 1], on_dev, top1=V, chain=chain)
+        want, h = dev.draft(hidden[rows], ids[rows.start + 1:rows.stop + 1], by_host, top1=V)
+        want = [int(want[-1])]
+        for _ in range(chain):
+            p, h = dev.draft(h, np.asarray(want[-1:]), by_host, top1=V)
+            want.append(int(p[-1]))
+        assert none is None and picks.tolist() == want and on_dev.pos == by_host.pos == rows.stop + chain
+
+
 def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
     """n tokens of plain greedy decoding on the GPU backend in slot 0 (host arg-max of each step's logits)."""
     c = dev.new_cache(0)
