@@ -233,6 +233,9 @@ class Model:
         """generate_ids, and the GenerationStats its iterator fills (last_stats once it starts)."""
         ids = self.prompt_ids(prompt, messages=messages, enable_thinking=enable_thinking, tools=tools)
         params, budget = self._check_request(ids, max_new_tokens, sampling, reuse_cache, snapshot_at)
+        if reuse_cache and self.speculative_tokens:
+            raise NinferError("reuse_cache: not in generate with speculative decoding (its loop starts from an empty "
+                              "cache); a Batch (serve) keeps prefixes with the MTP head's cache")
         stats = GenerationStats(prompt_tokens=len(ids))
         if self.speculative_tokens:
             loop = self._speculative_loop(ids, budget, Sampler(params), stats)
@@ -269,9 +272,6 @@ class Model:
                               "together)")
         if not isinstance(reuse_cache, bool):
             raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
-        if reuse_cache and self.speculative_tokens:
-            raise NinferError("reuse_cache: not with speculative decoding (the MTP head's cache is not kept); load "
-                              "without speculative_tokens to reuse caches")
         if snapshot_at is not None and not (reuse_cache and _is_int(snapshot_at) and 1 <= snapshot_at < len(ids)):
             raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)}) and "
                               "needs reuse_cache")
@@ -443,7 +443,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
     positions and DeltaNet state): 2 lets generate(reuse_cache=True, snapshot_at=...) keep a prompt's prefix beside
     the last run, and a ninfer_rt.batching.Batch runs up to that many sequences at once.
     speculative_tokens: k > 0 makes generate draft up to k tokens a step with the checkpoint's MTP head and verify
-    them in one forward (ninfer_rt.speculative; a Batch decodes without it).
+    them in one forward (ninfer_rt.speculative; a Batch does so for a sequence while it decodes alone).
     """
     if not isinstance(path, (str, PathLike)):
         raise NinferError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")

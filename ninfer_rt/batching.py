@@ -19,6 +19,12 @@ after a tool call) takes that slot and prefills only the rest: multi-slot prefix
 do. With snapshot_at, a copy of the cache after the prompt's first snapshot_at tokens goes into an idle slot, from
 which a chat's next turn (whose template re-renders this turn's reply) continues. Idle slots go least recently
 used first. The recurrent state cannot rewind, so a slot serves only a prompt that extends its ids.
+
+With a model loaded with speculative_tokens, a sequence that decodes alone takes speculative steps (the MTP head's
+drafts verified together: ninfer_rt.speculative.Speculator), as llama.cpp's server drafts per slot. Its slot keeps
+the head's state beside its cache, so a prompt that extends the slot's ids (or a snapshot's) drafts from the head's
+whole history. Logprobs and JSON constraints decode plainly; so does a sequence once it has shared a batched step
+(the head missed that step's rows).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ninfer_rt.json_automaton import SchemaPrefix
 from ninfer_rt.json_schema import JSON_OBJECT, Node
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
+from ninfer_rt.speculative import DraftPlanner, HeadState, Speculator
 from ninfer_rt.stops import StopScanner
 
 PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
@@ -53,6 +60,11 @@ class _Slot:
     ticket: int = 0      # the model's ownership ticket of the slot's last writer (api._KeptCaches.claim)
     used: int = 0        # when it was last taken, filled or left, for least-recently-used eviction
     busy: bool = False
+    head: HeadState | None = None  # the MTP head's state of these ids (speculative models), None where unknown
+
+    def forget(self) -> None:
+        """The slot's contents are unknown (reset on next use)."""
+        self.cache = self.ids = self.head = None
 
 
 class Generation:
@@ -81,6 +93,7 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
+        self.spec: Speculator | None = None  # its speculative steps (Batch.add), while the head keeps up
 
     def take(self) -> list[str]:
         """The text pieces produced since the last take."""
@@ -168,6 +181,7 @@ class Batch:
                        prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
+        self._speculate(g)
         self._running.append(g)
         self.model.last_stats = g.stats  # Model's: the stats of the generation started last
         return g
@@ -182,7 +196,11 @@ class Batch:
         for g in [g for g in self._running if g._next is None]:
             self._guard([g], lambda gens: self._prefill_chunk(gens[0]))
         decoding = [g for g in self._running if g._next is not None]
-        if decoding:
+        if len(decoding) == 1 and decoding[0].spec is not None:
+            self._guard(decoding, lambda gens: self._spec_decode(gens[0]))
+        elif decoding:
+            for g in decoding:  # a batched step keeps no hidden rows for the head: these decode plainly from now
+                g.spec = g._slot.head = None
             self._guard(decoding, self._decode)
 
     # ------------------------------------------------------------------------------------------- slots
@@ -199,7 +217,7 @@ class Batch:
         slot = max(fits, key=lambda s: len(s.ids), default=None)
         if slot is None:
             slot = min(idle, key=lambda s: s.used)
-            slot.cache, slot.ids = self.backend.new_cache(slot.index), []
+            slot.cache, slot.ids, slot.head = self.backend.new_cache(slot.index), [], None
         slot.busy, slot.used, slot.ticket = True, next(self._clock), self._kept.claim(slot.index)
         return slot
 
@@ -211,6 +229,8 @@ class Batch:
         dst = min(idle, key=lambda s: s.used)
         src = g._slot
         dst.cache, dst.ids = self.backend.copy_cache(src.cache, dst.index), list(src.ids)
+        dst.head = None if src.head is None else src.head.copy(self.backend.copy_draft_cache(src.head.cache,
+                                                                                             dst.cache))
         dst.used, dst.ticket = next(self._clock), self._kept.claim(dst.index)
 
     # ------------------------------------------------------------------------------------------- steps
@@ -221,7 +241,7 @@ class Batch:
         next use)."""
         lost = [g for g in gens if not self._owns(g._slot)]
         for g in lost:
-            g._slot.cache = g._slot.ids = None
+            g._slot.forget()
             self._fail(g, NinferError("a later generation (or logits) took this generation's sequence slot"))
         gens = [g for g in gens if g not in lost]
         if not gens:
@@ -230,7 +250,7 @@ class Batch:
             run(gens)
         except Exception as e:
             for g in gens:
-                g._slot.cache = g._slot.ids = None
+                g._slot.forget()
                 self._fail(g, e)
 
     def _prefill_chunk(self, g: Generation) -> None:
@@ -252,6 +272,8 @@ class Batch:
                 g._prompt_lp += [token_logprob(row, g.prompt[p], g.prompt_logprobs, vocab)
                                  for p, row in enumerate(rows[:end - g._fed - last], g._fed + 1)]
                 token = self._draw(g, rows[-1]) if last and g.budget else None
+            elif g.spec is not None:  # the rows' hidden states kept for the head
+                token = g.spec.prefill(chunk, last and g.budget > 0)
             elif last and g.budget and self._on_device(g):
                 token = self._device_draw(g, chunk)
             else:
@@ -283,6 +305,36 @@ class Batch:
         dt = time.perf_counter() - t0
         for g, token in zip(gens, picks):
             g.stats.decode_s += dt
+            self._emit(g, token)
+
+    def _speculate(self, g: Generation) -> None:
+        """Give g speculative steps where the model drafts and g asks for nothing they cannot give (logprobs, a JSON
+        constraint): from its slot's head state where that covers the slot's ids, else from an empty head on an
+        empty slot. Its slot's head state is then g's (None: g's steps keep none)."""
+        slot, k = g._slot, self.model.speculative_tokens
+        if not k or g.logprobs is not None or g.prompt_logprobs is not None or g.constraint is not None:
+            state = None
+        elif not slot.ids:
+            state = HeadState(self.backend.new_draft_cache(slot.cache))
+        else:
+            state = slot.head if slot.head is not None and slot.head.end == len(slot.ids) else None
+        slot.head = state
+        if state is not None:
+            g.spec = Speculator(self.backend, slot.cache, state, g.sampler, real_vocab=self.model.real_vocab_size,
+                                history=g.history, prompt_len=len(g.prompt), planner=DraftPlanner(k))
+
+    def _spec_decode(self, g: Generation) -> None:
+        """One speculative step of g, alone: its drafts and pending token verified together, the tokens it keeps
+        emitted in order (a stop among them ends g there; the cache keeps what was verified)."""
+        t0 = time.perf_counter()
+        new, n = g.spec.step(g._next, g.budget - len(g.stats.token_ids) - 1)  # drafts whose tokens could be output
+        g._slot.ids += [g._next] + new[:-1]
+        g.stats.decode_s += time.perf_counter() - t0
+        g.stats.draft_tokens += n
+        g.stats.accepted_tokens += len(new) - 1
+        for token in new:
+            if g.done:
+                break
             self._emit(g, token)
 
     def _on_device(self, g: Generation) -> bool:

@@ -33,6 +33,9 @@ PrefillChunkOption = Annotated[Optional[int], typer.Option(
 ChecksumsOption = Annotated[bool, typer.Option("--check-checksums", help="Hash every tensor against the artifact's "
                                                                          "checksums first (as ninfer-pack verify "
                                                                          "does).")]
+SpeculativeOption = Annotated[int, typer.Option("--speculative-tokens", help="Draft up to N tokens a step with the "
+                                                "checkpoint's MTP head and verify them in one forward (0 = off, at "
+                                                "most 7). Same output distribution; greedy, the same text.")]
 
 
 def _sampling(model, greedy: bool, overrides: dict):
@@ -67,9 +70,7 @@ def run(
     kv_cache: KvCacheOption = "int8",
     prefill_chunk: PrefillChunkOption = None,
     check_checksums: ChecksumsOption = False,
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens", help="Draft up to N tokens a step with the "
-                                           "checkpoint's MTP head and verify them in one forward (0 = off, at most "
-                                           "7). Same output distribution; greedy, the same text."),
+    speculative_tokens: SpeculativeOption = 0,
 ):
     """Generate a continuation of --prompt; text streams to stdout, timings go to stderr."""
     from ninfer_rt.api import load
@@ -129,10 +130,12 @@ def serve(
     prefix_snapshot: bool = typer.Option(True, "--prefix-snapshot/--no-prefix-snapshot", help="Keep a copy of "
                                          "a chat's history in a slot of its own, so its next turn prefills only "
                                          "the new messages (on the GPU: one more KV cache and DeltaNet state)."),
+    speculative_tokens: SpeculativeOption = 0,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, streaming by server-sent events. Up to --parallel requests
-    generate at once, decoded as one batch."""
+    generate at once, decoded as one batch; with --speculative-tokens, a request that decodes alone drafts with the
+    MTP head."""
     from ninfer_rt.api import MAX_CACHE_SLOTS, load
     from ninfer_rt.serve import Server
     from ninfer_rt.serve.server import is_loopback
@@ -150,7 +153,8 @@ def serve(
         err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
                   "reach the port can use the model", highlight=False, soft_wrap=True, markup=False)
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
-                 progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot)
+                 progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot,
+                 speculative_tokens=speculative_tokens)
     try:
         model.chat_template  # a checkpoint without a usable template fails here, not on the first request
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,

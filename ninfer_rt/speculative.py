@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -116,87 +117,148 @@ class DraftPlanner:
         self.idle = self.idle + 1 if n == 0 else 0
 
 
-def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats, *, draft_tokens: int,
-           real_vocab: int, is_stop: Callable[[int], bool], planner: DraftPlanner | None = None) -> Iterator[int]:
-    """Prefill ids into cache, then speculative steps; yields the output ids as plain decoding does (the stop id
-    is counted in stats.generated_tokens, not yielded) and fills stats (timings, draft_tokens, accepted_tokens).
+@dataclass
+class HeadState:
+    """What the MTP head holds of one sequence: its cache (the pairs (h_p, x_{p+1}) of positions p < head) and the
+    pairs not fed yet, hidden rows `hid` (float32 [n, H] blocks) for positions head .. head + n - 1 and `nxt`, the
+    token after each. The last one may be None: the token after the last fed position, until it is known."""
 
-    backend: verify / rewind / new_draft_cache / draft / rewind_draft (ninfer_rt.reference.backend; the GPU
-    backend's return only the last row where this loop reads no other); with top1=V verify and draft return each
-    row's arg-max over ids < V instead of its logits (and draft(..., chain=c) c more rows after the last, each on
-    the head's own output and pick: one call drafts a step), and with dist=(params, V) (a backend whose can_sample(params)
-    holds) verify returns rows of final probabilities that index by id and convert to arrays. budget: most tokens
-    to output. draft_tokens: k, the most drafts a step (planner, default DraftPlanner(k), picks each step's count).
-    real_vocab: ids past it (padding) never drawn."""
-    prompt_len, history = len(ids), list(ids)
-    params = sampler.params
-    planner = DraftPlanner(draft_tokens) if planner is None else planner
-    # how the target rows come back: arg-max ids (greedy), final distributions computed by the backend (sampling
-    # a GPU can do itself), or logits the Sampler turns into distributions here (penalties, or the CPU)
-    top1 = real_vocab if params.is_greedy and not params.penalised else None
-    can = getattr(backend, "can_sample", None)
-    dist = (params, real_vocab) if top1 is None and can is not None and can(params) else None
+    cache: object
+    head: int = 0
+    hid: list[np.ndarray] = field(default_factory=list)
+    nxt: list[int | None] = field(default_factory=list)
 
-    def final(row: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
-        """The sampler's distribution for one row of logits, after history + drafts, padding masked."""
-        row = row.copy()
-        row[real_vocab:] = -np.inf
-        return sampler.distribution(row, history + list(drafts), prompt_len)
+    @property
+    def end(self) -> int:
+        """Positions with a hidden row: the main cache's length when the state is whole."""
+        return self.head + len(self.nxt)
 
-    def target(rows, i: int, drafts: Sequence[int]):
+    def add(self, hidden: np.ndarray, next_ids: Sequence[int | None]) -> None:
+        """The hidden rows of the next positions and the token after each (the last may be None)."""
+        if self.nxt and self.nxt[-1] is None:
+            raise ValueError("add: the last pair's token is still unknown (set_next)")
+        self.hid.append(np.asarray(hidden, np.float32))
+        self.nxt += list(next_ids)
+
+    def set_next(self, token: int) -> None:
+        """The token after the last position (a prompt that extends the sequence, or a draw)."""
+        self.nxt[-1] = token
+
+    def copy(self, cache) -> HeadState:
+        """A copy over another head cache (the backend's copy of this one's)."""
+        return HeadState(cache, self.head, list(self.hid), list(self.nxt))
+
+
+class Speculator:
+    """Speculative decoding of one sequence, a step at a time: speculative.decode's loop, and Batch's for a
+    sequence that decodes alone.
+
+    backend: verify / rewind / draft / rewind_draft (ninfer_rt.reference.backend; the GPU backend's return only the
+    last row where this loop reads no other); with top1=V verify and draft return each row's arg-max over ids < V
+    instead of its logits (and draft(..., chain=c) c more rows after the last, each on the head's own output and
+    pick: one call drafts a step), and with dist=(params, V) (a backend whose can_sample(params) holds) verify
+    returns rows of final probabilities that index by id and convert to arrays. history: the prompt and the output
+    so far (the caller appends each output token), for the sampler's penalties. real_vocab: ids past it (padding)
+    are never drawn. state: the head's (HeadState), whole up to the main cache's end."""
+
+    def __init__(self, backend, cache, state: HeadState, sampler: Sampler, *, real_vocab: int, history: list[int],
+                 prompt_len: int, planner: DraftPlanner):
+        self.backend, self.cache, self.state, self.sampler = backend, cache, state, sampler
+        self.real_vocab, self.history, self.prompt_len, self.planner = real_vocab, history, prompt_len, planner
+        params = sampler.params
+        # how the target rows come back: arg-max ids (greedy), final distributions computed by the backend (sampling
+        # a GPU can do itself), or logits the Sampler turns into distributions here (penalties, or the CPU)
+        self.top1 = real_vocab if params.is_greedy and not params.penalised else None
+        can = getattr(backend, "can_sample", None)
+        self.dist = (params, real_vocab) if self.top1 is None and can is not None and can(params) else None
+
+    def prefill(self, ids: Sequence[int], last: bool) -> int | None:
+        """Feed prompt tokens ids (at the main cache's end), their hidden rows kept for the head; with last, draw
+        the first output token and return it."""
+        st = self.state
+        if st.nxt:
+            st.set_next(int(ids[0]))
+        rows, hidden, _ = self.backend.verify(np.asarray(ids, np.int64), self.cache, undoable=False, top1=self.top1,
+                                              dist=self.dist)
+        token = None
+        if last:
+            token = int(rows[-1]) if self.top1 is not None else self.sampler.draw(
+                np.asarray(self._target(rows, len(rows) - 1, ()), dtype=np.float64))
+        st.add(hidden, list(ids[1:]) + [token])
+        self._catch_up()
+        return token
+
+    def step(self, last: int, limit: int) -> tuple[list[int], int]:
+        """One step from the token last (drawn, not fed): up to `limit` drafts (the planner's count), one
+        verification -> (the tokens it emits: the drafts kept and the token after them, the drafts taken)."""
+        st, be = self.state, self.backend
+        st.set_next(last)
+        n = self.planner.choose(limit)
+        drafts = self._feed(len(st.nxt), n - 1) if n else []  # the pending pairs, then n - 1 chained rows
+        tokens = np.asarray([last] + drafts, np.int64)
+        rows, hidden, undo = be.verify(tokens, self.cache, top1=self.top1, dist=self.dist)
+        j, nxt = self._judge(drafts, rows)
+        be.rewind(self.cache, undo, tokens, j + 1)
+        new = drafts[:j] + [nxt]
+        st.add(hidden[:j + 1], new[:-1] + [None])
+        self._catch_up()
+        self.planner.observe(n, j)
+        return new, n
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _feed(self, count: int, chain: int = 0) -> list[int]:
+        """The first `count` pending pairs into the head (its chained rows dropped first) and `chain` more rows on
+        its own output and picks -> the picks of the last pair and the chained rows."""
+        st = self.state
+        h = np.concatenate(st.hid) if len(st.hid) > 1 else st.hid[0]
+        self.backend.rewind_draft(st.cache, st.head)
+        picks, _ = self.backend.draft(h[:count], np.asarray(st.nxt[:count], np.int64), st.cache,
+                                      top1=self.real_vocab, chain=chain)
+        st.head += count
+        st.hid, st.nxt = [h[count:]], st.nxt[count:]
+        return [int(t) for t in picks[-(chain + 1):]]
+
+    def _catch_up(self) -> None:
+        """Feed the head all pending pairs but the last (whose token the next step or prompt gives) once more than
+        HEAD_ROWS wait: a prompt's in one call, those of steps without drafts HEAD_ROWS at a time."""
+        if len(self.state.nxt) > HEAD_ROWS:
+            self._feed(len(self.state.nxt) - 1)
+
+    def _target(self, rows, i: int, drafts: Sequence[int]):
         """Row i's target distribution (given drafts before it), as rows came back from the backend."""
-        return rows[i] if dist is not None else final(rows[i], drafts)
+        if self.dist is not None:
+            return rows[i]
+        row = rows[i].copy()  # logits: the sampler's distribution after history + drafts, padding masked
+        row[self.real_vocab:] = -np.inf
+        return self.sampler.distribution(row, self.history + list(drafts), self.prompt_len)
 
-    def judge(drafts: list[int], rows) -> tuple[int, int]:
+    def _judge(self, drafts: list[int], rows) -> tuple[int, int]:
         """(drafts kept, the token after them) from the verification's rows."""
-        if top1 is None:
-            return accept(drafts, None, lambda i: target(rows, i, drafts[:i]), sampler)
+        if self.top1 is None:
+            return accept(drafts, None, lambda i: self._target(rows, i, drafts[:i]), self.sampler)
         j = next((i for i, d in enumerate(drafts) if d != int(rows[i])), len(drafts))
         return j, int(rows[j])
 
+
+def decode(backend, cache, ids: list[int], budget: int, sampler: Sampler, stats: GenerationStats, *, draft_tokens: int,
+           real_vocab: int, is_stop: Callable[[int], bool], planner: DraftPlanner | None = None) -> Iterator[int]:
+    """Prefill ids into cache, then speculative steps (Speculator); yields the output ids as plain decoding does
+    (the stop id is counted in stats.generated_tokens, not yielded) and fills stats (timings, draft_tokens,
+    accepted_tokens). budget: most tokens to output. draft_tokens: k, the most drafts a step (planner, default
+    DraftPlanner(k), picks each step's count)."""
+    history = list(ids)
+    spec = Speculator(backend, cache, HeadState(backend.new_draft_cache(cache)), sampler, real_vocab=real_vocab,
+                      history=history, prompt_len=len(ids),
+                      planner=DraftPlanner(draft_tokens) if planner is None else planner)
     t0 = time.perf_counter()
-    rows, hidden, _ = backend.verify(np.asarray(ids, np.int64), cache, undoable=False, top1=top1, dist=dist)
-    last = int(rows[-1]) if top1 is not None else sampler.draw(np.asarray(target(rows, len(rows) - 1, ()),
-                                                                          dtype=np.float64))
-    draft_cache = backend.new_draft_cache(cache)
-    # the MTP head takes the pairs (h_p, x_{p+1}) of real tokens: the prompt's now (its prefill), the last one and
-    # each step's when a step drafts (a step of 0 drafts runs no head row), at most HEAD_ROWS a call
-    pend_h, pend_t = [hidden], ids[1:] + [last]
-    head = 0  # real rows in the head's cache (positions 0..head-1)
-
-    def feed(count: int, chain: int = 0) -> list[int]:
-        """The first `count` pending pairs into the head (its chained rows dropped first) and `chain` more rows on
-        its own output and picks -> the picks of the last pair and the chained rows."""
-        nonlocal head, pend_h, pend_t
-        h = np.concatenate(pend_h) if len(pend_h) > 1 else pend_h[0]
-        backend.rewind_draft(draft_cache, head)
-        picks, _ = backend.draft(h[:count], np.asarray(pend_t[:count], np.int64), draft_cache, top1=real_vocab,
-                                 chain=chain)
-        head += count
-        pend_h, pend_t = [h[count:]], pend_t[count:]
-        return [int(t) for t in picks[-(chain + 1):]]
-
-    if len(pend_t) > 1:
-        feed(len(pend_t) - 1)  # the last pair waits: the first drafting step chains on from its output
+    new = [spec.prefill(ids, last=True)]
     stats.prefill_s = time.perf_counter() - t0
-    new = [last]
     while not (yield from emit(new, stats, history, budget, is_stop)):
         t0 = time.perf_counter()
-        last = new[-1]
-        n = planner.choose(budget - len(stats.token_ids) - 1)  # drafts whose tokens could still be output
-        drafts = feed(len(pend_t), n - 1) if n else []  # the pending pairs, then n - 1 chained rows
-        tokens = np.asarray([last] + drafts, np.int64)
-        rows, hidden, undo = backend.verify(tokens, cache, top1=top1, dist=dist)
-        j, nxt = judge(drafts, rows)
-        backend.rewind(cache, undo, tokens, j + 1)
-        new = drafts[:j] + [nxt]
-        pend_h.append(hidden[:j + 1])
-        pend_t += new
-        while len(pend_t) > HEAD_ROWS:  # steps without drafts: the head keeps up in calls of HEAD_ROWS
-            feed(HEAD_ROWS)
+        new, n = spec.step(new[-1], budget - len(stats.token_ids) - 1)  # drafts whose tokens could be output
         stats.draft_tokens += n
-        stats.accepted_tokens += j
-        planner.observe(n, j)
+        stats.accepted_tokens += len(new) - 1
         stats.decode_s += time.perf_counter() - t0
 
 

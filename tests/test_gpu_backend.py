@@ -78,8 +78,9 @@ def test_a_failed_driver_call_names_its_result_code(monkeypatch):
 def test_speculative_contract_keeps_the_positions(monkeypatch):
     """GpuBackend's verify / rewind / draft (ninfer_rt.speculative's contract) on a recording GpuModel: a prompt
     runs as a prefill keeping every row's hidden state and returns the last logits row; a verification keeps each
-    token's DeltaNet state (trail) and returns every row; a rewind hands the kept count to GpuModel.rewind and moves
-    the position back; drafts run at the draft cache's positions in the sequence's slot and return the last row."""
+    token's DeltaNet state (trail; not for a lone token) and returns every row; a rewind hands the kept count to
+    GpuModel.rewind (its copies replayed as a graph) and moves the position back; drafts run at the draft cache's
+    positions in the sequence's slot and return the last row; a head cache copies to the copied sequence's slot."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -102,8 +103,8 @@ def test_speculative_contract_keeps_the_positions(monkeypatch):
         def verify(self, ids, pos, slot, graph=True, trail=False):
             log.append(("verify", len(ids), pos, slot, trail))
 
-        def rewind(self, slot, keep, T):
-            log.append(("rewind", slot, keep, T))
+        def rewind(self, slot, keep, T, graph=True):
+            log.append(("rewind", slot, keep, T, graph))
 
         def draft(self, hidden, ids, pos, slot, graph=True):
             log.append(("draft", len(ids), pos, slot))
@@ -129,11 +130,16 @@ def test_speculative_contract_keeps_the_positions(monkeypatch):
     assert logits.shape == (4, V) and hidden.shape == (4, H) and undo == 4 and cache.pos == 14
     be.rewind(cache, undo, np.arange(4), 2)
     assert cache.pos == 12
+    _, _, undo = be.verify(np.arange(1), cache)  # a lone token keeps itself: no trail
+    be.rewind(cache, undo, np.arange(1), 1)
+    assert cache.pos == 13
     d = be.new_draft_cache(cache)
     d_logits, d_hidden = be.draft(np.zeros((10, H)), np.arange(10), d)  # chunks of 3: the last holds 1 row
     assert d_logits.shape == (1, V) and d_hidden.tolist() == [[0, 1, 2, 3]] and d.pos == 10 and d.slot == 1
     be.draft(np.zeros((2, H)), np.arange(2), d)
     be.rewind_draft(d, 11)
     assert d.pos == 11
-    assert log == [("reset", 1), ("prefill", 10, 1, 0, True), ("verify", 4, 10, 1, True), ("rewind", 1, 2, 4),
-                   ("draft", 10, 0, 1), ("draft", 2, 10, 1)]
+    copy = be.copy_draft_cache(d, backend.GpuCache(pos=13, slot=0))  # copy_slot copied the head's KV rows
+    assert (copy.pos, copy.slot, d.slot) == (11, 0, 1)
+    assert log == [("reset", 1), ("prefill", 10, 1, 0, True), ("verify", 4, 10, 1, True), ("rewind", 1, 2, 4, True),
+                   ("verify", 1, 12, 1, False), ("rewind", 1, 1, 1, True), ("draft", 10, 0, 1), ("draft", 2, 10, 1)]

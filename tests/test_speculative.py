@@ -197,11 +197,11 @@ def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_mode
                                   planner=ScriptedPlanner([0, 0, 0, 2, 0, 1])))
     assert out == _plain(packed_model, GREEDY, 12)
     seq = PROMPT + out
-    assert len(be.calls) == 3  # the prompt's pairs but its last; the step of 2; the step of 1
+    assert len(be.calls) == 3  # 8 pairs after the first step of 0 drafts; the step of 2; the step of 1
     (start0, ids0, _, chain0), (start1, ids1, picks1, chain1), (start2, ids2, _, chain2) = be.calls
-    P = len(PROMPT) + 3  # the pairs (h_p, x_{p+1}) of the prompt and the 3 steps of 0 drafts: p < P
-    assert (start0, ids0, chain0) == (0, seq[1:len(PROMPT)], 0)
-    assert start1 == len(PROMPT) - 1 and ids1 == seq[len(PROMPT):P + 1] and chain1 == 1 and chain2 == 0
+    R, P = speculative.HEAD_ROWS, len(PROMPT) + 3  # the pairs (h_p, x_{p+1}) of the prompt and 3 steps: p < P
+    assert (start0, ids0, chain0) == (0, seq[1:R + 1], 0) and len(PROMPT) == R
+    assert start1 == R and ids1 == seq[R + 1:P + 1] and chain1 == 1 and chain2 == 0
     # the step of 2 kept some drafts and a token, the step of 0 after it one token: fed from P, over the chained row
     assert start2 == P and len(ids2) >= 2 and ids2 == seq[P + 1:P + 1 + len(ids2)]
     # the oracle: the head over the whole real sequence at once drafts the same from row P - 1, and from there
@@ -216,7 +216,7 @@ def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_mode
 
 def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, spec_model):
     """Steps of 0 drafts only: the head takes the real pairs HEAD_ROWS at a time (calls its GPU runs as captured
-    decode-sized steps), contiguous from where the prompt's end, one pair always left for a drafting step."""
+    decode-sized steps), from the prompt's on, one pair always left for a drafting step."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
 
@@ -228,8 +228,8 @@ def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, 
     seq = PROMPT + out
     assert out == _plain(packed_model, GREEDY, 24) and stats.draft_tokens == 0
     R = speculative.HEAD_ROWS
-    starts = list(range(len(PROMPT) - 1, len(PROMPT) - 1 + 2 * R, R))  # 23 steps leave 1 + 23 pairs: 2 calls of R
-    assert [(c[0], c[1], c[3]) for c in be.calls[1:]] == [(p, seq[p + 1:p + 1 + R], 0) for p in starts]
+    starts = range(0, 3 * R, R)  # the prompt's 8 pairs and 23 steps' 23: 3 calls of R, 7 left
+    assert [(c[0], c[1], c[3]) for c in be.calls] == [(p, seq[p + 1:p + 1 + R], 0) for p in starts]
 
 
 @pytest.fixture(scope="module")

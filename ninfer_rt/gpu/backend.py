@@ -178,6 +178,11 @@ class GpuBackend:
         """The MTP head's KV cache of cache's sequence (in its slot), empty."""
         return GpuCache(slot=cache.slot)
 
+    def copy_draft_cache(self, draft_cache: GpuCache, copy: GpuCache) -> GpuCache:
+        """The head's cache of a sequence copied by copy_cache into `copy` (copy_slot copied the head's KV rows too,
+        those below the main cache's length, which the head's never passes)."""
+        return GpuCache(pos=draft_cache.pos, slot=copy.slot)
+
     def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: GpuCache, top1: int | None = None,
               chain: int = 0):
         """MTP rows at the draft cache's next positions: hidden [T, H], next_ids [T] -> (the last row's draft

@@ -75,6 +75,10 @@ class ReferenceBackend:
         objects of their own: cache is not needed here, as it is on the GPU)."""
         return self.model.new_mtp_cache()
 
+    def copy_draft_cache(self, draft_cache: Cache, copy: Cache | None = None) -> Cache:
+        """An independent copy of the MTP head's cache (for a sequence copied by copy_cache)."""
+        return draft_cache.clone()
+
     def draft(self, hidden: np.ndarray, next_ids: np.ndarray, draft_cache: Cache, top1: int | None = None,
               chain: int = 0):
         """MTP rows at the draft cache's next positions p: hidden [T, H] (h_p), next_ids [T] (x_{p+1}) -> (draft

@@ -148,6 +148,36 @@ def test_load_on_cuda_drafts_and_keeps_greedy_output(gpu, artifact):  # gpu: ski
     assert got == want and stats.draft_tokens > 0
 
 
+def test_a_batch_on_cuda_drafts_and_keeps_the_head_for_a_longer_prompt(gpu, artifact):  # gpu: skipped without one
+    """Batch (serve's decoding) on a model loaded with speculative_tokens=3: a lone request drafts (steered to the
+    plain text: every draft kept), and a second request extending its slot prefills only its new tokens and drafts
+    on from the head's state; both outputs equal plain greedy decoding on the GPU."""
+    from ninfer_rt.api import load
+    from ninfer_rt.sampling import SamplingParams
+    from ninfer_rt.speculative import SteeredDrafts
+
+    ids, greedy = prompt(20, 13).tolist(), SamplingParams(greedy=True)
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
+        want_a = list(plain.generate_ids(ids, max_new_tokens=16, sampling=greedy))
+        second = ids + want_a + [5, 6, 7]
+        want_b = list(plain.generate_ids(second, max_new_tokens=12, sampling=greedy))
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
+        spec._backend = SteeredDrafts(spec._backend, second + want_b)  # both requests' texts, position by position
+        batch = spec.batch(parallel=1)
+        runs = []
+        for p, n in ((ids, 16), (second, 12)):
+            g = batch.add(p, max_new_tokens=n, sampling=greedy)
+            runs.append((g, g.stats.cached_tokens, g.spec is not None))
+            while batch.busy:
+                batch.step()
+    (a, cached_a, spec_a), (b, cached_b, spec_b) = runs
+    print(f"batch: {a.stats.accepted_tokens} of {a.stats.draft_tokens}, then {b.stats.accepted_tokens} of "
+          f"{b.stats.draft_tokens} drafts kept")
+    assert a.stats.token_ids == want_a and b.stats.token_ids == want_b
+    assert (cached_a, cached_b, spec_a, spec_b) == (0, len(ids) + 15, True, True)
+    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0 and b.stats.accepted_tokens == b.stats.draft_tokens > 0
+
+
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.95)
 
 

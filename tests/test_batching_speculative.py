@@ -1,0 +1,163 @@
+"""Speculative steps inside a Batch (serve's decoding): a sequence that decodes alone drafts with the MTP head, and
+its slot keeps the head's state for a prompt that extends it.
+
+Oracles: plain greedy decoding of each prompt alone (Model.generate on a model without drafts: the ids must be the
+same whatever the drafts were), and the reference head run over a whole real sequence in one call (a head state
+carried across generations must draft what the head drafts from scratch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer_rt import load
+from ninfer_rt.sampling import SamplingParams
+from ninfer_rt.speculative import SteeredDrafts
+
+GREEDY = SamplingParams(greedy=True)
+PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
+
+
+@pytest.fixture(scope="module")
+def model(packed, one_thread):
+    m = load(packed, "cpu", cache_slots=3, speculative_tokens=3)
+    yield m
+    m.close()
+
+
+def plain(packed_model, prompt: list[int], n: int, sampling=GREEDY) -> list[int]:
+    return list(packed_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
+
+
+class HeadLog:
+    """A backend that records each MTP head call: (the head cache's position, the ids fed, the picks, chain)."""
+
+    def __init__(self, backend):
+        self.inner, self.calls = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, hidden, next_ids, draft_cache, top1=None, chain=0):
+        start = draft_cache.pos
+        picks, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1, chain=chain)
+        self.calls.append((start, [int(t) for t in next_ids], [int(t) for t in picks], chain))
+        return picks, out
+
+
+def drain(batch) -> None:
+    while batch.busy:
+        batch.step()
+
+
+@pytest.fixture
+def wrap(model):
+    """wrap(backend_factory) puts a wrapper around the model's backend for one test."""
+    inner = model._backend
+
+    def put(make):
+        model._backend = make(inner)
+        return model._backend
+    yield put
+    model._backend = inner
+
+
+def test_a_lone_sequence_drafts_and_keeps_plain_output(model, packed_model, wrap):
+    """Drafts steered to plain greedy's text are all kept (steps of up to 4 tokens), and with the head's own drafts
+    (none right) the output is plain greedy's all the same."""
+    want = plain(packed_model, PROMPT, 24)
+    steered = wrap(lambda b: SteeredDrafts(b, PROMPT + want))
+    batch = model.batch(parallel=2)
+    g = batch.add(PROMPT, max_new_tokens=24, sampling=GREEDY)
+    drain(batch)
+    s = g.stats
+    assert s.token_ids == want and s.finish_reason == "length"
+    assert s.accepted_tokens == s.draft_tokens > 0 and steered.verifies < 1 + 23 / 2
+    model._backend = steered.inner
+    g = batch.add(PROMPT, max_new_tokens=24, sampling=GREEDY)
+    drain(batch)
+    assert g.stats.token_ids == want and g.stats.draft_tokens > 0
+
+
+def test_a_prompt_that_extends_a_slot_drafts_from_the_heads_whole_history(model, packed_model, wrap):
+    """A second request whose prompt extends the first one's slot prefills only its new tokens, and its head feeds
+    on from where the first one's pairs ended: its first head call starts there with the tokens that follow, and
+    drafts what the head run over the whole real sequence at once drafts (oracle: the backend's forward and head,
+    one call each). Both outputs are plain greedy's."""
+    log = wrap(HeadLog)
+    batch = model.batch(parallel=2)
+    a = batch.add(PROMPT, max_new_tokens=10, sampling=GREEDY)
+    drain(batch)
+    first = list(a.stats.token_ids)
+    assert first == plain(packed_model, PROMPT, 10)
+    calls_a = len(log.calls)
+    second = PROMPT + first + [7, 300, 21]
+    b = batch.add(second, max_new_tokens=6, sampling=GREEDY)
+    fed = b.stats.cached_tokens
+    assert fed == len(PROMPT) + len(first) - 1  # every id but the last output token was fed
+    drain(batch)
+    assert b.stats.token_ids == plain(packed_model, second, 6) and b.stats.draft_tokens > 0
+    start, ids, picks, _ = log.calls[calls_a]
+    seq = second + b.stats.token_ids
+    assert start + len(ids) > fed and ids == seq[start + 1:start + 1 + len(ids)]
+    head_a = max(c[0] + len(c[1]) for c in log.calls[:calls_a])  # real pairs the first request fed
+    assert start == head_a  # none skipped, none again: the second request's head feeds on from the first one's
+    ref = log.inner
+    _, hidden, _ = ref.verify(np.asarray(seq, np.int64), ref.new_cache(), undoable=False)
+    end = start + len(ids)
+    want, _ = ref.draft(hidden[:end], np.asarray(seq[1:end + 1], np.int64), ref.new_draft_cache(),
+                        top1=model.real_vocab_size)
+    assert picks[-1 - log.calls[calls_a][3]] == want[-1]
+
+
+def test_batched_steps_decode_plainly_from_then_on(model, packed_model):
+    """Two sequences decoding together share plain batched steps (the head misses their rows): each still decodes
+    its plain greedy text, neither speculates from then on, and a prompt extending one of their slots decodes
+    plainly too (its slot's head state is gone)."""
+    other = [9, 8, 7, 6]
+    batch = model.batch(parallel=2)
+    a = batch.add(PROMPT, max_new_tokens=8, sampling=GREEDY)
+    b = batch.add(other, max_new_tokens=8, sampling=GREEDY)
+    drain(batch)
+    assert a.stats.token_ids == plain(packed_model, PROMPT, 8) and b.stats.token_ids == plain(packed_model, other, 8)
+    assert a.spec is b.spec is None and a.stats.draft_tokens == b.stats.draft_tokens == 0
+    c = batch.add(PROMPT + a.stats.token_ids + [4], max_new_tokens=4, sampling=GREEDY)
+    assert c.stats.cached_tokens > 0 and c.spec is None
+    drain(batch)
+    assert c.stats.draft_tokens == 0
+
+
+def test_logprobs_and_json_decode_plainly(model):
+    batch = model.batch(parallel=2)
+    g = batch.add(PROMPT, max_new_tokens=4, sampling=GREEDY, logprobs=2)
+    drain(batch)
+    assert g.spec is None and g.stats.draft_tokens == 0 and len(g.take_logprobs()) == 4
+    g = batch.add(PROMPT, max_new_tokens=4, sampling=GREEDY, json_object=True)
+    assert g.spec is None
+    drain(batch)
+
+
+def test_a_snapshot_keeps_the_heads_state(model, packed_model):
+    """A prompt's snapshot (a chat's history) carries a copy of the head's state: a next prompt extending the
+    snapshot's ids takes that slot and speculates from it, with plain greedy's output."""
+    batch = model.batch(parallel=1)
+    long = PROMPT + [33, 44, 55, 66]
+    a = batch.add(long, max_new_tokens=3, sampling=GREEDY, snapshot_at=len(PROMPT))
+    drain(batch)
+    nxt = PROMPT + [2, 4, 6]
+    b = batch.add(nxt, max_new_tokens=6, sampling=GREEDY)
+    assert b.stats.cached_tokens == len(PROMPT) and b.spec is not None
+    drain(batch)
+    assert a.stats.token_ids == plain(packed_model, long, 3) and b.stats.token_ids == plain(packed_model, nxt, 6)
+
+
+def test_seeded_sampling_repeats_in_a_batch(model):
+    params = SamplingParams(temperature=0.9, top_k=20, seed=77)
+    outs = []
+    for _ in range(2):
+        batch = model.batch(parallel=1)
+        g = batch.add(PROMPT, max_new_tokens=12, sampling=params)
+        drain(batch)
+        outs.append(g.stats.token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 12
