@@ -217,6 +217,12 @@ class Sampler:
         ids = np.flatnonzero(probs > 0)
         return self._invert(ids, probs[ids])
 
+    def draw_among(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """draw() of the distribution that is probs at ids (ascending) and 0 elsewhere: the same draw, without the
+        vocabulary-sized array."""
+        keep = probs > 0
+        return self._invert(ids[keep], probs[keep])
+
     def uniform(self) -> float:
         """A uniform draw in [0, 1) from this sampler's stream (speculative decoding's acceptance test)."""
         return float(self._rng.random())

@@ -55,22 +55,31 @@ def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: C
         q_d = 1.0 if q_rows is None else q_rows[i][d]
         if sampler.uniform() * q_d < p[d]:
             continue
-        p = np.array(p, dtype=np.float64)
+        # the residual over p's support only (a top-k/top-p row has a handful of ids of 248K): the same draw
+        ids, probs = _support(p)
+        residual = probs.copy()
         if q_rows is None:
-            residual = p.copy()
-            residual[d] = 0.0
+            residual[ids == d] = 0.0
         else:
-            residual = np.maximum(p - q_rows[i], 0.0)
+            residual = np.maximum(residual - np.asarray(q_rows[i], np.float64)[ids], 0.0)
         # p(d) < q(d) leaves mass in the residual; rounding could still empty it, and then p itself is the answer
-        return i, sampler.draw(residual if residual.sum() > 0 else p)
-    return len(drafts), sampler.draw(np.asarray(target(len(drafts)), dtype=np.float64))
+        return i, sampler.draw_among(ids, residual if residual.sum() > 0 else probs)
+    return len(drafts), sampler.draw_among(*_support(target(len(drafts))))
+
+
+def _support(p) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, float64 probabilities) of a row's entries > 0, ids ascending."""
+    row = np.asarray(p)
+    ids = np.flatnonzero(row > 0)
+    return ids, row[ids].astype(np.float64)
 
 
 def default_cost(n: int) -> float:
-    """A step of n drafts in plain decode steps: on an H100 at 8K (35B shapes, v94) a plain step took 1.62 ms, a
-    step of n >= 1 drafts 2.19 + 0.65 n ms (a verification of n + 1 tokens, the head's rows, the host's waits);
-    a step of 0 drafts is a plain step with the post-norm hidden state kept for the head."""
-    return 1.0 if n == 0 else 1.35 + 0.40 * n
+    """Milliseconds of a step of n drafts on an H100 at 8K context (35B shapes; bench/speculative_parts.py and
+    bench/speculative_loop.py, v94): n = 0 a verification of one token with its hidden row back (1.69) and an
+    eighth of the head over 8 rows (0.42); n >= 1 the head's rows, a verification of n + 1 tokens and the host's
+    waits (a plain step: 1.60). Only the ratios matter to the planner."""
+    return 1.74 if n == 0 else 2.2 + 0.7 * n
 
 
 class DraftPlanner:

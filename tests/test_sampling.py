@@ -220,3 +220,17 @@ def test_defaults_from_generation_config():
     assert SamplingParams.defaults_from_generation_config(cfg, seed=3, top_k=5).top_k == 5
     with pytest.raises(NinferError, match="generation_config.json: top_p"):
         SamplingParams.defaults_from_generation_config({"top_p": "high"})
+
+
+def test_draw_among_a_support_is_the_draw_of_the_whole_row():
+    """draw_among(ids, probs) consumes the stream as draw() of the vocabulary-sized row that is probs at ids (zeros
+    among them included): the same ids, draw after draw, from the same seed."""
+    rng = np.random.default_rng(5)
+    whole, sparse = Sampler(SamplingParams(seed=11)), Sampler(SamplingParams(seed=11))
+    for _ in range(200):
+        row = np.zeros(5000)
+        ids = np.sort(rng.choice(5000, size=int(rng.integers(1, 30)), replace=False))
+        row[ids] = rng.random(ids.size) * (rng.random(ids.size) > 0.2)
+        if not row.any():
+            continue
+        assert whole.draw(row) == sparse.draw_among(ids, row[ids])
