@@ -75,11 +75,11 @@ def _support(p) -> tuple[np.ndarray, np.ndarray]:
 
 
 def default_cost(n: int) -> float:
-    """Milliseconds of a step of n drafts on an H100 at 8K context (35B shapes; bench/speculative_parts.py and
-    bench/speculative_loop.py, v94): n = 0 a verification of one token with its hidden row back (1.69) and an
-    eighth of the head over 8 rows (0.42); n >= 1 the head's rows, a verification of n + 1 tokens and the host's
-    waits (a plain step: 1.60). Only the ratios matter to the planner."""
-    return 1.74 if n == 0 else 2.2 + 0.7 * n
+    """Milliseconds of a step of n drafts on an H100 at 8K context (35B shapes; bench/speculative_loop.py and
+    bench/speculative_parts.py, v94): n = 0 a verification of one token with its hidden row back and the head's
+    catch-up (1.8; a plain step 1.6), n >= 1 the head's rows, a verification of n + 1 tokens and the host's waits
+    (2.18 + 0.69 n, fit to every draft kept at n = 1..3). Only the ratios matter to the planner."""
+    return 1.8 if n == 0 else 2.18 + 0.69 * n
 
 
 class DraftPlanner:

@@ -119,8 +119,8 @@ def test_planner_stops_drafting_when_none_is_kept_and_probes_again():
 
 
 def test_planner_default_costs_and_limits():
-    """default_cost (H100 milliseconds: 1.74 for no draft, 2.2 + 0.7 n for n): at the prior's acceptance (0.73)
-    two drafts pay best (2.26 tokens for 3.6 ms against 1 for 1.74, 1.73 for 2.9 and 2.65 for 4.3), every draft
+    """default_cost (H100 milliseconds: 1.8 for no draft, 2.18 + 0.69 n for n): at the prior's acceptance (0.73)
+    two drafts pay best (2.26 tokens for 3.56 ms against 1 for 1.8, 1.73 for 2.87 and 2.65 for 4.25), every draft
     kept the most, none kept none; fixed always takes the most; never more than the budget still takes."""
     p = DraftPlanner(3)
     assert p.choose(100) == 2
