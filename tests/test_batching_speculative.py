@@ -14,6 +14,7 @@ import pytest
 from ninfer_rt import load
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SteeredDrafts
+from head_log import HeadLog
 
 GREEDY = SamplingParams(greedy=True)
 PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
@@ -28,22 +29,6 @@ def model(packed, one_thread):
 
 def plain(packed_model, prompt: list[int], n: int, sampling=GREEDY) -> list[int]:
     return list(packed_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
-
-
-class HeadLog:
-    """A backend that records each MTP head call: (the head cache's position, the ids fed, the picks, chain)."""
-
-    def __init__(self, backend):
-        self.inner, self.calls = backend, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, hidden, next_ids, draft_cache, top1=None, chain=0):
-        start = draft_cache.pos
-        picks, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1, chain=chain)
-        self.calls.append((start, [int(t) for t in next_ids], [int(t) for t in picks], chain))
-        return picks, out
 
 
 def drain(batch) -> None:

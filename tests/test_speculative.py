@@ -15,6 +15,7 @@ from ninfer_rt import load
 from ninfer_rt.errors import NinferError
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.speculative import MAX_DRAFT_TOKENS, DraftPlanner, SteeredDrafts, accept
+from head_log import HeadLog
 
 GREEDY = SamplingParams(greedy=True)
 PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
@@ -164,22 +165,6 @@ class ScriptedPlanner(DraftPlanner):
 
     def choose(self, limit: int) -> int:
         return min(self.counts.pop(0), limit) if self.counts else 0
-
-
-class HeadLog:
-    """A backend that records each MTP head call (the head cache's position, the ids fed, the picks returned)."""
-
-    def __init__(self, backend):
-        self.inner, self.calls = backend, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, hidden, next_ids, draft_cache, top1=None, chain=0):
-        start = draft_cache.pos
-        picks, out = self.inner.draft(hidden, next_ids, draft_cache, top1=top1, chain=chain)
-        self.calls.append((start, [int(t) for t in next_ids], [int(t) for t in picks], chain))
-        return picks, out
 
 
 def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_model):
