@@ -20,6 +20,7 @@ from ninfer_rt.errors import NinferError
 from ninfer_rt.gpu import linear, misc
 
 MTP = "mtp."
+CHAIN_MAX = 7  # chained rows a call takes: a verification feeds at most 8 tokens, the last real one and 7 drafts
 
 
 def alloc(m) -> None:
@@ -28,9 +29,6 @@ def alloc(m) -> None:
     m.buf.hin = m._alloc(m.rows * m.H * 4)
     m.buf.cat = m._alloc(m.rows * 2 * m.H * 4)
     m.buf.picks = m._alloc(4 * (CHAIN_MAX + 1))
-
-
-CHAIN_MAX = 7  # chained rows a call takes: a verification feeds at most 8 tokens, the last real one and 7 drafts
 
 
 def chain(m, rows: int, pos: int, slot: int, count: int, vocab: int, *, graph: bool = True) -> np.ndarray:
