@@ -24,7 +24,8 @@ With a model loaded with speculative_tokens, a sequence that decodes alone takes
 drafts verified together: ninfer_rt.speculative.Speculator), as llama.cpp's server drafts per slot. Its slot keeps
 the head's state beside its cache, so a prompt that extends the slot's ids (or a snapshot's) drafts from the head's
 whole history. Logprobs and JSON constraints decode plainly; so does a sequence once it has shared a batched step
-(the head missed that step's rows).
+(the head missed that step's rows). A stop id among a step's kept drafts is in the cache, as verified: a next
+prompt that does not carry it does not extend that slot.
 """
 
 from __future__ import annotations
