@@ -146,3 +146,19 @@ def test_seeded_sampling_repeats_in_a_batch(model):
         drain(batch)
         outs.append(g.stats.token_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+def test_serve_drafts_and_counts_its_drafts(model, packed_model):
+    """serve over a speculative model: a greedy completion is plain greedy decoding's text, and /metrics counts the
+    drafts the generation took and kept (its GenerationStats, which Batch.add made model.last_stats)."""
+    from serve_client import Running
+
+    want = "".join(packed_model.generate("Once upon a time", max_new_tokens=12, sampling=GREEDY))
+    with Running(model) as r:
+        status, reply = r.json("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        _, _, data = r.request("GET", "/metrics")
+    stats = model.last_stats
+    got = dict(ln.rsplit(" ", 1) for ln in data.decode().splitlines() if not ln.startswith("#"))
+    assert status == 200 and reply["choices"][0]["text"] == want and stats.draft_tokens > 0
+    assert int(got["ninfer_draft_tokens_total"]) == stats.draft_tokens
+    assert int(got["ninfer_draft_tokens_accepted_total"]) == stats.accepted_tokens

@@ -248,3 +248,4 @@ def test_metrics_count_what_the_replies_reported(model):
     assert got["ninfer_prompt_tokens_cached_total"] == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert got["ninfer_generation_tokens_total"] == sum(u["completion_tokens"] for u in usages)
     assert got["ninfer_requests_running"] == got["ninfer_requests_waiting"] == 0
+    assert got["ninfer_draft_tokens_total"] == got["ninfer_draft_tokens_accepted_total"] == 0  # no speculation
