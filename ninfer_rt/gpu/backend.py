@@ -142,13 +142,11 @@ class GpuBackend:
         else:
             # one token keeps itself: no trail (the trail kernels cost a lone token's step more than the plain one)
             self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=ids.size > 1)
-            rows, hidden = ids.size, None
+            rows, hidden = ids.size, self.model.hidden(ids.size)
         cache.pos += ids.size
-        # the rows' ids (or distributions) enqueued behind the step before the host waits, once, for the hidden rows
-        out = self._probs_of(rows, *dist) if dist is not None else self._rows(rows, top1)
-        if hidden is None:
-            hidden = self.model.hidden(rows)
-        return out, hidden, ids.size if undoable else None
+        if dist is not None:
+            return self._probs_of(rows, *dist), hidden, ids.size if undoable else None
+        return self._rows(rows, top1), hidden, ids.size if undoable else None
 
     def _probs_of(self, rows: int, params: SamplingParams, vocab: int) -> DeviceRows:
         """The final probabilities under params of the logits buffer's first rows over ids < vocab, computed on
