@@ -217,6 +217,38 @@ def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, 
     assert [(c[0], c[1], c[3]) for c in be.calls] == [(p, seq[p + 1:p + 1 + R], 0) for p in starts]
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_random_draft_counts_and_rejections_keep_the_output_and_the_heads_rows(packed_model, spec_model, seed):
+    """Speculator steps (as Batch drives them) with random draft counts (0..3 a step) and drafts steered wrong at
+    random positions: the output is plain greedy's; the head is fed every real pair once and in order (each call's
+    real rows start where the last call's ended, chained rows only after them); before every step the head's state
+    covers the main cache exactly."""
+    from ninfer_rt import speculative
+
+    rng = np.random.default_rng(seed)
+    n = 16
+    want = _plain(packed_model, GREEDY, n)
+    wrong = set(rng.choice(len(PROMPT) + n, size=8, replace=False).tolist())
+    log = HeadLog(SteeredDrafts(spec_model._backend, PROMPT + want, lambda pos: pos in wrong))
+    cache = log.new_cache(0)
+    spec = speculative.Speculator(log, cache, speculative.HeadState(log.new_draft_cache(cache)), Sampler(GREEDY),
+                                  real_vocab=spec_model.real_vocab_size, history=list(PROMPT),
+                                  prompt_len=len(PROMPT), planner=ScriptedPlanner(rng.integers(0, 4, 40).tolist()))
+    out = [spec.prefill(PROMPT, last=True)]
+    drafted = kept = 0
+    while len(out) < n:
+        assert spec.state.end == cache.pos == len(PROMPT) + len(out) - 1
+        new, k = spec.step(out[-1], n - len(out) - 1)
+        spec.history += new
+        out += new
+        drafted, kept = drafted + k, kept + len(new) - 1
+    assert out == want and 0 < kept < drafted
+    fed = 0
+    for start, ids, _, chain in log.calls:
+        assert start == fed and ids == (PROMPT + want)[start + 1:start + 1 + len(ids)]
+        fed += len(ids)
+
+
 @pytest.fixture(scope="module")
 def spec_model(packed, one_thread):
     m = load(packed, "cpu", speculative_tokens=3)
