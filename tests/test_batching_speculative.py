@@ -15,9 +15,8 @@ from ninfer_rt import load
 from ninfer_rt.sampling import SamplingParams
 from ninfer_rt.speculative import SteeredDrafts
 from head_log import HeadLog
+from test_speculative import GREEDY, PROMPT, _plain
 
-GREEDY = SamplingParams(greedy=True)
-PROMPT = [5, 17, 3, 99, 41, 8, 230, 12]
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +24,6 @@ def model(packed, one_thread):
     m = load(packed, "cpu", cache_slots=3, speculative_tokens=3)
     yield m
     m.close()
-
-
-def plain(packed_model, prompt: list[int], n: int, sampling=GREEDY) -> list[int]:
-    return list(packed_model.generate_ids(prompt, max_new_tokens=n, sampling=sampling))
 
 
 def drain(batch) -> None:
@@ -51,7 +46,7 @@ def wrap(model):
 def test_a_lone_sequence_drafts_and_keeps_plain_output(model, packed_model, wrap):
     """Drafts steered to plain greedy's text are all kept (steps of up to 4 tokens), and with the head's own drafts
     (none right) the output is plain greedy's all the same."""
-    want = plain(packed_model, PROMPT, 24)
+    want = _plain(packed_model, n=24)
     steered = wrap(lambda b: SteeredDrafts(b, PROMPT + want))
     batch = model.batch(parallel=2)
     g = batch.add(PROMPT, max_new_tokens=24, sampling=GREEDY)
@@ -75,14 +70,14 @@ def test_a_prompt_that_extends_a_slot_drafts_from_the_heads_whole_history(model,
     a = batch.add(PROMPT, max_new_tokens=10, sampling=GREEDY)
     drain(batch)
     first = list(a.stats.token_ids)
-    assert first == plain(packed_model, PROMPT, 10)
+    assert first == _plain(packed_model, n=10)
     calls_a = len(log.calls)
     second = PROMPT + first + [7, 300, 21]
     b = batch.add(second, max_new_tokens=6, sampling=GREEDY)
     fed = b.stats.cached_tokens
     assert fed == len(PROMPT) + len(first) - 1  # every id but the last output token was fed
     drain(batch)
-    assert b.stats.token_ids == plain(packed_model, second, 6) and b.stats.draft_tokens > 0
+    assert b.stats.token_ids == _plain(packed_model, n=6, prompt=second) and b.stats.draft_tokens > 0
     start, ids, picks, _ = log.calls[calls_a]
     seq = second + b.stats.token_ids
     assert start + len(ids) > fed and ids == seq[start + 1:start + 1 + len(ids)]
@@ -105,7 +100,8 @@ def test_batched_steps_decode_plainly_from_then_on(model, packed_model):
     a = batch.add(PROMPT, max_new_tokens=8, sampling=GREEDY)
     b = batch.add(other, max_new_tokens=8, sampling=GREEDY)
     drain(batch)
-    assert a.stats.token_ids == plain(packed_model, PROMPT, 8) and b.stats.token_ids == plain(packed_model, other, 8)
+    assert a.stats.token_ids == _plain(packed_model, n=8)
+    assert b.stats.token_ids == _plain(packed_model, n=8, prompt=other)
     assert a.spec is b.spec is None and a.stats.draft_tokens == b.stats.draft_tokens == 0
     c = batch.add(PROMPT + a.stats.token_ids + [4], max_new_tokens=4, sampling=GREEDY)
     assert c.stats.cached_tokens > 0 and c.spec is None
@@ -134,7 +130,8 @@ def test_a_snapshot_keeps_the_heads_state(model, packed_model):
     b = batch.add(nxt, max_new_tokens=6, sampling=GREEDY)
     assert b.stats.cached_tokens == len(PROMPT) and b.spec is not None
     drain(batch)
-    assert a.stats.token_ids == plain(packed_model, long, 3) and b.stats.token_ids == plain(packed_model, nxt, 6)
+    assert a.stats.token_ids == _plain(packed_model, n=3, prompt=long)
+    assert b.stats.token_ids == _plain(packed_model, n=6, prompt=nxt)
 
 
 def test_seeded_sampling_repeats_in_a_batch(model):
