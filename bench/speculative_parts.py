@@ -83,7 +83,7 @@ def main() -> None:
             ("plain step (sample_next, greedy)",
              lambda: be.sample_next(one, cache, greedy, vocab=V, seed=1, step=0)),
             ("verification of 1 token (top1, hidden row)", lambda: be.verify(tok, cache, top1=V)),
-            ("  its step's graph alone", lambda: (model.verify(one.astype(np.int32), cache.pos, cache.slot),
+            ("  its step's graph alone", lambda: (model.verify(one.astype(np.int32), cache.pos, cache.slot, vocab=V),
                                                   setattr(cache, "pos", cache.pos + 1))),
             ("head over 1 row (top1)", draft(1)),
             ("head over 8 rows (top1)", draft(8)),

@@ -174,6 +174,36 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
         rows[3]
 
 
+def test_a_verifications_arg_maxes_come_from_its_own_graph(monkeypatch):
+    """GpuBackend.verify(top1=V) on T > 1 tokens: the step's graph (keyed by V) ends with the rows' arg-max over ids
+    < V, nothing is launched after it, and the host reads the ids, then the hidden rows (one wait on the step);
+    another V captures another graph, and a V past the logits is refused in one line."""
+    from ninfer_rt.gpu import misc
+    from ninfer_rt.gpu.backend import GpuBackend
+
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+    be = GpuBackend.of_model(m)
+    vocabs, argmax = [], misc.argmax
+    monkeypatch.setattr(misc, "argmax", lambda k, **kw: (vocabs.append((kw["M"], kw["V"])), argmax(k, **kw))[1])
+    cache = be.new_cache(0)
+    cache.pos = 10
+    V = m.V - 7
+    # the first call also plans the shared carveout (a recorded dry run of the step); the second replays the graph
+    for vocab, launched in [(V, [(3, V)] * 2), (V, []), (V - 1, [(3, V - 1)])]:
+        gpu.launches.clear()
+        vocabs.clear()
+        n = len(gpu.downloads)
+        ids, hidden, undo = be.verify(np.arange(3), cache, top1=vocab)
+        cache.pos = 10
+        assert ids.dtype == np.int64 and ids.shape == (3,) and hidden.shape == (3, m.H) and undo == 3
+        assert gpu.downloads[n:] == [(m.buf.argmax, (3,)), (m.buf.h, (3, m.H))]
+        assert vocabs == launched
+        assert gpu.launches[-2:] == (["argmax_rows", "argmax_finish"] if launched else [])
+    assert {k[4] for k in m.graphs if k[:2] == (1, 3)} == {("rows", V), ("rows", V - 1)}
+    with pytest.raises(NinferError, match="verify: arg-maxes over ids"):
+        m.verify(np.arange(3, dtype=np.int32), 20, 0, vocab=m.V + 1)
+
+
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     """ninfer_rt.speculative.decode, greedy, over GpuBackend.of_model at the 35B's shapes with its MTP head: a
     600-token prompt (two prefill chunks), then steps of 3 drafts (fixed). The made-up GPU's ids are all 0, so every
@@ -198,7 +228,8 @@ def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     assert gpu.copies == want
     L = len(m.ssm_state)
     assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L  # the second verification replays its graph
-    assert (1, 4, m.bucket(604), "all", None, True) in m.graphs and ("mtp", 4, m.bucket(608)) in m.graphs
+    assert (1, 4, m.bucket(604), "all", ("rows", m.spec.vocab_size), True) in m.graphs
+    assert ("mtp", 4, m.bucket(608)) in m.graphs
 
 
 def test_the_mtp_head_drafts_with_its_own_layer(monkeypatch):

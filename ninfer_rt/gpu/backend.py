@@ -138,15 +138,20 @@ class GpuBackend:
         ids = np.asarray(ids, np.int32)
         if not undoable:
             hidden = self.model.prefill(ids, cache.slot, start=cache.pos, hidden=True)
-            rows = 1
+            out = self._probs_of(1, *dist) if dist is not None else self._rows(1, top1)
         else:
-            # one token keeps itself: no trail (the trail kernels cost a lone token's step more than the plain one)
-            self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=ids.size > 1)
-            rows, hidden = ids.size, self.model.hidden(ids.size)
+            # one token keeps itself: no trail (the trail kernels cost a lone token's step more than the plain one);
+            # the rows' arg-maxes over ids < top1 come from the step's own graph
+            self.model.verify(ids, cache.pos, cache.slot, graph=self.use_graphs, trail=ids.size > 1,
+                              vocab=None if dist is not None else top1)
+            if dist is not None:
+                out = self._probs_of(ids.size, *dist)
+            else:
+                out = self.model.logits(ids.size) if top1 is None else self.model.argmax(ids.size).astype(np.int64)
+            # after the ids (their download waited for the step): one wait on the GPU a verification, not two
+            hidden = self.model.hidden(ids.size)
         cache.pos += ids.size
-        if dist is not None:
-            return self._probs_of(rows, *dist), hidden, ids.size if undoable else None
-        return self._rows(rows, top1), hidden, ids.size if undoable else None
+        return out, hidden, ids.size if undoable else None
 
     def _probs_of(self, rows: int, params: SamplingParams, vocab: int) -> DeviceRows:
         """The final probabilities under params of the logits buffer's first rows over ids < vocab, computed on

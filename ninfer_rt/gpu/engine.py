@@ -321,7 +321,8 @@ class GpuModel:
         "hidden" (B = 1): every row's post-norm hidden state into buf.h (the MTP head's input) and the last row's
         logits.
         draw ("argmax" | "sample", vocab), with "last" and B = 1: instead of the argmax, the next token over ids
-        < vocab into the draw slot (sample: under the params record in the draw params buffer).
+        < vocab into the draw slot (sample: under the params record in the draw params buffer); ("rows", vocab):
+        the argmax of every logits row over ids < vocab instead of < sample_vocab (a verification's top1).
         """
         b, s, M = self.buf, self.spec, B * T
         linear.embed(self.k, self.embed_w, ids=b.tokens, M=M, out=b.x)
@@ -348,9 +349,9 @@ class GpuModel:
                               out="bf16")
                 self._linear(self.lm_head, x=b.h16, M=B, y=b.logits)
             rows = B
-        if draw is None:
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab, out=b.argmax,
-                        scratch=b.scratch)
+        if draw is None or draw[0] == "rows":
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab if draw is None else draw[1],
+                        out=b.argmax, scratch=b.scratch)
         else:
             self._enqueue_draw(*draw)
 
@@ -407,18 +408,23 @@ class GpuModel:
         self._set_batch(tokens, pos, slots)
         self._run(B, T, self.bucket(max(pos) + T), "last", graph, None if draw is None else self._draw_op(*draw))
 
-    def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True, trail: bool = False) -> None:
+    def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True, trail: bool = False,
+               vocab: int | None = None) -> None:
         """One step of T = tokens.size (<= 8) new tokens of one sequence leaving the logits of every row (rows
-        0..T-1) and their argmax: speculative decoding's verification. trail: every DeltaNet layer also keeps its
+        0..T-1) and their argmax (over ids < vocab where given, else < sample_vocab; `argmax(T)` reads them, with no
+        launch after the step): speculative decoding's verification. trail: every DeltaNet layer also keeps its
         state after each token but the last, so that `rewind` can then keep any prefix of the tokens."""
         T = tokens.size
         if not 1 <= T <= GEMV_MAX_ROWS:
             raise NinferError(f"verify takes 1..{GEMV_MAX_ROWS} tokens, got {T}")
+        if vocab is not None and not 1 <= vocab <= self.V:
+            raise NinferError(f"verify: arg-maxes over ids < {vocab}, outside 1..{self.V}")
         self._check([pos], T, [slot])
         if trail:
             self._alloc_trails()
         self._set_batch(tokens, [pos], [slot])
-        self._run(1, T, self.bucket(pos + T), "all", graph, trail=trail)
+        self._run(1, T, self.bucket(pos + T), "all", graph, None if vocab is None else ("rows", int(vocab)),
+                  trail=trail)
 
     def _alloc_trails(self) -> None:
         """The verification trails, once: per DeltaNet layer fp32 [GEMV_MAX_ROWS - 1, nv, dk, dv] (deltanet.step's

@@ -42,11 +42,11 @@ def chain(m, rows: int, pos: int, slot: int, count: int, vocab: int, *, graph: b
     b, g = m.buf, m.gpu
     last = b.h + 4 * (rows - 1) * m.H
     misc.argmax(m.k, logits=b.logits, ld=m.V, M=1, V=vocab, out=b.picks, scratch=b.scratch)
+    g.upload(m.slot, np.asarray([slot], np.int32), stream=g.stream)  # the rows' slot, once; positions go a row
     for i in range(count):
         g.copy(b.tokens, b.picks + 4 * i, 4, stream=g.stream)
         g.copy(b.hin, last, 4 * m.H, stream=g.stream)
         g.upload(m.pos, np.asarray([pos + i], np.int32), stream=g.stream)
-        g.upload(m.slot, np.asarray([slot], np.int32), stream=g.stream)
         bucket = m.bucket(pos + i + 1)
         g.pdl = g.pdl_capable
         m._graphed(("mtp", 1, bucket), lambda: step(m, 1, bucket, prefill=False), graph)

@@ -84,11 +84,7 @@ def test_a_chain_on_the_device_is_the_chain_through_the_host(backends, chain):
 
 def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
     """n tokens of plain greedy decoding on the GPU backend in slot 0 (host arg-max of each step's logits)."""
-    c = dev.new_cache(0)
-    out = [int(dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0].argmax())]
-    while len(out) < n:
-        out.append(int(dev.forward(np.asarray(out[-1:], np.int32), c, last_only=True)[0].argmax()))
-    return out
+    return clear_greedy(dev, ids, n, dev.model.V)[0]
 
 
 def spec_greedy(backend, art, ids: list[int], n: int, k: int):
