@@ -1,7 +1,9 @@
 // sampling.cu: arg-max and on-device sampling over rows of fp32 logits.
 //
 // Layouts: logits [M, ld] fp32, the first V entries of each row are the vocabulary; outputs int32 [M] token ids,
-// or fp32 [M, V] final probabilities (sample_rows with `probs`). NaN logits rank as -inf everywhere.
+// or fp32 [M, V] final probabilities (sample_rows with `probs`), and with them the kept tokens alone as int32
+// [M, 1 + 2·1024] (`support`: the count L, then L pairs of id and fp32 bits, in the sorted order below). NaN logits
+// rank as -inf everywhere.
 //
 // argmax_rows / argmax_finish: torch.argmax over logits[m, :V] (ties -> the lowest index). A row is split over
 //   gridDim.x blocks of `chunk` entries each (16-byte loads when aligned); each block leaves its best
@@ -373,10 +375,12 @@ extern "C" __global__ void __launch_bounds__(512) sample_compact(const float* lo
 
 // grid M, block SAMPLE_THREADS. hist: sample_hist's output; counts, entries: sample_compact's (nseg segments of
 // chunk slots). tokens int32 [M] (or null): the drawn ids.
-// probs fp32 [M, V] (or null): the final kept probabilities, zero for every dropped token.
+// probs fp32 [M, V] (or null): the final kept probabilities, zero for every dropped token. support (with probs, or
+// null): row m's L kept tokens as [L, id_0, bits(p_0), ..] at m·(1 + 2·SAMPLE_CAND), the same fp32 values as probs,
+// so that a host reads the few kept tokens (speculative decoding's draws) and not the whole row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 sample_rows(int V, const SampleParams* params, const int* hist, const int* counts, const uint2* entries, int nseg,
-            int chunk, int* tokens, float* probs)
+            int chunk, int* tokens, float* probs, int* support)
 { ninfer_pdl_begin();
     __shared__ int h[HIST_BINS];
     __shared__ unsigned long long cand[SAMPLE_CAND];  // (~key << 32) | index: ascending = logit desc, index asc
@@ -491,6 +495,15 @@ sample_rows(int V, const SampleParams* params, const int* hist, const int* count
         float* out = probs + static_cast<long long>(m) * V;
         for (int i = tid; i < V; i += SAMPLE_THREADS) out[i] = 0.f;
         __syncthreads();
-        if (tid < L) out[idx] = static_cast<float>(pr / W);
+        const float q = static_cast<float>(pr / W);
+        if (tid < L) out[idx] = q;
+        if (support) {
+            int* sup = support + static_cast<long long>(m) * (1 + 2 * SAMPLE_CAND);
+            if (tid == 0) sup[0] = L;
+            if (tid < L) {
+                sup[1 + 2 * tid] = idx;
+                sup[2 + 2 * tid] = __float_as_int(q);
+            }
+        }
     }
 }

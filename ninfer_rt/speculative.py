@@ -68,7 +68,10 @@ def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: C
 
 
 def _support(p) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, float64 probabilities) of a row's entries > 0, ids ascending."""
+    """(ids, float64 probabilities) of a row's entries > 0, ids ascending; a row that lists them itself (the GPU's
+    DeviceRow: a few hundred ids, not the 248K-entry row) gives them as they are."""
+    if hasattr(p, "support"):
+        return p.support()
     row = np.asarray(p)
     ids = np.flatnonzero(row > 0)
     return ids, row[ids].astype(np.float64)
@@ -191,8 +194,8 @@ class Speculator:
                                               dist=self.dist)
         token = None
         if last:
-            token = int(rows[-1]) if self.top1 is not None else self.sampler.draw(
-                np.asarray(self._target(rows, len(rows) - 1, ()), dtype=np.float64))
+            token = int(rows[-1]) if self.top1 is not None else self.sampler.draw_among(
+                *_support(self._target(rows, len(rows) - 1, ())))
         st.add(hidden, list(ids[1:]) + [token])
         self._catch_up()
         return token

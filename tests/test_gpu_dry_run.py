@@ -142,7 +142,9 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
     """What speculative decoding reads of a verification of 3 tokens: top1 launches one arg-max over the 3 rows and
     downloads 3 ids; dist rows (GpuBackend._probs_of) launch the sampler's three kernels over them (the buffers
     allocated once), and a probability or a row is read at its place in the [rows, vocab] buffer (row stride
-    vocab, as sample_probs writes it); rows past a step's or ids past the logits are refused in one line."""
+    vocab, as sample_probs writes it), and a row's kept tokens from its support row; rows past a step's or ids past the
+    logits are refused in one line."""
+    from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.sampling import SamplingParams
 
@@ -163,6 +165,8 @@ def test_a_verifications_rows_as_ids_or_distributions(monkeypatch):
     assert gpu.downloads[-1] == (first[0] + 4 * (V + 5), (1,))
     np.asarray(rows[-2])
     assert gpu.downloads[-1] == (first[0] + 4 * V, (V,)) and len(rows) == 3
+    ids, probs = rows[-2].support()  # the made-up GPU's zeros: a count of 0, read in one 8 KB download
+    assert gpu.downloads[-1] == (first[3] + 4 * misc.SUPPORT_INTS, (misc.SUPPORT_INTS,)) and ids.size == probs.size == 0
     n = len(gpu.downloads)
     assert rows[1][V] == 0.0 and len(gpu.downloads) == n  # an id past the vocabulary: nothing read
     for n, vocab in [(0, V), (9, V), (3, m.V + 1)]:

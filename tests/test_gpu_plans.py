@@ -186,6 +186,32 @@ def test_sampler_plan():
                     scratch=scratch)
 
 
+def test_support_rows_decode_as_the_probs_rows_entries():
+    """misc.split_support of a support row as sample_rows writes it (count, then (id, fp32 bits) by probability,
+    highest first): the ids ascending with their fp32 values widened, exactly the probs row's entries > 0; a kept
+    token whose probability rounded to 0 has none, and a count past the cap is refused in one line."""
+    import numpy as np
+
+    from ninfer_rt.gpu import misc
+    from ninfer_rt.gpu.driver import GpuError
+    rng = np.random.default_rng(3)
+    V, ids = 5000, np.asarray([4011, 7, 2999, 12, 4999, 0], np.int64)
+    probs = rng.random(ids.size).astype(np.float32)
+    probs[3] = 0.0  # rounded to 0: listed by the kernel, absent from the probs row
+    order = np.argsort(-probs, kind="stable")
+    row = np.zeros(misc.SUPPORT_INTS, np.int32)
+    row[0] = ids.size
+    row[1:1 + 2 * ids.size:2], row[2:2 + 2 * ids.size:2] = ids[order], probs[order].view(np.int32)
+    dense = np.zeros(V, np.float32)
+    dense[ids] = probs
+    got_ids, got_p = misc.split_support(row)
+    assert np.array_equal(got_ids, np.flatnonzero(dense > 0)) and got_p.dtype == np.float64
+    assert np.array_equal(got_p, dense[got_ids].astype(np.float64))
+    row[0] = misc.SAMPLE_MAX_CANDIDATES + 1
+    with pytest.raises(GpuError, match="support: a count of"):
+        misc.split_support(row)
+
+
 @pytest.mark.parametrize("cc, targets, dv, want", [
     ((9, 0), TARGETS, 128, 4), ((12, 0), TARGETS, 128, 4), ((9, 0), TARGETS, 16, 4),
     ((9, 0), TARGETS, 24, 1), ((9, 0), TARGETS, 8, 1),      # dv/4 columns not whole warps of 4

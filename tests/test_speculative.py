@@ -334,8 +334,8 @@ class HostDist:
     """The reference backend answering verify(dist=(params, V)) as the GPU does, with rows of final probabilities
     (here the host Sampler's, padding masked): the loop's dist branch, run on the CPU."""
 
-    def __init__(self, backend):
-        self.inner, self.dist_verifies = backend, 0
+    def __init__(self, backend, listed: bool = False):
+        self.inner, self.dist_verifies, self.listed, self.supports = backend, 0, listed, 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -354,18 +354,46 @@ class HostDist:
             row = row.copy()
             row[vocab:] = -np.inf
             rows.append(Sampler(params).distribution(row))
-        return rows, hidden, undo
+        return ([ListedRow(r, self) for r in rows] if self.listed else rows), hidden, undo
+
+
+class ListedRow:
+    """A distribution row that also lists its kept tokens as the GPU's DeviceRow does: support() decodes a support
+    row packed as sample_rows writes it (count, then (id, fp32 bits) pairs by probability, highest first)."""
+
+    def __init__(self, p: np.ndarray, owner: HostDist):
+        self.p, self.owner = p, owner
+
+    def __getitem__(self, d):
+        return self.p[d]
+
+    def __array__(self, dtype=None, copy=None):
+        raise AssertionError("a listed row is read by id or by its support, never whole")
+
+    def support(self):
+        from ninfer_rt.gpu import misc
+
+        q = self.p.astype(np.float32)
+        ids = np.flatnonzero(q > 0)
+        ids = ids[np.argsort(-q[ids], kind="stable")]
+        row = np.zeros(misc.SUPPORT_INTS, np.int32)
+        row[0] = ids.size
+        row[1:1 + 2 * ids.size:2], row[2:2 + 2 * ids.size:2] = ids, q[ids].view(np.int32)
+        self.owner.supports += 1
+        return misc.split_support(row)
 
 
 @pytest.mark.parametrize("every", [0, 3], ids=["all-right", "every-third-wrong"])
 def test_distribution_rows_draw_as_logits_rows(packed_model, spec_model, every):
     """Sampling where the backend returns the rows' distributions (dist, the GPU's way) consumes the seeded stream
-    exactly as the host's own distributions of the logits do: the same ids and acceptances. Drafts steered to the
-    greedy text (right, or every third wrong) at a low temperature, so that drafts are kept, and corrected."""
+    exactly as the host's own distributions of the logits do: the same ids and acceptances, whether the rows are read
+    whole or by their support (ListedRow). Drafts steered to the greedy text (right, or every third wrong) at a low
+    temperature, so that drafts are kept, and corrected."""
     params = SamplingParams(temperature=0.002, top_k=5, seed=99)  # the tiny model's logits lie close together
     greedy = _plain(packed_model, GREEDY, 20)
-    inner, outs, host = spec_model._backend, [], HostDist(spec_model._backend)
-    for backend in (inner, host):
+    inner, outs = spec_model._backend, []
+    host, listed = HostDist(spec_model._backend), HostDist(spec_model._backend, listed=True)
+    for backend in (inner, host, listed):
         spec_model._backend = SteeredDrafts(backend, PROMPT + greedy, lambda pos: every and pos % every == 0)
         try:
             out = list(spec_model.generate_ids(PROMPT, max_new_tokens=20, sampling=params))
@@ -373,7 +401,9 @@ def test_distribution_rows_draw_as_logits_rows(packed_model, spec_model, every):
             outs.append((out, s.accepted_tokens, s.draft_tokens))
         finally:
             spec_model._backend = inner
-    assert host.dist_verifies > 1 and outs[0] == outs[1] and len(outs[0][0]) == 20
+    # rows that list their kept tokens (the GPU's support rows) draw the same ids as whole rows
+    assert host.dist_verifies > 1 and outs[0] == outs[1] == outs[2] and len(outs[0][0]) == 20
+    assert listed.supports >= listed.dist_verifies  # every step drew its bonus or correction from a support
     assert outs[0][1] > 0 and (not every or outs[0][1] < outs[0][2])  # drafts kept (and, steered wrong, refused)
 
 

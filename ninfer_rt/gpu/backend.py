@@ -159,16 +159,16 @@ class GpuBackend:
         m = self.model
         if not 1 <= rows <= GEMV_MAX_ROWS or not 1 <= vocab <= m.V:
             raise NinferError(f"probs: {rows} rows of ids < {vocab} (at most {GEMV_MAX_ROWS} rows of {m.V})")
-        if self._probs is None:  # (out, params, scratch) for the most rows a step has
+        if self._probs is None:  # (out, params, scratch, support) for the most rows a step has
             n = GEMV_MAX_ROWS
             self._probs = (m._alloc(n * m.V * 4), m._alloc(n * misc.SAMPLE_PARAMS.itemsize),
-                           m._alloc(misc.sample_scratch_bytes(n, m.V)))
-        out, records, scratch = self._probs
+                           m._alloc(misc.sample_scratch_bytes(n, m.V)), m._alloc(n * misc.SUPPORT_INTS * 4))
+        out, records, scratch, support = self._probs
         record = sample_params(params.temperature, params.top_k, params.top_p, params.min_p)
         self.gpu.upload(records, np.concatenate([record] * rows), stream=self.gpu.stream)
         misc.sample_probs(self.kernels, logits=m.buf.logits, ld=m.V, M=rows, V=vocab, params=records, out=out,
-                          scratch=scratch)
-        return DeviceRows(self.gpu, out, rows, vocab)
+                          scratch=scratch, support=support)
+        return DeviceRows(self.gpu, out, rows, vocab, support)
 
     def _rows(self, rows: int, top1: int | None) -> np.ndarray:
         """The logits buffer's first rows, or with top1 = V their arg-maxes over ids < V."""
@@ -216,11 +216,12 @@ class GpuBackend:
 
 class DeviceRows:
     """Final probabilities of a step's rows, fp32 [rows, vocab] at device address `out` (GpuBackend._probs_of),
-    read lazily: rows[i][d] downloads one probability, np.asarray(rows[i]) the whole row (speculative decoding
-    reads p_i(d_i) for each draft and a full row only to draw a correction or the bonus token)."""
+    with each row's kept tokens alone at `support` (int32 [rows, misc.SUPPORT_INTS]), read lazily: rows[i][d]
+    downloads one probability, rows[i].support() the kept tokens (8 KB), np.asarray(rows[i]) the whole row
+    (speculative decoding reads p_i(d_i) for each draft and the support only to draw a correction or the bonus)."""
 
-    def __init__(self, gpu, out: int, rows: int, vocab: int):
-        self.gpu, self.out, self.n, self.vocab = gpu, out, rows, vocab
+    def __init__(self, gpu, out: int, rows: int, vocab: int, support: int):
+        self.gpu, self.out, self.n, self.vocab, self.support = gpu, out, rows, vocab, support
 
     def __len__(self) -> int:
         return self.n
@@ -228,15 +229,21 @@ class DeviceRows:
     def __getitem__(self, i: int) -> DeviceRow:
         if not -self.n <= i < self.n:
             raise IndexError(f"row {i} of {self.n}")
-        return DeviceRow(self.gpu, self.out + 4 * (i % self.n) * self.vocab, self.vocab)
+        i %= self.n
+        return DeviceRow(self.gpu, self.out + 4 * i * self.vocab, self.vocab,
+                         self.support + 4 * i * misc.SUPPORT_INTS)
 
 
 class DeviceRow:
-    """One row of DeviceRows at device address `at`: row[d] is one probability (0 past the vocabulary),
-    np.asarray(row) all of them."""
+    """One row of DeviceRows at device address `at` (its support row at `sup`): row[d] is one probability (0 past
+    the vocabulary), row.support() the kept tokens as (ids ascending, float64 probabilities), np.asarray(row) all
+    of them."""
 
-    def __init__(self, gpu, at: int, vocab: int):
-        self.gpu, self.at, self.vocab = gpu, at, vocab
+    def __init__(self, gpu, at: int, vocab: int, sup: int):
+        self.gpu, self.at, self.vocab, self.sup = gpu, at, vocab, sup
+
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        return misc.split_support(self.gpu.download(self.sup, (misc.SUPPORT_INTS,), np.int32))
 
     def __getitem__(self, d: int) -> float:
         d = int(d)

@@ -167,7 +167,7 @@ def sample_scratch_bytes(M: int, V: int) -> int:
 
 
 def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scratch: int,
-            tokens: int, probs: int, stream) -> None:
+            tokens: int, probs: int, stream, support: int = 0) -> None:
     _rows(name, M, V, ld)
     _need(bool(logits and params and scratch), f"{name}: logits, params and scratch must be device pointers")
     nseg = _segments(V)
@@ -182,7 +182,7 @@ def _sample(name: str, k, logits: int, ld: int, M: int, V: int, params: int, scr
     k.launch("sample_compact", (nseg, M), 512, [ptr(logits), i64(ld), i32(V), i32(_HIST_CHUNK), ptr(params),
                                                 ptr(hist), ptr(counts), ptr(entries)], 0, stream)
     k.launch("sample_rows", M, 1024, [i32(V), ptr(params), ptr(hist), ptr(counts), ptr(entries), i32(nseg),
-                                      i32(_HIST_CHUNK), ptr(tokens), ptr(probs)], 0, stream)
+                                      i32(_HIST_CHUNK), ptr(tokens), ptr(probs), ptr(support)], 0, stream)
 
 
 def sample(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, scratch: int, stream=None) -> None:
@@ -193,10 +193,28 @@ def sample(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, sc
 
 
 def sample_probs(k, *, logits: int, ld: int, M: int, V: int, params: int, out: int, scratch: int,
-                 stream=None) -> None:
-    """out fp32 [M, V] (row stride V): the final probabilities `sample` draws from, 0 for dropped tokens."""
+                 stream=None, support: int = 0) -> None:
+    """out fp32 [M, V] (row stride V): the final probabilities `sample` draws from, 0 for dropped tokens.
+    support (optional): int32 [M, SUPPORT_INTS], each row's kept tokens alone (split_support reads one)."""
     _need(bool(out), "sample_probs: out must be a device pointer")
-    _sample("sample_probs", k, logits, ld, M, V, params, scratch, 0, out, stream)
+    _sample("sample_probs", k, logits, ld, M, V, params, scratch, 0, out, stream, support)
+
+
+SUPPORT_INTS = 1 + 2 * SAMPLE_MAX_CANDIDATES  # a support row: the count L, then L (id, fp32 bits) pairs
+
+
+def split_support(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A support row (int32 [SUPPORT_INTS], as sample_probs wrote it) -> (ids int64 ascending, their probabilities
+    float64): the entries of the probs row that are > 0, as np.flatnonzero would find them."""
+    n = int(row[0])
+    if not 0 <= n <= SAMPLE_MAX_CANDIDATES:
+        raise GpuError(f"support: a count of {n} kept tokens (at most {SAMPLE_MAX_CANDIDATES})")
+    pairs = row[1:1 + 2 * n].reshape(n, 2)
+    ids, probs = pairs[:, 0].astype(np.int64), pairs[:, 1].view(np.float32).astype(np.float64)
+    order = np.argsort(ids, kind="stable")
+    ids, probs = ids[order], probs[order]
+    keep = probs > 0  # a kept token's probability can round to 0 in fp32; the probs row has no entry for it
+    return ids[keep], probs[keep]
 
 
 # ------------------------------------------------------------------------------------------ the RNG's host twin

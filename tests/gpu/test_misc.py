@@ -167,15 +167,21 @@ def _params(rows) -> np.ndarray:
 
 
 def _run_sampler(kernels, dev, x: np.ndarray, params: np.ndarray, ld: int | None = None, probs: bool = False):
-    """tokens int32 [M] (or probabilities fp32 [M, V] with probs=True) for logits x [M, V]."""
+    """tokens int32 [M] (or probabilities fp32 [M, V] with probs=True, their support rows checked against them) for
+    logits x [M, V]."""
     M, V = x.shape
     ld = V if ld is None else ld
     lp, pp = _put_rows(dev, x, ld), dev.put(params)
     scratch = dev.empty(misc.sample_scratch_bytes(M, V))
     if probs:
-        out = dev.empty(M * V * 4)
-        misc.sample_probs(kernels, logits=lp, ld=ld, M=M, V=V, params=pp, out=out, scratch=scratch)
-        return dev.get(out, (M, V))
+        out, sup = dev.empty(M * V * 4), dev.empty(M * misc.SUPPORT_INTS * 4)
+        misc.sample_probs(kernels, logits=lp, ld=ld, M=M, V=V, params=pp, out=out, scratch=scratch, support=sup)
+        got, rows = dev.get(out, (M, V)), dev.get(sup, (M, misc.SUPPORT_INTS), np.int32)
+        for r in range(M):  # each row's support lists its entries > 0, bit for bit (the same fp32 values)
+            ids, p = misc.split_support(rows[r])
+            assert np.array_equal(ids, np.flatnonzero(got[r] > 0)), f"row {r}: support ids"
+            assert np.array_equal(p, got[r, ids].astype(np.float64)), f"row {r}: support values"
+        return got
     out = dev.empty(M * 4)
     misc.sample(kernels, logits=lp, ld=ld, M=M, V=V, params=pp, out=out, scratch=scratch)
     return dev.get(out, (M,), np.int32)
