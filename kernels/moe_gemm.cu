@@ -12,6 +12,10 @@
 // fixed order (deterministic for a given tiling), and the epilogue writes from there (coalesced along n).
 // Blocks: grid (token tiles, ceil(N / SN)); blockIdx.x (fastest) walks the token tiles, so the tiles of one
 // expert and N tile run side by side and share the weight tile through L2.
+//
+//   moe_sum_slots: y[m, n] += Σ_j ys[m·k + j, n] over j = 0..k-1 in order, skipping slots whose id is outside
+//   [0, E): the routed experts' outputs of a prompt chunk, stored one row a slot by the down (mode store, ydiv 1),
+//   summed without atomics, so a prompt gives the same bits every run (reference: ops.moe's sum over the top k).
 #include "gemm.cuh"
 
 namespace {
@@ -261,3 +265,21 @@ __device__ __forceinline__ void small_tile(const uint8_t* __restrict__ qs, const
     }
 
 NINFER_QFORMATS(NINFER_MOE_SMALL)
+
+// grid (ceil(H / 256), M), block 256: thread t of block (bx, m) sums column 256·bx + t of row m; ys fp32
+// [M·k, H] (row stride H), ids int32 [M·k], y fp32 [M, ldy]. Sequential fp32 adds in j order (one rounding each,
+// no FMA): bit-exact against the same loop on the host.
+extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(const float* __restrict__ ys,
+                                                               const int* __restrict__ ids, int k, int H, int E,
+                                                               float* __restrict__ y, int ldy) {
+    ninfer_pdl_begin();
+    const int m = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= H) return;
+    float* yr = y + (size_t)m * ldy + n;
+    float acc = *yr;
+    for (int j = 0; j < k; ++j) {
+        const int e = __ldg(ids + (size_t)m * k + j);
+        if (e >= 0 && e < E) acc = __fadd_rn(acc, __ldg(ys + ((size_t)m * k + j) * H + n));
+    }
+    *yr = acc;
+}

@@ -284,3 +284,29 @@ def test_every_step_launches_each_layers_ops(monkeypatch, name):
     got = gpu.launches
     assert count(got, "deltanet_chunk_prep") == 2 * n_lin and count(got, "attn_prefill") == 2 * n_att
     assert count(got, "embed_") == 2 and count(got, "argmax_finish") == 1
+    # each MoE block of a chunk sums its routed rows in slot order (ordered_moe, the default): one fp32 row a slot
+    assert count(got, "moe_sum_slots") == 2 * n_moe
+    if s.is_moe:
+        assert m.ordered_moe and m.buf.slot_y
+
+
+def test_a_prompt_chunks_moe_may_sum_by_atomics(monkeypatch):
+    """ordered_moe=False: the routed down adds into x by float atomics, with no slot rows allocated and no
+    moe_sum_slots launch; the slot rows' buffer is otherwise chunk · top_k · H fp32, the allocations' difference."""
+    from ninfer_rt.gpu import engine
+    sizes = {}
+    for ordered in (True, False):
+        calls = []
+        real = engine.GpuModel._alloc
+        monkeypatch.setattr(engine.GpuModel, "_alloc", lambda self, n: calls.append(n) or real(self, n))
+        make = engine.GpuModel.__init__
+        monkeypatch.setattr(engine.GpuModel, "__init__", lambda self, *a, **kw: make(self, *a, **kw,
+                                                                                    ordered_moe=ordered))
+        m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b")
+        monkeypatch.undo()
+        sizes[ordered] = sum(calls)
+        gpu.launches.clear()
+        m.prefill(np.arange(600, dtype=np.int32), 0)
+        assert m.ordered_moe == ordered and count(gpu.launches, "moe_sum_slots") == (2 * 40 if ordered else 0)
+    s = m.spec
+    assert sizes[True] - sizes[False] == 512 * s.num_experts_per_tok * s.hidden_size * 4 and not m.buf.slot_y

@@ -4,6 +4,7 @@ each target GPU, and the kernels' shared-memory carveout."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ninfer_rt.gpu.build import TARGETS
@@ -536,6 +537,11 @@ def test_prefill_gemm_plan(gpu, N, K, M, monkeypatch):
         if wg:
             assert maps[-1] == (dn.planes()[0], dict(dtype="u8", inner=256, rows=256 * 2048, row_bytes=256,
                                                      box_inner=32, box_rows=256))
+    # ordered: the down stores one row a slot (no atomics) and moe_sum_slots adds each row's 8 in order
+    gemm.moe_grouped(k, gu, dn, x=1 << 30, M=M, ids=1, weights=1, top_k=8, act=1 << 24, y=1 << 31,
+                     scratch=1 << 25, slot_y=1 << 26)
+    assert [(fn, tuple(np.atleast_1d(grid))) for fn, grid, *_ in k.gpu.launches[-1:]] == [
+        ("moe_sum_slots", (2048 // 256, M))]
 
 
 def test_a_carveout_preference_is_set_once_per_change(monkeypatch):

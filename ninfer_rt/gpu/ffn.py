@@ -39,7 +39,7 @@ def moe_block(m, i: int, prefix: str, M: int, *, src: int, norm_w: int, post: in
         m._linear(router, x=src, M=M, y=b.router)
         moe.route(K, logits=b.router, ld=E + 1, M=M, E=E, top_k=k, **routing)
         gemm.moe_grouped(K, gate_up, down, x=src, M=M, ids=b.ids, weights=b.wts, top_k=k, act=b.act, y=b.x,
-                         scratch=b.scratch, kernel=m.gemm_kernel)
+                         scratch=b.scratch, kernel=m.gemm_kernel, slot_y=b.slot_y)
         m._linear(shared_gate_up, x=src, M=M, y=b.act_s16, mode="swiglu", ldy=m.ffn_cols)
         m._linear(shared_down, x=b.act_s16, M=M, y=b.x, mode="add", row_scale=b.sscale)
         return

@@ -280,7 +280,7 @@ def moe_scratch_bytes(M: int, top_k: int, E: int) -> int:
 
 def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top_k: int, act: int, y: int,
                 scratch: int, ldx: int | None = None, ldy: int | None = None, stream=None,
-                path: str = "auto", kernel: str = "auto") -> str | None:
+                path: str = "auto", kernel: str = "auto", slot_y: int = 0) -> str | None:
     """Routed experts for prefill: y[m] += Σ_j weights[m, j] · down_e (silu(g_e·x_m) · (u_e·x_m)), e = ids[m, j].
 
     gate_up: bank [E, 2I, H] with each expert's gate/up rows interleaved in tiles of 16 (as `gemm` swiglu);
@@ -290,7 +290,9 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
 
     Three launches: moe_sort groups the slots by expert; moe_gemm (swiglu) fills act; moe_gemm (down) adds
     into y with float atomics, so y's last bits may differ from run to run (the top_k terms of a row are
-    summed in whatever order the blocks finish).
+    summed in whatever order the blocks finish). With slot_y (fp32 [M·top_k, H] scratch) the down stores each
+    slot's row there instead and a fourth launch, moe_sum_slots, adds them into y in slot order: the same bits
+    every run, for M·top_k·H·8 more bytes of traffic.
 
     path: "large" runs moe_gemm_<fmt> (tiles of 128 slots per expert); "small" runs moe_small_<fmt>
     (kernels/moe_gemm.cu: tiles of 32 slots, integer formats only, GpuError otherwise); "auto" (default) takes
@@ -328,6 +330,8 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
     grid_y = -(-slots // BM) + E
     if grid_y > GRID_Y_MAX or slots >= 2**31:
         raise GpuError(f"{what}: M·top_k={slots} is too many slots for one launch")
+    if slot_y and M > GRID_Y_MAX:
+        raise GpuError(f"{what}: M={M} rows are too many for moe_sum_slots' grid (at most {GRID_Y_MAX})")
     if 8 * E > 48 * 1024:
         raise GpuError(f"{what}: E={E} experts exceed the sort's shared memory")
     if path not in MOE_PATHS:
@@ -370,5 +374,10 @@ def moe_grouped(k, gate_up, down, *, x: int, M: int, ids: int, weights: int, top
         k.launch(name, grid, WG_THREADS if wg else THREADS, args, smem, stream)
 
     run(gate_up, I2, H, x, ldx, act, I, 0, top_k, 1, MODES["swiglu"])
-    run(down, H, I, act, I, y, ldy, weights, 1, top_k, MODE_ATOMIC_ADD)
+    if slot_y:
+        run(down, H, I, act, I, slot_y, H, weights, 1, 1, MODES["store"])
+        k.launch("moe_sum_slots", (-(-H // 256), M), 256, [ptr(slot_y), ptr(ids), i32(top_k), i32(H), i32(E),
+                                                          ptr(y), i32(ldy)], 0, stream)
+    else:
+        run(down, H, I, act, I, y, ldy, weights, 1, top_k, MODE_ATOMIC_ADD)
     return "small" if small else "large"

@@ -36,7 +36,7 @@ def reference(artifact):
 
 
 def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_vocab=None, logit_rows=None,
-              prefill_chunk=512, gemm_kernel="auto"):
+              prefill_chunk=512, gemm_kernel="auto", ordered_moe=True):
     from ninfer_rt.format import Artifact
     from ninfer_rt.gpu.engine import GpuModel
     from ninfer_rt.gpu.loader import load_artifact
@@ -45,7 +45,7 @@ def gpu_model(gpu, kernels, path, *, slots=1, kv="bf16", max_ctx=512, sample_voc
     weights = load_artifact(gpu, art)
     return GpuModel(gpu, kernels, art.spec, weights, slots=slots, max_ctx=max_ctx, kv_dtype=kv,
                     sample_vocab=sample_vocab, logit_rows=logit_rows, prefill_chunk=prefill_chunk,
-                    gemm_kernel=gemm_kernel), weights
+                    gemm_kernel=gemm_kernel, ordered_moe=ordered_moe), weights
 
 
 def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
@@ -53,20 +53,22 @@ def prompt(n: int, seed: int, vocab: int = 497) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
-@pytest.mark.parametrize("chunk, gemm_kernel",
-                         [(8, "auto"), (PROMPT, "mma"), (PROMPT, "wgmma"), (PROMPT, "wgmma_ss")],
-                         ids=["gemv", "gemm", "wgmma", "wgmma_ss"])
-def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk, gemm_kernel):
+@pytest.mark.parametrize("chunk, gemm_kernel, ordered",
+                         [(8, "auto", True), (PROMPT, "mma", True), (PROMPT, "mma", False), (PROMPT, "wgmma", True),
+                          (PROMPT, "wgmma_ss", True)],
+                         ids=["gemv", "gemm", "gemm-atomic-moe", "wgmma", "wgmma_ss"])
+def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, kv, chunk, gemm_kernel, ordered):
     """chunk 8: the decode kernels (GEMV on int16 x̂ codes, per-token MoE); chunk 160: the prefill kernels
     (tensor-core GEMM with bf16 activations: the mma.sync tiles, and on an H100/H200 the wgmma tiles with
-    bf16-rounded weights, as registers or dequantized into a scratch (wgmma_ss); grouped MoE, long-T attention
-    and DeltaNet)."""
+    bf16-rounded weights, as registers or dequantized into a scratch (wgmma_ss); grouped MoE, its routed rows
+    summed in slot order or, with ordered False, by float atomics; long-T attention and DeltaNet)."""
     from ninfer_rt.gpu import gemm
     if gemm_kernel.startswith("wgmma") and not gemm.wgmma_available(kernels):
         pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
     ids = prompt(PROMPT, 1)
     want = reference.logits(ids.tolist())
-    model, weights = gpu_model(gpu, kernels, artifact, kv=kv, logit_rows=chunk, gemm_kernel=gemm_kernel)
+    model, weights = gpu_model(gpu, kernels, artifact, kv=kv, logit_rows=chunk, gemm_kernel=gemm_kernel,
+                               ordered_moe=ordered)
     try:
         got = model.prefill(ids, 0, all_logits=True)
     finally:
@@ -76,6 +78,28 @@ def test_prefill_logits_match_the_reference(gpu, kernels, artifact, reference, k
     d = kld(want, got)
     print(f"KLD mean {d.mean():.2e} max {d.max():.2e} (kv {kv})")
     assert d.mean() <= 1e-3
+
+
+def test_a_prompt_gives_the_same_bits_every_time(gpu, kernels, artifact):
+    """Prefill of one 160-token prompt in chunks of 160 (the grouped MoE, its routed rows summed in slot order),
+    twice into two slots and once more into the first: every row's logits and the greedy continuation's logits are
+    the same bits each time (no float atomics anywhere a prompt or a decode step adds)."""
+    ids = prompt(PROMPT, 4)
+    model, weights = gpu_model(gpu, kernels, artifact, slots=2, logit_rows=PROMPT, prefill_chunk=PROMPT)
+    try:
+        runs = []
+        for slot in (0, 1, 0):
+            model.reset_slot(slot)
+            rows = model.prefill(ids, slot, all_logits=True)
+            nxt = np.asarray([rows[-1].argmax()], np.int32)
+            model.decode(nxt, [PROMPT], [slot], graph=False)
+            runs.append((rows, model.logits(1)))
+    finally:
+        model.free()
+        weights.free(gpu)
+    for rows, step in runs[1:]:
+        assert np.array_equal(rows.view(np.uint32), runs[0][0].view(np.uint32))
+        assert np.array_equal(step.view(np.uint32), runs[0][1].view(np.uint32))
 
 
 def test_decode_logits_match_the_reference(gpu, kernels, artifact, reference):

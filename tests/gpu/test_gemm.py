@@ -28,7 +28,7 @@ import pytest
 
 from ninfer_rt.formats import bf16_bits_to_f32, f32_to_bf16_bits
 from ninfer_rt.gpu import gemm
-from ninfer_rt.gpu.driver import GpuError
+from ninfer_rt.gpu.driver import GpuError, i32, ptr
 from ninfer_rt.gpu.weights import DeviceWeight
 from .conftest import bf16_round
 
@@ -290,6 +290,36 @@ def test_moe_paths(kernels, dev, rng, fmts, M, path, kernel):
     check_moe(kernels, dev, rng, fmts, M, path=path, ldx=160 + 16, ldy=160 + 3, kernel=kernel)
 
 
+@pytest.mark.parametrize("path", ["small", "large"])
+@pytest.mark.parametrize("M", [7, 300])
+def test_moe_ordered(kernels, dev, rng, M, path, kernel):
+    """slot_y: the down stores each slot's row and moe_sum_slots adds them into y in slot order; y is within the
+    oracle's tolerances (check_moe) and, bit for bit, y0 plus the stored rows summed j = 0..k-1 in fp32 on the host,
+    with ldy beyond H left alone."""
+    check_moe(kernels, dev, rng, ("q4g64", "q5g64"), M, path=path, ldy=160 + 3, kernel=kernel, ordered=True)
+
+
+def test_moe_sum_slots_skips_absent_experts(kernels, dev, rng):
+    """moe_sum_slots alone: ids outside [0, E) (fewer candidates than top_k) add nothing, the others add their
+    row in slot order; bit-exact against the host's sequential fp32 sum (the slot rows are random normals, no
+    denormals for flush-to-zero to touch)."""
+    M, k, H, E, ldy = 37, 8, 300, 16, 301
+    ys = rng.standard_normal((M * k, H)).astype(np.float32)
+    ids = rng.integers(0, E, (M, k)).astype(np.int32)
+    ids[rng.random((M, k)) < 0.2] = -1
+    ids[0, 3], ids[1] = E, -1  # past the bank; a row with no expert at all
+    y0 = rng.standard_normal((M, ldy)).astype(np.float32)
+    y_p = dev.put(y0)
+    kernels.launch("moe_sum_slots", (-(-H // 256), M), 256, [ptr(dev.put(ys)), ptr(dev.put(ids)), i32(k), i32(H),
+                                                            i32(E), ptr(y_p), i32(ldy)], 0, None)
+    want = y0.copy()
+    for m in range(M):
+        for j in range(k):
+            if 0 <= ids[m, j] < E:
+                want[m, :H] = want[m, :H] + ys[m * k + j]
+    assert np.array_equal(dev.get(y_p, (M, ldy)).view(np.uint32), want.view(np.uint32))
+
+
 def test_moe_small_35b(kernels, dev, rng):
     """The 35B expert shapes (2I = 1024, H = 2048, q4g64 / q5g64) on E = 16 experts, top_k = 8, M = 64:
     ~32 slots per expert (one or two token tiles), 8 N tiles of gate_up, 16 of down, 16 / 4 k stages."""
@@ -305,8 +335,9 @@ def test_moe_rejects_path(kernels, dev, rng):
 
 
 def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None,
-              kernel="auto"):
-    """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle."""
+              kernel="auto", ordered=False):
+    """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle; ordered: through
+    slot_y, y also bit-exact against y0 + its stored slot rows summed in order."""
     gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
     dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
     lx, ly = ldx or H, ldy or H
@@ -319,12 +350,18 @@ def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="au
     y0 = rng.standard_normal((M, ly)).astype(np.float32)
     act_p = dev.empty(M * top_k * I * 2)
     y_p = dev.put(y0)
+    slot_y = dev.empty(M * top_k * H * 4) if ordered else 0
     took = gemm.moe_grouped(kernels, gu, dn, x=dev.put(f32_to_bf16_bits(xf)), M=M, ids=dev.put(ids),
                             weights=dev.put(wts), top_k=top_k, act=act_p, y=y_p,
                             scratch=dev.empty(gemm.moe_scratch_bytes(M, top_k, E)), ldx=ldx, ldy=ldy, path=path,
-                            kernel=kernel)
+                            kernel=kernel, slot_y=slot_y)
     act = bf16_bits_to_f32(dev.get(act_p, (M * top_k, I), np.uint16))
     yall = dev.get(y_p, (M, ly))
+    if ordered:
+        rows, want = dev.get(slot_y, (M, top_k, H)), y0[:, :H].copy()
+        for j in range(top_k):
+            want = want + rows[:, j]
+        assert np.array_equal(yall[:, :H].view(np.uint32), want.view(np.uint32)), "ordered sum of the slot rows"
     assert (yall[:, H:].view(np.uint32) == y0[:, H:].view(np.uint32)).all(), "moe wrote y beyond H"
     y = yall[:, :H].astype(np.float64) - y0[:, :H]
     what = f"moe {fmts[0]}/{fmts[1]} M={M} path={path} ({kernel})"
