@@ -79,10 +79,10 @@ def _support(p) -> tuple[np.ndarray, np.ndarray]:
 
 def default_cost(n: int) -> float:
     """Milliseconds of a step of n drafts on an H100 at 8K context (35B shapes; bench/speculative_loop.py and
-    bench/speculative_parts.py, v94): n = 0 a verification of one token with its hidden row back and the head's
-    catch-up (1.8; a plain step 1.6), n >= 1 the head's rows, a verification of n + 1 tokens and the host's waits
-    (2.18 + 0.69 n, fit to every draft kept at n = 1..3). Only the ratios matter to the planner."""
-    return 1.8 if n == 0 else 2.18 + 0.69 * n
+    bench/speculative_parts.py, v95): n = 0 a verification of one token with its hidden row back and the head's
+    catch-up (1.7; a plain step 1.6), n >= 1 the head's rows, a verification of n + 1 tokens and the host's waits
+    (2.13 + 0.64 n, fit to every draft kept at n = 1..3). Only the ratios matter to the planner."""
+    return 1.7 if n == 0 else 2.13 + 0.64 * n
 
 
 class DraftPlanner:
@@ -93,19 +93,23 @@ class DraftPlanner:
     ACCEPT_PRIOR), so a step of n drafts emits E(n) = 1 + a + ... + a^n tokens, for cost(n) in plain decode
     steps (default_cost by default: a verification of n + 1 tokens plus the head's rows). The plan depends only
     on which drafts were kept, never on timings, so a seeded sampled run repeats. A count of 0 is one verified
-    token with no head row (decode feeds the head those rows when drafts resume), and every PROBE_EVERY such
-    steps one draft is tried again, so a head that starts to agree is seen. fixed=True always takes max_drafts.
-    Any count emits exactly the target's tokens: this trades only speed."""
+    token with no head row (decode feeds the head those rows when drafts resume), and after PROBE_EVERY such
+    steps one draft is tried again, so a head that starts to agree is seen; each probe refused doubles the wait (up
+    to PROBE_MAX steps: a head that never agrees costs a probe's head row and verification that much more rarely),
+    a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the target's tokens: this
+    trades only speed."""
 
     ACCEPT_PRIOR = 0.73   # NInfer's per-draft acceptance with Qwen3.x's MTP head
     ACCEPT_WEIGHT = 0.1   # the moving average's weight of one draft's outcome
-    PROBE_EVERY = 16
+    PROBE_EVERY = 16      # steps without drafts before a probe of one draft
+    PROBE_MAX = 128       # the most they become as probes are refused
 
     def __init__(self, max_drafts: int, cost: Callable[[int], float] | None = None, fixed: bool = False):
         self.max_drafts, self.fixed = max_drafts, fixed
         self.cost = cost or default_cost
         self.accept = self.ACCEPT_PRIOR
         self.idle = 0  # steps in a row without drafts
+        self.probe_every, self._probing = self.PROBE_EVERY, False
 
     def expected_tokens(self, n: int) -> float:
         return sum(self.accept ** i for i in range(n + 1))
@@ -113,9 +117,11 @@ class DraftPlanner:
     def choose(self, limit: int) -> int:
         """Drafts for the next step, at most limit (the tokens the budget still takes after the next one)."""
         top = min(self.max_drafts, limit)
+        self._probing = False
         if self.fixed or top <= 0:
             return max(top, 0)
-        if self.idle >= self.PROBE_EVERY:
+        if self.idle >= self.probe_every:
+            self._probing = True
             return 1
         return max(range(top + 1), key=lambda n: (self.expected_tokens(n) / self.cost(n), n))
 
@@ -126,6 +132,9 @@ class DraftPlanner:
             self.accept += w * (1.0 - self.accept)
         if kept < n:
             self.accept -= w * self.accept
+        if self._probing:
+            self.probe_every = self.PROBE_EVERY if kept else min(2 * self.probe_every, self.PROBE_MAX)
+            self._probing = False
         self.idle = self.idle + 1 if n == 0 else 0
 
 

@@ -102,16 +102,26 @@ def test_planner_drafts_the_most_while_drafts_are_kept():
 
 def test_planner_stops_drafting_when_none_is_kept_and_probes_again():
     """No draft kept: within 8 steps the planner takes 0 drafts (1 token for 1.95 ms beats any count's), then
-    one draft every PROBE_EVERY steps; when that probe's draft is kept the count climbs back as acceptance does."""
+    one draft after PROBE_EVERY steps, and after twice as many each time a probe is refused, up to PROBE_MAX; a
+    probe kept brings the wait back to PROBE_EVERY, and the count climbs back as acceptance does."""
     p = DraftPlanner(3, cost=H100_COST.get)
     counts = []
-    for _ in range(40):
+    for _ in range(1000):
         n = p.choose(100)
         counts.append(n)
         p.observe(n, 0)
     first = counts.index(0)
-    assert first <= 8 and counts[first:first + DraftPlanner.PROBE_EVERY] == [0] * DraftPlanner.PROBE_EVERY
-    assert counts[first + DraftPlanner.PROBE_EVERY] == 1
+    probes = [i for i in range(first, len(counts)) if counts[i]]
+    assert first <= 8 and set(counts[first:]) == {0, 1}
+    gaps = [b - a - 1 for a, b in zip([first - 1] + probes, probes)]  # steps without drafts before each probe
+    base, top = DraftPlanner.PROBE_EVERY, DraftPlanner.PROBE_MAX
+    assert gaps[:5] == [base, 2 * base, 4 * base, 8 * base, top] and set(gaps[4:]) == {top}
+    n = p.choose(100)
+    while n == 0:  # up to the next probe, which is kept
+        p.observe(0, 0)
+        n = p.choose(100)
+    p.observe(n, n)
+    assert p.probe_every == base
     for _ in range(60):  # drafts agree again
         n = p.choose(100)
         p.observe(n, n)
@@ -120,8 +130,8 @@ def test_planner_stops_drafting_when_none_is_kept_and_probes_again():
 
 
 def test_planner_default_costs_and_limits():
-    """default_cost (H100 milliseconds: 1.8 for no draft, 2.18 + 0.69 n for n): at the prior's acceptance (0.73)
-    two drafts pay best (2.26 tokens for 3.56 ms against 1 for 1.8, 1.73 for 2.87 and 2.65 for 4.25), every draft
+    """default_cost (H100 milliseconds: 1.7 for no draft, 2.13 + 0.64 n for n): at the prior's acceptance (0.73)
+    two drafts pay best (2.26 tokens for 3.41 ms against 1 for 1.7, 1.73 for 2.77 and 2.65 for 4.05), every draft
     kept the most, none kept none; fixed always takes the most; never more than the budget still takes."""
     p = DraftPlanner(3)
     assert p.choose(100) == 2
