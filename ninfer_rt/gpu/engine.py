@@ -26,13 +26,12 @@ more than 8 rows). Weights are read from the artifact layout in place (ninfer_rt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import PREFILL_CHUNK, attention, deltanet, ffn, gemm, linear, misc, mixer, moe, mtp, router_fold
+from ninfer_rt.gpu import (PREFILL_CHUNK, attention, buffers, deltanet, ffn, gemm, linear, misc, mixer, moe, mtp,
+                           router_fold)
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
@@ -49,43 +48,11 @@ def context_bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, (n - 1).bit_length()))
 
 
-@dataclass
-class Buffers:
-    """Activation buffers for up to `rows` rows (device addresses)."""
-
-    rows: int
-    x: int = 0
-    h: int = 0
-    h16: int = 0      # bf16 copies of h, o and act_s: the prefill GEMMs' inputs (the decode GEMVs read fp32)
-    o16: int = 0
-    act_s16: int = 0
-    shared_y: int = 0  # decode: the shared expert's output, before its gate (moe.down adds it)
-    mixed: int = 0
-    ba: int = 0
-    q: int = 0
-    o: int = 0
-    router: int = 0
-    ids: int = 0
-    wts: int = 0
-    sscale: int = 0
-    act: int = 0
-    act_s: int = 0
-    slot_y: int = 0     # prefill MoE (ordered_moe): the routed outputs, one fp32 row a slot
-    act_rec: int = 0    # decode: the dense SwiGLU output as the down's x̂ records, as (value, 1) pairs, and
-    act_pairs: int = 0  # the gate/up's chunk counters of two parities
-    act_cnt: int = 0
-    tokens: int = 0
-    logits: int = 0
-    argmax: int = 0
-    scratch: int = 0
-    wscratch: int = 0        # gemm "wgmma_ss": a quantized layer matrix dequantized to bf16 (0: none)
-    wscratch_bytes: int = 0
-
-
 class GpuModel:
     """The text model of `spec` on `gpu`, with `slots` sequences of up to `max_ctx` positions each. ordered_moe
-    (MoE models): a prompt chunk's routed experts summed in slot order (gemm.moe_grouped's slot_y; fp32 rows of
-    chunk · top_k · H), so a prompt gives the same bits every run, for ~3% of its time (bench/prefill_moe_sum.py)."""
+    (MoE models): a prompt chunk's routed experts summed in slot order (gemm.moe_grouped's slot_y: fp32 rows of
+    chunk · top_k · H over the mixer's buffer), so a prompt gives the same bits every run, for ~3% of its time
+    (bench/prefill_moe_sum.py)."""
 
     def __init__(self, gpu: Gpu, kernels: Kernels, spec, weights: DeviceWeights, *, slots: int = 1,
                  max_ctx: int = 4096, kv_dtype: str = "int8", prefill_chunk: int | None = None,
@@ -123,7 +90,7 @@ class GpuModel:
         self.inv_freq = self._alloc(inv_freq.nbytes)
         gpu.upload(self.inv_freq, inv_freq)
         self._alloc_state()
-        self.buf = self._alloc_buffers(self.rows)
+        self.buf = buffers.alloc(self, self.rows, decode_rows=GEMV_MAX_ROWS, layer_prefix=LM + "layers.")
         if self.has_mtp:
             mtp.alloc(self)
         # v71/v72: layer -> (the step's or the combine's fold arguments, the MoE's acc)
@@ -186,61 +153,6 @@ class GpuModel:
                           self.ssm_bytes)
         for kv in self.kv.values():
             kv.copy_positions(self.gpu, src, dst, positions)
-
-    def _alloc_buffers(self, rows: int) -> Buffers:
-        s = self.spec
-        b = Buffers(rows)
-        f = 4
-        b.x, b.h = self._alloc(rows * self.H * f), self._alloc(rows * self.H * f)
-        b.mixed = self._alloc(rows * self.mixed_cols * f)
-        b.ba = self._alloc(rows * 2 * max(s.linear_num_value_heads, 1) * f)
-        b.q = self._alloc(rows * s.num_attention_heads * s.head_dim * f)
-        self.o_cols = max(s.num_attention_heads * s.head_dim, s.value_dim)
-        b.o = self._alloc(rows * self.o_cols * f)
-        b.h16, b.o16 = self._alloc(rows * self.H * 2), self._alloc(rows * self.o_cols * 2)
-        # a decode step's mixer output as out_proj's / o_proj's x̂ chunk records of its rows (deltanet.step,
-        # attention.decode; linear.records_rows)
-        b.o_rec = self._alloc(max(self.o_cols // 32, 1) * linear.x_chunk_bytes(linear.RECORDS_MAX_M, True))
-        if s.is_moe:
-            E, k = s.num_experts, s.num_experts_per_tok
-            b.router = self._alloc(rows * (E + 1) * f)
-            b.ids, b.wts, b.sscale = self._alloc(rows * k * 4), self._alloc(rows * k * f), self._alloc(rows * f)
-            b.act = self._alloc(rows * k * s.moe_intermediate_size * f)  # fp32 (decode) or bf16 (prefill)
-            b.slot_y = self._alloc(rows * k * self.H * f) if self.ordered_moe else 0
-            b.shared_y = self._alloc(GEMV_MAX_ROWS * self.H * f)
-            self._moe_barrier = self._alloc(4)  # moe.fused's grid barrier: zero once, each launch leaves it ready
-            self.gpu.memset(self._moe_barrier, 0, 4)
-            self.ffn_cols = round_up(s.shared_expert_intermediate_size, 32)
-        else:
-            self.ffn_cols = round_up(s.intermediate_size, 32)
-            # one token's SwiGLU output as the down's x̂ records, as the gate/up's (value, 1) pairs and its two
-            # parities of chunk counters (zero once; the launches keep them so)
-            b.act_rec = self._alloc(self.ffn_cols // 32 * linear.x_chunk_bytes(1, True))
-            pair_bytes, cnt_bytes = self.ffn_cols * 8, 2 * (self.ffn_cols // 32) * 4  # uint64 [F], uint32 [2, F/32]
-            b.act_pairs = self._alloc(pair_bytes + cnt_bytes)
-            b.act_cnt = b.act_pairs + pair_bytes
-            self.gpu.memset(b.act_pairs, 0, pair_bytes + cnt_bytes)
-        # SwiGLU output, its row padded to a multiple of 32 with zeros that no kernel writes (see k_view)
-        b.act_s, b.act_s16 = self._alloc(rows * self.ffn_cols * f), self._alloc(rows * self.ffn_cols * 2)
-        self.gpu.memset(b.act_s, 0, rows * self.ffn_cols * f)
-        self.gpu.memset(b.act_s16, 0, rows * self.ffn_cols * 2)
-        b.tokens = self._alloc(rows * 4)
-        b.logits = self._alloc(self.logit_rows * self.V * f)
-        b.argmax = self._alloc(self.logit_rows * 4)
-        scratch = max(
-            attention.decode_scratch_bytes(rows, s.num_attention_heads, s.head_dim, self.max_ctx),
-            deltanet.prefill_scratch_bytes(rows, s.conv_dim, s.linear_num_value_heads, s.linear_key_head_dim),
-            misc.argmax_scratch_bytes(self.logit_rows),
-            gemm.moe_scratch_bytes(rows, s.num_experts_per_tok, s.num_experts) if s.is_moe else 0)
-        b.scratch = self._alloc(scratch)
-        # the prefill GEMMs' dequantized weights (gemm "wgmma_ss", H100/H200): room for the largest layer matrix
-        ss = self.gemm_kernel == "wgmma_ss" or (self.gemm_kernel == "auto" and rows >= gemm.WGMMA_SS_MIN_ROWS)
-        if ss and gemm.wgmma_available(self.k):
-            b.wscratch_bytes = max((gemm.dequant_bytes(k_view(w)) for name, w in self.w.matrices.items()
-                                    if name.startswith(LM + "layers.") and w.quantized and len(w.shape) == 2),
-                                   default=0)
-            b.wscratch = self._alloc(b.wscratch_bytes) if b.wscratch_bytes else 0
-        return b
 
     def _fold_for(self, i: int, B: int, T: int) -> tuple | None:
         """router_fold.fold_for of layer i at B sequences of T tokens: the step's (the combine's) fold arguments,
