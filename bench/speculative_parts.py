@@ -7,7 +7,8 @@ after a prompt of --context tokens), so a row includes the host's launches, copi
 work: a plain step (sample_next, the draw inside the step's graph), a verification of one token (the step of 0
 drafts: every row's hidden state and arg-max back), the same step's graph alone, the head over 1 or 8 real rows
 (HEAD_ROWS: a step of 0 drafts catches up 8 at a time), a chain of 2 more rows on the device, and a rewind of a
-verification of 4 to 1 token, by a captured graph and by 30 host copies.
+verification of 4 to 1 token, by a captured graph and by 30 host copies; and Batch's batched step of two sequences
+with and without their rows' hidden states (kept for a sequence's MTP head).
 Exits with a one-line message when there is no GPU.
 """
 
@@ -55,7 +56,7 @@ def main() -> None:
     gpu, k, console = open_gpu("speculative_parts")
     greedy = SamplingParams(greedy=True)
     n = a.calls
-    with synthetic_model(gpu, k, a.model, a.context + 20 * n + 256, slots=1, groups=("text", "mtp")) as model:
+    with synthetic_model(gpu, k, a.model, a.context + 20 * n + 256, slots=2, groups=("text", "mtp")) as model:
         be = GpuBackend.of_model(model)
         V, H = model.spec.vocab_size, model.H
         ids = np.random.default_rng(0).integers(0, V, a.context)
@@ -70,6 +71,14 @@ def main() -> None:
             def call():
                 be.draft(h1 if rows == 1 else h8, np.full(rows, 7, np.int64), head, top1=V, chain=chain)
                 head.pos -= rows + chain  # the same positions again
+            return call
+
+        other = be.new_cache(1)  # a second sequence for Batch's batched steps
+        be.verify(ids, other, undoable=False, top1=V)
+
+        def batched(hidden: bool):
+            def call():
+                be.decode_batch([7, 7], [cache, other], hidden=hidden)
             return call
 
         def rewind(graph: bool):
@@ -90,6 +99,8 @@ def main() -> None:
             ("head over 1 row and a chain of 2", draft(1, 2)),
             ("verification of 4, rewind to 1 (graph)", rewind(True)),
             ("verification of 4, rewind to 1 (30 copies)", rewind(False)),
+            ("batched step of 2 (decode_batch)", batched(False)),
+            ("  with both rows' hidden states (a head waits)", batched(True)),
         ]
         results = []
         for name, call in rows:

@@ -23,9 +23,10 @@ used first. The recurrent state cannot rewind, so a slot serves only a prompt th
 With a model loaded with speculative_tokens, a sequence that decodes alone takes speculative steps (the MTP head's
 drafts verified together: ninfer_rt.speculative.Speculator), as llama.cpp's server drafts per slot. Its slot keeps
 the head's state beside its cache, so a prompt that extends the slot's ids (or a snapshot's) drafts from the head's
-whole history. Logprobs and JSON constraints decode plainly; so does a sequence once it has shared a batched step
-(the head missed that step's rows). A stop id among a step's kept drafts is in the cache, as verified: a next
-prompt that does not carry it does not extend that slot.
+whole history. A batched step keeps each such sequence's post-norm hidden row for its head (the pair waits, as a
+step without drafts leaves it), so once the sequence decodes alone again it drafts on from its whole history.
+Logprobs and JSON constraints decode plainly. A stop id among a step's kept drafts is in the cache, as verified: a
+next prompt that does not carry it does not extend that slot.
 """
 
 from __future__ import annotations
@@ -200,8 +201,6 @@ class Batch:
         if len(decoding) == 1 and decoding[0].spec is not None:
             self._guard(decoding, lambda gens: self._spec_decode(gens[0]))
         elif decoding:
-            for g in decoding:  # a batched step keeps no hidden rows for the head: these decode plainly from now
-                g.spec = g._slot.head = None
             self._guard(decoding, self._decode)
 
     # ------------------------------------------------------------------------------------------- slots
@@ -299,8 +298,18 @@ class Batch:
         if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn in the step's graph
             picks = [self._device_draw(gens[0], np.asarray(tokens, np.int64))]
         else:
-            logits = self.backend.decode_batch(tokens, [g._slot.cache for g in gens])  # [B, V]
+            caches = [g._slot.cache for g in gens]
+            if any(g.spec is not None for g in gens):  # their post-norm rows kept for the MTP head
+                logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
+            else:
+                logits = self.backend.decode_batch(tokens, caches)
             picks = [self._draw(g, row) for g, row in zip(gens, logits)]
+            for b, g in enumerate(gens):
+                if g.spec is not None:  # the pair (h_p, x_{p+1}) waits for the head, its token for the next step
+                    st = g.spec.state
+                    if st.nxt:
+                        st.set_next(tokens[b])
+                    st.add(hidden[b:b + 1], [None])
         for g, t in zip(gens, tokens):
             g._slot.ids.append(t)
         dt = time.perf_counter() - t0

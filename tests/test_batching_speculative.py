@@ -91,22 +91,36 @@ def test_a_prompt_that_extends_a_slot_drafts_from_the_heads_whole_history(model,
     assert picks[-1 - log.calls[calls_a][3]] == want[-1]
 
 
-def test_batched_steps_decode_plainly_from_then_on(model, packed_model):
-    """Two sequences decoding together share plain batched steps (the head misses their rows): each still decodes
-    its plain greedy text, neither speculates from then on, and a prompt extending one of their slots decodes
-    plainly too (its slot's head state is gone)."""
+def test_batched_steps_keep_the_heads_rows(model, packed_model, wrap):
+    """Two sequences share batched steps, each row's post-norm hidden state kept for its head; once the other has
+    finished, the first decodes alone and drafts again: its head is fed every real pair once and in order from
+    position 0 (none lost to the batched steps), and its first draft is what the head run over the whole real
+    sequence at once drafts (oracle: the reference's forward and head, one call each). Both outputs are plain
+    greedy's, and a prompt extending the first one's slot drafts on from its head's state."""
+    log = wrap(HeadLog)
     other = [9, 8, 7, 6]
     batch = model.batch(parallel=2)
-    a = batch.add(PROMPT, max_new_tokens=8, sampling=GREEDY)
-    b = batch.add(other, max_new_tokens=8, sampling=GREEDY)
+    a = batch.add(PROMPT, max_new_tokens=16, sampling=GREEDY)
+    b = batch.add(other, max_new_tokens=4, sampling=GREEDY)
     drain(batch)
-    assert a.stats.token_ids == _plain(packed_model, n=8)
-    assert b.stats.token_ids == _plain(packed_model, n=8, prompt=other)
-    assert a.spec is b.spec is None and a.stats.draft_tokens == b.stats.draft_tokens == 0
-    c = batch.add(PROMPT + a.stats.token_ids + [4], max_new_tokens=4, sampling=GREEDY)
-    assert c.stats.cached_tokens > 0 and c.spec is None
+    assert a.stats.token_ids == _plain(packed_model, n=16)
+    assert b.stats.token_ids == _plain(packed_model, n=4, prompt=other)
+    assert a.stats.draft_tokens > 0 and b.stats.draft_tokens == 0  # b never decoded alone
+    seq, pos = PROMPT + a.stats.token_ids, 0
+    for start, ids, _, _ in log.calls:  # every call a's (b's 4 pending pairs never reached the head)
+        assert start == pos and ids == seq[start + 1:start + 1 + len(ids)]
+        pos = start + len(ids)
+    _, ids, picks, chain = log.calls[0]
+    assert len(ids) > len(PROMPT) + 1  # the prompt's pairs and the batched steps' ones, in the first call
+    ref = log.inner
+    _, hidden, _ = ref.verify(np.asarray(seq, np.int64), ref.new_cache(), undoable=False)
+    want, _ = ref.draft(hidden[:len(ids)], np.asarray(seq[1:len(ids) + 1], np.int64), ref.new_draft_cache(),
+                        top1=model.real_vocab_size)
+    assert picks[-1 - chain] == want[-1]
+    c = batch.add(seq + [4], max_new_tokens=4, sampling=GREEDY)
+    assert c.stats.cached_tokens == len(seq) - 1 and c.spec is not None
     drain(batch)
-    assert c.stats.draft_tokens == 0
+    assert c.stats.token_ids == _plain(packed_model, n=4, prompt=seq + [4])
 
 
 def test_logprobs_and_json_decode_plainly(model):

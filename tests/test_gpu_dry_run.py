@@ -208,6 +208,30 @@ def test_a_verifications_arg_maxes_come_from_its_own_graph(monkeypatch):
         m.verify(np.arange(3, dtype=np.int32), 20, 0, vocab=m.V + 1)
 
 
+def test_a_batched_step_may_keep_its_rows_hidden_states(monkeypatch):
+    """decode_batch(hidden=True) at B = 2 (Batch's step where a sequence's MTP head waits for the rows): the step's
+    graph normalises every row into buf.h and the lm_head reads those rows, then the host reads both sequences'
+    logits and hidden rows; without hidden, the lm_head normalises x itself and only the logits come back."""
+    from ninfer_rt.gpu.backend import GpuBackend
+
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b", slots=2)
+    be = GpuBackend.of_model(m)
+    caches = [be.new_cache(0), be.new_cache(1)]
+    for c in caches:
+        c.pos = 10
+    for hidden in (True, False):
+        gpu.launches.clear()
+        n = len(gpu.downloads)
+        out = be.decode_batch([3, 4], caches, hidden=hidden)
+        logits, rows = out if hidden else (out, None)
+        assert logits.shape == (2, m.V) and (rows is None or rows.shape == (2, m.H))
+        want = [(m.buf.logits, (2, m.V))] + ([(m.buf.h, (2, m.H))] if hidden else [])
+        assert gpu.downloads[n:] == want
+        assert count(gpu.launches, "rms_norm") == (1 if hidden else 0)
+    assert (2, 1, m.bucket(11), "hidden", None, False) in m.graphs and (2, 1, m.bucket(12), "last", None, False) \
+        in m.graphs
+
+
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     """ninfer_rt.speculative.decode, greedy, over GpuBackend.of_model at the 35B's shapes with its MTP head: a
     600-token prompt (two prefill chunks), then steps of 3 drafts (fixed). The made-up GPU's ids are all 0, so every

@@ -83,16 +83,18 @@ class GpuBackend:
         cache.pos += ids.size
         return out
 
-    def decode_batch(self, ids: list[int], caches: list[GpuCache]) -> np.ndarray:
+    def decode_batch(self, ids: list[int], caches: list[GpuCache], hidden: bool = False):
         """One token for each of B sequences (each in its own slot, past its prompt) in one decode step -> their
-        logits float32 [B, V]; advances each cache."""
+        logits float32 [B, V] (with hidden, and their post-norm hidden states float32 [B, H]: the MTP head's
+        input); advances each cache."""
         if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
             raise NinferError("decode_batch: each sequence needs its own slot and a prefilled prompt")
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
-                          graph=self.use_graphs)
+                          graph=self.use_graphs, hidden=hidden)
         for c in caches:
             c.pos += 1
-        return self.model.logits(len(caches))
+        logits = self.model.logits(len(caches))
+        return (logits, self.model.hidden(len(caches))) if hidden else logits
 
     def _run_last(self, ids: np.ndarray, cache: GpuCache, draw: tuple | None = None) -> bool:
         """Enqueue ids through the cache, leaving the last token's logits in logits row 0. With draw = (vocab,

@@ -236,8 +236,8 @@ class GpuModel:
 
         logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
         "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last);
-        "hidden" (B = 1): every row's post-norm hidden state into buf.h (the MTP head's input) and the last row's
-        logits.
+        "hidden": every row's post-norm hidden state into buf.h (the MTP head's input) and each sequence's last
+        row's logits, as "last".
         draw ("argmax" | "sample", vocab), with "last" and B = 1: instead of the argmax, the next token over ids
         < vocab into the draw slot (sample: under the params record in the draw params buffer); ("rows", vocab):
         the argmax of every logits row over ids < vocab instead of < sample_vocab (a verification's top1).
@@ -249,10 +249,10 @@ class GpuModel:
         if logit_rows == "none":
             return
         norm = self.w.param(LM + "norm.weight")
-        if logit_rows == "hidden":  # a prompt chunk for the MTP head: every row's post-norm h (fp32), the last logits
+        if logit_rows == "hidden":  # for the MTP head: every row's post-norm h (fp32), each sequence's last logits
             misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out="f32")
-            self._linear(self.lm_head, x=b.h + 4 * (M - 1) * self.H, M=1, y=b.logits)
-            rows = 1
+            self._linear(self.lm_head, x=b.h + 4 * (T - 1) * self.H, M=B, y=b.logits, ldx=T * self.H)
+            rows = B
         elif logit_rows == "all":
             h, out = (b.h, "f32") if M <= GEMV_MAX_ROWS else (b.h16, "bf16")
             misc.rms_norm(self.k, x=b.x, y=h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out=out)
@@ -308,12 +308,14 @@ class GpuModel:
             raise NinferError(f"context {max(pos) + T} exceeds the cache's {self.max_ctx} positions")
 
     def decode(self, tokens: np.ndarray, pos: list[int], slots: list[int], *, graph: bool = True,
-               draw: tuple[int, np.ndarray | None] | None = None) -> None:
+               draw: tuple[int, np.ndarray | None] | None = None, hidden: bool = False) -> None:
         """One decode step for B = len(pos) sequences of T = tokens.size // B new tokens each (T ≤ 8).
 
         Leaves logits of each sequence's last token in the logits buffer (rows 0..B-1) and their argmax; or,
         with draw = (vocab, record) and B = 1, the next token in the same graph (`drawn()`): the arg-max over
-        ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax.
+        ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax. hidden:
+        also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
+        it rather than normalising x itself.
         """
         B = len(pos)
         T = tokens.size // B
@@ -324,7 +326,8 @@ class GpuModel:
             raise NinferError(f"decode draws one sequence's token over 1..{self.V} ids, got B = {B}, "
                               f"vocab = {draw[0]}")
         self._set_batch(tokens, pos, slots)
-        self._run(B, T, self.bucket(max(pos) + T), "last", graph, None if draw is None else self._draw_op(*draw))
+        self._run(B, T, self.bucket(max(pos) + T), "hidden" if hidden else "last", graph,
+                  None if draw is None else self._draw_op(*draw))
 
     def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True, trail: bool = False,
                vocab: int | None = None) -> None:

@@ -45,10 +45,14 @@ class ReferenceBackend:
         logits = self.model.forward(ids, cache).numpy()
         return logits[-1:] if last_only else logits
 
-    def decode_batch(self, ids: list[int], caches: list) -> np.ndarray:
-        """One token for each of B sequences -> their logits float32 [B, V]; advances each cache."""
-        return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
-                               for i, c in zip(ids, caches)])
+    def decode_batch(self, ids: list[int], caches: list, hidden: bool = False):
+        """One token for each of B sequences -> their logits float32 [B, V] (with hidden, and their post-norm
+        hidden states float32 [B, H]: the MTP head's input); advances each cache."""
+        if not hidden:
+            return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
+                                   for i, c in zip(ids, caches)])
+        rows = [self.model.forward_with_hidden(np.asarray([i], np.int64), c) for i, c in zip(ids, caches)]
+        return (np.concatenate([r[0].numpy() for r in rows]), np.concatenate([r[1].float().numpy() for r in rows]))
 
     # ------------------------------------------------------------------------------------ speculative decoding
 

@@ -201,6 +201,39 @@ def test_a_batch_on_cuda_drafts_and_keeps_the_head_for_a_longer_prompt(gpu, arti
     assert a.stats.accepted_tokens == a.stats.draft_tokens > 0 and b.stats.accepted_tokens == b.stats.draft_tokens > 0
 
 
+def test_a_batch_on_cuda_keeps_the_heads_rows_through_batched_steps(gpu, artifact):  # gpu: skipped without one
+    """Two requests on a model loaded with speculative_tokens=3 share batched steps (each row's post-norm hidden
+    state kept for its head: decode_batch(hidden=True)); once the short one ends, the long one decodes alone and
+    drafts again (steered to its plain text: every draft kept, the head fed the batched steps' rows too). Both
+    outputs equal plain greedy decoding on the GPU, for the first prompt seeds whose greedy paths meet no near-tie
+    (clear_greedy; a batched step rounds differently from a lone one) and no stop id."""
+    from ninfer_rt.api import load
+    from ninfer_rt.sampling import SamplingParams
+    from ninfer_rt.speculative import SteeredDrafts
+
+    greedy = SamplingParams(greedy=True)
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
+        V = plain.real_vocab_size
+        for seed in range(13, 60):
+            ids_a, ids_b = prompt(20, seed).tolist(), prompt(12, seed + 100).tolist()
+            want_a, gap_a = clear_greedy(plain._backend, ids_a, 16, V)
+            want_b, gap_b = clear_greedy(plain._backend, ids_b, 4, V)
+            if min(gap_a, gap_b) >= MARGIN and not any(map(plain.tokenizer.is_stop, want_a + want_b)):
+                break
+        else:
+            pytest.fail(f"no prompt seed gives greedy paths without a stop id and with top-2 gaps >= {MARGIN}")
+    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
+        spec._backend = SteeredDrafts(spec._backend, ids_a + want_a)
+        batch = spec.batch(parallel=2)
+        a = batch.add(ids_a, max_new_tokens=16, sampling=greedy)
+        b = batch.add(ids_b, max_new_tokens=4, sampling=greedy)
+        while batch.busy:
+            batch.step()
+    print(f"batched, then alone (prompt seed {seed}): {a.stats.accepted_tokens} of {a.stats.draft_tokens} kept")
+    assert a.stats.token_ids == want_a and b.stats.token_ids == want_b
+    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0 and b.stats.draft_tokens == 0
+
+
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.95)
 
 
