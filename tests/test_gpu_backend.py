@@ -100,8 +100,11 @@ def test_speculative_contract_keeps_the_positions(monkeypatch):
             log.append(("prefill", len(ids), slot, start, hidden))
             return np.ones((len(ids), H), np.float32)
 
-        def verify(self, ids, pos, slot, graph=True, trail=False):
-            log.append(("verify", len(ids), pos, slot, trail))
+        def verify(self, ids, pos, slot, graph=True, trail=False, vocab=None):
+            log.append(("verify", len(ids), pos, slot, trail, vocab))
+
+        def argmax(self, rows):
+            return np.full(rows, 5, np.int32)
 
         def rewind(self, slot, keep, T, graph=True):
             log.append(("rewind", slot, keep, T, graph))
@@ -130,7 +133,8 @@ def test_speculative_contract_keeps_the_positions(monkeypatch):
     assert logits.shape == (4, V) and hidden.shape == (4, H) and undo == 4 and cache.pos == 14
     be.rewind(cache, undo, np.arange(4), 2)
     assert cache.pos == 12
-    _, _, undo = be.verify(np.arange(1), cache)  # a lone token keeps itself: no trail
+    ids, _, undo = be.verify(np.arange(1), cache, top1=V - 2)  # a lone token keeps itself: no trail
+    assert ids.tolist() == [5] and ids.dtype == np.int64  # the arg-maxes of the step's own graph
     be.rewind(cache, undo, np.arange(1), 1)
     assert cache.pos == 13
     d = be.new_draft_cache(cache)
@@ -141,5 +145,6 @@ def test_speculative_contract_keeps_the_positions(monkeypatch):
     assert d.pos == 11
     copy = be.copy_draft_cache(d, backend.GpuCache(pos=13, slot=0))  # copy_slot copied the head's KV rows
     assert (copy.pos, copy.slot, d.slot) == (11, 0, 1)
-    assert log == [("reset", 1), ("prefill", 10, 1, 0, True), ("verify", 4, 10, 1, True), ("rewind", 1, 2, 4, True),
-                   ("verify", 1, 12, 1, False), ("rewind", 1, 1, 1, True), ("draft", 10, 0, 1), ("draft", 2, 10, 1)]
+    assert log == [("reset", 1), ("prefill", 10, 1, 0, True), ("verify", 4, 10, 1, True, None),
+                   ("rewind", 1, 2, 4, True), ("verify", 1, 12, 1, False, V - 2), ("rewind", 1, 1, 1, True),
+                   ("draft", 10, 0, 1), ("draft", 2, 10, 1)]
