@@ -236,6 +236,12 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_cancels(model):
         assert r.server.worker._outstanding == 0 and slow.taken < 400  # stopped early, the slot is free
         status, reply = r.json("/v1/chat/completions", {"messages": USER, "max_tokens": 3})
         assert status == 200 and reply["choices"][0]["message"]["reasoning_content"] == "xxx"
+        status, _, data = r.request("GET", "/metrics")
+    ended = dict(ln.rsplit(" ", 1) for ln in data.decode().splitlines() if ln.startswith("ninfer_requests_total"))
+    # the client that left mid-stream is a cancelled generation, not a finished one; the 503 never started one
+    assert {k: float(v) for k, v in ended.items()} == {'ninfer_requests_total{outcome="done"}': 1,
+                                                       'ninfer_requests_total{outcome="error"}': 0,
+                                                       'ninfer_requests_total{outcome="cancelled"}': 1}
 
 
 def test_requests_generate_together_up_to_parallel(model):

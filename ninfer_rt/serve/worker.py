@@ -158,7 +158,9 @@ class Worker:
             if not g.done:
                 continue
             del self._running[ticket]
-            if g.error is None:
+            if ticket.cancelled.is_set():  # its client left (the batch cancelled it): no reply, no token counts
+                self._end(ticket)
+            elif g.error is None:
                 self._end(ticket, ("done", g.stats))
             elif isinstance(g.error, NinferError):  # e.g. the sampler refused the logits it got
                 self._end(ticket, ("error", RequestError(400, str(g.error))))
