@@ -280,15 +280,18 @@ def publish(
                                                                       "the card."),
 ):
     """Upload the artifact with a generated model card (token from `hf auth login` or HF_TOKEN)."""
+    from ninfer_pack.publish import check_args
     from ninfer_pack.publish import publish as run_publish
     from ninfer_rt.format import Artifact
 
+    check_args(path, repo, base_model=base_model, license_=license_, numerics=numerics)  # before any bar
     with Artifact.open(path) as art:
-        size = art.size
+        size, payload = art.size, sum(o.nbytes for o in [*art.tensors.values(), *art.resources.values()])
     with _bytes_progress() as prog:
-        task = prog.add_task("sha256", total=size)
+        checked, hashed = prog.add_task("checksums", total=payload), prog.add_task("sha256", total=size)
         where = run_publish(path, repo, private=private, dry_run_dir=dry_run, base_model=base_model,
-                            license_=license_, numerics=numerics, on_bytes=lambda n: prog.advance(task, n))
+                            license_=license_, numerics=numerics, on_bytes=lambda n: prog.advance(hashed, n),
+                            on_checked=lambda n: prog.advance(checked, n))
     err.print(f"{'staged' if dry_run else 'published'}: {where}")
 
 

@@ -96,6 +96,7 @@ class NumericsReport:
     """Quantization cost of an artifact against its source; field meanings in the module docstring."""
 
     artifact: str
+    artifact_sha256: str         # the artifact's header SHA-256 (Artifact.header_sha256): which artifact was measured
     source: str
     recipe: str
     prompts: list[dict]          # name, tokens, scored positions
@@ -312,7 +313,7 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
             field_ = _spec_mismatch(spec, ckpt.spec)
             if field_ is not None:
                 raise SourceError(f"{source} is not the model {artifact_path} was made from ({field_} differs)")
-            recipe = art.header.get("recipe", {}).get("name", "?")
+            recipe, art_sha = art.header.get("recipe", {}).get("name", "?"), art.header_sha256
             if windows is None:
                 tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
                 names, windows = [n for n, _ in prompts], tokenize_prompts(tok, prompts, spec.vocab_size)
@@ -337,7 +338,7 @@ def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str,
     stats = summarize_tokens(merged)
     layers = layer_diffs(src.stream, got.stream, spec.layer_types)
     return NumericsReport(
-        artifact=str(artifact_path), source=str(source), recipe=recipe,
+        artifact=str(artifact_path), artifact_sha256=art_sha, source=str(source), recipe=recipe,
         prompts=[{"name": n, "tokens": len(ids), "scored": int(w["kld"].numel())}
                  for n, ids, w in zip(names, windows, per_window)],
         threshold=threshold, first_divergent_layer=first_divergent(layers, threshold),

@@ -69,13 +69,14 @@ def check_license(license_: str) -> None:
         raise PublishError(f"--license {license_!r} is not a license id such as apache-2.0, mit or other")
 
 
-NUMERICS_KEYS = ("recipe", "scored", "prompts", "kld_mean", "kld_mean_stderr", "kld_p99", "kld_p999", "same_top",
-                 "rms_dp", "ppl_ratio")
+NUMERICS_KEYS = ("artifact_sha256", "recipe", "scored", "prompts", "kld_mean", "kld_mean_stderr", "kld_p99",
+                 "kld_p999", "same_top", "rms_dp", "ppl_ratio")
 
 
 def read_numerics(path: str | Path, art: Artifact) -> dict:
-    """The `numerics` report inside a `ninfer-pack verify --numerics --json` output, checked to be one of this
-    artifact's recipe; PublishError naming what is wrong."""
+    """The `numerics` report inside a `ninfer-pack verify --numerics --json` output, checked to be this artifact's
+    (its header SHA-256, which names every tensor's: another quantization of the same recipe is refused);
+    PublishError naming what is wrong."""
     import json
 
     try:
@@ -86,9 +87,9 @@ def read_numerics(path: str | Path, art: Artifact) -> dict:
     if not isinstance(num, dict) or any(k not in num for k in NUMERICS_KEYS):
         raise PublishError(f"--numerics {path}: not the output of `ninfer-pack verify --numerics --json` "
                            f"(needs numerics.{{{','.join(NUMERICS_KEYS)}}})")
-    recipe = art.header["recipe"].get("name", "?")
-    if num["recipe"] != recipe:
-        raise PublishError(f"--numerics {path}: measured on recipe {num['recipe']!r}, this artifact is {recipe!r}")
+    if num["artifact_sha256"] != art.header_sha256:
+        raise PublishError(f"--numerics {path}: measured on another artifact ({num.get('artifact', '?')}, recipe "
+                           f"{num['recipe']!r}); run `ninfer-pack verify {art.path} --numerics --json` on this one")
     return num
 
 
@@ -180,13 +181,32 @@ def check_stage_folder(path: Path, folder: Path) -> None:
         raise PublishError(f"--dry-run {folder}: its README.md would overwrite {path}; choose another folder")
 
 
-def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path:
-    """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy)."""
+def check_args(path: str | Path, repo: str, *, base_model: str | None = None, license_: str = DEFAULT_LICENSE,
+               numerics: str | Path | None = None) -> None:
+    """Every check that reads no payload (the repo id, the license, the base model, the numerics report against
+    this artifact), so that bad options are refused before a 20 GB file is hashed."""
+    _check_repo_id(repo, "--repo")
+    check_license(license_)
+    with Artifact.open(path) as art:
+        base_model_of(art, base_model)
+        if numerics is not None:
+            read_numerics(numerics, art)
+
+
+def stage(path: Path, folder: Path, repo: str, on_bytes=None, on_checked=None, **card_kw) -> Path:
+    """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy), once every
+    tensor's checksum holds (a corrupted file is never staged, so never uploaded). on_checked / on_bytes: bytes
+    checked, bytes hashed for the card's SHA-256."""
     check_stage_folder(path, folder)
     with Artifact.open(path) as art:
         base = base_model_of(art, card_kw.pop("base_model", None))  # fail before hashing the whole file
         report = card_kw.pop("numerics", None)
         num = read_numerics(report, art) if report is not None else None
+        bad = art.verify_checksums(on_checked)
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise PublishError(f"{path} is corrupted (checksum mismatch in {bad[0]}{more}): not published; "
+                               "`ninfer-pack verify` names every damaged tensor")
         card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, numerics=num, **card_kw)
     # both files under temporary names first, then renamed: a full disk leaves the folder as it was
     target, readme = folder / path.name, folder / "README.md"
@@ -210,16 +230,15 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None, **card_kw) -> Path
 
 
 def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: str | Path | None = None,
-            on_bytes=None, base_model: str | None = None, license_: str = DEFAULT_LICENSE,
+            on_bytes=None, on_checked=None, base_model: str | None = None, license_: str = DEFAULT_LICENSE,
             numerics: str | Path | None = None) -> str:
     """Upload (or with dry_run_dir, only stage) the artifact and its card; returns the repo URL or folder.
-    numerics: a `verify --numerics --json` report whose quality figures go into the card."""
+    numerics: a `verify --numerics --json` report of this artifact whose quality figures go into the card."""
     card_kw = {"base_model": base_model, "license_": license_, "numerics": numerics}
     path = Path(path)
-    _check_repo_id(repo, "--repo")  # before hashing a 20 GB file or asking the Hub
-    check_license(license_)
+    check_args(path, repo, **card_kw)  # before hashing a 20 GB file or asking the Hub
     if dry_run_dir is not None:
-        return str(stage(path, Path(dry_run_dir), repo, on_bytes, **card_kw))
+        return str(stage(path, Path(dry_run_dir), repo, on_bytes, on_checked, **card_kw))
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
@@ -232,7 +251,7 @@ def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: 
     import tempfile
 
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        folder = stage(path, Path(tmp) / "upload", repo, on_bytes, **card_kw)
+        folder = stage(path, Path(tmp) / "upload", repo, on_bytes, on_checked, **card_kw)
         try:
             api.create_repo(repo, private=private, exist_ok=True)
             api.upload_folder(repo_id=repo, folder_path=str(folder),

@@ -233,8 +233,10 @@ _REQUIRED = {"format": str, "version": int, "checksum": str, "payload_offset": i
 class Artifact:
     """A validated, memory-mapped .ninfer file. Use `Artifact.open(path)`; close() or a with block."""
 
-    def __init__(self, path: Path, header: dict, mm: mmap.mmap | None, size: int):
+    def __init__(self, path: Path, header: dict, mm: mmap.mmap | None, size: int, header_sha256: str = ""):
         self.path, self.header, self._mm, self.size = path, header, mm, size
+        # the header names every tensor's and resource's SHA-256, so its own names the artifact's content
+        self.header_sha256 = header_sha256
         self.tensors = {t["name"]: TensorEntry.from_dict(t) for t in header["tensors"]}
         self.resources = {r["name"]: ResourceEntry(**{k: r[k] for k in ("name", "offset", "nbytes", "sha256")})
                           for r in header["resources"]}
@@ -274,7 +276,7 @@ class Artifact:
         if size > 0:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return cls(path, header, mm, size)
+        return cls(path, header, mm, size, hsum.hex())
 
     def close(self) -> None:
         """Unmap now, or, while decoded arrays still view the mapping, when the last of them goes."""

@@ -219,9 +219,15 @@ def test_card_carries_calibration_and_quality(tiny_moe, tmp_path, capsys, one_th
     assert f"{num['scored']:,} scored positions (prose, code, numbers, chat)" in card
     bad = tmp_path / "bad.json"
     for content, why in (("{not json", "not a readable JSON report"), ('{"ok": true}', "not the output of"),
-                         (o.replace('"recipe": "tiny"', '"recipe": "bf16"'), "measured on recipe 'bf16'")):
+                         (o.replace(num["artifact_sha256"], "0" * 64), "measured on another artifact")):
         bad.write_text(content, encoding="utf-8")
         code, _, e = run(["publish", art, "--repo", "me/tiny", "--base-model", "Qwen/Qwen3.6-35B-A3B",
                           "--dry-run", tmp_path / "s2", "--numerics", bad], capsys)
         assert code == 1 and why in error_line(e)
         assert not (tmp_path / "s2").exists()
+    # the same recipe quantized without the importance weights is another artifact: its card takes no such report
+    plain = tmp_path / "plain.ninfer"
+    assert run(["quantize", tiny_moe, "--recipe", "tiny", "--out", plain], capsys)[0] == 0
+    code, _, e = run(["publish", plain, "--repo", "me/tiny", "--base-model", "Qwen/Qwen3.6-35B-A3B", "--dry-run",
+                      tmp_path / "s3", "--numerics", report], capsys)
+    assert code == 1 and "measured on another artifact" in error_line(e) and not (tmp_path / "s3").exists()

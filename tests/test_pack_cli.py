@@ -438,6 +438,25 @@ def test_publish_refusals(case, message, own_copy, tmp_path, capsys, monkeypatch
     assert own_copy.read_bytes() == before
 
 
+def test_publish_refuses_a_corrupted_artifact(own_copy, tmp_path, capsys):
+    """One payload byte flipped (the header still valid): publish checks every tensor's checksum before it hashes the
+    file for the card, names the damaged tensor in one line, and stages nothing."""
+    from ninfer_rt.format import Artifact
+
+    with Artifact.open(own_copy) as art:
+        victim = max(art.tensors.values(), key=lambda t: t.nbytes)
+    with open(own_copy, "r+b") as f:
+        f.seek(victim.offset + victim.nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    folder = tmp_path / "stage"
+    code, _, e = run(["publish", own_copy, "--repo", "me/tiny", "--dry-run", folder, "--base-model",
+                      "Qwen/Qwen3.6-35B-A3B"], capsys)
+    assert code == 1 and f"is corrupted (checksum mismatch in {victim.name})" in error_line(e), e
+    assert not folder.exists()
+
+
 def test_publish_builtin_source_needs_base_model(tiny_moe, tmp_path, capsys, monkeypatch):
     """builtin: names no Hub model, so the card's base_model must come from --base-model."""
     import ninfer_pack.tiny as tiny
