@@ -20,20 +20,25 @@ _DIGITS = frozenset(b"0123456789")
 # before it (the byte goes to the frame below); a child value was pushed that takes this byte (from the top)
 _REJECT, _OK, _DONE, _PASS, _AGAIN = range(5)
 MAX_PARSES = 64  # readings kept at once: past it the latest forks are dropped (stricter, never looser)
+# whitespace bytes in a row between tokens of the JSON text (not inside a string): enough for pretty-printing 16
+# levels deep, and a bound on a constrained model that would write whitespace instead of a value (llama.cpp's JSON
+# grammar allows a newline and 20 more)
+MAX_WHITESPACE_RUN = 32
 
 
 class SchemaPrefix:
     """The state of a JSON text being written against a compiled schema: the ways of reading it so far (one, but
     where an anyOf's branches both still fit), each a stack of frames, one per open value."""
 
-    __slots__ = ("parses",)
+    __slots__ = ("parses", "ws")
 
     def __init__(self, root: Node):
         self.parses = [_Parse([_Value(root)], False)]
+        self.ws = 0  # whitespace bytes in a row outside strings, at most MAX_WHITESPACE_RUN
 
     def copy(self) -> SchemaPrefix:
         c = SchemaPrefix.__new__(SchemaPrefix)
-        c.parses = [p.copy() for p in self.parses]
+        c.parses, c.ws = [p.copy() for p in self.parses], self.ws
         return c
 
     @property
@@ -51,6 +56,12 @@ class SchemaPrefix:
         """Advance over data; False as soon as a byte cannot continue a text the schema accepts (the state is then
         undefined: feed a copy() to try a token)."""
         for b in data:
+            if b in WHITESPACE and not any(p.stack and p.stack[-1].in_text() for p in self.parses):
+                self.ws += 1
+                if self.ws > MAX_WHITESPACE_RUN:
+                    return False
+            else:
+                self.ws = 0
             nxt = [q for p in self.parses for q in p.advance(b)]
             if len(nxt) > 1:  # readings that have come to the same state are one
                 nxt = list({q.key(): q for q in nxt}.values())[:MAX_PARSES]
@@ -129,6 +140,10 @@ class _Frame:
         c.__dict__.update(self.__dict__)
         return c
 
+    def in_text(self) -> bool:
+        """Whether the next byte is inside a string (where a space is content, not JSON's whitespace)."""
+        return False
+
     def can_end(self) -> bool:
         return False
 
@@ -202,6 +217,9 @@ class _Enum(_Frame):
     def can_end(self) -> bool:
         return self.buf in self.options
 
+    def in_text(self) -> bool:
+        return self.in_str
+
 
 class _Literal(_Frame):
     def __init__(self, text: bytes):
@@ -222,6 +240,9 @@ class _String(_Frame):
     def __init__(self, keep: bool = False):
         self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
         self.need, self.next_lo, self.next_hi = 0, 0x80, 0xBF  # UTF-8 bytes still to come; the next one's range
+
+    def in_text(self) -> bool:
+        return self.state != 0
 
     def step(self, b: int, sp) -> int:
         s = self.state
@@ -281,6 +302,9 @@ class _CheckedString(_Frame):
         self.next_lo, self.next_hi = 0x80, 0xBF  # UTF-8: the next byte's range (_UTF8_SECOND's for the first)
         self.least = 0  # the least code point the UTF-8 sequence being read may encode
         self.high = None  # a \u high surrogate waiting for its low half
+
+    def in_text(self) -> bool:
+        return self.state != 0
 
     def _char(self, c: int) -> int:
         n, self.count = self.node, self.count + 1
@@ -455,6 +479,9 @@ class _Object(_Frame):
         self.node, self.state, self.used, self.key = node, self.OPEN, frozenset(), None
         self.names = None  # propertyNames' check of the key being written (Node.names)
         self.pats = []  # patternProperties' patterns the key being written can still match (string frames)
+
+    def in_text(self) -> bool:
+        return self.state == self.KEY  # a key's string, written by this frame
 
     def _closed_keys(self) -> list[bytes] | None:
         """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties

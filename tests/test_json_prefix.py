@@ -128,3 +128,27 @@ def test_a_copy_is_independent():
     assert j.feed(b'{"a": [')
     c = j.copy()
     assert not c.feed(b"}") and j.feed(b"1]}") and j.complete
+
+
+def test_whitespace_runs_are_bounded_outside_strings():
+    """At most MAX_WHITESPACE_RUN whitespace bytes in a row between the text's tokens (before the object, inside it,
+    after it), however they are split into pieces and copies; a run restarts after any other byte, and spaces inside
+    a string (a key or a value) are its characters, unbounded."""
+    from ninfer_rt.json_automaton import MAX_WHITESPACE_RUN as N
+
+    def accepts(*pieces: bytes) -> bool:
+        p = json_object_prefix()
+        for piece in pieces:
+            q = p.copy()  # as Batch tries a token on a copy
+            if not q.feed(piece):
+                return False
+            p = q
+        return True
+
+    run = b"\n" + b" " * (N - 1)
+    assert accepts(run, b'{"a":', run, b"1", run, b"}", run)
+    assert not accepts(run + b" ", b'{"a": 1}')
+    assert not accepts(b'{"a":', run[:N // 2], run[N // 2:] + b"\t")  # split across pieces, still one run
+    assert not accepts(b'{"a": 1}', run, b" ")
+    assert accepts(b'{"' + b" " * 4 * N + b'": "' + b" " * 4 * N + b'"}')
+    assert json.loads(b'{"a":' + run + b"1}") == {"a": 1}  # the longest run allowed is still JSON
