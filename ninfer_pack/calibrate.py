@@ -125,7 +125,7 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
     from safetensors.torch import save_file
 
     path = Path(path)
-    check_output_path(path)
+    check_output_path(path, example="importance.safetensors")
     meta = {"ninfer.calibration": json.dumps({"source": source, "windows": cal.windows, "tokens": cal.tokens,
                                               "statistic": "mean of x_k^2 over the rows that meet the weight"})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

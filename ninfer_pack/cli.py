@@ -75,8 +75,8 @@ def quantize(
 def _plan_source(source: str, revision: str | None):
     """Shapes for plan mode: from safetensors headers (local dir), else from config.json alone."""
     from ninfer_rt.config import ModelSpec
-    from ninfer_pack.plan import builtin_config_path
-    from ninfer_pack.source import Checkpoint, fetch_config
+    from ninfer_pack.plan import builtin_config_path, builtin_configs
+    from ninfer_pack.source import Checkpoint, SourceError, fetch_config
 
     p = Path(source)
     if p.is_dir() or source.startswith("builtin:"):
@@ -87,7 +87,13 @@ def _plan_source(source: str, revision: str | None):
     elif builtin_config_path(source) is not None:
         spec = ModelSpec.from_file(builtin_config_path(source))
     else:
-        spec = ModelSpec.from_config(fetch_config(source, revision=revision))
+        try:
+            config = fetch_config(source, revision=revision)
+        except SourceError as e:
+            if not str(e).startswith("no such directory"):
+                raise
+            raise SourceError(f"{e} (nor a built-in config: {', '.join(builtin_configs())})") from None
+        spec = ModelSpec.from_config(config)
     return spec, {n: info.shape for n, info in spec.tensor_shapes().items()}
 
 
@@ -111,6 +117,9 @@ def inspect(
         planned, warnings = plan_artifact(spec, shapes, load_recipe(recipe))
         title = f"plan: {path} with recipe {recipe} (weights only; the file adds header, tokenizer, alignment)"
     else:
+        if Path(path).is_dir():
+            raise NinferError(f"{path} is a directory: to plan a checkpoint, add --recipe NAME; inspect alone reads "
+                              "a .ninfer artifact")
         with Artifact.open(path) as art:
             planned, warnings = planned_from_artifact(art), []
             title = f"{path} (recipe {art.header['recipe'].get('name', '?')}; {human_bytes(art.size)} file)"
@@ -238,7 +247,7 @@ def calibrate(
     from ninfer_rt.format import check_output_path
     from ninfer_rt.tokenizer import Tokenizer
 
-    check_output_path(out_path, overwrite)
+    check_output_path(out_path, overwrite, example="importance.safetensors")
     check_window(window, max_tokens)  # before the checkpoint is opened (a Hub repo: downloaded)
     ckpt = Checkpoint.open(source, revision=revision)
     if "tokenizer.json" not in ckpt.resources:

@@ -46,6 +46,11 @@ def tensor_class(name: str) -> str:
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "ninfer_rt" / "configs"
 
 
+def builtin_configs() -> list[str]:
+    """The names builtin_config_path knows."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
 def builtin_config_path(name: str) -> Path | None:
     """config.json of a known shape (e.g. qwen3.6-35b-a3b) shipped for planning and benchmarks, or None."""
     p = CONFIGS_DIR / f"{name}.json"

@@ -28,6 +28,8 @@ def text_windows(tok, paths: Sequence[str | Path], window: int, max_tokens: int,
     SourceError naming a file that is missing, not UTF-8 or gives no tokens."""
     ids: list[int] = []
     for p in map(Path, paths):
+        if p.is_dir():
+            raise SourceError(f"{p} is a directory; --text takes UTF-8 text files")
         if not p.is_file():
             raise SourceError(f"no such text file: {p}")
         try:

@@ -61,6 +61,8 @@ def run(
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted once per "
                                                                                       "token already generated."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Subtracted per "
+                                                      "occurrence of a token already generated."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="CTRL-style penalty "
                                                                                           "over prompt + output."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64): same seed, same text "
@@ -83,7 +85,7 @@ def run(
                  progress=_loading_bar(), check_checksums=check_checksums, speculative_tokens=speculative_tokens)
     load_s = time.perf_counter() - t0
     params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                           presence_penalty=presence_penalty,
+                                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                            repetition_penalty=repetition_penalty, seed=seed))
     if chat:
         pieces = model.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
@@ -138,7 +140,7 @@ def serve(
     MTP head."""
     from ninfer_rt.api import MAX_CACHE_SLOTS, load
     from ninfer_rt.serve import Server
-    from ninfer_rt.serve.server import is_loopback
+    from ninfer_rt.serve.server import check_cors_origin, is_loopback
 
     _check_chunk(prefill_chunk)
     if not 0 <= port <= 65535:
@@ -148,6 +150,7 @@ def serve(
     if not 1 <= parallel <= MAX_CACHE_SLOTS - prefix_snapshot:
         raise NinferError(f"--parallel must be in [1, {MAX_CACHE_SLOTS - prefix_snapshot}], got {parallel}")
     api_key = _read_api_key(api_key_file) if api_key_file is not None else None
+    cors_origin = check_cors_origin(cors_origin) if cors_origin is not None else None
     _probe_listen(host, port)  # a taken port is said before minutes of loading, not after
     if not is_loopback(host) and api_key is None:
         err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
@@ -177,6 +180,8 @@ def _read_api_key(path: Path) -> str:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise NinferError(f"--api-key-file {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise NinferError(f"--api-key-file {path}: {e.strerror or e}") from None
     key = lines[0].strip() if lines else ""
     if not key:
         raise NinferError(f"--api-key-file {path}: the first line is empty")
@@ -264,6 +269,8 @@ def build_kernels_cmd(
     """Compile kernels/*.cu into the kernel cache (nvcc for every target + PTX; NVRTC without nvcc)."""
     from ninfer_rt.gpu.build import TARGETS, build_kernels
 
+    if jobs < 1:
+        raise NinferError(f"--jobs must be >= 1, got {jobs}")
     targets = tuple(arch) if arch else TARGETS
     t0 = time.perf_counter()
     res = build_kernels(targets, force=force, use_nvcc=False if nvrtc else None, jobs=jobs,

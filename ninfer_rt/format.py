@@ -123,14 +123,15 @@ def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[Resou
         payload = need
 
 
-def check_output_path(path: Path, overwrite: bool = True) -> None:
-    """Fail early, with one line, when `path` cannot become an artifact (before hours of work are spent), or
-    already exists and overwrite is False (the CLIs' default without --overwrite)."""
+def check_output_path(path: Path, overwrite: bool = True, example: str = "model.ninfer") -> None:
+    """Fail early, with one line, when `path` cannot become an artifact (or, for other outputs, a file like
+    `example`) before hours of work are spent, or already exists and overwrite is False (the CLIs' default without
+    --overwrite)."""
     path = Path(path)
     if path.is_dir():
-        raise FormatError(f"{path} is a directory; --out takes a file path such as model.ninfer")
+        raise FormatError(f"{path} is a directory; --out takes a file path such as {example}")
     if path.exists() and not path.is_file():  # a device, FIFO or socket: the final rename would replace it
-        raise FormatError(f"{path} exists and is not a regular file; --out takes a file path such as model.ninfer")
+        raise FormatError(f"{path} exists and is not a regular file; --out takes a file path such as {example}")
     if not path.parent.is_dir():
         raise FormatError(f"output directory does not exist: {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK):

@@ -121,6 +121,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     s = str(name_or_path)
     if isinstance(name_or_path, Path) or _is_path(s):
         path = Path(s)
+        if path.exists() and not path.is_file():
+            raise RecipeError(f"recipe {path} is not a regular file (a recipe is a TOML file, see recipes/README.md)")
         if not path.is_file():
             raise RecipeError(f"recipe file not found: {path}")
     else:

@@ -254,3 +254,44 @@ def test_os_error_without_strerror_keeps_its_message(packed, capsys, monkeypatch
     monkeypatch.setattr(fmt.Artifact, "open", broken)
     code, _, err = rt(["info", packed], capsys)
     assert code == 1 and error_line(err) == "error: the mapping failed"
+
+
+@pytest.mark.parametrize("case", ["recipe_dir", "text_dir", "calibrate_out_dir", "key_file_missing", "cors_path",
+                                  "jobs_zero", "inspect_dir", "inspect_unknown_name"])
+def test_second_audit_messages(case, packed, tiny_moe, tmp_path, capsys):
+    """The 2026-12-06 audit's misleading lines: each bad option now gets a line that names it and what it takes
+    (and a non-zero exit, before any work)."""
+    folder, text = tmp_path / "adir", tmp_path / "t.txt"
+    folder.mkdir()
+    text.write_text("Some text to calibrate on. " * 20, encoding="utf-8")
+    runs = {
+        "recipe_dir": (pack, ["quantize", tiny_moe, "--recipe", folder, "--out", tmp_path / "x.ninfer"],
+                       f"recipe {folder} is not a regular file"),
+        "text_dir": (pack, ["verify", packed, "--source", tiny_moe, "--numerics", "--text", folder],
+                     f"{folder} is a directory; --text takes UTF-8 text files"),
+        "calibrate_out_dir": (pack, ["calibrate", tiny_moe, "--text", text, "--out", folder],
+                              "--out takes a file path such as importance.safetensors"),
+        "key_file_missing": (rt, ["serve", packed, "--device", "cpu", "--port", "0", "--api-key-file",
+                                  tmp_path / "nope"], f"--api-key-file {tmp_path / 'nope'}: No such file"),
+        "cors_path": (rt, ["serve", packed, "--device", "cpu", "--port", "0", "--cors-origin",
+                           "https://app.example.com/page"], "--cors-origin 'https://app.example.com/page': give *"),
+        "jobs_zero": (rt, ["build-kernels", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+        "inspect_dir": (pack, ["inspect", folder], "is a directory: to plan a checkpoint, add --recipe NAME"),
+        "inspect_unknown_name": (pack, ["inspect", "qwen9", "--recipe", "tiny"],
+                                 "(nor a built-in config: qwen3.6-27b, qwen3.6-35b-a3b"),
+    }
+    call, args, want = runs[case]
+    code, _, err = call(args, capsys)
+    assert code == 1 and want in error_line(err), err
+
+
+def test_cors_origins_as_browsers_send_them():
+    from ninfer_rt.errors import NinferError
+    from ninfer_rt.serve.server import check_cors_origin
+
+    for ok, want in (("*", "*"), ("https://App.Example.com", "https://app.example.com"),
+                     ("http://localhost:5173", "http://localhost:5173"), ("http://[::1]:8000", "http://[::1]:8000")):
+        assert check_cors_origin(ok) == want
+    for bad in ("not a url", "https://a.com/", "ftp://a.com", "https://", "https://a.com:123456", "*.example.com"):
+        with pytest.raises(NinferError, match="--cors-origin"):
+            check_cors_origin(bad)

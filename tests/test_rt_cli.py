@@ -150,15 +150,16 @@ def test_name_too_long_is_one_line(tmp_path, capsys):
 def test_only_sampling_options_turn_a_greedy_config_into_sampling():
     # a do_sample-false generation_config (greedy by default, as in HF)
     model = SimpleNamespace(generation_config={"do_sample": False, "temperature": 0.6, "top_k": 20, "top_p": 0.95})
-    names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "seed")
+    names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "seed")
 
     def params(greedy=False, **given):
         return cli._sampling(model, greedy, {k: given.get(k) for k in names})
 
     assert params().is_greedy
     # penalties apply under greedy decoding too (HF's logits processors), and a seed is moot there
-    p = params(repetition_penalty=1.3, presence_penalty=0.5, seed=3)
-    assert p.is_greedy and (p.repetition_penalty, p.presence_penalty, p.seed) == (1.3, 0.5, 3)
+    p = params(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, seed=3)
+    assert p.is_greedy and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (1.3, 0.5, 0.25, 3)
     for name, value in (("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("min_p", 0.1)):
         assert not params(**{name: value}).is_greedy, name
         assert params(greedy=True, **{name: value}).is_greedy, name
@@ -167,16 +168,18 @@ def test_only_sampling_options_turn_a_greedy_config_into_sampling():
     assert not params(repetition_penalty=1.3).is_greedy
 
 
-def test_greedy_run_with_a_penalty_is_the_penalised_argmax(packed, capsys):
-    args = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy", "--repetition-penalty", 1.5]
+@pytest.mark.parametrize("option, field", [("--repetition-penalty", "repetition_penalty"),
+                                           ("--frequency-penalty", "frequency_penalty")])
+def test_greedy_run_with_a_penalty_is_the_penalised_argmax(packed, capsys, option, field):
+    value = 1.5 if field == "repetition_penalty" else 2.0
+    args = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--greedy", option, value]
     code, out, err = run(args, capsys)
     assert code == 0, err
     from ninfer_rt import load
     from ninfer_rt.sampling import SamplingParams
 
     with load(packed) as m:
-        want = "".join(m.generate(PROMPT, max_new_tokens=10,
-                                  sampling=SamplingParams(greedy=True, repetition_penalty=1.5)))
+        want = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True, **{field: value})))
         plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
     assert out == want + "\n" and want != plain
 

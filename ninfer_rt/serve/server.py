@@ -55,6 +55,15 @@ def _printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def check_cors_origin(origin: str) -> str:
+    """--cors-origin as browsers send Origin (RFC 6454): "*", or scheme://host[:port] with http or https and no
+    path, lowercased as browsers serialize it; NinferError otherwise."""
+    if origin == "*" or re.fullmatch(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?", origin):
+        return origin.lower()
+    raise NinferError(f"--cors-origin {origin!r}: give * or an origin such as https://app.example.com "
+                      "(scheme, host and port; no path)")
+
+
 def is_loopback(host: str) -> bool:
     """A loopback address or name (localhost and its subdomains, RFC 6761; any case, a trailing dot)."""
     name = host.strip("[]").rstrip(".").lower()
