@@ -170,7 +170,7 @@ def verify(
         raise NinferError("--text is what --numerics scores: add --numerics")
     windows = None
     with Artifact.open(path) as art:  # structural problems end here with one line
-        size = art.size
+        payload = art.payload_bytes  # what the checksums hash
         if numerics:
             from ninfer_pack.numerics import WINDOW_MIN, check_memory
 
@@ -186,7 +186,7 @@ def verify(
             # before the long tensor-by-tensor comparison (measure checks again with the built-in prompts' lengths)
             check_memory(art.spec, [len(w) for _, w in windows or ()])
     with _bytes_progress() as prog:
-        task = prog.add_task("checksums", total=size)
+        task = prog.add_task("checksums", total=payload)
         rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))
     num = None
     if numerics and rep.ok:  # numerics of an unsound file would measure the damage, not the quantization
@@ -295,7 +295,7 @@ def publish(
 
     check_args(path, repo, base_model=base_model, license_=license_, numerics=numerics)  # before any bar
     with Artifact.open(path) as art:
-        size, payload = art.size, sum(o.nbytes for o in [*art.tensors.values(), *art.resources.values()])
+        size, payload = art.size, art.payload_bytes
     with _bytes_progress() as prog:
         checked, hashed = prog.add_task("checksums", total=payload), prog.add_task("sha256", total=size)
         where = run_publish(path, repo, private=private, dry_run_dir=dry_run, base_model=base_model,

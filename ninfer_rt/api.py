@@ -473,7 +473,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         if problems:  # a header edited, or written for another model: refuse before any weight is read
             raise FormatError(f"{artifact.path}: {problems[0]}")
         if check_checksums:  # a progress phase of its own: done reaches total, then the weights' bar starts
-            total = sum(o.nbytes for o in [*artifact.tensors.values(), *artifact.resources.values()])
+            total = artifact.payload_bytes
             done = 0
 
             def hashed(n: int) -> None:

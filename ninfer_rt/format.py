@@ -338,6 +338,11 @@ class Artifact:
                                   f"the table says {list(shape)}")
         return parts
 
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every tensor and resource: what verify_checksums hashes (the file less its header and padding)."""
+        return sum(o.nbytes for o in [*self.tensors.values(), *self.resources.values()])
+
     def verify_checksums(self, on_bytes: Callable[[int], None] | None = None) -> list[str]:
         """SHA-256 of every tensor and resource against the table; returns the names that differ."""
         bad = []

@@ -52,11 +52,15 @@ def test_round_trip_and_alignment(tmp_path):
             assert bytes(art.raw(name)) == buf.tobytes()
             assert e.sha256 == hashlib.sha256(buf.tobytes()).hexdigest()
         assert art.resource("chat_template.jinja") == "{{ x }}\u00e9".encode()
-        assert art.verify_checksums() == []
+        hashed = []
+        assert art.verify_checksums(hashed.append) == []
+        # the checksums' progress covers the payload: every tensor and resource, not the header or the padding
+        assert sum(hashed) == art.payload_bytes == sum(b.nbytes for b in data.values()) + 3 + 9 < art.size
+        header_sha256 = art.header_sha256
     raw = p.read_bytes()
     magic, version, _f, hlen, hsum = PREFIX.unpack(raw[:PREFIX.size])
     assert magic == MAGIC and version == 1
-    assert hashlib.sha256(raw[64:64 + hlen]).digest() == hsum
+    assert hashlib.sha256(raw[64:64 + hlen]).digest() == hsum and hsum.hex() == header_sha256
     assert set(raw[64 + hlen:json.loads(raw[64:64 + hlen])["payload_offset"]]) <= {0}
 
 
