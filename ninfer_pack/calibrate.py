@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ninfer_rt.errors import NinferError
-from ninfer_rt.format import check_output_path
+from ninfer_rt.format import check_output_path, remove_stale_temps, temp_path
 from ninfer_rt.reference import ops
 from ninfer_rt.reference.model import LM, MTP, Cache, MTPHead, _Reader
 from ninfer_rt.reference.stream import run_layers
@@ -128,7 +128,8 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
     check_output_path(path, example="importance.safetensors")
     meta = {"ninfer.calibration": json.dumps({"source": source, "windows": cal.windows, "tokens": cal.tokens,
                                               "statistic": "mean of x_k^2 over the rows that meet the weight"})}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    remove_stale_temps(path)
+    tmp = temp_path(path)
     try:
         save_file({n: t.contiguous() for n, t in sorted(cal.importance.items())}, str(tmp), metadata=meta)
         os.replace(tmp, path)

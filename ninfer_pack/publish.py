@@ -16,7 +16,7 @@ from typing import Callable
 
 from ninfer_rt import __version__
 from ninfer_rt.errors import NinferError
-from ninfer_rt.format import Artifact
+from ninfer_rt.format import Artifact, temp_path
 from ninfer_pack.plan import planned_from_artifact, summarize
 
 
@@ -210,7 +210,7 @@ def stage(path: Path, folder: Path, repo: str, on_bytes=None, on_checked=None, *
         card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, numerics=num, **card_kw)
     # both files under temporary names first, then renamed: a full disk leaves the folder as it was
     target, readme = folder / path.name, folder / "README.md"
-    temps = [f.with_name(f".{f.name}.tmp-{os.getpid()}") for f in (target, readme)]
+    temps = [temp_path(f) for f in (target, readme)]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         try:

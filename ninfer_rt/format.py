@@ -15,10 +15,12 @@ before anything is used; tensor checksums are checked on demand (`verify_checksu
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import mmap
 import os
+import socket
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,6 +125,36 @@ def layout_objects(meta: dict, tensors: list[TensorEntry], resources: list[Resou
         payload = need
 
 
+def temp_path(path: Path) -> Path:
+    """Where an output is written before its rename over `path`: hidden beside it, named by host and process, so
+    that remove_stale_temps can tell one whose writer is gone."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete the temporary files of earlier writes of `path` from this host whose process no longer runs (one
+    killed with SIGKILL, or a machine that lost power, leaves its ~20 GB behind); returns them. A live process's,
+    another host's (a shared file system) or an unparsable name is left alone."""
+    prefix, host, gone = f".{path.name}.tmp-", socket.gethostname(), []
+    for f in path.parent.glob(glob.escape(prefix) + "*"):
+        who, _, pid = f.name[len(prefix):].rpartition("-")
+        if who != host or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or PID reused: leave it)
+        except PermissionError:
+            continue  # alive, another user's
+        except ProcessLookupError:
+            pass
+        try:
+            f.unlink()
+            gone.append(f)
+        except OSError:
+            pass
+    return gone
+
+
 def check_output_path(path: Path, overwrite: bool = True, example: str = "model.ninfer") -> None:
     """Fail early, with one line, when `path` cannot become an artifact (or, for other outputs, a file like
     `example`) before hours of work are spent, or already exists and overwrite is False (the CLIs' default without
@@ -160,11 +192,12 @@ class ArtifactWriter:
         self.header, self.payload_offset = layout_objects(meta, tensors, self._res_entries)
         self.file_size = self.header["file_size"]
         self._written: set[str] = set()
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._tmp = temp_path(self.path)
         self._fd: int | None = None
 
     def __enter__(self) -> "ArtifactWriter":
         check_output_path(self.path)
+        remove_stale_temps(self.path)  # a killed run's half-written file, before this one needs the room
         try:
             self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(self._fd, self.file_size)  # sparse until written; reserves the full length

@@ -254,3 +254,28 @@ def test_inconsistent_layout_records_fail_on_use_with_one_line(good, tmp_path, m
         with pytest.raises(FormatError, match="a.weight") as ei:
             art.checkpoint_tensors("a.weight")
     assert "\n" not in str(ei.value)
+
+
+def test_a_killed_writers_temporary_file_goes_at_the_next_write(tmp_path):
+    """A write of m.ninfer removes the temporary files earlier writes of it left on this host whose process is gone
+    (SIGKILL gives no chance to clean up); a live process's, another host's and other outputs' stay."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from ninfer_rt.format import temp_path
+
+    p = tmp_path / "m.ninfer"
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".m.ninfer.tmp-{host}-{int(dead.stdout)}"  # a process that has exited
+    kept = [tmp_path / f".m.ninfer.tmp-{host}-{os.getppid()}", tmp_path / f".m.ninfer.tmp-elsewhere-{int(dead.stdout)}",
+            tmp_path / f".other.ninfer.tmp-{host}-{int(dead.stdout)}"]
+    for f in [stale, *kept]:
+        f.write_bytes(b"half an artifact")
+    assert temp_path(p).name == f".m.ninfer.tmp-{host}-{os.getpid()}"
+    _write(p, np.random.default_rng(1))
+    assert not stale.exists() and all(f.exists() for f in kept)
+    with Artifact.open(p) as art:
+        assert art.verify_checksums() == []
