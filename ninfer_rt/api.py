@@ -435,7 +435,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
          cache_slots: int = 1, speculative_tokens: int = 0) -> Model:
     """Open and validate the artifact at `path` and build a Model on `device`.
 
-    "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
+    max_ctx: positions a sequence may hold, prompt and output together (a longer prompt is refused, output stops
+    there). "cpu": the fp32 PyTorch reference; "cuda": our kernels on GPU 0 (max_ctx positions of KV cache in
     kv_dtype int8 or bf16; prompts in steps of prefill_chunk tokens, default ninfer_rt.gpu.PREFILL_CHUNK; progress(done,
     total) while weights load); "auto": cuda when a GPU is present. check_checksums: hash every tensor against
     the header first (SHA-256, ~1-2 GB/s a core: as `ninfer-pack verify` does) and refuse a corrupted file.
@@ -500,7 +501,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
             check_fits(4 * artifact.spec.num_parameters(groups), "the CPU reference holds the model in fp32 "
                        "(run it on a GPU: --device cuda)", available_memory())
             from ninfer_rt.reference.backend import ReferenceBackend
-            backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), groups=groups)
+            backend = ReferenceBackend(artifact, cache_slots=int(cache_slots), groups=groups, max_ctx=int(max_ctx))
         return Model(artifact, backend, device, int(speculative_tokens))
     except BaseException:
         artifact.close()

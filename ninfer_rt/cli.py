@@ -24,8 +24,9 @@ err = Console(stderr=True)
 # Options of every command that loads a model (run, serve): one declaration each.
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
                                                              "or cpu (the PyTorch reference).")]
-MaxContextOption = Annotated[int, typer.Option("--max-context", help="Positions of KV cache to allocate (cuda): "
-                                                                     "prompt and output of a sequence together.")]
+MaxContextOption = Annotated[int, typer.Option("--max-context", help="Positions a sequence may hold, prompt and "
+                                                                     "output together (on the GPU, the KV cache "
+                                                                     "allocated for each).")]
 KvCacheOption = Annotated[str, typer.Option("--kv-cache", help="KV cache dtype on the GPU: int8 or bf16.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per prefill step on the GPU (default {PREFILL_CHUNK}; smaller saves GPU "

@@ -173,3 +173,14 @@ def test_load_takes_numpy_integers_and_reports_hashing_to_its_end(packed):
         sizes = [o.nbytes for o in [*m.artifact.tensors.values(), *m.artifact.resources.values()]]
     # oracle: the table's byte counts; the bar ends (done == total), so it is not left live over the generated text
     assert calls and calls[-1] == (sum(sizes), sum(sizes)) and all(t == sum(sizes) for _, t in calls)
+
+
+def test_max_ctx_bounds_a_sequence_on_the_cpu_too(packed):
+    """load(..., "cpu", max_ctx=n): the reference grows its cache as it goes, but a sequence still holds at most n
+    positions, as on the GPU: a prompt of n tokens is refused in one line, a shorter one generates up to n."""
+    with load(packed, device="cpu", max_ctx=16) as m:
+        assert m.context_length == 16
+        with pytest.raises(NinferError, match="the context holds 16"):
+            list(m.generate_ids(list(range(3, 19)), max_new_tokens=4))
+        out = list(m.generate_ids(list(range(3, 13)), max_new_tokens=50, sampling=SamplingParams(greedy=True)))
+        assert len(out) + (m.last_stats.finish_reason == "eos") <= 6 and m.last_stats.finish_reason in ("length", "eos")

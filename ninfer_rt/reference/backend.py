@@ -20,12 +20,15 @@ from ninfer_rt.reference.weights import artifact_weights
 class ReferenceBackend:
     """The CPU path: ReferenceModel in fp32 on weights decoded from the artifact."""
 
-    def __init__(self, artifact: Artifact, cache_slots: int = 1, groups: tuple[str, ...] = ("text",)):
+    def __init__(self, artifact: Artifact, cache_slots: int = 1, groups: tuple[str, ...] = ("text",),
+                 max_ctx: int | None = None):
         """Decode the weights of `groups` (plain decoding never reads the mtp.* tensors; drafting does) and build
         the reference model. cache_slots: how many sequences Model may keep at once (load's; host caches are
-        objects, so this only mirrors the GPU's)."""
+        objects, so this only mirrors the GPU's); max_ctx: positions a sequence may hold (default: the model's)."""
         self.model = ReferenceModel(artifact.spec, artifact_weights(artifact, groups=groups))
         self.cache_slots = cache_slots
+        whole = artifact.spec.max_position_embeddings
+        self._max_ctx = whole if max_ctx is None else min(int(max_ctx), whole)
 
     def new_cache(self, slot: int = 0) -> Cache:
         """Empty decode state for one sequence (slot: the GPU's; host caches need none)."""
@@ -37,8 +40,9 @@ class ReferenceBackend:
 
     @property
     def max_ctx(self) -> int:
-        """Positions one sequence may hold: the model's whole context (the reference's cache grows as it goes)."""
-        return self.model.spec.max_position_embeddings
+        """Positions one sequence may hold: load's max_ctx within the model's context (the reference's cache grows
+        as it goes, so this is a limit, not an allocation)."""
+        return self._max_ctx
 
     def forward(self, ids: np.ndarray, cache: Cache, last_only: bool = False) -> np.ndarray:
         """ids int64 [T] -> logits float32 [T, V] ([1, V] of the last token when last_only); advances cache."""
