@@ -162,6 +162,25 @@ def clear_greedy(backend, ids: list[int], n: int, vocab: int) -> tuple[list[int]
     return out, least
 
 
+def clear_paths(plain, seeds, lengths, make_prompt) -> tuple[int, list[list[int]], list[list[int]]]:
+    """(seed, prompts, their greedy paths) for the first seed whose prompts, make_prompt(seed, the paths before it)
+    in turn, have greedy paths of `lengths` tokens on `plain` (a loaded Model) with no stop id and no top-2 gap
+    under MARGIN (clear_greedy): what a test comparing speculative or batched output with plain greedy needs."""
+    V = plain.real_vocab_size
+    for seed in seeds:
+        prompts, paths = [], []
+        for n in lengths:
+            ids = make_prompt(seed, paths)
+            path, gap = clear_greedy(plain._backend, ids, n, V)
+            if gap < MARGIN or any(map(plain.tokenizer.is_stop, path)):
+                break
+            prompts.append(ids)
+            paths.append(path)
+        else:
+            return seed, prompts, paths
+    pytest.fail(f"no prompt seed gives greedy paths without a stop id and with top-2 gaps >= {MARGIN}")
+
+
 def test_a_batch_on_cuda_drafts_and_keeps_the_head_for_a_longer_prompt(gpu, artifact):  # gpu: skipped without one
     """Batch (serve's decoding) on a model loaded with speculative_tokens=3: a lone request drafts (steered to the
     plain text: every draft kept), and a second request extending its slot prefills only its new tokens and drafts
@@ -174,16 +193,9 @@ def test_a_batch_on_cuda_drafts_and_keeps_the_head_for_a_longer_prompt(gpu, arti
 
     greedy = SamplingParams(greedy=True)
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
-        V = plain.real_vocab_size
-        for seed in range(13, 45):
-            ids = prompt(20, seed).tolist()
-            want_a, gap_a = clear_greedy(plain._backend, ids, 16, V)
-            second = ids + want_a + [5, 6, 7]
-            want_b, gap_b = clear_greedy(plain._backend, second, 12, V)
-            if min(gap_a, gap_b) >= MARGIN and not any(map(plain.tokenizer.is_stop, want_a + want_b)):
-                break
-        else:
-            pytest.fail(f"no prompt seed gives greedy paths without a stop id and with top-2 gaps >= {MARGIN}")
+        seed, (ids, second), (want_a, want_b) = clear_paths(
+            plain, range(13, 45), (16, 12), lambda seed, wants: prompt(20, seed).tolist() + (
+                wants[0] + [5, 6, 7] if wants else []))
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
         spec._backend = SteeredDrafts(spec._backend, second + want_b)  # both requests' texts, position by position
         batch = spec.batch(parallel=1)
@@ -213,15 +225,9 @@ def test_a_batch_on_cuda_keeps_the_heads_rows_through_batched_steps(gpu, artifac
 
     greedy = SamplingParams(greedy=True)
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
-        V = plain.real_vocab_size
-        for seed in range(13, 60):
-            ids_a, ids_b = prompt(20, seed).tolist(), prompt(12, seed + 100).tolist()
-            want_a, gap_a = clear_greedy(plain._backend, ids_a, 16, V)
-            want_b, gap_b = clear_greedy(plain._backend, ids_b, 4, V)
-            if min(gap_a, gap_b) >= MARGIN and not any(map(plain.tokenizer.is_stop, want_a + want_b)):
-                break
-        else:
-            pytest.fail(f"no prompt seed gives greedy paths without a stop id and with top-2 gaps >= {MARGIN}")
+        seed, (ids_a, ids_b), (want_a, want_b) = clear_paths(
+            plain, range(13, 60), (16, 4), lambda seed, wants: prompt(12, seed + 100).tolist() if wants else
+            prompt(20, seed).tolist())
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
         spec._backend = SteeredDrafts(spec._backend, ids_a + want_a)
         batch = spec.batch(parallel=2)
