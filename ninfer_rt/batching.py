@@ -50,6 +50,7 @@ from ninfer_rt.stops import StopScanner
 PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
 PROMPT_LOGPROBS_CHUNK = 64  # ... where its prompt's logprobs are asked for (every row's logits come to the host)
 JSON_DRAWS = 16  # draws a JSON-constrained token gets, refused ones masked out, before the likeliest allowed one
+BATCHED_HEAD_ROWS = 1024  # a speculating sequence's head rows batched steps leave waiting (8 KB each at H = 2048)
 
 
 @dataclass
@@ -310,6 +311,7 @@ class Batch:
                     if st.nxt:
                         st.set_next(tokens[b])
                     st.add(hidden[b:b + 1], [None])
+                    g.spec.keep_up(BATCHED_HEAD_ROWS)
         for g, t in zip(gens, tokens):
             g._slot.ids.append(t)
         dt = time.perf_counter() - t0

@@ -206,7 +206,7 @@ class Speculator:
             token = int(rows[-1]) if self.top1 is not None else self.sampler.draw_among(
                 *_support(self._target(rows, len(rows) - 1, ())))
         st.add(hidden, list(ids[1:]) + [token])
-        self._catch_up()
+        self.keep_up()
         return token
 
     def step(self, last: int, limit: int) -> tuple[list[int], int]:
@@ -222,7 +222,7 @@ class Speculator:
         be.rewind(self.cache, undo, tokens, j + 1)
         new = drafts[:j] + [nxt]
         st.add(hidden[:j + 1], new[:-1] + [None])
-        self._catch_up()
+        self.keep_up()
         self.planner.observe(n, j)
         return new, n
 
@@ -240,10 +240,11 @@ class Speculator:
         st.hid, st.nxt = [h[count:]], st.nxt[count:]
         return [int(t) for t in picks[-(chain + 1):]]
 
-    def _catch_up(self) -> None:
+    def keep_up(self, limit: int = HEAD_ROWS) -> None:
         """Feed the head all pending pairs but the last (whose token the next step or prompt gives) once more than
-        HEAD_ROWS wait: a prompt's in one call, those of steps without drafts HEAD_ROWS at a time."""
-        if len(self.state.nxt) > HEAD_ROWS:
+        `limit` wait: a prompt's in one call, those of steps without drafts HEAD_ROWS at a time, those of batched
+        steps (Batch) a prefill-sized call at a time, so that the rows kept on the host stay bounded."""
+        if len(self.state.nxt) > limit:
             self._feed(len(self.state.nxt) - 1)
 
     def _target(self, rows, i: int, drafts: Sequence[int]):

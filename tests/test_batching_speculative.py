@@ -91,12 +91,17 @@ def test_a_prompt_that_extends_a_slot_drafts_from_the_heads_whole_history(model,
     assert picks[-1 - log.calls[calls_a][3]] == want[-1]
 
 
-def test_batched_steps_keep_the_heads_rows(model, packed_model, wrap):
-    """Two sequences share batched steps, each row's post-norm hidden state kept for its head; once the other has
-    finished, the first decodes alone and drafts again: its head is fed every real pair once and in order from
-    position 0 (none lost to the batched steps), and its first draft is what the head run over the whole real
+@pytest.mark.parametrize("limit", [1024, 4], ids=["rows-wait", "head-keeps-up"])
+def test_batched_steps_keep_the_heads_rows(model, packed_model, wrap, monkeypatch, limit):
+    """Two sequences share batched steps, each row's post-norm hidden state kept for its head (fed once more than
+    BATCHED_HEAD_ROWS wait: 4 here feeds both heads during the batched steps); once the other has finished, the
+    first decodes alone and drafts again. Each head is fed its sequence's real pairs once and in order from position
+    0 (none lost to the batched steps), and the first head call's draft is what the head run over the whole real
     sequence at once drafts (oracle: the reference's forward and head, one call each). Both outputs are plain
     greedy's, and a prompt extending the first one's slot drafts on from its head's state."""
+    from ninfer_rt import batching
+
+    monkeypatch.setattr(batching, "BATCHED_HEAD_ROWS", limit)
     log = wrap(HeadLog)
     other = [9, 8, 7, 6]
     batch = model.batch(parallel=2)
@@ -106,13 +111,18 @@ def test_batched_steps_keep_the_heads_rows(model, packed_model, wrap):
     assert a.stats.token_ids == _plain(packed_model, n=16)
     assert b.stats.token_ids == _plain(packed_model, n=4, prompt=other)
     assert a.stats.draft_tokens > 0 and b.stats.draft_tokens == 0  # b never decoded alone
-    seq, pos = PROMPT + a.stats.token_ids, 0
-    for start, ids, _, _ in log.calls:  # every call a's (b's 4 pending pairs never reached the head)
-        assert start == pos and ids == seq[start + 1:start + 1 + len(ids)]
-        pos = start + len(ids)
-    _, ids, picks, chain = log.calls[0]
-    assert len(ids) > len(PROMPT) + 1  # the prompt's pairs and the batched steps' ones, in the first call
-    ref = log.inner
+    seqs = {"a": PROMPT + a.stats.token_ids, "b": other + b.stats.token_ids}
+    fed, first = {"a": 0, "b": 0}, {}
+    for call in log.calls:
+        start, ids, _, _ = call
+        owner = next(k for k, seq in seqs.items() if start == fed[k] and ids == seq[start + 1:start + 1 + len(ids)])
+        fed[owner] = start + len(ids)  # contiguous: none skipped, none again
+        first.setdefault(owner, call)
+    assert (fed["b"] > 0) == (limit == 4)  # b's head was fed only where the batched steps' rows were capped
+    _, ids, picks, chain = first["a"]
+    # the prompt's pairs, and where rows wait the batched steps' too; else the prompt's at the first batched step
+    assert len(ids) > len(PROMPT) + 1 if limit == 1024 else len(ids) == len(PROMPT)
+    seq, ref = seqs["a"], log.inner
     _, hidden, _ = ref.verify(np.asarray(seq, np.int64), ref.new_cache(), undoable=False)
     want, _ = ref.draft(hidden[:len(ids)], np.asarray(seq[1:len(ids) + 1], np.int64), ref.new_draft_cache(),
                         top1=model.real_vocab_size)
