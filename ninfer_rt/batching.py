@@ -307,11 +307,7 @@ class Batch:
             picks = [self._draw(g, row) for g, row in zip(gens, logits)]
             for b, g in enumerate(gens):
                 if g.spec is not None:  # the pair (h_p, x_{p+1}) waits for the head, its token for the next step
-                    st = g.spec.state
-                    if st.nxt:
-                        st.set_next(tokens[b])
-                    st.add(hidden[b:b + 1], [None])
-                    g.spec.keep_up(BATCHED_HEAD_ROWS)
+                    g.spec.took(tokens[b], hidden[b:b + 1], BATCHED_HEAD_ROWS)
         for g, t in zip(gens, tokens):
             g._slot.ids.append(t)
         dt = time.perf_counter() - t0

@@ -162,8 +162,10 @@ class HeadState:
         self.nxt += list(next_ids)
 
     def set_next(self, token: int) -> None:
-        """The token after the last position (a prompt that extends the sequence, or a draw)."""
-        self.nxt[-1] = token
+        """The token after the last position (a prompt that extends the sequence, or a draw); nothing where no pair
+        waits (an empty sequence: its first token follows no position)."""
+        if self.nxt:
+            self.nxt[-1] = token
 
     def copy(self, cache) -> HeadState:
         """A copy over another head cache (the backend's copy of this one's)."""
@@ -197,8 +199,7 @@ class Speculator:
         """Feed prompt tokens ids (at the main cache's end), their hidden rows kept for the head; with last, draw
         the first output token and return it."""
         st = self.state
-        if st.nxt:
-            st.set_next(int(ids[0]))
+        st.set_next(int(ids[0]))
         rows, hidden, _ = self.backend.verify(np.asarray(ids, np.int64), self.cache, undoable=False, top1=self.top1,
                                               dist=self.dist)
         token = None
@@ -239,6 +240,13 @@ class Speculator:
         st.head += count
         st.hid, st.nxt = [h[count:]], st.nxt[count:]
         return [int(t) for t in picks[-(chain + 1):]]
+
+    def took(self, token: int, hidden: np.ndarray, limit: int = HEAD_ROWS) -> None:
+        """The sequence took `token` in a step of someone else's (Batch's batched step), which left its post-norm
+        hidden row [1, H]: the pair waits for the head, fed once more than `limit` wait (keep_up)."""
+        self.state.set_next(token)
+        self.state.add(hidden, [None])
+        self.keep_up(limit)
 
     def keep_up(self, limit: int = HEAD_ROWS) -> None:
         """Feed the head all pending pairs but the last (whose token the next step or prompt gives) once more than

@@ -51,7 +51,7 @@ class GpuBackend:
             raise GpuError(f"{cache_slots} sequence slot(s) of {self.max_ctx:,} positions do not fit in GPU memory "
                            "beside the weights: lower --max-context, or serve's --parallel") from None
         self.use_graphs = use_graphs
-        self._probs: tuple[int, int, int] | None = None  # _probs_of's buffers
+        self._probs: tuple[int, int, int, int] | None = None  # _probs_of's buffers
 
     @classmethod
     def of_model(cls, model: GpuModel, use_graphs: bool = True) -> GpuBackend:

@@ -52,11 +52,9 @@ class ReferenceBackend:
     def decode_batch(self, ids: list[int], caches: list, hidden: bool = False):
         """One token for each of B sequences -> their logits float32 [B, V] (with hidden, and their post-norm
         hidden states float32 [B, H]: the MTP head's input); advances each cache."""
-        if not hidden:
-            return np.concatenate([self.forward(np.asarray([i], np.int64), c, last_only=True)
-                                   for i, c in zip(ids, caches)])
         rows = [self.model.forward_with_hidden(np.asarray([i], np.int64), c) for i, c in zip(ids, caches)]
-        return (np.concatenate([r[0].numpy() for r in rows]), np.concatenate([r[1].float().numpy() for r in rows]))
+        logits = np.concatenate([r[0].numpy() for r in rows])
+        return (logits, np.concatenate([r[1].float().numpy() for r in rows])) if hidden else logits
 
     # ------------------------------------------------------------------------------------ speculative decoding
 
