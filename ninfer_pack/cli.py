@@ -75,8 +75,8 @@ def quantize(
 def _plan_source(source: str, revision: str | None):
     """Shapes for plan mode: from safetensors headers (local dir), else from config.json alone."""
     from ninfer_rt.config import ModelSpec
-    from ninfer_pack.plan import builtin_config_path, builtin_configs
-    from ninfer_pack.source import Checkpoint, SourceError, fetch_config
+    from ninfer_pack.plan import builtin_config_path
+    from ninfer_pack.source import Checkpoint, fetch_config
 
     p = Path(source)
     if p.is_dir() or source.startswith("builtin:"):
@@ -87,13 +87,7 @@ def _plan_source(source: str, revision: str | None):
     elif builtin_config_path(source) is not None:
         spec = ModelSpec.from_file(builtin_config_path(source))
     else:
-        try:
-            config = fetch_config(source, revision=revision)
-        except SourceError as e:
-            if not str(e).startswith("no such directory"):
-                raise
-            raise SourceError(f"{e} (nor a built-in config: {', '.join(builtin_configs())})") from None
-        spec = ModelSpec.from_config(config)
+        spec = ModelSpec.from_config(fetch_config(source, revision=revision))
     return spec, {n: info.shape for n, info in spec.tensor_shapes().items()}
 
 

@@ -501,7 +501,8 @@ def fetch_config(source: str, revision: str | None = None) -> dict:
     elif local.exists():
         raise SourceError(f"{source} is not a checkpoint directory, config.json or Hub repo id")
     else:
-        raise SourceError(f"no such directory: {source}")
+        from ninfer_pack.plan import builtin_configs  # plan mode's other sources (no cycle: plan imports no source)
+        raise SourceError(f"no such directory: {source} (nor a built-in config: {', '.join(builtin_configs())})")
     return ModelSpec.from_file(path).raw
 
 
