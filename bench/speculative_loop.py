@@ -1,12 +1,14 @@
 """The speculative loop end to end on the GPU (ninfer_rt.speculative.decode over GpuBackend) at set acceptance rates.
 
     python bench/speculative_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--draft-tokens 1 2 3]
-                                     [--accept 0 0.6 0.8 1] [--tokens 64] [--sampled] [--json PATH]
+                                     [--accept 0 0.6 0.8 1] [--tokens 64] [--sampled] [--idle-head-rows N ...]
+                                     [--json PATH]
 
 Synthetic weights draft nothing a verification keeps, so the head's drafts are steered (speculative.SteeredDrafts):
 the head runs as it would (same kernels, caches and host transfers), then its pick is replaced by plain greedy
 decoding's token at that position, wrong with probability 1 - accept (a fixed hash of the position). The prompt
-is one whose greedy path has no near-tie (clear_prompt), so that every run's output can be plain greedy's.
+is one whose greedy path has no near-tie (clear_prompt), so that every run's output can be plain greedy's (with
+only acceptance 0 asked, any prompt: no draft can be kept, so a near-tie changes no step's cost).
 What this measures is the loop's cost (verifications with trails, rewinds, draft steps, the host's sampling and
 transfers) at a given acceptance; what acceptance a real head reaches is the checkpoint's, not measured here.
 Plain rows: the same tokens by GpuBackend.sample_next (the api's path, the draw inside the step's graph). Each
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
     ap.add_argument("--sampled", action="store_true", help="also sample (ninfer-rt bench's temperature 0.6, "
                     "top_k 20, top_p 0.95): the target rows' distributions on the device")
+    ap.add_argument("--idle-head-rows", type=int, nargs="+", default=None,
+                    help="run the planner rows at each of these speculative.IDLE_HEAD_ROWS (pairs steps without "
+                    "drafts leave waiting for one head call); default: the module's")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
@@ -87,7 +92,11 @@ def main() -> None:
     with synthetic_model(gpu, k, a.model, a.context + a.tokens + 16, slots=1, groups=("text", "mtp")) as model:
         be = GpuBackend.of_model(model)
         vocab = model.spec.vocab_size
-        ids = clear_prompt(be, vocab, a.context, a.tokens, console)
+        if a.sampled or any(acc > 0 for acc in a.accept):
+            ids = clear_prompt(be, vocab, a.context, a.tokens, console)
+        else:
+            ids = np.random.default_rng(0).integers(0, vocab, a.context).tolist()
+        idle_rows = a.idle_head_rows or [speculative.IDLE_HEAD_ROWS]
         for mode, params in modes.items():
             for rep in range(2):  # the first run captures the graphs
                 c = be.new_cache(0)
@@ -102,7 +111,10 @@ def main() -> None:
             console.print(f"plain {mode} (sample_next): {(a.tokens - 1) / dt:,.1f} tok/s", highlight=False)
             # sampled runs leave plain's stream at the first draw, so their drafts are rarely right
             # each count fixed, then the planner choosing up to the most (DraftPlanner, the api's default)
-            for n, adaptive in [(n, False) for n in a.draft_tokens] + [(max(a.draft_tokens), True)]:
+            runs = [(n, False, idle_rows[0]) for n in a.draft_tokens]
+            runs += [(max(a.draft_tokens), True, r) for r in idle_rows]
+            for n, adaptive, idle in runs:
+                speculative.IDLE_HEAD_ROWS = idle
                 for acc in a.accept if mode == "greedy" else [1.0]:
                     for rep in range(2):
                         stats = GenerationStats(prompt_tokens=len(ids))
@@ -113,9 +125,9 @@ def main() -> None:
                                                       planner=speculative.DraftPlanner(n, fixed=not adaptive)))
                     tok_s = (len(out) - 1) / stats.decode_s
                     kept = stats.accepted_tokens / max(stats.draft_tokens, 1)
-                    rows.append({"mode": mode, "draft_tokens": n, "adaptive": adaptive, "accept": acc,
-                                 "tok_s": tok_s, "kept": kept, "drafted": stats.draft_tokens, "match": out == plain})
-                    k = f"k <= {n} (planner)" if adaptive else f"k = {n}"
+                    rows.append({"mode": mode, "draft_tokens": n, "adaptive": adaptive, "idle_head_rows": idle,
+                                 "accept": acc, "tok_s": tok_s, "kept": kept, "drafted": stats.draft_tokens, "match": out == plain})
+                    k = f"k <= {n} (planner, idle head rows {idle})" if adaptive else f"k = {n}"
                     console.print(f"{mode}, {k}, steered acceptance {acc:.1f}: {tok_s:,.1f} tok/s, "
                                   f"{stats.accepted_tokens} of {stats.draft_tokens} drafts kept, output "
                                   f"{'=' if out == plain else '!='} plain", highlight=False)

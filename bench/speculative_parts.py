@@ -5,8 +5,9 @@
 Each row is the mean wall time of one call as speculative.Speculator makes it (GpuBackend over a synthetic model
 after a prompt of --context tokens), so a row includes the host's launches, copies and waits, not only the GPU's
 work: a plain step (sample_next, the draw inside the step's graph), a verification of one token (the step of 0
-drafts: every row's hidden state and arg-max back), the same step's graph alone, the head over 1 or 8 real rows
-(HEAD_ROWS: a step of 0 drafts catches up 8 at a time), a chain of 2 more rows on the device, and a rewind of a
+drafts: every row's hidden state and arg-max back), the same step's graph alone, the head over 1, 8, 128 or 256
+real rows (a decode-sized call up to 8; the pairs steps of 0 drafts leave, IDLE_HEAD_ROWS, in one prefill-sized
+call), a chain of 2 more rows on the device, and a rewind of a
 verification of 4 to 1 token, by a captured graph and by 30 host copies; and Batch's batched step of two sequences
 with and without their rows' hidden states (kept for a sequence's MTP head).
 Exits with a one-line message when there is no GPU.
@@ -65,11 +66,12 @@ def main() -> None:
         head = be.new_draft_cache(cache)
         be.draft(hidden[:-1], ids[1:], head, top1=V)
         one, tok = np.asarray([7]), np.asarray([7], np.int64)
-        h1, h8 = np.zeros((1, H), np.float32), np.zeros((8, H), np.float32)
 
         def draft(rows: int, chain: int = 0):
+            h = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
+
             def call():
-                be.draft(h1 if rows == 1 else h8, np.full(rows, 7, np.int64), head, top1=V, chain=chain)
+                be.draft(h, np.full(rows, 7, np.int64), head, top1=V, chain=chain)
                 head.pos -= rows + chain  # the same positions again
             return call
 
@@ -96,6 +98,8 @@ def main() -> None:
                                                   setattr(cache, "pos", cache.pos + 1))),
             ("head over 1 row (top1)", draft(1)),
             ("head over 8 rows (top1)", draft(8)),
+            ("head over 128 rows (top1, prefill-sized)", draft(128)),
+            ("head over 256 rows (top1, prefill-sized)", draft(256)),
             ("head over 1 row and a chain of 2", draft(1, 2)),
             ("verification of 4, rewind to 1 (graph)", rewind(True)),
             ("verification of 4, rewind to 1 (30 copies)", rewind(False)),

@@ -23,7 +23,7 @@ probabilities the test reads cross to the host, and a whole row only for a corre
 The backend rewinds the main cache to the accepted prefix (`verify` / `rewind`). The MTP head's cache holds the real
 pairs (h_p, x_{p+1}) only: before it drafts, its chained draft rows are dropped (`rewind_draft`) and the real pairs
 since it last ran are fed in the call that drafts, so steps that take no drafts skip the head (it catches up
-HEAD_ROWS pairs at a time).
+once IDLE_HEAD_ROWS pairs wait, in one prefill-sized call).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.sampling import Sampler
 
 MAX_DRAFT_TOKENS = 7  # a verification feeds k + 1 tokens; the GPU's decode kernels take up to 8 a sequence
-HEAD_ROWS = 8  # most pending pairs a head call takes (on the GPU: a captured decode-sized step, not a prefill)
+HEAD_ROWS = 8  # pending pairs a prompt leaves to the first step's head call (on the GPU: a decode-sized step)
+# pending pairs steps without drafts leave waiting (8 KB each at H = 2048): a head that never agrees is probed every
+# PROBE_MAX steps at most, so its pairs go in one prefill-sized call at the probe, not in 8-row calls every 8 steps
+IDLE_HEAD_ROWS = 256
 
 
 def accept(drafts: Sequence[int], q_rows: Sequence[np.ndarray] | None, target: Callable[[int], np.ndarray],
@@ -223,7 +226,7 @@ class Speculator:
         be.rewind(self.cache, undo, tokens, j + 1)
         new = drafts[:j] + [nxt]
         st.add(hidden[:j + 1], new[:-1] + [None])
-        self.keep_up()
+        self.keep_up(IDLE_HEAD_ROWS)
         self.planner.observe(n, j)
         return new, n
 
@@ -250,8 +253,8 @@ class Speculator:
 
     def keep_up(self, limit: int = HEAD_ROWS) -> None:
         """Feed the head all pending pairs but the last (whose token the next step or prompt gives) once more than
-        `limit` wait: a prompt's in one call, those of steps without drafts HEAD_ROWS at a time, those of batched
-        steps (Batch) a prefill-sized call at a time, so that the rows kept on the host stay bounded."""
+        `limit` wait: a prompt's in one call, those of steps without drafts (IDLE_HEAD_ROWS) and of batched steps
+        (Batch) a prefill-sized call at a time, so that the rows kept on the host stay bounded."""
         if len(self.state.nxt) > limit:
             self._feed(len(self.state.nxt) - 1)
 

@@ -177,12 +177,15 @@ class ScriptedPlanner(DraftPlanner):
         return min(self.counts.pop(0), limit) if self.counts else 0
 
 
-def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_model):
+def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_model, monkeypatch):
     """Steps of 0 drafts run no head row; the next drafting step feeds the head every real pair since, in one call
     from where its real rows end, and drafts what the head drafts over the whole real sequence at once (oracle:
-    the backend's own forward and head over prompt + output in one call each). Output: plain greedy decoding's."""
+    the backend's own forward and head over prompt + output in one call each). Output: plain greedy decoding's.
+    Idle pairs fed HEAD_ROWS at a time here, so that one such call comes first."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
+
+    monkeypatch.setattr(speculative, "IDLE_HEAD_ROWS", speculative.HEAD_ROWS)
 
     be = HeadLog(spec_model._backend)
     stats = GenerationStats(prompt_tokens=len(PROMPT))
@@ -209,12 +212,15 @@ def test_steps_without_drafts_leave_the_head_to_catch_up(packed_model, spec_mode
     assert picks1[-2:] == [picks[-1], more[0]]
 
 
-def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, spec_model):
-    """Steps of 0 drafts only: the head takes the real pairs HEAD_ROWS at a time (calls its GPU runs as captured
-    decode-sized steps), from the prompt's on, one pair always left for a drafting step."""
+@pytest.mark.parametrize("idle", [5, 8, 256])
+def test_a_run_without_drafts_feeds_the_head_in_calls_of_the_idle_limit(packed_model, spec_model, monkeypatch, idle):
+    """Steps of 0 drafts only: once more than IDLE_HEAD_ROWS pairs wait, the head takes all but the last in one
+    call, from the prompt's on (one pair always left for a drafting step); at the default (256) a run of 24 tokens
+    calls it never. Oracle: the sequence's own pairs (h_p, x_{p+1}), counted from where the last call ended."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
 
+    monkeypatch.setattr(speculative, "IDLE_HEAD_ROWS", idle)
     be = HeadLog(spec_model._backend)
     stats = GenerationStats(prompt_tokens=len(PROMPT))
     out = list(speculative.decode(be, be.new_cache(0), PROMPT, 24, Sampler(GREEDY), stats, draft_tokens=2,
@@ -222,9 +228,17 @@ def test_a_run_without_drafts_feeds_the_head_a_few_rows_at_a_time(packed_model, 
                                   planner=ScriptedPlanner([0])))
     seq = PROMPT + out
     assert out == _plain(packed_model, GREEDY, 24) and stats.draft_tokens == 0
-    R = speculative.HEAD_ROWS
-    starts = range(0, 3 * R, R)  # the prompt's 8 pairs and 23 steps' 23: 3 calls of R, 7 left
-    assert [(c[0], c[1], c[3]) for c in be.calls] == [(p, seq[p + 1:p + 1 + R], 0) for p in starts]
+    # the prompt leaves len(PROMPT) pairs (HEAD_ROWS: none fed at prefill); each step adds one; a call feeds all but
+    # the last once more than `idle` wait
+    want, start, waiting = [], 0, len(PROMPT)
+    assert len(PROMPT) == speculative.HEAD_ROWS
+    for _ in range(len(out) - 1):
+        waiting += 1
+        if waiting > idle:
+            want.append((start, seq[start + 1:start + waiting], 0))
+            start, waiting = start + waiting - 1, 1
+    assert [(c[0], c[1], c[3]) for c in be.calls] == want
+    assert (len(want) == 0) == (idle == 256)
 
 
 @pytest.mark.parametrize("seed", range(2))
