@@ -88,7 +88,7 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
     that graph through the same eager_ms timer as the micro-benchmarks, per step, in seconds. sampled: the
     decode draws under SAMPLED's record and the graph replayed is the drawing one."""
     from ninfer_rt.gpu.bench import SAMPLED, _time_decode
-    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.engine import GpuModel, Step
 
     class FakeModel:
         max_ctx, sample_vocab = 1 << 20, 1000
@@ -101,16 +101,16 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
             gpu.log.append("decode")
             self.draws.append(draw)
 
-        def step_graph(self, B, T, bucket, logit_rows="last", draw=None, trail=False):
-            self.keys.append((B, T, bucket, logit_rows, draw) + ((trail,) if trail else ()))
+        def step_graph(self, step):
+            self.keys.append(step)
             return FakeGraph(gpu)
 
     m = FakeModel()
     assert _time_decode(m, 8192, rounds=3, reps=7) == pytest.approx(REPLAY_MS / 1e3)
-    assert m.keys == [(1, 1, 16384, "last", None)] and m.draws == [None]
+    assert m.keys == [Step(1, 1, 16384, "last")] and m.draws == [None]
     assert gpu.log[0] == "decode" and gpu.log.count("replay") == 3 * 7
     assert _time_decode(m, 8192, rounds=3, reps=7, sampled=True) == pytest.approx(REPLAY_MS / 1e3)
-    assert m.keys[-1] == (1, 1, 16384, "last", ("sample", 1000))
+    assert m.keys[-1] == Step(1, 1, 16384, "last", draw=("sample", 1000))
     vocab, rec = m.draws[-1]
     assert vocab == 1000 and (rec["temperature"][0], rec["top_k"][0]) == pytest.approx(
         (SAMPLED["temperature"], SAMPLED["top_k"]))
@@ -120,7 +120,7 @@ def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
     """--decode-tokens: one GpuModel.verify of T tokens at ctx (slot 0), then the replays of its graph: one
     sequence, T rows, the bucket of ctx + T, every row's logits."""
     from ninfer_rt.gpu.bench import _time_decode
-    from ninfer_rt.gpu.engine import GpuModel
+    from ninfer_rt.gpu.engine import GpuModel, Step
 
     class FakeModel:
         max_ctx, sample_vocab = 1 << 20, 1000
@@ -132,16 +132,16 @@ def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):
         def verify(self, tok, pos, slot, trail=False):
             self.verified.append((len(tok), pos, slot, len(set(tok.tolist())), trail))
 
-        def step_graph(self, B, T, bucket, logit_rows="last", draw=None, trail=False):
-            self.keys.append((B, T, bucket, logit_rows, draw, trail))
+        def step_graph(self, step):
+            self.keys.append(step)
             return FakeGraph(gpu)
 
     m = FakeModel()
     assert _time_decode(m, 16383, rounds=2, reps=3, tokens=4) == pytest.approx(REPLAY_MS / 1e3)
-    assert m.verified == [(4, 16383, 0, 4, False)] and m.keys == [(1, 4, 32768, "all", None, False)]
+    assert m.verified == [(4, 16383, 0, 4, False)] and m.keys == [Step(1, 4, 32768, "all")]
     assert gpu.log.count("replay") == 2 * 3
     _time_decode(m, 100, rounds=1, reps=1, tokens=2, trail=True)  # keeping each token's DeltaNet state
-    assert m.verified[-1] == (2, 100, 0, 2, True) and m.keys[-1] == (1, 2, 1024, "all", None, True)
+    assert m.verified[-1] == (2, 100, 0, 2, True) and m.keys[-1] == Step(1, 2, 1024, "all", trail=True)
 
 
 def test_time_draft_replays_the_heads_one_row_graph(gpu):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ninfer_rt.errors import NinferError
+from ninfer_rt.gpu.engine import Step
 from test_gpu_plans import fake_kernels
 
 
@@ -203,7 +204,7 @@ def test_a_verifications_arg_maxes_come_from_its_own_graph(monkeypatch):
         assert gpu.downloads[n:] == [(m.buf.argmax, (3,)), (m.buf.h, (3, m.H))]
         assert vocabs == launched
         assert gpu.launches[-2:] == (["argmax_rows", "argmax_finish"] if launched else [])
-    assert {k[4] for k in m.graphs if k[:2] == (1, 3)} == {("rows", V), ("rows", V - 1)}
+    assert {k.vocab for k in m.graphs if k[:2] == (1, 3)} == {V, V - 1}
     with pytest.raises(NinferError, match="verify: arg-maxes over ids"):
         m.verify(np.arange(3, dtype=np.int32), 20, 0, vocab=m.V + 1)
 
@@ -228,8 +229,7 @@ def test_a_batched_step_may_keep_its_rows_hidden_states(monkeypatch):
         want = [(m.buf.logits, (2, m.V))] + ([(m.buf.h, (2, m.H))] if hidden else [])
         assert gpu.downloads[n:] == want
         assert count(gpu.launches, "rms_norm") == (1 if hidden else 0)
-    assert (2, 1, m.bucket(11), "hidden", None, False) in m.graphs and (2, 1, m.bucket(12), "last", None, False) \
-        in m.graphs
+    assert Step(2, 1, m.bucket(11), "hidden") in m.graphs and Step(2, 1, m.bucket(12), "last") in m.graphs
 
 
 def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
@@ -256,7 +256,7 @@ def test_the_speculative_loop_plans_through_the_gpu_backend(monkeypatch):
     assert gpu.copies == want
     L = len(m.ssm_state)
     assert count(gpu.launches, "deltanet_step_trail_dk128_c4") == L  # the second verification replays its graph
-    assert (1, 4, m.bucket(604), "all", ("rows", m.spec.vocab_size), True) in m.graphs
+    assert Step(1, 4, m.bucket(604), "all", vocab=m.spec.vocab_size, trail=True) in m.graphs
     assert ("mtp", 4, m.bucket(608)) in m.graphs
 
 

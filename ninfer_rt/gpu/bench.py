@@ -140,15 +140,16 @@ def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, to
     token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
     of every row (GpuModel.verify: speculative decoding's verification; trail: keeping each token's DeltaNet state)."""
     from ninfer_rt.gpu import misc
+    from ninfer_rt.gpu.engine import Step
 
     tok = (17 + 1009 * np.arange(max(batch, tokens), dtype=np.int32)) % model.sample_vocab
     if tokens > 1:
         model.verify(tok, ctx, 0, trail=trail)
-        return model.step_graph(1, tokens, model.bucket(ctx + tokens), "all", None, trail)
+        return model.step_graph(Step(1, tokens, model.bucket(ctx + tokens), "all", trail=trail))
     draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
-    return model.step_graph(batch, 1, model.bucket(ctx + 1), "last",
-                            ("sample", model.sample_vocab) if sampled else None)
+    return model.step_graph(Step(batch, 1, model.bucket(ctx + 1), "last",
+                                 draw=("sample", model.sample_vocab) if sampled else None))
 
 
 def _time_decode(model, ctx: int, rounds: int = 5, reps: int = 20, sampled: bool = False,

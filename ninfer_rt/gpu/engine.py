@@ -26,6 +26,8 @@ more than 8 rows). Weights are read from the artifact layout in place (ninfer_rt
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ninfer_rt.errors import NinferError
@@ -46,6 +48,24 @@ MIN_BUCKET = 1024        # smallest context bucket of a decode graph
 def context_bucket(n: int) -> int:
     """The decode-graph bucket holding contexts up to n: a power of two, at least MIN_BUCKET."""
     return max(MIN_BUCKET, 1 << max(0, (n - 1).bit_length()))
+
+
+class Step(NamedTuple):
+    """One forward's shape and outputs, and the key of its captured graph: B sequences of T rows each at a context
+    bucket. logit_rows: "last", each sequence's last row's logits into logits[b] and their arg-max; "all", every
+    row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
+    hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab)
+    with "last" and B = 1, the next token over ids < vocab into the draw slot instead of the arg-max (sample: under
+    the params record in the draw params buffer). vocab: the rows' arg-max over ids < vocab rather than
+    < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state (rewind)."""
+
+    B: int
+    T: int
+    bucket: int
+    logit_rows: str = "last"
+    draw: tuple | None = None
+    vocab: int | None = None
+    trail: bool = False
 
 
 class GpuModel:
@@ -98,8 +118,7 @@ class GpuModel:
                                               self._alloc, LM, rows=GEMV_MAX_ROWS)
         self.pos = self._alloc(4 * slots)
         self.slot = self._alloc(4 * slots)
-        # (B, T, bucket, logit_rows, draw, trail) -> captured step; also ("mtp", T, bucket), ("rewind", slot, keep)
-        self.graphs: dict[tuple, object] = {}
+        self.graphs: dict[tuple, object] = {}  # Step, ("mtp", T, bucket) or ("rewind", slot, keep) -> captured graph
         self._carveout_planned: set[tuple] = set()  # the decode steps (B, T, trail) the shared carveout holds
         self._trails: dict[int, int] = {}  # verification trails per DeltaNet layer (verify(trail=True) allocates)
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
@@ -230,22 +249,14 @@ class GpuModel:
         misc.cast_bf16(self.k, x=self.buf.o, y=self.buf.o16, M=M, D=D)
         return self.buf.o16
 
-    def _step(self, B: int, T: int, ctx_bucket: int, logit_rows: str, draw: tuple | None = None,
-              trail: bool = False) -> None:
-        """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device.
-
-        logit_rows "last": logits of each sequence's last token into logits[b] and their argmax;
-        "all": logits of every row (M ≤ logit_rows); "none": no lm_head (a prefill chunk that is not last);
-        "hidden": every row's post-norm hidden state into buf.h (the MTP head's input) and each sequence's last
-        row's logits, as "last".
-        draw ("argmax" | "sample", vocab), with "last" and B = 1: instead of the argmax, the next token over ids
-        < vocab into the draw slot (sample: under the params record in the draw params buffer); ("rows", vocab):
-        the argmax of every logits row over ids < vocab instead of < sample_vocab (a verification's top1).
-        """
+    def _step(self, step: Step) -> None:
+        """Enqueue one forward of M = B·T rows whose ids, pos and slot are already on the device (Step says what
+        it leaves)."""
+        B, T, logit_rows = step.B, step.T, step.logit_rows
         b, s, M = self.buf, self.spec, B * T
         linear.embed(self.k, self.embed_w, ids=b.tokens, M=M, out=b.x)
         for i in range(s.num_hidden_layers):
-            self._layer(i, B, T, ctx_bucket, trail)
+            self._layer(i, B, T, step.bucket, step.trail)
         if logit_rows == "none":
             return
         norm = self.w.param(LM + "norm.weight")
@@ -267,11 +278,11 @@ class GpuModel:
                               out="bf16")
                 self._linear(self.lm_head, x=b.h16, M=B, y=b.logits)
             rows = B
-        if draw is None or draw[0] == "rows":
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=self.sample_vocab if draw is None else draw[1],
+        if step.draw is None:
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=step.vocab or self.sample_vocab,
                         out=b.argmax, scratch=b.scratch)
         else:
-            self._enqueue_draw(*draw)
+            self._enqueue_draw(*step.draw)
 
     def _enqueue_draw(self, how: str, vocab: int) -> None:
         """The next token from logits row 0 over ids < vocab into the draw slot: the arg-max (ties to the lowest
@@ -326,8 +337,8 @@ class GpuModel:
             raise NinferError(f"decode draws one sequence's token over 1..{self.V} ids, got B = {B}, "
                               f"vocab = {draw[0]}")
         self._set_batch(tokens, pos, slots)
-        self._run(B, T, self.bucket(max(pos) + T), "hidden" if hidden else "last", graph,
-                  None if draw is None else self._draw_op(*draw))
+        self._run(Step(B, T, self.bucket(max(pos) + T), "hidden" if hidden else "last",
+                       draw=None if draw is None else self._draw_op(*draw)), graph)
 
     def verify(self, tokens: np.ndarray, pos: int, slot: int, *, graph: bool = True, trail: bool = False,
                vocab: int | None = None) -> None:
@@ -344,8 +355,8 @@ class GpuModel:
         if trail:
             self._alloc_trails()
         self._set_batch(tokens, [pos], [slot])
-        self._run(1, T, self.bucket(pos + T), "all", graph, None if vocab is None else ("rows", int(vocab)),
-                  trail=trail)
+        self._run(Step(1, T, self.bucket(pos + T), "all", vocab=None if vocab is None else int(vocab), trail=trail),
+                  graph)
 
     def _alloc_trails(self) -> None:
         """The verification trails, once: per DeltaNet layer fp32 [GEMV_MAX_ROWS - 1, nv, dk, dv] (deltanet.step's
@@ -384,24 +395,21 @@ class GpuModel:
         """The captured graph of a draft step of T rows that ran before; KeyError if none did."""
         return self.graphs[("mtp", T, bucket)]
 
-    def step_graph(self, B: int, T: int, bucket: int, logit_rows: str = "last", draw: tuple | None = None,
-                   trail: bool = False):
+    def step_graph(self, step: Step):
         """The captured graph of a step that ran before (benchmarks replay it alone); KeyError if none was."""
-        return self.graphs[(B, T, bucket, logit_rows, draw, trail)]
+        return self.graphs[step]
 
-    def _run(self, B: int, T: int, bucket: int, logit_rows: str, graph: bool, draw: tuple | None = None,
-             trail: bool = False) -> None:
-        """Enqueue a step directly, or replay (capturing on first use) its graph for (B, T, bucket, logit_rows,
-        draw, trail).
+    def _run(self, step: Step, graph: bool) -> None:
+        """Enqueue a step directly, or replay (capturing on first use) its graph, kept under the step.
 
         Decode steps (up to 8 rows) launch with programmatic dependent launch where the GPU has it: hundreds
         of short kernels, each launch overlapping the end of the one before. Prefill's large kernels do not.
         """
-        self.gpu.pdl = self.gpu.pdl_capable and B * T <= GEMV_MAX_ROWS
-        if B * T <= GEMV_MAX_ROWS and (B, T, trail) not in self._carveout_planned:
-            self._plan_carveout(B, T, bucket, logit_rows, draw, trail)
-        self._graphed((B, T, bucket, logit_rows, draw, trail),
-                      lambda: self._step(B, T, bucket, logit_rows, draw, trail), graph)
+        decode = step.B * step.T <= GEMV_MAX_ROWS
+        self.gpu.pdl = self.gpu.pdl_capable and decode
+        if decode and (step.B, step.T, step.trail) not in self._carveout_planned:
+            self._plan_carveout(step)
+        self._graphed(step, lambda: self._step(step), graph)
 
     def _graphed(self, key: tuple, enqueue, graph: bool) -> None:
         """enqueue() directly, or replay (capturing on first use) the graph it makes, kept under `key`."""
@@ -418,18 +426,17 @@ class GpuModel:
             self.graphs[key] = g
         g.launch(self.gpu.stream)
 
-    def _plan_carveout(self, B: int, T: int, bucket: int, logit_rows: str, draw: tuple | None,
-                       trail: bool = False) -> None:
+    def _plan_carveout(self, step: Step) -> None:
         """A dry run of the decode step (its launches recorded, none enqueued), so that the kernels' shared
         carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured."""
         real, rec = self.k, LaunchRecorder(self.k)
         self.k = rec
         try:
-            self._step(B, T, bucket, logit_rows, draw, trail)
+            self._step(step)
         finally:
             self.k = real
         real.share_carveout(rec.launches)
-        self._carveout_planned.add((B, T, trail))
+        self._carveout_planned.add((step.B, step.T, step.trail))
 
     def forget_carveout(self) -> None:
         """Forget the shared carveout's plan (the kernels' and which steps it holds): the next decode step plans it
@@ -457,7 +464,7 @@ class GpuModel:
             last = c0 + T == n
             # full chunks replay a captured graph (host launch cost is ~500 launches per chunk otherwise)
             rows = "all" if all_logits else "hidden" if hidden else "last" if last else "none"
-            self._run(1, T, self.bucket(start + c0 + T), rows, graph=T == chunk and not all_logits)
+            self._run(Step(1, T, self.bucket(start + c0 + T), rows), graph=T == chunk and not all_logits)
             if all_logits or hidden:
                 out.append(self.logits(T) if all_logits else self.hidden(T))
         return np.concatenate(out) if all_logits or hidden else None
