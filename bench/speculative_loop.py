@@ -2,7 +2,7 @@
 
     python bench/speculative_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--draft-tokens 1 2 3]
                                      [--accept 0 0.6 0.8 1] [--tokens 64] [--sampled] [--idle-head-rows N ...]
-                                     [--json PATH]
+                                     [--no-draft-ms MS ...] [--json PATH]
 
 Synthetic weights draft nothing a verification keeps, so the head's drafts are steered (speculative.SteeredDrafts):
 the head runs as it would (same kernels, caches and host transfers), then its pick is replaced by plain greedy
@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--idle-head-rows", type=int, nargs="+", default=None,
                     help="run the planner rows at each of these speculative.IDLE_HEAD_ROWS (pairs steps without "
                     "drafts leave waiting for one head call); default: the module's")
+    ap.add_argument("--no-draft-ms", type=float, nargs="+", default=None,
+                    help="run the planner rows with each of these costs of a step of 0 drafts (ms; the others "
+                    "speculative.default_cost's); default: default_cost's")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
@@ -97,6 +100,7 @@ def main() -> None:
         else:
             ids = np.random.default_rng(0).integers(0, vocab, a.context).tolist()
         idle_rows = a.idle_head_rows or [speculative.IDLE_HEAD_ROWS]
+        zero_ms = a.no_draft_ms or [speculative.default_cost(0)]
         for mode, params in modes.items():
             for rep in range(2):  # the first run captures the graphs
                 c = be.new_cache(0)
@@ -111,10 +115,13 @@ def main() -> None:
             console.print(f"plain {mode} (sample_next): {(a.tokens - 1) / dt:,.1f} tok/s", highlight=False)
             # sampled runs leave plain's stream at the first draw, so their drafts are rarely right
             # each count fixed, then the planner choosing up to the most (DraftPlanner, the api's default)
-            runs = [(n, False, idle_rows[0]) for n in a.draft_tokens]
-            runs += [(max(a.draft_tokens), True, r) for r in idle_rows]
-            for n, adaptive, idle in runs:
+            runs = [(n, False, idle_rows[0], zero_ms[0]) for n in a.draft_tokens]
+            runs += [(max(a.draft_tokens), True, r, z) for r in idle_rows for z in zero_ms]
+            for n, adaptive, idle, zero in runs:
                 speculative.IDLE_HEAD_ROWS = idle
+
+                def cost(k: int, zero: float = zero) -> float:
+                    return zero if k == 0 else speculative.default_cost(k)
                 for acc in a.accept if mode == "greedy" else [1.0]:
                     for rep in range(2):
                         stats = GenerationStats(prompt_tokens=len(ids))
@@ -122,12 +129,13 @@ def main() -> None:
                         out = list(speculative.decode(steered, be.new_cache(0), ids, a.tokens, Sampler(params),
                                                       stats, draft_tokens=n, real_vocab=vocab,
                                                       is_stop=lambda t: False,
-                                                      planner=speculative.DraftPlanner(n, fixed=not adaptive)))
+                                                      planner=speculative.DraftPlanner(n, cost, fixed=not adaptive)))
                     tok_s = (len(out) - 1) / stats.decode_s
                     kept = stats.accepted_tokens / max(stats.draft_tokens, 1)
                     rows.append({"mode": mode, "draft_tokens": n, "adaptive": adaptive, "idle_head_rows": idle,
-                                 "accept": acc, "tok_s": tok_s, "kept": kept, "drafted": stats.draft_tokens, "match": out == plain})
-                    k = f"k <= {n} (planner, idle head rows {idle})" if adaptive else f"k = {n}"
+                                 "no_draft_ms": zero, "accept": acc, "tok_s": tok_s, "kept": kept,
+                                 "drafted": stats.draft_tokens, "match": out == plain})
+                    k = f"k <= {n} (planner, idle head rows {idle}, 0 drafts {zero} ms)" if adaptive else f"k = {n}"
                     console.print(f"{mode}, {k}, steered acceptance {acc:.1f}: {tok_s:,.1f} tok/s, "
                                   f"{stats.accepted_tokens} of {stats.draft_tokens} drafts kept, output "
                                   f"{'=' if out == plain else '!='} plain", highlight=False)
