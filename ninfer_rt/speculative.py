@@ -97,10 +97,10 @@ class DraftPlanner:
     ACCEPT_PRIOR), so a step of n drafts emits E(n) = 1 + a + ... + a^n tokens, for cost(n) in plain decode
     steps (default_cost by default: a verification of n + 1 tokens plus the head's rows). The plan depends only
     on which drafts were kept, never on timings, so a seeded sampled run repeats. A count of 0 is one verified
-    token with no head row (decode feeds the head those rows when drafts resume), and after PROBE_EVERY such
-    steps one draft is tried again, so a head that starts to agree is seen; each probe refused doubles the wait (up
-    to PROBE_MAX steps: a head that never agrees costs a probe's head row and verification that much more rarely),
-    a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the target's tokens: this
+    token with no head row (the head takes those rows when drafts resume or IDLE_HEAD_ROWS wait), and after
+    PROBE_EVERY such steps one draft is tried again, so a head that starts to agree is seen; each probe refused
+    doubles the wait (up to PROBE_MAX steps: a head that never agrees costs a probe's head row and verification that
+    much more rarely), a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the target's tokens: this
     trades only speed."""
 
     ACCEPT_PRIOR = 0.73   # NInfer's per-draft acceptance with Qwen3.x's MTP head
