@@ -100,8 +100,8 @@ class DraftPlanner:
     token with no head row (the head takes those rows when drafts resume or IDLE_HEAD_ROWS wait), and after
     PROBE_EVERY such steps one draft is tried again, so a head that starts to agree is seen; each probe refused
     doubles the wait (up to PROBE_MAX steps: a head that never agrees costs a probe's head row and verification that
-    much more rarely), a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the target's tokens: this
-    trades only speed."""
+    much more rarely), a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the
+    target's tokens: this trades only speed."""
 
     ACCEPT_PRIOR = 0.73   # NInfer's per-draft acceptance with Qwen3.x's MTP head
     ACCEPT_WEIGHT = 0.1   # the moving average's weight of one draft's outcome
