@@ -313,6 +313,8 @@ def bench(
 
     if (path is None) == (synthetic is None):
         raise NinferError("give an artifact path or --synthetic NAME (one of them)")
+    if recipe is not None and synthetic is None:
+        raise NinferError("--recipe applies to --synthetic only (an artifact carries its own recipe)")
     _check_chunk(prefill_chunk)
 
     def ints(s: str, what: str) -> tuple[int, ...]:

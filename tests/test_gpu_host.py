@@ -216,6 +216,10 @@ def test_synthetic_table_is_the_packers_plan(name):
 @pytest.mark.parametrize("argv, what", [
     (["bench"], "give an artifact path or --synthetic"),
     (["bench", "--synthetic", "qwen9"], "unknown model shape"),
+    (["bench", "--synthetic", "qwen3.6-27b", "--recipe", "nope"], "nope"),
+    (["bench", "/nonexistent.ninfer"], "/nonexistent.ninfer"),
+    (["bench", __file__], "not a ninfer artifact"),  # a file that is no artifact
+    (["bench", __file__, "--recipe", "qwen3.6-27b"], "--recipe applies to --synthetic only"),
     (["build-kernels", "--arch", "sm_99"], "unknown kernel target"),
     (["bench", "--synthetic", "qwen3.6-27b", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["bench", "--synthetic", "qwen3.6-27b", "--decode-batch", "1,4"], "--decode-batch: sequence counts must be >= 2"),

@@ -192,25 +192,26 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     from ninfer_rt.gpu.kernels import Kernels
     from ninfer_rt.gpu.loader import fill_random, load_artifact, synthetic_weights
 
-    if synthetic:
-        builtin_spec(synthetic)  # an unknown name fails before the GPU is touched
-    gpu = Gpu(0)
-    kernels = Kernels(gpu)
-    bw = copy_bandwidth(gpu)
-    log(f"{gpu.info.name}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    # an unknown shape or recipe, or a file that is no artifact, fails before the GPU is touched
     if synthetic:
         from ninfer_rt.recipe import load_recipe
 
         spec = builtin_spec(synthetic)
         rec = load_recipe(recipe or synthetic)
-        groups = ("text", "mtp") if decode_tokens and spec.mtp_num_hidden_layers else ("text",)
-        weights = synthetic_weights(gpu, spec, rec, progress=progress, groups=groups)
-        model_name, recipe_name = synthetic, rec.name
     else:
         from ninfer_rt.format import Artifact
 
         art = Artifact.open(artifact_path)
         spec = art.spec
+    gpu = Gpu(0)
+    kernels = Kernels(gpu)
+    bw = copy_bandwidth(gpu)
+    log(f"{gpu.info.name}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    if synthetic:
+        groups = ("text", "mtp") if decode_tokens and spec.mtp_num_hidden_layers else ("text",)
+        weights = synthetic_weights(gpu, spec, rec, progress=progress, groups=groups)
+        model_name, recipe_name = synthetic, rec.name
+    else:
         mtp = decode_tokens and "mtp" in art.groups
         weights = load_artifact(gpu, art, groups=("text", "mtp") if mtp else ("text",), progress=progress)
         model_name, recipe_name = str(artifact_path), art.header["recipe"].get("name", "?")
