@@ -93,30 +93,51 @@ class DraftPlanner:
     """How many drafts the next step takes, 0..max_drafts: the count whose expected tokens per unit of cost is
     highest.
 
-    A draft is kept with probability `accept` given the ones before it were (a moving average over drafts, from
-    ACCEPT_PRIOR), so a step of n drafts emits E(n) = 1 + a + ... + a^n tokens, for cost(n) in plain decode
-    steps (default_cost by default: a verification of n + 1 tokens plus the head's rows). The plan depends only
-    on which drafts were kept, never on timings, so a seeded sampled run repeats. A count of 0 is one verified
-    token with no head row (the head takes those rows when drafts resume or IDLE_HEAD_ROWS wait), and after
-    PROBE_EVERY such steps one draft is tried again, so a head that starts to agree is seen; each probe refused
-    doubles the wait (up to PROBE_MAX steps: a head that never agrees costs a probe's head row and verification that
-    much more rarely), a probe kept resets it. fixed=True always takes max_drafts. Any count emits exactly the
-    target's tokens: this trades only speed."""
+    A draft is kept with probability `accept` given the ones before it were, so a step of n drafts emits
+    E(n) = 1 + a + ... + a^n tokens, for cost(n) in plain decode steps (default_cost by default: a verification of
+    n + 1 tokens plus the head's rows). `accept` is the drafts' mean from ACCEPT_PRIOR, held as PRIOR_DRAFTS drafts'
+    worth, until it becomes a moving average of weight ACCEPT_WEIGHT a draft. The plan depends only on which drafts
+    were kept, never on timings, so a seeded sampled run repeats. A count of 0 is one verified token with no head
+    row (the head takes those rows when drafts resume or IDLE_HEAD_ROWS wait). Drafts seen stop while none are
+    taken, so after PROBE_EVERY such steps one draft is tried: kept, `accept` is lifted to BREAK_EVEN_MARGIN above
+    the break-even (the least at which some count beats none), so that drafting resumes and the estimate is tested
+    again, not left where one unlucky stretch put it; refused, the wait doubles (up to PROBE_MAX steps: a head that
+    never agrees costs a probe that much more rarely). fixed=True always takes max_drafts. Any count emits exactly
+    the target's tokens: this trades only speed (bench/planner_sim.py: its throughput against the best fixed count
+    at each acceptance)."""
 
-    ACCEPT_PRIOR = 0.73   # NInfer's per-draft acceptance with Qwen3.x's MTP head
-    ACCEPT_WEIGHT = 0.1   # the moving average's weight of one draft's outcome
-    PROBE_EVERY = 16      # steps without drafts before a probe of one draft
-    PROBE_MAX = 128       # the most they become as probes are refused
+    ACCEPT_PRIOR = 0.73       # NInfer's per-draft acceptance with Qwen3.x's MTP head
+    PRIOR_DRAFTS = 8          # the prior's weight, in drafts
+    ACCEPT_WEIGHT = 0.03      # the moving average's weight of one draft's outcome, once 1 / (drafts seen) is less
+    PROBE_EVERY = 8           # steps without drafts before a probe of one draft
+    PROBE_MAX = 128           # the most they become as probes are refused
+    BREAK_EVEN_MARGIN = 0.02  # where a kept probe puts `accept`, above the break-even, at least
 
     def __init__(self, max_drafts: int, cost: Callable[[int], float] | None = None, fixed: bool = False):
         self.max_drafts, self.fixed = max_drafts, fixed
         self.cost = cost or default_cost
-        self.accept = self.ACCEPT_PRIOR
+        self.accept, self.seen = self.ACCEPT_PRIOR, 0
         self.idle = 0  # steps in a row without drafts
         self.probe_every, self._probing = self.PROBE_EVERY, False
+        self.break_even = self._break_even()
 
-    def expected_tokens(self, n: int) -> float:
-        return sum(self.accept ** i for i in range(n + 1))
+    def expected_tokens(self, n: int, accept: float | None = None) -> float:
+        a = self.accept if accept is None else accept
+        return sum(a ** i for i in range(n + 1))
+
+    def best(self, top: int, accept: float | None = None) -> int:
+        """The count of 0..top with the most expected tokens per unit of cost (the larger one on a tie)."""
+        return max(range(top + 1), key=lambda n: (self.expected_tokens(n, accept) / self.cost(n), n))
+
+    def _break_even(self) -> float:
+        """The least acceptance at which some count of drafts beats none (bisection; 1.0 where none ever does)."""
+        if self.max_drafts <= 0 or self.best(self.max_drafts, 1.0) == 0:
+            return 1.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.best(self.max_drafts, mid) else (mid, hi)
+        return hi
 
     def choose(self, limit: int) -> int:
         """Drafts for the next step, at most limit (the tokens the budget still takes after the next one)."""
@@ -127,17 +148,18 @@ class DraftPlanner:
         if self.idle >= self.probe_every:
             self._probing = True
             return 1
-        return max(range(top + 1), key=lambda n: (self.expected_tokens(n) / self.cost(n), n))
+        return self.best(top)
 
     def observe(self, n: int, kept: int) -> None:
-        """A step of n drafts kept `kept` of them."""
-        w = self.ACCEPT_WEIGHT
-        for _ in range(kept):
-            self.accept += w * (1.0 - self.accept)
-        if kept < n:
-            self.accept -= w * self.accept
+        """A step of n drafts kept `kept` of them (the drafts after the first refused one are not seen)."""
+        for i in range(kept + (kept < n)):
+            self.seen += 1
+            w = max(self.ACCEPT_WEIGHT, 1.0 / (self.PRIOR_DRAFTS + self.seen))
+            self.accept += w * (float(i < kept) - self.accept)
         if self._probing:
             self.probe_every = self.PROBE_EVERY if kept else min(2 * self.probe_every, self.PROBE_MAX)
+            if kept:
+                self.accept = max(self.accept, min(1.0, self.break_even + self.BREAK_EVEN_MARGIN))
             self._probing = False
         self.idle = self.idle + 1 if n == 0 else 0
 
