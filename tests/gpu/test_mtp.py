@@ -87,15 +87,17 @@ def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
     return clear_greedy(dev, ids, n, dev.model.V)[0]
 
 
-def spec_greedy(backend, art, ids: list[int], n: int, k: int):
-    """(n tokens of speculative.decode's greedy output in slot 1, its stats)."""
+def spec_greedy(backend, art, ids: list[int], n: int, k: int, fixed: bool = False):
+    """(n tokens of speculative.decode's greedy output in slot 1, its stats); fixed: k drafts every step, not the
+    planner's count."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
     from ninfer_rt.sampling import Sampler, SamplingParams
 
     stats = GenerationStats(prompt_tokens=len(ids))
     out = list(speculative.decode(backend, backend.new_cache(1), ids, n, Sampler(SamplingParams(greedy=True)),
-                                  stats, draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
+                                  stats, draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False,
+                                  planner=speculative.DraftPlanner(k, fixed=fixed)))
     return out, stats
 
 
@@ -116,13 +118,14 @@ def test_speculative_greedy_is_plain_greedy(backends, k):
 def test_speculative_accepts_steered_drafts(backends, k):
     """The speculative loop on the GPU where drafts are often right (SteeredDrafts: every position but each third):
     accepted prefixes of every length run the verification's rewind to keep > 1 and the head over several real
-    rows; the greedy output still equals plain greedy decoding, and some but not all drafts were kept."""
+    rows; the greedy output still equals plain greedy decoding, and some but not all drafts were kept. k drafts
+    every step (fixed): 2/3 kept lies at the planner's break-even, where it may stop drafting."""
     from ninfer_rt.speculative import SteeredDrafts
 
     _, dev, art = backends
     ids = prompt(20, 17).tolist()
     plain = plain_greedy(dev, ids, 32)
-    out, stats = spec_greedy(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k)
+    out, stats = spec_greedy(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k, fixed=True)
     print(f"steered k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
     assert 0 < stats.accepted_tokens < stats.draft_tokens
