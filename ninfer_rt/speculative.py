@@ -267,7 +267,7 @@ class Speculator:
         st.hid, st.nxt = [h[count:]], st.nxt[count:]
         return [int(t) for t in picks[-(chain + 1):]]
 
-    def took(self, token: int, hidden: np.ndarray, limit: int = HEAD_ROWS) -> None:
+    def took(self, token: int, hidden: np.ndarray, limit: int) -> None:
         """The sequence took `token` in a step of someone else's (Batch's batched step), which left its post-norm
         hidden row [1, H]: the pair waits for the head, fed once more than `limit` wait (keep_up)."""
         self.state.set_next(token)
