@@ -59,21 +59,51 @@ def test_maxabs_is_the_plain_formula_and_passes_the_check(bits):
     assert " 0 clipped" in detail  # max-abs never clips: fp16 rounding moves |w/s| by < qmax * 2^-11
 
 
-# error ratio search / max-abs measured on this data (q*g64, [256, 2000], seeds 0-2): without importance
-# 0.72, 0.85, 0.91, 0.95; with importance 0.54-0.58, 0.68-0.72, 0.78-0.80, 0.85-0.87. Bars sit above those.
-BARS = {4: (0.76, 0.62), 5: (0.88, 0.76), 6: (0.94, 0.84), 8: (0.97, 0.92)}
+def exhaustive_err(w, bits, group, imp=None, lo=0.25, hi=1.25):
+    """The format's own optimum, an oracle independent of the search: per group, the least
+    Σ imp (w - s clamp(round(w / s)))^2 in float64 over every fp16 scale s of either sign with |s| in
+    [lo, hi] * max|w| / qmax. For a fixed s, rounding each weight alone is optimal. Shape [R, Kp/G]."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    rows, k = w.shape
+    kp = -(-k // 128) * 128
+    wg = torch.nn.functional.pad(w.double(), (0, kp - k)).reshape(-1, 1, group)  # [n, 1, G]
+    ig = 1.0  # importance per weight, laid out as wg: [n, 1, G]
+    if imp is not None:
+        ig = torch.nn.functional.pad(imp.double(), (0, kp - k)).reshape(1, -1, group).expand(rows, -1, -1)
+        ig = ig.reshape(-1, 1, group)
+    base = wg.abs().amax(-1).squeeze(1) / qmax
+
+    def bits16(x):  # positive fp16 values are ordered as their bit patterns
+        return torch.from_numpy(x.to(torch.float16).numpy().view(np.int16).astype(np.int64))
+
+    first, last = bits16(base * lo), bits16(base * hi)
+    best = torch.full((wg.shape[0],), torch.inf, dtype=torch.float64)
+    for off in range(0, int((last - first).max()) + 1, 256):
+        idx = first.unsqueeze(1) + torch.arange(off, off + 256).unsqueeze(0)  # [n, C]
+        scales = torch.from_numpy(idx.clamp(max=0x7BFF).numpy().astype(np.int16).view(np.float16)).double()
+        for sc in (scales.unsqueeze(-1), -scales.unsqueeze(-1)):  # [n, C, 1]
+            e = (ig * (wg - sc * torch.clamp(torch.round(wg / sc), qmin, qmax)) ** 2).sum(-1)
+            best = torch.minimum(best, torch.where(idx <= last.unsqueeze(1), e, torch.inf).min(1).values)
+    return best.reshape(rows, kp // group)
+
+
+# Share of max-abs's excess error over the exhaustive optimum that the search must remove. 4 and 5 bits hold
+# the routed experts (~90% of an MoE artifact): measured 99.7 / 98.8% (q4g64) and 96.9 / 96.3% (q5g64), plain /
+# weighted. At 8 bits the weighted optimum often clips below CLIP_FACTORS' 0.5 (measured 49 / 46% removed).
+REMOVED = {4: 0.9, 5: 0.9, 6: 0.6, 8: 0.4}
 
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "importance"])
 def test_search_beats_maxabs_on_heavy_tails(bits, weighted):
-    w, imp = student_t(256, 2000, 7)
+    w, imp = student_t(8, 2000, 7)
     imp = imp if weighted else None
     q0, s0 = quantize_rows(w, bits, 64, search=False)
     q1, s1 = quantize_rows(w, bits, 64, importance=imp, search=True)
     e0, e1 = group_err(w, q0, s0, 64, imp), group_err(w, q1, s1, 64, imp)
-    ratio = float(e1.sum() / e0.sum())
-    assert ratio < BARS[bits][weighted], f"q{bits}g64 error ratio {ratio:.3f}"
+    best = float(exhaustive_err(w, bits, 64, imp).sum())
+    removed = (float(e0.sum()) - float(e1.sum())) / (float(e0.sum()) - best)
+    assert removed >= REMOVED[bits], f"q{bits}g64: the search removed {removed:.1%} of max-abs's excess"
     # never worse on any group: the search compares fp32 sums of G terms (each relative error <= (G+2)u,
     # u = 2^-24), so its "not worse" can be off by 2(G+2)u relative in exact arithmetic
     tol = 2 * (64 + 2) * 2.0 ** -24
