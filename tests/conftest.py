@@ -23,6 +23,16 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def rng():
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
 @pytest.fixture(scope="module")
 def models():
     """Tiny HF models (4 layers: three DeltaNet, one attention), built once per module."""

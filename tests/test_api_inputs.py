@@ -185,3 +185,5 @@ def test_max_ctx_bounds_a_sequence_on_the_cpu_too(packed):
         out = list(m.generate_ids(list(range(3, 13)), max_new_tokens=50, sampling=SamplingParams(greedy=True)))
         s = m.last_stats
         assert len(out) <= s.generated_tokens <= 16 - 10 and (s.finish_reason == "length") == (s.generated_tokens == 6)
+    with load(packed, device="cpu") as m:  # unbounded: the same greedy ids, cut where the 16 positions end
+        assert out == list(m.generate_ids(list(range(3, 13)), max_new_tokens=6, sampling=SamplingParams(greedy=True)))

@@ -39,8 +39,7 @@ def _write(path, rng, resources=None):
     return data
 
 
-def test_round_trip_and_alignment(tmp_path):
-    rng = np.random.default_rng()
+def test_round_trip_and_alignment(tmp_path, rng):
     p = tmp_path / "m.ninfer"
     data = _write(p, rng, {"tokenizer.json": b"tok", "chat_template.jinja": "{{ x }}\u00e9".encode()})
     with Artifact.open(p) as art:
@@ -71,8 +70,7 @@ def test_same_content_same_bytes(tmp_path):
     assert (tmp_path / "a.ninfer").read_bytes() == (tmp_path / "b.ninfer").read_bytes()
 
 
-def test_interrupted_write_leaves_nothing(tmp_path):
-    rng = np.random.default_rng()
+def test_interrupted_write_leaves_nothing(tmp_path, rng):
     entries, data = _entries(rng)
     p = tmp_path / "m.ninfer"
     with pytest.raises(KeyboardInterrupt):
@@ -86,8 +84,7 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_wrong_size_write_is_refused(tmp_path):
-    rng = np.random.default_rng()
+def test_wrong_size_write_is_refused(tmp_path, rng):
     entries, data = _entries(rng)
     with pytest.raises(ValueError, match="size formula"):
         with ArtifactWriter(tmp_path / "m.ninfer", META, entries, {}) as w:
@@ -96,9 +93,9 @@ def test_wrong_size_write_is_refused(tmp_path):
 
 
 @pytest.fixture
-def good(tmp_path):
+def good(tmp_path, rng):
     p = tmp_path / "good.ninfer"
-    _write(p, np.random.default_rng())
+    _write(p, rng)
     return p
 
 

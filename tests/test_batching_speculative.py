@@ -133,14 +133,26 @@ def test_batched_steps_keep_the_heads_rows(model, packed_model, wrap, monkeypatc
     assert c.stats.token_ids == _plain(packed_model, n=4, prompt=seq + [4])
 
 
-def test_logprobs_and_json_decode_plainly(model):
-    batch = model.batch(parallel=2)
-    g = batch.add(PROMPT, max_new_tokens=4, sampling=GREEDY, logprobs=2)
-    drain(batch)
-    assert g.spec is None and g.stats.draft_tokens == 0 and len(g.take_logprobs()) == 4
-    g = batch.add(PROMPT, max_new_tokens=4, sampling=GREEDY, json_object=True)
-    assert g.spec is None
-    drain(batch)
+def test_logprobs_and_json_decode_plainly(model, packed_model):
+    """Requests that need every token's distribution (logprobs, a JSON constraint) take no drafts: their ids and
+    log-probabilities are what a model without the head gives, bit for bit (the same reference ops)."""
+    def run(m, **kw):
+        batch = m.batch(parallel=2)
+        g = batch.add(PROMPT, max_new_tokens=4, sampling=GREEDY, **kw)
+        spec = g.spec
+        drain(batch)
+        return g, spec
+
+    g, spec = run(model, logprobs=2)
+    plain, _ = run(packed_model, logprobs=2)
+    assert spec is None and g.stats.draft_tokens == 0
+    assert g.stats.token_ids == plain.stats.token_ids
+    got, want = g.take_logprobs(), plain.take_logprobs()
+    assert got == want and len(want) == 4
+    g, spec = run(model, json_object=True)
+    plain, _ = run(packed_model, json_object=True)
+    assert spec is None and g.stats.draft_tokens == 0
+    assert g.stats.token_ids == plain.stats.token_ids and g.stats.finish_reason == plain.stats.finish_reason
 
 
 def test_a_snapshot_keeps_the_heads_state(model, packed_model):
@@ -159,14 +171,14 @@ def test_a_snapshot_keeps_the_heads_state(model, packed_model):
 
 
 def test_seeded_sampling_repeats_in_a_batch(model):
-    params = SamplingParams(temperature=0.9, top_k=20, seed=77)
+    """The same seed gives the same ids, another seed others (12 draws of ~20 candidates each)."""
     outs = []
-    for _ in range(2):
+    for seed in (77, 77, 78):
         batch = model.batch(parallel=1)
-        g = batch.add(PROMPT, max_new_tokens=12, sampling=params)
+        g = batch.add(PROMPT, max_new_tokens=12, sampling=SamplingParams(temperature=0.9, top_k=20, seed=seed))
         drain(batch)
         outs.append(g.stats.token_ids)
-    assert outs[0] == outs[1] and len(outs[0]) == 12
+    assert outs[0] == outs[1] and len(outs[0]) == 12 and outs[2] != outs[0]
 
 
 def test_serve_drafts_and_counts_its_drafts(model, packed_model):

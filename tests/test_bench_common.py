@@ -293,4 +293,4 @@ def test_planner_ab_variants_name_real_planner_constants():
     from gpu_common import parse_settings, planner_modules
     mods = planner_modules()
     for label, over in planner_ab.VARIANTS:
-        parse_settings([f"{key}={value!r}" for key, value in over.items()], mods)
+        assert parse_settings([f"{key}={value!r}" for key, value in over.items()], mods) == dict(over), label

@@ -1,8 +1,9 @@
 """ninfer-pack calibrate: per-input-channel mean squares of every weight's activations.
 
 Oracle: the same statistic gathered from Hugging Face transformers' own modules (forward pre-hooks on every
-nn.Linear, the router and the experts module) on the same fp32 weights and windows, and, for the MTP head that
-transformers does not run, from the whole (not layer-streamed) reference model's hidden states.
+nn.Linear, the router and the experts module) on the same fp32 weights and windows; for the MTP head, which
+transformers does not run, the same hooks on its transformers parts wired as the head (test_reference_model.HFMtp)
+over transformers' own final hidden states.
 Tolerance: both sides are fp32 through 4 layers (relative error ~1e-6 on the activations), so mean squares agree
 to rtol 1e-4.
 """
@@ -21,42 +22,71 @@ from ninfer_rt.errors import NinferError
 LM = "model.language_model."
 
 
-def _hf_statistics(model, windows) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """{canonical name: mean x² [K]}, {name: rows} from transformers' modules, window by window."""
-    sums, rows = {}, {}
+class _Statistics:
+    """Mean x² per input channel of every matrix, gathered by forward pre-hooks on transformers' modules:
+    each nn.Linear and router on its input, a fused experts module per routed (token, expert)."""
 
-    def add(name, x):
+    def __init__(self):
+        self.sums, self.rows, self.hooks = {}, {}, []
+        self.only = ""  # while set, inputs of other matrices are not counted
+
+    def add(self, name, x):
+        if not name.startswith(self.only):
+            return
         x = x.reshape(-1, x.shape[-1]).double()
-        sums[name] = sums.get(name, 0) + (x * x).sum(0)
-        rows[name] = rows.get(name, 0) + x.shape[0]
+        self.sums[name] = self.sums.get(name, 0) + (x * x).sum(0)
+        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
-    def canonical(module_name: str) -> str:
-        return LM + module_name[len("model."):] if module_name.startswith("model.") else module_name
+    def watch(self, named_modules, canonical):
+        """Hook each (module name, module); canonical(module name) is the checkpoint's name without '.weight'."""
+        for mname, mod in named_modules:
+            kind = type(mod).__name__
+            if isinstance(mod, torch.nn.Linear) or kind.endswith("TopKRouter"):
+                self.hooks.append(mod.register_forward_pre_hook(
+                    lambda m, args, n=canonical(mname) + ".weight": self.add(n, args[0])))
+            elif kind.endswith("MoeExperts"):
+                def experts(m, args, n=canonical(mname)):
+                    h, idx = args[0], args[1]                                    # h: [T, H], idx: [T, k]
+                    I = m.down_proj.shape[-1]
+                    for t in range(h.shape[0]):
+                        for e in idx[t].tolist():
+                            self.add(n + ".gate_up_proj", h[t:t + 1])
+                            gu = h[t:t + 1] @ m.gate_up_proj[e].T
+                            self.add(n + ".down_proj", torch.nn.functional.silu(gu[:, :I]) * gu[:, I:])
+                self.hooks.append(mod.register_forward_pre_hook(experts))
 
-    hooks = []
-    for mname, mod in model.named_modules():
-        kind = type(mod).__name__
-        if isinstance(mod, torch.nn.Linear) or kind.endswith("TopKRouter"):
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, args, n=canonical(mname) + ".weight": add(n, args[0])))
-        elif kind.endswith("MoeExperts"):
-            def experts(m, args, n=canonical(mname)):
-                h, idx = args[0], args[1]                                        # h: [T, H], idx: [T, k]
-                I = m.down_proj.shape[-1]
-                for t in range(h.shape[0]):
-                    for e in idx[t].tolist():
-                        add(n + ".gate_up_proj", h[t:t + 1])
-                        gu = h[t:t + 1] @ m.gate_up_proj[e].T
-                        add(n + ".down_proj", torch.nn.functional.silu(gu[:, :I]) * gu[:, I:])
-            hooks.append(mod.register_forward_pre_hook(experts))
+    def result(self):
+        for h in self.hooks:
+            h.remove()
+        return {n: (s / self.rows[n]).float() for n, s in self.sums.items()}, self.rows
+
+
+def _hf_statistics(model, windows, mtp_tensors=None) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """{canonical name: mean x² [K]}, {name: rows} from transformers' modules, window by window; with
+    mtp_tensors, also the MTP head's (test_reference_model.HFMtp: transformers' parts wired as the head) over
+    each window's pairs (h_p after the final norm, x_{p+1}) at positions p."""
+    stats = _Statistics()
+    stats.watch(model.named_modules(),
+                lambda n: LM + n[len("model."):] if n.startswith("model.") else n)
+    mtp = None
+    if mtp_tensors is not None:
+        from test_reference_model import HFMtp
+
+        mtp = HFMtp(model, mtp_tensors)
+        stats.watch(mtp.layer.named_modules(), lambda n: "mtp.layers.0." + n)
+        stats.watch([("fc", mtp.fc)], lambda n: "mtp." + n)
     try:
         with torch.no_grad():
             for w in windows:
-                model(torch.tensor([w]))
+                out = model(torch.tensor([w]), output_hidden_states=True)
+                if mtp is not None:
+                    h = out.hidden_states[-1][0]                                 # [T, H], after the final norm
+                    stats.only = "mtp."  # the head's logits reuse lm_head: calibrate counts the model's only
+                    mtp(h[:-1], torch.tensor(w[1:]), torch.arange(len(w) - 1))
+                    stats.only = ""
     finally:
-        for h in hooks:
-            h.remove()
-    return {n: (s / rows[n]).float() for n, s in sums.items()}, rows
+        result = stats.result()
+    return result
 
 
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
@@ -64,37 +94,22 @@ def test_importance_is_transformers_activations(models, tmp_path, one_thread, mo
     import checkpoints
 
     model = models["causal_moe" if moe else "causal_dense"]
-    src, _ = checkpoints.write_checkpoint(tmp_path, model, prefix="causal", dtype=torch.float32)
+    src, tensors = checkpoints.write_checkpoint(tmp_path, model, prefix="causal", dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     V = model.config.vocab_size
     windows = [torch.randint(0, V, (n,), generator=g).tolist() for n in (23, 9)]
     with Checkpoint.open(src) as ckpt:
         got = cal.calibrate(ckpt, windows)
-        want, rows = _hf_statistics(model, windows)
-        assert set(want) <= set(got.importance)
-        for name, w in want.items():
-            torch.testing.assert_close(got.importance[name], w, rtol=1e-4, atol=1e-7, msg=name)
-            assert got.rows[name] == rows[name], name
-        # the rest is the MTP head: its fc input is [norm_e(embed(x_{p+1})), norm_h(h_p)] of the whole model
-        extra = set(got.importance) - set(want)
         mtp_matrices = {n for n, s in ckpt.shapes().items() if n.startswith("mtp.") and len(s) >= 2}
-        assert extra == mtp_matrices
-        from ninfer_rt.reference import ops
-        from ninfer_rt.reference.model import ReferenceModel
-        from ninfer_rt.reference.weights import checkpoint_weights
-
-        ref = ReferenceModel(ckpt.spec, checkpoint_weights(ckpt))
-        ref.mtp_logits(torch.zeros(1, ckpt.spec.hidden_size), torch.tensor([0]), torch.tensor([0]))  # builds it
-        m, eps, fc = ref._mtp, ckpt.spec.rms_norm_eps, []
-        for w in windows:
-            ids = torch.tensor(w)
-            _, h = ref.forward_with_hidden(ids)
-            fc.append(torch.cat([ops.rms_norm_zc(ref.embed[ids[1:]], m.norm_embedding, eps),
-                                 ops.rms_norm_zc(h[:-1], m.norm_hidden, eps)], -1))
-        fc = torch.cat(fc).double()
-        torch.testing.assert_close(got.importance["mtp.fc.weight"], (fc * fc).mean(0).float(), rtol=1e-4, atol=1e-7)
-        assert got.rows["mtp.fc.weight"] == sum(len(w) - 1 for w in windows)
-        assert got.windows == 2 and got.tokens == 32
+    want, rows = _hf_statistics(model, windows, {k: v for k, v in tensors.items() if k.startswith("mtp.")})
+    # every matrix of the text path and of the MTP head, and nothing else (the router's x² is the layer's)
+    assert {n for n in want if n.startswith("mtp.")} <= mtp_matrices
+    assert set(got.importance) == set(want) | mtp_matrices
+    for name, w in want.items():
+        torch.testing.assert_close(got.importance[name], w, rtol=1e-4, atol=1e-7, msg=name)
+        assert got.rows[name] == rows[name], name
+    assert rows["mtp.fc.weight"] == sum(len(w) - 1 for w in windows)
+    assert got.windows == 2 and got.tokens == 32
 
 
 def test_one_layer_at_a_time(tiny_moe, monkeypatch, one_thread):

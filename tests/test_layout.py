@@ -256,7 +256,7 @@ def test_plan_exact_configs(config):
     else:
         mlp = by_name["model.language_model.layers.0.mlp.{gate_proj,up_proj}.weight"]
         assert mlp.shape == (2 * spec.intermediate_size, H)
-    json.dumps([p.to_dict() for p in plans])
+    assert [L.TensorPlan.from_dict(json.loads(json.dumps(p.to_dict()))) for p in plans] == plans  # header JSON
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ninfer_pack.numerics import (DIVERGENCE_THRESHOLD, PROMPTS, first_divergent, largest_jump, layer_diffs,
                                   measure, run_reference, tokenize_prompts)
 from ninfer_pack.pipeline import quantize
-from ninfer_rt.recipe import parse_recipe
+from ninfer_rt.recipe import load_recipe, parse_recipe
 from ninfer_pack.source import Checkpoint
 from ninfer_pack.tiny import materialize_builtin
 from ninfer_rt.errors import ConfigError, SourceError
@@ -76,21 +76,28 @@ def test_bf16_recipe_is_lossless(builtins, packer):
     assert rep.first_divergent_layer is None
 
 
-# Measured mean KLD (nats, 494 scored tokens; the tiny checkpoints are deterministic, so these only move when
-# the quantizer, formats or reference change): tiny/moe 0.00640, qwen3.6-35b-a3b/moe 0.00441,
-# qwen3.6-27b/dense 0.00523. Bounds: a factor 2 up catches a quantizer regression, a factor 3 down catches an
-# artifact whose quantized weights are not actually used (q8 everywhere gives 4e-5).
-SHIPPED = [("tiny", "moe", 0.00640), ("qwen3.6-35b-a3b", "moe", 0.00441), ("qwen3.6-27b", "dense", 0.00523)]
+def quantized_formats(recipe: str) -> list[str]:
+    """The recipe's q{b}g{G} formats, finest first (more bits, then smaller groups)."""
+    fmts = {r.format for r in load_recipe(recipe).rules if r.format.startswith("q")}
+    return sorted(fmts, key=lambda f: (-int(f[1]), int(f.split("g")[1])))
 
 
-@pytest.mark.parametrize("recipe, kind, measured", SHIPPED)
-def test_shipped_recipe_kld(builtins, packer, recipe, kind, measured):
+@pytest.mark.parametrize("recipe, kind", [("tiny", "moe"), ("qwen3.6-35b-a3b", "moe"), ("qwen3.6-27b", "dense")])
+def test_shipped_recipe_kld(builtins, packer, recipe, kind):
+    """A mix lies between its finest and its coarsest format applied everywhere: above the first (the mix's
+    quantized weights are used), below the second (the mix spends its bits where they count). The gaps are
+    several standard errors wide (measured: 35B mix 0.0044 between 0.0008 and 0.0172, 27B 0.0052 between
+    0.00004 and 0.0100)."""
     rep = measure(packer(builtins[kind], recipe), str(builtins[kind]))
-    print(f"{recipe} on tiny-{kind}: mean KLD {rep.kld_mean:.5f} ± {rep.kld_mean_stderr:.5f}, "
-          f"99% {rep.kld_p99:.4f}, same top {rep.same_top:.3f}, PPL ratio {rep.ppl_ratio:.4f}")
-    assert measured / 3 < rep.kld_mean < 2 * measured
+    finest, *_, coarsest = quantized_formats(recipe)
+    lo, hi = (measure(packer(builtins[kind], uniform_recipe(f)), str(builtins[kind])) for f in (finest, coarsest))
+    print(f"{recipe} on tiny-{kind}: mean KLD {rep.kld_mean:.5f} ± {rep.kld_mean_stderr:.5f} (all {finest} "
+          f"{lo.kld_mean:.5f}, all {coarsest} {hi.kld_mean:.5f}), 99% {rep.kld_p99:.4f}, same top {rep.same_top:.3f}, "
+          f"PPL ratio {rep.ppl_ratio:.4f}")
+    sigma = 3 * max(rep.kld_mean_stderr, lo.kld_mean_stderr, hi.kld_mean_stderr)
+    assert lo.kld_mean + sigma < rep.kld_mean < hi.kld_mean - sigma
+    assert lo.same_top >= rep.same_top >= hi.same_top
     assert rep.kld_median <= rep.kld_p99 <= rep.kld_p999 <= rep.kld_max
-    assert rep.same_top < 1 and abs(math.log(rep.ppl_ratio)) < 0.05
     # every shipped recipe quantizes the embedding (q8 or q6), beyond bf16 rounding
     assert rep.first_divergent_layer == -1 and rep.layers[0].rel_rms > DIVERGENCE_THRESHOLD
 
@@ -103,7 +110,7 @@ def test_more_bits_give_lower_kld(builtins, packer):
     kld = {f: r.kld_mean for f, r in reps.items()}
     print("mean KLD by format:", {f: f"{v:.3g}" for f, v in kld.items()})
     assert kld["q8g32"] < kld["q6g64"] < kld["q4g32"]
-    assert kld["q4g32"] > 64 * kld["q8g32"]
+    assert kld["q4g32"] > 64 * kld["q8g32"]  # the quadratic law's 256x, with 4x for a tiny model's nonlinearity
     assert reps["q8g32"].same_top > reps["q4g32"].same_top
     assert reps["q8g32"].layers[-1].rel_rms < reps["q6g64"].layers[-1].rel_rms < reps["q4g32"].layers[-1].rel_rms
 

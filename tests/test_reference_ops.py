@@ -81,14 +81,13 @@ def test_l2norm_is_hf_and_unit_length():
 # ---------------------------------------------------------------------------------------------- rotary
 
 
-def test_act_codes16_against_a_numpy_frexp_oracle():
+def test_act_codes16_against_a_numpy_frexp_oracle(rng):
     """ops.act_codes16 (the decode GEMV's int16 x̂): per 32-element chunk d = 2^(p - 14) where amax = m · 2^p,
     m in [0.5, 1) (numpy frexp: the same power as 2^(E - 140) from the fp32 exponent field), q = rint(x / d)
     exactly, |q| <= 2^14, every |x - q d| <= d / 2 <= 2^-14 amax; chunks under 2^-113 give 0 and 0; an inf
     or NaN gives d = NaN. Chunk magnitudes span 1e-30 .. 1e30 (fresh random each run)."""
     import numpy as np
 
-    rng = np.random.default_rng()
     x = rng.standard_normal((5, 40, 32)).astype(np.float32)
     x *= (10.0 ** rng.uniform(-30, 30, (5, 40, 1))).astype(np.float32)
     x[0, 0] = 0

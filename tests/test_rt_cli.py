@@ -38,10 +38,21 @@ def files(tiny_moe):
     return {p.name: p.read_bytes() for p in tiny_moe.iterdir() if p.suffix in (".json", ".jinja")}
 
 
+def api_text(packed, max_new_tokens, seed, **request) -> str:
+    """What the library generates for the request, with the checkpoint's sampling defaults and this seed: the
+    text `run` must print (then a newline)."""
+    from ninfer_rt import load
+    from ninfer_rt.sampling import requested_sampling
+
+    with load(packed) as m:
+        params = requested_sampling(m.generation_config, seed=seed)
+        return "".join(m.generate(max_new_tokens=max_new_tokens, sampling=params, **request))
+
+
 def test_run_plain(packed, files, capsys):
     code, out, err = run(["run", packed, "--prompt", PROMPT, "--max-new-tokens", 12, "--seed", 1], capsys)
     assert code == 0, err
-    assert out.strip()
+    assert out == api_text(packed, 12, 1, prompt=PROMPT) + "\n"
     assert prompt_tokens(err) == len(Tokenizer.from_resources(files).encode(PROMPT))
     assert re.search(r"generated \d+ tokens, decode [\d.]+ tok/s", err) and "prefill" in err and "load" in err
 
@@ -51,7 +62,9 @@ def test_run_chat(packed, files, capsys, no_think):
     args = ["run", packed, "--prompt", PROMPT, "--chat", "--max-new-tokens", 8, "--seed", 2]
     code, out, err = run(args + (["--no-think"] if no_think else []), capsys)
     assert code == 0, err
-    assert out.strip() and "tok/s" in err
+    assert "tok/s" in err
+    assert out == api_text(packed, 8, 2, messages=[{"role": "user", "content": PROMPT}],
+                           enable_thinking=False if no_think else None) + "\n"
     text = ChatTemplate.from_resources(files).render([{"role": "user", "content": PROMPT}],
                                                      add_generation_prompt=True,
                                                      enable_thinking=False if no_think else None)
@@ -78,9 +91,12 @@ def test_greedy_and_seeded_runs_repeat(packed, capsys):
 def test_info(packed, capsys):
     code, out, err = run(["info", packed], capsys)
     assert code == 0, err
-    for want in ("qwen3_5_moe", "8 (6 Gated DeltaNet, 2 attention)", "64", "8 routed, top-2", "500 (497 in the "
-                 "tokenizer)", "4,096", "tiny", "MiB"):
-        assert want in out, (want, out)
+    rows = {m[1]: m[2] for m in re.finditer(r"^\W*(\w[\w ]*?)\s+\W\s(.+?)\s+\W$", out, re.M)}
+    want = {"family": "qwen3_5_moe", "layers": "8 (6 Gated DeltaNet, 2 attention)", "hidden": "64",
+            "experts": "8 routed, top-2, + 1 shared (dim 32)", "vocab": "500 (497 in the tokenizer)",
+            "context": "4,096", "recipe": "tiny"}
+    assert {k: rows.get(k) for k in want} == want, out
+    assert rows["size"].endswith("MiB of weights)"), out
 
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")

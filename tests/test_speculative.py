@@ -383,12 +383,15 @@ def test_stop_token_inside_an_accepted_run(packed_model, spec_model):
 
 
 def test_seeded_sampling_repeats(spec_model):
-    """Sampling with drafts draws from one seeded stream: the same seed gives the same ids."""
+    """Sampling with drafts draws from one seeded stream: the same seed gives the same ids, another seed others
+    (16 draws from ~20 candidates each at temperature 0.9: two seeds agree on all with negligible odds)."""
     params = SamplingParams(temperature=0.9, top_k=20, seed=1234)
     a = list(spec_model.generate_ids(PROMPT, max_new_tokens=16, sampling=params))
     b = list(spec_model.generate_ids(PROMPT, max_new_tokens=16, sampling=params))
     s = spec_model.last_stats
     assert a == b and len(a) + (s.finish_reason == "eos") == s.generated_tokens
+    other = SamplingParams(temperature=0.9, top_k=20, seed=4321)
+    assert list(spec_model.generate_ids(PROMPT, max_new_tokens=16, sampling=other)) != a
 
 
 class HostDist:

@@ -113,14 +113,6 @@ def dev(gpu):
     d.free_all()
 
 
-@pytest.fixture
-def rng():
-    """Fresh inputs every run; the seed is printed so a failure can be replayed."""
-    seed = int(np.random.SeedSequence().entropy % (2**32))
-    print(f"rng seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def bf16_round(x: np.ndarray) -> np.ndarray:
     """x rounded to bf16 and back (the values a bf16 store keeps)."""
     from ninfer_rt.formats import bf16_bits_to_f32
