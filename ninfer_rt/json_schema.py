@@ -206,7 +206,7 @@ def _canonical(schema) -> str:
 
 class _Compiler:
     def __init__(self, root: dict):
-        self.root, self.refs = root, {}
+        self.root, self.refs, self.pending = root, {}, set()  # pending: ids of $ref nodes being filled
 
     def node(self, s, where: str) -> Node:
         if s is True or s == {}:
@@ -288,6 +288,10 @@ class _Compiler:
         if not isinstance(s.get("uniqueItems", False), bool):
             raise SchemaError(f"json_schema: {where}: uniqueItems must be true or false")
         n.unique_items = s.get("uniqueItems", False)
+        distinct = _value_count(n.items) if n.unique_items and isinstance(n.items, Node) else None
+        if distinct is not None and n.min_items - len(n.prefix_items) > distinct:
+            raise SchemaError(f"json_schema: {where}: uniqueItems with minItems {n.min_items}, but items allows only "
+                              f"{distinct} distinct value{'s' * (distinct != 1)} past prefixItems")
         n.min_length, n.max_length = s.get("minLength", 0), s.get("maxLength")
         if n.max_length is not None and n.max_length < n.min_length:
             raise SchemaError(f"json_schema: {where}: maxLength is below minLength")
@@ -468,8 +472,23 @@ class _Compiler:
             return self.refs[ref]
         target, at = self.target(ref, where)
         self.refs[ref] = n = Node()  # filled below; a recursive $ref meets this same object
-        n.__dict__.update(self.node(target, at).__dict__)
+        self.pending.add(id(n))
+        got = self.node(target, at)
+        if id(got) in self.pending:  # $ref to $ref back to an unfinished one: no schema is ever reached
+            raise SchemaError(f"json_schema: {where}: $ref {ref!r} runs in a cycle of $refs that reaches no schema")
+        self.pending.discard(id(n))
+        n.__dict__.update(got.__dict__)
         return n
+
+
+def _value_count(n: Node) -> int | None:
+    """How many JSON values a compiled schema admits at most where that is finite (an enum, booleans, null), else
+    None: what bounds an array of unique items."""
+    if n.enum is not None:
+        return len(n.enum)
+    if n.types is not None and n.any_of is None and n.types <= {"boolean", "null"}:
+        return 2 * ("boolean" in n.types) + ("null" in n.types)
+    return None
 
 
 def _bounds(s: dict, types, where: str) -> Bounds | None:

@@ -106,7 +106,8 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (a shell's argv, a bad file)
             raise NinferError(f"text is not valid UTF-8 (character {e.start}: {text[e.start]!r})") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it runs (encode holds it): a long prompt does not stall the server
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ids; incomplete UTF-8 decodes to U+FFFD. Every id must be an integer in [0, vocab_size)."""

@@ -76,7 +76,7 @@ def test_content_length_must_be_one_number(srv, length):
 
 @pytest.mark.parametrize("raw, status", [
     (b"GARBAGE\r\n\r\n", 400),
-    (b"PUT /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
+    (b"FOO /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),  # a method HTTP does not define
     (b"GET /health HTTP/2.0\r\n\r\n", 505),
     (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
     (b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431),
@@ -219,3 +219,66 @@ def test_lenient_where_clients_differ(srv):
     assert status == 200
     assert srv.json("/v1/models/tiny%20x", method="GET")[0] == 404
     assert srv.json("/v1/models/%74iny", method="GET") == (200, srv.json("/v1/models/tiny", method="GET")[1])
+
+
+DEEP = "[" * 100_000  # nesting past json's recursion limit
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/v1/chat/completions", {"messages": USER, "temperature": 10 ** 400}, "'temperature' must be a number in"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 2, "top_p": -10 ** 400}, "'top_p' must be a number in"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": []}], "max_tokens": 2},
+     "messages[0].content must not be empty"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": []}]}, "must not be empty"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role must be one of"),
+    ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": DEEP}}]}]}, "arguments is not valid JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+     "'messages[0].tool_call_id' must be a string"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": {"a": 1}, "content": "x"}]}]},
+     "'messages[0].content[0].tool_use_id' must be a string"),
+    ("/v1/messages", {"max_tokens": 2, "messages": USER + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": 7, "name": "f", "input": {}}]}]}, "'messages[1].content[0].id' must be a string"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": 3, "text": "x"}]}]},
+     "messages[0].content[0].type must be a string"),
+])
+def test_fields_that_once_raised_are_a_400_naming_them(srv, path, body, fragment):
+    """Each of these was a 500 (an exception past the checks: OverflowError, KeyError, IndexError, TypeError,
+    RecursionError) or passed unchecked; now a 400 in the path's shape whose message names the field."""
+    status, reply = srv.json(path, body)
+    message = reply["error"]["message"]
+    assert status == 400 and fragment in message and "\n" not in message, reply
+    assert (reply.get("type") == "error") == path.startswith("/v1/messages")
+
+
+def test_a_block_without_a_type_is_text(srv):
+    """As in OpenAI's parts here, a content block with no type reads as a text block (it raised a KeyError)."""
+    blocks = [{"role": "user", "content": [{"text": "Hi"}]}]
+    status, reply = srv.json("/v1/messages", {"messages": blocks, "max_tokens": 2})
+    assert status == 200 and reply["type"] == "message"
+    assert srv.json("/v1/messages/count_tokens", {"messages": blocks})[1] == \
+        srv.json("/v1/messages/count_tokens", {"messages": USER})[1]
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("HEAD", "/health", 200, None), ("HEAD", "/v1/models", 200, None),
+    ("DELETE", "/v1/messages", 405, "POST, OPTIONS"), ("PUT", "/v1/chat/completions", 405, "POST, OPTIONS"),
+    ("PATCH", "/health", 405, "GET, HEAD, OPTIONS"), ("HEAD", "/v1/messages", 405, "POST, OPTIONS"),
+])
+def test_other_methods(srv, method, path, status, allow):
+    """HEAD is GET without the body; a method the path does not take is a 405 with Allow, in the path's error
+    shape (http.server answered these 501 in OpenAI's shape, with a body on HEAD)."""
+    c = http.client.HTTPConnection(*srv.server.address, timeout=TIMEOUT_S)
+    try:
+        c.request(method, path, headers={"Host": "127.0.0.1"})
+        r = c.getresponse()
+        body = r.read()
+        assert r.status == status and r.getheader("Allow") == allow
+        if method == "HEAD":
+            assert body == b"" and int(r.getheader("Content-Length")) > 0
+        else:
+            reply = json.loads(body)
+            assert (reply.get("type") == "error") == path.startswith("/v1/messages") and "takes" in body.decode()
+    finally:
+        c.close()

@@ -94,6 +94,36 @@ def test_encode_decode_agree_with_transformers(tok, hf_fast, hf_auto):
     assert len(ids) < len(MIXED_TEXT.encode("utf-8"))  # merges did apply
 
 
+def test_a_long_encode_lets_other_threads_run(tok):
+    """The server tokenizes a request on its connection's thread: a long prompt must not hold the GIL meanwhile
+    (tokenizers' encode does, encode_batch does not). A thread that ticks every 5 ms must keep ticking: holding
+    the GIL it gets at most the few ticks around the call, free it gets one per 5 ms of the encode."""
+    import threading
+    import time
+
+    text = "a " * (1 << 19)
+    ticks, done = [], threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    time.sleep(0.02)
+    try:
+        start = time.perf_counter()
+        ids = tok.encode(text)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        t.join()
+    assert ids == tok._tok.encode(text, add_special_tokens=False).ids
+    during = sum(start < x < end for x in ticks)
+    assert during >= min(10, (end - start) / 0.005 / 4), (during, end - start)
+
+
 def test_special_tokens(tok, hf_fast):
     text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n<think>\nok\n</think>\n\ndone<|endoftext|>"
     ids = tok.encode(text)

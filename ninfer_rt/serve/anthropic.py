@@ -46,7 +46,8 @@ def _user(blocks: list[dict], where: str) -> list[dict]:
             _text_blocks(result, f"{where}[{i}].content", ("text",)))
         if b.get("is_error"):
             body = f"Error: {body}"
-        out.append({"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")})
+        out.append({"role": "tool", "content": body,
+                    "tool_call_id": get(b, "tool_use_id", (str,), "a string", where=f"{where}[{i}]")})
     if texts:
         out.append({"role": "user", "content": texts})
     return out
@@ -66,7 +67,7 @@ def _assistant(blocks: list[dict], where: str) -> dict:
             continue
         if not isinstance(b.get("name"), str) or not b["name"] or not isinstance(b.get("input", {}), dict):
             raise bad(f"{where}[{i}]: a tool_use block needs a name and an input object", where)
-        calls.append({"id": b.get("id"), "type": "function",
+        calls.append({"id": get(b, "id", (str,), "a string", where=f"{where}[{i}]"), "type": "function",
                       "function": {"name": b["name"], "arguments": b.get("input", {})}})
     if calls:
         msg["tool_calls"] = calls
@@ -87,6 +88,8 @@ def chat_messages(body: dict) -> list[dict]:
         where = f"messages[{i}].content"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise bad(f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages")
+        if m.get("content") == []:  # a turn says something (Anthropic refuses empty content too)
+            raise bad(f"{where} must not be empty", where)
         if m["role"] == "user":
             out.extend(_user(_text_blocks(m.get("content"), where, ("text", "tool_result")), where))
         else:

@@ -42,13 +42,14 @@ def _kind(v: Any) -> str:
         type(v), "number" if isinstance(v, (int, float)) else type(v).__name__)
 
 
-def get(body: dict, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
-    """body[key] when present and not null, checked against kinds (bool is never a number), else default."""
+def get(body: dict, key: str, kinds: tuple[type, ...], what: str, default: Any = None, where: str = "") -> Any:
+    """body[key] when present and not null, checked against kinds (bool is never a number), else default; where
+    names the object that holds the field (e.g. messages[2]) in the error."""
     v = body.get(key)
     if v is None:
         return default
     if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
-        raise bad(f"'{key}' must be {what}, got {_kind(v)}", key)
+        raise bad(f"'{where + '.' if where else ''}{key}' must be {what}, got {_kind(v)}", key)
     return v
 
 
@@ -67,7 +68,11 @@ def get_float(body: dict, key: str, lo: float, hi: float, default: float | None 
     v = get(body, key, (int, float), "a number", default)
     if v is None:
         return None
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer past fp64's range: out of every range asked for here
+        raise bad(f"'{key}' must be a number in {'(' if open_lo else '['}{lo:g}, {hi:g}], got an integer of "
+                  f"{len(str(abs(v)))} digits", key) from None
     if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and v <= hi):
         raise bad(f"'{key}' must be a number in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {v:g}", key)
     return v
@@ -96,7 +101,9 @@ def check_parts(parts: list, where: str, allowed: tuple[str, ...]) -> list[dict]
     for i, part in enumerate(parts):
         if not isinstance(part, dict):
             raise bad(f"{where}[{i}] must be an object", where)
-        kind = part.get("type", "text")
+        if not isinstance(part.get("type", "text"), str):
+            raise bad(f"{where}[{i}].type must be a string", where)
+        kind = parts[i]["type"] = part.get("type", "text")  # a part without a type is text, as before
         if kind in ("image", "image_url", "input_image", "video", "video_url", "input_audio", "document"):
             raise bad(f"{where}[{i}]: '{kind}' content is not supported (this server runs the text model)", where)
         if kind not in allowed:

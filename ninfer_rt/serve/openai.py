@@ -100,7 +100,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nesting past the parser's depth
                 raise bad(f"{where}[{i}].function.arguments is not valid JSON", where) from None
         if not isinstance(args, dict):
             raise bad(f"{where}[{i}].function.arguments must be a JSON object", where)
@@ -117,18 +117,18 @@ def chat_messages(messages) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object", "messages")
-        role = _ROLES.get(m.get("role"))
+        role = _ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
         if role is None:
             raise bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}", "messages")
         msg = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
         if role == "assistant":
             for key in ("reasoning_content", "reasoning"):
                 if m.get(key) is not None:
-                    msg["reasoning_content"] = get(m, key, (str,), "a string")
+                    msg["reasoning_content"] = get(m, key, (str,), "a string", where=where)
             if m.get("tool_calls"):
                 msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = get(m, "tool_call_id", (str,), "a string")
+            msg["tool_call_id"] = get(m, "tool_call_id", (str,), "a string", where=where)
         out.append(msg)
     return out
 

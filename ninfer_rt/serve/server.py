@@ -95,6 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = IO_TIMEOUT_S
     app: Server
+    _head, _allow = False, None  # this request is a HEAD; the Allow header of a 405 (set per request)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -104,6 +105,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self) -> None:
         self._dispatch("OPTIONS")
+
+    def do_HEAD(self) -> None:  # a GET route's status and headers, no body (monitors probe /health so)
+        self._dispatch("HEAD")
+
+    def do_PUT(self) -> None:  # known methods no route takes: 405 with Allow, in the route's error shape
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_TRACE(self) -> None:
+        self._dispatch("TRACE")
 
     def version_string(self) -> str:
         return self.server_version  # not the Python version
@@ -129,6 +145,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         t0, self._note, self._streaming = time.perf_counter(), "", False
+        self._head, self._allow = method == "HEAD", None
         path = urlsplit(self.path).path.rstrip("/") or "/"
         front = anthropic if path.startswith("/v1/messages") else openai
         status = 200
@@ -169,7 +186,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._check_host_and_origin()
         if method == "OPTIONS":
             return self._preflight()
+        if method == "HEAD" and want == "GET":
+            method = "GET"
         if method != want:
+            self._allow = f"{want}, OPTIONS" if want == "POST" else f"{want}, HEAD, OPTIONS"
             raise RequestError(405, f"{path} takes {want}, not {method}")
         if action != "health":
             self._authenticate()
@@ -355,10 +375,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._cors()
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        if self._allow:
+            self.send_header("Allow", self._allow)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if not self._head:
+            self.wfile.write(data)
         return status
 
     def _start_stream(self) -> None:
