@@ -124,8 +124,13 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
     with how it was measured in the metadata; atomically: a temporary file renamed over `path`."""
     from safetensors.torch import save_file
 
-    path = Path(path)
     check_output_path(path, example="importance.safetensors")
+    path = Path(path)
+    for name, t in sorted(cal.importance.items()):  # quantize refuses such a file: write none
+        bad = (~torch.isfinite(t)).nonzero()
+        if len(bad):
+            raise NinferError(f"the importance of {name} is {t[bad[0, 0]].item()} at channel {bad[0, 0].item()}: the "
+                              "checkpoint's weights or activations are not finite there; nothing written")
     meta = {"ninfer.calibration": json.dumps({"source": source, "windows": cal.windows, "tokens": cal.tokens,
                                               "statistic": "mean of x_k^2 over the rows that meet the weight"})}
     remove_stale_temps(path)

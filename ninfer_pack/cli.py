@@ -46,7 +46,7 @@ def quantize(
     source: str = typer.Argument(..., help="Checkpoint: a local directory, a Hub repo id (owner/name), "
                                            "or builtin:tiny-moe / builtin:tiny-dense."),
     recipe: str = typer.Option(..., "--recipe", help="Recipe name (recipes/NAME.toml) or path to a .toml."),
-    out_path: Path = typer.Option(..., "--out", help="Output artifact, e.g. model.ninfer (written atomically)."),
+    out_path: str = typer.Option(..., "--out", help="Output artifact, e.g. model.ninfer (written atomically)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
     importance: Optional[Path] = typer.Option(None, "--importance",
                                               help="safetensors of per-input-channel importance [K] per tensor."),
@@ -138,6 +138,9 @@ def inspect(
     out.print(_size_table(title, rows, params, total))
 
 
+VERIFY_SHOWN = 10  # problems verify prints; --json holds them all
+
+
 @app.command()
 def verify(
     path: str = typer.Argument(..., help="The artifact to check."),
@@ -162,7 +165,15 @@ def verify(
         raise NinferError("--numerics needs --source: the checkpoint the artifact was made from")
     if text and not numerics:
         raise NinferError("--text is what --numerics scores: add --numerics")
+    if not text and (window, max_tokens) != (512, 4096):
+        raise NinferError("--window and --max-tokens shape --text's windows: add --text")
     windows = None
+    if source is not None:  # a mistyped --source ends here, not after the artifact's whole checksum pass
+        from ninfer_pack.source import Checkpoint
+
+        Checkpoint.open(source, revision=revision)
+    elif revision is not None:
+        raise NinferError("--revision is --source's Hub revision: add --source")
     with Artifact.open(path) as art:  # structural problems end here with one line
         payload = art.payload_bytes  # what the checksums hash
         if numerics:
@@ -204,8 +215,10 @@ def verify(
             out.print(t)
         for name in rep.bad_checksums:
             err.print(f"[red]checksum mismatch:[/] {name}")
-        for p in rep.problems:
-            err.print(f"[red]problem:[/] {p}")
+        for p in rep.problems[:VERIFY_SHOWN]:  # a wrong --source differs everywhere: the first few say enough
+            err.print(f"[red]problem:[/] {p}", soft_wrap=True)
+        if len(rep.problems) > VERIFY_SHOWN:
+            err.print(f"[red]problem:[/] ... and {len(rep.problems) - VERIFY_SHOWN} more (--json lists every one)")
         if num is not None:
             from ninfer_pack.numerics import report_tables
 
@@ -225,7 +238,7 @@ def calibrate(
                                            "or builtin:tiny-moe / builtin:tiny-dense."),
     text: list[Path] = typer.Option(..., "--text", help="UTF-8 calibration text (repeatable; read in order, encoded "
                                                          "with the checkpoint's tokenizer)."),
-    out_path: Path = typer.Option(..., "--out", help="Importance file to write (safetensors, atomically): pass it "
+    out_path: str = typer.Option(..., "--out", help="Importance file to write (safetensors, atomically): pass it "
                                                      "to quantize --importance."),
     window: int = typer.Option(512, "--window", help="Tokens a window; each starts from an empty cache."),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="Most tokens of text to use, in all."),

@@ -207,8 +207,8 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
 
     overwrite=False refuses an existing `out` (the CLI's default); the write itself is atomic either way.
     """
+    check_output_path(out, overwrite)  # as given: a trailing / is lost in a Path
     out = Path(out)
-    check_output_path(out, overwrite)
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     imp = load_importance(importance)
     ckpt = ckpt or Checkpoint.open(source, revision=revision)

@@ -12,6 +12,7 @@ e4m3 weights with block `weight_scale_inv` (bf16 or fp32), dequantized to float3
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -217,7 +218,8 @@ class Checkpoint:
             raise SourceError(f"not a directory: {source}")
         if not _REPO_ID.match(source):
             raise SourceError(f"no such directory: {source}")
-        folder, commit = _download(source, revision, progress)
+        with _maybe_a_path(source):
+            folder, commit = _download(source, revision, progress)
         return cls(folder, source, {"source": source, "revision": commit})
 
     def _scan(self, path: Path, label: str) -> dict[str, _Stored]:
@@ -471,6 +473,18 @@ def _hub(repo: str, revision: str | None, progress: bool, call):
             enable_progress_bars()
 
 
+@contextlib.contextmanager
+def _maybe_a_path(source: str):
+    """A repo-id-shaped source whose first part is a local folder (ck/typo beside ck/) was most likely a mistyped
+    path: a Hub failure then says that first."""
+    try:
+        yield
+    except SourceError as e:
+        if Path(source).expanduser().parent.is_dir():
+            raise SourceError(f"no such directory: {source} (as a Hub repo id: {e})") from None
+        raise
+
+
 def _download(repo: str, revision: str | None, progress: bool) -> tuple[Path, str | None]:
     """snapshot_download the files ninfer needs; returns the folder and the resolved commit."""
     import huggingface_hub
@@ -492,10 +506,14 @@ def fetch_config(source: str, revision: str | None = None) -> dict:
         path = local / "config.json"
         if not path.is_file():
             raise SourceError(f"{source} has no config.json")
+    elif local.suffix == ".json" and not local.exists():
+        raise SourceError(f"no such file: {source}")
     elif _REPO_ID.match(source) and not local.exists():
         # snapshot_download, as quantize does: one attempt (hf_hub_download retries an unreachable Hub for ~25 s)
-        path = Path(_hub(source, revision, False, lambda offline: huggingface_hub.snapshot_download(
-            source, revision=revision, allow_patterns=["config.json"], local_files_only=offline))) / "config.json"
+        with _maybe_a_path(source):
+            path = Path(_hub(source, revision, False, lambda offline: huggingface_hub.snapshot_download(
+                source, revision=revision, allow_patterns=["config.json"], local_files_only=offline)))
+        path = path / "config.json"
         if not path.is_file():
             raise SourceError(f"{source} has no config.json on the Hub")
     elif local.exists():

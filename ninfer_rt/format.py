@@ -155,10 +155,12 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return gone
 
 
-def check_output_path(path: Path, overwrite: bool = True, example: str = "model.ninfer") -> None:
+def check_output_path(path: str | os.PathLike, overwrite: bool = True, example: str = "model.ninfer") -> None:
     """Fail early, with one line, when `path` cannot become an artifact (or, for other outputs, a file like
     `example`) before hours of work are spent, or already exists and overwrite is False (the CLIs' default without
-    --overwrite)."""
+    --overwrite). Pass the path as the user wrote it: a trailing / (a folder meant) is gone once it is a Path."""
+    if isinstance(path, str) and path.endswith(("/", os.sep)):
+        raise FormatError(f"{path} ends in a folder separator; --out takes a file path such as {example}")
     path = Path(path)
     if path.is_dir():
         raise FormatError(f"{path} is a directory; --out takes a file path such as {example}")
@@ -170,6 +172,10 @@ def check_output_path(path: Path, overwrite: bool = True, example: str = "model.
         raise FormatError(f"output directory is not writable: {path.parent}")
     if path.exists() and not overwrite:
         raise FormatError(f"{path} exists; pass --overwrite to replace it")
+    longest = os.pathconf(path.parent, "PC_NAME_MAX")
+    if len(os.fsencode(temp_path(path).name)) > longest:  # the hidden temporary name beside it must fit too
+        raise FormatError(f"{path.name[:40]}...: a file name of {len(os.fsencode(path.name))} bytes leaves no room for "
+                          f"the temporary name written first (at most {longest} bytes in all); use a shorter name")
 
 
 class ArtifactWriter:
