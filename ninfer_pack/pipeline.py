@@ -87,7 +87,8 @@ def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
 
     p = Path(path)
     if not p.is_file():
-        raise SourceError(f"no such importance file: {p}")
+        raise SourceError(f"--importance {p} is a directory: give the .safetensors file calibrate wrote" if p.is_dir()
+                          else f"no such importance file: {p}")
     try:
         tensors = load_file(str(p))
     except (SafetensorError, OSError, ValueError) as e:

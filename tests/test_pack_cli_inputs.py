@@ -81,3 +81,11 @@ def test_verify_checks_its_source_first_and_lists_a_few_problems(packed, capsys)
 def test_verify_options_that_need_another(packed, capsys, args, why):
     code, _, e = run(["verify", packed, *args], capsys)
     assert code == 1 and error_line(e) == f"error: {why}"
+
+
+def test_importance_given_a_directory(tmp_path, capsys):
+    code, _, e = run(["quantize", "builtin:tiny-moe", "--recipe", "tiny", "--out", tmp_path / "m.ninfer",
+                      "--importance", tmp_path], capsys)
+    assert code == 1 and error_line(e) == (f"error: --importance {tmp_path} is a directory: give the .safetensors "
+                                           "file calibrate wrote")
+    assert list(tmp_path.iterdir()) == []
