@@ -287,7 +287,8 @@ def publish(
     repo: str = typer.Option(..., "--repo", help="Target Hub repo, OWNER/NAME (created if missing)."),
     private: bool = typer.Option(False, "--private", help="Create the repo as private."),
     dry_run: Optional[Path] = typer.Option(None, "--dry-run", help="Write the folder that would be uploaded "
-                                                                   "here instead of uploading."),
+                                                                   "here (a new or empty folder) instead of "
+                                                                   "uploading."),
     base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source model for the card "
                                                                         "(default: the Hub repo it was packed from)."),
     license_: str = typer.Option("apache-2.0", "--license", help="License in the card's front matter."),
@@ -300,7 +301,8 @@ def publish(
     from ninfer_pack.publish import publish as run_publish
     from ninfer_rt.format import Artifact
 
-    check_args(path, repo, base_model=base_model, license_=license_, numerics=numerics)  # before any bar
+    check_args(path, repo, base_model=base_model, license_=license_, numerics=numerics,
+               dry_run_dir=dry_run)  # every option, the --dry-run folder included, before any bar
     with Artifact.open(path) as art:
         size, payload = art.size, art.payload_bytes
     with _bytes_progress() as prog:

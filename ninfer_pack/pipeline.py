@@ -147,9 +147,9 @@ def match_importance(importance: dict[str, torch.Tensor], planned: list[PlannedT
 
 
 def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
-    """What the runtime would refuse among the text resources: a tokenizer.json, tokenizer_config.json or
-    generation_config.json it cannot read, a chat template that does not compile (each only where present)."""
-    problems = []
+    """What the runtime would refuse among the text resources: no tokenizer.json, or a tokenizer.json,
+    tokenizer_config.json or generation_config.json it cannot read, a chat template that does not compile."""
+    problems = [] if "tokenizer.json" in resources else ["tokenizer.json: missing (ninfer-rt needs it to run the model)"]
     if "tokenizer.json" in resources:
         try:
             Tokenizer.from_resources(resources)

@@ -172,60 +172,101 @@ def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None 
 
 
 def check_stage_folder(path: Path, folder: Path) -> None:
-    """Refuse a --dry-run folder that is a file, or where staging would replace the artifact itself."""
+    """Refuse a --dry-run folder that is not a folder, would replace the artifact itself, or already holds files
+    (staging would overwrite the user's README.md), before any progress bar or hashing."""
     if folder.exists() and not folder.is_dir():
-        raise PublishError(f"--dry-run {folder} is an existing file; it takes a folder to write the upload into")
+        what = "is an existing file" if folder.is_file() else "exists and is not a folder"
+        raise PublishError(f"--dry-run {folder} {what}; it takes a folder to write the upload into")
     if (folder / path.name).resolve() == path.resolve():  # resolve() follows a symlink to the artifact too
         raise PublishError(f"--dry-run {folder} would replace {path} itself; choose another folder")
     if (folder / "README.md").resolve() == path.resolve():
         raise PublishError(f"--dry-run {folder}: its README.md would overwrite {path}; choose another folder")
+    if folder.is_dir():
+        try:
+            full = any(folder.iterdir())
+        except OSError as e:
+            raise PublishError(f"--dry-run {folder}: cannot read it ({e.strerror or e})") from None
+        if full:
+            raise PublishError(f"--dry-run {folder}: {folder} exists and is not empty; give a new folder")
+    elif not folder.parent.is_dir():
+        raise PublishError(f"--dry-run {folder}: folder {folder.parent} does not exist")
 
 
 def check_args(path: str | Path, repo: str, *, base_model: str | None = None, license_: str = DEFAULT_LICENSE,
-               numerics: str | Path | None = None) -> None:
-    """Every check that reads no payload (the repo id, the license, the base model, the numerics report against
-    this artifact), so that bad options are refused before a 20 GB file is hashed."""
+               numerics: str | Path | None = None, dry_run_dir: str | Path | None = None) -> None:
+    """Every check that reads no payload (the repo id, the license, the --dry-run folder, the base model, the
+    tokenizer, the numerics report against this artifact), so that bad options are refused before a 20 GB file is
+    hashed."""
     _check_repo_id(repo, "--repo")
     check_license(license_)
+    if dry_run_dir is not None:
+        check_stage_folder(Path(path), Path(dry_run_dir))
     with Artifact.open(path) as art:
         base_model_of(art, base_model)
+        # ninfer-rt cannot run it: said before the file is hashed (verify says it after the checksums)
+        if "tokenizer.json" not in art.resources:
+            raise PublishError(f"{path} has no tokenizer.json: ninfer-rt needs it to run the model; not published")
         if numerics is not None:
             read_numerics(numerics, art)
 
 
+def _check_sound(path: Path, on_checked=None) -> None:
+    """What `ninfer-pack verify` (without --source) checks: every checksum, the tensor table against the model,
+    the text resources; PublishError with verify's reason, so an unsound file is never staged or uploaded."""
+    from ninfer_pack.verify import verify
+
+    rep = verify(str(path), on_bytes=on_checked)
+    if rep.bad_checksums:
+        bad = rep.bad_checksums
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise PublishError(f"{path} is corrupted (checksum mismatch in {bad[0]}{more}): not published; "
+                           "`ninfer-pack verify` names every damaged tensor")
+    if rep.problems:
+        raise PublishError(f"{path} is not sound: {rep.problems[0]}; not published "
+                           "(`ninfer-pack verify` lists every problem)")
+
+
+def _write_folder(path: Path, folder: Path, card: str) -> None:
+    """The artifact (hard link, else copy) and README.md, written into a hidden temporary folder and then renamed
+    into place, so a failure (a full disk, ^C) leaves no folder or file behind."""
+    fresh = not folder.exists()
+    # an existing empty folder (perhaps a mount point) is kept and takes the files; a new one is renamed in whole
+    tmp = temp_path(folder) if fresh else temp_path(folder / "upload")
+    try:
+        tmp.mkdir()
+        try:
+            os.link(path, tmp / path.name)
+        except OSError:
+            shutil.copyfile(path, tmp / path.name)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        if fresh:
+            os.rename(tmp, folder)  # refused if a non-empty folder appeared there meanwhile
+        else:
+            os.replace(tmp / path.name, folder / path.name)
+            try:
+                os.replace(tmp / "README.md", folder / "README.md")
+            except OSError:
+                (folder / path.name).unlink()
+                raise
+    except OSError as e:
+        raise PublishError(f"cannot stage into {folder}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def stage(path: Path, folder: Path, repo: str, on_bytes=None, on_checked=None, **card_kw) -> Path:
-    """Write the folder that would be uploaded: README.md plus the artifact (hard link, else copy), once every
-    tensor's checksum holds (a corrupted file is never staged, so never uploaded). on_checked / on_bytes: bytes
-    checked, bytes hashed for the card's SHA-256."""
+    """Write the folder that would be uploaded: README.md plus the artifact, once `verify`'s checks pass (a
+    corrupted or unsound file is never staged, so never uploaded). on_checked / on_bytes: bytes checked, bytes
+    hashed for the card's SHA-256."""
     check_stage_folder(path, folder)
     with Artifact.open(path) as art:
         base = base_model_of(art, card_kw.pop("base_model", None))  # fail before hashing the whole file
         report = card_kw.pop("numerics", None)
         num = read_numerics(report, art) if report is not None else None
-        bad = art.verify_checksums(on_checked)
-        if bad:
-            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-            raise PublishError(f"{path} is corrupted (checksum mismatch in {bad[0]}{more}): not published; "
-                               "`ninfer-pack verify` names every damaged tensor")
+        _check_sound(path, on_checked)
         card = model_card(art, repo, file_sha256(path, on_bytes), base_model=base, numerics=num, **card_kw)
-    # both files under temporary names first, then renamed: a full disk leaves the folder as it was
-    target, readme = folder / path.name, folder / "README.md"
-    temps = [temp_path(f) for f in (target, readme)]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, temps[0])
-        except OSError:
-            shutil.copyfile(path, temps[0])
-        temps[1].write_text(card, encoding="utf-8")
-        os.replace(temps[0], target)
-        os.replace(temps[1], readme)
-    except OSError as e:
-        raise PublishError(f"cannot stage into {folder}: {e.strerror or e}") from None
-    finally:
-        for t in temps:
-            if t.exists() or t.is_symlink():
-                t.unlink()
+    _write_folder(path, folder, card)
     return folder
 
 
@@ -236,7 +277,7 @@ def publish(path: str | Path, repo: str, *, private: bool = False, dry_run_dir: 
     numerics: a `verify --numerics --json` report of this artifact whose quality figures go into the card."""
     card_kw = {"base_model": base_model, "license_": license_, "numerics": numerics}
     path = Path(path)
-    check_args(path, repo, **card_kw)  # before hashing a 20 GB file or asking the Hub
+    check_args(path, repo, dry_run_dir=dry_run_dir, **card_kw)  # before hashing a 20 GB file or asking the Hub
     if dry_run_dir is not None:
         return str(stage(path, Path(dry_run_dir), repo, on_bytes, on_checked, **card_kw))
     from huggingface_hub import HfApi

@@ -81,6 +81,7 @@ def run(
     if no_think and not chat:
         raise NinferError("--no-think applies to the chat template: add --chat")
     _check_chunk(prefill_chunk)
+    _check_context(max_context)
     t0 = time.perf_counter()
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, speculative_tokens=speculative_tokens)
@@ -141,9 +142,10 @@ def serve(
     MTP head."""
     from ninfer_rt.api import MAX_CACHE_SLOTS, load
     from ninfer_rt.serve import Server
-    from ninfer_rt.serve.server import check_cors_origin, is_loopback
+    from ninfer_rt.serve.server import authority, check_cors_origin, is_loopback
 
     _check_chunk(prefill_chunk)
+    _check_context(max_context)
     if not 0 <= port <= 65535:
         raise NinferError(f"--port must be in [0, 65535], got {port}")
     if max_queue < 0:
@@ -160,13 +162,15 @@ def serve(
                  progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot,
                  speculative_tokens=speculative_tokens)
     try:
-        model.chat_template  # a checkpoint without a usable template fails here, not on the first request
+        # no tokenizer or no usable template fails here, as `run` does, not as a 400 to every request
+        model.tokenizer
+        model.chat_template
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
                         api_key=api_key, cors_origin=cors_origin, max_queue=max_queue, parallel=parallel,
                         log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
         bound_host, bound_port = server.address
-        err.print(f"serving {server.model_name} on http://{bound_host}:{bound_port} ({model.device}, context "
-                  f"{model.context_length:,}, {parallel} at once{', API key required' if api_key else ''}); "
+        err.print(f"serving {server.model_name} on http://{authority(bound_host, bound_port)} ({model.device}, "
+                  f"context {model.context_length:,}, {parallel} at once{', API key required' if api_key else ''}); "
                   "Ctrl-C stops",
                   highlight=False, soft_wrap=True, markup=False)
         server.serve_forever()
@@ -202,7 +206,9 @@ def _probe_listen(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
             probe.bind(address)
     except OSError as e:
-        raise NinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        from ninfer_rt.serve.server import authority
+
+        raise NinferError(f"cannot listen on {authority(host, port)}: {e.strerror or e}") from None
 
 
 @app.command()
@@ -306,46 +312,74 @@ def bench(
                                                                         "time (two prompts: cold, then timed) "
                                                                         "exceeds this many seconds."),
     prefill_chunk: PrefillChunkOption = None,
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result as JSON here."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the result as JSON here "
+                                                                 "(atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --json file."),
 ):
     """Prefill and decode throughput, load time and GPU memory on this machine's GPU."""
-    from ninfer_rt.gpu.bench import run_bench, table, write_json
+    from ninfer_rt.gpu.bench import check_json_path, run_bench, table, write_json
 
+    # every option is checked here, before run_bench opens the GPU: a typo costs no minutes of loading
     if (path is None) == (synthetic is None):
         raise NinferError("give an artifact path or --synthetic NAME (one of them)")
     if recipe is not None and synthetic is None:
         raise NinferError("--recipe applies to --synthetic only (an artifact carries its own recipe)")
     _check_chunk(prefill_chunk)
-
-    def ints(s: str, what: str) -> tuple[int, ...]:
-        try:
-            vals = tuple(int(v) for v in s.split(",") if v.strip())
-        except ValueError:
-            raise NinferError(f"{what}: expected comma-separated integers, got {s!r}") from None
-        if any(v < 0 for v in vals):
-            raise NinferError(f"{what}: values must be >= 0")
-        return vals
-
-    batches = ints(decode_batch, "--decode-batch")
+    _check_kv_cache(kv_cache)
+    if not prefill_budget >= 0:  # nan too: it would compare False and never skip
+        raise NinferError(f"--prefill-budget must be a number of seconds >= 0, got {prefill_budget}")
+    sizes, contexts = _ints(prefill, "--prefill"), _ints(decode_context, "--decode-context")
+    if any(n < 1 for n in sizes):
+        raise NinferError("--prefill: prompt lengths must be >= 1")
+    if not sizes and not contexts:
+        raise NinferError("nothing to time: --prefill and --decode-context are both empty")
+    batches = _ints(decode_batch, "--decode-batch")
     if any(b < 2 for b in batches):
         raise NinferError("--decode-batch: sequence counts must be >= 2 (one sequence is the plain decode row)")
-    tokens = ints(decode_tokens, "--decode-tokens")
+    tokens = _ints(decode_tokens, "--decode-tokens")
     if any(not 2 <= t <= 8 for t in tokens):
         raise NinferError("--decode-tokens: token counts must be 2 to 8 (one token is the plain decode row)")
+    if (batches or tokens) and not contexts:
+        raise NinferError("--decode-batch and --decode-tokens time steps at each --decode-context: give one")
+    if json_path is not None:
+        check_json_path(json_path, overwrite)
     res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
-                    prefill_sizes=ints(prefill, "--prefill"), decode_contexts=ints(decode_context, "--decode-context"),
+                    prefill_sizes=sizes, decode_contexts=contexts,
                     kv_dtype=kv_cache, prefill_budget_s=prefill_budget, prefill_chunk=prefill_chunk,
                     decode_batches=batches, decode_tokens=tokens,
                     progress=_loading_bar(),
                     log=lambda line: err.print(line, highlight=False))
     out.print(table(res))
-    if json_path:
-        write_json(res, json_path)
+    if json_path is not None:
+        write_json(res, json_path, overwrite)
+
+
+def _ints(s: str, what: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 0 (empty: none)."""
+    try:
+        vals = tuple(int(v) for v in s.split(",") if v.strip())
+    except ValueError:
+        raise NinferError(f"{what}: expected comma-separated integers, got {s!r}") from None
+    if any(v < 0 for v in vals):
+        raise NinferError(f"{what}: values must be >= 0")
+    return vals
 
 
 def _check_chunk(prefill_chunk: int | None) -> None:
     if prefill_chunk is not None and prefill_chunk < 1:
         raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+
+
+def _check_kv_cache(kv_cache: str) -> None:
+    if kv_cache not in ("int8", "bf16"):  # load's own words, for bench, which never calls load
+        raise NinferError(f"kv cache dtype {kv_cache!r}: choose int8 or bf16")
+
+
+def _check_context(max_context: int) -> None:
+    # the shortest prompt is one token (an empty one is refused) and the first generated token needs a position
+    if max_context < 2:
+        raise NinferError(f"--max-context must be >= 2 (a one-token prompt and one generated token), got "
+                          f"{max_context}")
 
 
 def _tokenizer_vocab(art) -> int | None:

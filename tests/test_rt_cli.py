@@ -132,7 +132,8 @@ def test_bad_options(packed, capsys):
     (["--seed", -1], 1, r"seed=-1: must be an integer in \[0, 2\^64\)"),
     (["--seed", 2**64], 1, "seed="),
     (["--kv-cache", "fp8", "--device", "cpu"], 1, "kv cache dtype 'fp8': choose int8 or bf16"),
-    (["--max-context", 0, "--device", "cpu"], 1, "max context 0: must be a number of positions >= 1"),
+    (["--max-context", 0, "--device", "cpu"], 1, r"--max-context must be >= 2 \(a one-token prompt and one "
+                                                  r"generated token\), got 0"),
     (["--max-new-tokens", "many"], 2, r"Invalid value for '--max-new-tokens'.*\(see --help\)"),
     (["--no-such-option"], 2, r"No such option: --no-such-option.*\(see --help\)"),
 ])

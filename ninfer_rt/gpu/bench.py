@@ -14,6 +14,7 @@ the chat loop runs it.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ninfer_rt.errors import NinferError
+from ninfer_rt.errors import FormatError, NinferError
+from ninfer_rt.format import check_output_path, remove_stale_temps, temp_path
 from ninfer_rt.gpu.driver import Event, Gpu
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -301,11 +303,28 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
     return res
 
 
-def write_json(res: BenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(asdict(res), indent=1))
-    tmp.replace(path)
+def check_json_path(path: str | os.PathLike, overwrite: bool = False) -> None:
+    """FormatError (one line) when --json cannot be written, as quantize checks --out: before the GPU work."""
+    try:
+        check_output_path(path, overwrite, example="bench.json")
+    except FormatError as e:  # the shared check names --out, the option of the artifact writers
+        raise FormatError(str(e).replace("--out", "--json")) from None
+
+
+def write_json(res: BenchResult, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """The result as JSON, atomically: a temporary file beside `path` renamed over it, removed on failure."""
+    check_json_path(path, overwrite)  # again: the folder or the file may have changed during the run
+    path = Path(path)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(res), indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def table(res: BenchResult):

@@ -73,6 +73,11 @@ def is_loopback(host: str) -> bool:
         return name == "localhost" or name.endswith(".localhost")
 
 
+def authority(host: str, port: int) -> str:
+    """host:port as a URL writes it: an IPv6 address in brackets (RFC 3986), http://[::1]:8080."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
@@ -424,7 +429,7 @@ class Server:
         try:
             self.httpd = (_HTTPServer6 if ":" in host else _HTTPServer)((host, port), handler)
         except OSError as e:
-            raise NinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise NinferError(f"cannot listen on {authority(host, port)}: {e.strerror or e}") from None
         self.created = int(time.time())
 
     @property
