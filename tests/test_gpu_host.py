@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import struct
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -156,6 +158,26 @@ def test_nvrtc_problems_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(GpuError, match="NVRTC is not usable") as e:
         build_kernels(("sm_90a",), cache=tmp_path, use_nvcc=False)
     assert "\n" not in str(e.value) and "libnvrtc" in str(e.value)
+
+
+def test_nvcc_keeps_its_intermediates_in_the_build_folder(tmp_path, monkeypatch):
+    """nvcc writes tmpxft_* files under TMPDIR: pointed at the build's temporary folder, which an interrupted or
+    failed build removes, none outlive it (no nvcc is run: the call is recorded)."""
+    from ninfer_rt.gpu import build
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append((cmd, kw.get("env", {}).get("TMPDIR")))
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"fatbin")
+        return SimpleNamespace(returncode=0, stderr="", stdout="")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    src = sources()[0]
+    out = tmp_path / "b" / "x.fatbin"
+    out.parent.mkdir()
+    build._nvcc_one("nvcc", src, out, ("sm_90a",), ptx=False)
+    assert seen == [(seen[0][0], str(out.parent))] and out.read_bytes() == b"fatbin"
 
 
 def test_unknown_target_is_one_line(tmp_path):

@@ -98,7 +98,8 @@ def _nvcc_one(nvcc: str, src: Path, out: Path, targets: tuple[str, ...], ptx: bo
     if ptx:
         cmd.append(f"-gencode=arch={PTX_TARGET},code={PTX_TARGET}")
     cmd += ["-I", str(src.parent), "-o", str(out), str(src)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    # nvcc's intermediates (tmpxft_*) in the build's own folder, which an interrupted build removes
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(out.parent)})
     if r.returncode != 0:
         first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:300])
         raise GpuError(f"nvcc failed on {src.name}: {first}")
