@@ -137,6 +137,9 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
     tmp = temp_path(path)
     try:
         save_file({n: t.contiguous() for n, t in sorted(cal.importance.items())}, str(tmp), metadata=meta)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600; an output file gets the user's umask, as artifacts do
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

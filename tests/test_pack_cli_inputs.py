@@ -89,3 +89,13 @@ def test_importance_given_a_directory(tmp_path, capsys):
     assert code == 1 and error_line(e) == (f"error: --importance {tmp_path} is a directory: give the .safetensors "
                                            "file calibrate wrote")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_importance_file_gets_the_umask_mode(tmp_path):
+    """safetensors creates its file 0600; the importance file, like an artifact, is readable as the umask says."""
+    mask = os.umask(0o027)
+    try:
+        cal.save(cal.Calibration({"a.weight": torch.ones(8)}, {"a.weight": 4}, 1, 5), tmp_path / "i.st", "src")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "i.st").stat().st_mode & 0o777 == 0o640
