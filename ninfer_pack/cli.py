@@ -69,7 +69,7 @@ def quantize(
     out.print(_size_table(f"{out_path}", summarize(res.planned), params_total(res.planned), payload))
     err.print(f"wrote {out_path}: {human_bytes(res.file_size)} ({human_bytes(res.file_size - payload)} of header, "
               f"resources and alignment), {bits_per_param(res.planned):.3f} bits per parameter; "
-              f"{res.source_bytes / 1e9 / dt:.3f} GB/s of source in {dt:.1f} s")
+              f"{res.source_bytes / 1e9 / dt:.3f} GB/s of source in {dt:.1f} s", soft_wrap=True)
 
 
 def _plan_source(source: str, revision: str | None):
@@ -229,7 +229,7 @@ def verify(
                 (rep.problems and rep.problems[0]) or next(f"{c.name}: {c.detail}" for c in rep.checks if not c.ok)
         raise NinferError(f"{path} is not sound: {first}")
     err.print(f"{path}: sound ({rep.tensors} tensors, {rep.bytes:,} bytes"
-              f"{', every tensor within its format error' if rep.checks else ''})")
+              f"{', every tensor within its format error' if rep.checks else ''})", soft_wrap=True)
 
 
 @app.command()
@@ -278,7 +278,8 @@ def calibrate(
         mean = torch.stack([res.importance[n].mean() for n in names]).mean().item()
         t.add_row(kind, str(len(names)), human_count(sum(res.rows[n] for n in names)), f"{mean:.4g}")
     out.print(t)
-    err.print(f"wrote {out_path}: {res.tokens:,} tokens in {res.windows} windows, {time.perf_counter() - t0:.1f} s")
+    err.print(f"wrote {out_path}: {res.tokens:,} tokens in {res.windows} windows, {time.perf_counter() - t0:.1f} s",
+              soft_wrap=True)
 
 
 @app.command()
