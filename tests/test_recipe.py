@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_rt.recipe import known_recipes, load_recipe, resolve_plans
+import ninfer_rt.recipe as recipe_module
+from ninfer_rt.recipe import known_recipes, load_recipe, parse_recipe, resolve_plans
 from ninfer_rt.config import ModelSpec
 from ninfer_rt.errors import RecipeError
 from ninfer_rt.formats import get_format
@@ -268,3 +269,17 @@ def test_tiny_recipe(tiny):
         assert set(formats) == {p.name for p in plans}, name
         # the 35B's rule for layers 34/38/39 finds no such layer in 4: the only warning allowed
         assert all(re.search(r"\(34\|38\|39\).* matches no tensor$", w) for w in warnings), warnings
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_documented_example_recipe_covers_the_models(model):
+    """recipes/README.md's example is a recipe a user can copy: it loads, and its rules give every tensor of the
+    real models a format that can store it."""
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "README.md").read_text()
+    example = re.search(r"```toml\n(.*?)```", text, re.S)[1]
+    spec, shapes = exact_shapes(model)
+    plans = plan_tensors(spec, shapes)
+    formats, _ = resolve_plans(parse_recipe(recipe_module.tomllib.loads(example), "recipes/README.md"), plans, shapes)
+    assert set(formats) == {p.name for p in plans}
+    for p in plans:
+        get_format(formats[p.name]).check_shape(tuple(p.shape))
