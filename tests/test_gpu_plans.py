@@ -28,11 +28,12 @@ def fake_kernels(major: int, minor: int, targets=TARGETS, *, sm_count: int = 132
             return name
 
     k = Kernels.__new__(Kernels)
-    launches = []
+    launches, smems = [], []  # smems: each launch's dynamic shared memory, in launch order
     opt_ins = []
     k.gpu = SimpleNamespace(info=DeviceInfo("fake", major, minor, sm_count, 0, 0, smem_optin), launches=launches,
                             launch=lambda fn, grid, block, args, smem, stream, cluster:
-                            launches.append((fn, grid, block, cluster)), opt_ins=opt_ins,
+                            launches.append((fn, grid, block, cluster)) or smems.append(smem), smems=smems,
+                            opt_ins=opt_ins,
                             set_max_dynamic_smem=lambda fn, nbytes: opt_ins.append((fn, nbytes)),
                             static_smem=lambda fn: 1280,
                             max_active_blocks=lambda fn, threads, smem: blocks_per_sm,
@@ -467,7 +468,8 @@ def test_prefill_attention_plan(gpu, dtype, warps):
         want, rows, threads = [f"attn_prefill_{dtype}_d256", "attn_combine"], 16 * warps, 32 * warps
         smem = attention._prefill_smem(d, dtype)
     assert (names, grid, block) == (want, (T * nH // nKV // rows, 1, nKV), threads)
-    assert smem <= optin
+    assert k.gpu.smems[0] == smem <= optin  # the launch asks for the layout's size, and it fits
+    assert (fn, smem) in k.gpu.opt_ins or smem <= 48 * 1024  # past 48 KB a kernel must opt in first
 
 
 @pytest.mark.parametrize("gpu", list(GPUS))
