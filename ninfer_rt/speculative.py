@@ -82,11 +82,12 @@ def _support(p) -> tuple[np.ndarray, np.ndarray]:
 
 def default_cost(n: int) -> float:
     """Milliseconds of a step of n drafts on an H100 at 8K context (35B shapes; bench/speculative_loop.py and
-    bench/speculative_parts.py, v95-v96): n = 0 a verification of one token with its hidden row back (1.615) and
-    its share of the head's catch-up (a call over IDLE_HEAD_ROWS = 256 pairs, 1.81: 0.007 a step), 1.63 (a plain
-    step 1.6); n >= 1 the head's rows, a verification of n + 1 tokens and the host's waits (2.13 + 0.64 n, fit to
-    every draft kept at n = 1..3). Only the ratios matter to the planner."""
-    return 1.63 if n == 0 else 2.13 + 0.64 * n
+    bench/speculative_parts.py, v95-v98): n = 0 1.7, over the 1.63 its parts add up to (a verification of one token
+    with its hidden row back, 1.615, and its share of the head's catch-up over IDLE_HEAD_ROWS = 256 pairs), since
+    with 1.63 the planner drafted too little at acceptance 0.7 in the GPU loop (v98: -6%); n >= 1 the head's rows, a
+    verification of n + 1 tokens and the host's waits (2.13 + 0.64 n, fit to every draft kept at n = 1..3). Only
+    the ratios matter to the planner."""
+    return 1.7 if n == 0 else 2.13 + 0.64 * n
 
 
 class DraftPlanner:
