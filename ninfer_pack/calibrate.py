@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ninfer_rt.errors import NinferError
-from ninfer_rt.format import check_output_path, remove_stale_temps, temp_path
+from ninfer_rt.format import atomic_output, check_output_path
 from ninfer_rt.reference import ops
 from ninfer_rt.reference.model import LM, MTP, Cache, MTPHead, _Reader
 from ninfer_rt.reference.stream import run_layers
@@ -125,7 +125,6 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
     from safetensors.torch import save_file
 
     check_output_path(path, example="importance.safetensors")
-    path = Path(path)
     for name, t in sorted(cal.importance.items()):  # quantize refuses such a file: write none
         bad = (~torch.isfinite(t)).nonzero()
         if len(bad):
@@ -133,13 +132,8 @@ def save(cal: Calibration, path: str | Path, source: str) -> None:
                               "checkpoint's weights or activations are not finite there; nothing written")
     meta = {"ninfer.calibration": json.dumps({"source": source, "windows": cal.windows, "tokens": cal.tokens,
                                               "statistic": "mean of x_k^2 over the rows that meet the weight"})}
-    remove_stale_temps(path)
-    tmp = temp_path(path)
-    try:
+    with atomic_output(path) as tmp:
         save_file({n: t.contiguous() for n, t in sorted(cal.importance.items())}, str(tmp), metadata=meta)
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600; an output file gets the user's umask, as artifacts do
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -412,6 +412,12 @@ def _chain_tail(pieces: Iterator[str], tail) -> Iterator[str]:
     yield tail()
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    """The KV cache dtypes the GPU path has (load's check; bench, which builds its model without load, asks too)."""
+    if kv_dtype not in ("int8", "bf16"):
+        raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
+
+
 def _is_int(v) -> bool:
     """An integer argument: Python or numpy, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
@@ -456,9 +462,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"load: check_checksums must be True or False, got {check_checksums!r}")
     if prefill_chunk is not None and not (_is_int(prefill_chunk) and prefill_chunk >= 1):
         raise NinferError(f"prefill chunk {prefill_chunk!r}: must be a number of tokens >= 1")
-    # checked on every device and before any weight loads, though only cuda allocates a cache
-    if kv_dtype not in ("int8", "bf16"):
-        raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
+    check_kv_dtype(kv_dtype)  # on every device and before any weight loads, though only cuda allocates a cache
     if not (_is_int(max_ctx) and max_ctx >= 1):
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
     if not (_is_int(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):

@@ -317,6 +317,7 @@ def bench(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --json file."),
 ):
     """Prefill and decode throughput, load time and GPU memory on this machine's GPU."""
+    from ninfer_rt.api import check_kv_dtype
     from ninfer_rt.gpu.bench import check_json_path, run_bench, table, write_json
 
     # every option is checked here, before run_bench opens the GPU: a typo costs no minutes of loading
@@ -325,7 +326,7 @@ def bench(
     if recipe is not None and synthetic is None:
         raise NinferError("--recipe applies to --synthetic only (an artifact carries its own recipe)")
     _check_chunk(prefill_chunk)
-    _check_kv_cache(kv_cache)
+    check_kv_dtype(kv_cache)
     if not prefill_budget >= 0:  # nan too: it would compare False and never skip
         raise NinferError(f"--prefill-budget must be a number of seconds >= 0, got {prefill_budget}")
     sizes, contexts = _ints(prefill, "--prefill"), _ints(decode_context, "--decode-context")
@@ -368,11 +369,6 @@ def _ints(s: str, what: str) -> tuple[int, ...]:
 def _check_chunk(prefill_chunk: int | None) -> None:
     if prefill_chunk is not None and prefill_chunk < 1:
         raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
-
-
-def _check_kv_cache(kv_cache: str) -> None:
-    if kv_cache not in ("int8", "bf16"):  # load's own words, for bench, which never calls load
-        raise NinferError(f"kv cache dtype {kv_cache!r}: choose int8 or bf16")
 
 
 def _check_context(max_context: int) -> None:

@@ -15,6 +15,7 @@ before anything is used; tensor checksums are checked on demand (`verify_checksu
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -24,6 +25,7 @@ import socket
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Callable
 
 import numpy as np
@@ -155,17 +157,20 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return gone
 
 
-def check_output_path(path: str | os.PathLike, overwrite: bool = True, example: str = "model.ninfer") -> None:
+def check_output_path(path: str | os.PathLike, overwrite: bool = True, example: str = "model.ninfer",
+                      option: str = "--out") -> None:
     """Fail early, with one line, when `path` cannot become an artifact (or, for other outputs, a file like
-    `example`) before hours of work are spent, or already exists and overwrite is False (the CLIs' default without
-    --overwrite). Pass the path as the user wrote it: a trailing / (a folder meant) is gone once it is a Path."""
+    `example`, given by `option`) before hours of work are spent, or already exists and overwrite is False (the
+    CLIs' default without --overwrite). Pass the path as the user wrote it: a trailing / (a folder meant) is gone
+    once it is a Path."""
+    takes = f"{option} takes a file path such as {example}"
     if isinstance(path, str) and path.endswith(("/", os.sep)):
-        raise FormatError(f"{path} ends in a folder separator; --out takes a file path such as {example}")
+        raise FormatError(f"{path} ends in a folder separator; {takes}")
     path = Path(path)
     if path.is_dir():
-        raise FormatError(f"{path} is a directory; --out takes a file path such as {example}")
+        raise FormatError(f"{path} is a directory; {takes}")
     if path.exists() and not path.is_file():  # a device, FIFO or socket: the final rename would replace it
-        raise FormatError(f"{path} exists and is not a regular file; --out takes a file path such as {example}")
+        raise FormatError(f"{path} exists and is not a regular file; {takes}")
     if not path.parent.is_dir():
         raise FormatError(f"output directory does not exist: {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK):
@@ -176,6 +181,21 @@ def check_output_path(path: str | os.PathLike, overwrite: bool = True, example: 
     if len(os.fsencode(temp_path(path).name)) > longest:  # the hidden temporary name beside it must fit too
         raise FormatError(f"{path.name[:40]}...: a file name of {len(os.fsencode(path.name))} bytes leaves no room for "
                           f"the temporary name written first (at most {longest} bytes in all); use a shorter name")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` for the caller to write: renamed over `path` when the block ends normally,
+    removed when it raises, so `path` is the old file or the whole new one (a killed run's temporaries of the same
+    output are removed first). ArtifactWriter does the same for an artifact, writing it piece by piece."""
+    path = Path(path)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class ArtifactWriter:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ninfer_rt.errors import FormatError, NinferError
-from ninfer_rt.format import check_output_path, remove_stale_temps, temp_path
+from ninfer_rt.errors import NinferError
+from ninfer_rt.format import atomic_output, check_output_path
 from ninfer_rt.gpu.driver import Event, Gpu
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -305,26 +305,16 @@ def run_bench(*, synthetic: str | None = None, artifact_path: str | None = None,
 
 def check_json_path(path: str | os.PathLike, overwrite: bool = False) -> None:
     """FormatError (one line) when --json cannot be written, as quantize checks --out: before the GPU work."""
-    try:
-        check_output_path(path, overwrite, example="bench.json")
-    except FormatError as e:  # the shared check names --out, the option of the artifact writers
-        raise FormatError(str(e).replace("--out", "--json")) from None
+    check_output_path(path, overwrite, example="bench.json", option="--json")
 
 
 def write_json(res: BenchResult, path: str | os.PathLike, overwrite: bool = False) -> None:
-    """The result as JSON, atomically: a temporary file beside `path` renamed over it, removed on failure."""
+    """The result as JSON, atomically (format.atomic_output)."""
     check_json_path(path, overwrite)  # again: the folder or the file may have changed during the run
-    path = Path(path)
-    remove_stale_temps(path)
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(asdict(res), indent=1))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(asdict(res), indent=1))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def table(res: BenchResult):
