@@ -167,11 +167,11 @@ def verify(
         raise NinferError("--text is what --numerics scores: add --numerics")
     if not text and (window, max_tokens) != (512, 4096):
         raise NinferError("--window and --max-tokens shape --text's windows: add --text")
-    windows = None
+    windows = ckpt = None
     if source is not None:  # a mistyped --source ends here, not after the artifact's whole checksum pass
         from ninfer_pack.source import Checkpoint
 
-        Checkpoint.open(source, revision=revision)
+        ckpt = Checkpoint.open(source, revision=revision)
     elif revision is not None:
         raise NinferError("--revision is --source's Hub revision: add --source")
     with Artifact.open(path) as art:  # structural problems end here with one line
@@ -192,7 +192,7 @@ def verify(
             check_memory(art.spec, [len(w) for _, w in windows or ()])
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=payload)
-        rep = run_verify(path, source, revision=revision, on_bytes=lambda n: prog.advance(task, n))
+        rep = run_verify(path, ckpt, on_bytes=lambda n: prog.advance(task, n))
     num = None
     if numerics and rep.ok:  # numerics of an unsound file would measure the damage, not the quantization
         from ninfer_pack.numerics import measure

@@ -90,11 +90,12 @@ def compare_tensor(art: Artifact, name: str, source_layout: np.ndarray) -> Tenso
     return TensorCheck(name, e.format, rel, ok, detail)
 
 
-def verify(path: str, source: str | None = None, *, revision: str | None = None,
+def verify(path: str, source: str | Checkpoint | None = None, *, revision: str | None = None,
            on_bytes: Callable[[int], None] | None = None,
            on_tensor: Callable[[str], None] | None = None) -> VerifyReport:
-    """Check an artifact; with `source`, also decode and compare every tensor. Never raises for a bad
-    payload (it is reported); raises FormatError only when the file cannot be opened as an artifact."""
+    """Check an artifact; with `source` (a checkpoint to open, or one already open), also decode and compare every
+    tensor. Never raises for a bad payload (it is reported); raises FormatError only when the file cannot be opened
+    as an artifact."""
     with Artifact.open(path) as art:
         report = VerifyReport(str(path), len(art.tensors), art.size)
         report.bad_checksums = art.verify_checksums(on_bytes)
@@ -102,7 +103,7 @@ def verify(path: str, source: str | None = None, *, revision: str | None = None,
         report.problems += plan_problems + text_resource_problems({n: art.resource(n) for n in art.resources})
         if source is None or plan_problems:  # a table that disagrees with its model cannot be laid out again
             return report
-        ckpt = Checkpoint.open(source, revision=revision)
+        ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source, revision=revision)
         covered = {p["name"] for e in art.tensors.values() for p in e.parts}
         for missing in sorted(set(ckpt.names) - covered):
             report.problems.append(f"source tensor {missing} is not in the artifact")

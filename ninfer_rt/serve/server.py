@@ -102,29 +102,12 @@ class _Handler(BaseHTTPRequestHandler):
     app: Server
     _head, _allow = False, None  # this request is a HEAD; the Allow header of a 405 (set per request)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+    def _do(self) -> None:
+        self._dispatch(self.command)  # the request line's method, as parse_request read it
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_OPTIONS(self) -> None:
-        self._dispatch("OPTIONS")
-
-    def do_HEAD(self) -> None:  # a GET route's status and headers, no body (monitors probe /health so)
-        self._dispatch("HEAD")
-
-    def do_PUT(self) -> None:  # known methods no route takes: 405 with Allow, in the route's error shape
-        self._dispatch("PUT")
-
-    def do_PATCH(self) -> None:
-        self._dispatch("PATCH")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def do_TRACE(self) -> None:
-        self._dispatch("TRACE")
+    # GET and POST routes, CORS preflights, HEAD (a GET route's status and headers, no body: monitors probe /health
+    # so), and the methods HTTP defines that no route takes (a 405 with Allow, in the route's error shape)
+    do_GET = do_POST = do_OPTIONS = do_HEAD = do_PUT = do_PATCH = do_DELETE = do_TRACE = _do
 
     def version_string(self) -> str:
         return self.server_version  # not the Python version
