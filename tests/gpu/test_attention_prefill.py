@@ -15,11 +15,19 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
-@pytest.mark.parametrize("dims", ["35b", "tiny"])
-def test_prefill(kernels, gpu, dev, rng, dims, dtype):
-    """prefill (one sequence, long T) after a history: attn_prefill_* (bf16 q and p) on 720 / 180 rows per kv
-    head; and T = 8 on "tiny" (16 rows), where prefill runs decode's exact CUDA-core kernels."""
-    _run_decode(kernels, gpu, dev, rng, dims, dtype, [37], 90, [127, 300], 300, fn="prefill")
+@pytest.mark.parametrize("dims", ["35b", "tiny", "d128", "d64"])
+def test_prefill(kernels, gpu, dev, rng, recorder, dims, dtype):
+    """prefill (one sequence, T = 90) after a history of 37, buckets 127 and 300, at every head dim: 720 / 180 / 360
+    / 540 query rows per kv head (35b / tiny / d128 / d64), so the tensor-core prefill runs (bf16 q and p):
+    attn_prefill_{dtype}_d{d}, or for an int8 cache of head dim 64, 128 or 256 on an H100/H200 running the sm_90a
+    cubin attn_prefill_wgmma_int8_d{d} (the launches are checked; combines aside). And T = 8 on "tiny" (16 rows),
+    where prefill runs decode's exact CUDA-core kernels."""
+    from ninfer_rt.gpu import attention
+    d = DIMS[dims][2]
+    _run_decode(recorder, gpu, dev, rng, dims, dtype, [37], 90, [127, 300], 300, fn="prefill")
+    wg = attention.prefill_wgmma(recorder, d, dtype)
+    want = f"attn_prefill_wgmma_int8_d{d}" if wg else f"attn_prefill_{dtype}_d{d}"
+    assert [n for n in recorder.names if n != "attn_combine"] == [want] * 2, recorder.names
     if dims == "tiny":
         _run_decode(kernels, gpu, dev, rng, dims, dtype, [37], 8, [64], 64, fn="prefill")
 
@@ -29,9 +37,10 @@ def test_prefill(kernels, gpu, dev, rng, dims, dtype):
 def test_prefill_int8_steps(kernels, gpu, dev, rng, monkeypatch, dims, wgmma):
     """prefill on an int8 cache over many keys: 600 tokens after 301 of history, so each split of 256 keys (M = 600
     allows 6) is several steps long and the causal limit cuts through blocks and steps; then a bucket of 8 splits of
-    64 keys. wgmma=True: attn_prefill_wgmma_int8_* where it runs (the H200), else (and with False) the mma.sync
-    kernel. Then one split of all 901 keys (the row bound _SPLIT_ROWS lowered), which the wgmma kernel merges and
-    gates itself. Same oracle and bound as test_prefill: q and p in bf16."""
+    64 keys. wgmma=True: attn_prefill_wgmma_int8_d{d} (skipped where it does not run: it needs the sm_90a cubin, an
+    H100/H200); wgmma=False: the mma.sync kernel attn_prefill_int8_d{d}, on every GPU. Then one split of all 901
+    keys (the row bound _SPLIT_ROWS lowered), which the wgmma kernel merges and gates itself. Same oracle and bound
+    as test_prefill: q and p in bf16."""
     from ninfer_rt.gpu import attention
     monkeypatch.setattr(attention, "_PREFILL_WGMMA", wgmma)
     if wgmma and not attention.prefill_wgmma(kernels, DIMS[dims][2], "int8"):
@@ -45,7 +54,7 @@ def test_prefill_int8_steps(kernels, gpu, dev, rng, monkeypatch, dims, wgmma):
 
 def test_prefill_kernels(kernels, gpu, dev, rng, recorder):
     """Which kernels prefill launches: attn_prefill_* above _FAST_MAX_ROWS rows per kv head, decode's below; an int8
-    cache of head dim 256 on the H200 the wgmma kernel."""
+    cache of head dim 256 on an H100/H200 (the sm_90a cubin) the wgmma kernel."""
     from ninfer_rt.gpu import attention
     rec = recorder
     _run_decode(rec, gpu, dev, rng, "tiny", "int8", [5], 40, [64], 64, fn="prefill")  # 80 rows per kv head
