@@ -14,9 +14,9 @@ Two checks on every output:
     results and rounds to bf16 (~1.6e-3 more): 8e-3. MoE rounds x, then the activation, to bf16, and both
     weights: 1.2e-2.
   * against the oracle on bf16-rounded x and RN(W) (and, for the MoE down projection, on the kernel's own bf16
-    activation): only fp32 accumulation differs (~1e-6). Bound 1e-4 in
-    norm: a wrong scale, code, pairing or tile shows up here at the 1e-2 level. A bf16 output is checked
-    element by element: within half a bf16 ulp (2^-8 relative) plus 1e-4 of the rms.
+    activation): only fp32 accumulation differs (~1e-6 if rounded to nearest; the tensor cores truncate, see
+    TOL_BF16X). Bound 1e-4 in norm: a wrong scale, code, pairing or tile shows up here at the 1e-2 level. A bf16
+    output is checked element by element: within half a bf16 ulp (2^-8 relative) plus 1e-4 of the rms.
 Outputs start poisoned (NaN bytes), so an unwritten element fails as non-finite; elements outside y[:M, :cols]
 (extra rows, columns up to ldy) must keep their bytes; x columns beyond K hold NaN and must not be read.
 """
@@ -37,6 +37,15 @@ pytestmark = pytest.mark.gpu
 QFORMATS = [f"q{b}g{g}" for b in (4, 5, 6, 8) for g in (32, 64, 128)]
 TOL_EXACT = {"store": 5e-3, "add": 5e-3, "swiglu": 8e-3}
 TOL_MOE = 1.2e-2
+# Bound of the second check (bf16 x, RN(W)): the products are exact (bf16 x bf16, or a nibble code x bf16, fits
+# fp32), so only the fp32 sums differ from the float64 oracle. Round-to-nearest sums in random order would err by
+# ~sqrt(K) u (u = 2^-24: ~1e-6 at K = 4096), but the tensor cores' fp32 accumulation aligns each MMA's addends to
+# the largest exponent and truncates (not rounds) the rest, a bias of up to ~1 ulp of the running sum per k-step of
+# 16-32, i.e. up to ~K/16 · 2^-23 ≈ 3e-5 of the largest partial sum at K = 4096; the nibble formats round once more
+# per chunk where their fp32 scale multiplies the chunk's sum; the MoE down adds slots by float atomics in any
+# order. 1e-4 covers that worst case with ~3x room and is still 100x below what a wrong code, scale, row or tile
+# gives (>= 1e-2). Not tightened on the 1e-6 estimate: the checks print the measured error ("TOL_BF16X measured"),
+# so a GPU run with pytest -s (or -rP) records how much room there is.
 TOL_BF16X = 1e-4
 
 
@@ -82,7 +91,7 @@ def assert_close(got, want, tol, what):
     if bad.any():
         m, n = np.argwhere(bad)[0]
         raise AssertionError(f"{what}: {bad.sum()} of {got.size} outputs non-finite (unwritten?), first [{m}, {n}]")
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
     if err > tol:
         d = np.abs(got - want)
         m, n = np.unravel_index(np.argmax(d), d.shape)
@@ -91,6 +100,17 @@ def assert_close(got, want, tol, what):
         cols = np.flatnonzero(d.max(axis=0) > scale)[:8].tolist()
         raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.0e}; worst [{m}, {n}] got {got[m, n]:.6g} "
                              f"want {want[m, n]:.6g}; rows off {rows}, cols off {cols}")
+    return err
+
+
+def report_bf16x(got, want, what):
+    """Print the measured error of a TOL_BF16X check: the relative norm error (what the bound applies to) and the
+    largest element's error relative to rms(want)."""
+    d = np.abs(got - want)
+    rms = max(float(np.sqrt(np.mean(want ** 2))), 1e-30)
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    print(f"TOL_BF16X measured: {what}: relative norm error {err:.2e}, max element error / rms {d.max() / rms:.2e} "
+          f"(bound {TOL_BF16X:g})")
 
 
 def assert_bf16_close(got, want, what):
@@ -155,9 +175,12 @@ def check_gemm(kernels, dev, rng, fmt, N, K, M, **kw):
     res, wv, x, rs, what = run_gemm(kernels, dev, rng, fmt, N, K, M, **kw)
     mode = kw.get("mode", "store")
     assert_close(res, reference(wv, x, mode, rs), TOL_EXACT[mode], what + " vs exact x and W")
-    check = assert_bf16_close if mode == "swiglu" else lambda g, w_, m: assert_close(g, w_, TOL_BF16X, m)
-    check(res, reference(kernel_weights(wv, fmt, kw.get("kernel")), bf16_round(x), mode, rs),
-          what + " vs bf16 x and RN(W)")
+    want = reference(kernel_weights(wv, fmt, kw.get("kernel")), bf16_round(x), mode, rs)
+    if mode == "swiglu":  # rounded to bf16: element by element within half an ulp
+        assert_bf16_close(res, want, what + " vs bf16 x and RN(W)")
+    else:
+        report_bf16x(res, want, what)
+        assert_close(res, want, TOL_BF16X, what + " vs bf16 x and RN(W)")
 
 
 # ------------------------------------------------------------------------------------------------ dense
@@ -169,12 +192,46 @@ def test_every_format(kernels, dev, rng, fmt, M, kernel):
     check_gemm(kernels, dev, rng, fmt, 160, 224, M, kernel=kernel)
 
 
-@pytest.mark.parametrize("K", [32, 64, 96, 128, 160, 224, 256, 288])
+def pipeline(fmt: str, kernel: str) -> tuple[int, int]:
+    """(S, ks): the stages of `kernel`'s k pipeline for `fmt` and the k one stage holds, S read off gemm.py's mirror of
+    the kernels' shared memory (smem_bytes / ss_smem_bytes = fixed bytes + S stages). A stage: mma (gemm.cu
+    Traits) CH = 2 (q8) or 1 chunks of 32 k, each x [128][64 B] and 128 weight rows' planes; wgmma (gemm_wgmma.cu
+    WT) 64 k: x [128][128 B] and 256 rows' planes of 2 chunks, padded to 1 KB; wgmma_ss x [128][128 B] and A
+    [256][128 B]."""
+    bits = 16 if fmt == "bf16" else int(fmt[1])
+    planes = {16: 64, 8: 32}.get(bits, 16) + {5: 4, 6: 8}.get(bits, 0) + (0 if bits == 16 else 4)  # per row chunk
+    if kernel == "mma":
+        ch = 2 if bits == 8 else 1
+        stage = ch * (gemm.BM * gemm.XS_STRIDE + gemm.BN * planes)
+        fixed, smem, ks = gemm.RID_BYTES, gemm.smem_bytes(fmt), 32 * ch
+    else:
+        if kernel == "wgmma":
+            stage, smem = -(-(gemm.BM * 128 + gemm.WG_BN * 2 * planes) // 1024) * 1024, gemm.smem_bytes(fmt, True)
+        else:
+            stage, smem = (gemm.BM + gemm.WG_BN) * 128, gemm.ss_smem_bytes()
+        fixed, ks = gemm.WG_ALIGN + gemm.WG_BAR_BYTES + gemm.RID_BYTES, 64
+    assert (smem - fixed) % stage == 0, (fmt, kernel, smem, stage)
+    return (smem - fixed) // stage, ks
+
+
+def test_pipeline_stages():
+    """pipeline() against the stage counts worked out by hand from gemm.cu / gemm_wgmma.cu (no GPU): mma bf16 5
+    stages of 32 k (16 KB each in 94.5 KB), q5g32 8 of 32 (11 KB), q8g128 3 of 64 (25 KB); wgmma bf16 4 stages of
+    64 k (48 KB each in 197.4 KB), q5g32 7 (28 KB), q8g128 5 (34 KB); wgmma_ss 4 (48 KB)."""
+    want = {("mma", "bf16"): (5, 32), ("mma", "q5g32"): (8, 32), ("mma", "q8g128"): (3, 64),
+            ("wgmma", "bf16"): (4, 64), ("wgmma", "q5g32"): (7, 64), ("wgmma", "q8g128"): (5, 64),
+            ("wgmma_ss", "q5g32"): (4, 64), ("wgmma_ss", "q8g128"): (4, 64)}
+    assert {key: pipeline(key[1], key[0]) for key in want} == want
+
+
 @pytest.mark.parametrize("fmt", ["q5g32", "q8g128", "bf16"])
-def test_short_k(kernels, dev, rng, fmt, K, kernel):
-    """k-tiles of 32 against the pipeline's stages (bf16 5, q8g128 7, q5g32 8): fewer, exactly as many (160,
-    224, 256), and more."""
-    check_gemm(kernels, dev, rng, fmt, 128, K, 17, kernel=kernel)
+def test_short_k(kernels, dev, rng, fmt, kernel):
+    """K around the kernel's pipeline depth (pipeline: S stages of ks k; test_pipeline_stages lists them): KT =
+    S - 1 k stages (all prefetched before the loop), S, S + 1 (the first slot refilled), and where ks = 64 also S
+    and S + 1 with a half last stage (K = ks·S ∓ 32); and K = 32, 64 (far fewer stages than the pipeline)."""
+    S, ks = pipeline(fmt, kernel)
+    for K in sorted({32, 64, ks * (S - 1), ks * S - 32, ks * S, ks * S + 32, ks * (S + 1)}):
+        check_gemm(kernels, dev, rng, fmt, 128, K, 17, kernel=kernel)
 
 
 @pytest.mark.parametrize("fmt", ["q4g32", "q6g128", "q8g32", "bf16"])
@@ -210,15 +267,19 @@ def test_swiglu_35b(kernels, dev, rng, kernel):
 def test_dequantized_weights(kernels, dev, rng, fmt):
     """gemm_wgmma_dequant_<fmt>'s scratch against the oracle, exactly: row p holds RN(W) of weight row dq_row(p)
     (one rounding of the exact q · s, what the register path's MMAs take), rows past N zero. N = 200: the last
-    32-row block is partial; K = 224: Kp = 256, so the chunks past K are not written."""
+    32-row block is partial; K = 224: Kp = 256, so the chunks past K are not written; the 4 KB after the scratch
+    (given exactly dequant_bytes) keep their poison."""
     if not gemm.wgmma_available(kernels):
         pytest.skip("the wgmma tiles need an H100/H200 running the sm_90a cubin")
     N, K, M = 200, 224, 130
     w, wv = dev.weight(fmt, (N, K), rng)
     n = gemm.dequant_bytes(w)
-    scratch = dev.empty(n)
+    guard = 4096  # poisoned bytes past the scratch gemm was given: must keep their poison
+    scratch = dev.empty(n + guard)
     x = dev.put(f32_to_bf16_bits(rng.standard_normal((M, K)).astype(np.float32)))
     gemm.gemm(kernels, w, x=x, M=M, y=dev.empty(M * N * 4), kernel="wgmma_ss", scratch=scratch, scratch_bytes=n)
+    tail = dev.get(scratch + n, (guard,), np.uint8)
+    assert (tail == 0xFF).all(), f"{fmt}: wrote {int((tail != 0xFF).sum())} bytes past the {n}-byte scratch"
     got = bf16_bits_to_f32(dev.get(scratch, (n // (2 * K), K), np.uint16))
     p = np.arange(got.shape[0])
     want = np.zeros(got.shape, np.float32)
@@ -228,9 +289,11 @@ def test_dequantized_weights(kernels, dev, rng, fmt):
 
 
 def test_rejects_bad_calls(kernels):
-    """Sizes and pointers are checked before anything is launched."""
+    """Sizes and pointers are checked before anything is launched. The wgmma_ss cases match their own messages,
+    and run only where the wgmma tiles do (elsewhere any wgmma kernel is refused for want of sm_90a first)."""
     w = DeviceWeight("w", "q4g64", (64, 128), 1 << 20)
     x, y = 1 << 21, 1 << 22
+    short = 64 * 128 * 2 - 2  # dequant_bytes(w) - 2
     cases = [
         (dict(w=DeviceWeight("w", "bf16", (64, 48), 1 << 20)), "K=48"),
         (dict(w=DeviceWeight("w", "fp32", (64, 64), 1 << 20)), "fp32"),
@@ -242,9 +305,19 @@ def test_rejects_bad_calls(kernels):
         (dict(x=x + 4), "aligned"),
         (dict(ldy=63), "ldy"),
         (dict(M=-1), "M=-1"),
-        (dict(w=DeviceWeight("w", "bf16", (64, 128), 1 << 20), kernel="wgmma_ss"), "wgmma_ss"),
-        (dict(kernel="wgmma_ss", scratch=1 << 23, scratch_bytes=64 * 128 * 2 - 2), "wgmma_ss"),
     ]
+    if gemm.wgmma_available(kernels):
+        cases += [
+            (dict(w=DeviceWeight("w", "bf16", (64, 128), 1 << 20), kernel="wgmma_ss"),
+             r"'wgmma_ss' needs a quantized weight \(this one is bf16\)"),
+            (dict(kernel="wgmma_ss", scratch=1 << 23, scratch_bytes=short),
+             rf"'wgmma_ss' needs a quantized weight .* scratch of {short + 2} bytes \(given {short} "),
+            (dict(kernel="wgmma_ss", scratch=(1 << 23) + 8, scratch_bytes=short + 2),
+             rf"aligned scratch of {short + 2} bytes \(given {short + 2} at {(1 << 23) + 8:#x}\)"),
+        ]
+    else:
+        cases += [(dict(kernel=kn), rf"kernel '{kn}' needs an H100/H200 \(sm_90a\)") for kn in ("wgmma", "wgmma_ss")]
+    assert gemm.dequant_bytes(w) == short + 2
     for over, match in cases:
         args = dict(w=w, x=x, M=4, y=y) | over
         with pytest.raises(GpuError, match=match):
@@ -275,8 +348,12 @@ def moe_reference(gu, dn, x, ids, wts, act_in=None):
 def test_moe_grouped(kernels, dev, rng, fmts, M, kernel):
     """E = 8 experts (expert 3 gets no token), top_k = 4, I = 96 (2I = 192: a partial N tile, down K = 3 tiles),
     H = 160 (Kp = 256, down N = a full and a partial tile); M = 300 gives experts 1-2 M tiles, the last partial.
-    Default path: M = 1 takes moe_small for integer banks, M = 300 (150 slots per expert) moe_gemm."""
-    check_moe(kernels, dev, rng, fmts, M, kernel=kernel)
+    Default path (gemm.moe_grouped: small where M·top_k / E <= MOE_SMALL_MAX_AVG and no bank is bf16): M = 1
+    (4 slots) takes moe_small for integer banks, moe_gemm with a bf16 bank; M = 300 (150 slots per expert)
+    moe_gemm."""
+    assert 300 * 4 / 8 > gemm.MOE_SMALL_MAX_AVG >= 1 * 4 / 8
+    took = check_moe(kernels, dev, rng, fmts, M, kernel=kernel)
+    assert took == ("small" if M == 1 and "bf16" not in fmts else "large"), (fmts, M, took)
 
 
 @pytest.mark.parametrize("path", ["small", "large"])
@@ -337,7 +414,7 @@ def test_moe_rejects_path(kernels, dev, rng):
 def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="auto", ldx=None, ldy=None,
               kernel="auto", ordered=False):
     """One moe_grouped call on random routing (expert 3 gets no token) against the float64 oracle; ordered: through
-    slot_y, y also bit-exact against y0 + its stored slot rows summed in order."""
+    slot_y, y also bit-exact against y0 + its stored slot rows summed in order. Returns the path it took."""
     gu, guv = dev.weight(fmts[0], (E, 2 * I, H), rng, "gate_up")
     dn, dnv = dev.weight(fmts[1], (E, H, I), rng, "down")
     lx, ly = ldx or H, ldy or H
@@ -374,4 +451,6 @@ def check_moe(kernels, dev, rng, fmts, M, *, E=8, I=96, H=160, top_k=4, path="au
     assert_close(act, act_x, TOL_EXACT["swiglu"], what + " act vs exact x and W")
     assert_bf16_close(act, act_b, what + " act vs bf16 x and RN(W)")
     assert_close(y, y_x, TOL_MOE, what + " y vs exact")
+    report_bf16x(y, y_b, what + " y")
     assert_close(y, y_b, TOL_BF16X, what + " y vs the kernel's own act in bf16")
+    return took

@@ -16,6 +16,7 @@ Embedding rows must be bit-exact (no arithmetic besides an exact fp16-scale x co
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,6 +32,7 @@ QFORMATS = [f"q{b}g{g}" for b in (4, 5, 6, 8) for g in (32, 64, 128)]
 FORMATS = QFORMATS + ["bf16"]
 TOL = 1e-5
 EPS = 1e-6
+GUARD_ROWS = 2  # rows of y past M that run_gemv allocates and checks are left alone
 
 
 # ------------------------------------------------------------------------------------------------ oracle
@@ -89,7 +91,8 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
              ldy_pad: int = 0, plan: dict | None = None, what: str = "", x_copy: bool | None = None,
              x_bulk: bool | None = None) -> None:
     """Launch one gemv (or, with plan overrides, one forced _launch_gemv) and compare with the oracle, including
-    that no byte outside y[:, :N_out] is touched and x's columns past K are never read (they hold NaN)."""
+    that no byte outside y[:M, :N_out] is touched (columns up to ldy and GUARD_ROWS rows past M keep their poison,
+    or y0 in add mode) and x's columns past K are never read (they hold NaN)."""
     n, k = w.shape
     n_out = n // 2 if mode == "swiglu" else n
     ldx, ldy = k + ldx_pad, n_out + ldy_pad
@@ -97,9 +100,11 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
     x[:, k:] = np.nan
     norm_w = (rng.standard_normal(k) * 0.2).astype(np.float32) if norm else None
     rs = rng.uniform(0.5, 2.0, M).astype(np.float32) if scale else None
-    y0 = rng.standard_normal((M, ldy)).astype(np.float32)
+    rows = M + GUARD_ROWS
+    y0 = rng.standard_normal((rows, ldy)).astype(np.float32)
     xp = dev.put(x)
-    yp = dev.put(y0) if mode == "add" else dev.empty(M * ldy * 4)
+    yp = dev.put(y0) if mode == "add" else dev.empty(rows * ldy * 4)
+    before = y0.view(np.uint32) if mode == "add" else np.full((rows, ldy), 0xFFFFFFFF, np.uint32)
     nwp = dev.put(norm_w) if norm else 0
     rsp = dev.put(rs) if scale else 0
     if plan is None:
@@ -109,36 +114,48 @@ def run_gemv(kernels, dev, rng, w, wv, *, M: int, mode: str, norm: bool, scale: 
         p = linear.plan_gemv(w, M, kernels.gpu.info.sm_count, **plan)
         linear._launch_gemv(kernels, w, p, x=xp, y=yp, ldx=ldx, ldy=ldy, mode=mode, norm_w=nwp, norm_eps=EPS,
                             row_scale=rsp, x_copy=x_copy, x_bulk=x_bulk)
-    got = dev.get(yp, (M, ldy))
+    got = dev.get(yp, (rows, ldy))
     label = (f"{what} {w.fmt} {list(w.shape)} M={M} mode={mode} norm={norm} row_scale={scale} "
              f"ldx={ldx} ldy={ldy}{' plan=' + str(plan) if plan else ''}"
              f"{f' x_copy={x_copy}' if x_copy is not None else ''}{f' x_bulk={x_bulk}' if x_bulk else ''}")
-    ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:, :n_out],
+    ref = reference(wv, x[:, :k], mode=mode, norm_w=norm_w, row_scale=rs, y0=y0[:M, :n_out],
                     codes=w.quantized)
-    check_close(got[:, :n_out], ref, label)
-    pad = got[:, n_out:]
-    if mode == "add":
-        assert np.array_equal(pad, y0[:, n_out:]), f"{label}: columns past N changed"
-    else:
-        assert (pad.view(np.uint32) == 0xFFFFFFFF).all(), f"{label}: columns past N written"
+    check_close(got[:M, :n_out], ref, label)
+    outside = np.ones((rows, ldy), bool)
+    outside[:M, :n_out] = False
+    changed = np.argwhere(outside & (got.view(np.uint32) != before))
+    assert not len(changed), (f"{label}: {len(changed)} elements outside y[:{M}, :{n_out}] changed (columns past "
+                              f"N or the {GUARD_ROWS} guard rows), first [row, col] {changed[0].tolist()}")
 
 
 # ------------------------------------------------------------------------------------------------ gemv
 
-# (norm, row_scale) per M, so every (format, mode) sees all four combinations; ldx padding picks the float4
-# (ldx % 4 == 0) or the scalar staging path
-CASES = {1: (True, True, 4), 3: (False, False, 5), 8: (True, False, 4), 11: (False, True, 1)}
+# (M, norm, row_scale, ldx padding, plan overrides): every (format, mode) sees all four (norm, row_scale)
+# combinations; ldx padding picks the float4 (ldx % 4 == 0) or the scalar staging path. The default plans at K = 352
+# (test_gemv_formats checks the launches): M = 1 and 3 the stream kernels _s1 / _s3, M = 6, 7, 8 the block kernels
+# _m6 / _m7 / _m8, M = 11 and 14 the chunk loop (8 + 3 rows: _m8 then _s3; 8 + 6 rows: _m8 then _m6); M = 2 forced
+# onto the block kernel _m2 (its default is the stream kernel _s2, test_gemv_stream_plans_of_several_rows).
+CASES = [(1, True, True, 4, None), (2, False, True, 4, {"stream": False}), (3, False, False, 5, None),
+         (6, True, True, 1, None), (7, False, True, 4, None), (8, True, False, 4, None), (11, False, True, 1, None),
+         (14, True, False, 5, None)]
 
 
 @pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gemv_formats(kernels, dev, rng, fmt, mode):
+def test_gemv_formats(recorder, dev, rng, fmt, mode):
     """Every format and mode at a small shape: N not a multiple of 4 or of a block's rows, K = 352 (Kp = 384:
-    a padded last group), M in {1, 3, 8, 11 (chunk loop)}, ldx > K, ldy > N."""
+    a padded last group), M in CASES (the stream kernels of 1 and 3 rows, the block kernels of 2, 6, 7 and 8 rows,
+    the chunk loop at 11 and 14), ldx > K, ldy > N, two guard rows past M; the launches include every kernel
+    CASES names."""
     n = 96 if mode == "swiglu" else 203
     w, wv = dev.weight(fmt, (n, 352), rng)
-    for M, (norm, scale, ldx_pad) in CASES.items():
-        run_gemv(kernels, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad, ldy_pad=3)
+    for M, norm, scale, ldx_pad, plan in CASES:
+        run_gemv(recorder, dev, rng, w, wv, M=M, mode=mode, norm=norm, scale=scale, ldx_pad=ldx_pad, ldy_pad=3,
+                 plan=plan)
+    code = "bf16" if fmt == "bf16" else fmt[:2]
+    want = {f"gemv_{code}_{kind}" for kind in ("m2", "m6", "m7", "m8", "s3")}
+    assert want <= set(recorder.names), f"{fmt} {mode}: launches {sorted(set(recorder.names))} miss " \
+                                        f"{sorted(want - set(recorder.names))}"
 
 
 @pytest.mark.parametrize("fmt", ["q4g64", "q5g32", "q6g128", "q8g32", "bf16"])
@@ -153,11 +170,17 @@ def test_gemv_k_split_and_slabs(kernels, dev, rng, fmt):
                          plan={"kw_log2": kw_log2, "ks": 1024})
 
 
-@pytest.mark.parametrize("M", [1, 2, 4, 8])
-def test_gemv_long_k(kernels, dev, rng, M):
-    """The 27B's down_proj K = 17408 (q5g64): several slabs at every M, default plan."""
+@pytest.mark.parametrize("M,ks", [(1, None), (2, None), (4, None), (8, None), (1, 4352), (2, 4352)],
+                         ids=["M1", "M2", "M4", "M8", "M1-ks4352", "M2-ks4352"])
+def test_gemv_long_k(kernels, dev, rng, M, ks):
+    """The 27B's down_proj K = 17408 (q5g64), add with row scales. Default plans: at M = 1, 2 the stream kernel
+    (all of K in its one slab), at M = 4, 8 the block kernel over several slabs (4 of 4352, 8 of 2304); and the
+    block kernel at M = 1, 2 forced to slabs of 4352 (4 slabs), so several slabs are covered at every M."""
     w, wv = dev.weight("q5g64", (256, 17408), rng)
-    run_gemv(kernels, dev, rng, w, wv, M=M, mode="add", norm=False, scale=True)
+    plan = None if ks is None else {"ks": ks}
+    p = linear.plan_gemv(w, M, kernels.gpu.info.sm_count, **(plan or {}))
+    assert p.stream == (M <= 2 and ks is None) and (p.stream or p.ks < 17408), p
+    run_gemv(kernels, dev, rng, w, wv, M=M, mode="add", norm=False, scale=True, plan=plan)
 
 
 SHAPES = [
@@ -196,8 +219,10 @@ def test_gemv_stream_plans(kernels, dev, rng, fmt):
     """The M = 1 stream kernel under forced plans, d in {1, most}, in every mode, with the float4 and the scalar
     staging of x. K = 2080 leaves the last step of each row group ragged. The block counts make every kind of
     warp range: 2 blocks (~25 row groups each: ranges cut groups, both register tiles in turn), 7, 37 (1-2
-    groups per block, where a group is cut across several warps) and the default (one group per block here:
-    with 5 steps or fewer some warps get none, and the warps that share a group are not adjacent). Each case with
+    groups per block, where a group is cut across several warps; the swiglu weight's 24 groups: one per block)
+    and the default (13-51 blocks for the 51 row groups of N = 203, whatever the SM count: 1-4 groups and 5-10
+    steps per block, so groups are cut across warps and, below 8 steps, some warps get none; one group per block
+    only for bf16 at d = 1). Each case with
     ldx % 4 == 0 runs with x staged from registers and with x (and norm_w) copied into shared memory by cp.async
     (x_copy, xvec = 2) and by bulk copies (x_bulk: gemv_*_s1b on sm_90+)."""
     ws = {mode: dev.weight(fmt, (96 if mode == "swiglu" else 203, 2080), rng) for mode in ("store", "swiglu")}
@@ -243,9 +268,11 @@ def test_gemv_stream_long_k(kernels, dev, rng, fmt, shape):
 
 def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
     """The stream kernel on the 27B down_proj's K = 17408 (q5g64: 43.5 KB of int16 x̂ codes) and on the longest K
-    its slab holds (18688), store and add, with and without the norm, at 1 block per SM (the default plan for
-    these N) and 2 (sm_count + 1 blocks), x staged from registers and copied by cp.async or bulk copies (on the
-    H200 the copy fits beside the slab except with the norm at 2 blocks per SM, which then stages from registers)."""
+    its slab holds (18688), store and add, with and without the norm, x staged from registers and copied by
+    cp.async or bulk copies. At [544, 17408] (136 row groups) the default plan launches one block per SM and
+    sm_count + 1 blocks need two on some SM, so the copy must fit beside two slabs (on the H100 / H200 it does
+    except with the norm, which then stages from registers). At [12, 18688] (3 row groups) both launches are 3
+    blocks of one group each (blocks never exceed the groups): the longest slab, one block per SM."""
     for shape in ((544, 17408), (12, 18688)):
         w, wv = dev.weight("q5g64", shape, rng)
         for mode, norm in (("store", True), ("add", False)):
@@ -260,7 +287,9 @@ def test_gemv_stream_at_its_int16_cap(kernels, dev, rng):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_embed(kernels, dev, rng, fmt):
     """Rows ids[m] bit-exact (first and last row included, a repeat, an aligned and a 4-byte-offset output);
-    an id outside [0, V) gives a NaN row."""
+    an id outside [0, V) (V, -1, INT32_MIN, INT32_MAX) gives a row of the kernel's quiet NaN 0x7FC00000 (gemv.cu
+    embed_body), written over an output that starts at zero, beside a valid id's exact row; the bytes around the
+    output region keep theirs."""
     v, k = 300, 352
     w, wv = dev.weight(fmt, (v, k), rng)
     ids = np.concatenate([[0, v - 1, 7, 0], rng.integers(0, v, 7)]).astype(np.int32)
@@ -275,10 +304,23 @@ def test_embed(kernels, dev, rng, fmt):
             r, c = np.argwhere(got.view(np.uint32) != want.view(np.uint32))[0]
             raise AssertionError(f"embed {fmt} out+{offset}: row {r} (id {ids[r]}) col {c}: got {got[r, c]!r}, "
                                  f"want {want[r, c]!r}")
-    bad = dev.put(np.array([v, -1], np.int32))
-    out = dev.empty(2 * k * 4)
-    linear.embed(kernels, w, ids=bad, M=2, out=out)
-    assert np.isnan(dev.get(out, (2, k))).all(), f"embed {fmt}: out-of-range ids must give NaN rows"
+        raw = dev.get(base, (m * k * 4 + 16,), np.uint8)
+        margin = np.r_[raw[:offset], raw[offset + m * k * 4:]]
+        assert (margin == 0xFF).all(), f"embed {fmt} out+{offset}: wrote outside out[:{m}, :{k}]"
+    bad_ids = np.array([v, 3, -1, -2**31, 2**31 - 1], np.int32)
+    nb = len(bad_ids)
+    bad = dev.put(bad_ids)
+    for lead in (4, 1):  # out 16-byte aligned (float4 stores) and 4 bytes past it (scalar stores)
+        buf = dev.put(np.zeros(nb * k + 8, np.float32))  # finite: an unwritten NaN row would show
+        linear.embed(kernels, w, ids=bad, M=nb, out=buf + 4 * lead)
+        got = dev.get(buf, (nb * k + 8,)).view(np.uint32)
+        rows = got[lead:lead + nb * k].reshape(nb, k)
+        for r, i in enumerate(bad_ids):
+            want = wv[i].view(np.uint32) if 0 <= i < v else np.full(k, 0x7FC00000, np.uint32)
+            assert np.array_equal(rows[r], want), \
+                f"embed {fmt} out+{4 * lead}: row {r} (id {i}) is not {'the exact row' if 0 <= i < v else 'NaN'}: " \
+                f"first words {[hex(u) for u in rows[r, :4]]}"
+        assert not np.r_[got[:lead], got[lead + nb * k:]].any(), f"embed {fmt}: wrote outside out[:{nb}, :{k}]"
 
 
 # ------------------------------------------------------------------------------------------------ checks (no GPU)
@@ -348,15 +390,25 @@ def test_embed_argument_errors():
 
 def test_plan_fits_shared_memory():
     """Every M's x̂ slab stays under the 48 KB default with the kernel's 1.25 KB of static shared memory, but for the
-    stream kernels of several rows, whose slab opts in up to 100 KB (two blocks an SM still fit)."""
+    stream kernels of several rows, whose slab opts in up to 100 KB (two blocks an SM still fit). The grid, as
+    GemvPlan documents it: a stream plan's grid is its row groups (ceil(N / 4)), of which it launches `blocks` in
+    [1, grid], with all of K in one slab; a block plan launches `grid` = ceil(groups / (8 >> kw_log2)) block tiles
+    (8 warps, 1 << kw_log2 of them on each group)."""
     for fmt in ("q4g32", "q8g64", "bf16"):
-        for k_ in (256, 2048, 5120, 17408):
-            w = DeviceWeight("w", fmt, (4096, k_), 0)
+        for n, k_ in itertools.product((4096, 203), (256, 2048, 5120, 17408)):
+            w = DeviceWeight("w", fmt, (n, k_), 0)
+            code = "bf16" if fmt == "bf16" else fmt[:2]
+            groups = -(-n // 4)  # row groups of 4 rows
             for m in range(1, 9):
                 p = linear.plan_gemv(w, m, 132)
                 cap = 100 * 1024 if p.stream and m > 1 else 48 * 1024 - 1280  # several-row stream slabs opt in
                 assert p.smem <= cap and p.ks % 32 == 0 and p.ks <= k_
-                assert p.grid * (8 >> p.kw_log2) * 4 >= 4096  # every row has a warp
+                if p.stream:  # grid: the row groups, shared out by `blocks` persistent blocks
+                    assert p.name == f"gemv_{code}_s{m}" and p.m == m and p.kw_log2 == 0 and p.ks == k_
+                    assert p.grid == groups and 1 <= p.launch_blocks == p.blocks <= groups
+                else:  # grid: block tiles of 8 >> kw_log2 row groups, all launched
+                    assert p.name == f"gemv_{code}_m{m}" and 0 <= p.kw_log2 <= 3 and p.blocks == 0
+                    assert p.grid == -(-groups // (8 >> p.kw_log2)) == p.launch_blocks
     # M = 1 int16 x̂ (80 bytes per chunk): the 27B down_proj's K = 17408 is one slab
     assert linear.plan_gemv(DeviceWeight("w", "q5g64", (5120, 17408), 0), 1, 132).ks == 17408
 

@@ -14,7 +14,7 @@ import pytest
 from ninfer_rt.gpu import linear
 from ninfer_rt.gpu.driver import GpuError
 from ninfer_rt.gpu.weights import DeviceWeight
-from .test_linear import FakeKernels
+from .test_linear import FakeKernels, check_close, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +27,13 @@ def test_gemv_x_records(kernels, dev, rng, fmt, shape, M):
     """x_records: x [M, K] given as its chunk records of M rows (reference.ops.act_records16, as the DeltaNet step
     writes them for out_proj) gives y to the bit of x itself (the same codes and the same plan, so the same sums in
     the same order), store and add, at the 35B's and 27B's out_proj shapes and two small ones (N past a block's
-    rows, K with a padded last group); one row in every format, 2-4 rows of q8 weights (gemv_q8_s{M}r)."""
+    rows, K with a padded last group); one row in every format, 2-4 rows of q8 weights (gemv_q8_s{M}r). The plain
+    launch's y is itself checked against test_linear's float64 oracle on the exact weights (its TOL), and store
+    mode starts from poisoned y, so an unwritten element fails as NaN."""
     import torch
 
     from ninfer_rt.reference.ops import act_records16
-    w, _ = dev.weight(fmt, shape, rng)
+    w, wv = dev.weight(fmt, shape, rng)
     n, k = shape
     x = rng.standard_normal((M, k)).astype(np.float32)
     rec = act_records16(torch.from_numpy(x), linear.records_order(w)).numpy()
@@ -40,11 +42,13 @@ def test_gemv_x_records(kernels, dev, rng, fmt, shape, M):
         pytest.skip(f"x_records runs on sm_90+ (this GPU: {kernels.gpu.info.arch})")
     y0 = rng.standard_normal((M, n)).astype(np.float32)
     for mode in ("store", "add"):
-        ys = [dev.put(y0) for _ in range(2)]
+        ys = [dev.put(y0) if mode == "add" else dev.empty(M * n * 4) for _ in range(2)]
         linear.gemv(kernels, w, x=dev.put(x), M=M, y=ys[0], mode=mode)
         linear.gemv(kernels, w, x=dev.put(rec), M=M, y=ys[1], mode=mode, x_records=True)
         a, b = (dev.get(p, (M, n)) for p in ys)
-        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
+        check_close(a, reference(wv, x, mode=mode, norm_w=None, row_scale=None, y0=y0, codes=True),
+                    f"plain gemv {fmt} {shape} M={M} {mode}")
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
             f"{fmt} {shape} M={M} {mode}: x_records changed y (first at {np.argwhere(a != b)[:1].tolist()})"
 
 
@@ -110,10 +114,11 @@ def test_gemv_y_records(kernels, dev, rng, fmt, shape):
     # the records as the down's x̂ (K = n/2), against the down from y itself
     down, _ = dev.weight("q5g64", (256, n // 2), rng)
     if linear.records_fit(kernels, down):
-        zs = [dev.put(np.zeros(256, np.float32)) for _ in range(2)]
+        zs = [dev.empty(256 * 4) for _ in range(2)]  # poisoned: an unwritten output is NaN
         linear.gemv(kernels, down, x=ys[0], M=1, y=zs[0])
         linear.gemv(kernels, down, x=rec, M=1, y=zs[1], x_records=True)
         c, d = (dev.get(p, (256,)) for p in zs)
+        assert np.isfinite(c).all(), f"{fmt} {shape}: the down from y left {(~np.isfinite(c)).sum()} outputs unwritten"
         assert np.array_equal(c.view(np.uint32), d.view(np.uint32)), f"{fmt} {shape}: the down from the records"
 
 
