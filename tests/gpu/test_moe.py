@@ -388,12 +388,17 @@ def test_down_three_blocks_per_sm(kernels, dev, rng, monkeypatch, fmt, M, extra)
 
 @pytest.mark.parametrize("I,H", [(32, 64), (512, 1024)])  # general paths; fast paths (q formats, T = 1)
 def test_bad_ids_give_nan(kernels, dev, rng, I, H):
-    """An expert id outside [0, E) poisons exactly its outputs instead of reading out of bounds."""
+    """An expert id outside [0, E) (-1 and E; experts 4..E-1 hold 0xFF bytes) poisons exactly its outputs: gate_up's
+    act rows of the bad ids, and down's rows holding one. Down is checked twice: on gate_up's act (whose bad rows
+    are NaN already) and alone on finite act, weights and y0, where only its own id check can make rows 1 and 2
+    NaN; its good row 0 must then be y0 + Σ_j w_j·(D_{e_j} @ a_j) within test_moe's down bound (a: the int16
+    codes of act on the fast path, I = 512)."""
     from ninfer_rt.gpu import moe
     E, k, M = 8, 2, 3
     gu, _ = bank(dev, "q4g32", E, 2 * I, H, range(4), rng)
-    dn, _ = bank(dev, "q5g64", E, H, I, range(4), rng)
-    ids = put(dev, np.array([[0, 1], [-1, 2], [3, E]], np.int32))
+    dn, dn_vals = bank(dev, "q5g64", E, H, I, range(4), rng)
+    ids_np = np.array([[0, 1], [-1, 2], [3, E]], np.int32)
+    ids = put(dev, ids_np)
     act = dev.empty(M * k * I * 4)
     moe.gate_up(kernels, gu, x=put(dev, rng.standard_normal((M, H)).astype(np.float32)), M=M, ids=ids, top_k=k,
                 act=act)
@@ -404,6 +409,24 @@ def test_bad_ids_give_nan(kernels, dev, rng, I, H):
     moe.down(kernels, dn, act=act, ids=ids, weights=put(dev, np.full((M, k), 0.5, np.float32)), M=M, top_k=k, y=y)
     got = dev.get(y, (M, H))
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
+
+    # down alone on finite inputs: rows 1 and 2 NaN from its own id check, row 0 the exact-value oracle
+    act2 = rng.standard_normal((M, k, I)).astype(np.float32)
+    w2 = rng.uniform(0.1, 1, (M, k)).astype(np.float32)
+    y0 = rng.standard_normal((M, H)).astype(np.float32)
+    y2 = put(dev, y0)
+    moe.down(kernels, dn, act=put(dev, act2), ids=ids, weights=put(dev, w2), M=M, top_k=k, y=y2)
+    got2 = dev.get(y2, (M, H))
+    assert np.isnan(got2[1:]).all(), "down did not poison the rows of bad ids (finite act)"
+    a = (codes(act2)[0] if fast_down(dn.fmt, I) else act2).astype(np.float64)
+    want, scale = np.zeros(H), np.zeros(H)
+    for j in range(k):
+        D = dn_vals[int(ids_np[0, j])].astype(np.float64)
+        want += float(w2[0, j]) * (D @ a[0, j])
+        scale += abs(float(w2[0, j])) * (np.abs(D) @ np.abs(a[0, j]))
+    # as test_moe's down: DOT relative to Σ|w·D·a|, plus one fp32 rounding of y += total
+    assert_close(f"down row 0 beside bad ids (I = {I})", got2[0].astype(np.float64) - y0[0], want,
+                 DOT * scale + 2 * U * np.abs(got2[0]))
 
 
 def test_misuse_raises(kernels):

@@ -175,8 +175,10 @@ def test_fused_moe_routing_ties_nan_inf(kernels, dev, rng, E, k):
 
 
 def test_fused_moe_bad_ids_give_nan(kernels, dev, rng):
-    """NaN router logits leave fewer than top_k candidates: the missing experts' act is NaN and so is all of x,
-    as moe.down makes it (an id outside [0, E) never reads out of bounds)."""
+    """NaN router logits leave 3 candidates for top_k = 8: ids are the live experts in logit order (1.5 > 0.25 >
+    -2.0), then 0x7fffffff; their weights a float64 softmax of those three logits within ROUTE_REL, the missing
+    ones' weights 0 (exp(-inf)); the missing experts' act is NaN, act_s finite, and all of x NaN, as moe.down
+    makes it."""
     from ninfer_rt.gpu import moe
     E, k, H = 16, 8, 1024
     gu, _ = bank(dev, "q4g64", E, 2 * I, H, range(E), rng)
@@ -184,14 +186,21 @@ def test_fused_moe_bad_ids_give_nan(kernels, dev, rng):
     sgu, sdn, *_ = shared_expert(dev, rng, H)
     weights = (gu, dn, sgu, sdn)
     plan = moe.fused_kernel(kernels, *weights, k)
+    assert plan is not None, "no moe_fused entry for E = 16, q4g64/q4g64/q8g32 at H = 1024"
     logits = np.full(E + 1, np.nan, np.float32)
     live = rng.choice(E, 3, replace=False)
     logits[live] = [1.5, -2.0, 0.25]
     logits[E] = 0.5
     x, norm_w = residual(rng, 1, H)
-    x1, ids, _, _, act, act_s = launch(kernels, dev, plan, weights, x[0], norm_w, logits, E, k,
+    x1, ids, w, _, act, act_s = launch(kernels, dev, plan, weights, x[0], norm_w, logits, E, k,
                                        dev.empty(4, poison=False))
-    assert sorted(ids[:3]) == sorted(live) and (ids[3:] == INVALID).all()
+    want_ids = np.array([live[0], live[2], live[1]] + [INVALID] * (k - 3))
+    np.testing.assert_array_equal(ids, want_ids, err_msg="ids: the live experts by logit, then 0x7fffffff")
+    sel = logits[want_ids[:3]].astype(np.float64)
+    want_w = np.exp(sel - sel[0])
+    want_w /= want_w.sum()
+    assert_close("weights of the live experts", w[:3], want_w, ROUTE_REL * want_w)
+    assert (w[3:] == 0).all(), f"the missing experts' weights must be 0, got {w[3:]}"
     assert np.isfinite(act[:3]).all() and np.isnan(act[3:]).all() and np.isfinite(act_s).all() and np.isnan(x1).all()
 
 

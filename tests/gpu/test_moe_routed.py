@@ -36,8 +36,10 @@ pytestmark = pytest.mark.gpu
 NORM = 5e-6  # relative error of h allowed between the kernel and ops.rms_norm_zc, see the module docstring
 EPS = 1e-6
 # "generic": moe_gate_up_routed_<f> (H = 64); "fast": moe_gate_up_routed_t1_<f> (H = 1024); "unaligned": H = 1024
-# with norm_w not 16-byte aligned, which must fall back to the generic kernel
+# with norm_w not 16-byte aligned, which must fall back to the generic kernel (the entry each must launch: below)
 PATHS = {"generic": 64, "fast": 1024, "unaligned": 1024}
+PATH_KERNEL = {"generic": "moe_gate_up_routed_{}", "fast": "moe_gate_up_routed_t1_{}",
+               "unaligned": "moe_gate_up_routed_{}"}
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -91,13 +93,35 @@ def sigmoid64(v) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.asarray(v, np.float64)))
 
 
+def routed_kernels(fmt_gu: str, H: int, fmt_down: str, I: int, M: int) -> tuple[str, str]:
+    """The entry points moe.gate_up_routed and moe.down must launch for these banks (16-byte aligned inputs):
+    the fast paths moe_gate_up_routed_t{H/1024}_<f> / moe_down_t{I/512}_<f> for q banks at H = 1024·T /
+    I = 512·T, their three-blocks-an-SM builds at several rows where the planner constants ask (gate/up at T = 2,
+    down at T = 1), else the general moe_gate_up_routed_<f> / moe_down_<f>."""
+    from ninfer_rt.gpu import moe
+    if fast_gate_up(fmt_gu, H):
+        t = H // 1024
+        b3 = moe.GATE_UP_BLOCKS_PER_SM == 3 and M > 1 and t == 2 and fmt_gu in moe.GATE_UP_B3_FORMATS
+        gu = f"moe_gate_up_routed_{'b3_' if b3 else ''}t{t}_{fmt_gu}"
+    else:
+        gu = f"moe_gate_up_routed_{fmt_gu}"
+    if fast_down(fmt_down, I):
+        t = I // 512
+        b3 = moe.DOWN_BLOCKS_PER_SM == 3 and M > 1 and t == 1 and fmt_down in moe.DOWN_B3_FORMATS
+        dn = f"moe_down_{'b3_' if b3 else ''}t{t}_{fmt_down}"
+    else:
+        dn = f"moe_down_{fmt_down}"
+    return gu, dn
+
+
 # ------------------------------------------------------------------------------------------ routing + act
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("E,top_k,M", ROUTE_CASES)
-def test_routed_routing_and_act(kernels, dev, rng, E, top_k, M, path):
+def test_routed_routing_and_act(kernels, recorder, dev, rng, E, top_k, M, path):
     """Distinct logits with padding columns and a shared gate above every router logit on even rows (ranking
-    column E or the padding would pick the wrong experts): routing as moe_route and torch; act as the oracle."""
+    column E or the padding would pick the wrong experts): routing as moe_route and torch; act as the oracle;
+    the path's entry point (PATH_KERNEL) is the one launched."""
     from ninfer_rt import layout
     H, I = PATHS[path], 32
     ld = E + 1 + 3
@@ -111,7 +135,9 @@ def test_routed_routing_and_act(kernels, dev, rng, E, top_k, M, path):
     gu, gu_vals = bank(dev, "q4g64", E, 2 * I, H, want_ids.ravel(), rng)
     gate = {e: layout.deinterleave_gate_up(v[None])[0][0] for e, v in gu_vals.items()}
 
-    _, got, ref = run_routed(kernels, dev, gu, x, norm_w, logits, E, top_k, w_offset=4 if path == "unaligned" else 0)
+    _, got, ref = run_routed(recorder, dev, gu, x, norm_w, logits, E, top_k,
+                             w_offset=4 if path == "unaligned" else 0)
+    assert recorder.names == [PATH_KERNEL[path].format("q4g64"), "moe_route"], recorder.names
     assert_same_routing(got, ref)
     np.testing.assert_array_equal(got[0], want_ids, err_msg="gate_up_routed ids differ from torch.topk")
     assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
@@ -174,9 +200,9 @@ CHAIN = list(dict.fromkeys((dims, fg, fd) for dims, _, fg, fd in CASES))  # test
 
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("dims,fmt_gu,fmt_down", CHAIN)
-def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
+def test_routed_chain(kernels, recorder, dev, rng, dims, M, fmt_gu, fmt_down):
     """gate_up_routed + moe.down against ops.moe on h = rms_norm_zc(x), the logits of the same torch expression
-    ops.moe evaluates; routing and act checked on the way."""
+    ops.moe evaluates; routing and act checked on the way, and the entry points launched (routed_kernels)."""
     from ninfer_rt.gpu import moe
     E, k, I, H = DIMS[dims]
 
@@ -188,7 +214,9 @@ def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
     (x, norm_w), h, fused = c["extra"], c["h"], c["fused"]
     router_w, sg_w, want_ids, want_w, gu, dn, dn_vals, gate = (c[n] for n in ("router_w", "sg_w", "ids", "w", "gu",
                                                                                "dn", "dn_vals", "gate"))
-    (ids, w, act), got, ref = run_routed(kernels, dev, gu, x, norm_w, fused, E, k)
+    (ids, w, act), got, ref = run_routed(recorder, dev, gu, x, norm_w, fused, E, k)
+    want_gu, want_dn = routed_kernels(fmt_gu, H, fmt_down, I, M)
+    assert recorder.names == [want_gu, "moe_route"], recorder.names
     assert_same_routing(got, ref)
     np.testing.assert_array_equal(got[0], want_ids, err_msg="gate_up_routed ids differ from torch.topk")
     assert_close("weights vs torch", got[1], want_w, ROUTE_REL * np.abs(want_w))
@@ -200,7 +228,8 @@ def test_routed_chain(kernels, dev, rng, dims, M, fmt_gu, fmt_down):
 
     y0 = rng.standard_normal((M, H)).astype(np.float32)
     y = put(dev, y0)
-    moe.down(kernels, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y)
+    moe.down(recorder, dn, act=act, ids=ids, weights=w, M=M, top_k=k, y=y)
+    assert recorder.names[2:] == [want_dn], recorder.names
     y1 = dev.get(y, (M, H))
     routed = routed_oracle(h, router_w, sg_w, gate, dn_vals, k)
     assert_close(f"routed MoE from x vs ops.moe(rms_norm_zc(x)) ({fmt_gu}/{fmt_down})", y1.astype(np.float64) - y0,
