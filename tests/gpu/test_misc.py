@@ -79,8 +79,9 @@ def test_rms_norm(kernels, dev, rng, D, layout):
 @pytest.mark.parametrize("D", [64, 2048])
 @pytest.mark.parametrize("layout", ["dense", "strided", "unaligned"])
 def test_rms_norm_bf16(kernels, dev, rng, D, layout):
-    """out="bf16" rounds the fp32 result to nearest even: bit for bit f32_to_bf16_bits of rms_norm's fp32 output
-    (checked above against fp64), on the same input and layouts; the padding past D keeps its bytes."""
+    """out="bf16" rounds the fp32 result to nearest even: bit for bit f32_to_bf16_bits of rms_norm's fp32 output,
+    which is itself checked against the fp64 definition within test_rms_norm's 2e-6 (same derivation: this input
+    has the same scales and D <= 2048), on the same input and layouts; the padding past D keeps its bytes."""
     M, eps = 5, 1e-6
     ldx, ldy = {"dense": (D, D), "strided": (D + 4, D + 8), "unaligned": (D + 1, D + 3)}[layout]
     x = np.full((M, ldx), np.nan, np.float32)
@@ -91,7 +92,12 @@ def test_rms_norm_bf16(kernels, dev, rng, D, layout):
     misc.rms_norm(kernels, x=xp, y=y32, M=M, D=D, w=wp, eps=eps, ldx=ldx)
     misc.rms_norm(kernels, x=xp, y=y16, M=M, D=D, w=wp, eps=eps, ldx=ldx, ldy=ldy, out="bf16")
     got = dev.get(y16, (M, ldy), np.uint16)
-    want = f32_to_bf16_bits(dev.get(y32, (M, D)))
+    y = dev.get(y32, (M, D))
+    x64 = x[:, :D].astype(np.float64)
+    exact = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * (1.0 + w.astype(np.float64))
+    rel = np.abs(y.astype(np.float64) - exact) / np.abs(exact)
+    assert (rel <= 2e-6).all(), f"rms_norm fp32 D={D} {layout}: worst rel {np.nanmax(rel):.3g} against fp64"
+    want = f32_to_bf16_bits(y)
     bad = got[:, :D] != want
     assert not bad.any(), f"rms_norm bf16 D={D} {layout}: {bad.sum()} elements differ, first at {_where(bad)}"
     assert (got[:, D:] == 0xFFFF).all(), "rms_norm bf16 wrote past D"
@@ -120,14 +126,14 @@ def test_cast_bf16(kernels, dev, rng, layout):
 
 # ------------------------------------------------------------------------------------------ arg-max
 
-def _argmax_rows(rng, M: int, V: int) -> np.ndarray:
-    """Rows that probe the rules: random, planted ties far apart and across a block seam, NaN, -inf, all -inf,
-    all NaN, a constant row, the maximum at the last index."""
+def _argmax_rows(rng, M: int, V: int, seam: int) -> np.ndarray:
+    """Rows that probe the rules: random, planted ties far apart and across a block seam (seam - 1 | seam), NaN,
+    -inf, all -inf, all NaN, a constant row, the maximum at the last index."""
     x = rng.standard_normal((M, V)).astype(np.float32)
     top = float(x.max()) + 1.0
     a, b, c = sorted(rng.choice(V, size=3, replace=False))
     x[1, [c, a, b]] = top                                  # ties far apart: a wins
-    s = min(V - 2, 2035)                                   # 2035 | 2036: the seam of the first two split blocks
+    s = min(V - 2, seam - 1)                               # the seam of the first two split blocks
     x[2, [s + 1, s]] = top
     x[3, [0, V // 2]] = np.nan                             # NaN never wins
     x[3, int(rng.integers(V))] = top
@@ -140,26 +146,38 @@ def _argmax_rows(rng, M: int, V: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("V", [V_BIG, 500])
+@pytest.mark.parametrize("V", [V_BIG, 5001, 500])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("layout", ["dense", "padded", "unaligned"])
-def test_argmax(kernels, dev, rng, V, split, layout):
+def test_argmax(kernels, recorder, dev, rng, V, split, layout):
+    """With scratch, rows longer than one block's 2048 entries are split over blocks (V_BIG: 122 slices; 5001:
+    3, the last partial) and argmax_finish reduces the slices (checked: it ran); V = 500 is one block either way.
+    The planted seam tie sits at the first two slices' boundary (misc._argmax_split's chunk: data placement only,
+    the expected token comes from numpy)."""
     M = 9
-    x = _argmax_rows(rng, M, V)
+    chunk, nsplit = misc._argmax_split(V) if split else (V, 1)
+    x = _argmax_rows(rng, M, V, chunk if nsplit > 1 else V // 2)
     ld, offset = {"dense": (V, 0), "padded": (V + 12, 0), "unaligned": (V + 1, 1)}[layout]
     lp = _put_rows(dev, x, ld, offset)
     out = dev.empty(M * 4)
     scratch = dev.empty(misc.argmax_scratch_bytes(M)) if split else 0
-    misc.argmax(kernels, logits=lp, ld=ld, M=M, V=V, out=out, scratch=scratch)
+    misc.argmax(recorder, logits=lp, ld=ld, M=M, V=V, out=out, scratch=scratch)
+    assert recorder.names == (["argmax_rows", "argmax_finish"] if split and V > 2048 else ["argmax_rows"]), \
+        f"split={split} V={V}: launched {recorder.names}"
     got = dev.get(out, (M,), np.int32)
     want = np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1)  # first index of the max, NaN as -inf
-    assert want[5] == 0 and want[6] == 0 and want[7] == 0
     bad = got != want
     assert not bad.any(), (f"argmax rows {np.flatnonzero(bad).tolist()}: got {got[bad].tolist()}, "
                            f"want {want[bad].tolist()}")
 
 
 # ------------------------------------------------------------------------------------------ sampling helpers
+
+def _u64(rng) -> int:
+    """A seed or step over all of [0, 2^64) (bit 63 set half the time: the Philox key's and counter's high words
+    must be taken unsigned), as a Python int (sample_params and sample_uniform take ints)."""
+    return int(rng.integers(2**64, dtype=np.uint64))
+
 
 def _params(rows) -> np.ndarray:
     """SAMPLE_PARAMS records from (temperature, top_k, top_p, min_p, seed, step) tuples."""
@@ -266,7 +284,7 @@ def test_sample_probs_match_sampler(kernels, dev, rng, V, unaligned):
     sets = BIG_SETS if V == V_BIG else SMALL_SETS
     M = len(sets)
     x = (rng.standard_normal((M, V)) * 2.5).astype(np.float32) if V == V_BIG else _small_logits(rng, M, V)
-    params = _params([(*s, int(rng.integers(2**63)), int(rng.integers(2**63))) for s in sets])
+    params = _params([(*s, _u64(rng), _u64(rng)) for s in sets])
     got = _run_sampler(kernels, dev, x, params, ld=V + 1 if unaligned else V, probs=True)
     for r in range(M):
         _check_probs(got[r], _reference(x[r], params[r]), x[r], f"row {r} params {sets[r]}")
@@ -289,27 +307,43 @@ def _capped_expected(x_row: np.ndarray, temperature: float, top_k: int) -> np.nd
 
 
 def test_sample_tie_overflow(kernels, dev, rng):
-    """More ties with the K-th logit than the cap holds: the lowest indices fill it (-0.0 ties with +0.0)."""
-    V = 3000
+    """More ties with the K-th logit than the cap holds: the lowest indices fill it (misc.py / sampling.cu: the keys
+    == t in index order, at most 1024 candidates in all; -0.0 ties with +0.0). V = 3·8192 + 123: four compaction
+    segments of misc._HIST_CHUNK = 8192 entries (the last of 123), the ties scattered over all of them (some in
+    the last) and gathered in index order across segments. Row 0: two planted maxima (1.0), ~2000 zeros (half
+    -0.0), random negative logits elsewhere: the maxima and the 1022 lowest-index zeros, which end past the first
+    segment; row 1: the same at top_k = 10 (its ties overflow the cap too); row 2: all ±0: tokens 0 .. 1023."""
+    seg = misc._HIST_CHUNK
+    assert seg == 8192, "the segment size this test was laid out for"
+    V = 3 * seg + 123
     x = np.zeros((3, V), np.float32)
-    x[0, ::7] = -1.0
-    x[0, [5, 2999]] = 1.0                                  # 2 above t = 0, then 1022 of ~2570 zeros
+    zeros = np.concatenate([rng.choice(3 * seg, size=1990, replace=False),  # some in every segment
+                            3 * seg + rng.choice(123, size=10, replace=False)])
+    others = np.setdiff1d(np.arange(V), zeros)
+    x[0, others] = -rng.uniform(0.1, 8.0, others.size)
+    x[0, zeros[rng.random(zeros.size) < 0.5]] = -0.0
+    top = rng.choice(others, size=2, replace=False)
+    x[0, top] = 1.0                                        # 2 above t = 0, then 1022 of the 2000 zeros
     x[1] = x[0]
     x[2, rng.choice(V, size=V // 2, replace=False)] = -0.0
     sets = [(1.0, 0, 1.0, 0.0), (0.5, 10, 1.0, 0.0), (1.0, 0, 1.0, 0.0)]
-    params = _params([(*s, 1, 2) for s in sets])
+    params = _params([(*s, _u64(rng), _u64(rng)) for s in sets])
     got = _run_sampler(kernels, dev, x, params, probs=True)
     for r, (temp, top_k, _, _) in enumerate(sets):
         _check_probs(got[r], _capped_expected(x[r], temp, top_k), x[r], f"tie overflow row {r}")
-    assert np.array_equal(np.flatnonzero(got[2]), np.arange(1024))
+    kept_zeros = np.sort(zeros)[:misc.SAMPLE_MAX_CANDIDATES - 2]
+    assert kept_zeros[-1] >= seg, "precondition: the kept ties span more than one segment"
+    for r in (0, 1):  # the rule stated directly, besides _capped_expected's
+        assert np.array_equal(np.flatnonzero(got[r]), np.sort(np.concatenate([top, kept_zeros]))), f"row {r}"
+    assert np.array_equal(np.flatnonzero(got[2]), np.arange(misc.SAMPLE_MAX_CANDIDATES))
 
 
 def test_sample_draws(kernels, dev, rng):
     """Tokens equal the host twin's draw; a second launch repeats them; other steps draw other tokens."""
     V, M = V_BIG, len(BIG_SETS)
     x = (rng.standard_normal((M, V)) * 2.5).astype(np.float32)
-    seeds = [int(s) for s in rng.integers(2**63, size=M, dtype=np.uint64)]
-    params = _params([(*s, seeds[r], int(rng.integers(2**40))) for r, s in enumerate(BIG_SETS)])
+    seeds = [_u64(rng) for _ in range(M)]
+    params = _params([(*s, seeds[r], _u64(rng)) for r, s in enumerate(BIG_SETS)])
     tokens = _run_sampler(kernels, dev, x, params)
     again = _run_sampler(kernels, dev, x, params)
     assert np.array_equal(tokens, again), f"same (seed, step), different tokens: {tokens} vs {again}"
@@ -332,15 +366,28 @@ def test_sample_draws(kernels, dev, rng):
 def test_sample_frequencies(kernels, dev, rng):
     """65536 draws of a small distribution. Bernstein: P(|f - p| >= e) <= 2 exp(-n e² / (2p(1-p) + 2e/3)); with
     the failure budget 1e-6 split over the V tokens, e = (L/3 + sqrt(L²/9 + 2 n L p(1-p))) / n, L = ln(2V/1e-6).
-    Tokens outside the kept set (top-k 5 drops one, top-p 0.97 may drop more) must never be drawn."""
+    Tokens outside the kept set must never be drawn. Both filters matter here (asserted with Sampler): top-k 5 alone
+    drops token 3, top-p 0.9 alone drops token 3 as well, but top-p over top-k's five drops token 1 too (the mass
+    above it is 0.906 of those five, 0.84 of all six), so a kernel that skips either stage, or runs top-p first,
+    keeps token 1 (p ~ 0.09 there: thousands of draws)."""
     V, rows, launches = 6, 1024, 64
-    x = np.array([[0.3, -0.2, 1.1, -1.5, 0.6, 0.0]], np.float32)
-    seed = int(rng.integers(2**63))
-    p = _reference(x[0], _params([(0.9, 5, 0.97, 0.0, 0, 0)])[0])
+    x = np.array([[0.3, -0.2, 1.1, -0.4, 0.6, 0.0]], np.float32)
+    temp, top_k, top_p = 0.9, 5, 0.9
+    seed = _u64(rng)
+    rec = _params([(temp, top_k, top_p, 0.0, 0, 0)])[0]
+    p = _reference(x[0], rec)
+
+    def kept(k, q):  # Sampler's support under the record's fp32 values
+        sp = SamplingParams(temperature=float(rec["temperature"]), top_k=k, top_p=q)
+        return set(np.flatnonzero(Sampler(sp).distribution(x[0]) > 0).tolist())
+
+    both, k_only, p_only = set(np.flatnonzero(p > 0).tolist()), kept(top_k, 1.0), kept(0, float(rec["top_p"]))
+    assert both < k_only < set(range(V)) and both < p_only < set(range(V)), \
+        f"precondition: top-k and top-p must each matter (both {both}, top-k {k_only}, top-p {p_only})"
     counts = np.zeros(V, np.int64)
     xs = np.repeat(x, rows, axis=0)
     for i in range(launches):
-        params = _params([(0.9, 5, 0.97, 0.0, seed, i * rows + r) for r in range(rows)])
+        params = _params([(temp, top_k, top_p, 0.0, seed, i * rows + r) for r in range(rows)])
         counts += np.bincount(_run_sampler(kernels, dev, xs, params), minlength=V)[:V]
     n = rows * launches
     assert counts.sum() == n, f"tokens out of range: {counts.sum()} of {n} counted"
@@ -357,7 +404,7 @@ def test_top1_is_argmax(kernels, dev, rng):
     V, M = V_BIG, 8
     x = (rng.standard_normal((M, V)) * 3.0).astype(np.float32)
     rows = [(float(rng.choice([0.3, 1.0, 5.0])), 1, float(rng.uniform(0.1, 1.0)), float(rng.uniform(0, 0.5)),
-             int(rng.integers(2**63)), int(rng.integers(2**63))) for _ in range(M - 2)]
+             _u64(rng), _u64(rng)) for _ in range(M - 2)]
     rows += [(0.0, 0, 1.0, 0.0, 7, 9), (0.0, 300, 0.5, 0.3, 7, 9)]
     tokens = _run_sampler(kernels, dev, x, _params(rows))
     lp, out = _put_rows(dev, x, V), dev.empty(M * 4)
