@@ -1,9 +1,13 @@
-"""End to end on the GPU: the tiny built-in checkpoints packed with the tiny recipe (every format family) and
-the lossless bf16 recipe, our kernels against the PyTorch reference on the same artifact.
+"""End to end on the GPU: the tiny built-in checkpoints (MoE and dense) packed with the tiny recipe (every format
+family; the `artifact` fixture packs no other), our kernels against the PyTorch reference on the same artifact.
 
-Bounds: mean KL(reference || GPU) ≤ 1e-3 nats over an 80-token prompt (the issue's bound; decode's int16
-activation codes with a bf16 or int8 KV cache land far below it), greedy tokens equal over 64 steps with the
-bf16 KV cache, and batching (B sequences, T tokens each) changes nothing beyond fp32 reassociation (rel ≤ 1e-4).
+Bounds: mean KL(reference || GPU) <= 1e-3 nats over a 160-token prompt (PROMPT; the issue's bound), and <= 1e-3 for
+every row of a decode or verification step (int16 activation codes with a bf16 or int8 KV cache land near 1e-6);
+greedy tokens equal the reference's over 64 steps on a path without near-ties (clear_greedy_path); one computation
+run twice, or replayed from its CUDA graph, gives the same bits (prompts sum their routed experts in slot order, and no
+step adds by float atomics). Batching B sequences of T tokens each: up to 8 rows a step every row runs the GEMV on
+its own int16 codes, so batching changes only fp32 reassociation (rel <= 1e-4); above 8 rows the step takes the
+bf16 tensor-core GEMM, another computation, so both are held to the reference's bound instead.
 """
 
 from __future__ import annotations
@@ -255,24 +259,23 @@ def test_greedy_decode_matches_the_reference(gpu, kernels, artifact, reference, 
 
 
 @pytest.mark.parametrize("T2", [2, 4])
-def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, artifact, T2):
-    """B = 3 sequences in slots 2, 0, 1, each decoding T = 1 then T = T2 tokens (the MTP-verify shape), equal
-    the same tokens run one sequence at a time; graph replay equals direct launches.
+def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, artifact, reference, T2):
+    """B = 3 sequences in slots 2, 0, 1, each decoding T = 1 then T = T2 tokens (the MTP-verify shape), against the
+    same tokens run one sequence at a time and against the reference's logits of the same tokens.
 
-    Up to 8 rows a step runs the GEMV for every row (each row staged as its own int16 codes), so batching
-    changes only fp32 reassociation (≤ 1e-4).
-    With T2 = 4 the batched step has 12 rows and takes the tensor-core GEMM, whose bf16 activations (relative
-    rounding up to 2^-8 per projection input, a few dozen projections deep) bound the difference at 2e-2.
+    Graph replay runs the very kernels of the direct launches on the same inputs: the same bits, at every shape
+    (a 12-row step's grouped MoE sums its routed rows in slot order; no float atomics). Up to 8 rows a step (T = 1,
+    and T2 = 2) the batched step runs the GEMV for every row, each row staged as its own int16 codes, as the lone
+    steps do: batching changes only fp32 reassociation (rel <= 1e-4 of the logits' norm). With T2 = 4 the batched
+    step has 12 rows and takes the tensor-core GEMM on bf16 activations, the lone steps (4 rows) the GEMV: two
+    different computations, so each is held to the reference instead (KL <= 1e-3 a row, the decode bound).
     """
-    # prompts prefill in chunks of 8 rows, through the GEMV kernels: a longer chunk's grouped MoE adds expert
-    # outputs by atomics, whose order varies run to run, and the three runs must start from equal states
+    # prompts prefill in chunks of 8 rows, through the GEMV kernels, so the three runs start from equal states
     model, weights = gpu_model(gpu, kernels, artifact, slots=3, prefill_chunk=8)
-    tol = 1e-4 if 3 * T2 <= 8 else 2e-2
+    prompts = [prompt(n, 10 + n) for n in (5, 17, 33)]
+    slots = [2, 0, 1]
+    steps = [prompt(1, 3 + b) for b in range(3)], [prompt(T2, 7 + b) for b in range(3)]
     try:
-        prompts = [prompt(n, 10 + n) for n in (5, 17, 33)]
-        slots = [2, 0, 1]
-        steps = [prompt(1, 3 + b) for b in range(3)], [prompt(T2, 7 + b) for b in range(3)]
-
         def run(batched: bool, graph: bool):
             for s in slots:
                 model.reset_slot(s)
@@ -300,13 +303,23 @@ def test_batched_multi_token_decode_equals_separate_sequences(gpu, kernels, arti
     finally:
         model.free()
         weights.free(gpu)
-    for a, d, r in zip(alone, direct, replay):
-        assert np.isfinite(d).all()
-        if 3 * T2 <= 8:
-            assert np.array_equal(d, r)  # a graph replays the very same kernels
-        else:  # grouped-MoE atomics vary the last bits, which bf16 rounding of later layers' inputs amplifies
-            assert np.linalg.norm(d - r) <= tol * np.linalg.norm(r)
-        assert np.linalg.norm(d - a) <= tol * np.linalg.norm(a)
+    # the reference's rows of each sequence's last token after each step: n (T = 1) and n + T2
+    want = []
+    for b in range(3):
+        n = prompts[b].size
+        rows = reference.logits(np.concatenate([prompts[b], steps[0][b], steps[1][b]]).tolist())
+        want.append(rows[[n, n + T2]])
+    want = np.stack(want, 1)  # [step, sequence, V]
+    for s, (a, d, r, w) in enumerate(zip(alone, direct, replay, want)):
+        rows = 3 * (1 if s == 0 else T2)
+        assert np.isfinite(a).all() and np.isfinite(d).all()
+        assert np.array_equal(d, r), f"step {s}: graph replay differs from the direct launches"
+        ka, kd = kld(w, a), kld(w, d)
+        print(f"T2 = {T2}, step {s} ({rows} rows): KLD alone {ka.max():.1e}, batched {kd.max():.1e}, "
+              f"rel batched - alone {np.linalg.norm(d - a) / np.linalg.norm(a):.1e}")
+        assert ka.max() <= 1e-3 and kd.max() <= 1e-3
+        if rows <= 8:  # both on the GEMV, each row on its own codes
+            assert np.linalg.norm(d - a) <= 1e-4 * np.linalg.norm(a)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
@@ -416,7 +429,12 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
 
 def test_continued_and_copied_caches_give_a_fresh_prefills_logits(gpu, artifact):
     """Reuse and snapshots on the GPU's two slots: a prompt prefilled onto a cache holding its first part, or onto a
-    copy of it in the other slot, gives the whole prompt's last logits (KL ≤ 1e-3: only the chunking moves)."""
+    copy of it in the other slot, gives the whole prompt's last logits (KL <= 1e-3: only the chunking moves).
+
+    KL <= 1e-3 alone could not see a cache one token off, so each is also run from a prefix with one token
+    replaced (the last token of the continued prefix; the last one the copy carries) as a negative control: the
+    real runs must be at least 4 times closer to the fresh logits than the controls (one replaced token moved the
+    last logits by 3e-5 to 5e-3 nats on the CPU reference; the chunking alone moves them by far less)."""
     from ninfer_rt.api import load
 
     m = load(artifact, device="cuda", max_ctx=160, cache_slots=2)
@@ -424,50 +442,83 @@ def test_continued_and_copied_caches_give_a_fresh_prefills_logits(gpu, artifact)
     try:
         ids = prompt(100, seed=5, vocab=m.real_vocab_size)
         more = prompt(9, seed=6, vocab=m.real_vocab_size)
-        whole = np.concatenate([ids, more])
-        fresh = b.forward(whole, b.new_cache(0), last_only=True)[-1]
-        c = b.new_cache(0)
-        b.forward(ids, c, last_only=True)
-        continued = b.forward(more, c, last_only=True)[-1]
-        c = b.new_cache(0)
-        b.forward(ids[:70], c, last_only=True)
-        copy = b.copy_cache(c, 1)
-        b.forward(prompt(20, seed=7, vocab=m.real_vocab_size), c, last_only=True)  # the source moves on
-        branch = b.forward(np.concatenate([ids[70:], more]), copy, last_only=True)[-1]
+        fresh = b.forward(np.concatenate([ids, more]), b.new_cache(0), last_only=True)[-1]
+
+        def continued(prefix):
+            c = b.new_cache(0)
+            b.forward(prefix, c, last_only=True)
+            return b.forward(more, c, last_only=True)[-1]
+
+        def branch(prefix):
+            c = b.new_cache(0)
+            b.forward(prefix[:70], c, last_only=True)
+            copy = b.copy_cache(c, 1)
+            b.forward(prompt(20, seed=7, vocab=m.real_vocab_size), c, last_only=True)  # the source moves on
+            return b.forward(np.concatenate([ids[70:], more]), copy, last_only=True)[-1]
+
+        def replaced(at):
+            bad = ids.copy()
+            bad[at] = (bad[at] + 101) % m.real_vocab_size
+            return bad
+
+        runs = {"continued": (continued(ids), continued(replaced(99))),
+                "branch": (branch(ids), branch(replaced(69)))}
     finally:
         m.close()
-    for got in (continued, branch):
-        assert np.isfinite(got).all() and kld(fresh[None], got[None]).item() <= 1e-3
+    for name, (got, control) in runs.items():
+        assert np.isfinite(got).all() and np.isfinite(control).all()
+        k, k_ctrl = kld(fresh[None], got[None]).item(), kld(fresh[None], control[None]).item()
+        print(f"{name}: KLD {k:.1e}, with one prefix token replaced {k_ctrl:.1e}")
+        assert k_ctrl > 0, f"{name}: the replaced token left no trace: the control cannot fail"
+        assert k <= 1e-3 and k < k_ctrl / 4, f"{name}: KLD {k:.1e} is not well below the control's {k_ctrl:.1e}"
 
 
 def test_generate_reuses_kept_caches_on_the_device(gpu, artifact, monkeypatch):
-    """generate's bookkeeping over two slots: an extension continues the resident, a branch the snapshot, a run
-    whose slot a later one took stops with an error, and (stop ids ignored) generation ends at max_ctx."""
+    """generate over two slots: an extension continues the resident, a branch the snapshot, each giving the tokens a
+    reuse_cache=False run of the same ids gives; a run whose slot a later one took stops with an error, and (stop
+    ids ignored) generation ends at max_ctx.
+
+    A reused cache is the prompt prefilled in other chunks (the rest on the decode GEMVs, not one GEMM), whose
+    rounding moves the logits by ~1e-3 at most, so the prompts are those of the first seed whose three greedy paths
+    keep every top-2 gap >= test_mtp.MARGIN (1e-2; clear_paths): there the tokens must agree exactly."""
     from ninfer_rt.api import load
     from ninfer_rt.errors import NinferError
     from ninfer_rt.sampling import SamplingParams
+
+    from .test_mtp import clear_paths
 
     greedy = SamplingParams(greedy=True)
     m = load(artifact, device="cuda", max_ctx=160, cache_slots=2)
     try:
         monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
-        ids = prompt(40, seed=5, vocab=m.real_vocab_size).tolist()
+        v = m.real_vocab_size
+
+        def make(seed, paths):  # the first prompt, the next turn (it and its output extended), a branch at 30
+            ids = prompt(40, seed=seed, vocab=v).tolist()
+            if not paths:
+                return ids
+            return ids + paths[0] + [5, 6, 7] if len(paths) == 1 else ids[:30] + [8, 9]
+
+        seed, (ids, turn, fork), (want, want_turn, want_fork) = clear_paths(m, range(5, 60), (6, 2, 2), make)
+        alone = [list(m.generate_ids(p, max_new_tokens=n, sampling=greedy)) for p, n in ((ids, 6), (turn, 2),
+                                                                                         (fork, 2))]
         first = list(m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True, snapshot_at=30))
-        turn = ids + first + [5, 6, 7]
-        list(m.generate_ids(turn, max_new_tokens=2, sampling=greedy, reuse_cache=True))
+        again = list(m.generate_ids(turn, max_new_tokens=2, sampling=greedy, reuse_cache=True))
         extended = m.last_stats.cached_tokens
-        list(m.generate_ids(ids[:30] + [8, 9], max_new_tokens=2, sampling=greedy, reuse_cache=True))
+        branch = list(m.generate_ids(fork, max_new_tokens=2, sampling=greedy, reuse_cache=True))
         branched = m.last_stats.cached_tokens
         a = m.generate_ids(ids, max_new_tokens=6, sampling=greedy, reuse_cache=True)
         next(a)
         list(m.generate_ids([3, 4, 5], max_new_tokens=2, sampling=greedy, reuse_cache=True))
         with pytest.raises(NinferError, match="took this generation's sequence slot"):
             next(a)
-        long = list(m.generate_ids(prompt(150, seed=8, vocab=m.real_vocab_size).tolist(), max_new_tokens=50,
-                                   sampling=greedy))
+        long = list(m.generate_ids(prompt(150, seed=8, vocab=v).tolist(), max_new_tokens=50, sampling=greedy))
         end = m.last_stats.finish_reason
     finally:
         m.close()
+    print(f"prompt seed {seed}")
+    assert alone == [want, want_turn, want_fork]  # generate's own draws equal clear_paths' host arg-maxes
+    assert [first, again, branch] == alone
     assert extended == len(ids) + 5 and branched == 30
     assert end == "length" and len(long) == 10
 
@@ -488,7 +539,7 @@ def test_bench_runs_end_to_end_on_an_artifact(gpu, artifact):
     assert [r["context"] for r in res.decode] == [0, 100] and all(r["tok_s"] > 0 for r in res.decode)
     assert res.decode[1]["bytes_per_token"] > res.decode[0]["bytes_per_token"] > 0
     assert [(r["context"], r["batch"]) for r in res.decode_batched] == [(0, 3), (100, 3)]
-    assert all(r["tok_s"] == pytest.approx(3e3 / r["ms_per_step"]) for r in res.decode_batched)
+    assert all(r["ms_per_step"] > 0 and r["tok_s"] > 0 for r in res.decode_batched)
     assert res.peak_gpu_bytes > res.weight_bytes and len(lines) >= 8
     # at the model's last position (the tiny's 4,095) four more tokens do not fit: the row is skipped, as the
     # 35B's 262,143 must be, and the rest of the bench goes on

@@ -1,9 +1,11 @@
 """The MTP head and speculative decoding on the GPU (ninfer_rt/gpu/mtp.py, GpuBackend's verify / rewind / draft),
-on the tiny built-in checkpoints packed with the tiny recipe, MTP head included.
+on the tiny built-in checkpoints packed with the tiny recipe, MTP head included (inside a Batch: test_mtp_batch.py).
 
 Oracles: the reference backend (ReferenceModel.mtp_forward, the same artifact in fp32 on the CPU) for the draft
 logits, within the engine tests' bound (mean KL <= 1e-3 nats a row), the head fed the reference's own hidden states
-so that only the head is compared; and plain greedy decoding on the GPU for the speculative loop's output.
+so that only the head is compared; plain greedy decoding on the GPU for the speculative loop's greedy output, on
+paths whose top-2 gaps stay >= MARGIN (a verification of several rows rounds otherwise than a one-token step);
+and the host Sampler's distributions for sampled output.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def backends(gpu, artifact):  # gpu: skipped without one
 def test_draft_matches_the_reference_head(backends):
     """A 24-token prompt (its rows through the head as one prefill-sized draft), a verification of 4 tokens, the
     head over those 4 rows (a decode-sized, captured draft) and one chained row: each draft's last-row logits
-    against the reference head's on the same hidden states, and the verification's rows against the reference's."""
+    against the reference head's on the same hidden states, and the verification's rows against the reference's.
+    The head's hidden output (what a draft chains on) against the reference's (rel <= 1e-2), and the chained row
+    fed it against the reference's chain on its own."""
     ref, dev, _ = backends
     ids = prompt(32, 9)
     rc, gc = ref.new_cache(), dev.new_cache()
@@ -50,13 +54,22 @@ def test_draft_matches_the_reference_head(backends):
     r_dl, r_dh = ref.draft(r_h, ids[25:29], rd)
     g_dl, g_dh = dev.draft(r_h, ids[25:29], gd)
     bounds.append(kld(r_dl[-1:], g_dl).max())
+    assert g_dh.shape == (1, r_dh.shape[1])
+    rel = np.linalg.norm(g_dh - r_dh[-1:]) / np.linalg.norm(r_dh[-1:])
     tok = np.asarray([int(r_dl[-1].argmax())])
     r_cl, _ = ref.draft(r_dh[-1:], tok, rd)  # chained: the head's own output and its draft
     g_cl, _ = dev.draft(r_dh[-1:], tok, gd)
     bounds.append(kld(r_cl[-1:], g_cl).max())
-    print("draft KLD: prompt {:.1e}, 4 rows {:.1e}, chained {:.1e}".format(*bounds))
+    dev.rewind_draft(gd, 28)  # the chained row again, from the GPU head's own output
+    g_own, _ = dev.draft(g_dh, tok, gd)
+    bounds.append(kld(r_cl[-1:], g_own).max())
+    print("draft KLD: prompt {:.1e}, 4 rows {:.1e}, chained {:.1e}, chained on its own output {:.1e}; "
+          "its output's rel. error {:.1e}".format(*bounds, rel))
     assert max(bounds) <= 1e-3
-    assert g_dh.shape == (1, r_dh.shape[1]) and rd.pos == gd.pos == 29
+    # the head's output (post mtp.norm, entries O(1)) on the same inputs: the GPU's error is int16 codes (2^-14 of a
+    # chunk's largest) and its bf16 KV cache (2^-9 per stored entry) through one layer, ~1e-3 of the row at most
+    assert rel <= 1e-2
+    assert rd.pos == gd.pos == 29
 
 
 @pytest.mark.parametrize("chain", [1, 3, 7])
@@ -87,44 +100,83 @@ def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
     return clear_greedy(dev, ids, n, dev.model.V)[0]
 
 
-def spec_greedy(backend, art, ids: list[int], n: int, k: int, fixed: bool = False):
-    """(n tokens of speculative.decode's greedy output in slot 1, its stats); fixed: k drafts every step, not the
-    planner's count."""
+def clear_prompt(dev, n: int, vocab: int, seeds=range(200)) -> tuple[list[int], list[int]]:
+    """(a 20-token prompt, its n plain greedy tokens on the backend) for the first seed whose greedy path keeps every
+    top-2 gap >= MARGIN (clear_greedy): where speculative output must equal plain greedy decoding token for token
+    (a verification of several rows rounds otherwise than a one-token step). About one seed in 5 (24 tokens) to
+    one in 15 (32 tokens) qualifies on the tiny models; a seed is dropped at its first near-tie."""
+    for seed in seeds:
+        ids = prompt(20, seed).tolist()
+        path, gap = clear_greedy(dev, ids, n, vocab, margin=MARGIN)
+        if gap >= MARGIN:
+            return ids, path
+    pytest.fail(f"no prompt seed gives a greedy path of {n} tokens with top-2 gaps >= {MARGIN}")
+
+
+class Counted:
+    """The backend, its verifications counted (a speculative run of budget n from a prompt verifies once for the
+    prompt and once a step, each step emitting its kept drafts and one more token: n - accepted times in all)."""
+
+    def __init__(self, inner):
+        self.inner, self.verifies = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify(self, *args, **kwargs):
+        self.verifies += 1
+        return self.inner.verify(*args, **kwargs)
+
+
+def spec_run(backend, art, ids: list[int], n: int, k: int, params=None, fixed: bool = False, on_token=None):
+    """(n tokens of speculative.decode's output in slot 1, its stats) under params (default greedy); fixed: k drafts
+    every step, not the planner's count; on_token(out) after each output token."""
     from ninfer_rt import speculative
     from ninfer_rt.generation import GenerationStats
     from ninfer_rt.sampling import Sampler, SamplingParams
 
     stats = GenerationStats(prompt_tokens=len(ids))
-    out = list(speculative.decode(backend, backend.new_cache(1), ids, n, Sampler(SamplingParams(greedy=True)),
-                                  stats, draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False,
-                                  planner=speculative.DraftPlanner(k, fixed=fixed)))
+    out = []
+    for t in speculative.decode(backend, backend.new_cache(1), ids, n, Sampler(params or SamplingParams(greedy=True)),
+                                stats, draft_tokens=k, real_vocab=art.spec.vocab_size, is_stop=lambda t: False,
+                                planner=speculative.DraftPlanner(k, fixed=fixed)):
+        out.append(t)
+        if on_token is not None:
+            on_token(out)
     return out, stats
+
+
+def spec_greedy(backend, art, ids: list[int], n: int, k: int, fixed: bool = False):
+    """(n tokens of speculative.decode's greedy output in slot 1, its stats); fixed: k drafts every step, not the
+    planner's count."""
+    return spec_run(backend, art, ids, n, k, fixed=fixed)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_is_plain_greedy(backends, k):
     """ninfer_rt.speculative.decode on the GPU backend (drafts by the head, verifications keeping each token's
-    DeltaNet state, rewinds on rejections): greedy output equals the GPU's plain greedy decoding of 24 tokens."""
+    DeltaNet state, rewinds on rejections): greedy output equals the GPU's plain greedy decoding of 24 tokens on a
+    path away from near-ties (clear_prompt), and the stats count the drafts kept as the verifications show."""
     _, dev, art = backends
-    ids = prompt(20, 11).tolist()
-    plain = plain_greedy(dev, ids, 24)
-    out, stats = spec_greedy(dev, art, ids, 24, k)
-    print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
+    ids, plain = clear_prompt(dev, 24, art.spec.vocab_size)
+    counted = Counted(dev)
+    out, stats = spec_greedy(counted, art, ids, 24, k)
+    print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept, {counted.verifies} verifications")
     assert out == plain
-    assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
+    assert stats.draft_tokens > 0 and counted.verifies == 24 - stats.accepted_tokens
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_speculative_accepts_steered_drafts(backends, k):
     """The speculative loop on the GPU where drafts are often right (SteeredDrafts: every position but each third):
     accepted prefixes of every length run the verification's rewind to keep > 1 and the head over several real
-    rows; the greedy output still equals plain greedy decoding, and some but not all drafts were kept. k drafts
-    every step (fixed): 2/3 kept lies at the planner's break-even, where it may stop drafting."""
+    rows; the greedy output still equals plain greedy decoding (on a path away from near-ties, clear_prompt), and
+    some but not all drafts were kept. k drafts every step (fixed): 2/3 kept lies at the planner's break-even,
+    where it may stop drafting."""
     from ninfer_rt.speculative import SteeredDrafts
 
     _, dev, art = backends
-    ids = prompt(20, 17).tolist()
-    plain = plain_greedy(dev, ids, 32)
+    ids, plain = clear_prompt(dev, 32, art.spec.vocab_size)
     out, stats = spec_greedy(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k, fixed=True)
     print(f"steered k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
@@ -133,12 +185,14 @@ def test_speculative_accepts_steered_drafts(backends, k):
 
 def test_load_on_cuda_drafts_and_keeps_greedy_output(gpu, artifact):  # gpu: skipped without one
     """load(..., "cuda", speculative_tokens=2): the MTP head loaded and drafting (stats count drafts), and the
-    greedy output of 24 tokens equal to the same artifact's plain greedy decoding on the GPU."""
+    greedy output of 24 tokens equal to the same artifact's plain greedy decoding on the GPU, on a path away from
+    near-ties (clear_prompt)."""
     from ninfer_rt.api import load
     from ninfer_rt.sampling import SamplingParams
 
-    ids, greedy = prompt(20, 13).tolist(), SamplingParams(greedy=True)
+    greedy = SamplingParams(greedy=True)
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
+        ids, _ = clear_prompt(plain._backend, 24, plain.real_vocab_size)
         want = list(plain.generate_ids(ids, max_new_tokens=24, sampling=greedy))
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", speculative_tokens=2) as spec:
         got = list(spec.generate_ids(ids, max_new_tokens=24, sampling=greedy))
@@ -150,17 +204,20 @@ def test_load_on_cuda_drafts_and_keeps_greedy_output(gpu, artifact):  # gpu: ski
 MARGIN = 1e-2  # least top-2 logit gap of a greedy path whose tokens a several-row verification must reproduce
 
 
-def clear_greedy(backend, ids: list[int], n: int, vocab: int) -> tuple[list[int], float]:
+def clear_greedy(backend, ids: list[int], n: int, vocab: int, margin: float | None = None
+                 ) -> tuple[list[int], float]:
     """(n plain greedy tokens over ids < vocab in slot 0, stop ids included, and the least gap between a step's two
     best logits). Where the gap is below the rounding of a forward over several rows (~1e-3 here, from the verify
     KLDs of ~1e-6), a verification may pick the other token: agreement with plain decoding is only defined away
-    from such ties."""
+    from such ties. margin: stop at the first step whose gap is below it (fewer tokens then)."""
     c, feed, out, least = backend.new_cache(0), ids, [], np.inf
     for _ in range(n):
         row = backend.forward(np.asarray(feed, np.int32), c, last_only=True)[0, :vocab]
         lo, hi = np.partition(row, -2)[-2:]
         least = min(least, float(hi - lo))
         out.append(int(row.argmax()))
+        if margin is not None and least < margin:
+            break
         feed = out[-1:]
     return out, least
 
@@ -182,65 +239,6 @@ def clear_paths(plain, seeds, lengths, make_prompt) -> tuple[int, list[list[int]
         else:
             return seed, prompts, paths
     pytest.fail(f"no prompt seed gives greedy paths without a stop id and with top-2 gaps >= {MARGIN}")
-
-
-def test_a_batch_on_cuda_drafts_and_keeps_the_head_for_a_longer_prompt(gpu, artifact):  # gpu: skipped without one
-    """Batch (serve's decoding) on a model loaded with speculative_tokens=3: a lone request drafts (steered to the
-    plain text: every draft kept), and a second request extending its slot prefills only its new tokens and drafts
-    on from the head's state; both outputs equal plain greedy decoding on the GPU, for the first prompt seed whose
-    two greedy paths meet no near-tie (clear_greedy) and no stop id (one among kept drafts is fed: the second prompt
-    would not extend the slot)."""
-    from ninfer_rt.api import load
-    from ninfer_rt.sampling import SamplingParams
-    from ninfer_rt.speculative import SteeredDrafts
-
-    greedy = SamplingParams(greedy=True)
-    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
-        seed, (ids, second), (want_a, want_b) = clear_paths(
-            plain, range(13, 45), (16, 12), lambda seed, wants: prompt(20, seed).tolist() + (
-                wants[0] + [5, 6, 7] if wants else []))
-    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
-        spec._backend = SteeredDrafts(spec._backend, second + want_b)  # both requests' texts, position by position
-        batch = spec.batch(parallel=1)
-        runs = []
-        for p, n in ((ids, 16), (second, 12)):
-            g = batch.add(p, max_new_tokens=n, sampling=greedy)
-            runs.append((g, g.stats.cached_tokens, g.spec is not None))
-            while batch.busy:
-                batch.step()
-    (a, cached_a, spec_a), (b, cached_b, spec_b) = runs
-    print(f"batch (prompt seed {seed}): {a.stats.accepted_tokens} of {a.stats.draft_tokens}, then "
-          f"{b.stats.accepted_tokens} of {b.stats.draft_tokens} drafts kept")
-    assert a.stats.token_ids == want_a and b.stats.token_ids == want_b
-    assert (cached_a, cached_b, spec_a, spec_b) == (0, len(ids) + 15, True, True)
-    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0 and b.stats.accepted_tokens == b.stats.draft_tokens > 0
-
-
-def test_a_batch_on_cuda_keeps_the_heads_rows_through_batched_steps(gpu, artifact):  # gpu: skipped without one
-    """Two requests on a model loaded with speculative_tokens=3 share batched steps (each row's post-norm hidden
-    state kept for its head: decode_batch(hidden=True)); once the short one ends, the long one decodes alone and
-    drafts again (steered to its plain text: every draft kept, the head fed the batched steps' rows too). Both
-    outputs equal plain greedy decoding on the GPU, for the first prompt seeds whose greedy paths meet no near-tie
-    (clear_greedy; a batched step rounds differently from a lone one) and no stop id."""
-    from ninfer_rt.api import load
-    from ninfer_rt.sampling import SamplingParams
-    from ninfer_rt.speculative import SteeredDrafts
-
-    greedy = SamplingParams(greedy=True)
-    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
-        seed, (ids_a, ids_b), (want_a, want_b) = clear_paths(
-            plain, range(13, 60), (16, 4), lambda seed, wants: prompt(12, seed + 100).tolist() if wants else
-            prompt(20, seed).tolist())
-    with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16", cache_slots=2, speculative_tokens=3) as spec:
-        spec._backend = SteeredDrafts(spec._backend, ids_a + want_a)
-        batch = spec.batch(parallel=2)
-        a = batch.add(ids_a, max_new_tokens=16, sampling=greedy)
-        b = batch.add(ids_b, max_new_tokens=4, sampling=greedy)
-        while batch.busy:
-            batch.step()
-    print(f"batched, then alone (prompt seed {seed}): {a.stats.accepted_tokens} of {a.stats.draft_tokens} kept")
-    assert a.stats.token_ids == want_a and b.stats.token_ids == want_b
-    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0 and b.stats.draft_tokens == 0
 
 
 SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.95)
@@ -273,20 +271,58 @@ def test_verify_rows_of_final_probabilities(backends):
 
 
 def test_speculative_sampling_runs_on_device_rows(backends):
-    """A sampled speculative run on the GPU (dist rows, arg-max drafts steered right at most positions): it
-    emits the budget of real ids, counts its drafts, and the same seed repeats it."""
-    from ninfer_rt import speculative
-    from ninfer_rt.generation import GenerationStats
-    from ninfer_rt.sampling import Sampler, SamplingParams
+    """Sampled speculative runs on the GPU, their target rows final probabilities computed on the device (dist).
 
-    _, dev, art = backends
-    ids = prompt(20, 23).tolist()
-    runs = []
-    for _ in range(2):
-        stats = GenerationStats(prompt_tokens=len(ids))
-        steered = speculative.SteeredDrafts(dev, ids + [0] * 40, lambda p: p % 3 == 0)
-        out = list(speculative.decode(steered, dev.new_cache(1), ids, 24, Sampler(SamplingParams(**SAMPLED, seed=5)),
-                                      stats, draft_tokens=3, real_vocab=art.spec.vocab_size, is_stop=lambda t: False))
-        runs.append(out)
-        assert len(out) == 24 and all(0 <= t < art.spec.vocab_size for t in out) and stats.draft_tokens > 0
-    assert runs[0] == runs[1]
+    top_k = 1 (temperature 0.8) keeps one token a row, so sampling is the arg-max whatever the draws: with drafts
+    steered to the plain greedy text but wrong at each third position, the run keeps some drafts and refuses others
+    (the refusal's correction drawn from a device row's support) and must emit exactly the plain greedy text (a
+    path away from near-ties, clear_prompt). Under SAMPLED (temperature 0.8, top_k 20, top_p 0.95) drafts steered
+    to the greedy text soon stand for another history and are never kept, so there each draft is the reference's
+    arg-max after the history actually emitted (a likely token, kept with its target probability, ~5% here) and
+    every step takes 3 (fixed): some drafts are kept (seeds 5, 7 and 9 kept 3 of 54 or 55 each on the CPU
+    reference, whose draws a correct GPU repeats: only a uniform within ~1e-6 of a boundary could go otherwise); the
+    same seed repeats its tokens; and each emitted token has a nonzero probability under the host Sampler's
+    distribution of the logits of a plain decode of the same tokens on a fresh cache."""
+    from ninfer_rt.sampling import Sampler, SamplingParams
+    from ninfer_rt.speculative import SteeredDrafts
+
+    ref, dev, art = backends
+    V = art.spec.vocab_size
+    ids, plain = clear_prompt(dev, 24, V)
+    top1 = SamplingParams(temperature=0.8, top_k=1, seed=5)
+    out, stats = spec_run(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 24, 3, top1, fixed=True)
+    print(f"top_k = 1: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
+    assert out == plain and 0 < stats.accepted_tokens < stats.draft_tokens
+
+    def greedy_after(history: list[int], n: int = 3) -> list[int]:  # the reference's, from an empty cache
+        c, feed, got = ref.new_cache(), history, []
+        for _ in range(n):
+            got.append(int(ref.forward(np.asarray(feed, np.int64), c, last_only=True)[0, :V].argmax()))
+            feed = got[-1:]
+        return got
+
+    ids = prompt(20, 23).tolist()  # fixed: the prompt of the CPU reference's runs the docstring quotes
+
+    def sampled(seed: int):
+        params = SamplingParams(**SAMPLED, seed=seed)
+        steered = SteeredDrafts(dev, ids + greedy_after(ids))
+
+        def steer(out):  # drafts from here on: the greedy continuation of what was emitted
+            steered.sequence = ids + out + greedy_after(ids + out)
+
+        return spec_run(steered, art, ids, 24, 3, params, fixed=True, on_token=steer)
+
+    runs = {seed: sampled(seed) for seed in (5, 7, 9)}
+    again, _ = sampled(5)
+    kept = {seed: (st.accepted_tokens, st.draft_tokens) for seed, (_, st) in runs.items()}
+    print("sampled, drafts kept of drafts, by seed:", kept)
+    assert again == runs[5][0]
+    assert all(0 <= a < d for a, d in kept.values()) and sum(a for a, _ in kept.values()) > 0
+    for seed, (out, _) in runs.items():
+        assert len(out) == 24 and all(0 <= t < V for t in out)
+        sampler, c = Sampler(SamplingParams(**SAMPLED, seed=seed)), dev.new_cache(0)
+        row = dev.forward(np.asarray(ids, np.int32), c, last_only=True)[0]
+        for i, t in enumerate(out):
+            p = sampler.distribution(row, ids + out[:i], len(ids))
+            assert p[t] > 0, f"seed {seed}, token {i}: {t} is outside the host's support {np.flatnonzero(p)}"
+            row = dev.forward(np.asarray([t], np.int32), c, last_only=True)[0]
