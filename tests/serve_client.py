@@ -33,18 +33,24 @@ class Running:
 
     def request(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
         """(status, headers, bytes) of one request; body is sent as JSON."""
-        host, port = self.server.address
-        conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT_S)
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers=headers or {})
-        resp = conn.getresponse()
-        out = (resp.status, dict(resp.getheaders()), resp.read())
-        conn.close()
-        return out
+        return http_request(*self.server.address, method, path, data, headers)
 
     def json(self, path: str, body=None, method="POST", headers=None):
         status, _, data = self.request(method, path, body, headers)
         return status, json.loads(data)
+
+
+def http_request(host: str, port: int, method: str, path: str, data: bytes | None = None, headers=None,
+                 timeout: float = TIMEOUT_S) -> tuple[int, dict, bytes]:
+    """(status, headers, bytes) of one request over a connection of its own, bounded by timeout seconds."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=data, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
 
 
 def sse_data(data: bytes) -> list:

@@ -2,14 +2,13 @@
 thread, HTTP handlers on theirs), requests over loopback HTTP.
 
 Oracle: the library on the same GPU and artifact. Each reply's text is what Model.generate gives the same prompt
-alone, for prompts whose greedy paths meet no near-tie (test_mtp.clear_greedy: top-2 gaps >= 1e-2, far above the
+alone, for prompts whose greedy paths meet no near-tie (test_mtp.clear_prompt: top-2 gaps >= 1e-2, far above the
 ~1e-4 by which a batched step's rounding moves a logit) and no stop id, so that batched and speculative steps must
 pick the same tokens.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import signal
@@ -21,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .test_engine import prompt
-from .test_mtp import MARGIN, clear_greedy
+from serve_client import http_request, sse_data
+
+from .test_mtp import clear_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -51,23 +51,18 @@ class ServeProcess:
             time.sleep(0.1)
         self.port, self.device = int(m.group(1)), m.group(2)
 
+    def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        """(status, bytes) of one request, body sent as JSON."""
+        data = None if body is None else json.dumps(body).encode()
+        status, _, reply = http_request("127.0.0.1", self.port, method, path, data,
+                                        {"Content-Type": "application/json"} if data else None, timeout=TIMEOUT_S)
+        return status, reply
+
     def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
-        try:
-            conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
+        return self.request("POST", path, body)
 
     def get(self, path: str) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
-        try:
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
+        return self.request("GET", path)
 
     def stop(self) -> int:
         """Ctrl-C, as a user stops it (exit 130 after the cleanups, console.py); its exit status."""
@@ -85,29 +80,22 @@ def completion(ids: list[int], **extra) -> dict:
 
 def streamed_text(data: bytes) -> str:
     """The text of an OpenAI completions event stream (its chunks' choices, in order), checked to end in [DONE]."""
-    frames = [f[len("data: "):] for f in data.decode().split("\n\n") if f.startswith("data: ")]
+    frames = sse_data(data)
     assert frames and frames[-1] == "[DONE]"
-    return "".join(c["text"] for f in frames[:-1] for c in json.loads(f)["choices"])
+    return "".join(c["text"] for f in frames[:-1] for c in f["choices"])
 
 
 @pytest.fixture(scope="module")
 def greedy_texts(gpu, artifact):  # gpu: skipped without one
     """(prompts, the library's greedy text for each alone): the first 3 prompt seeds whose greedy paths are clear
-    (test_mtp.clear_greedy: no top-2 gap under MARGIN, no stop id)."""
+    (test_mtp.clear_prompt: no top-2 gap under MARGIN, no stop id)."""
     from ninfer_rt.api import load
     from ninfer_rt.sampling import SamplingParams
 
-    prompts = []
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as plain:
-        for seed in range(1000, 1400):
-            ids = prompt(12 + 5 * len(prompts), seed).tolist()
-            path, gap = clear_greedy(plain._backend, ids, TOKENS, plain.real_vocab_size)
-            if gap >= MARGIN and not any(map(plain.tokenizer.is_stop, path)):
-                prompts.append(ids)
-            if len(prompts) == 3:
-                break
-        else:
-            pytest.fail(f"fewer than 3 prompt seeds of 400 give a clear greedy path of {TOKENS} tokens")
+        seeds = iter(range(1000, 1400))  # shared: three distinct prompts
+        prompts = [clear_prompt(plain._backend, TOKENS, plain.real_vocab_size, seeds, length=12 + 5 * i,
+                                is_stop=plain.tokenizer.is_stop)[0] for i in range(3)]
         texts = ["".join(plain.generate(p, max_new_tokens=TOKENS, sampling=SamplingParams(greedy=True)))
                  for p in prompts]
     return prompts, texts
