@@ -100,19 +100,21 @@ def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
     return clear_greedy(dev, ids, n, dev.model.V)[0]
 
 
-def clear_prompt(dev, n: int, vocab: int, seeds=range(200), length: int = 20, is_stop=None
-                 ) -> tuple[list[int], list[int]]:
+def clear_prompt(dev, n: int, vocab: int, seeds=range(200), length: int = 20, is_stop=None,
+                 margin: float | None = None) -> tuple[list[int], list[int]]:
     """(a `length`-token prompt, its n plain greedy tokens on the backend) for the first seed whose greedy path keeps
-    every top-2 gap >= MARGIN (clear_greedy), and with is_stop given, meets no stop id: where speculative or batched
-    output must equal plain greedy decoding token for token (a verification of several rows rounds otherwise than
-    a one-token step). About one seed in 5 (24 tokens) to one in 15 (32 tokens) qualifies on the tiny models; a
-    seed is dropped at its first near-tie. seeds may be an iterator shared by several calls (distinct prompts)."""
+    every top-2 gap >= margin (MARGIN by default; clear_greedy), and with is_stop given, meets no stop id: where
+    speculative or batched output must equal plain greedy decoding token for token (a verification of several rows
+    rounds otherwise than a one-token step). About one seed in 5 (24 tokens) to one in 15 (32 tokens) qualifies on
+    the tiny models; a seed is dropped at its first near-tie. seeds may be an iterator shared by several calls
+    (distinct prompts)."""
+    margin = MARGIN if margin is None else margin
     for seed in seeds:
         ids = prompt(length, seed).tolist()
-        path, gap = clear_greedy(dev, ids, n, vocab, margin=MARGIN)
-        if gap >= MARGIN and not (is_stop and any(map(is_stop, path))):
+        path, gap = clear_greedy(dev, ids, n, vocab, margin=margin)
+        if gap >= margin and not (is_stop and any(map(is_stop, path))):
             return ids, path
-    pytest.fail(f"no prompt seed gives a greedy path of {n} tokens with top-2 gaps >= {MARGIN}"
+    pytest.fail(f"no prompt seed gives a greedy path of {n} tokens with top-2 gaps >= {margin}"
                 f"{' and no stop id' if is_stop else ''}")
 
 
