@@ -5,9 +5,9 @@ Drafts are steered (speculative.SteeredDrafts) so that the loop keeps them all, 
 under the steering and logs every call the batch makes to the head (new caches, rewinds, drafts with the real head's
 picks). Oracles, afterwards: each batch's output equals plain greedy decoding on the GPU (on paths away from
 near-ties, test_mtp.clear_paths); every (h_p, x_{p+1}) pair the head was fed is the sequence's own: x_{p+1} its token
-at p + 1, and h_p the reference model's post-norm hidden state at p over the same tokens (check_rows); and the GPU
-head's picks equal the reference head's (ReferenceBackend.draft) replaying the same calls on the same rows, wherever
-the reference's two best draft logits are >= test_mtp.MARGIN apart.
+at p + 1, and h_p the reference model's post-norm hidden state at p over the same tokens (within check_head's
+bounds); and the GPU head's picks equal the reference head's (ReferenceBackend.draft) replaying the same calls on the
+same rows, wherever the reference's two best draft logits are >= test_mtp.MARGIN apart.
 """
 
 from __future__ import annotations
@@ -52,21 +52,8 @@ class HeadLog:
         return picks, out
 
 
-ROW_REL = 5e-2  # GPU against reference rows: ~3e-3 of a row's norm from decode steps, ~3e-2 from bf16 prefill ones
-
-
-def check_rows(h: np.ndarray, want_h: np.ndarray, pos: int) -> np.ndarray:
-    """h [n, H]: the rows the head was fed for positions pos.. ; want_h [T, H]: the reference's rows of the sequence.
-    Each row must be its own position's: nearer to the reference's row there than half its distance to any other
-    position's (those are >= ~0.7 of a row's norm apart on the tiny checkpoints). Returns each row's distance to its
-    position's, relative to that row's norm (check_head bounds them)."""
-    rel = np.linalg.norm(want_h[None] - h[:, None], axis=2) / np.linalg.norm(want_h, axis=1)   # rel: [n, T]
-    own = rel[np.arange(len(h)), pos + np.arange(len(h))].copy()                            # own: [n]
-    rel[np.arange(len(h)), pos + np.arange(len(h))] = np.inf
-    bad = np.flatnonzero(own > 0.5 * rel.min(axis=1))
-    assert not bad.size, f"row {pos + bad[0]}: {own[bad[0]]:.2f} off its position's, {rel[bad[0]].min():.2f} off " \
-                         f"position {int(rel[bad[0]].argmin())}'s"
-    return own
+ROW_REL = 5e-2   # GPU against reference rows: ~3e-3 of a row's norm from decode steps, ~3e-2 from bf16 prefill ones
+FLIP_REL = 0.5   # MoE: a row whose router top-k flips between GPU and reference rounding (see check_head)
 
 
 def check_head(events, ref, seqs: list[list[int]], vocab: int) -> tuple[int, int]:
@@ -91,7 +78,8 @@ def check_head(events, ref, seqs: list[list[int]], vocab: int) -> tuple[int, int
         seq, want_h = seqs[i], hidden[i]
         assert rc.pos == pos, f"the head drafts from position {pos}, its pairs so far reach {rc.pos}"
         assert nxt.tolist() == seq[pos + 1:pos + 1 + len(nxt)], f"rows from {pos}: next ids are not the sequence's"
-        rels.append(check_rows(h, want_h, pos))
+        want = want_h[pos:pos + len(nxt)]
+        rels.append(np.linalg.norm(h - want, axis=1) / np.linalg.norm(want, axis=1))  # rels: [n] a call
         logits, out = ref.draft(h, nxt, rc)  # the real rows, then the chain on the GPU's picks
         rows = [logits[-1]]
         for c in range(chain):
@@ -105,12 +93,13 @@ def check_head(events, ref, seqs: list[list[int]], vocab: int) -> tuple[int, int
                 compared += 1
                 assert pick == int(row[:vocab].argmax()), f"draft at {pos}: GPU head {pick}, reference head " \
                                                           f"{int(row[:vocab].argmax())} (gap {hi - lo:.1e})"
-    # Dense: every row within ROW_REL of the reference's. MoE: the median row; single rows may be off by more where a
-    # router's top-k flips between GPU and reference rounding (top-2 of 8 on tiny-moe: one of two experts replaced
-    # moves a row by 0.1-0.45, measured on the CPU reference under 4e-3 weight noise).
+    # Dense: every row within ROW_REL of the reference's. MoE: the median row, and every row within FLIP_REL: where a
+    # router's top-k flips between GPU and reference rounding a row moves further (top-2 of 8 on tiny-moe: one of two
+    # experts replaced moves it 0.1-0.45, measured on the CPU reference under 4e-3 weight noise; 0.19-0.22 seen on
+    # an H100). A row of another position is ~1 off (median nearest-other-row distance 0.97-0.98 on these prompts).
     rels = np.concatenate(rels)
-    worst = np.median(rels) if ref.model.spec.is_moe else rels.max()
-    assert worst <= ROW_REL, f"hidden rows off the reference's by {np.round(np.sort(rels)[::-1], 3).tolist()}"
+    ok = np.median(rels) <= ROW_REL and rels.max() <= FLIP_REL if ref.model.spec.is_moe else rels.max() <= ROW_REL
+    assert ok, f"hidden rows off the reference's by {np.round(np.sort(rels)[::-1], 3).tolist()}"
     return compared, total
 
 
