@@ -95,11 +95,6 @@ def test_a_chain_on_the_device_is_the_chain_through_the_host(backends, chain):
         assert none is None and picks.tolist() == want and on_dev.pos == by_host.pos == rows.stop + chain
 
 
-def plain_greedy(dev, ids: list[int], n: int) -> list[int]:
-    """n tokens of plain greedy decoding on the GPU backend in slot 0 (host arg-max of each step's logits)."""
-    return clear_greedy(dev, ids, n, dev.model.V)[0]
-
-
 def clear_prompt(dev, n: int, vocab: int, seeds=range(200), length: int = 20, is_stop=None,
                  margin: float | None = None) -> tuple[list[int], list[int]]:
     """(a `length`-token prompt, its n plain greedy tokens on the backend) for the first seed whose greedy path keeps
@@ -151,12 +146,6 @@ def spec_run(backend, art, ids: list[int], n: int, k: int, params=None, fixed: b
     return out, stats
 
 
-def spec_greedy(backend, art, ids: list[int], n: int, k: int, fixed: bool = False):
-    """(n tokens of speculative.decode's greedy output in slot 1, its stats); fixed: k drafts every step, not the
-    planner's count."""
-    return spec_run(backend, art, ids, n, k, fixed=fixed)
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_is_plain_greedy(backends, k):
     """ninfer_rt.speculative.decode on the GPU backend (drafts by the head, verifications keeping each token's
@@ -165,7 +154,7 @@ def test_speculative_greedy_is_plain_greedy(backends, k):
     _, dev, art = backends
     ids, plain = clear_prompt(dev, 24, art.spec.vocab_size)
     counted = Counted(dev)
-    out, stats = spec_greedy(counted, art, ids, 24, k)
+    out, stats = spec_run(counted, art, ids, 24, k)
     print(f"k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept, {counted.verifies} verifications")
     assert out == plain
     assert stats.draft_tokens > 0 and counted.verifies == 24 - stats.accepted_tokens
@@ -182,7 +171,7 @@ def test_speculative_accepts_steered_drafts(backends, k):
 
     _, dev, art = backends
     ids, plain = clear_prompt(dev, 32, art.spec.vocab_size)
-    out, stats = spec_greedy(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k, fixed=True)
+    out, stats = spec_run(SteeredDrafts(dev, ids + plain, lambda p: p % 3 == 0), art, ids, 32, k, fixed=True)
     print(f"steered k = {k}: {stats.accepted_tokens} of {stats.draft_tokens} drafts kept")
     assert out == plain
     assert 0 < stats.accepted_tokens < stats.draft_tokens
