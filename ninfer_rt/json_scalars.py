@@ -1,0 +1,288 @@
+"""The JSON scalar frames of json_automaton's byte-level reader: a literal (true, false, null), a string (well-formed
+UTF-8 but the controls; with minLength, maxLength or a pattern, decoded into characters and stepped through the
+pattern's NFA) and a number (JSON's grammar; under bounds, only bytes some in-range number can still follow). Each
+frame takes one byte at a time and answers with one of the step codes below; the object, array, enum and any-value
+frames, which push these, are in json_automaton."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ninfer_rt.json_schema import Bounds, Node
+
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+DIGITS = frozenset(b"0123456789")
+
+# what a frame's step says of a byte: refused; taken; taken and the value is complete; the value was complete
+# before it (the byte goes to the frame below); a child value was pushed that takes this byte (from the top)
+REJECT, OK, DONE, PASS, AGAIN = range(5)
+
+
+class Frame:
+    """One open value's reader: `step(b, sp)` takes a byte and answers with a step code; `copy` for a fork."""
+
+    def copy(self):
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
+        return c
+
+    def in_text(self) -> bool:
+        """Whether the next byte is inside a string (where a space is content, not JSON's whitespace)."""
+        return False
+
+    def can_end(self) -> bool:
+        return False
+
+    def child_done(self, sp, passed: bool) -> bool | None:
+        """The value this frame pushed is complete (passed: the byte that showed it is not part of it); False refuses
+        that byte."""
+        return None
+
+
+class Literal(Frame):
+    def __init__(self, text: bytes):
+        self.text, self.at = text, 0
+
+    def step(self, b: int, sp) -> int:
+        if b != self.text[self.at]:
+            return REJECT
+        self.at += 1
+        return DONE if self.at == len(self.text) else OK
+
+
+class String(Frame):
+    """A string from its opening quote: any character but the controls, as well-formed UTF-8 (what json.loads
+    decodes: no overlong forms, surrogates or code points past U+10FFFF), JSON's escapes; `raw` keeps the bytes between
+    the quotes where asked (object keys)."""
+
+    def __init__(self, keep: bool = False):
+        self.state, self.hex_left, self.raw = 0, 0, b"" if keep else None  # 0 before the quote, 1 in, 2 escape, 3 hex
+        self.need, self.next_lo, self.next_hi = 0, 0x80, 0xBF  # UTF-8 bytes still to come; the next one's range
+
+    def in_text(self) -> bool:
+        return self.state != 0
+
+    def step(self, b: int, sp) -> int:
+        s = self.state
+        if s == 0:
+            self.state = 1
+            return OK if b == 0x22 else REJECT
+        if self.raw is not None and not (s == 1 and b == 0x22):
+            self.raw += bytes((b,))
+        if s == 1:
+            if self.need:
+                if not self.next_lo <= b <= self.next_hi:
+                    return REJECT
+                self.need, self.next_lo, self.next_hi = self.need - 1, 0x80, 0xBF
+                return OK
+            if b == 0x22:
+                return DONE
+            if b == 0x5C:
+                self.state = 2
+                return OK
+            if b < 0x80:
+                return OK if b >= 0x20 else REJECT
+            lead = _UTF8_SECOND.get(b)
+            if lead is None:
+                return REJECT
+            self.need, self.next_lo, self.next_hi = lead
+            return OK
+        if s == 2:
+            if b == ord("u"):
+                self.state, self.hex_left = 3, 4
+                return OK
+            self.state = 1
+            return OK if b in _ESCAPES else REJECT
+        self.hex_left -= 1
+        if self.hex_left == 0:
+            self.state = 1
+        return OK if b in _HEX else REJECT
+
+
+# a UTF-8 lead byte -> (continuation bytes, the range of the first of them): E0 and F0 exclude overlong forms, ED the
+# surrogates, F4 what lies past U+10FFFF (RFC 3629's table)
+_UTF8_SECOND = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0, 0xBF),
+                **{b: (2, 0x80, 0xBF) for b in range(0xE1, 0xED)}, 0xED: (2, 0x80, 0x9F), 0xEE: (2, 0x80, 0xBF),
+                0xEF: (2, 0x80, 0xBF), 0xF0: (3, 0x90, 0xBF), 0xF1: (3, 0x80, 0xBF), 0xF2: (3, 0x80, 0xBF),
+                0xF3: (3, 0x80, 0xBF), 0xF4: (3, 0x80, 0x8F)}
+
+
+class CheckedString(Frame):
+    """A string under minLength, maxLength or pattern: its bytes decoded into characters (UTF-8, JSON's escapes, a
+    \\u surrogate pair as one, as json.loads decodes), each counted and stepped through the pattern's NFA. A byte is
+    taken only where the characters so far still begin some string the pattern matches within the lengths (for a
+    character still being written: where some character it can become fits the next step)."""
+
+    def __init__(self, node: Node):
+        self.node, self.state, self.count = node, 0, 0  # state: 0 before the quote, 1 in, 2 escape, 3 \u digits
+        self.nfa = node.pattern.start() if node.pattern is not None else None
+        self.code, self.need = 0, 0  # the character being decoded, and its UTF-8 bytes or hex digits still to come
+        self.next_lo, self.next_hi = 0x80, 0xBF  # UTF-8: the next byte's range (_UTF8_SECOND's for the first)
+        self.least = 0  # the least code point the UTF-8 sequence being read may encode
+        self.high = None  # a \u high surrogate waiting for its low half
+
+    def in_text(self) -> bool:
+        return self.state != 0
+
+    def _char(self, c: int) -> int:
+        n, self.count = self.node, self.count + 1
+        if n.max_length is not None and self.count > n.max_length:
+            return REJECT
+        if self.nfa is None:
+            return OK
+        self.nfa = n.pattern.step(self.nfa, c)
+        fewest, most = n.pattern.lengths(self.nfa)
+        if fewest is None or (n.max_length is not None and self.count + fewest > n.max_length):
+            return REJECT
+        return OK if most is None or self.count + most >= n.min_length else REJECT
+
+    def _may(self, lo: int, hi: int) -> bool:
+        """Whether one more character, some code point in [lo, hi], can follow."""
+        n = self.node
+        return (lo <= hi and (n.max_length is None or self.count < n.max_length)
+                and (self.nfa is None or n.pattern.admits(self.nfa, lo, hi)))
+
+    def _flush(self) -> int:
+        """The waiting high surrogate as a character of its own (json.loads keeps a lone one)."""
+        h, self.high = self.high, None
+        return OK if h is None else self._char(h)
+
+    def step(self, b: int, sp) -> int:
+        s = self.state
+        if s == 0:
+            self.state = 1
+            return OK if b == 0x22 else REJECT
+        if s == 1 and self.need:  # a UTF-8 continuation byte
+            if not self.next_lo <= b <= self.next_hi:
+                return REJECT
+            self.code, self.need = (self.code << 6) | (b & 0x3F), self.need - 1
+            self.next_lo, self.next_hi = 0x80, 0xBF
+            return self._utf8_may() if self.need else self._char(self.code)
+        if s == 1:
+            if b < 0x20:
+                return REJECT
+            if b == 0x5C:
+                self.state = 2
+                return OK
+            if self._flush() == REJECT:
+                return REJECT
+            if b == 0x22:
+                n = self.node
+                ok = self.count >= n.min_length and (self.nfa is None or n.pattern.accepts(self.nfa))
+                return DONE if ok else REJECT
+            if b < 0x80:
+                return self._char(b)
+            lead = _UTF8_SECOND.get(b)
+            if lead is None:
+                return REJECT
+            self.need, self.next_lo, self.next_hi = lead
+            self.code, self.least = b & (0x3F >> self.need), _UTF8_LEAST[self.need]  # the lead's payload bits
+            return self._utf8_may()
+        if s == 2:
+            if b == ord("u"):
+                self.state, self.need, self.code = 3, 4, 0
+                return OK
+            self.state = 1
+            if b not in _ESCAPES or self._flush() == REJECT:
+                return REJECT
+            return self._char(_ESCAPED[b])
+        if b not in _HEX:
+            return REJECT
+        self.code, self.need = self.code * 16 + int(chr(b), 16), self.need - 1
+        if self.need:
+            return OK
+        self.state, c = 1, self.code
+        if self.high is not None and 0xDC00 <= c <= 0xDFFF:  # the pair's second half: one character
+            c, self.high = 0x10000 + ((self.high - 0xD800) << 10) + (c - 0xDC00), None
+            return self._char(c)
+        if self._flush() == REJECT:
+            return REJECT
+        if 0xD800 <= c <= 0xDBFF:  # a lone surrogate, or the first half of an astral character
+            self.high, base = c, 0x10000 + ((c - 0xD800) << 10)
+            return OK if self._may(c, c) or self._may(base, base + 0x3FF) else REJECT
+        return self._char(c)
+
+    def _utf8_may(self) -> int:
+        lo = self.code << (6 * self.need)
+        hi = min(lo | ((1 << (6 * self.need)) - 1), 0x10FFFF)
+        return OK if self._may(max(lo, self.least), hi) else REJECT
+
+
+_UTF8_LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of each length (shorter forms are overlong)
+_ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+            ord("r"): 0x0D, ord("t"): 0x09}
+
+
+class Number(Frame):
+    """A number from its first byte. Under bounds: no exponent, and each byte only where some in-range number
+    still begins with the text so far (`_reachable`); it may end only in range."""
+
+    # after "-", a leading 0, integer digits, ".", fraction digits, "e", the exponent's sign, exponent digits
+    MINUS, ZERO, INT, DOT, FRAC, E, ESIGN, EXP = range(8)
+    ENDS = (ZERO, INT, FRAC, EXP)
+
+    def __init__(self, integer: bool, bounds: Bounds | None = None):
+        self.integer, self.state, self.bounds, self.text = integer, None, bounds, ""
+
+    def step(self, b: int, sp) -> int:
+        r = self._grammar(b)
+        if r != OK or self.bounds is None:
+            return r if r != PASS or self.bounds is None or self.can_end() else REJECT
+        if self.state in (self.E, self.ESIGN, self.EXP):
+            return REJECT
+        self.text += chr(b)
+        return OK if self._reachable() else REJECT
+
+    def _reachable(self) -> bool:
+        """Whether some number within the bounds is written with self.text as its prefix (no exponent)."""
+        neg = self.text.startswith("-")
+        body, bounds = self.text[neg:], self.bounds.negated() if neg else self.bounds  # bounds of the magnitude
+        if not body:  # "-": any magnitude
+            return bounds.meets(Fraction(0), None, self.integer)
+        whole, _, frac = body.partition(".")
+        if "." in body:  # [whole.frac, whole.frac + 10^-len(frac))
+            a = Fraction(int(whole + frac), 10 ** len(frac))
+            return bounds.meets(a, a + Fraction(1, 10 ** len(frac)), False)
+        if whole == "0":  # 0, or 0.xxx
+            return bounds.meets(Fraction(0), Fraction(1), self.integer)
+        d = int(whole)  # more digits to come: [d·10^k, (d + 1)·10^k) for some k >= 0
+        k = 0
+        while True:
+            a, b = Fraction(d * 10 ** k), Fraction((d + 1) * 10 ** k)
+            if bounds.meets(a, b, self.integer):
+                return True
+            if bounds.hi is not None and a > bounds.hi:
+                return False
+            if bounds.hi is None:  # unbounded above: a large enough k lands past any lower bound
+                return True
+            k += 1
+
+    def can_end(self) -> bool:
+        if self.state not in self.ENDS:
+            return False
+        # exact, and as the float a reader's json.loads makes of it (an exclusive bound could otherwise round away)
+        return self.bounds is None or (self.bounds.holds(Fraction(self.text))
+                                       and self.bounds.holds_float(float(self.text)))
+
+    def _grammar(self, b: int) -> int:
+        s, digit = self.state, b in DIGITS
+        if s is None:
+            self.state = self.MINUS if b == 0x2D else self.ZERO if b == 0x30 else self.INT
+        elif s == self.MINUS and digit:
+            self.state = self.ZERO if b == 0x30 else self.INT
+        elif s in (self.INT, self.FRAC, self.EXP) and digit:
+            pass
+        elif s in (self.ZERO, self.INT) and b == 0x2E and not self.integer:
+            self.state = self.DOT
+        elif s == self.DOT and digit:
+            self.state = self.FRAC
+        elif s in (self.ZERO, self.INT, self.FRAC) and b in (0x65, 0x45) and not self.integer:
+            self.state = self.E
+        elif s == self.E and b in (0x2B, 0x2D):
+            self.state = self.ESIGN
+        elif s in (self.E, self.ESIGN) and digit:
+            self.state = self.EXP
+        else:
+            return PASS if s in self.ENDS else REJECT
+        return OK
