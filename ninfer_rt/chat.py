@@ -168,6 +168,8 @@ class ChatTemplate:
         try:
             return sandbox.render(self._template, messages=chat, tools=_plain(tools), documents=_plain(documents),
                                   add_generation_prompt=add_generation_prompt, **_plain(variables))
+        except RecursionError:
+            raise  # render's caller says it in one line, not as the template's own failure
         except SecurityError as e:
             raise NinferError(f"{self.origin}: blocked by the sandbox: {_one_line(e)}") from e
         except TemplateError as e:

@@ -56,6 +56,9 @@ _MAX_EMITTED = 1 << 27       # characters written in all, to the output and into
 # A printf conversion: optional (key), flags, width, .precision, length modifier, type.
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?[a-zA-Z%]")
 _DIGITS = re.compile(r"\d+")
+# Names every template sees (jinja's own and transformers' helpers): a caller's variable must not replace one.
+TEMPLATE_HELPERS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception",
+                              "strftime_now"})
 
 
 def _refuse_over(items: Any, what: str) -> None:

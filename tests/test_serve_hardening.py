@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from ninfer_rt import sandbox
+from ninfer_rt.sandbox import TEMPLATE_HELPERS
 from serve_client import TIMEOUT_S, Running, Scripted, ScriptedBatch, sse_events
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -82,10 +84,16 @@ def test_content_length_must_be_one_number(srv, length):
     (b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431),
 ])
 def test_http_servers_own_refusals_are_json(srv, raw, status):
-    got = exchange(srv, raw)
-    head, _, body = got.partition(b"\r\n\r\n")
-    assert responses(head) == [status] and b"application/json" in head
-    assert json.loads(body)["error"]["message"]
+    """Refused by http.server before any route: JSON in the path's API shape (Anthropic's under /v1/messages), and
+    a line in the log."""
+    for path in (b"/health", b"/v1/messages"):
+        got = exchange(srv, raw.replace(b"/health", path))
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert responses(head) == [status] and b"application/json" in head
+        reply = json.loads(body)
+        assert reply["error"]["message"]
+        assert (reply.get("type") == "error") == (path == b"/v1/messages" and b"/health" in raw)
+        assert any(line.split()[1:2] == [str(status)] for line in srv.lines), srv.lines[-3:]
 
 
 def test_foreign_hosts_and_origins_are_refused(model, srv):
@@ -207,11 +215,30 @@ def test_count_tokens_counts_past_the_context(srv, model):
 
 @pytest.mark.parametrize("body, fragment", [
     ({"messages": USER, "chat_template_kwargs": {"self": 1}}, "may not set 'self'"),
+    ({"messages": USER, "chat_template_kwargs": {"namespace": 1}}, "may not set 'namespace'"),
+    ({"messages": USER, "chat_template_kwargs": {"raise_exception": 1}}, "may not set 'raise_exception'"),
     ({"messages": USER, "stop": ["\ud800"]}, "lone surrogate"),
 ])
 def test_more_bad_fields(srv, body, fragment):
     status, reply = srv.json("/v1/chat/completions", body)
     assert status == 400 and fragment in reply["error"]["message"]
+    assert reply["error"]["param"] == ("stop" if "stop" in body else "chat_template_kwargs")
+
+
+def test_template_helpers_are_the_sandboxs_globals():
+    """The names chat_template_kwargs may not replace are exactly what every template sees besides its variables."""
+    assert set(sandbox.environment().globals) == TEMPLATE_HELPERS
+
+
+def test_tools_nested_past_the_template_are_one_line(srv):
+    """A tool schema deeper than the renderer recurses: the template's RecursionError as our one line."""
+    deep = '{"a": ' * 900 + "1" + "}" * 900  # json.loads reads it; json.dumps cannot write it
+    body = ('{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "tools": [{"type": "function", '
+            '"function": {"name": "f", "parameters": ' + deep + "}}]}")
+    status, _, data = srv.request("POST", "/v1/chat/completions", raw=body.encode(),
+                                  headers={"Content-Type": "application/json"})
+    message = json.loads(data)["error"]["message"]
+    assert status == 400 and "nest too deeply" in message and "Recursion" not in message, message
 
 
 def test_lenient_where_clients_differ(srv):

@@ -18,6 +18,7 @@ from ninfer_rt.api import GenerationStats
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
+from ninfer_rt.sandbox import TEMPLATE_HELPERS
 from ninfer_rt.serve.common import (Job, Prepared, RequestError, bad, check_parts, forced_call, get, get_float, get_int,
                                     get_stops, prompt_ids)
 from ninfer_rt.serve.replies import Event
@@ -163,9 +164,12 @@ def parse_chat(body: dict) -> Job:
     elif choice not in ("auto", "none"):
         raise bad("tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
     kwargs = get(body, "chat_template_kwargs", (dict,), "an object", {})
-    clash = [k for k in kwargs if k in _RESERVED_KWARGS or not k.isidentifier() or k.startswith("_")]
+    clash = [k for k in kwargs if k in _RESERVED_KWARGS or k in TEMPLATE_HELPERS or not k.isidentifier()
+             or k.startswith("_")]
     if clash:
         raise bad(f"chat_template_kwargs may not set {clash[0]!r}", "chat_template_kwargs")
+    if not isinstance(kwargs.get("enable_thinking", False), (bool, type(None))):
+        raise bad("chat_template_kwargs.enable_thinking must be true, false or null", "chat_template_kwargs")
     max_tokens = get_int(body, "max_completion_tokens", 1)
     stream_options = get(body, "stream_options", (dict,), "an object", {})
     messages = chat_messages(body.get("messages"))

@@ -78,16 +78,28 @@ def authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+_MAX_INT_DIGITS = 4300  # sys.get_int_max_str_digits()'s default
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+def _parse_int(text: str) -> int:
+    """A JSON integer, refused past Python's 4,300-digit limit in words of our own (its message names sys.*)."""
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {_MAX_INT_DIGITS})")
+    return int(text)
 
 
 def _parse_body(data: bytes) -> dict:
     """A request body as a JSON object (400 for anything else: bad UTF-8, NaN, nesting past the parser's depth)."""
     try:
-        body = json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"the body is not valid JSON: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
+        body = json.loads(data, parse_constant=_reject_constant, parse_int=_parse_int)
+    except RecursionError:
+        raise bad("the body is not valid JSON: it nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError say where, in one line
+        raise bad(f"the body is not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
@@ -117,12 +129,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a malformed request line, an unknown method, an oversized header) as JSON
-        in OpenAI's shape, and the connection closed: what follows on it cannot be trusted."""
+        in the shape of the route's API (OpenAI's where the path is unknown), logged, and the connection closed:
+        what follows on it cannot be trusted."""
         self.close_connection = True
         if self.request_version == "HTTP/0.9":  # refused before its version was read: answer with a status line
             self.request_version = "HTTP/1.0"
+        message = message or self.responses.get(code, ("",))[0]
+        words = (getattr(self, "requestline", "") or "").split()  # self.path is unset when the line was refused
+        front = anthropic if len(words) >= 2 and urlsplit(words[1]).path.startswith("/v1/messages") else openai
+        self.app.log(_printable(f"{self.client_address[0]} {code} {message}"))
         try:
-            self._send_json(code, openai.error_body(RequestError(code, message or self.responses.get(code, ("",))[0])))
+            self._send_json(code, front.error_body(RequestError(code, message)))
         except OSError:
             pass
 
