@@ -119,7 +119,7 @@ def importance_calibration(path: str | Path | None) -> dict | None:
         raw = (f.metadata() or {}).get("ninfer.calibration")
     try:
         info = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # metadata from elsewhere: not ours to describe
         return None
     return info if isinstance(info, dict) else None
 

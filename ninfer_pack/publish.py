@@ -81,7 +81,7 @@ def read_numerics(path: str | Path, art: Artifact) -> dict:
 
     try:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise PublishError(f"--numerics {path}: not a readable JSON report ({type(e).__name__})") from None
     num = report.get("numerics") if isinstance(report, dict) else None
     if not isinstance(num, dict) or any(k not in num for k in NUMERICS_KEYS):

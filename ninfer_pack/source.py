@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ninfer_rt.config import ModelSpec
-from ninfer_rt.errors import ConfigError, SourceError
+from ninfer_rt.errors import ConfigError, SourceError, json_reason
 
 # safetensors dtype -> (torch dtype, bytes per element); FP8 only as a weight with block scales.
 _DTYPES = {"BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2), "F32": (torch.float32, 4),
@@ -106,8 +106,8 @@ def _read_header(path: Path, shard: int) -> dict[str, _Stored]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"{path}: malformed safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{path}: malformed safetensors header ({json_reason(e)})") from None
     if not isinstance(header, dict):
         raise SourceError(f"{path}: malformed safetensors header (not a JSON object)")
     data_start, data_size = 8 + n, size - 8 - n
@@ -156,7 +156,7 @@ def _shard_files(path: Path, label: str) -> tuple[list[Path], Path | None, dict 
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, RecursionError, KeyError, TypeError):
         raise SourceError(f"{index}: malformed index (expected a JSON object with a weight_map)") from None
     for name, fname in weight_map.items():  # an untrusted index must not point outside the checkpoint
         if fname in ("", ".", "..") or "\0" in fname or Path(fname).name != fname:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_rt.config_fields import Fields, token_ids
-from ninfer_rt.errors import ConfigError, SourceError
+from ninfer_rt.errors import ConfigError, SourceError, json_reason
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -222,8 +222,8 @@ class ModelSpec:
             raise SourceError(f"{path}: no such file")
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8, bad JSON, a 4,301-digit integer
+            raise ConfigError(f"{path}: not valid JSON ({json_reason(e)})") from None
         return cls.from_config(cfg, source=str(path))
 
     @classmethod

@@ -24,3 +24,12 @@ class FormatError(NinferError):
 
 class RecipeError(NinferError):
     """A recipe is malformed, names an unknown format, or leaves a tensor unmatched."""
+
+
+def json_reason(e: BaseException) -> str:
+    """Why json.loads or tomllib refused a text, in one line: nesting past the parser's depth and Python's 4,300-digit
+    integer limit in words of our own (their messages name interpreter internals), else the parser's first line."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return "an integer of more than 4300 digits" if "integer string conversion" in text else text

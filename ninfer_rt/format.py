@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from ninfer_rt.errors import FormatError, NinferError
+from ninfer_rt.errors import FormatError, NinferError, json_reason
 from ninfer_rt.formats import round_up
 
 MAGIC = b"NINFER\x1a\n"  # \x1a and \n catch text-mode transfers, as PNG's signature does
@@ -329,8 +329,8 @@ class Artifact:
             raise FormatError(f"{path}: header checksum mismatch (the header is corrupted)")
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise FormatError(f"{path}: header is not valid UTF-8 JSON ({type(e).__name__})") from None
+        except (ValueError, RecursionError) as e:
+            raise FormatError(f"{path}: header is not valid UTF-8 JSON ({json_reason(e)})") from None
         _validate_header(path, header, size, PREFIX.size + hlen)
         mm = None
         if size > 0:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ninfer_rt.errors import NinferError
+from ninfer_rt.errors import NinferError, json_reason
 
 # Qwen chats end on <|im_end|>; raw text ends on <|endoftext|>: stop on either (facts §7).
 _QWEN_STOPS = ("<|im_end|>", "<|endoftext|>")
@@ -37,8 +37,8 @@ def _load_json(resources: dict[str, bytes], name: str) -> dict:
         return {}
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NinferError(f"{name}: malformed JSON ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise NinferError(f"{name}: malformed JSON ({json_reason(e)})") from None
     if not isinstance(obj, dict):
         raise NinferError(f"{name}: expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -103,6 +103,60 @@ def test_checkpoint_resources_the_runtime_cannot_read(name, text, message, tiny_
     assert not (tmp_path / "x.ninfer").exists()
 
 
+DEEP = "[" * 5000 + "]" * 5000  # past the JSON parser's recursion depth
+HUGE = '{"a": 1' + "0" * 5000 + "}"  # past Python's 4,300-digit integer conversion
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("config.json", DEEP, "config.json: not valid JSON (nested too deeply)"),
+    ("config.json", HUGE, "config.json: not valid JSON (an integer of more than 4300 digits)"),
+    ("model.safetensors.index.json", DEEP, "model.safetensors.index.json: malformed index"),
+    ("tokenizer_config.json", DEEP, "tokenizer_config.json: malformed JSON (nested too deeply)"),
+    ("generation_config.json", HUGE, "generation_config.json: malformed JSON (an integer of more than 4300 digits)"),
+], ids=["config-deep", "config-digits", "index-deep", "tokenizer-config-deep", "generation-config-digits"])
+def test_json_past_the_parsers_limits(name, text, message, tiny_moe, tmp_path, capsys):
+    """JSON that Python's parser refuses with a RecursionError or its integer limit (a traceback, before the third
+    audit): one line naming the file, in our words."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_moe, ck)
+    if name.endswith("index.json"):
+        shard = next(ck.glob("*.safetensors"))
+        shard.rename(ck / "model-00001-of-00001.safetensors")
+    (ck / name).write_text(text)
+    for args in (["quantize", ck, "--recipe", "tiny", "--out", tmp_path / "x.ninfer"], ["inspect", ck, "--recipe", "tiny"]):
+        if args[0] == "inspect" and name != "config.json":
+            continue
+        code, _, err = pack(args, capsys)
+        assert code == 1 and message in error_line(err) and "recursion" not in err, err
+    assert not (tmp_path / "x.ninfer").exists()
+
+
+def test_deep_recipe_and_numerics_report(packed, tiny_moe, tmp_path, capsys):
+    recipe, report = tmp_path / "deep.toml", tmp_path / "deep.json"
+    recipe.write_text('name = "x"\ndescription = "d"\nx = ' + "[" * 5000 + "]" * 5000 + "\n")
+    report.write_text(DEEP)
+    code, _, err = pack(["quantize", tiny_moe, "--recipe", recipe, "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 1 and f"{recipe}: nested too deeply" in error_line(err)
+    code, _, err = pack(["publish", packed, "--repo", "me/x", "--dry-run", tmp_path / "stage", "--base-model",
+                         "Qwen/Qwen3.6-35B-A3B", "--numerics", report],
+                        capsys)
+    assert code == 1 and f"--numerics {report}: not a readable JSON report" in error_line(err)
+
+
+def test_an_artifacts_deep_resource_at_run(packed, tmp_path, capsys):
+    """A resource whose bytes were replaced (the default run does not hash them): one line naming it."""
+    bad = tmp_path / "bad.ninfer"
+    raw = bytearray(packed.read_bytes())
+    with Artifact.open(packed) as art:
+        r = art.resources["tokenizer_config.json"]
+    k = r.nbytes // 2
+    assert k > 1000  # deep enough to exceed the parser's recursion
+    raw[r.offset:r.offset + r.nbytes] = b"[" * k + b"]" * k + b" " * (r.nbytes - 2 * k)
+    bad.write_bytes(bytes(raw))
+    code, out, err = rt(["run", bad, "--prompt", "hi", "--device", "cpu"], capsys)
+    assert code == 1 and "tokenizer_config.json: malformed JSON (nested too deeply)" in error_line(err), err
+
+
 def _resign(src, dst, edit) -> None:
     """Copy an artifact with its header JSON changed by edit(header) and its prefix checksum recomputed, so that
     only the meaning of the header is wrong."""

@@ -256,6 +256,18 @@ def test_malformed_header_names_the_file(vlm_dir):
     one_line(e)
 
 
+def test_a_header_past_the_parsers_depth_names_the_file(vlm_dir):
+    shard = vlm_dir / "model-00002-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n // 2 > 1000  # deep enough to exceed the JSON parser's recursion
+    raw[8:8 + n] = b"[" * (n // 2) + b"]" * (n // 2) + b" " * (n % 2)
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(SourceError, match=f"{shard}: malformed safetensors header \\(nested too deeply\\)") as e:
+        Checkpoint.open(vlm_dir)
+    one_line(e)
+
+
 def test_offsets_past_the_end_name_the_file(vlm_dir):
     shard = vlm_dir / "model-00001-of-00002.safetensors"
     raw = shard.read_bytes()

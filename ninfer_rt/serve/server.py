@@ -23,7 +23,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-from ninfer_rt.errors import NinferError
+from ninfer_rt.errors import NinferError, json_reason
 from ninfer_rt.serve import anthropic, openai
 from ninfer_rt.serve.common import Job, RequestError, bad, choice_prepared, prepare, prompt_ids
 from ninfer_rt.serve.replies import ReplyParser
@@ -78,28 +78,16 @@ def authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-_MAX_INT_DIGITS = 4300  # sys.get_int_max_str_digits()'s default
-
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
-
-
-def _parse_int(text: str) -> int:
-    """A JSON integer, refused past Python's 4,300-digit limit in words of our own (its message names sys.*)."""
-    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {_MAX_INT_DIGITS})")
-    return int(text)
 
 
 def _parse_body(data: bytes) -> dict:
     """A request body as a JSON object (400 for anything else: bad UTF-8, NaN, nesting past the parser's depth)."""
     try:
-        body = json.loads(data, parse_constant=_reject_constant, parse_int=_parse_int)
-    except RecursionError:
-        raise bad("the body is not valid JSON: it nests too deeply") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError say where, in one line
-        raise bad(f"the body is not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        body = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {json_reason(e)}") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
