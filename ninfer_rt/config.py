@@ -253,6 +253,13 @@ class ModelSpec:
             raise ConfigError(f"unsupported architecture {model_type!r}: ninfer supports "
                               f"{', '.join(FAMILIES)} (Qwen3.5/Qwen3.6)")
         t = text.obj
+        # transformers would honour other values of these two; the reference and the kernels implement the family's
+        act = t.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise text.error("hidden_act", f"is {act!r}: ninfer implements the family's SiLU (its MLPs, experts and "
+                                           f"DeltaNet convolution) only")
+        if text.get_bool("attention_bias", False):
+            raise text.error("attention_bias", "is true: ninfer's attention projections have no bias terms")
 
         num_layers = text.get_int("num_hidden_layers")
         if t.get("layer_types") is not None:

@@ -300,6 +300,21 @@ def _broken(edit, moe=True) -> str:
     return msg
 
 
+def test_what_transformers_would_honour_but_ninfer_does_not_implement():
+    """hidden_act and attention_bias change transformers' model (ACT2FN, bias=True); a value other than the
+    family's is refused by name, not run as if it were SiLU without biases. attn_output_gate is ignored by
+    transformers' qwen3_5 classes (the gate is always on), so it is ignored here too."""
+    assert _broken(lambda c, t: t.update(hidden_act="gelu")).endswith(
+        "text_config.hidden_act is 'gelu': ninfer implements the family's SiLU (its MLPs, experts and DeltaNet "
+        "convolution) only")
+    assert _broken(lambda c, t: t.update(attention_bias=True), moe=False).endswith(
+        "text_config.attention_bias is true: ninfer's attention projections have no bias terms")
+    for value in ("silu", "swish"):
+        cfg = _vlm_config(True)
+        cfg["text_config"].update(hidden_act=value, attention_bias=False, attn_output_gate=False)
+        assert ModelSpec.from_config(cfg).hidden_size == cfg["text_config"]["hidden_size"]
+
+
 def test_errors_name_the_field(tmp_path):
     assert _broken(lambda c, t: c.update(model_type="llama")) == (
         "unsupported architecture 'llama': ninfer supports qwen3_5, qwen3_5_moe (Qwen3.5/Qwen3.6)")
