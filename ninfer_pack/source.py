@@ -200,6 +200,8 @@ class Checkpoint:
     def open(cls, source: str | os.PathLike, revision: str | None = None, progress: bool = True) -> Checkpoint:
         """Open "builtin:<name>", a local checkpoint directory, or a Hub repo id "owner/name" (downloaded)."""
         source = os.fspath(source)
+        if not source.strip():  # Path("") is the working directory: an empty argument is a mistake, not "."
+            raise SourceError("SOURCE is empty: give a checkpoint directory, a Hub repo id or builtin:tiny-moe")
         if source.startswith("builtin:"):
             from ninfer_pack.tiny import BUILTIN_SOURCES, materialize_builtin
 
@@ -501,6 +503,8 @@ def fetch_config(source: str, revision: str | None = None) -> dict:
     The file is checked as a ModelSpec on the way; the parsed JSON object is returned."""
     import huggingface_hub
 
+    if not source.strip():
+        raise SourceError("SOURCE is empty: give a checkpoint directory, a config.json or a Hub repo id")
     local = Path(source).expanduser()
     if local.is_dir():
         path = local / "config.json"

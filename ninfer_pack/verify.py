@@ -99,7 +99,8 @@ def verify(path: str, source: str | Checkpoint | None = None, *, revision: str |
     with Artifact.open(path) as art:
         report = VerifyReport(str(path), len(art.tensors), art.size)
         report.bad_checksums = art.verify_checksums(on_bytes)
-        plan_problems = check_plans(art.spec, [e.plan() for e in art.tensors.values()])
+        plan_problems = check_plans(art.spec, [e.plan() for e in art.tensors.values()],
+                                    {e.name: e.group for e in art.tensors.values()})
         report.problems += plan_problems + text_resource_problems({n: art.resource(n) for n in art.resources})
         if source is None or plan_problems:  # a table that disagrees with its model cannot be laid out again
             return report

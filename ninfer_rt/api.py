@@ -474,7 +474,8 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)
     try:
-        problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()])
+        problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()],
+                               {e.name: e.group for e in artifact.tensors.values()})
         if problems:  # a header edited, or written for another model: refuse before any weight is read
             raise FormatError(f"{artifact.path}: {problems[0]}")
         if check_checksums:  # a progress phase of its own: done reaches total, then the weights' bar starts

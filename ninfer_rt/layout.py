@@ -411,11 +411,12 @@ def plan_tensors(spec, names: Iterable[str], shapes: Mapping[str, Sequence[int]]
     return plans
 
 
-def check_plans(spec, plans: Sequence[TensorPlan]) -> list[str]:
+def check_plans(spec, plans: Sequence[TensorPlan], groups: dict[str, str] | None = None) -> list[str]:
     """What is wrong with an artifact's tensor table for the model its header describes; empty when sound.
 
     Each stored plan must be the one plan_tensors makes from the spec for the same checkpoint names (parts,
-    their shapes, transform, params, shape), and every text tensor the spec implies must be there: a header
+    their shapes, transform, params, shape), in the group ("text", "mtp", "vision") the spec puts its parts in
+    where `groups` ({tensor name: group}) is given, and every text tensor the spec implies must be there: a header
     edited or written for another model fails here, before any weight is decoded or loaded.
     """
     names = [p for plan in plans for p in plan.parts]
@@ -423,7 +424,7 @@ def check_plans(spec, plans: Sequence[TensorPlan]) -> list[str]:
         want = {p.name: p for p in plan_tensors(spec, names)}
     except ConfigError as e:
         return [str(e)]
-    problems = []
+    problems, shapes = [], spec.tensor_shapes()
     for plan in plans:
         w = want.get(plan.name)
         if w is None:
@@ -434,8 +435,12 @@ def check_plans(spec, plans: Sequence[TensorPlan]) -> list[str]:
             if got != expected:
                 problems.append(f"{plan.name}: {what} {_show(got)}, the model implies {_show(expected)}")
                 break
+        else:
+            if groups is not None and groups.get(plan.name) != shapes[plan.parts[0]].group:
+                problems.append(f"{plan.name}: group {groups.get(plan.name)!r}, the model implies "
+                                f"{shapes[plan.parts[0]].group!r}")
     present = set(names)
-    text = [n for n, info in spec.tensor_shapes().items() if info.group == "text" and n not in present]
+    text = [n for n, info in shapes.items() if info.group == "text" and n not in present]
     if text:
         problems.append(f"{len(text)} tensors of the text model are missing, first {text[0]}")
     return problems

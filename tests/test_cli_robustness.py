@@ -192,12 +192,17 @@ def _double_part(h):
     part["shape"] = [2 * part["shape"][0], *part["shape"][1:]]
 
 
+def _odd_group(h):
+    _tensor(h, "A_log")["group"] = "weird"
+
+
 @pytest.mark.parametrize("edit, message", [
+    (_odd_group, r"A_log: group 'weird', the model implies 'text'"),
     (_set_hidden, r"embed_tokens\.weight: part_shapes \[\[\d+, 64\]\], the model implies \[\[\d+, 128\]\]"),
     (_bogus_params, r"conv1d\.weight: params \{'bogus': 1\}, the model implies \{\}"),
     (_drop_embedding, r"1 tensors of the text model are missing, first model\.language_model\.embed_tokens"),
     (_double_part, r"embed_tokens\.weight: part_shapes \[\[\d+, \d+\]\], the model implies"),
-], ids=["hidden", "params", "missing", "part-shape"])
+], ids=["group", "hidden", "params", "missing", "part-shape"])
 def test_header_that_disagrees_with_its_model(edit, message, packed, tiny_moe, tmp_path, capsys):
     # oracle: the plan quantize makes from the model (layout.plan_tensors); verify and run both refuse
     bad = tmp_path / "bad.ninfer"
@@ -310,7 +315,7 @@ def test_os_error_without_strerror_keeps_its_message(packed, capsys, monkeypatch
     assert code == 1 and error_line(err) == "error: the mapping failed"
 
 
-@pytest.mark.parametrize("case", ["recipe_dir", "text_dir", "calibrate_out_dir", "key_file_missing", "cors_path",
+@pytest.mark.parametrize("case", ["empty_source", "recipe_dir", "text_dir", "calibrate_out_dir", "key_file_missing", "cors_path",
                                   "jobs_zero", "inspect_dir", "inspect_unknown_name"])
 def test_second_audit_messages(case, packed, tiny_moe, tmp_path, capsys):
     """The 2026-12-06 audit's misleading lines: each bad option now gets a line that names it and what it takes
@@ -319,6 +324,8 @@ def test_second_audit_messages(case, packed, tiny_moe, tmp_path, capsys):
     folder.mkdir()
     text.write_text("Some text to calibrate on. " * 20, encoding="utf-8")
     runs = {
+        "empty_source": (pack, ["quantize", "", "--recipe", "tiny", "--out", tmp_path / "x.ninfer"],
+                         "SOURCE is empty: give a checkpoint directory"),
         "recipe_dir": (pack, ["quantize", tiny_moe, "--recipe", folder, "--out", tmp_path / "x.ninfer"],
                        f"recipe {folder} is not a regular file"),
         "text_dir": (pack, ["verify", packed, "--source", tiny_moe, "--numerics", "--text", folder],
