@@ -27,7 +27,7 @@ from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.hostmem import available_memory, check_fits
 from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
-from ninfer_rt.stops import StopScanner
+from ninfer_rt.stops import StopScanner, stop_strings
 
 DEVICES = ("cpu", "cuda", "auto")
 MAX_CACHE_SLOTS = 64  # sequences a model keeps at once (each a KV cache and DeltaNet state on the GPU)
@@ -273,8 +273,8 @@ class Model:
         if not isinstance(reuse_cache, bool):
             raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
         if snapshot_at is not None and not (reuse_cache and _is_int(snapshot_at) and 1 <= snapshot_at < len(ids)):
-            raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)}) and "
-                              "needs reuse_cache")
+            raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)})"
+                              + ("" if reuse_cache else " and needs reuse_cache"))
         params = sampling if sampling is not None else self.sampling_defaults
         return params, min(int(max_new_tokens), context - len(ids))
 
@@ -368,9 +368,7 @@ class Model:
         (a chat's next turn, whose template re-renders this turn's reply; needs load(..., cache_slots=2),
         else it is ignored). The result equals a fresh run's up to the rounding of a prefill split in two.
         """
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
+        stops = stop_strings(stop)
         token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools,
                                                  reuse_cache, snapshot_at)
         return self._text_stream(token_stream, stops, stats)

@@ -41,11 +41,11 @@ import numpy as np
 from ninfer_rt.api import GenerationStats, Model
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_automaton import SchemaPrefix
-from ninfer_rt.json_schema import JSON_OBJECT, Node
+from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.speculative import DraftPlanner, HeadState, Speculator
-from ninfer_rt.stops import StopScanner
+from ninfer_rt.stops import StopScanner, stop_strings
 
 PREFILL_CHUNK = 2048  # prompt tokens a joining sequence feeds a step
 PROMPT_LOGPROBS_CHUNK = 64  # ... where its prompt's logprobs are asked for (every row's logits come to the host)
@@ -127,9 +127,9 @@ class Batch:
         slots = getattr(model._backend, "cache_slots", 1)
         parallel = slots if parallel is None else parallel
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
-        if not (isinstance(parallel, int) and 1 <= parallel <= slots):
+        if not (type(parallel) is int and 1 <= parallel <= slots):  # type: True is not one generation
             raise NinferError(f"parallel={parallel!r}: must be in [1, {slots}] (the model's cache_slots)")
-        if not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        if not (type(prefill_chunk) is int and prefill_chunk >= 1):
             raise NinferError(f"prefill_chunk={prefill_chunk!r}: must be an integer >= 1")
         self.model, self.parallel, self.prefill_chunk = model, parallel, prefill_chunk
         self._kept = model._kept
@@ -153,9 +153,9 @@ class Batch:
         return self.parallel - len(self._running)
 
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-            stop: list[str] | None = None, snapshot_at: int | None = None,
+            stop: str | list[str] | None = None, snapshot_at: int | None = None,
             logprobs: int | None = None, prompt_logprobs: int | None = None,
-            json_object: bool = False, json_schema: Node | None = None) -> Generation:
+            json_object: bool = False, json_schema: Node | dict | None = None) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
@@ -163,7 +163,7 @@ class Batch:
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
         n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
         drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
-        the object has closed). json_schema (json_schema.compile_schema's): the same against a schema, the stop
+        the object has closed). json_schema (a schema dict, or json_schema.compile_schema's Node): the same against it, the stop
         token once the value it accepts is complete. NinferError when the batch is full or the request is bad."""
         ids = self.model.check_ids(ids)
         if not ids:
@@ -172,9 +172,12 @@ class Batch:
         params, budget = self.model._check_request(ids, 1 if prefill_only else max_new_tokens, sampling, True,
                                                    snapshot_at)
         budget = 0 if prefill_only else budget
-        stops = list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise NinferError(f"stop strings must be non-empty strings, got {stops!r}")
+        stops = stop_strings(stop)
+        if json_schema is not None and not isinstance(json_schema, Node):  # a schema as a request carries it
+            try:
+                json_schema = compile_schema(json_schema)
+            except SchemaError as e:
+                raise NinferError(str(e)) from None
         for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if n is not None and not (type(n) is int and 0 <= n <= MAX_TOP_LOGPROBS):
                 raise NinferError(f"{name}={n!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,19 @@ SpeculativeOption = Annotated[int, typer.Option("--speculative-tokens", help="Dr
                                                 "most 7). Same output distribution; greedy, the same text.")]
 
 
-def _sampling(model, greedy: bool, overrides: dict):
-    """The artifact's generation_config defaults, then the options given (sampling.requested_sampling)."""
+def _sampling(generation_config: dict, greedy: bool, overrides: dict):
+    """The artifact's generation_config defaults, then the options given (sampling.requested_sampling); with {},
+    the options alone, checked before the model loads."""
     from ninfer_rt.sampling import requested_sampling
 
-    return requested_sampling(model.generation_config, greedy=greedy, **overrides)
+    return requested_sampling(generation_config, greedy=greedy, **overrides)
+
+
+def _note_context(model, max_context: int) -> None:
+    """Say so where --max-context was past the model's positions (load holds it to them), as llama.cpp warns."""
+    if model.context_length < max_context:
+        err.print(f"note: --max-context {max_context} is past the model's {model.context_length} positions: "
+                  f"sequences hold {model.context_length}", highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -82,13 +91,19 @@ def run(
         raise NinferError("--no-think applies to the chat template: add --chat")
     _check_chunk(prefill_chunk)
     _check_context(max_context)
+    if max_new_tokens < 1:
+        raise NinferError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    drawn_seed = seed is None  # drawn here and printed, so a run worth keeping can be repeated with --seed
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                 seed=secrets.randbits(63) if drawn_seed else seed)
+    _sampling({}, greedy, given)  # a bad option costs no loading
     t0 = time.perf_counter()
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, speculative_tokens=speculative_tokens)
     load_s = time.perf_counter() - t0
-    params = _sampling(model, greedy, dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                           repetition_penalty=repetition_penalty, seed=seed))
+    _note_context(model, max_context)
+    params = _sampling(model.generation_config, greedy, given)
     if chat:
         pieces = model.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
                                 sampling=params, enable_thinking=False if no_think else None)
@@ -102,7 +117,9 @@ def run(
     s = model.last_stats
     err.print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_s:.3f} s ({s.prefill_tok_s:.1f} tok/s); "
               f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.1f} tok/s ({s.finish_reason}); "
-              f"load {load_s:.2f} s on {model.device}", highlight=False, soft_wrap=True, emoji=False)
+              f"load {load_s:.2f} s on {model.device}"
+              + (f"; seed {params.seed}" if drawn_seed and not params.is_greedy else ""),
+              highlight=False, soft_wrap=True, emoji=False)
     if s.draft_tokens:
         err.print(f"speculative: {s.accepted_tokens} of {s.draft_tokens} drafted tokens accepted "
                   f"({100 * s.acceptance:.1f}%)", highlight=False, soft_wrap=True, emoji=False)
@@ -161,6 +178,7 @@ def serve(
     model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot,
                  speculative_tokens=speculative_tokens)
+    _note_context(model, max_context)
     try:
         # no tokenizer or no usable template fails here, as `run` does, not as a 400 to every request
         model.tokenizer

@@ -6,6 +6,8 @@ until the next piece settles it, so no client ever sees the beginning of a stop 
 
 from __future__ import annotations
 
+from ninfer_rt.errors import NinferError
+
 
 def overlap(text: str, stop: str) -> int:
     """Length of the longest proper prefix of `stop` that `text` ends with (0 when none)."""
@@ -13,6 +15,17 @@ def overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:k]):
             return k
     return 0
+
+
+def stop_strings(stop) -> list[str]:
+    """A `stop` argument as a list: one string, or a list or tuple of non-empty strings (NinferError otherwise; a
+    string is one stop, never its characters)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
+        raise NinferError(f"stop must be a non-empty string or a list of them, got {stop!r}"[:200])
+    return stops
 
 
 class StopScanner:

@@ -14,6 +14,7 @@ import pytest
 from ninfer_rt import load
 from ninfer_rt.batching import Batch
 from ninfer_rt.errors import NinferError
+from ninfer_rt.json_schema import compile_schema
 from ninfer_rt.sampling import SamplingParams
 from slot_backend import SlotBackend
 
@@ -151,7 +152,7 @@ def test_cancel_stop_strings_and_refusals(model, fake):
     drain(batch, [c])
     assert c.stats.cached_tokens == len(a.prompt) + len(a.stats.token_ids) - 1
     assert c.stats.token_ids == fake.decode_fresh(turn, 2)
-    for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(stop=[""]), "stop strings"),
+    for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(stop=[""]), "stop must be a non-empty string"),
                        (dict(snapshot_at=9), "snapshot_at")]:
         with pytest.raises(NinferError, match=match):
             batch.add([1, 2, 3], **bad)
@@ -228,3 +229,45 @@ def test_idle_slots_are_reused_least_recently_used_first(model, fake):
         return g.stats.cached_tokens
 
     assert continued(gens[1]) == 4 and continued(gens[0]) == 0
+
+
+def test_a_stop_string_is_one_stop_in_the_batch_as_in_generate(model):
+    """stop="..." is one stop string in Batch.add, as in Model.generate (it once became one stop a character)."""
+    ids = model.tokenizer.encode("The garden at dawn")
+    alone = "".join(model.generate(ids, max_new_tokens=24, sampling=GREEDY))
+    stop = alone[len(alone) // 2:len(alone) // 2 + 3]  # three characters from the middle of the greedy text
+    assert len(stop) == 3 and alone.index(stop) > 0
+    want = "".join(model.generate(ids, max_new_tokens=24, sampling=GREEDY, stop=stop))
+    batch = model.batch()
+    g = batch.add(ids, max_new_tokens=24, sampling=GREEDY, stop=stop)
+    assert drain(batch, [g])[id(g)] == want == alone[:alone.index(stop)]
+    assert g.stats.stop_string == stop
+
+
+@pytest.mark.parametrize("stop", [5, b"x", [1], ["ok", ""], {"a": 1}])
+def test_a_stop_that_is_not_strings_is_one_line(model, stop):
+    ids = model.tokenizer.encode("Once")
+    for call in (lambda: list(model.generate(ids, max_new_tokens=2, stop=stop)),
+                 lambda: model.batch().add(ids, max_new_tokens=2, stop=stop)):
+        with pytest.raises(NinferError, match=r"^stop must be a non-empty string or a list of them, got "):
+            call()
+
+
+def test_a_schema_dict_is_compiled_and_a_bad_one_refused(model):
+    """Batch.add takes a JSON Schema as a request carries it (it once failed inside the step on a dict)."""
+    ids, schema = model.tokenizer.encode("Once"), {"type": "object", "properties": {"a": {"type": "integer"}}}
+    texts = []
+    for given in (schema, compile_schema(schema)):  # the oracle: the compiled Node the server passes
+        batch = model.batch()
+        g = batch.add(ids, max_new_tokens=40, sampling=GREEDY, json_schema=given)
+        texts.append(drain(batch, [g])[id(g)])
+        assert g.error is None, g.error
+    assert texts[0] == texts[1] and texts[0].strip()
+    with pytest.raises(NinferError, match="json_schema"):
+        model.batch().add(ids, max_new_tokens=2, json_schema={"type": "no-such-type"})
+
+
+@pytest.mark.parametrize("kw", [{"parallel": True}, {"prefill_chunk": True}, {"parallel": 1.0}])
+def test_batch_sizes_are_integers_not_bools(model, kw):
+    with pytest.raises(NinferError, match=f"{next(iter(kw))}="):
+        model.batch(**kw)

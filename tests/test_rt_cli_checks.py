@@ -249,3 +249,39 @@ def test_two_positions_hold_a_one_token_prompt_and_its_token(packed, tiny_moe, c
     assert re.search(r"prompt 1 tokens, .*generated 1 tokens", err), err
     code, _, err = rt(["serve", packed, "--device", "cpu", "--max-context", 2, "--port", 0], capsys)
     assert code == 0 and len(no_serving) == 1 and "context 2," in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1"], "sampling temperature=-1.0: must be >= 0"),
+    (["--top-p", "0"], "top_p"),
+    (["--seed", "-1"], "seed"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_run_options_are_checked_before_loading(packed, capsys, monkeypatch, args, message):
+    """A typo costs no loading (minutes for a 35B artifact): refused before load is called."""
+    loads = []
+    monkeypatch.setattr("ninfer_rt.api.load", lambda *a, **k: loads.append(a))
+    code, out, err = rt(["run", packed, "--device", "cpu", "--prompt", "Hi", *args], capsys)
+    assert code == 1 and out == "" and loads == [] and message in error_line(err), err
+
+
+def test_a_drawn_seed_is_printed_and_repeats_the_run(packed, capsys):
+    """Without --seed a sampled run prints the seed it drew (as llama.cpp does); --seed with it gives the same text.
+    A greedy run prints none."""
+    base = ["run", packed, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", 12, "--temperature", 0.9]
+    code, first, err = rt(base, capsys)
+    seed = re.search(r"; seed (\d+)$", err.strip())
+    assert code == 0 and seed, err
+    code, again, _ = rt([*base, "--seed", seed.group(1)], capsys)
+    assert code == 0 and again == first
+    code, _, err = rt(["run", packed, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", 2, "--greedy"], capsys)
+    assert code == 0 and "seed" not in err
+
+
+def test_a_context_past_the_models_is_noted(packed, capsys):
+    with Artifact.open(packed) as art:
+        positions = art.spec.max_position_embeddings
+    code, _, err = rt(["run", packed, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", 1,
+                       "--max-context", positions + 5], capsys)
+    assert code == 0 and (f"note: --max-context {positions + 5} is past the model's {positions} positions: "
+                          f"sequences hold {positions}") in err.replace("\n", " "), err
