@@ -125,7 +125,7 @@ def test_bad_options(packed, capsys):
     code, _, err = run(["run", packed, "--prompt", PROMPT, "--no-think"], capsys)
     assert code == 1 and "--chat" in error_line(err)
     code, _, err = run(["run", packed, "--prompt", PROMPT, "--max-new-tokens", 0], capsys)
-    assert code == 1 and "max_new_tokens" in error_line(err)
+    assert code == 1 and "--max-new-tokens must be >= 1, got 0" in error_line(err)
 
 
 @pytest.mark.parametrize("args, code, message", [
@@ -171,7 +171,7 @@ def test_only_sampling_options_turn_a_greedy_config_into_sampling():
              "seed")
 
     def params(greedy=False, **given):
-        return cli._sampling(model, greedy, {k: given.get(k) for k in names})
+        return cli._sampling(model.generation_config, greedy, {k: given.get(k) for k in names})
 
     assert params().is_greedy
     # penalties apply under greedy decoding too (HF's logits processors), and a seed is moot there
