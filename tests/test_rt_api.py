@@ -308,7 +308,7 @@ def test_stop_strings(moe_model):
     assert all(stop not in p for p in out)
     # a stop string that never appears changes nothing
     assert "".join(m.generate(ids, max_new_tokens=24, sampling=GREEDY, stop=["\x00never"])) == full
-    with pytest.raises(NinferError, match="stop strings"):
+    with pytest.raises(NinferError, match="stop must be a non-empty string"):
         m.generate(ids, stop=[""])
 
 
