@@ -353,7 +353,7 @@ class Model:
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,
                  enable_thinking: bool | None = None, stop: str | list[str] | None = None,
                  tools: list[dict] | None = None, reuse_cache: bool = False,
-                 snapshot_at: int | None = None) -> Iterator[str]:
+                 snapshot_at: int | None = None, skip_special_tokens: bool = False) -> Iterator[str]:
         """Stream the continuation as text pieces (each complete UTF-8).
 
         prompt: text or token ids, or messages: a chat rendered with the artifact's template (enable_thinking
@@ -367,15 +367,20 @@ class Model:
         cache after the prompt's first snapshot_at tokens, from which a later prompt that shares them continues
         (a chat's next turn, whose template re-renders this turn's reply; needs load(..., cache_slots=2),
         else it is ignored). The result equals a fresh run's up to the rounding of a prefill split in two.
+        skip_special_tokens: special tokens (<|im_start|>, <|image_pad|>, ...; not <think> or <tool_call>, which the
+        tokenizer marks as text) stay out of the text, as vLLM does by default and HF's decode does when asked.
         """
         stops = stop_strings(stop)
+        if not isinstance(skip_special_tokens, bool):
+            raise NinferError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
         token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools,
                                                  reuse_cache, snapshot_at)
-        return self._text_stream(token_stream, stops, stats)
+        return self._text_stream(token_stream, stops, stats, skip_special_tokens)
 
-    def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats) -> Iterator[str]:
+    def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats,
+                     skip_special_tokens: bool) -> Iterator[str]:
         """Detokenize the ids, holding back any tail that could still grow into a stop string."""
-        detok, scan = self.tokenizer.detokenizer(), StopScanner(stops)
+        detok, scan = self.tokenizer.detokenizer(skip_special_tokens), StopScanner(stops)
         for piece in _chain_tail((detok.push(i) for i in token_stream), detok.finish):
             out = scan.push(piece)
             if scan.stop is not None:  # the run ends (and leaves its cache) before the last text goes out

@@ -155,7 +155,8 @@ class Batch:
     def add(self, ids: list[int], *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
             stop: str | list[str] | None = None, snapshot_at: int | None = None,
             logprobs: int | None = None, prompt_logprobs: int | None = None,
-            json_object: bool = False, json_schema: Node | dict | None = None) -> Generation:
+            json_object: bool = False, json_schema: Node | dict | None = None,
+            skip_special_tokens: bool = False) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
         (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
@@ -164,7 +165,8 @@ class Batch:
         n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
         drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
         the object has closed). json_schema (a schema dict, or json_schema.compile_schema's Node): the same against it, the stop
-        token once the value it accepts is complete. NinferError when the batch is full or the request is bad."""
+        token once the value it accepts is complete. skip_special_tokens: special tokens (<|im_start|>, ...; not
+        <think> or <tool_call>) stay out of the text. NinferError when the batch is full or the request is bad."""
         ids = self.model.check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -183,7 +185,10 @@ class Batch:
                 raise NinferError(f"{name}={n!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
-        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(), snapshot_at, logprobs,
+        if not isinstance(skip_special_tokens, bool):
+            raise NinferError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
+        g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(skip_special_tokens), snapshot_at,
+                       logprobs,
                        prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)

@@ -25,9 +25,10 @@ err = Console(stderr=True)
 # Options of every command that loads a model (run, serve): one declaration each.
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (cuda when a GPU is present), cuda (our kernels) "
                                                              "or cpu (the PyTorch reference).")]
-MaxContextOption = Annotated[int, typer.Option("--max-context", help="Positions a sequence may hold, prompt and "
-                                                                     "output together (on the GPU, the KV cache "
-                                                                     "allocated for each).")]
+DEFAULT_CONTEXT = 32768
+MaxContextOption = Annotated[Optional[int], typer.Option(
+    "--max-context", help=f"Positions a sequence may hold, prompt and output together (on the GPU, the KV cache "
+                          f"allocated for each); default {DEFAULT_CONTEXT}, or the model's positions where fewer.")]
 KvCacheOption = Annotated[str, typer.Option("--kv-cache", help="KV cache dtype on the GPU: int8 or bf16.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per prefill step on the GPU (default {PREFILL_CHUNK}; smaller saves GPU "
@@ -48,9 +49,10 @@ def _sampling(generation_config: dict, greedy: bool, overrides: dict):
     return requested_sampling(generation_config, greedy=greedy, **overrides)
 
 
-def _note_context(model, max_context: int) -> None:
-    """Say so where --max-context was past the model's positions (load holds it to them), as llama.cpp warns."""
-    if model.context_length < max_context:
+def _note_context(model, max_context: int | None) -> None:
+    """Say so where a --max-context given was past the model's positions (load holds it to them), as llama.cpp
+    warns."""
+    if max_context is not None and model.context_length < max_context:
         err.print(f"note: --max-context {max_context} is past the model's {model.context_length} positions: "
                   f"sequences hold {model.context_length}", highlight=False, soft_wrap=True, markup=False)
 
@@ -62,6 +64,9 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Render the prompt as a user message with the artifact's "
                                                    "chat template and the generation prompt."),
     no_think: bool = typer.Option(False, "--no-think", help="Ask the chat template for the no-thinking prompt."),
+    special: bool = typer.Option(False, "--special", help="Print special tokens (<|im_start|>, <|image_pad|>, ...) "
+                                                          "as text; by default they are left out, as llama-cli and "
+                                                          "vLLM do (<think> and <tool_call> are text either way)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
     greedy: bool = typer.Option(False, "--greedy", help="Arg-max decoding of the penalised logits (overrides "
                                                          "temperature, top-p, top-k and min-p)."),
@@ -78,7 +83,7 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64): same seed, same text "
                                                              "(omit it for a fresh one)."),
     device: DeviceOption = "auto",
-    max_context: MaxContextOption = 32768,
+    max_context: MaxContextOption = None,
     kv_cache: KvCacheOption = "int8",
     prefill_chunk: PrefillChunkOption = None,
     check_checksums: ChecksumsOption = False,
@@ -90,7 +95,7 @@ def run(
     if no_think and not chat:
         raise NinferError("--no-think applies to the chat template: add --chat")
     _check_chunk(prefill_chunk)
-    _check_context(max_context)
+    context = _context(max_context)
     if max_new_tokens < 1:
         raise NinferError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     drawn_seed = seed is None  # drawn here and printed, so a run worth keeping can be repeated with --seed
@@ -99,16 +104,17 @@ def run(
                  seed=secrets.randbits(63) if drawn_seed else seed)
     _sampling({}, greedy, given)  # a bad option costs no loading
     t0 = time.perf_counter()
-    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
+    model = load(path, device=device, max_ctx=context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, speculative_tokens=speculative_tokens)
     load_s = time.perf_counter() - t0
     _note_context(model, max_context)
     params = _sampling(model.generation_config, greedy, given)
     if chat:
         pieces = model.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
-                                sampling=params, enable_thinking=False if no_think else None)
+                                sampling=params, enable_thinking=False if no_think else None,
+                                skip_special_tokens=not special)
     else:
-        pieces = model.generate(prompt, max_new_tokens=max_new_tokens, sampling=params)
+        pieces = model.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, skip_special_tokens=not special)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -144,7 +150,7 @@ def serve(
     max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait while --parallel generate; "
                                                           "more are answered 503."),
     device: DeviceOption = "auto",
-    max_context: MaxContextOption = 32768,
+    max_context: MaxContextOption = None,
     kv_cache: KvCacheOption = "int8",
     prefill_chunk: PrefillChunkOption = None,
     check_checksums: ChecksumsOption = False,
@@ -162,7 +168,7 @@ def serve(
     from ninfer_rt.serve.server import authority, check_cors_origin, is_loopback
 
     _check_chunk(prefill_chunk)
-    _check_context(max_context)
+    context = _context(max_context)
     if not 0 <= port <= 65535:
         raise NinferError(f"--port must be in [0, 65535], got {port}")
     if max_queue < 0:
@@ -175,7 +181,7 @@ def serve(
     if not is_loopback(host) and api_key is None:
         err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
                   "reach the port can use the model", highlight=False, soft_wrap=True, markup=False)
-    model = load(path, device=device, max_ctx=max_context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
+    model = load(path, device=device, max_ctx=context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot,
                  speculative_tokens=speculative_tokens)
     _note_context(model, max_context)
@@ -389,11 +395,15 @@ def _check_chunk(prefill_chunk: int | None) -> None:
         raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
 
 
-def _check_context(max_context: int) -> None:
+def _context(max_context: int | None) -> int:
+    """The positions to ask load for: --max-context, checked, or DEFAULT_CONTEXT where it was not given."""
+    if max_context is None:
+        return DEFAULT_CONTEXT
     # the shortest prompt is one token (an empty one is refused) and the first generated token needs a position
     if max_context < 2:
         raise NinferError(f"--max-context must be >= 2 (a one-token prompt and one generated token), got "
                           f"{max_context}")
+    return max_context
 
 
 def _tokenizer_vocab(art) -> int | None:

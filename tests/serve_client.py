@@ -118,7 +118,7 @@ class ScriptedBatch:
         return self.parallel - len(self.runs)
 
     def add(self, ids, *, max_new_tokens, sampling, stop, snapshot_at, logprobs=None, prompt_logprobs=None,
-            json_object=False, json_schema=None):
+            json_object=False, json_schema=None, skip_special_tokens=False):
         self.s.prompts.append(list(ids))
         text, step = self.s.text, self.s.step
         run = _ScriptedRun([text[i:i + step] for i in range(0, len(text), step)], max_new_tokens, len(ids))

@@ -25,11 +25,13 @@ def model(packed_model):
     return packed_model
 
 
-def greedy_oracle(model, max_tokens: int, **prompt):
-    """(text, stats) of greedy decoding through the API: what the server must answer."""
+def greedy_oracle(model, max_tokens: int, skip_special_tokens: bool = True, **prompt):
+    """(text, stats) of greedy decoding through the API: what the server must answer (special tokens left out of
+    the text unless the request says skip_special_tokens false, as in vLLM)."""
     from ninfer_rt.sampling import SamplingParams
 
-    text = "".join(model.generate(max_new_tokens=max_tokens, sampling=SamplingParams(greedy=True), **prompt))
+    text = "".join(model.generate(max_new_tokens=max_tokens, sampling=SamplingParams(greedy=True),
+                                  skip_special_tokens=skip_special_tokens, **prompt))
     return text, model.last_stats
 
 
@@ -84,6 +86,16 @@ def test_completions_from_text_and_from_token_ids(srv, model):
     status, _, data = srv.request("POST", "/v1/completions", {"prompt": [prompt], "temperature": 0, "stream": True})
     events = sse_data(data)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want and events[-1] == "[DONE]"
+    # this prompt's greedy reply holds special tokens: left out by default, kept where the request asks (vLLM's field)
+    tok = model.tokenizer
+    assert any(tok.decode([i]) and not tok.decode([i], skip_special_tokens=True) for i in stats.token_ids)
+    assert want == tok.decode(stats.token_ids, skip_special_tokens=True)
+    kept, _ = greedy_oracle(model, 16, skip_special_tokens=False, prompt=prompt)
+    assert kept == tok.decode(stats.token_ids) != want
+    status, body = srv.json("/v1/completions", {"prompt": prompt, "temperature": 0, "skip_special_tokens": False})
+    assert status == 200 and body["choices"][0]["text"] == kept
+    status, body = srv.json("/v1/completions", {"prompt": prompt, "skip_special_tokens": "no"})
+    assert status == 400 and "skip_special_tokens" in body["error"]["message"]
 
 
 def test_a_request_that_extends_the_last_one_reuses_its_cache(srv, model):

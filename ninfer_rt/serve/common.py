@@ -140,6 +140,9 @@ class Job:
     # OpenAI response_format json_schema (compiled) or json_object (json_schema.JSON_OBJECT): the reply is JSON it
     # accepts, from its first token
     json_schema: Node | None = None
+    # special tokens (<|im_start|>, <|image_pad|>, ...) left out of the text, as vLLM does by default; <think> and
+    # <tool_call> are not special (the checkpoint's tokenizer says so) and stay for the reply parser
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Prepared:
     prompt_logprobs: int | None = None  # Batch.add's: the prompt's logprobs (echo with logprobs)
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
     json_schema: Node | None = None  # Batch.add's: the reply is constrained to JSON this schema accepts
+    skip_special_tokens: bool = True  # Job's
 
 
 def choice_prepared(prepared: Prepared, i: int) -> Prepared:
@@ -297,4 +301,5 @@ def prepare(model, job: Job) -> Prepared:
                     thinking, None if job.json_schema is not None else job.tools,
                     history_length(model, job, ids) if model.can_snapshot else None,
                     job.logprobs, echo, (job.logprobs or 0) if scored else None,
-                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_schema)
+                    call_opening(job.forced_call) if job.forced_call is not None else "", job.json_schema,
+                    job.skip_special_tokens)

@@ -188,8 +188,13 @@ def parse_chat(body: dict) -> Job:
               max_tokens=max_tokens if max_tokens is not None else get_int(body, "max_tokens", 1),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
               include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body),
-              json_schema=json_schema)
+              json_schema=json_schema, skip_special_tokens=_skip_special(body))
     return job
+
+
+def _skip_special(body: dict) -> bool:
+    """vLLM's skip_special_tokens (default true): special tokens left out of the reply's text."""
+    return get(body, "skip_special_tokens", (bool,), "a boolean", True)
 
 
 def parse_completion(body: dict) -> Job:
@@ -208,7 +213,8 @@ def parse_completion(body: dict) -> Job:
               logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
               echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
-              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body))
+              include_usage=get(stream_options, "include_usage", (bool,), "a boolean", False), n=_choices(body),
+              skip_special_tokens=_skip_special(body))
     job.json_schema = _response_format(body)
     return job
 

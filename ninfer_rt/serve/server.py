@@ -9,6 +9,7 @@ cancels its generation.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -292,8 +293,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if kind is None:
                     continue
                 reply = replies[i]
-                if kind == "logprobs":
-                    reply.add_logprobs(value, self.app.model.tokenizer.token_bytes)
+                if kind == "logprobs":  # a token's text as the reply's text has it (vLLM: "" for a skipped special)
+                    reply.add_logprobs(value, functools.partial(self.app.model.tokenizer.token_bytes,
+                                                                skip_special_tokens=preps[i].skip_special_tokens))
                     continue
                 if kind == "piece":
                     frames = reply.events(parsers[i].push(value))

@@ -140,7 +140,8 @@ class Worker:
             # prefills only what is new; one that shares a chat's history (its next turn) starts from its snapshot
             self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                               stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs,
-                                              prompt_logprobs=p.prompt_logprobs, json_schema=p.json_schema)
+                                              prompt_logprobs=p.prompt_logprobs, json_schema=p.json_schema,
+                                              skip_special_tokens=p.skip_special_tokens)
         except NinferError as e:
             self._end(ticket, ("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
