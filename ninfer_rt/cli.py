@@ -139,7 +139,9 @@ def serve(
     port: int = typer.Option(8080, "--port", help="TCP port (0 lets the OS choose; the log says which)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id /v1/models lists and "
                                                                         "replies carry (default: the file's name "
-                                                                        "without .ninfer)."),
+                                                                        "without .ninfer). A request's own model "
+                                                                        "field is not checked: one model is "
+                                                                        "served, as llama-server does."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Require this file's key (its first "
                                                 "line) as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."),
     cors_origin: Optional[str] = typer.Option(None, "--cors-origin", help="Allow browser pages from this origin "

@@ -210,7 +210,8 @@ def test_anthropic_prefill_is_continued(model):
 def test_count_tokens_counts_past_the_context(srv, model):
     long = [{"role": "user", "content": "hello " * 5000}]
     status, body = srv.json("/v1/messages/count_tokens", {"messages": long})
-    assert status == 200 and body["input_tokens"] == len(model.prompt_ids(messages=long)) > model.context_length
+    assert status == 200 and body["input_tokens"] == len(model.prompt_ids(messages=long, enable_thinking=False)) > \
+        model.context_length
 
 
 @pytest.mark.parametrize("body, fragment", [
@@ -218,11 +219,24 @@ def test_count_tokens_counts_past_the_context(srv, model):
     ({"messages": USER, "chat_template_kwargs": {"namespace": 1}}, "may not set 'namespace'"),
     ({"messages": USER, "chat_template_kwargs": {"raise_exception": 1}}, "may not set 'raise_exception'"),
     ({"messages": USER, "stop": ["\ud800"]}, "lone surrogate"),
+    ({"messages": USER, "logit_bias": {"5": -100}}, "logit_bias is not supported"),
 ])
 def test_more_bad_fields(srv, body, fragment):
     status, reply = srv.json("/v1/chat/completions", body)
     assert status == 400 and fragment in reply["error"]["message"]
-    assert reply["error"]["param"] == ("stop" if "stop" in body else "chat_template_kwargs")
+    assert reply["error"]["param"] == next(k for k in ("stop", "logit_bias", "chat_template_kwargs") if k in body)
+
+
+def test_every_response_names_a_request_id(srv):
+    """request-id and x-request-id (the Anthropic and OpenAI SDKs' _request_id), one fresh id a response."""
+    ids = []
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logit_bias": {}}),
+                       ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True}),
+                       ("/v1/completions", {"prompt": ""})):
+        status, headers, _ = srv.request("POST", path, body)
+        assert headers["request-id"] == headers["x-request-id"] and headers["request-id"].startswith("req_")
+        ids.append(headers["request-id"])
+    assert len(set(ids)) == 3
 
 
 def test_template_helpers_are_the_sandboxs_globals():

@@ -173,7 +173,7 @@ def test_messages_equal_greedy_generation(srv, model):
 def test_messages_stream_follows_the_event_grammar(srv, model):
     want, stats = greedy_oracle(model, 9, messages=USER)
     status, _, data = srv.request("POST", "/v1/messages", {"messages": USER, "max_tokens": 9, "temperature": 0,
-                                                           "stream": True})
+                                                           "stream": True, "thinking": {"type": "enabled"}})
     events = sse_events(data)
     names = [n for n, _ in events]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
@@ -181,7 +181,8 @@ def test_messages_stream_follows_the_event_grammar(srv, model):
     assert all(n == "content_block_delta" for n in names[2:-3])
     assert events[1][1]["content_block"]["type"] == "thinking"
     assert "think>" not in want and "".join(d["delta"]["thinking"] for n, d in events[2:-3]) == want
-    assert events[-2][1]["usage"]["output_tokens"] == stats.generated_tokens
+    assert events[-2][1]["usage"] == {"input_tokens": stats.prompt_tokens, "cache_read_input_tokens": 0,
+                                      "cache_creation_input_tokens": 0, "output_tokens": stats.generated_tokens}
     assert events[0][1]["message"]["usage"]["input_tokens"] == stats.prompt_tokens
 
 
@@ -200,7 +201,7 @@ def test_count_tokens_equals_the_rendered_prompt(srv, model):
             {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
              "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
             {"role": "tool", "content": "Sunny"}]
-    want = len(model.prompt_ids(messages=chat, tools=[WEATHER]))
+    want = len(model.prompt_ids(messages=chat, tools=[WEATHER], enable_thinking=False))  # no thinking field: off
     status, body = srv.json("/v1/messages/count_tokens", {"system": "Be brief.", "messages": anthropic,
                                                           "tools": tools})
     assert status == 200 and body == {"input_tokens": want}
@@ -209,7 +210,7 @@ def test_count_tokens_equals_the_rendered_prompt(srv, model):
     openai_chat[2]["tool_calls"] = [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]
     status, body = srv.json("/v1/chat/completions", {"messages": openai_chat, "tools": [WEATHER], "max_tokens": 1,
-                                                     "temperature": 0})
+                                                     "temperature": 0, "chat_template_kwargs": NO_THINK})
     assert status == 200 and body["usage"]["prompt_tokens"] == want
 
 

@@ -74,7 +74,8 @@ def test_without_tools_the_call_stays_text(model):
 def test_anthropic_thinking_text_and_tool_use(model):
     tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
     with Running(Scripted(model, REPLY)) as r:
-        status, body = r.json("/v1/messages", {"messages": USER, "tools": tools, "max_tokens": 500})
+        status, body = r.json("/v1/messages", {"messages": USER, "tools": tools, "max_tokens": 500,
+                                               "thinking": {"type": "adaptive"}})
         assert status == 200 and body["stop_reason"] == "tool_use"
         thinking, text, tool = body["content"]
         assert thinking == {"type": "thinking", "thinking": "The user asks for the weather.", "signature": ""}
@@ -82,7 +83,7 @@ def test_anthropic_thinking_text_and_tool_use(model):
         assert tool["type"] == "tool_use" and tool["name"] == "get_weather"
         assert tool["input"] == {"city": "Paris", "days": 3} and tool["id"].startswith("toolu_")
         status, _, data = r.request("POST", "/v1/messages", {"messages": USER, "tools": tools, "max_tokens": 500,
-                                                             "stream": True})
+                                                             "stream": True, "thinking": {"type": "enabled"}})
         events = sse_events(data)
         starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
         assert starts == ["thinking", "text", "tool_use"]
@@ -129,7 +130,7 @@ def test_max_tokens_cut_reports_length(model):
     ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"enable_thinking": "no"}}, 400,
      "chat_template_kwargs.enable_thinking must be true, false or null"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]}, 400,
-     "the context holds 4096"),
+     "prompt is too long: "),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix and best_of are not supported"),
@@ -143,7 +144,7 @@ def test_max_tokens_cut_reports_length(model):
      "thinking.type must be"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [{"type": "web_search_20250305",
                                                                     "name": "web_search"}]}, 400,
-     "server tool 'web_search_20250305' is not supported"),
+     "Anthropic-defined tool 'web_search_20250305' is not supported: give a custom tool"),
 ])
 def test_bad_requests_get_one_line_in_the_apis_shape(srv, path, body, status, fragment):
     got, reply = srv.json(path, body)
@@ -152,8 +153,9 @@ def test_bad_requests_get_one_line_in_the_apis_shape(srv, path, body, status, fr
     assert fragment in message and "\n" not in message and "Traceback" not in message
     if path.startswith("/v1/messages"):
         assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
-    else:
-        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["code"] is None
+    else:  # OpenAI's code names a prompt past the context (clients trim on it), else null
+        code = "context_length_exceeded" if "prompt is too long" in message else None
+        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["code"] == code
 
 
 @pytest.mark.parametrize("raw, fragment", [
@@ -346,3 +348,35 @@ def test_serving_thread_is_the_generating_thread(model):
     with Running(Scripts(model, "ok")) as r:
         r.json("/v1/completions", {"prompt": "Hi"})
         assert seen and set(seen) == {r.thread}
+
+
+def test_anthropic_thinks_only_where_asked(model):
+    """As in the Messages API, a reply holds thinking blocks only where the request asked (enabled or adaptive):
+    without a thinking field the prompt is the template's no-thinking one."""
+    oracle = {False: model.prompt_ids(messages=USER, enable_thinking=False),
+              True: model.prompt_ids(messages=USER, enable_thinking=True)}
+    assert oracle[False] != oracle[True]
+    with Running(Scripted(model, "Hello.")) as r:
+        for thinking, think in ((None, False), ({"type": "disabled"}, False), ({"type": "enabled"}, True),
+                                ({"type": "adaptive", "budget_tokens": 2048}, True)):
+            body = {"messages": USER, "max_tokens": 20, **({"thinking": thinking} if thinking else {})}
+            status, reply = r.json("/v1/messages", body)
+            assert status == 200 and r.server.model.prompts[-1] == oracle[think], thinking
+            assert [b["type"] for b in reply["content"]] == (["thinking"] if think else ["text"])
+
+
+def test_anthropic_usage_counts_cached_tokens_once(model):
+    """input_tokens + cache_read_input_tokens + cache_creation_input_tokens is the prompt (Anthropic's rule); the
+    stream's message_delta carries the same counts as the whole reply."""
+    with Running(model) as r:
+        first = {"messages": USER, "max_tokens": 3, "temperature": 0}
+        status, a = r.json("/v1/messages", first)
+        turn = USER + [{"role": "assistant", "content": a["content"][0]["text"] if a["content"] else "ok"},
+                       {"role": "user", "content": "And then?"}]
+        for stream in (False, True):
+            status, _, data = r.request("POST", "/v1/messages", {**first, "messages": turn, "stream": stream})
+            usage = (json.loads(data) if not stream else sse_events(data)[-2][1])["usage"]
+            prompt = len(model.prompt_ids(messages=turn, enable_thinking=False))
+            assert status == 200 and usage["cache_creation_input_tokens"] == 0
+            assert usage["cache_read_input_tokens"] > 0  # the history came from the first turn's snapshot
+            assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt, usage

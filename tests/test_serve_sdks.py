@@ -69,14 +69,15 @@ def test_anthropic_sdk_messages_tools_stream_and_count(scripted, model):
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
     assert msg.content[0].thinking == "Weather needs the tool." and msg.content[1].text == "Checking."
     assert msg.content[2].name == "get_weather" and msg.content[2].input == {"city": "Paris", "days": 3}
-    with client.messages.stream(model="tiny", max_tokens=500, messages=USER, tools=tools) as stream:
+    with client.messages.stream(model="tiny", max_tokens=500, messages=USER, tools=tools,
+                                thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[2].input == {"city": "Paris", "days": 3} and final.stop_reason == "tool_use"
     count = client.messages.count_tokens(model="tiny", messages=USER, tools=tools)
     openai_tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                                       "parameters": PARAMS}}]
-    assert count.input_tokens == len(model.prompt_ids(messages=USER, tools=openai_tools))
+    assert count.input_tokens == len(model.prompt_ids(messages=USER, tools=openai_tools, enable_thinking=False))
     with pytest.raises(anthropic.BadRequestError, match="thinking.type must be"):
         client.messages.create(model="tiny", max_tokens=5, messages=USER, thinking={"type": "sometimes"})
 

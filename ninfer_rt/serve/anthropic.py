@@ -3,8 +3,9 @@
 Content blocks map onto the chat template's messages: text, `thinking` (an assistant's reasoning_content),
 `tool_use` (tool_calls with their input object) and `tool_result` (a tool message). The reply's reasoning comes
 back as a thinking block (its signature empty: nothing signs it here), its Qwen XML tool calls as tool_use blocks.
-`thinking: {"type": "enabled" | "disabled"}` sets the template's enable_thinking; without it the template's own
-default holds (thinking, for Qwen3.6), and budget_tokens is not enforced. A final assistant message is a prefill:
+`thinking: {"type": "enabled" | "adaptive"}` asks for the thinking prompt; without it, or with "disabled", the
+template's no-thinking prompt, so a reply holds thinking blocks only where they were asked for, as in the Messages
+API (budget_tokens is not enforced). A final assistant message is a prefill:
 the reply continues it (and comes back without it), as the Messages API does.
 """
 
@@ -107,8 +108,9 @@ def _tools(body: dict) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
             raise bad(f"tools[{i}] must be an object with a name", "tools")
-        if t.get("type") not in (None, "custom"):
-            raise bad(f"tools[{i}]: server tool {t['type']!r} is not supported", "tools")
+        if t.get("type") not in (None, "custom"):  # bash_*, web_search_*, ...: tools Anthropic defines and trains
+            raise bad(f"tools[{i}]: Anthropic-defined tool {t['type']!r} is not supported: give a custom tool (a "
+                      f"name, a description and an input_schema)", "tools")
         schema = t.get("input_schema", {})
         if not isinstance(schema, dict):
             raise bad(f"tools[{i}].input_schema must be a JSON schema object", "tools")
@@ -135,12 +137,10 @@ def parse_messages(body: dict, count_only: bool = False) -> Job:
         forced = forced_call(tools, choice["name"], "tool_choice")
     elif choice.get("type") not in ("auto", "none"):
         raise bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
-    kwargs = {}
-    thinking = get(body, "thinking", (dict,), "an object")
-    if thinking is not None:
-        if thinking.get("type") not in ("enabled", "disabled"):
-            raise bad("thinking.type must be 'enabled' or 'disabled'", "thinking")
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    thinking = get(body, "thinking", (dict,), "an object", {"type": "disabled"})
+    if thinking.get("type") not in ("enabled", "adaptive", "disabled"):
+        raise bad("thinking.type must be 'enabled', 'adaptive' or 'disabled'", "thinking")
+    kwargs = {"enable_thinking": thinking["type"] != "disabled"}
     top_k = get_int(body, "top_k", 0)
     sampling = {"temperature": get_float(body, "temperature", 0.0, 1.0),
                 "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k}
@@ -234,15 +234,20 @@ class MessagesReply:
         reason, sequence = self._stop(stats)
         return self._close() + [
             _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                     "usage": {"output_tokens": stats.generated_tokens}}),
+                                     "usage": _usage(stats)}),
             _event("message_stop", {"type": "message_stop"})]
 
     def body(self, stats) -> dict:
         reason, sequence = self._stop(stats)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
-                "stop_reason": reason, "stop_sequence": sequence,
-                "usage": {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens,
-                          "cache_read_input_tokens": stats.cached_tokens, "cache_creation_input_tokens": 0}}
+                "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(stats)}
+
+
+def _usage(stats) -> dict:
+    """The Messages API's usage: input_tokens are the prompt's tokens not read from a cache (the three input fields
+    add up to the prompt), as Anthropic counts them; the stream's message_delta carries the same final counts."""
+    return {"input_tokens": stats.prompt_tokens - stats.cached_tokens, "cache_read_input_tokens": stats.cached_tokens,
+            "cache_creation_input_tokens": 0, "output_tokens": stats.generated_tokens}
 
 
 def stream_error(e: RequestError) -> bytes:

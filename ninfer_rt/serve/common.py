@@ -26,9 +26,10 @@ class RequestError(Exception):
     kind is the error's type in the OpenAI/Anthropic vocabulary: invalid_request_error, authentication_error,
     not_found_error, request_too_large, overloaded_error, api_error."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
 
 def bad(message: str, param: str | None = None) -> RequestError:
@@ -287,9 +288,10 @@ def prepare(model, job: Job) -> Prepared:
     except NinferError as e:
         raise bad(str(e)) from None
     context = model.context_length
-    if len(ids) >= context:
-        raise bad(f"the prompt has {len(ids)} tokens; the context holds {context} (prompt and output together)",
-                  "messages" if text is not None else "prompt")
+    if len(ids) >= context:  # in the words clients match: Anthropic's "prompt is too long", OpenAI's code
+        raise RequestError(400, f"prompt is too long: {len(ids)} tokens > {context - 1} maximum (the context holds "
+                                f"{context}, prompt and output together)",
+                           "messages" if text is not None else "prompt", code="context_length_exceeded")
     budget = context - len(ids)
     if job.max_tokens == 0 and not job.echo:
         raise bad("max_tokens 0 generates nothing: it needs echo (the prompt's logprobs)", "max_tokens")

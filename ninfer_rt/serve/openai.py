@@ -29,7 +29,10 @@ MAX_CHOICES = 16  # n: choices of one request, each a sequence of the batch
 
 
 def sampling_fields(body: dict) -> dict:
-    """The sampling fields both endpoints take; absent ones stay None (the checkpoint's default)."""
+    """The sampling fields both endpoints take; absent ones stay None (the checkpoint's default). logit_bias is
+    refused rather than ignored (an empty one is no bias)."""
+    if get(body, "logit_bias", (dict,), "an object"):
+        raise bad("logit_bias is not supported", "logit_bias")
     top_k = get_int(body, "top_k", -1)
     return {
         "temperature": get_float(body, "temperature", 0.0, 2.0),
@@ -220,8 +223,9 @@ def parse_completion(body: dict) -> Job:
 
 
 def error_body(e: RequestError) -> dict:
-    """OpenAI's error object (its code is a string or null; the status is the HTTP one)."""
-    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
+    """OpenAI's error object (its code is a string, context_length_exceeded where the prompt does not fit, or null;
+    the status is the HTTP one)."""
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
 
 
 def _usage(stats) -> dict:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
@@ -368,6 +369,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_bytes(self, status: int, data: bytes, content_type: str) -> int:
         self.send_response(status)
         self._cors()
+        self._request_id()
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self._allow:
@@ -379,10 +381,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         return status
 
+    def _request_id(self) -> None:
+        """One id a response, under both APIs' header names (the SDKs show it as _request_id; the log does not
+        need it: it names each request by its line)."""
+        rid = f"req_{uuid.uuid4().hex[:24]}"
+        self.send_header("request-id", rid)
+        self.send_header("x-request-id", rid)
+
     def _start_stream(self) -> None:
         self._streaming = True
         self.send_response(200)
         self._cors()
+        self._request_id()
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")  # the stream's end is the connection's end: no chunked framing
