@@ -40,13 +40,13 @@ def files(tiny_moe):
 
 def api_text(packed, max_new_tokens, seed, **request) -> str:
     """What the library generates for the request, with the checkpoint's sampling defaults and this seed: the
-    text `run` must print (then a newline)."""
+    text `run` must print (then a newline; special tokens left out, as run leaves them)."""
     from ninfer_rt import load
     from ninfer_rt.sampling import requested_sampling
 
     with load(packed) as m:
         params = requested_sampling(m.generation_config, seed=seed)
-        return "".join(m.generate(max_new_tokens=max_new_tokens, sampling=params, **request))
+        return "".join(m.generate(max_new_tokens=max_new_tokens, sampling=params, skip_special_tokens=True, **request))
 
 
 def test_run_plain(packed, files, capsys):
@@ -81,7 +81,8 @@ def test_greedy_and_seeded_runs_repeat(packed, capsys):
     from ninfer_rt.sampling import SamplingParams
 
     with load(packed) as m:
-        expected = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
+        expected = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True),
+                                      skip_special_tokens=True))  # run leaves them out
     assert first[1] == expected + "\n"
     seeded = ["run", packed, "--prompt", PROMPT, "--max-new-tokens", 10, "--temperature", 1.3, "--seed"]
     a, b, c = run(seeded + [5], capsys), run(seeded + [5], capsys), run(seeded + [6], capsys)
@@ -196,8 +197,10 @@ def test_greedy_run_with_a_penalty_is_the_penalised_argmax(packed, capsys, optio
     from ninfer_rt.sampling import SamplingParams
 
     with load(packed) as m:
-        want = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True, **{field: value})))
-        plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True)))
+        want = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True, **{field: value}),
+                                  skip_special_tokens=True))
+        plain = "".join(m.generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(greedy=True),
+                                   skip_special_tokens=True))
     assert out == want + "\n" and want != plain
 
 

@@ -542,7 +542,8 @@ def test_cli_run(packed, packed_model, capsys):
     code, out, err = run_main(cli.main, "ninfer-rt", ["run", packed, "--prompt", prompt, "--max-new-tokens", 10,
                                                       "--greedy", "--speculative-tokens", 3], capsys)
     assert code == 0, err
-    assert out == "".join(packed_model.generate(prompt, max_new_tokens=10, sampling=GREEDY)) + "\n"
+    assert out == "".join(packed_model.generate(prompt, max_new_tokens=10, sampling=GREEDY,
+                                                skip_special_tokens=True)) + "\n"
     assert re.search(r"speculative: \d+ of \d+ drafted tokens accepted", err)
     code, out, err = run_main(cli.main, "ninfer-rt", ["run", packed, "--prompt", prompt,
                                                       "--speculative-tokens", 9], capsys)

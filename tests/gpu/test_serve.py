@@ -96,7 +96,8 @@ def greedy_texts(gpu, artifact):  # gpu: skipped without one
         seeds = iter(range(1000, 1400))  # shared: three distinct prompts
         prompts = [clear_prompt(plain._backend, TOKENS, plain.real_vocab_size, seeds, length=12 + 5 * i,
                                 is_stop=plain.tokenizer.is_stop)[0] for i in range(3)]
-        texts = ["".join(plain.generate(p, max_new_tokens=TOKENS, sampling=SamplingParams(greedy=True)))
+        texts = ["".join(plain.generate(p, max_new_tokens=TOKENS, sampling=SamplingParams(greedy=True),
+                                        skip_special_tokens=True))  # serve's default, as vLLM's
                  for p in prompts]
     return prompts, texts
 
@@ -169,6 +170,6 @@ def test_run_on_the_gpu_prints_what_the_library_generates(gpu, artifact, samplin
     with load(artifact, "cuda", max_ctx=512, kv_dtype="bf16") as m:
         params = SamplingParams(greedy=True) if sampling == "greedy" else requested_sampling(m.generation_config,
                                                                                                seed=5)
-        want = "".join(m.generate(text, max_new_tokens=TOKENS, sampling=params))
-    assert out.stdout == want + "\n"
+        want = "".join(m.generate(text, max_new_tokens=TOKENS, sampling=params, skip_special_tokens=True))
+    assert out.stdout == want + "\n"  # run leaves special tokens out unless --special
     assert re.search(r"generated \d+ tokens, decode [\d.]+ tok/s.* on cuda", out.stderr), out.stderr
