@@ -154,7 +154,10 @@ def serve(
     device: DeviceOption = "auto",
     max_context: MaxContextOption = None,
     kv_cache: KvCacheOption = "int8",
-    prefill_chunk: PrefillChunkOption = None,
+    prefill_chunk: Optional[int] = typer.Option(
+        None, "--prefill-chunk", help="Prompt tokens a joining request feeds a step, beside the running ones' "
+                                      "decoding (default 2048; larger prefills a long prompt in fewer steps, each a "
+                                      "longer pause for the others)."),
     check_checksums: ChecksumsOption = False,
     prefix_snapshot: bool = typer.Option(True, "--prefix-snapshot/--no-prefix-snapshot", help="Keep a copy of "
                                          "a chat's history in a slot of its own, so its next turn prefills only "
@@ -193,6 +196,7 @@ def serve(
         model.chat_template
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
                         api_key=api_key, cors_origin=cors_origin, max_queue=max_queue, parallel=parallel,
+                        prefill_chunk=prefill_chunk,
                         log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
         bound_host, bound_port = server.address
         err.print(f"serving {server.model_name} on http://{authority(bound_host, bound_port)} ({model.device}, "
@@ -257,8 +261,8 @@ def info(path: Path = typer.Argument(..., help="The .ninfer artifact.")):
         ("layers", f"{spec.num_hidden_layers} ({spec.num_hidden_layers - full} Gated DeltaNet, {full} attention)"),
         ("hidden", str(spec.hidden_size)),
         ("attention heads", f"{spec.num_attention_heads} q / {spec.num_key_value_heads} kv x {spec.head_dim}"),
-        ("experts", f"{spec.num_experts} routed, top-{spec.num_experts_per_tok}, + 1 shared "
-                    f"(dim {spec.moe_intermediate_size})" if spec.is_moe
+        ("experts", f"{spec.num_experts} routed (dim {spec.moe_intermediate_size}), top-{spec.num_experts_per_tok}, "
+                    f"+ 1 shared (dim {spec.shared_expert_intermediate_size})" if spec.is_moe
          else f"dense (intermediate {spec.intermediate_size})"),
         ("vocab", f"{spec.vocab_size}" + (f" ({real_vocab} in the tokenizer)" if real_vocab else "")),
         ("context", f"{spec.max_position_embeddings:,}"),

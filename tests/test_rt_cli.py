@@ -11,6 +11,7 @@ from cli_runner import error_line, run_main
 from ninfer_rt import cli
 from ninfer_rt.api import gpu_available
 from ninfer_rt.chat import ChatTemplate
+from ninfer_rt.format import Artifact
 from ninfer_rt.tokenizer import Tokenizer
 
 PROMPT = "The assistant reads the question"
@@ -93,8 +94,14 @@ def test_info(packed, capsys):
     code, out, err = run(["info", packed], capsys)
     assert code == 0, err
     rows = {m[1]: m[2] for m in re.finditer(r"^\W*(\w[\w ]*?)\s+\W\s(.+?)\s+\W$", out, re.M)}
+    with Artifact.open(packed) as art:  # the widths as the shared expert's own tensor has them
+        shared = next(t.parts[0]["shape"][1] for t in art.tensors.values()
+                      if t.name.endswith("shared_expert.down_proj.weight"))  # [hidden, shared width]
+        routed = art.spec.moe_intermediate_size
+    assert shared != routed  # the tiny MoE's widths differ, so the row tells them apart
     want = {"family": "qwen3_5_moe", "layers": "8 (6 Gated DeltaNet, 2 attention)", "hidden": "64",
-            "experts": "8 routed, top-2, + 1 shared (dim 32)", "vocab": "500 (497 in the tokenizer)",
+            "experts": f"8 routed (dim {routed}), top-2, + 1 shared (dim {shared})",
+            "vocab": "500 (497 in the tokenizer)",
             "context": "4,096", "recipe": "tiny"}
     assert {k: rows.get(k) for k in want} == want, out
     assert rows["size"].endswith("MiB of weights)"), out

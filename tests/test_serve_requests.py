@@ -380,3 +380,22 @@ def test_anthropic_usage_counts_cached_tokens_once(model):
             assert status == 200 and usage["cache_creation_input_tokens"] == 0
             assert usage["cache_read_input_tokens"] > 0  # the history came from the first turn's snapshot
             assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt, usage
+
+
+def test_serve_prefill_chunk_sets_the_batchs_step(model, monkeypatch):
+    """--prefill-chunk reaches serve's batch: a joining prompt is fed that many tokens a forward (it once reached
+    only load, and serve fed 2,048 a step whatever it said)."""
+    sizes, real = [], model._backend.forward
+
+    def forward(ids, cache, **kw):
+        sizes.append(len(ids))
+        return real(ids, cache, **kw)
+
+    monkeypatch.setattr(model._backend, "forward", forward)
+    prompt = "Numbers such as 12, 345 and 2026 are split into single digits before the merges are applied."
+    n = len(model.tokenizer.encode(prompt))
+    with Running(model, prefill_chunk=5) as r:
+        status, body = r.json("/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert status == 200 and n - cached > 10
+    assert sizes == [5] * ((n - cached) // 5) + ([(n - cached) % 5] if (n - cached) % 5 else []), sizes

@@ -420,10 +420,10 @@ class Server:
 
     def __init__(self, model, *, model_name: str, host: str = "127.0.0.1", port: int = 8080,
                  api_key: str | None = None, cors_origin: str | None = None, max_queue: int = 32,
-                 parallel: int = 1, log=None):
+                 parallel: int = 1, prefill_chunk: int | None = None, log=None):
         self.model, self.model_name, self.api_key, self.cors_origin = model, model_name, api_key, cors_origin
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.worker = Worker(model, max_queue, self.log, parallel=parallel)
+        self.worker = Worker(model, max_queue, self.log, parallel=parallel, prefill_chunk=prefill_chunk)
         self.preparing = threading.BoundedSemaphore(_PREPARING)
         handler = type("Handler", (_Handler,), {"app": self})
         try:

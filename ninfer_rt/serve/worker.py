@@ -48,10 +48,12 @@ class Tagged:
 
 class Worker:
     """Runs Tickets up to `parallel` at a time in one batch; at most max_queue wait behind them (more: 503,
-    overloaded). model.batch(parallel) gives the Batch (ninfer_rt.batching) it steps."""
+    overloaded). model.batch(parallel, prefill_chunk) gives the Batch (ninfer_rt.batching) it steps (prefill_chunk
+    None: batching.PREFILL_CHUNK)."""
 
-    def __init__(self, model, max_queue: int, log=None, parallel: int = 1):
+    def __init__(self, model, max_queue: int, log=None, parallel: int = 1, prefill_chunk: int | None = None):
         self.model, self.max_queue, self.parallel = model, max_queue, parallel
+        self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.stopping = threading.Event()
         self.log = log or (lambda line: None)
@@ -95,7 +97,7 @@ class Worker:
     def run(self) -> None:
         """Serve tickets until stop() (or an exception such as KeyboardInterrupt, which propagates); the tickets
         still waiting or running then get a 503 each."""
-        batch = self.model.batch(self.parallel)
+        batch = self.model.batch(self.parallel, self.prefill_chunk)
         try:
             while True:
                 with self._lock:
@@ -115,7 +117,7 @@ class Worker:
                     except Exception as e:  # a bug outside any one forward: every running request gets a 500
                         for g in self._running.values():
                             g.done, g.error = True, e
-                        batch = self.model.batch(self.parallel)  # the slots' contents are unknown: start afresh
+                        batch = self.model.batch(self.parallel, self.prefill_chunk)  # the slots' contents are unknown: start afresh
                 self._deliver()
         finally:
             with self._lock:
