@@ -88,7 +88,7 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def batch(self, parallel: int | None = None):
+    def batch(self, parallel: int | None = None, prefill_chunk: int | None = None):
         return ScriptedBatch(self, parallel or 1)
 
 

@@ -171,7 +171,7 @@ def test_a_failure_after_the_stream_began_is_an_error_event(model):
             super().step()
 
     class Broken(Scripted):
-        def batch(self, parallel=None):
+        def batch(self, parallel=None, prefill_chunk=None):
             return BrokenBatch(self, parallel or 1)
 
     with Running(Broken(model, "fine" * 3, step=4)) as r:

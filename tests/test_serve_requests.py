@@ -342,7 +342,7 @@ def test_serving_thread_is_the_generating_thread(model):
             return super().step()
 
     class Scripts(Scripted):
-        def batch(self, parallel=None):
+        def batch(self, parallel=None, prefill_chunk=None):
             return Recording(self, parallel or 1)
 
     with Running(Scripts(model, "ok")) as r:
