@@ -164,8 +164,8 @@ class Batch:
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
         n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
         drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
-        the object has closed). json_schema (a schema dict, or json_schema.compile_schema's Node): the same against it, the stop
-        token once the value it accepts is complete. skip_special_tokens: special tokens (<|im_start|>, ...; not
+        the object has closed). json_schema (a schema dict, or json_schema.compile_schema's Node): the same
+        against it, the stop token once the value it accepts is complete. skip_special_tokens: special tokens (<|im_start|>, ...; not
         <think> or <tool_call>) stay out of the text. NinferError when the batch is full or the request is bad."""
         ids = self.model.check_ids(ids)
         if not ids:

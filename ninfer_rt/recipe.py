@@ -134,7 +134,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: TOML syntax error: {e}") from None
     except RecursionError:
-        raise RecipeError(f"{path}: nested too deeply (a recipe is a flat table of rules, see recipes/README.md)") from None
+        raise RecipeError(f"{path}: nested too deeply (a recipe is a flat table of rules, see recipes/README.md)"
+                          ) from None
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return parse_recipe(data, str(path))

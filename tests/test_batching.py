@@ -152,7 +152,8 @@ def test_cancel_stop_strings_and_refusals(model, fake):
     drain(batch, [c])
     assert c.stats.cached_tokens == len(a.prompt) + len(a.stats.token_ids) - 1
     assert c.stats.token_ids == fake.decode_fresh(turn, 2)
-    for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(stop=[""]), "stop must be a non-empty string"),
+    for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"),
+                       (dict(stop=[""]), "stop must be a non-empty string"),
                        (dict(snapshot_at=9), "snapshot_at")]:
         with pytest.raises(NinferError, match=match):
             batch.add([1, 2, 3], **bad)

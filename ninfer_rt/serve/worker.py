@@ -117,7 +117,8 @@ class Worker:
                     except Exception as e:  # a bug outside any one forward: every running request gets a 500
                         for g in self._running.values():
                             g.done, g.error = True, e
-                        batch = self.model.batch(self.parallel, self.prefill_chunk)  # the slots' contents are unknown: start afresh
+                        # the slots' contents are unknown: start afresh
+                        batch = self.model.batch(self.parallel, self.prefill_chunk)
                 self._deliver()
         finally:
             with self._lock:
