@@ -370,17 +370,15 @@ class Model:
         skip_special_tokens: special tokens (<|im_start|>, <|image_pad|>, ...; not <think> or <tool_call>, which the
         tokenizer marks as text) stay out of the text, as vLLM does by default and HF's decode does when asked.
         """
-        stops = stop_strings(stop)
-        if not isinstance(skip_special_tokens, bool):
-            raise NinferError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
+        stops, detok = stop_strings(stop), self.tokenizer.detokenizer(skip_special_tokens)  # checked before any work
         token_stream, stats = self._generate_ids(prompt, messages, max_new_tokens, sampling, enable_thinking, tools,
                                                  reuse_cache, snapshot_at)
-        return self._text_stream(token_stream, stops, stats, skip_special_tokens)
+        return self._text_stream(token_stream, stops, stats, detok)
 
     def _text_stream(self, token_stream: Iterator[int], stops: list[str], stats: GenerationStats,
-                     skip_special_tokens: bool) -> Iterator[str]:
-        """Detokenize the ids, holding back any tail that could still grow into a stop string."""
-        detok, scan = self.tokenizer.detokenizer(skip_special_tokens), StopScanner(stops)
+                     detok) -> Iterator[str]:
+        """Detokenize the ids with detok, holding back any tail that could still grow into a stop string."""
+        scan = StopScanner(stops)
         for piece in _chain_tail((detok.push(i) for i in token_stream), detok.finish):
             out = scan.push(piece)
             if scan.stop is not None:  # the run ends (and leaves its cache) before the last text goes out

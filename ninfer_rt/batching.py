@@ -165,8 +165,9 @@ class Batch:
         n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
         drawn on the host, each draw the constraint refuses masked out and drawn again, and a stop token only once
         the object has closed). json_schema (a schema dict, or json_schema.compile_schema's Node): the same
-        against it, the stop token once the value it accepts is complete. skip_special_tokens: special tokens (<|im_start|>, ...; not
-        <think> or <tool_call>) stay out of the text. NinferError when the batch is full or the request is bad."""
+        against it, the stop token once the value it accepts is complete. skip_special_tokens: special tokens
+        (<|im_start|>, ...; not <think> or <tool_call>) stay out of the text. NinferError when the batch is full or the
+        request is bad."""
         ids = self.model.check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
@@ -185,8 +186,6 @@ class Batch:
                 raise NinferError(f"{name}={n!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
-        if not isinstance(skip_special_tokens, bool):
-            raise NinferError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(skip_special_tokens), snapshot_at,
                        logprobs,
                        prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)

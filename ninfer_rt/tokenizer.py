@@ -148,7 +148,10 @@ class Tokenizer:
         return i in self.eos_ids
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
-        """A fresh streaming detokenizer over this tokenizer."""
+        """A fresh streaming detokenizer over this tokenizer (skip_special_tokens checked here for every caller:
+        Model.generate, Batch.add)."""
+        if not isinstance(skip_special_tokens, bool):
+            raise NinferError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
         return IncrementalDetokenizer(self, skip_special_tokens)
 
 

@@ -84,6 +84,11 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _front(target: str):
+    """The API module whose shapes a request target's answers take: anthropic under /v1/messages, else openai."""
+    return anthropic if urlsplit(target).path.startswith("/v1/messages") else openai
+
+
 def _parse_body(data: bytes) -> dict:
     """A request body as a JSON object (400 for anything else: bad UTF-8, NaN, nesting past the parser's depth)."""
     try:
@@ -126,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.request_version = "HTTP/1.0"
         message = message or self.responses.get(code, ("",))[0]
         words = (getattr(self, "requestline", "") or "").split()  # self.path is unset when the line was refused
-        front = anthropic if len(words) >= 2 and urlsplit(words[1]).path.startswith("/v1/messages") else openai
+        front = _front(words[1] if len(words) >= 2 else "")
         self.app.log(_printable(f"{self.client_address[0]} {code} {message}"))
         try:
             self._send_json(code, front.error_body(RequestError(code, message)))
@@ -142,7 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
         t0, self._note, self._streaming = time.perf_counter(), "", False
         self._head, self._allow = method == "HEAD", None
         path = urlsplit(self.path).path.rstrip("/") or "/"
-        front = anthropic if path.startswith("/v1/messages") else openai
+        front = _front(path)
         status = 200
         try:
             status = self._route(method, path)
