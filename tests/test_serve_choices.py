@@ -85,3 +85,63 @@ def test_more_choices_than_the_server_can_hold_are_refused(packed_model):
         assert out["error"]["message"] == ("n=4 exceeds the 3 generations this server runs or queues at once "
                                            "(--parallel + --max-queue)")
         assert r.json("/v1/completions", {"prompt": PROMPT, "n": 3, "max_tokens": 2})[0] == 200
+
+
+PROMPTS = ["Colours of the rainbow:", "The capital of France is", "One, two, three,"]
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone(srv):
+    """prompt as a list of three strings with n = 2 and seed 5: choice 2p + i is prompt p alone with seed 5 + i
+    (OpenAI orders a batch's choices prompt by prompt, then choice), logprobs and echo included; usage counts each
+    prompt once and every choice's tokens."""
+    request = {"logprobs": 1, "echo": True, **SAMPLED}
+    status, out = srv.json("/v1/completions", {**request, "prompt": PROMPTS, "n": 2, "seed": 5})
+    assert status == 200, out
+    want = [alone(srv, "/v1/completions", {**request, "prompt": p}, 5 + i) for p in PROMPTS for i in range(2)]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    for got, w in zip(out["choices"], want):
+        assert {k: got[k] for k in ("text", "finish_reason", "logprobs")} == \
+               {k: w["choices"][0][k] for k in ("text", "finish_reason", "logprobs")}
+    assert [c["text"].startswith(p) for c, p in zip(out["choices"], [p for p in PROMPTS for _ in "ab"])] == [True] * 6
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == sum(w["usage"]["prompt_tokens"] for w in want[::2])
+    assert usage["completion_tokens"] == sum(w["usage"]["completion_tokens"] for w in want)
+
+
+def test_a_batch_of_token_id_prompts_streams_each_by_index(srv):
+    """prompt as two token-id lists (lm-eval's batched requests), streamed: each index's chunks join into that
+    prompt's whole reply, greedy, so the same text as the request without streaming."""
+    ids = [srv.json("/tokenize", {"prompt": p})[1]["tokens"] for p in PROMPTS[:2]]
+    request = {"prompt": ids, "max_tokens": 6, "temperature": 0}
+    whole = srv.json("/v1/completions", request)[1]
+    assert [c["text"] for c in whole["choices"]] == \
+           [srv.json("/v1/completions", {**request, "prompt": one})[1]["choices"][0]["text"] for one in ids]
+    status, _, data = srv.request("POST", "/v1/completions", {**request, "stream": True})
+    chunks = sse_data(data)[:-1]
+    assert status == 200 and {c["id"] for c in chunks} == {chunks[0]["id"]}
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(m["text"] for m in mine) == whole["choices"][i]["text"]
+        assert mine[-1]["finish_reason"] == whole["choices"][i]["finish_reason"]
+
+
+@pytest.mark.parametrize("prompt, reason", [
+    (["a", [1, 2]], "'prompt' must be"), (["a", ""], "'prompt' must be"), ([[1], []], "'prompt' must be"),
+    ([], "'prompt' must be"), (["a", 3], "'prompt' must be"),
+    ([[1, 2], [10**9]], "prompt 1: "),
+])
+def test_a_bad_batch_is_refused_naming_the_prompt(srv, prompt, reason):
+    """Mixed forms, an empty prompt, an empty batch: the form's one line; a token id past the vocabulary in the
+    second prompt: that prompt named."""
+    status, out = srv.json("/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 400 and out["error"]["message"].startswith(reason), out
+
+
+def test_a_batch_larger_than_the_server_can_hold_is_refused(packed_model):
+    """prompts x n past --parallel + --max-queue: a 400 naming the product, before any prompt is prepared."""
+    with Running(packed_model, parallel=2, max_queue=1) as r:
+        status, out = r.json("/v1/completions", {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == "prompt"
+        assert out["error"]["message"] == ("2 prompts x n=2 exceeds the 3 generations this server runs or queues "
+                                           "at once (--parallel + --max-queue)")
+        assert r.json("/v1/completions", {"prompt": PROMPTS, "max_tokens": 2})[0] == 200

@@ -126,6 +126,8 @@ class Job:
 
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
+    # completions: a batch of two or more prompts, each generated as its own request would be (prompt is the first)
+    prompts: list | None = None
     tools: list[dict] | None = None
     template_kwargs: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
@@ -164,6 +166,13 @@ class Prepared:
     reply_prefix: str = ""  # the reply's start written into the prompt (a forced tool call's opening)
     json_schema: Node | None = None  # Batch.add's: the reply is constrained to JSON this schema accepts
     skip_special_tokens: bool = True  # Job's
+
+
+def each_prompt(job: Job) -> list[Job]:
+    """The Job of each prompt of a batched completion (the Job itself where it has one prompt)."""
+    if not job.prompts:
+        return [job]
+    return [dataclasses.replace(job, prompt=p, prompts=None) for p in job.prompts]
 
 
 def choice_prepared(prepared: Prepared, i: int) -> Prepared:

@@ -57,7 +57,7 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _choices(body: dict) -> int:
-    """n: how many choices to generate for the one prompt (1..MAX_CHOICES)."""
+    """n: how many choices to generate for each prompt (1..MAX_CHOICES)."""
     return get_int(body, "n", 1, MAX_CHOICES, 1)
 
 
@@ -200,19 +200,31 @@ def _skip_special(body: dict) -> bool:
     return get(body, "skip_special_tokens", (bool,), "a boolean", True)
 
 
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in prompt)
+
+
+def _prompts(prompt) -> list:
+    """A completion's prompt in OpenAI's four forms (a string, token ids, a list of strings, a list of token-id
+    lists) as its list of prompts, each a non-empty string or token ids."""
+    if (isinstance(prompt, str) and prompt) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) and p for p in prompt)
+                                                or all(_is_ids(p) for p in prompt)):
+        return list(prompt)
+    raise bad("'prompt' must be a non-empty string, a list of token ids, a list of non-empty strings or a list of "
+              "token-id lists", "prompt")
+
+
 def parse_completion(body: dict) -> Job:
     """A /v1/completions request as a Job (the prompt is used as is: no template, no reply parsing)."""
     if body.get("suffix") is not None or get_int(body, "best_of", 1, None, 1) != 1:
         raise bad("suffix and best_of are not supported", "suffix")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) and prompt) and not (
-            isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
-                                                        for i in prompt)):
-        raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+    prompts = _prompts(body.get("prompt"))
     stream_options = get(body, "stream_options", (dict,), "an object", {})
-    job = Job(prompt=prompt, sampling=sampling_fields(body), max_tokens=get_int(body, "max_tokens", 0, None, 16),
+    job = Job(prompt=prompts[0], prompts=prompts if len(prompts) > 1 else None, sampling=sampling_fields(body),
+              max_tokens=get_int(body, "max_tokens", 0, None, 16),
               logprobs=get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
               echo=get(body, "echo", (bool,), "a boolean", False),
               stop=get_stops(body, "stop"), stream=get(body, "stream", (bool,), "a boolean", False),
@@ -421,25 +433,29 @@ class CompletionReply:
 
 
 def choices(replies: list) -> list:
-    """The replies of one request's n choices as one reply: their indexes 0..n-1 and the first one's id."""
+    """The replies of one request's choices (n of each prompt, prompt by prompt) as one reply: their indexes
+    0..len-1 and the first one's id."""
     for i, r in enumerate(replies):
         r.index, r.id, r.created = i, replies[0].id, replies[0].created
     return replies
 
 
-def combined_stats(stats: list) -> GenerationStats:
-    """The usage of n choices of one prompt: the prompt (and its cached tokens) once, every choice's tokens."""
-    return GenerationStats(prompt_tokens=stats[0].prompt_tokens, cached_tokens=stats[0].cached_tokens,
+def combined_stats(stats: list, n: int) -> GenerationStats:
+    """The usage of a request's choices, n of each prompt in turn: each prompt (and its cached tokens) once, every
+    choice's tokens."""
+    firsts = stats[::n]
+    return GenerationStats(prompt_tokens=sum(s.prompt_tokens for s in firsts),
+                           cached_tokens=sum(s.cached_tokens for s in firsts),
                            generated_tokens=sum(s.generated_tokens for s in stats),
                            prefill_s=max(s.prefill_s for s in stats), decode_s=max(s.decode_s for s in stats),
                            finish_reason=stats[0].finish_reason)
 
 
-def choices_body(replies: list, stats: list) -> dict:
-    """The whole object of n choices: each reply's choice in index order, the combined usage."""
+def choices_body(replies: list, stats: list, n: int) -> dict:
+    """The whole object of a request's choices: each reply's choice in index order, the combined usage."""
     body = replies[0].body(stats[0])
     body["choices"] = [r.body(s)["choices"][0] for r, s in zip(replies, stats)]
-    body["usage"] = _usage(combined_stats(stats))
+    body["usage"] = _usage(combined_stats(stats, n))
     return body
 
 

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from ninfer_rt.errors import NinferError, json_reason
 from ninfer_rt.serve import anthropic, openai
-from ninfer_rt.serve.common import Job, RequestError, bad, choice_prepared, prepare, prompt_ids
+from ninfer_rt.serve.common import Job, RequestError, bad, choice_prepared, each_prompt, prepare, prompt_ids
 from ninfer_rt.serve.replies import ReplyParser
 from ninfer_rt.serve.worker import Worker
 
@@ -216,8 +216,27 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send_json(200, openai.tokens_reply(self.app.model, action, body))
             parse, reply, front = _GENERATORS[action]
             job: Job = parse(body)
-            prepared = prepare(self.app.model, job)
-        return self._generate(job, prepared, reply, front)
+            jobs = each_prompt(job)
+            self._check_capacity(job, len(jobs))  # before the preparing: a batch that could never queue
+            preparations = [self._prepare(one, k if len(jobs) > 1 else None) for k, one in enumerate(jobs)]
+        return self._generate(job, preparations, reply, front)
+
+    def _prepare(self, job: Job, k: int | None):
+        """prepare(job); prompt k of a batch names itself in a refusal."""
+        try:
+            return prepare(self.app.model, job)
+        except RequestError as e:
+            if k is not None:
+                e.message = f"prompt {k}: {e.message}"
+            raise
+
+    def _check_capacity(self, job: Job, prompts: int) -> None:
+        """n choices of each prompt past --parallel + --max-queue could never all queue: a 400, not a 503 to retry."""
+        worker, total = self.app.worker, job.n * prompts
+        if total > worker.parallel + worker.max_queue:
+            asked = f"n={job.n}" if prompts == 1 else f"{prompts} prompts x n={job.n}"
+            raise bad(f"{asked} exceeds the {worker.parallel + worker.max_queue} generations this server runs or "
+                      "queues at once (--parallel + --max-queue)", "n" if prompts == 1 else "prompt")
 
     def _check_host_and_origin(self) -> None:
         """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page
@@ -263,18 +282,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------------------------------------ generation
 
-    def _generate(self, job: Job, prepared, reply_class, front) -> int:
-        """Queue and answer one prepared generation (n > 1: n choices of the prompt, each a sequence of the batch,
-        choice i sampling with seed + i where a seed is given): whole, or as server-sent events. The text is split
-        into reasoning, text and tool calls as it comes (a raw completion, with no thinking prompt and no tools,
-        passes through as text)."""
-        n, worker = job.n, self.app.worker
-        if n > worker.parallel + worker.max_queue:
-            raise bad(f"n={n} exceeds the {worker.parallel + worker.max_queue} generations this server runs or queues "
-                      "at once (--parallel + --max-queue)", "n")
-        preps = [choice_prepared(prepared, i) for i in range(n)]
+    def _generate(self, job: Job, preparations: list, reply_class, front) -> int:
+        """Queue and answer a request's prepared prompts (one, or a batched completion's), n choices of each, each
+        choice a sequence of the batch (choice i of a prompt sampling with seed + i where a seed is given): whole,
+        or as server-sent events. The text is split into reasoning, text and tool calls as it comes (a raw
+        completion, with no thinking prompt and no tools, passes through as text)."""
+        preps = [choice_prepared(prepared, i) for prepared in preparations for i in range(job.n)]
+        n = len(preps)  # the request's choices, indexed prompt by prompt as OpenAI's batched completions are
         inbox: queue.Queue = queue.Queue()
-        tickets = worker.submit_all(preps, inbox)
+        tickets = self.app.worker.submit_all(preps, inbox)
         replies = [reply_class(self.app.model_name, p, job) for p in preps]
         if n > 1:
             replies = front.choices(replies)
@@ -318,7 +334,7 @@ class _Handler(BaseHTTPRequestHandler):
                 frames = reply.events(parsers[i].finish())
                 if job.stream:
                     self._write(frames + (reply.finish(value) if n == 1 else reply.close(value)))
-            s = stats[0] if n == 1 else front.combined_stats(stats)
+            s = stats[0] if n == 1 else front.combined_stats(stats, job.n)
             self._note = (f" prompt {s.prompt_tokens} + {s.generated_tokens} tokens ({s.finish_reason}"
                           f"{f', {n} choices' if n > 1 else ''}), prefill {s.prefill_tok_s:.0f} tok/s, "
                           f"decode {s.decode_tok_s:.1f} tok/s")
@@ -326,7 +342,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if n > 1:
                     self._write(replies[0].end(s))
                 return 200
-            return self._send_json(200, replies[0].body(s) if n == 1 else front.choices_body(replies, stats))
+            return self._send_json(200, replies[0].body(s) if n == 1 else front.choices_body(replies, stats, job.n))
         finally:
             for ticket in tickets:
                 ticket.cancelled.set()  # a no-op once it is done; else the worker stops at the next token
