@@ -19,7 +19,7 @@ import torch
 
 from ninfer_rt.format import Artifact
 from ninfer_rt.formats import get_format
-from ninfer_rt.layout import apply_forward, check_plans
+from ninfer_rt.layout import apply_forward
 from ninfer_pack import pipeline
 from ninfer_pack.pipeline import as_f32, encode_tensor, read_parts, text_resource_problems
 from ninfer_pack.quant import check_decoded
@@ -99,8 +99,7 @@ def verify(path: str, source: str | Checkpoint | None = None, *, revision: str |
     with Artifact.open(path) as art:
         report = VerifyReport(str(path), len(art.tensors), art.size)
         report.bad_checksums = art.verify_checksums(on_bytes)
-        plan_problems = check_plans(art.spec, [e.plan() for e in art.tensors.values()],
-                                    {e.name: e.group for e in art.tensors.values()})
+        plan_problems = art.plan_problems()
         report.problems += plan_problems + text_resource_problems({n: art.resource(n) for n in art.resources})
         if source is None or plan_problems:  # a table that disagrees with its model cannot be laid out again
             return report

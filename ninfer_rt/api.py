@@ -25,7 +25,6 @@ from ninfer_rt.errors import FormatError, NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.generation import GenerationStats, emit
 from ninfer_rt.hostmem import available_memory, check_fits
-from ninfer_rt.layout import check_plans
 from ninfer_rt.sampling import Sampler, SamplingParams
 from ninfer_rt.stops import StopScanner, stop_strings
 
@@ -475,8 +474,7 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         device = "cuda" if gpu_available() else "cpu"
     artifact = Artifact.open(path)
     try:
-        problems = check_plans(artifact.spec, [e.plan() for e in artifact.tensors.values()],
-                               {e.name: e.group for e in artifact.tensors.values()})
+        problems = artifact.plan_problems()
         if problems:  # a header edited, or written for another model: refuse before any weight is read
             raise FormatError(f"{artifact.path}: {problems[0]}")
         if check_checksums:  # a progress phase of its own: done reaches total, then the weights' bar starts

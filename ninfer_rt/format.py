@@ -365,6 +365,14 @@ class Artifact:
         """The tensor groups the artifact holds ("text", and "mtp" where it kept the MTP head, ...)."""
         return {e.group for e in self.tensors.values()}
 
+    def plan_problems(self) -> list[str]:
+        """What is wrong with the tensor table for the model the header describes (layout.check_plans over every
+        entry's plan and group); empty when sound."""
+        from ninfer_rt.layout import check_plans
+
+        return check_plans(self.spec, [e.plan() for e in self.tensors.values()],
+                           {e.name: e.group for e in self.tensors.values()})
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy from the mapping."""
         e = self.tensors[name]
