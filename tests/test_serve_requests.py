@@ -399,3 +399,21 @@ def test_serve_prefill_chunk_sets_the_batchs_step(model, monkeypatch):
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert status == 200 and n - cached > 10
     assert sizes == [5] * ((n - cached) // 5) + ([(n - cached) % 5] if (n - cached) % 5 else []), sizes
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"),
+                                         ("/v1/messages", "messages")])
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(srv, monkeypatch, path, field):
+    """A text whose bytes alone need more tokens than the context holds is refused by Tokenizer.least_tokens
+    without tokenizing it (a 30 MB body took a preparation slot for a minute): "at least N tokens", N no more
+    than /tokenize's count and at least the context; the tokenizer's encode is never called for it."""
+    tokenizer, context = srv.server.model.tokenizer, srv.json("/tokenize", {"prompt": "x"})[1]["max_model_len"]
+    text = "The quick brown fox. " * 64
+    text *= -(-context // tokenizer.least_tokens(text))  # the least bytes that cannot fit, whatever the context
+    count = srv.json("/tokenize", {"prompt": text})[1]
+    monkeypatch.setattr(tokenizer, "encode", lambda _: pytest.fail("a prompt that cannot fit was tokenized"))
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    status, out = srv.json(path, {**body, "max_tokens": 4})
+    message = out["error"]["message"]
+    least = int(re.fullmatch(r"prompt is too long: at least (\d+) tokens > (\d+) maximum .*", message).group(1))
+    assert status == 400 and count["max_model_len"] <= least <= count["count"], (message, count)

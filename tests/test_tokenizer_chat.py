@@ -533,3 +533,30 @@ def test_nesting_too_deep_is_one_line():
             ChatTemplate("{{ messages|length }}").render(messages)
     with pytest.raises(NinferError, match="nests too deeply to compile"):
         ChatTemplate("{{ " + "(" * 300 + "1" + ")" * 300 + " }}")
+
+
+def test_least_tokens_bounds_the_count_from_below(tok, files):
+    """least_tokens (the serve's refusal of a prompt that cannot fit, before tokenizing it) never exceeds the real
+    count: on mixed text, on text NFC composes (decomposed accents, Hangul jamo: fewer bytes after the
+    normalizer), on the longest piece repeated (where the bound is tight), on special tokens and on random code
+    points; and it is no bound at all (0) behind a normalizer other than NFC."""
+    import random
+    import unicodedata
+
+    from tokenizers import Tokenizer as HF
+    from tokenizers.normalizers import Lowercase
+
+    longest = max(tok._tok.get_vocab(with_added_tokens=True), key=lambda t: len(tok.token_bytes(tok.token_to_id(t))))
+    rng = random.Random()
+    texts = [MIXED_TEXT, unicodedata.normalize("NFD", "éàü한국어" * 300), "<|im_start|><|im_end|>" * 50,
+             tok.decode([tok.token_to_id(longest)]) * 200,
+             "".join(chr(rng.choice([rng.randrange(32, 0x2FF), rng.randrange(0x1100, 0x11FF), rng.randrange(
+                 0x4E00, 0x9FFF), rng.randrange(0x1F300, 0x1F6FF)])) for _ in range(4000))]
+    for text in texts:
+        count = len(tok.encode(text))
+        assert 0 < tok.least_tokens(text) <= count, (text[:40], tok.least_tokens(text), count)
+    repeated = tok.decode([tok.token_to_id(longest)]) * 200
+    assert tok.least_tokens(repeated) == len(tok.encode(repeated)) == 200
+    lowered = HF.from_str(files["tokenizer.json"].decode())
+    lowered.normalizer = Lowercase()
+    assert Tokenizer(lowered, {}, {}).least_tokens(MIXED_TEXT) == 0

@@ -269,10 +269,22 @@ def _open_final(model, job: Job) -> str:
     return text[:at]
 
 
-def prompt_ids(model, job: Job) -> tuple[str | None, list[int]]:
-    """(the rendered chat prompt or None, its token ids), whatever its length (count_tokens takes this alone);
-    400 for what cannot be rendered or tokenized."""
+def too_long(tokens: int, context: int, param: str, at_least: bool = False) -> RequestError:
+    """A prompt past the context, in the words clients match: Anthropic's "prompt is too long", OpenAI's code."""
+    return RequestError(400, f"prompt is too long: {'at least ' if at_least else ''}{tokens} tokens > {context - 1} "
+                             f"maximum (the context holds {context}, prompt and output together)", param,
+                        code="context_length_exceeded")
+
+
+def prompt_ids(model, job: Job, context: int | None = None) -> tuple[str | None, list[int]]:
+    """(the rendered chat prompt or None, its token ids): whatever its length (count_tokens), or with context a
+    text too long to fit refused before it is tokenized; 400 for what cannot be rendered or tokenized."""
     text = prompt_text(model, job)
+    whole = text if text is not None else job.prompt
+    if context is not None and isinstance(whole, str):
+        least = model.tokenizer.least_tokens(whole)
+        if least >= context:
+            raise too_long(least, context, "messages" if text is not None else "prompt", at_least=True)
     try:
         return text, model.prompt_ids(text if text is not None else job.prompt)  # token ids are checked there
     except NinferError as e:
@@ -291,16 +303,14 @@ def history_length(model, job: Job, ids: list[int]) -> int | None:
 
 def prepare(model, job: Job) -> Prepared:
     """Render and tokenize a Job, check it against the context, and fix its sampling (400 on any problem)."""
-    text, ids = prompt_ids(model, job)
+    context = model.context_length
+    text, ids = prompt_ids(model, job, context)
     try:
         sampling = requested_sampling(model.generation_config, **job.sampling)
     except NinferError as e:
         raise bad(str(e)) from None
-    context = model.context_length
-    if len(ids) >= context:  # in the words clients match: Anthropic's "prompt is too long", OpenAI's code
-        raise RequestError(400, f"prompt is too long: {len(ids)} tokens > {context - 1} maximum (the context holds "
-                                f"{context}, prompt and output together)",
-                           "messages" if text is not None else "prompt", code="context_length_exceeded")
+    if len(ids) >= context:
+        raise too_long(len(ids), context, "messages" if text is not None else "prompt")
     budget = context - len(ids)
     if job.max_tokens == 0 and not job.echo:
         raise bad("max_tokens 0 generates nothing: it needs echo (the prompt's logprobs)", "max_tokens")
