@@ -311,7 +311,7 @@ class Batch:
                 logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
             else:
                 logits = self.backend.decode_batch(tokens, caches)
-            picks = [self._draw(g, row) for g, row in zip(gens, logits)]
+            picks = [self._draw_or_error(g, row) for g, row in zip(gens, logits)]
             for b, g in enumerate(gens):
                 if g.spec is not None:  # the pair (h_p, x_{p+1}) waits for the head, its token for the next step
                     g.spec.took(tokens[b], hidden[b:b + 1], BATCHED_HEAD_ROWS)
@@ -320,7 +320,18 @@ class Batch:
         dt = time.perf_counter() - t0
         for g, token in zip(gens, picks):
             g.stats.decode_s += dt
-            self._emit(g, token)
+            if isinstance(token, Exception):
+                self._fail(g, token)  # its slot holds what it fed: only its own generation ends
+            else:
+                self._emit(g, token)
+
+    def _draw_or_error(self, g: Generation, logits):
+        """g's next token from its row, or the exception its draw raised (a JSON reply with no way on): one
+        sequence's dead end must not fail the others of the step."""
+        try:
+            return self._draw(g, logits)
+        except Exception as e:
+            return e
 
     def _speculate(self, g: Generation) -> None:
         """Give g speculative steps where the model drafts and g asks for nothing they cannot give (logprobs, a JSON

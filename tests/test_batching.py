@@ -202,6 +202,26 @@ def test_a_failing_forward_fails_its_batch_and_the_next_starts_clean(model, fake
     assert c.stats.cached_tokens == 0 and c.stats.token_ids == fake.decode_fresh([10, 11, 12], 3)
 
 
+def test_one_sequences_dead_end_fails_it_alone(model):
+    """A JSON schema the compiler cannot see is unsatisfiable (two distinct strings of length 0) ends its own
+    generation with the automaton's reason at the step where no token continues it; the sequence decoding beside
+    it in the same steps goes on and decodes what it decodes alone, and its slot's cache stays reusable."""
+    ids = model.tokenizer.encode("A list of numbers: 1, 2, 3,")
+    alone = "".join(model.generate(ids, max_new_tokens=64, sampling=GREEDY))
+    batch = model.batch(2)
+    dead = batch.add(ids, max_new_tokens=80, sampling=GREEDY, json_schema={
+        "type": "array", "items": {"type": "string", "maxLength": 0}, "minItems": 2, "uniqueItems": True})
+    other = batch.add(ids, max_new_tokens=64, sampling=GREEDY)
+    text = drain(batch, [dead, other])
+    assert isinstance(dead.error, NinferError) and "continues the JSON reply" in str(dead.error)
+    assert len(dead.stats.token_ids) < len(other.stats.token_ids)  # it ended while the other was decoding beside it
+    assert other.error is None and text[id(other)] == alone and other.stats.finish_reason == "length"
+    again = batch.add(ids + other.stats.token_ids + [11], max_new_tokens=2, sampling=GREEDY)
+    drain(batch, [again])
+    # other's slot: its prompt and every token it fed (all it drew but the last)
+    assert again.error is None and again.stats.cached_tokens == len(ids) + len(other.stats.token_ids) - 1
+
+
 def test_a_generate_meanwhile_takes_slot_0_from_the_batch(model, fake):
     batch = model.batch(2)
     a = batch.add([20, 21], max_new_tokens=6, sampling=GREEDY)  # the least recently used slot: 0
