@@ -162,9 +162,9 @@ class CheckedString(Frame):
         if s == 1:
             if b < 0x20:
                 return REJECT
-            if b == 0x5C:
+            if b == 0x5C:  # an escape writes one more character (a pair's second half: none of its own)
                 self.state = 2
-                return OK
+                return OK if self.high is not None or self._may(0, 0x10FFFF) else REJECT
             if self._flush() == REJECT:
                 return REJECT
             if b == 0x22:
@@ -191,7 +191,7 @@ class CheckedString(Frame):
             return REJECT
         self.code, self.need = self.code * 16 + int(chr(b), 16), self.need - 1
         if self.need:
-            return OK
+            return OK if self.high is not None or self._hex_may() else REJECT
         self.state, c = 1, self.code
         if self.high is not None and 0xDC00 <= c <= 0xDFFF:  # the pair's second half: one character
             c, self.high = 0x10000 + ((self.high - 0xD800) << 10) + (c - 0xDC00), None
@@ -202,6 +202,15 @@ class CheckedString(Frame):
             self.high, base = c, 0x10000 + ((c - 0xD800) << 10)
             return OK if self._may(c, c) or self._may(base, base + 0x3FF) else REJECT
         return self._char(c)
+
+    def _hex_may(self) -> bool:
+        """Whether the \\u digits so far can still end in a character that fits: itself, or a high surrogate's
+        astral pair."""
+        span = 16 ** self.need
+        lo, hi = self.code * span, self.code * span + span - 1
+        hs_lo, hs_hi = max(lo, 0xD800), min(hi, 0xDBFF)
+        return self._may(lo, hi) or (hs_lo <= hs_hi and self._may(0x10000 + ((hs_lo - 0xD800) << 10),
+                                                                  0x10000 + ((hs_hi - 0xD800) << 10) + 0x3FF))
 
     def _utf8_may(self) -> int:
         lo = self.code << (6 * self.need)

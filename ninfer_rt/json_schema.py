@@ -482,13 +482,25 @@ class _Compiler:
 
 
 def _value_count(n: Node) -> int | None:
-    """How many JSON values a compiled schema admits at most where that is finite (an enum, booleans, null), else
-    None: what bounds an array of unique items."""
+    """How many JSON values a compiled schema admits at most where that is finite (an enum, booleans, null,
+    integers between two bounds), else None: what bounds an array of unique items."""
     if n.enum is not None:
         return len(n.enum)
-    if n.types is not None and n.any_of is None and n.types <= {"boolean", "null"}:
-        return 2 * ("boolean" in n.types) + ("null" in n.types)
+    if n.types is not None and n.any_of is None and n.types <= {"boolean", "null", "integer"}:
+        ints = _integers_within(n.bounds) if "integer" in n.types else 0
+        return None if ints is None else 2 * ("boolean" in n.types) + ("null" in n.types) + ints
     return None
+
+
+def _integers_within(b: Bounds | None) -> int | None:
+    """How many integers the bounds hold (multiples of multipleOf's numerator p/q: an integer k·p/q needs q | k),
+    None where a side is open."""
+    if b is None or b.lo is None or b.hi is None:
+        return None
+    lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
+    hi = math.ceil(b.hi) - 1 if b.hi_strict else math.floor(b.hi)
+    m = 1 if b.step is None else b.step.numerator
+    return max(0, hi // m - -(-lo // m) + 1)
 
 
 def _bounds(s: dict, types, where: str) -> Bounds | None:

@@ -483,6 +483,10 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"type": "array", "uniqueItems": 1}, "uniqueItems must be true or false"),
     ({"type": "array", "items": {"enum": [1]}, "uniqueItems": True, "minItems": 2}, "allows only 1 distinct value"),
     ({"items": {"type": "boolean"}, "uniqueItems": True, "minItems": 3}, "allows only 2 distinct values"),
+    ({"items": {"type": "integer", "minimum": 0, "maximum": 1}, "uniqueItems": True, "minItems": 3},
+     "allows only 2 distinct values"),
+    ({"items": {"type": ["integer", "null"], "exclusiveMinimum": -0.5, "exclusiveMaximum": 7, "multipleOf": 1.5},
+      "uniqueItems": True, "minItems": 5}, "allows only 4 distinct values"),  # 0, 3, 6 and null
     ({"prefixItems": [{}], "items": {"type": ["null", "boolean"]}, "uniqueItems": True, "minItems": 5},
      "allows only 3 distinct values past prefixItems"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle of $refs"),
@@ -565,3 +569,38 @@ def test_pattern_matches_a_whole_string_as_re_search(pattern):
     p = compile_pattern(pattern)
     for text in ["ab_1", "ab_12", "x-y", "yx-", "a", "cb", "bc", "éab", "éa", "", "_1"]:
         assert p.matches(text) == bool(re.search(pattern, text)), text
+
+
+def test_integers_within_bounds_are_counted_as_the_bounds_hold_them():
+    """_integers_within (what refuses uniqueItems past the integers a range holds) against Bounds.holds over every
+    integer of a window wider than the bounds, on random closed, strict and multipleOf bounds."""
+    from fractions import Fraction
+
+    from ninfer_rt.json_schema import Bounds, _integers_within
+
+    rng = random.Random()
+    for _ in range(500):
+        lo, hi = sorted(Fraction(rng.randint(-60, 60), rng.choice([1, 2, 3, 4])) for _ in range(2))
+        step = rng.choice([None, Fraction(1), Fraction(3, 2), Fraction(2), Fraction(5, 3), Fraction(1, 4)])
+        b = Bounds(lo, rng.random() < 0.5, hi, rng.random() < 0.5, step)
+        assert _integers_within(b) == sum(b.holds(Fraction(v)) for v in range(-70, 71)), b
+    assert _integers_within(Bounds(Fraction(0), False, None, False, None)) is None
+
+
+@pytest.mark.parametrize("schema, text, taken", [
+    ({"type": "string", "maxLength": 0}, '"\\', False),  # no character may follow: nor may an escape begin
+    ({"type": "string", "maxLength": 1}, '"a\\', False),
+    ({"type": "string", "maxLength": 1}, '"\\', True),
+    ({"type": "string", "pattern": "^[a-c]*$"}, '"\\u006', True),  # U+0060..U+006F holds a, b, c
+    ({"type": "string", "pattern": "^[a-c]*$"}, '"\\u007', False),  # U+0070..U+007F does not
+    ({"type": "string", "pattern": "^[a-c]*$"}, '"\\uF', False),
+    ({"type": "string", "pattern": "^[a-c]*$"}, '"\\u0063', True),
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83', True),  # a high surrogate whose pair can be 😀
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD84', False),  # pairs from D840 are past U+1F602
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\uDE0', True),
+])
+def test_an_escape_is_taken_only_where_its_character_can_fit(schema, text, taken):
+    """An escape and each \\u digit are taken only where some character they can still become fits the lengths
+    and the pattern (a one-sequence dead end otherwise: the model could write a byte no token continues); the
+    oracle is which code points the partial escape can name, read off the text by hand."""
+    assert (feed_all(compile_schema(schema), text) is not None) == taken
