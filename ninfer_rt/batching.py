@@ -116,6 +116,19 @@ class Generation:
         return out
 
 
+def check_batch(model: Model, parallel: int | None, prefill_chunk: int | None) -> tuple[int, int]:
+    """(parallel, prefill_chunk) with their defaults (every slot; PREFILL_CHUNK), or NinferError where the model's
+    slots cannot hold them: what Batch takes, checked before any is made (serve, at its start)."""
+    slots = getattr(model._backend, "cache_slots", 1)
+    parallel = slots if parallel is None else parallel
+    prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+    if not (type(parallel) is int and 1 <= parallel <= slots):  # type: True is not one generation
+        raise NinferError(f"parallel={parallel!r}: must be in [1, {slots}] (the model's cache_slots)")
+    if not (type(prefill_chunk) is int and prefill_chunk >= 1):
+        raise NinferError(f"prefill_chunk={prefill_chunk!r}: must be an integer >= 1")
+    return parallel, prefill_chunk
+
+
 class Batch:
     """Runs up to `parallel` Generations of `model` at once over its cache slots (load's cache_slots: at least
     parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate or logits started
@@ -125,12 +138,7 @@ class Batch:
         """parallel: at most this many generations at once (default: every slot); prefill_chunk: prompt tokens a
         joining generation feeds a step (default PREFILL_CHUNK)."""
         slots = getattr(model._backend, "cache_slots", 1)
-        parallel = slots if parallel is None else parallel
-        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
-        if not (type(parallel) is int and 1 <= parallel <= slots):  # type: True is not one generation
-            raise NinferError(f"parallel={parallel!r}: must be in [1, {slots}] (the model's cache_slots)")
-        if not (type(prefill_chunk) is int and prefill_chunk >= 1):
-            raise NinferError(f"prefill_chunk={prefill_chunk!r}: must be an integer >= 1")
+        parallel, prefill_chunk = check_batch(model, parallel, prefill_chunk)
         self.model, self.parallel, self.prefill_chunk = model, parallel, prefill_chunk
         self._kept = model._kept
         self._kept.resident = self._kept.snapshot = None  # what generate kept lives in slots the batch now owns

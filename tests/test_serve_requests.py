@@ -251,6 +251,38 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_cancels(model):
                                                        'ninfer_requests_total{outcome="cancelled"}': 1}
 
 
+def _open_stream(r, body: dict) -> socket.socket:
+    """A streamed request on a raw socket, its 200 read (the request is queued or running)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    s = socket.create_connection(r.server.address, timeout=TIMEOUT_S)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+              + data)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def test_a_queued_request_whose_client_leaves_gives_its_place_back(model):
+    """--parallel 1, --max-queue 1: one request runs, one waits and its client leaves. The waiting place is free
+    again while the first still runs (it was held, with 503s for everyone, until a slot freed): a third request
+    queues instead of a 503, and gets its reply once the first ends."""
+    slow = Scripted(model, "x" * 400, step=1, delay=0.01)
+    with Running(slow, max_queue=1) as r:
+        first = _open_stream(r, {"prompt": "Hi", "max_tokens": 1000})
+        _open_stream(r, {"prompt": "Hi", "max_tokens": 5}).close()
+        worker, deadline = r.server.worker, time.monotonic() + TIMEOUT_S
+        while worker._outstanding > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker._outstanding == 1 and not worker.waiting and slow.taken < 400  # the first still runs
+        got = []
+        third = threading.Thread(target=lambda: got.append(r.json("/v1/completions", {"prompt": "Hi", "max_tokens": 3})))
+        third.start()
+        while worker._outstanding < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.close()
+        third.join(TIMEOUT_S)
+    assert got and got[0][0] == 200 and got[0][1]["choices"][0]["text"] == "xxx"
+
+
 def test_requests_generate_together_up_to_parallel(model):
     """Three requests at once with --parallel 2: two share the batch's steps, the third waits for a free slot,
     and each gets the whole reply."""
@@ -417,3 +449,14 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(srv, monkeyp
     message = out["error"]["message"]
     least = int(re.fullmatch(r"prompt is too long: at least (\d+) tokens > (\d+) maximum .*", message).group(1))
     assert status == 400 and count["max_model_len"] <= least <= count["count"], (message, count)
+
+
+def test_a_server_whose_batch_cannot_be_made_refuses_to_start(model):
+    """parallel past the model's cache slots (load's cache_slots): the Server refuses when made, before it binds a
+    port, in Batch's words; serve_forever raised it only once clients were connecting."""
+    from ninfer_rt.errors import NinferError
+    from ninfer_rt.serve.server import Server
+
+    slots = model._backend.cache_slots
+    with pytest.raises(NinferError, match=rf"^parallel={slots + 1}: must be in \[1, {slots}\] \(the model's "):
+        Server(model, model_name="tiny", port=0, parallel=slots + 1)

@@ -15,6 +15,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
+from ninfer_rt.batching import check_batch
 from ninfer_rt.errors import NinferError
 from ninfer_rt.serve.common import Prepared, RequestError
 
@@ -52,6 +53,7 @@ class Worker:
     None: batching.PREFILL_CHUNK)."""
 
     def __init__(self, model, max_queue: int, log=None, parallel: int = 1, prefill_chunk: int | None = None):
+        check_batch(model, parallel, prefill_chunk)  # a server whose batch cannot be made refuses to start
         self.model, self.max_queue, self.parallel = model, max_queue, parallel
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Ticket] = collections.deque()
@@ -105,6 +107,11 @@ class Worker:
                         self._lock.wait(_POLL_S)
                     if self.stopping.is_set():
                         break
+                    # a queued request whose client left gives its place back now, not when it would have joined
+                    gone = [t for t in self.waiting if t.cancelled.is_set()]
+                    for ticket in gone:
+                        self.waiting.remove(ticket)
+                        self._end(ticket)
                     joining = [self.waiting.popleft() for _ in range(min(batch.free, len(self.waiting)))]
                 for ticket in joining:
                     self._join(batch, ticket)
