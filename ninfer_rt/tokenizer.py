@@ -83,8 +83,12 @@ class Tokenizer:
         i = self.generation_config.get(f"{kind}_token_id")
         if isinstance(i, int):
             return i
-        text = _token_text(self.tokenizer_config.get(f"{kind}_token"))
+        text = self.special_text(kind)
         return self._tok.token_to_id(text) if text else None
+
+    def special_text(self, kind: str) -> str | None:
+        """tokenizer_config.json's `<kind>_token` text (bos, eos, pad, unk), or None."""
+        return _token_text(self.tokenizer_config.get(f"{kind}_token"))
 
     @classmethod
     def from_resources(cls, resources: dict[str, bytes]) -> Tokenizer:

@@ -232,6 +232,22 @@ def test_tokenize_and_detokenize(srv, model):
         assert status == 400 and body["error"]["param"] == param, body
 
 
+def test_tokenizer_info_is_what_transformers_reads(srv, model, tiny_moe):
+    """vLLM's GET /tokenizer_info (lm-evaluation-harness takes the server's tokenizer from it, /tokenize and
+    /detokenize, with no download): the special tokens and chat template transformers reads from the source
+    checkpoint, the context; the eos text tokenizes to transformers' eos id, which ends a generation here."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_moe)
+    status, info = srv.json("/tokenizer_info", method="GET")
+    assert status == 200
+    assert [info[f"{k}_token"] for k in ("bos", "eos", "pad", "unk")] == [hf.bos_token, hf.eos_token, hf.pad_token,
+                                                                           hf.unk_token]
+    assert info["chat_template"] == hf.chat_template and info["model_max_length"] == model.context_length
+    status, body = srv.json("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert status == 200 and body["tokens"] == [hf.eos_token_id] and hf.eos_token_id in model.tokenizer.eos_ids
+
+
 def test_metrics_count_what_the_replies_reported(model):
     """GET /metrics (Prometheus text): the finished generations and their prompt / cached / generated tokens are
     the sums of what the replies' usage said; nothing runs or waits once they are answered."""

@@ -483,3 +483,16 @@ def tokens_reply(model, action: str, body: dict) -> dict:
         raise bad("give 'prompt' (a non-empty string) or 'messages'", "prompt")
     _, ids = prompt_ids(model, job)
     return {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}
+
+
+def tokenizer_info(model) -> dict:
+    """vLLM's /tokenizer_info: the special tokens' texts, the chat template (null where the artifact's cannot be
+    read) and the context, all lm-evaluation-harness's remote tokenizer needs beside /tokenize and /detokenize."""
+    tok = model.tokenizer
+    try:
+        template = model.chat_template.source
+    except NinferError:
+        template = None
+    return {"tokenizer_class": tok.tokenizer_config.get("tokenizer_class"),
+            **{f"{kind}_token": tok.special_text(kind) for kind in ("bos", "eos", "pad", "unk")},
+            "chat_template": template, "model_max_length": model.context_length}

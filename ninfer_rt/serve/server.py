@@ -42,6 +42,7 @@ _ROUTES = {
     "/v1/chat/completions": ("POST", "chat"), "/v1/completions": ("POST", "completion"),
     "/v1/messages": ("POST", "messages"), "/v1/messages/count_tokens": ("POST", "count_tokens"),
     "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),  # vLLM's
+    "/tokenizer_info": ("GET", "tokenizer_info"),
     "/metrics": ("GET", "metrics"),  # Prometheus
 }
 _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
@@ -197,6 +198,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(200, {"status": "ok"})
         if action == "metrics":
             return self._send_bytes(200, self.app.worker.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
+        if action == "tokenizer_info":
+            return self._send_json(200, openai.tokenizer_info(self.app.model))
         if action == "models":
             return self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
         if action == "model":
