@@ -217,6 +217,17 @@ class _Object(Frame):
             return None
         return [raw for k, raw in self.node.key_raw.items() if k not in self.used]
 
+    def _must_keys(self) -> list[bytes] | None:
+        """The required keys still missing, as their JSON string contents, where maxProperties leaves room for
+        them alone (another key would leave no way to close the object); else None."""
+        n = self.node
+        if n.max_props is None:
+            return None
+        missing = [k for k in n.required if k not in self.used]
+        if not missing or len(self.used) + len(missing) < n.max_props:
+            return None
+        return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in missing]
+
     def step(self, b: int, sp: _Parse) -> int:
         s = self.state
         if s == self.OPEN:
@@ -229,9 +240,12 @@ class _Object(Frame):
             steps = [(f, f.step(b, sp)) for f in self.pats]
             self.pats = [f for f, x in steps if x != REJECT]
             matched = any(x == DONE for _, x in steps)
-            closed = self._closed_keys()
+            closed, must = self._closed_keys(), self._must_keys()
             listed = closed is None or any(k.startswith(self.key.raw) for k in closed)
             if r == REJECT or not (listed or self.pats):
+                return REJECT
+            if must is not None and not any(k.startswith(self.key.raw) for k in must) or (
+                    r == DONE and must is not None and self.key.raw not in must):
                 return REJECT
             if r == DONE:
                 self.state, n = self.COLON, self.node

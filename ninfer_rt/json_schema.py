@@ -484,8 +484,8 @@ class _Compiler:
 def _value_count(n: Node) -> int | None:
     """How many JSON values a compiled schema admits at most where that is finite (an enum, booleans, null,
     integers between two bounds), else None: what bounds an array of unique items."""
-    if n.enum is not None:
-        return len(n.enum)
+    if n.enum is not None:  # its texts hold 5.0 and 5 alike: values, not texts, are counted
+        return len({value_key(json.loads(t)) for t in n.enum})
     if n.types is not None and n.any_of is None and n.types <= {"boolean", "null", "integer"}:
         ints = _integers_within(n.bounds) if "integer" in n.types else 0
         return None if ints is None else 2 * ("boolean" in n.types) + ("null" in n.types) + ints
@@ -588,6 +588,8 @@ def value_key(v):
     """A JSON value as JSON Schema compares them: numbers by value (true is not 1), objects without key order."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return type(v).__name__, v
+    if isinstance(v, float) and not math.isfinite(v):  # 1e999 reads as inf, as a client's json.loads reads it
+        return "number", v
     if isinstance(v, (int, float)):
         return "number", _exact(v)
     if isinstance(v, list):

@@ -604,3 +604,33 @@ def test_an_escape_is_taken_only_where_its_character_can_fit(schema, text, taken
     and the pattern (a one-sequence dead end otherwise: the model could write a byte no token continues); the
     oracle is which code points the partial escape can name, read off the text by hand."""
     assert (feed_all(compile_schema(schema), text) is not None) == taken
+
+
+@pytest.mark.parametrize("schema, text, taken", [
+    # maxProperties 1 with "a" required: any other key leaves no way to close the object
+    ({"type": "object", "required": ["a"], "maxProperties": 1}, '{"b', False),
+    ({"type": "object", "required": ["a"], "maxProperties": 1}, '{"a":1}', True),
+    ({"type": "object", "required": ["a", "é"], "maxProperties": 3}, '{"b":1,"c', False),
+    ({"type": "object", "required": ["a", "é"], "maxProperties": 3}, '{"b":1,"é":2,"a":3}', True),
+    ({"type": "object", "required": ["a"], "maxProperties": 2}, '{"b":1,"a":2}', True),
+    # 1e999 reads as inf (a client's json.loads): unique items compare it as inf, and -inf apart
+    ({"type": "array", "uniqueItems": True}, "[1e999,-1e999]", True),
+    ({"type": "array", "uniqueItems": True}, "[1e999,2e999]", False),
+])
+def test_objects_and_unique_items_take_only_what_can_end_valid(schema, text, taken):
+    """Each text taken, where whole also complete, exactly where some valid document begins with it (read off the
+    schema by hand; jsonschema agrees on the whole ones)."""
+    p = feed_all(compile_schema(schema), text)
+    whole = text.endswith(("}", "]"))
+    assert (p is not None and (p.complete if whole else True)) == taken
+    if whole:
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == taken
+
+
+def test_an_enum_counts_values_not_texts_toward_unique_items():
+    """enum [1.0, 2.0] is read as the texts 1.0, 1, 2.0, 2 but holds two values: minItems 3 of unique items is
+    refused when compiled (jsonschema: no such array validates), not left to fail mid-reply."""
+    schema = {"items": {"enum": [1.0, 2.0]}, "uniqueItems": True, "minItems": 3}
+    with pytest.raises(SchemaError, match="allows only 2 distinct values"):
+        compile_schema(schema)
+    assert not jsonschema.Draft202012Validator(schema).is_valid([1, 2, 1.0])
