@@ -79,9 +79,13 @@ class Pattern:
             states = self.step(states, ord(ch))
         return self.accepts(states)
 
-    def admits(self, states: frozenset, lo: int, hi: int) -> bool:
-        """Some character in [lo, hi] has a move from these states."""
-        return any(_meets(ranges, neg, lo, hi) for s in states for ranges, neg, _ in self.edges[s])
+    def admits(self, states: frozenset, lo: int, hi: int, within: int | None = None) -> bool:
+        """Some character in [lo, hi] has a move from these states (to one from which a match needs at most
+        `within` more characters, where given)."""
+        def fits(t: int) -> bool:
+            return within is None or (self._min[t] is not None and self._min[t] <= within)
+
+        return any(_meets(ranges, neg, lo, hi) and fits(t) for s in states for ranges, neg, t in self.edges[s])
 
     def lengths(self, states: frozenset) -> tuple[int | None, int | None]:
         """(fewest, most) characters that complete a match from these states; most None: unbounded. (None, 0) where

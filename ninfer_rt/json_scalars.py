@@ -140,8 +140,9 @@ class CheckedString(Frame):
     def _may(self, lo: int, hi: int) -> bool:
         """Whether one more character, some code point in [lo, hi], can follow."""
         n = self.node
-        return (lo <= hi and (n.max_length is None or self.count < n.max_length)
-                and (self.nfa is None or n.pattern.admits(self.nfa, lo, hi)))
+        left = None if n.max_length is None else n.max_length - self.count - 1  # characters after this one
+        return (lo <= hi and (left is None or left >= 0)
+                and (self.nfa is None or n.pattern.admits(self.nfa, lo, hi, left)))
 
     def _flush(self) -> int:
         """The waiting high surrogate as a character of its own (json.loads keeps a lone one)."""

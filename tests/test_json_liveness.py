@@ -41,6 +41,11 @@ def test_integers_within_bounds_are_counted_as_the_bounds_hold_them():
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83', True),  # a high surrogate whose pair can be 😀
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD84', False),  # pairs from D840 are past U+1F602
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\uDE0', True),
+    # the pattern's fewest characters after the escape must fit the length left
+    ({"type": "string", "maxLength": 3, "pattern": "z$"}, '"ab\\u1', False),  # the third character must be z
+    ({"type": "string", "maxLength": 3, "pattern": "z$"}, '"ab\\u007', True),  # U+007A is z
+    ({"type": "string", "maxLength": 1, "pattern": "^(ab)*$"}, '"\\', False),  # only "" fits
+    ({"type": "string", "maxLength": 2, "pattern": "^(ab)*$"}, '"\\u0061', True),
 ])
 def test_an_escape_is_taken_only_where_its_character_can_fit(schema, text, taken):
     """An escape and each \\u digit are taken only where some character they can still become fits the lengths
@@ -48,6 +53,17 @@ def test_an_escape_is_taken_only_where_its_character_can_fit(schema, text, taken
     oracle is which code points the partial escape can name, read off the text by hand."""
     assert (feed_all(compile_schema(schema), text) is not None) == taken
 
+
+
+def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
+    """maxLength 3 and a pattern ending in z: after "ab" the third character must be z, so no UTF-8 lead byte (a
+    character of two to four bytes, never z) may begin it; with room for two more characters, one may."""
+    from ninfer_rt.json_automaton import SchemaPrefix
+
+    tight = SchemaPrefix(compile_schema({"type": "string", "maxLength": 3, "pattern": "z$"}))
+    roomy = SchemaPrefix(compile_schema({"type": "string", "maxLength": 4, "pattern": "z$"}))
+    assert tight.feed(b'"ab') and not tight.copy().feed(b"\xc3") and tight.copy().feed(b"z")
+    assert roomy.feed(b'"ab\xc3\xa9z"') and roomy.complete  # "abéz"
 
 @pytest.mark.parametrize("schema, text, taken", [
     # maxProperties 1 with "a" required: any other key leaves no way to close the object
