@@ -328,18 +328,31 @@ class _Array(Frame):
         if b == 0x5D and s in (self.FIRST, self.AFTER):
             return DONE if self.count >= n.min_items else REJECT
         if s == self.AFTER:
-            if b != 0x2C or (n.max_items is not None and self.count >= n.max_items):
-                return REJECT
+            if b != 0x2C or (n.max_items is not None and self.count >= n.max_items) or self._unseen() == ():
+                return REJECT  # no item more (maxItems, or every value of a unique enum item is in)
             self.state = self.NEXT
             return OK
         if n.max_items is not None and self.count >= n.max_items:
             return REJECT  # maxItems 0: only "]"
         self.state = self.AFTER  # once the item is complete (child_done)
-        item = n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
-        sp.stack.append(_Value(item or ANY))
+        item, unseen = self._item(), self._unseen()
+        sp.stack.append(_Value(item or ANY) if unseen is None else _Enum(unseen))
         if n.unique_items:
             self.cur, sp.rec = bytes((b,)), sp.rec + 1
         return AGAIN
+
+    def _item(self) -> Node | None:
+        """The schema of the next item."""
+        n = self.node
+        return n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
+
+    def _unseen(self) -> tuple | None:
+        """Under uniqueItems, an enum item's texts whose values no earlier item holds (a duplicate is refused from
+        its first byte, not at its last, where nothing could replace it); None where the item is no enum."""
+        item = self._item()
+        if not self.node.unique_items or item is None or item.enum is None:
+            return None
+        return tuple(t for t in item.enum if value_key(json.loads(t)) not in self.seen)
 
     def child_done(self, sp, passed: bool) -> bool:
         self.count += 1

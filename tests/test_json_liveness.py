@@ -72,6 +72,13 @@ def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
     ({"type": "object", "required": ["a", "é"], "maxProperties": 3}, '{"b":1,"c', False),
     ({"type": "object", "required": ["a", "é"], "maxProperties": 3}, '{"b":1,"é":2,"a":3}', True),
     ({"type": "object", "required": ["a"], "maxProperties": 2}, '{"b":1,"a":2}', True),
+    # unique items of an enum: a duplicate is refused at its first byte, a comma once every value is in
+    ({"type": "array", "items": {"enum": ["x", "y"]}, "uniqueItems": True}, '["x","x', False),
+    ({"type": "array", "items": {"enum": ["x", "y"]}, "uniqueItems": True}, '["x","y",', False),
+    ({"type": "array", "items": {"enum": ["x", "y"]}, "uniqueItems": True}, '["y", "x" ]', True),
+    ({"type": "array", "items": {"enum": [1.0, 2]}, "uniqueItems": True}, "[1,1.0", False),  # 1.0 is 1
+    ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1,", False),
+    ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1]", True),
     # 1e999 reads as inf (a client's json.loads): unique items compare it as inf, and -inf apart
     ({"type": "array", "uniqueItems": True}, "[1e999,-1e999]", True),
     ({"type": "array", "uniqueItems": True}, "[1e999,2e999]", False),
