@@ -347,12 +347,17 @@ class _Array(Frame):
         return n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
 
     def _unseen(self) -> tuple | None:
-        """Under uniqueItems, an enum item's texts whose values no earlier item holds (a duplicate is refused from
-        its first byte, not at its last, where nothing could replace it); None where the item is no enum."""
+        """Under uniqueItems, the texts of an enum (or boolean / null) item whose values no earlier item holds (a
+        duplicate is refused from its first byte, not at its last, where nothing could replace it); else None."""
         item = self._item()
-        if not self.node.unique_items or item is None or item.enum is None:
+        if not self.node.unique_items or item is None:
             return None
-        return tuple(t for t in item.enum if value_key(json.loads(t)) not in self.seen)
+        texts = item.enum
+        if texts is None and item.types is not None and item.any_of is None and item.types <= {"boolean", "null"}:
+            texts = (b"true", b"false") * ("boolean" in item.types) + (b"null",) * ("null" in item.types)
+        if texts is None:
+            return None
+        return tuple(t for t in texts if value_key(json.loads(t)) not in self.seen)
 
     def child_done(self, sp, passed: bool) -> bool:
         self.count += 1

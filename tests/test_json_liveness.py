@@ -77,6 +77,9 @@ def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
     ({"type": "array", "items": {"enum": ["x", "y"]}, "uniqueItems": True}, '["x","y",', False),
     ({"type": "array", "items": {"enum": ["x", "y"]}, "uniqueItems": True}, '["y", "x" ]', True),
     ({"type": "array", "items": {"enum": [1.0, 2]}, "uniqueItems": True}, "[1,1.0", False),  # 1.0 is 1
+    ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}, "[true,t", False),
+    ({"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True}, "[null, false,true]", True),
+    ({"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True}, "[null,false,true,", False),
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1,", False),
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1]", True),
     # 1e999 reads as inf (a client's json.loads): unique items compare it as inf, and -inf apart
