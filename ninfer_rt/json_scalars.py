@@ -271,9 +271,11 @@ class Number(Frame):
     def can_end(self) -> bool:
         if self.state not in self.ENDS:
             return False
-        # exact, and as the float a reader's json.loads makes of it (an exclusive bound could otherwise round away)
+        # exact, and where json.loads reads it as a float (a fraction), as that float too: an exclusive bound could
+        # otherwise round away (an integer's text it reads exactly, as an int)
+        floats = any(c in self.text for c in ".eE")
         return self.bounds is None or (self.bounds.holds(Fraction(self.text))
-                                       and self.bounds.holds_float(float(self.text)))
+                                       and (not floats or self.bounds.holds_float(float(self.text))))
 
     def _grammar(self, b: int) -> int:
         s, digit = self.state, b in DIGITS
