@@ -274,7 +274,8 @@ def test_a_queued_request_whose_client_leaves_gives_its_place_back(model):
             time.sleep(0.02)
         assert worker._outstanding == 1 and not worker.waiting and slow.taken < 400  # the first still runs
         got = []
-        third = threading.Thread(target=lambda: got.append(r.json("/v1/completions", {"prompt": "Hi", "max_tokens": 3})))
+        third = threading.Thread(target=lambda: got.append(r.json("/v1/completions",
+                                                                   {"prompt": "Hi", "max_tokens": 3})))
         third.start()
         while worker._outstanding < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
