@@ -195,8 +195,7 @@ class Batch:
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
         g = Generation(ids, budget, params, stops, self.model.tokenizer.detokenizer(skip_special_tokens), snapshot_at,
-                       logprobs,
-                       prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)
+                       logprobs, prompt_logprobs, JSON_OBJECT if json_object and json_schema is None else json_schema)
         g._slot = slot = self._take_slot(ids, reuse=prompt_logprobs is None)
         g._fed = g.stats.cached_tokens = len(slot.ids)
         self._speculate(g)

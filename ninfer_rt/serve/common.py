@@ -286,7 +286,7 @@ def prompt_ids(model, job: Job, context: int | None = None) -> tuple[str | None,
         if least >= context:
             raise too_long(least, context, "messages" if text is not None else "prompt", at_least=True)
     try:
-        return text, model.prompt_ids(text if text is not None else job.prompt)  # token ids are checked there
+        return text, model.prompt_ids(whole)  # token ids are checked there
     except NinferError as e:
         raise bad(str(e), "messages" if text is not None else "prompt") from None
 

@@ -235,11 +235,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _check_capacity(self, job: Job, prompts: int) -> None:
         """n choices of each prompt past --parallel + --max-queue could never all queue: a 400, not a 503 to retry."""
-        worker, total = self.app.worker, job.n * prompts
-        if total > worker.parallel + worker.max_queue:
+        capacity = self.app.worker.capacity
+        if job.n * prompts > capacity:
             asked = f"n={job.n}" if prompts == 1 else f"{prompts} prompts x n={job.n}"
-            raise bad(f"{asked} exceeds the {worker.parallel + worker.max_queue} generations this server runs or "
-                      "queues at once (--parallel + --max-queue)", "n" if prompts == 1 else "prompt")
+            raise bad(f"{asked} exceeds the {capacity} generations this server runs or queues at once (--parallel + "
+                      "--max-queue)", "n" if prompts == 1 else "prompt")
 
     def _check_host_and_origin(self) -> None:
         """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page

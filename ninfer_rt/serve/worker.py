@@ -70,10 +70,15 @@ class Worker:
         """Why n generations cannot queue now (called with the lock held), or None."""
         if self.stopping.is_set():
             return _shutting_down()
-        if self._outstanding + n > self.parallel + self.max_queue:
+        if self._outstanding + n > self.capacity:
             return RequestError(503, f"the server is busy: {self.parallel} requests are generating and "
                                      f"{self.max_queue} are waiting; try again later", kind="overloaded_error")
         return None
+
+    @property
+    def capacity(self) -> int:
+        """Generations that may be outstanding at once: running (--parallel) and waiting (--max-queue)."""
+        return self.parallel + self.max_queue
 
     def check_room(self) -> None:
         """RequestError 503 when a request could not queue now: asked before its body is read and prepared."""
