@@ -186,6 +186,22 @@ def test_messages_stream_follows_the_event_grammar(srv, model):
     assert events[0][1]["message"]["usage"]["input_tokens"] == stats.prompt_tokens
 
 
+def test_messages_stream_start_counts_the_cached_input(srv, model):
+    """message_start's usage splits the input as the final message_delta does: a chat's next turn reads its history
+    from the snapshot the first turn kept (cache_read_input_tokens), and input_tokens is the rest."""
+    turn1 = [{"role": "user", "content": "Tell me about the garden."}]
+    history = model.tokenizer.encode(model.chat_template.render(turn1, enable_thinking=False))
+    ask = {"max_tokens": 5, "temperature": 0, "thinking": {"type": "disabled"}}
+    body = srv.json("/v1/messages", {"messages": turn1, **ask})[1]
+    turn2 = turn1 + [{"role": "assistant", "content": body["content"]}, {"role": "user", "content": "And the house?"}]
+    events = sse_events(srv.request("POST", "/v1/messages", {"messages": turn2, "stream": True, **ask})[2])
+    start, final = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    assert events[0][0] == "message_start" and final["cache_read_input_tokens"] == len(history)
+    assert start == {**final, "output_tokens": 0} and final["output_tokens"] > 0
+    whole = srv.json("/v1/messages/count_tokens", {"messages": turn2, "thinking": {"type": "disabled"}})[1]
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == whole["input_tokens"]
+
+
 def test_count_tokens_equals_the_rendered_prompt(srv, model):
     """Anthropic blocks (tool_use, tool_result, thinking) render as the equivalent OpenAI-form chat does."""
     anthropic = [

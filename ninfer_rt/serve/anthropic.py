@@ -181,9 +181,14 @@ class MessagesReply:
         """The Messages API has no logprobs, so no Job of it asks for them: nothing to add."""
 
     def start(self) -> list[bytes]:
+        return []  # message_start waits for admitted(): its usage splits the input by what a cache held
+
+    def admitted(self, cached_tokens: int) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+                   "usage": {"input_tokens": self.prompt_tokens - cached_tokens,
+                             "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0,
+                             "output_tokens": 0}}
         return [_event("message_start", {"type": "message_start", "message": message})]
 
     def _close(self) -> list[bytes]:

@@ -190,7 +190,11 @@ class Reply(Protocol):
     frames (bytes of server-sent events) and keeps what it saw for body()."""
 
     def start(self) -> list[bytes]:
-        """The stream's opening frames (before any text)."""
+        """The stream's opening frames, sent as the stream opens (before the request has joined the batch)."""
+
+    def admitted(self, cached_tokens: int) -> list[bytes]:
+        """Frames once the generation has joined the batch, when it is known how many prompt tokens came from a
+        cache (before any text)."""
 
     def events(self, events: list) -> list[bytes]:
         """Frames for replies.Event items as they come (reasoning, text, tool calls)."""

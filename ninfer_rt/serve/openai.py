@@ -322,6 +322,9 @@ class ChatReply:
     def start(self) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
+    def admitted(self, cached_tokens: int) -> list[bytes]:
+        return []  # the usage, cached tokens included, comes in the last chunk
+
     def events(self, events: list[Event]) -> list[bytes]:
         frames = []
         for ev in events:
@@ -407,6 +410,9 @@ class CompletionReply:
         return sse(chunk)
 
     def start(self) -> list[bytes]:
+        return []
+
+    def admitted(self, cached_tokens: int) -> list[bytes]:
         return []
 
     def events(self, events: list[Event]) -> list[bytes]:

@@ -322,6 +322,10 @@ class _Handler(BaseHTTPRequestHandler):
                     reply.add_logprobs(value, functools.partial(self.app.model.tokenizer.token_bytes,
                                                                 skip_special_tokens=preps[i].skip_special_tokens))
                     continue
+                if kind == "admitted":  # it joined the batch; value: its prompt tokens read from a cache
+                    if job.stream:
+                        self._write(reply.admitted(value))
+                    continue
                 if kind == "piece":
                     frames = reply.events(parsers[i].push(value))
                     if job.stream:

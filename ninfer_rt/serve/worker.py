@@ -28,8 +28,9 @@ def _shutting_down() -> RequestError:
 
 @dataclass(eq=False)  # a ticket is itself: hashed by identity
 class Ticket:
-    """One queued generation. out receives ("piece", str) items (and ("logprobs", [TokenLogprob]) before the
-    pieces of those tokens, where asked), then ("done", GenerationStats) or ("error", RequestError)."""
+    """One queued generation. out receives ("admitted", cached prompt tokens) when it joins the batch, then
+    ("piece", str) items (and ("logprobs", [TokenLogprob]) before the pieces of those tokens, where asked), then
+    ("done", GenerationStats) or ("error", RequestError)."""
 
     prepared: Prepared
     out: queue.Queue | Tagged = field(default_factory=queue.Queue)
@@ -153,10 +154,11 @@ class Worker:
         try:
             # a request that extends an earlier one's prompt and reply (an agent's next turn after a tool call)
             # prefills only what is new; one that shares a chat's history (its next turn) starts from its snapshot
-            self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
-                                              stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs,
-                                              prompt_logprobs=p.prompt_logprobs, json_schema=p.json_schema,
-                                              skip_special_tokens=p.skip_special_tokens)
+            g = self._running[ticket] = batch.add(p.ids, max_new_tokens=p.max_tokens, sampling=p.sampling,
+                                                  stop=p.stop, snapshot_at=p.snapshot_at, logprobs=p.logprobs,
+                                                  prompt_logprobs=p.prompt_logprobs, json_schema=p.json_schema,
+                                                  skip_special_tokens=p.skip_special_tokens)
+            ticket.out.put(("admitted", g.stats.cached_tokens))
         except NinferError as e:
             self._end(ticket, ("error", RequestError(400, str(e))))
         except Exception as e:  # a bug: the request gets a 500, the log the traceback, and the server goes on
