@@ -468,9 +468,9 @@ class _Compiler:
         return target, "#/" + "/".join(_name(x) for x in parts[1:])
 
     def ref(self, ref, where: str) -> Node:
+        target, at = self.target(ref, where)  # first: it refuses a $ref that is not a string (nor hashable)
         if ref in self.refs:
             return self.refs[ref]
-        target, at = self.target(ref, where)
         self.refs[ref] = n = Node()  # filled below; a recursive $ref meets this same object
         self.pending.add(id(n))
         got = self.node(target, at)

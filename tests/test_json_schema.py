@@ -501,6 +501,8 @@ def test_reviewed_cases_read_as_ecma_262():
     ({"type": "date"}, "type must be one of"),
     ({"$ref": "http://example.com/s"}, "only #/$defs/<name>"),
     ({"$ref": "#/$defs/missing"}, "names no schema"),
+    ({"$ref": {}}, "only #/$defs/<name>"),  # not a string (nor hashable): refused before any lookup
+    ({"properties": {"a": {"$ref": ["#/$defs/A"]}}, "$defs": {"A": {}}}, "only #/$defs/<name>"),
     ({"type": "object", "required": ["a"], "additionalProperties": False}, "'a' is not among the properties"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems is below minItems"),
     ({"enum": []}, "non-empty array"),
