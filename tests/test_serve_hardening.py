@@ -66,6 +66,30 @@ def test_an_error_closes_the_connection_so_an_unread_body_is_never_a_request(srv
     conn.close()
 
 
+def test_a_body_no_get_reads_ends_the_connection(srv):
+    """A GET may carry a body (requests sends json={} as two bytes): the reply closes the connection, so that body
+    is never read as the next request, and a client's next request on a fresh connection is answered."""
+    smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    head = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(smuggled)}\r\n\r\n".encode()
+    got = exchange(srv, head + smuggled, shut=False)
+    assert responses(got) == [200] and b"Connection: close" in got and b'"object": "list"' in got
+    conn = http.client.HTTPConnection(*srv.server.address, timeout=TIMEOUT_S)
+    for method, path, body in (("GET", "/v1/models", b"{}"), ("GET", "/health", b"{}"),
+                               ("POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 1}')):
+        conn.request(method, path, body=body)  # http.client opens a new connection after a close
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())
+    conn.close()
+
+
+def test_an_http_1_1_request_has_one_host(srv):
+    """RFC 9112 3.2: no Host, or two, is a 400 (HTTP/1.0 may leave it out)."""
+    for host in (b"", b"Host: 127.0.0.1\r\nHost: evil.example\r\n"):
+        got = exchange(srv, b"GET /v1/models HTTP/1.1\r\n" + host + b"\r\n")
+        assert responses(got) == [400] and b"exactly one Host header" in got
+    assert responses(exchange(srv, b"GET /v1/models HTTP/1.0\r\n\r\n")) == [200]
+
+
 @pytest.mark.parametrize("length", ["\xb2", "9" * 5000, "-5", "1e3", "12, 12"])
 def test_content_length_must_be_one_number(srv, length):
     head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n\r\n"

@@ -184,7 +184,13 @@ class _Handler(BaseHTTPRequestHandler):
             want, action = _ROUTES[path]
         else:
             raise RequestError(404, f"no route for {path}", kind="not_found_error")
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1 or (not hosts and self.request_version == "HTTP/1.1"):
+            raise bad(f"an HTTP/1.1 request has exactly one Host header (this one has {len(hosts)})")
         self._check_host_and_origin()
+        if method != "POST" and (self.headers.get("Transfer-Encoding")
+                                 or (self.headers.get("Content-Length") or "0").strip() != "0"):
+            self.close_connection = True  # a body no GET reads: the reply ends the connection (RFC 9112 6.3)
         if method == "OPTIONS":
             return self._preflight()
         if method == "HEAD" and want == "GET":
