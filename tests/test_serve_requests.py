@@ -132,6 +132,8 @@ def test_max_tokens_cut_reports_length(model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]}, 400,
      "prompt is too long: "),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [1] * 5000}, 400, "prompt is too long: 5000 tokens > "),  # token ids too
+    ("/v1/completions", {"prompt": [[2], [1] * 5000]}, 400, "prompt 1: prompt is too long: 5000 tokens > "),
     ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix and best_of are not supported"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 generates nothing: it needs echo"),

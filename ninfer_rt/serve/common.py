@@ -289,6 +289,8 @@ def prompt_ids(model, job: Job, context: int | None = None) -> tuple[str | None,
         least = model.tokenizer.least_tokens(whole)
         if least >= context:
             raise too_long(least, context, "messages" if text is not None else "prompt", at_least=True)
+    elif context is not None and isinstance(whole, list) and len(whole) >= context:  # token ids, as many tokens
+        raise too_long(len(whole), context, "prompt")
     try:
         return text, model.prompt_ids(whole)  # token ids are checked there
     except NinferError as e:
