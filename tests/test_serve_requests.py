@@ -228,6 +228,47 @@ def test_api_key_and_cors(model):
 # ----------------------------------------------------------------------------------------------- queue and cancel
 
 
+class Holding(Scripted):
+    """The scripted model whose tokenizing of a text holding "HOLD" waits for release (counts how many wait)."""
+
+    def __init__(self, model):
+        super().__init__(model, "ok")
+        self.release, self.held, self._lock = threading.Event(), 0, threading.Lock()
+
+    def prompt_ids(self, prompt):
+        if isinstance(prompt, str) and "HOLD" in prompt:
+            with self._lock:
+                self.held += 1
+            self.release.wait(TIMEOUT_S)
+        return self._model.prompt_ids(prompt)
+
+
+def test_token_counting_never_holds_up_generation(model):
+    """count_tokens and tokenize take any length (an 8 MB text tokenizes for seconds): however many are being
+    tokenized, a generation's request is still prepared and answered."""
+    holding = Holding(model)
+    big = {"messages": [{"role": "user", "content": "HOLD"}]}
+    with Running(holding) as r:
+        results = []
+        counters = [threading.Thread(target=lambda path, body: results.append(r.json(path, body)), args=args)
+                    for args in [("/v1/messages/count_tokens", big)] * 3 + [("/tokenize", {"prompt": "HOLD"})] * 3]
+        for t in counters:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while holding.held < 2 and time.monotonic() < deadline:  # two tokenize at once; the rest wait their turn
+            time.sleep(0.01)
+        try:
+            status, body = r.json("/v1/chat/completions", {"messages": USER, "max_tokens": 2,
+                                                           "chat_template_kwargs": {"enable_thinking": False}})
+            assert status == 200 and body["choices"][0]["message"]["content"] == "ok"
+            assert 2 <= holding.held < len(counters)  # the counters were still held while it was answered
+        finally:
+            holding.release.set()
+            for t in counters:
+                t.join(TIMEOUT_S)
+        assert sorted(status for status, _ in results) == [200] * len(counters)
+
+
 def test_a_full_queue_answers_503_and_a_client_that_leaves_cancels(model):
     slow = Scripted(model, "x" * 400, step=1, delay=0.01)
     with Running(slow, max_queue=0) as r:

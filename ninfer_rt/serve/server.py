@@ -51,6 +51,7 @@ _GENERATORS = {"chat": (openai.parse_chat, openai.ChatReply, openai),
 _TOKEN_ONLY = ("count_tokens", "tokenize", "detokenize")  # answered at once: no generation, no queue
 _ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 _PREPARING = 4  # requests rendered and tokenized at once (under the GIL more would only wait on each other)
+_COUNTING = 2  # count_tokens / tokenize / detokenize at once, apart: any length, they must not hold up generation
 
 
 def _printable(text: str) -> str:
@@ -217,12 +218,14 @@ class _Handler(BaseHTTPRequestHandler):
         if action not in _TOKEN_ONLY:
             self.app.worker.check_room()  # a full queue refuses before the body is read and prepared
         body = self._read_body()
-        with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
-            if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
+        if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
+            with self.app.counting:
                 _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
-                return self._send_json(200, {"input_tokens": len(ids)})
-            if action in _TOKEN_ONLY:
+            return self._send_json(200, {"input_tokens": len(ids)})
+        if action in _TOKEN_ONLY:
+            with self.app.counting:
                 return self._send_json(200, openai.tokens_reply(self.app.model, action, body))
+        with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
             parse, reply, front = _GENERATORS[action]
             job: Job = parse(body)
             jobs = each_prompt(job)
@@ -459,6 +462,7 @@ class Server:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.worker = Worker(model, max_queue, self.log, parallel=parallel, prefill_chunk=prefill_chunk)
         self.preparing = threading.BoundedSemaphore(_PREPARING)
+        self.counting = threading.BoundedSemaphore(_COUNTING)
         handler = type("Handler", (_Handler,), {"app": self})
         try:
             self.httpd = (_HTTPServer6 if ":" in host else _HTTPServer)((host, port), handler)
