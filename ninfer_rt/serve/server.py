@@ -224,7 +224,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(200, {"input_tokens": len(ids)})
         if action in _TOKEN_ONLY:
             with self.app.counting:
-                return self._send_json(200, openai.tokens_reply(self.app.model, action, body))
+                reply = openai.tokens_reply(self.app.model, action, body)
+            return self._send_json(200, reply)
         with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
             parse, reply, front = _GENERATORS[action]
             job: Job = parse(body)
