@@ -73,6 +73,20 @@ NUMERICS_KEYS = ("artifact_sha256", "recipe", "scored", "prompts", "kld_mean", "
                  "kld_p999", "same_top", "rms_dp", "ppl_ratio")
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_NUMERICS_TYPES = (  # what the card's table formats: a hand-edited report is refused before anything is hashed
+    ("artifact_sha256", lambda x: isinstance(x, str), "a string"),
+    ("recipe", lambda x: isinstance(x, str), "a string"),
+    ("scored", lambda x: type(x) is int and x > 0, "a positive integer"),
+    ("prompts", lambda x: isinstance(x, list) and all(isinstance(p, dict) for p in x), "a list of objects"),
+    *((k, _is_number, "a number") for k in ("kld_mean", "kld_mean_stderr", "kld_p99", "kld_p999", "same_top",
+                                             "rms_dp", "ppl_ratio")),
+)
+
+
 def read_numerics(path: str | Path, art: Artifact) -> dict:
     """The `numerics` report inside a `ninfer-pack verify --numerics --json` output, checked to be this artifact's
     (its header SHA-256, which names every tensor's: another quantization of the same recipe is refused);
@@ -87,6 +101,9 @@ def read_numerics(path: str | Path, art: Artifact) -> dict:
     if not isinstance(num, dict) or any(k not in num for k in NUMERICS_KEYS):
         raise PublishError(f"--numerics {path}: not the output of `ninfer-pack verify --numerics --json` "
                            f"(needs numerics.{{{','.join(NUMERICS_KEYS)}}})")
+    for key, ok, what in _NUMERICS_TYPES:
+        if not ok(num[key]):
+            raise PublishError(f"--numerics {path}: numerics.{key} must be {what}, not {num[key]!r:.40}")
     if num["artifact_sha256"] != art.header_sha256:
         raise PublishError(f"--numerics {path}: measured on another artifact ({num.get('artifact', '?')}, recipe "
                            f"{num['recipe']!r}); run `ninfer-pack verify {art.path} --numerics --json` on this one")

@@ -233,8 +233,11 @@ def test_card_carries_calibration_and_quality(tiny_moe, tmp_path, capsys, one_th
     assert f"| {num['kld_mean']:.6f} ± {num['kld_mean_stderr']:.6f} | {num['kld_p99']:.6f} |" in card
     assert f"{num['scored']:,} scored positions (prose, code, numbers, chat)" in card
     bad = tmp_path / "bad.json"
+    edited = [json.dumps({"numerics": {**num, key: value}}) for key, value in
+              (("kld_mean", "x"), ("scored", "many"), ("prompts", 5), ("prompts", [1, 2]), ("same_top", None))]
     for content, why in (("{not json", "not a readable JSON report"), ('{"ok": true}', "not the output of"),
-                         (o.replace(num["artifact_sha256"], "0" * 64), "measured on another artifact")):
+                         (o.replace(num["artifact_sha256"], "0" * 64), "measured on another artifact"),
+                         *((text, "must be a") for text in edited)):  # hand-edited: refused in one line
         bad.write_text(content, encoding="utf-8")
         code, _, e = run(["publish", art, "--repo", "me/tiny", "--base-model", "Qwen/Qwen3.6-35B-A3B",
                           "--dry-run", tmp_path / "s2", "--numerics", bad], capsys)
