@@ -22,6 +22,7 @@ from ninfer_rt.layout import apply_forward
 from ninfer_pack.plan import PlannedTensor, plan_artifact
 from ninfer_pack.quant import quantize_rows
 from ninfer_rt.recipe import Recipe, load_recipe
+from ninfer_rt.sampling import SamplingParams
 from ninfer_pack.source import Checkpoint
 from ninfer_rt.tokenizer import Tokenizer
 
@@ -152,9 +153,15 @@ def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
     problems = [] if "tokenizer.json" in resources else ["tokenizer.json: missing (ninfer-rt needs it to run the model)"]
     if "tokenizer.json" in resources:
         try:
-            Tokenizer.from_resources(resources)
+            tokenizer = Tokenizer.from_resources(resources)
         except NinferError as e:
             problems.append(str(e))
+        else:
+            try:  # every run starts from its sampling defaults
+                SamplingParams.defaults_from_generation_config(tokenizer.generation_config)
+            except NinferError as e:
+                why = str(e)
+                problems.append(why if why.startswith("generation_config.json") else f"generation_config.json: {why}")
     if "chat_template.jinja" in resources or "tokenizer_config.json" in resources:
         try:
             ChatTemplate.from_resources(resources)

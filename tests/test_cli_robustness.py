@@ -93,6 +93,8 @@ def test_revision_of_a_builtin(tmp_path, capsys):
     ("tokenizer.json", "{broken", "tokenizer.json: malformed"),
     ("chat_template.jinja", "{% for m in messages %}{{ m.content }", "chat_template.jinja: syntax error"),
     ("generation_config.json", "[1, 2]", "generation_config.json"),
+    ("generation_config.json", '{"temperature": "hot"}', "generation_config.json: temperature='hot' is not a number"),
+    ("generation_config.json", '{"temperature": -1, "do_sample": true}', "generation_config.json: sampling"),
 ])
 def test_checkpoint_resources_the_runtime_cannot_read(name, text, message, tiny_moe, tmp_path, capsys):
     ck = tmp_path / "ck"
