@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -201,7 +202,8 @@ def verify(
                       progress=lambda m: err.print(f"numerics: {m}"))
     if as_json:
         report = {"ok": rep.ok, "path": rep.path, "bad_checksums": rep.bad_checksums, "problems": rep.problems,
-                  "tensors": [c.__dict__ for c in rep.checks]}
+                  "tensors": [{**c.__dict__, "rel_rmse": c.rel_rmse if math.isfinite(c.rel_rmse) else None}
+                              for c in rep.checks]}  # JSON has no inf: a weight stored as inf errs without bound
         if numerics:
             report["numerics"] = num.to_dict() if num is not None else None
         print(json.dumps(report, indent=1))

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ninfer_rt.errors import NinferError
 from ninfer_rt.format import Artifact
 from ninfer_rt.formats import get_format
 from ninfer_rt.layout import apply_forward
@@ -83,7 +84,10 @@ def compare_tensor(art: Artifact, name: str, source_layout: np.ndarray) -> Tenso
     got = fmt.decode(raw, tuple(e.shape)).reshape(-1, K)
     rel = _rel_rmse(src, got)
     if not fmt.is_quantized:
-        same = np.array_equal(np.frombuffer(raw, dtype=np.uint8), encode_tensor(source_layout, e.format))
+        try:
+            same = np.array_equal(np.frombuffer(raw, dtype=np.uint8), encode_tensor(source_layout, e.format, name=name))
+        except NinferError as err:  # the source holds a weight the format cannot store (inf, or past f16's range)
+            return TensorCheck(name, e.format, rel, False, str(err))
         return TensorCheck(name, e.format, rel, same, "" if same else "bytes differ from the re-encoded source")
     scales = fmt.unpack(raw, tuple(e.shape))[1]  # the codes are dropped at once: only the scales are needed
     ok, detail = check_decoded(_as_torch(src), got, scales.reshape(-1, scales.shape[-1]), fmt.bits, fmt.group)

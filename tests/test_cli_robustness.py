@@ -105,6 +105,30 @@ def test_checkpoint_resources_the_runtime_cannot_read(name, text, message, tiny_
     assert not (tmp_path / "x.ninfer").exists()
 
 
+def test_a_weight_past_a_raw_formats_range_is_refused(tiny_moe, tmp_path, capsys):
+    """f16 stores what it is given: a weight past its +-65504 would reach the model as inf. quantize names it, and
+    verify against such a source fails that tensor (its JSON has no Infinity: the error is null where unbounded)."""
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_moe, ck)
+    shard = next(p for p in sorted(ck.glob("*.safetensors")) if any(n.endswith("norm.weight") for n in load_file(p)))
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("norm.weight"))
+    tensors[name][0] = 1e10
+    save_file(tensors, shard, metadata={"format": "pt"})
+    recipe = tmp_path / "f16.toml"
+    recipe.write_text('name = "f16"\ndescription = "every tensor f16"\n[[rules]]\npattern = ".*"\nformat = "f16"\n')
+    code, _, err = pack(["quantize", ck, "--recipe", recipe, "--out", tmp_path / "x.ninfer"], capsys)
+    assert code == 1 and f"tensor {name}: weight row 0, column 0: " in error_line(err)
+    assert "is outside f16 range" in error_line(err) and not (tmp_path / "x.ninfer").exists()
+    art = tmp_path / "clean.ninfer"
+    assert pack(["quantize", tiny_moe, "--recipe", recipe, "--out", art], capsys)[0] == 0
+    code, out, _ = pack(["verify", art, "--source", ck, "--json"], capsys)
+    failed = [t for t in json.loads(out)["tensors"] if not t["ok"]]
+    assert code == 1 and [t["name"] for t in failed] == [name] and "is outside f16 range" in failed[0]["detail"]
+
+
 DEEP = "[" * 5000 + "]" * 5000  # past the JSON parser's recursion depth
 HUGE = '{"a": 1' + "0" * 5000 + "}"  # past Python's 4,300-digit integer conversion
 

@@ -211,3 +211,30 @@ def test_errors_name_the_culprit():
         fmt.pack(q, s.astype(np.float32))
     with pytest.raises(FormatError, match="cannot encode a float64"):
         get_format("bf16").encode(np.zeros(3))
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "fp32"])
+def test_the_packer_refuses_a_weight_a_raw_format_stores_as_inf(fmt):
+    """encode_tensor refuses exactly the weights that the format's own rounding (numpy's for f16, torch's for bf16)
+    turns into inf or NaN, naming its row and column; the values just inside are stored."""
+    from ninfer_pack.pipeline import encode_tensor
+    from ninfer_rt.errors import NinferError
+
+    top = float(np.finfo(np.float32).max)
+    half_past = np.float32(2.0 ** 128 * (1 - 2.0 ** -9))  # bf16's largest finite value plus half its ulp
+    for x in (65504.0, np.nextafter(np.float32(65520), 0), 65520.0, np.nextafter(half_past, 0), half_past, top,
+              math.inf, math.nan):
+        w = np.ones((3, 4), np.float32)
+        w[1, 2] = x
+        if fmt == "f16":
+            with np.errstate(over="ignore"):
+                stored = float(np.float32(x).astype(np.float16))
+        elif fmt == "bf16":
+            stored = float(torch.tensor(np.float32(x)).to(torch.bfloat16).float())
+        else:
+            stored = float(np.float32(x))
+        if math.isfinite(stored):
+            assert get_format(fmt).decode(encode_tensor(w, fmt, name="t"), (3, 4))[1, 2] == stored
+        else:
+            with pytest.raises(NinferError, match=r"^tensor t: weight row 1, column 2: "):
+                encode_tensor(w, fmt, name="t")
