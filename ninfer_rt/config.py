@@ -24,6 +24,7 @@ from ninfer_rt.errors import ConfigError, SourceError, json_reason
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
+MAX_LAYERS = 1024  # a sanity bound (the family has 24-64): a config past it is a typo, not a model to enumerate
 GROUPS = ("text", "mtp", "vision")
 ROPE_TYPES = ("default", "yarn")
 # transformers' rotary embedding falls back to this split when rope_parameters has no mrope_section.
@@ -261,7 +262,7 @@ class ModelSpec:
         if text.get_bool("attention_bias", False):
             raise text.error("attention_bias", "is true: ninfer's attention projections have no bias terms")
 
-        num_layers = text.get_int("num_hidden_layers")
+        num_layers = text.get_int("num_hidden_layers", maximum=MAX_LAYERS)
         if t.get("layer_types") is not None:
             if not isinstance(t["layer_types"], list):
                 raise text.error("layer_types", "must be a list")
@@ -325,7 +326,7 @@ class ModelSpec:
             max_position_embeddings=text.get_int("max_position_embeddings", default=32768),
             tie_word_embeddings=Fields({"tie_word_embeddings": tie}, source, text.prefix).get_bool(
                 "tie_word_embeddings", False),
-            mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0),
+            mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0, maximum=MAX_LAYERS),
             bos_token_id=bos,
             eos_token_ids=token_ids(eos_raw, f"{source}: {text.prefix}eos_token_id"),
             vision=_vision(vision_cfg, source) if vision_cfg is not None else None,

@@ -29,7 +29,7 @@ class Fields:
     def _absent(self, key: str, what: str) -> ConfigError:
         return self.error(key, "is missing" if key not in self.obj else f"must be {what}, got None")
 
-    def get_int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+    def get_int(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None) -> int:
         value = self.obj.get(key)
         if value is None:
             if default is None:
@@ -39,6 +39,8 @@ class Fields:
             raise self.error(key, f"must be an integer, got {value!r}")
         if value < minimum:
             raise self.error(key, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise self.error(key, f"must be <= {maximum:,}, got {value:,}")
         return value
 
     def get_float(self, key: str, default: float | None = None, above: float | None = None,

@@ -324,6 +324,11 @@ def test_errors_name_the_field(tmp_path):
         lambda c, t: t.update(layer_types=t["layer_types"][:3]))
     assert "text_config.num_attention_heads (4) is not divisible by text_config.num_key_value_heads (3)" in _broken(
         lambda c, t: t.update(num_key_value_heads=3))
+    # a typo'd layer count is refused at once, not enumerated (10**9 layers took 22 GB and minutes)
+    assert _broken(lambda c, t: (t.pop("layer_types"), t.update(num_hidden_layers=10 ** 9))) == (
+        "config.json: text_config.num_hidden_layers must be <= 1,024, got 1,000,000,000")
+    assert "text_config.mtp_num_hidden_layers must be <= 1,024" in _broken(
+        lambda c, t: t.update(mtp_num_hidden_layers=10 ** 6))
     assert "text_config.linear_num_value_heads (4) is not divisible" in _broken(
         lambda c, t: t.update(linear_num_key_heads=3))
     assert "mrope_section [2, 2, 1] sums to 5, but rotary_dim/2 is 4" in _broken(
