@@ -7,6 +7,7 @@ their 16-bit source form, then encoded in row chunks converted to float32 on the
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -244,9 +245,12 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
     """
     check_output_path(out, overwrite)  # as given: a trailing / is lost in a Path
     out = Path(out)
+    _check_not_an_input(out, [("the recipe", recipe if not isinstance(recipe, Recipe) else None),
+                              ("the importance file", importance)])
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     imp = load_importance(importance)
     ckpt = ckpt or Checkpoint.open(source, revision=revision)
+    _check_not_an_input(out, [("a file of the source checkpoint", f) for f in ckpt.path.iterdir()])
     require_tokenizer(ckpt, source)
     shapes = ckpt.shapes()
     planned, warnings = plan_artifact(ckpt.spec, shapes, rec)
@@ -254,6 +258,16 @@ def prepare(source: str, recipe: str | Recipe, out: str | Path, *, revision: str
     planned.sort(key=lambda t: min(order[p] for p in t.plan.parts))  # stream the shards in order
     return QuantizeJob(source, out, ckpt, rec, planned, warnings, match_importance(imp, planned, importance),
                        str(importance) if importance else None, importance_calibration(importance))
+
+
+def _check_not_an_input(out: Path, inputs: list[tuple[str, object]]) -> None:
+    """An existing --out that is one of the run's own inputs (a shard, the recipe) would be replaced by the artifact
+    it feeds: refused in one line, whatever --overwrite says."""
+    if not out.is_file():
+        return
+    for what, p in inputs:
+        if isinstance(p, (str, os.PathLike)) and Path(p).is_file() and os.path.samefile(out, p):
+            raise SourceError(f"--out {out} is {what}: the artifact would replace its own input; choose another path")
 
 
 def write_artifact(job: QuantizeJob, progress: Callable[[int, str], None] | None = None) -> QuantizeResult:

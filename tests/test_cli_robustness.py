@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,24 @@ def test_a_weight_past_a_raw_formats_range_is_refused(tiny_moe, tmp_path, capsys
     code, out, _ = pack(["verify", art, "--source", ck, "--json"], capsys)
     failed = [t for t in json.loads(out)["tensors"] if not t["ok"]]
     assert code == 1 and [t["name"] for t in failed] == [name] and "is outside f16 range" in failed[0]["detail"]
+
+
+def test_out_never_replaces_an_input(tiny_moe, tmp_path, capsys):
+    """--overwrite replaces an earlier artifact, never the run's own inputs: a shard of the checkpoint (through a
+    symlink too) or the recipe."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_moe, ck)
+    shard = sorted(ck.glob("*.safetensors"))[0]
+    recipe = tmp_path / "mine.toml"
+    shutil.copy(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml", recipe)
+    (tmp_path / "link").symlink_to(shard)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (shard, recipe)}
+    for out, what in ((shard, "a file of the source checkpoint"), (tmp_path / "link", "a file of the source "
+                      "checkpoint"), (recipe, "the recipe")):
+        code, _, err = pack(["quantize", ck, "--recipe", recipe, "--out", out, "--overwrite"], capsys)
+        assert code == 1 and f"--out {out} is {what}: the artifact would replace its own input" in error_line(err)
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (shard, recipe)}
+    assert pack(["quantize", ck, "--recipe", recipe, "--out", ck / "beside.ninfer"], capsys)[0] == 0  # a new file
 
 
 DEEP = "[" * 5000 + "]" * 5000  # past the JSON parser's recursion depth
