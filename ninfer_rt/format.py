@@ -288,6 +288,9 @@ class ArtifactWriter:
 
 _REQUIRED = {"format": str, "version": int, "checksum": str, "payload_offset": int, "file_size": int,
              "tensors": list, "resources": list, "model": dict, "recipe": dict, "provenance": dict}
+# what info, bench and publish show as text (each may be absent; importance may be null)
+_HEADER_TEXT = {"recipe": ("name", "description", "importance"),
+                "provenance": ("source", "revision", "path", "ninfer_version")}
 
 
 class Artifact:
@@ -437,6 +440,10 @@ def _validate_header(path: Path, h: dict, size: int, header_end: int) -> None:
         ok = _is_int(h.get(key)) if typ is int else isinstance(h.get(key), typ)
         if not ok:
             raise FormatError(f"{path}: header field '{key}' is missing or not a {typ.__name__}")
+    for section, keys in _HEADER_TEXT.items():
+        for key in keys:
+            if not isinstance(h[section].get(key, ""), (str, type(None))):
+                raise FormatError(f"{path}: header field '{section}.{key}' is not a string")
     if h["format"] != "ninfer" or h["version"] != VERSION:
         raise FormatError(f"{path}: header says format {h['format']!r} version {h['version']}")
     if h["file_size"] != size:

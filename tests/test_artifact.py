@@ -128,6 +128,8 @@ def _rewrite_header(src, dst, mutate):
     ("bad_nbytes", "size formula|needs"),
     ("overlap", "overlap"),
     ("unknown_format", "unknown weight format"),
+    ("recipe_name", "header field 'recipe.name' is not a string"),
+    ("provenance_source", "header field 'provenance.source' is not a string"),
 ])
 def test_bad_files_are_rejected_with_a_reason(good, tmp_path, case, message):
     p = tmp_path / f"{case}.ninfer"
@@ -157,6 +159,10 @@ def test_bad_files_are_rejected_with_a_reason(good, tmp_path, case, message):
         _rewrite_header(good, p, lambda h: h["tensors"][1].update(offset=h["tensors"][0]["offset"]))
     elif case == "unknown_format":
         _rewrite_header(good, p, lambda h: h["tensors"][0].update(format="q3g7"))
+    elif case == "recipe_name":  # info, bench and publish show it as text
+        _rewrite_header(good, p, lambda h: h["recipe"].update(name=["x"]))
+    elif case == "provenance_source":
+        _rewrite_header(good, p, lambda h: h["provenance"].update(source={"a": 1}))
     with pytest.raises(FormatError, match=message) as ei:
         Artifact.open(p)
     assert "\n" not in str(ei.value)
