@@ -126,6 +126,10 @@ def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
     for name, t in tensors.items():
         if t.dim() != 1:
             raise SourceError(f"{p}: importance for {name} must be 1-D [K], got {list(t.shape)}")
+        if not (t.dtype.is_floating_point or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                         torch.uint8)):
+            raise SourceError(f"{p}: importance for {name} is {str(t.dtype).removeprefix('torch.')}: it must be "
+                              "real numbers")
         t = t.float()
         if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
             bad = int((~torch.isfinite(t) | (t < 0)).nonzero()[0])

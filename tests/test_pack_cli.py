@@ -324,6 +324,7 @@ def _importance(path, tensors):
     ("nan", rf"importance for {re.escape(O_PROJ)} has nan at channel 5; every value must be finite and >= 0"),
     ("negative", rf"importance for {re.escape(O_PROJ)} has -1\.0 at channel 5"),
     ("2d", rf"importance for {re.escape(O_PROJ)} must be 1-D"),
+    ("complex", rf"importance for {re.escape(O_PROJ)} is complex64: it must be real numbers"),
 ])
 def test_bad_importance(case, message, tiny_moe, tmp_path, capsys, monkeypatch):
     import torch
@@ -338,7 +339,8 @@ def test_bad_importance(case, message, tiny_moe, tmp_path, capsys, monkeypatch):
            "wrong_k": {O_PROJ: torch.ones(k + 1)},
            "nan": {O_PROJ: torch.cat([good[:5], torch.tensor([float("nan")]), good[6:]])},
            "negative": {O_PROJ: torch.cat([good[:5], torch.tensor([-1.0]), good[6:]])},
-           "2d": {O_PROJ: torch.ones(1, k)}}[case]
+           "2d": {O_PROJ: torch.ones(1, k)},
+           "complex": {O_PROJ: torch.ones(k, dtype=torch.complex64)}}[case]
     path = _importance(tmp_path / "imp.safetensors", imp)
     monkeypatch.setattr(pipeline, "encode_tensor", lambda *a, **k: pytest.fail("encoded before the check"))
     code, _, e = run(["quantize", tiny_moe, "--recipe", _o_proj_recipe(tmp_path / "r.toml"), "--out",
