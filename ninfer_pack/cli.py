@@ -83,6 +83,10 @@ def _plan_source(source: str, revision: str | None):
     if p.is_dir() or source.startswith("builtin:"):
         ckpt = Checkpoint.open(source, revision=revision)
         return ckpt.spec, ckpt.shapes()
+    local = "a local config.json" if p.is_file() and p.suffix == ".json" else (
+        "a built-in config" if builtin_config_path(source) is not None else None)
+    if local is not None and revision is not None:
+        raise NinferError(f"--revision {revision} applies to Hub repos, but {source} is {local}")
     if p.is_file() and p.suffix == ".json":
         spec = ModelSpec.from_file(p)
     elif builtin_config_path(source) is not None:
@@ -112,6 +116,9 @@ def inspect(
         planned, warnings = plan_artifact(spec, shapes, load_recipe(recipe))
         title = f"plan: {path} with recipe {recipe} (weights only; the file adds header, tokenizer, alignment)"
     else:
+        if revision is not None:
+            raise NinferError(f"--revision {revision} applies to planning a Hub repo (with --recipe), not to an "
+                              "artifact")
         if Path(path).is_dir():
             raise NinferError(f"{path} is a directory: to plan a checkpoint, add --recipe NAME; inspect alone reads "
                               "a .ninfer artifact")

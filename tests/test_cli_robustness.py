@@ -90,6 +90,16 @@ def test_revision_of_a_builtin(tmp_path, capsys):
     assert code == 1 and "--revision v1 applies to Hub repos, but builtin:tiny-moe is built in" in error_line(err)
 
 
+def test_inspect_refuses_a_revision_that_does_not_apply(packed, tiny_moe, tmp_path, capsys):
+    """inspect --revision only means something for a Hub repo: an artifact, a built-in config or a config.json
+    given one is refused, not planned as if it had been read at that revision."""
+    for args, why in (([packed], "not to an artifact"),
+                      (["qwen3.6-35b-a3b", "--recipe", "qwen3.6-35b-a3b"], "qwen3.6-35b-a3b is a built-in config"),
+                      ([tiny_moe / "config.json", "--recipe", "tiny"], "config.json is a local config.json")):
+        code, _, err = pack(["inspect", *args, "--revision", "main"], capsys)
+        assert code == 1 and "--revision main applies to" in error_line(err) and why in error_line(err)
+
+
 @pytest.mark.parametrize("name, text, message", [
     ("tokenizer.json", "{broken", "tokenizer.json: malformed"),
     ("chat_template.jinja", "{% for m in messages %}{{ m.content }", "chat_template.jinja: syntax error"),
