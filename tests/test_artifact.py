@@ -179,6 +179,26 @@ def test_payload_corruption_is_found_by_checksums(good, tmp_path):
         assert art.verify_checksums() == ["c.weight"]  # ...the payload is not
 
 
+def test_padding_damage_is_found_though_no_checksum_covers_it(good, tmp_path):
+    """Every gap (after the header, between objects) is zero as written; a flipped byte in one is named by its
+    stretch, while every checksum still matches."""
+    raw = good.read_bytes()
+    header_end = PREFIX.size + PREFIX.unpack(raw[:PREFIX.size])[3]
+    with Artifact.open(good) as art:
+        assert art.nonzero_gaps() == []
+        spans = sorted((o.offset, o.offset + o.nbytes) for o in [*art.tensors.values(), *art.resources.values()])
+    gaps = [(header_end, spans[0][0])] + [(a[1], b[0]) for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    assert len(gaps) >= 2  # the header's and at least one object's padding
+    for lo, hi in (gaps[0], gaps[1]):
+        b = bytearray(raw)
+        b[(lo + hi) // 2] ^= 0x04
+        p = tmp_path / f"pad{lo}.ninfer"
+        p.write_bytes(bytes(b))
+        with Artifact.open(p) as art:
+            assert art.verify_checksums() == [] and len(art.nonzero_gaps()) == 1
+            assert f"padding bytes [{lo}, {hi}) between " in art.nonzero_gaps()[0]
+
+
 def _with_raw_header(src, dst, header: bytes, flags: int = 0):
     """Copy an artifact with its header replaced by arbitrary bytes (re-hashed, so only the content is wrong)."""
     raw = bytearray(src.read_bytes())
