@@ -87,7 +87,7 @@ class SamplingParams:
         for key, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                           ("repetition_penalty", float)):
             value = cfg.get(key)
-            if value is not None:
+            if value is not None and key not in overrides:  # a value given replaces the file's, even a bad one
                 try:
                     fields[key] = kind(value)
                 except (TypeError, ValueError) as e:

@@ -220,6 +220,8 @@ def test_defaults_from_generation_config():
     assert SamplingParams.defaults_from_generation_config(cfg, seed=3, top_k=5).top_k == 5
     with pytest.raises(NinferError, match="generation_config.json: top_p"):
         SamplingParams.defaults_from_generation_config({"top_p": "high"})
+    # a value given replaces the file's, even one the file got wrong (an artifact from before quantize checked it)
+    assert SamplingParams.defaults_from_generation_config({"top_p": "high", "do_sample": True}, top_p=0.5).top_p == 0.5
 
 
 def test_draw_among_a_support_is_the_draw_of_the_whole_row():
