@@ -427,7 +427,6 @@ class Artifact:
                 bad.append(obj.name)
         return bad
 
-
     def nonzero_gaps(self) -> list[str]:
         """The stretches of padding (after the header, between objects) holding a byte that is not zero: the writer
         leaves every gap zero, so one that is not is damage no checksum covers."""
