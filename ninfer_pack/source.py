@@ -19,6 +19,7 @@ import os
 import re
 import struct
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +192,9 @@ class Checkpoint:
 
         stored = self._scan(path, label)
         entries = self._assemble(stored)
+        if self.spec.tie_word_embeddings and "lm_head.weight" in entries:
+            # a stored head is the model's head even where the config ties it, as transformers 5 loads it
+            self.spec = dataclasses.replace(self.spec, tie_word_embeddings=False)
         self._validate(entries)
         self._entries = dict(sorted(entries.items(), key=lambda kv: kv[1].first))
         self.names: list[str] = list(self._entries)

@@ -104,6 +104,20 @@ def test_reads_what_transformers_save_pretrained_writes(models, tmp_path, key):
     assert ck.total_source_bytes == _data_bytes(tmp_path)
 
 
+def test_a_stored_head_is_used_where_the_config_ties_it(models, tmp_path):
+    """transformers 5 loads a checkpoint's lm_head.weight even where config.json says tie_word_embeddings: the
+    reader takes that head too (it refused it as an unexpected tensor)."""
+    model = copy.deepcopy(models["causal_dense"])
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    loaded = type(model).from_pretrained(tmp_path, dtype=torch.float32)
+    assert not torch.equal(loaded.lm_head.weight, loaded.get_input_embeddings().weight)  # the oracle: untied
+    ck = Checkpoint.open(tmp_path)
+    assert not ck.spec.tie_word_embeddings and "lm_head.weight" in ck.names
+    assert torch.equal(ck.read("lm_head.weight").float(), loaded.lm_head.weight)
+
+
 def test_read_order_streams_shard_by_shard(models, tmp_path):
     path, _ = ckpts.write_checkpoint(tmp_path, models["vlm_moe"], shards=3, mtp="fused")
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
