@@ -118,7 +118,9 @@ def _rope_scaling(r: Fields, max_position_embeddings: int) -> tuple[str, Yarn | 
     beta_slow = r.get_float("beta_slow", 0.0) or 1.0
     if not 0 < beta_slow <= beta_fast:
         raise r.error("beta_fast", f"({beta_fast}) and beta_slow ({beta_slow}) must satisfy 0 < beta_slow <= beta_fast")
-    return rope_type, Yarn(factor, original, attention, beta_fast, beta_slow, r.get_bool("truncate", True))
+    # transformers reads rope_parameters.get("truncate", True): a null given is falsy (no truncation)
+    truncate = True if "truncate" not in r.obj else r.obj["truncate"] is not None and r.get_bool("truncate")
+    return rope_type, Yarn(factor, original, attention, beta_fast, beta_slow, truncate)
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class ModelSpec:
     rope_theta: float
     partial_rotary_factor: float
     mrope_section: tuple[int, ...]
-    mrope_interleaved: bool
+    mrope_interleaved: bool  # as written; the family always interleaves (transformers reads no other way)
     rope_parameters: dict
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -246,10 +248,11 @@ class ModelSpec:
             if inner is not None and inner != family + "_text":
                 raise text.error("model_type", f"is {inner!r}, which does not match model_type {family!r}")
             vision_cfg = top.get_dict("vision_config")
+            tie_at = "" if "tie_word_embeddings" in cfg else "text_config."  # where it is read, for its error
             tie = cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
         elif model_type in tuple(f + "_text" for f in FAMILIES):
             family, text, vision_cfg = model_type[: -len("_text")], top, None
-            tie = cfg.get("tie_word_embeddings", False)
+            tie, tie_at = cfg.get("tie_word_embeddings", False), ""
         else:
             raise ConfigError(f"unsupported architecture {model_type!r}: ninfer supports "
                               f"{', '.join(FAMILIES)} (Qwen3.5/Qwen3.6)")
@@ -272,17 +275,19 @@ class ModelSpec:
             layer_types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
 
         # Rope settings: rope_parameters (or the older rope_scaling) first, then text-config top level.
-        rope = text.get_dict("rope_parameters") or text.get_dict("rope_scaling") or {}
+        params, scaling = text.get_dict("rope_parameters"), text.get_dict("rope_scaling")
+        if params and scaling and params != scaling:  # Qwen3-style YaRN keys added beside a Qwen3.5 config's own
+            raise text.error("rope_scaling", "and rope_parameters differ: transformers would take rope_scaling alone, "
+                                             "dropping rope_parameters' rope_theta and mrope_section; put the scaling "
+                                             "keys (rope_type, factor, ...) into rope_parameters, as the model card "
+                                             "does")
+        rope = params or scaling or {}
         rp = Fields(rope, source, text.prefix + ("rope_parameters." if t.get("rope_parameters") else
                                                   "rope_scaling." if t.get("rope_scaling") else ""))
         rope_theta = rp.get_float("rope_theta", text.get_float("rope_theta", 10000.0))
         partial = rp.get_float("partial_rotary_factor", text.get_float("partial_rotary_factor", 0.25))
-        if rope.get("mrope_section") is not None:
-            section = rp.get_int_list("mrope_section")
-        elif t.get("mrope_section") is not None:
-            section = text.get_int_list("mrope_section")
-        else:
-            section = _HF_MROPE_SECTION
+        # transformers reads mrope_section from the rope object only (a text-config-level one is not used)
+        section = rp.get_int_list("mrope_section") if rope.get("mrope_section") is not None else _HF_MROPE_SECTION
         rope_params = copy.deepcopy(rope)
         # transformers lets a text-config-level original_max_position_embeddings override rope_parameters' own
         if text.has("original_max_position_embeddings") and rope.get("rope_type", rope.get("type")) == "yarn":
@@ -324,7 +329,7 @@ class ModelSpec:
             mrope_interleaved=rp.get_bool("mrope_interleaved", True),
             rope_parameters=rope_params,
             max_position_embeddings=text.get_int("max_position_embeddings", default=32768),
-            tie_word_embeddings=Fields({"tie_word_embeddings": tie}, source, text.prefix).get_bool(
+            tie_word_embeddings=Fields({"tie_word_embeddings": tie}, source, tie_at).get_bool(
                 "tie_word_embeddings", False),
             mtp_num_hidden_layers=text.get_int("mtp_num_hidden_layers", default=0, minimum=0, maximum=MAX_LAYERS),
             bos_token_id=bos,
@@ -333,11 +338,10 @@ class ModelSpec:
             quantization=copy.deepcopy(quant),
             raw=copy.deepcopy(cfg),
         )
-        spec._validate(source, text.prefix, rp.prefix, rp.prefix, section_given=section is not _HF_MROPE_SECTION)
+        spec._validate(source, text.prefix, rp.prefix, rp.prefix)
         return spec
 
-    def _validate(self, source: str, prefix: str, rope_prefix: str, rope_dict_prefix: str,
-                  section_given: bool = True) -> None:
+    def _validate(self, source: str, prefix: str, rope_prefix: str, rope_dict_prefix: str) -> None:
         """Ranges and cross-field consistency; each failure names the fields that disagree.
 
         `rope_prefix` names where rope_theta / partial_rotary_factor / mrope_section were read, and
@@ -371,11 +375,10 @@ class ModelSpec:
         if rot <= 0 or rot % 2 or rot > self.head_dim:
             raise fail(f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {rot} "
                        f"for head_dim {self.head_dim}; it must be even and in 2..head_dim")
-        if sum(self.mrope_section) != rot // 2:
-            what = "" if section_given else " (absent, so transformers' default)"
-            raise fail(f"{rope_prefix}mrope_section {list(self.mrope_section)}{what} sums to "
-                       f"{sum(self.mrope_section)}, but rotary_dim/2 is {rot // 2} ({p}head_dim {self.head_dim} × "
-                       f"{rope_prefix}partial_rotary_factor {self.partial_rotary_factor} / 2)")
+        # interleaved mRoPE gives H the frequencies j = 1, 4, ... below 3·section[1] and W j = 2, 5, ... below
+        # 3·section[2] (T the rest), clipped to rotary_dim/2 as transformers' slices are: any sum runs
+        if len(self.mrope_section) < 3:
+            raise fail(f"{rope_prefix}mrope_section {list(self.mrope_section)} needs 3 entries (T, H, W)")
         if self.is_moe:
             if self.intermediate_size is not None:
                 raise fail(f"{p}intermediate_size must be unset for the qwen3_5_moe family")

@@ -331,8 +331,13 @@ def test_errors_name_the_field(tmp_path):
         lambda c, t: t.update(mtp_num_hidden_layers=10 ** 6))
     assert "text_config.linear_num_value_heads (4) is not divisible" in _broken(
         lambda c, t: t.update(linear_num_key_heads=3))
-    assert "mrope_section [2, 2, 1] sums to 5, but rotary_dim/2 is 4" in _broken(
-        lambda c, t: t["rope_parameters"].update(mrope_section=[2, 2, 1]))
+    assert "rope_parameters.mrope_section [3, 1] needs 3 entries (T, H, W)" in _broken(
+        lambda c, t: t["rope_parameters"].update(mrope_section=[3, 1]))
+    # Qwen3-style YaRN keys beside the config's own rope_parameters: transformers would drop the latter's theta
+    assert "text_config.rope_scaling and rope_parameters differ: transformers would take rope_scaling alone" in _broken(
+        lambda c, t: t.update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+    assert _broken(lambda c, t: c.update(tie_word_embeddings=1)) == (  # named where it was read
+        "config.json: tie_word_embeddings must be true or false, got 1")
     assert _broken(lambda c, t: t.pop("num_experts")) == "config.json: text_config.num_experts is missing"
     assert _broken(lambda c, t: t.pop("intermediate_size"), moe=False) == (
         "config.json: text_config.intermediate_size is missing")

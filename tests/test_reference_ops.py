@@ -133,13 +133,29 @@ def test_rope_cos_sin_is_hf_for_three_distinct_position_rows(dtype):
     assert torch.equal(text_cos, ops.rope_cos_sin(pos[0].expand(3, -1), 64, 1e7, [11, 11, 10], dtype)[0])
 
 
+@pytest.mark.parametrize("rope", [{"mrope_section": [1, 1, 1]}, {}, {"mrope_section": [2, 3, 3, 0]},
+                                  {"mrope_section": [4, 2, 2], "mrope_interleaved": False}],
+                         ids=["sum-below-rot/2", "absent-sum-above", "four-entries", "interleaved-false"])
+def test_mrope_sections_of_any_sum_are_hf(rope):
+    """config -> spec -> ops against HF's rotary embedding where mrope_section does not sum to rotary_dim/2 (HF
+    clips its slices to the frequencies there are) or says mrope_interleaved false (HF interleaves anyway)."""
+    kw = {**text_config_kwargs(moe=False), "head_dim": 64,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 3.0, "partial_rotary_factor": 0.25, **rope}}
+    spec = ModelSpec.from_config({"model_type": "qwen3_5_text", **copy.deepcopy(kw)})
+    rotary = hf.Qwen3_5TextRotaryEmbedding(tf.Qwen3_5TextConfig(**copy.deepcopy(kw)))
+    pos = torch.stack([torch.arange(30) + 7, torch.arange(30) // 5 + 3, torch.arange(30) % 5 + 11])  # [3, T]
+    want_cos, want_sin = rotary(torch.zeros(1), pos[:, None, :])
+    cos, sin = ops.rope_cos_sin(pos, spec.rotary_dim, spec.rope_theta, spec.mrope_section)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
 YARN_CARD = {"rope_type": "yarn", "rope_theta": 10000000, "partial_rotary_factor": 0.25, "factor": 4.0,
              "original_max_position_embeddings": 262144, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
 
 
-@pytest.mark.parametrize("extra", [{}, {"truncate": False}, {"mscale": 0.7, "mscale_all_dim": 1.0},
+@pytest.mark.parametrize("extra", [{}, {"truncate": False}, {"truncate": None}, {"mscale": 0.7, "mscale_all_dim": 1.0},
                                    {"attention_factor": 1.25, "beta_fast": 8, "beta_slow": 2}],
-                         ids=["card", "untruncated", "mscale", "explicit"])
+                         ids=["card", "untruncated", "truncate-null", "mscale", "explicit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_cos_sin_yarn_is_hf(extra, dtype):
     # the model card's 1M-token YaRN on the real dims (head 256 -> rot 64); spec -> ops against HF's rotary

@@ -292,8 +292,6 @@ class ReferenceModel:
     """Qwen3.5/3.6 text model (dense or MoE) plus its MTP head, computing in `dtype` (fp32 by default)."""
 
     def __init__(self, spec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32):
-        if not spec.mrope_interleaved:
-            raise ConfigError("rope_parameters.mrope_interleaved: the qwen3_5 family only uses interleaved mRoPE")
         self.spec, self.dtype = spec, dtype
         self._yarn = spec.yarn  # None for plain RoPE
         self._read = _Reader(weights, dtype)
