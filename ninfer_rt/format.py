@@ -428,15 +428,17 @@ class Artifact:
         return bad
 
     def nonzero_gaps(self) -> list[str]:
-        """The stretches of padding (after the header, between objects) holding a byte that is not zero: the writer
-        leaves every gap zero, so one that is not is damage no checksum covers."""
+        """The stretches outside every table entry (after the header, between objects) holding a byte that is not
+        zero: the writer leaves every gap zero, so one that is not is damage no checksum covers (or bytes whose
+        entry was dropped from the table)."""
         hlen = PREFIX.unpack(self._mm[:PREFIX.size])[3]
         spans = sorted((o.offset, o.offset + o.nbytes, o.name) for o in [*self.tensors.values(),
                                                                          *self.resources.values()])
         bad, at, after = [], PREFIX.size + hlen, "the header"
         for start, end, name in [*spans, (self.size, self.size, "the end of the file")]:
             if start > at and np.frombuffer(self._mm, np.uint8, start - at, at).any():
-                bad.append(f"padding bytes [{at}, {start}) between {after} and {name} are not zero")
+                bad.append(f"bytes [{at}, {start}) between {after} and {name} are in no table entry and not zero "
+                           "(padding is zero)")
             if end > at:
                 at, after = end, name
         return bad

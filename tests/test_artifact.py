@@ -196,7 +196,7 @@ def test_padding_damage_is_found_though_no_checksum_covers_it(good, tmp_path):
         p.write_bytes(bytes(b))
         with Artifact.open(p) as art:
             assert art.verify_checksums() == [] and len(art.nonzero_gaps()) == 1
-            assert f"padding bytes [{lo}, {hi}) between " in art.nonzero_gaps()[0]
+            assert f"bytes [{lo}, {hi}) between " in art.nonzero_gaps()[0]
 
 
 def _with_raw_header(src, dst, header: bytes, flags: int = 0):
