@@ -15,8 +15,10 @@ from ninfer_rt import sandbox
 from ninfer_rt.errors import NinferError
 from ninfer_rt.tokenizer import _load_json, _token_text
 
-# Names under which callers pass a message's reasoning; templates read `reasoning_content` (gpt-oss: `thinking`).
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+# Names under which callers pass a message's reasoning, first wins; templates read `reasoning_content` (gpt-oss:
+# `thinking`).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_MARK = "\ue000ninfer-end\ue001"  # private-use characters: no template trims or rewrites them
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -49,7 +51,7 @@ def _plain(value: Any) -> Any:
 
 def _with_reasoning_aliases(message: dict) -> dict:
     """Fill `reasoning_content` (and `thinking`) from whichever reasoning key the caller used."""
-    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    reasoning = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -143,13 +145,47 @@ class ChatTemplate:
         return cls(source, origin, {key: text for key, text in tokens.items() if text is not None})
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
-               enable_thinking: bool | None = None, documents: list[dict] | None = None, **kwargs: Any) -> str:
+               enable_thinking: bool | None = None, documents: list[dict] | None = None,
+               continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text for messages. enable_thinking=None leaves the template's default; other keyword
-        arguments (preserve_thinking, add_vision_id, ...) reach the template unchanged."""
+        arguments (preserve_thinking, add_vision_id, ...) reach the template unchanged. continue_final_message:
+        the text ends inside the final (assistant) message, so that generation continues it (a prefill)."""
         try:
+            if continue_final_message:
+                if add_generation_prompt:
+                    raise NinferError("continue_final_message continues the last message: add_generation_prompt "
+                                      "must be false")
+                return self._open_final(list(messages), tools, enable_thinking, documents, kwargs)
             return self._render(messages, tools, add_generation_prompt, enable_thinking, documents, kwargs)
         except RecursionError:  # a message nested (or referring to itself) beyond any template's reach
             raise NinferError(f"{self.origin}: the messages or arguments nest too deeply") from None
+
+    def _open_final(self, messages, tools, enable_thinking, documents, kwargs) -> str:
+        """The render cut right after the final message's text (its last text part's), found by a mark written
+        after it, as transformers does: the same words may stand in the template's closing tokens (a prefill "im"
+        in "<|im_end|>"). The mark ends in a space: where the template trims it away, it trims the text too (Qwen's
+        do), so the text's trailing whitespace goes."""
+        last = messages[-1] if messages else None
+        content = last.get("content") if isinstance(last, dict) else None
+        if not (isinstance(last, dict) and last.get("role") == "assistant"
+                and (content.strip() if isinstance(content, str) else content)):
+            raise NinferError("to continue the final message it must be an assistant message with text")
+        mark = _MARK + " "
+        if isinstance(content, str):
+            marked = content + mark
+        else:
+            at = next((i for i in reversed(range(len(content)))
+                       if isinstance(content[i], dict) and isinstance(content[i].get("text"), str)), None)
+            if at is None:
+                raise NinferError("to continue the final message it must have a text part")
+            marked = [*content[:at], {**content[at], "text": content[at]["text"] + mark}, *content[at + 1:]]
+        text = self._render([*messages[:-1], {**last, "content": marked}], tools, False, enable_thinking, documents,
+                            dict(kwargs))
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise NinferError("the chat template does not show the final assistant message's text: it cannot be "
+                              "continued")
+        return text[:at] if text.startswith(mark, at) else text[:at].rstrip()
 
     def _render(self, messages, tools, add_generation_prompt, enable_thinking, documents, kwargs) -> str:
         """render, whose RecursionError the caller turns into one line."""

@@ -259,6 +259,21 @@ def test_chat_matches_transformers(files, hf_auto, tok, name, add_generation_pro
     assert tok.encode(ours) == hf_auto(theirs, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("content", ["The weather is", "The weather is ", "Sure:\n", "im",
+                                     [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two "}]])
+@pytest.mark.parametrize("thinking", [None, False])
+def test_continue_final_message_matches_transformers(files, hf_auto, content, thinking):
+    """A prefill: the text ends inside the final assistant message, as transformers' continue_final_message cuts it
+    (trailing whitespace the template trims is gone; "im" is not found inside <|im_end|>)."""
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content}]
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    ours = ChatTemplate.from_resources(files).render(messages, continue_final_message=True, **kwargs)
+    theirs = hf_auto.apply_chat_template(messages, tokenize=False, continue_final_message=True, **kwargs)
+    assert ours == theirs
+    with pytest.raises(NinferError, match="add_generation_prompt must be false"):
+        ChatTemplate.from_resources(files).render(messages, continue_final_message=True, add_generation_prompt=True)
+
+
 def test_generation_prompt_follows_qwen36(files):
     # The two generation prompts spelled out in facts §7.
     ct = ChatTemplate.from_resources(files)

@@ -234,43 +234,21 @@ def prompt_text(model, job: Job, generation_prompt: bool = True) -> str | None:
     json_schema) closes the reasoning the same way: the JSON starts at the reply's first token."""
     if job.messages is None:
         return None
-    if job.continue_final and generation_prompt:
-        return _open_final(model, job)
+    prefill = job.continue_final and generation_prompt  # the text ends inside the final assistant message
     try:
-        text = model.chat_template.render(job.messages, tools=job.tools, add_generation_prompt=generation_prompt,
+        text = model.chat_template.render(job.messages, tools=job.tools, continue_final_message=prefill,
+                                          add_generation_prompt=generation_prompt and not prefill,
                                           **job.template_kwargs)
     except NinferError as e:
         raise bad(f"messages: {e}", "messages") from None
+    if prefill:
+        return text
     if generation_prompt and (job.forced_call is not None or job.json_schema is not None):
         if text.rstrip("\n").endswith("<think>"):  # the reply is the call or the object from its first token
             text = text.rstrip("\n") + "\n\n</think>\n\n"
         if job.forced_call is not None:
             text += call_opening(job.forced_call)
     return text
-
-
-_MARK = "\ue000ninfer-end\ue001"  # private-use characters: no template trims or rewrites them
-
-
-def _open_final(model, job: Job) -> str:
-    """The prompt cut right after the final (assistant) message's text, so generation continues it. The text is
-    found by a mark rendered right after it, not by searching for it (the same words may stand in the template's
-    closing tokens, e.g. a prefill "im" in "<|im_end|>")."""
-    last = job.messages[-1]
-    content = last.get("content")
-    if last.get("role") != "assistant" or not (content.strip() if isinstance(content, str) else content):
-        raise bad("to continue the final message it must be an assistant message with text", "messages")
-    marked = content + _MARK if isinstance(content, str) else [*content, {"type": "text", "text": _MARK}]
-    try:
-        text = model.chat_template.render([*job.messages[:-1], {**last, "content": marked}], tools=job.tools,
-                                          add_generation_prompt=False, **job.template_kwargs)
-    except NinferError as e:
-        raise bad(f"messages: {e}", "messages") from None
-    at = text.rfind(_MARK)
-    if at < 0:
-        raise bad("the chat template does not show the final assistant message's text: it cannot be continued",
-                  "messages")
-    return text[:at]
 
 
 def too_long(tokens: int, context: int, param: str, at_least: bool = False) -> RequestError:
