@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+from ninfer_rt.serve import anthropic as anthropic_api
+from ninfer_rt.serve.common import prompt_text
 from serve_client import sse_data, sse_events
 
 USER = [{"role": "user", "content": "Hello there"}]
@@ -218,6 +220,10 @@ def test_count_tokens_equals_the_rendered_prompt(srv, model):
              "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
             {"role": "tool", "content": "Sunny"}]
     want = len(model.prompt_ids(messages=chat, tools=[WEATHER], enable_thinking=False))  # no thinking field: off
+    # the text itself, not only its length: the tool's keys in OpenAI's order
+    job = anthropic_api.parse_messages({"system": "Be brief.", "messages": anthropic, "tools": tools}, count_only=True)
+    assert prompt_text(model, job) == model.chat_template.render(chat, tools=[WEATHER], add_generation_prompt=True,
+                                                                 enable_thinking=False)
     status, body = srv.json("/v1/messages/count_tokens", {"system": "Be brief.", "messages": anthropic,
                                                           "tools": tools})
     assert status == 200 and body == {"input_tokens": want}
@@ -294,3 +300,19 @@ def test_metrics_count_what_the_replies_reported(model):
     assert got["ninfer_generation_tokens_total"] == sum(u["completion_tokens"] for u in usages)
     assert got["ninfer_requests_running"] == got["ninfer_requests_waiting"] == 0
     assert got["ninfer_draft_tokens_total"] == got["ninfer_draft_tokens_accepted_total"] == 0  # no speculation
+
+
+@pytest.mark.parametrize("given", [{"reasoning_content": "RC", "reasoning": "R"}, {"thinking": "RC"},
+                                   {"reasoning": "RC", "thinking": None}])
+def test_a_turns_reasoning_under_any_of_its_names_renders_as_transformers_reads_it(model, given):
+    """An assistant turn's reasoning as reasoning_content, thinking or reasoning (first given wins, as
+    transformers' aliases read them) reaches the template as reasoning_content: the text kept with
+    preserve_thinking is the template's own rendering of that reasoning."""
+    from ninfer_rt.serve import openai as openai_api
+
+    turns = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "A1", **given},
+             {"role": "user", "content": "second"}]
+    job = openai_api.parse_chat({"messages": turns, "chat_template_kwargs": {"preserve_thinking": True}})
+    want = model.chat_template.render([*turns[:1], {"role": "assistant", "content": "A1", "reasoning_content": "RC"},
+                                       *turns[2:]], add_generation_prompt=True, preserve_thinking=True)
+    assert "RC" in want and prompt_text(model, job) == want

@@ -114,10 +114,10 @@ def _tools(body: dict) -> list[dict] | None:
         schema = t.get("input_schema", {})
         if not isinstance(schema, dict):
             raise bad(f"tools[{i}].input_schema must be a JSON schema object", "tools")
-        fn = {"name": t["name"], "parameters": schema}
+        fn = {"name": t["name"]}  # OpenAI's order: the same tool renders the same text from either API
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
+        out.append({"type": "function", "function": {**fn, "parameters": schema}})
     return out
 
 

@@ -15,6 +15,7 @@ import time
 import uuid
 
 from ninfer_rt.api import GenerationStats
+from ninfer_rt.chat import REASONING_KEYS
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS
@@ -126,9 +127,9 @@ def chat_messages(messages) -> list[dict]:
             raise bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}", "messages")
         msg = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
         if role == "assistant":
-            for key in ("reasoning_content", "reasoning"):
-                if m.get(key) is not None:
-                    msg["reasoning_content"] = get(m, key, (str,), "a string", where=where)
+            key = next((k for k in REASONING_KEYS if m.get(k) is not None), None)  # the first given, as HF reads
+            if key is not None:
+                msg["reasoning_content"] = get(m, key, (str,), "a string", where=where)
             if m.get("tool_calls"):
                 msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool" and m.get("tool_call_id") is not None:
