@@ -7,6 +7,7 @@ runs, so an error names the message at fault. Output matches `transformers`' app
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
@@ -36,13 +37,16 @@ def _plain(value: Any) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         out = [_plain(v) for v in value]
         return out if isinstance(value, list) else tuple(out)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    dump = getattr(value, "model_dump", None)  # pydantic models (messages, tool calls), as transformers takes them
+    if callable(dump) and not isinstance(value, type):
+        return _plain(dump())
     item = getattr(value, "item", None)  # numpy scalars
     if callable(item) and getattr(value, "shape", None) == ():
         return _plain(item())
@@ -151,6 +155,8 @@ class ChatTemplate:
         arguments (preserve_thinking, add_vision_id, ...) reach the template unchanged. continue_final_message:
         the text ends inside the final (assistant) message, so that generation continues it (a prefill)."""
         try:
+            if isinstance(messages, (list, tuple)):
+                messages = _plain(list(messages))  # dataclass and pydantic messages become dicts, as in transformers
             if continue_final_message:
                 if add_generation_prompt:
                     raise NinferError("continue_final_message continues the last message: add_generation_prompt "
@@ -200,7 +206,7 @@ class ChatTemplate:
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         variables = {**self.special_tokens, **kwargs}
-        chat = [_with_reasoning_aliases(m) for m in _plain(list(messages))]
+        chat = [_with_reasoning_aliases(m) for m in messages]
         try:
             return sandbox.render(self._template, messages=chat, tools=_plain(tools), documents=_plain(documents),
                                   add_generation_prompt=add_generation_prompt, **_plain(variables))

@@ -575,3 +575,31 @@ def test_least_tokens_bounds_the_count_from_below(tok, files):
     lowered = HF.from_str(files["tokenizer.json"].decode())
     lowered.normalizer = Lowercase()
     assert Tokenizer(lowered, {}, {}).least_tokens(MIXED_TEXT) == 0
+
+
+def test_message_objects_render_as_their_dicts(files, hf_auto):
+    """Messages as dataclasses, as objects with pydantic's model_dump, and tool calls as read-only mappings render
+    as the plain dicts transformers converts them to."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Message:
+        role: str
+        content: str
+
+    class Dumped:  # pydantic's protocol
+        def __init__(self, **fields):
+            self.fields = fields
+
+        def model_dump(self):
+            return dict(self.fields)
+
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    plain = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "snow"}]
+    objects = [Message("user", "Weather in Oslo?"),
+               Dumped(role="assistant", content="", tool_calls=[types.MappingProxyType(call)]),
+               Dumped(role="tool", content="snow")]
+    ours = ChatTemplate.from_resources(files).render(objects, tools=TOOLS, add_generation_prompt=True)
+    assert ours == hf_auto.apply_chat_template(plain, tools=TOOLS, tokenize=False, add_generation_prompt=True)
