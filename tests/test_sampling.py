@@ -236,3 +236,13 @@ def test_draw_among_a_support_is_the_draw_of_the_whole_row():
         if not row.any():
             continue
         assert whole.draw(row) == sparse.draw_among(ids, row[ids])
+
+
+def test_greedy_picks_agree_on_nan_logits():
+    """NaN counts as -inf wherever a greedy pick is made: the Sampler and the CPU backend's arg-max (greedy
+    speculative verification) choose the same token from the same row."""
+    from ninfer_rt.reference.backend import _top1
+
+    rows = np.array([[2.0, np.nan, 1.0, 0.0], [np.nan, np.nan, -1.0, 5.0], [1.0, 3.0, 3.0, np.nan]], np.float32)
+    greedy = Sampler(SamplingParams(greedy=True))
+    assert _top1(rows, 4).tolist() == [greedy.sample(row) for row in rows] == [0, 3, 1]

@@ -109,5 +109,9 @@ class ReferenceBackend:
 
 
 def _top1(logits: np.ndarray, vocab: int | None) -> np.ndarray:
-    """logits [T, V] unchanged, or with vocab their rows' arg-max over ids < vocab (int64 [T]; ties to the lowest)."""
-    return logits if vocab is None else logits[:, :vocab].argmax(-1).astype(np.int64)
+    """logits [T, V] unchanged, or with vocab their rows' arg-max over ids < vocab (int64 [T]; ties to the lowest;
+    NaN counts as -inf, as the Sampler and the device's arg-max take it)."""
+    if vocab is None:
+        return logits
+    rows = logits[:, :vocab]
+    return np.where(np.isnan(rows), -np.inf, rows).argmax(-1).astype(np.int64)
