@@ -154,18 +154,22 @@ class Tokenizer:
             raise NinferError(f"token_to_id: expected a token string, got {type(token).__name__}")
         return self._tok.token_to_id(token)
 
-    def token_bytes(self, i: int, skip_special_tokens: bool = False) -> bytes:
+    def token_bytes(self, i: int) -> bytes:
         """The bytes token i stands for on its own (a byte-level token may hold part of a UTF-8 character): an
-        added token's text (b"" for a special one under skip_special_tokens, as it adds nothing to such a text),
-        else its byte-level characters mapped back to bytes (its decoded text where the vocabulary is not
-        byte-level)."""
-        if skip_special_tokens and i in self._added:
-            return self.decode([i], skip_special_tokens=True).encode("utf-8")
+        added token's text (a special one's too, as vLLM's logprobs spell it), else its byte-level characters
+        mapped back to bytes (its decoded text where the vocabulary is not byte-level)."""
         if i not in self._added:
             piece = self._tok.id_to_token(i)
             if piece is not None and all(ch in _BYTE_OF for ch in piece):
                 return bytes(_BYTE_OF[ch] for ch in piece)
         return self.decode([i]).encode("utf-8")
+
+    def text_bytes(self, i: int, skip_special_tokens: bool = False) -> bytes:
+        """What token i adds to a text decoded with skip_special_tokens: token_bytes(i), or b"" for a special token
+        such a text leaves out."""
+        if skip_special_tokens and i in self._added:
+            return self.decode([i], skip_special_tokens=True).encode("utf-8")
+        return self.token_bytes(i)
 
     def is_added(self, i: int) -> bool:
         """Whether i is an added token (the specials: <|im_start|>, <think>, <tool_call>, ...), not a piece of text."""

@@ -143,3 +143,19 @@ def test_logprobs_fields_out_of_range_are_refused(srv, path, extra, field):
     body = {"messages": USER} if path == "/v1/chat/completions" else {"prompt": PROMPT}
     status, reply = srv.json(path, {**body, "max_tokens": 2, **extra})
     assert status == 400 and reply["error"]["param"] == field and field in reply["error"]["message"]
+
+
+def test_a_special_tokens_logprob_spells_it_while_the_text_leaves_it_out(srv, model):
+    """A special token in the reply (the text skips it, as vLLM's does by default) keeps its own text in the
+    logprobs (vLLM's decode([id])) and adds nothing to the completion's text offsets."""
+    out = greedy(model, 8, prompt=PROMPT)
+    tok = model.tokenizer
+    special = [k for k, i in enumerate(out) if tok.is_added(i) and not tok.decode([i], skip_special_tokens=True)]
+    assert special  # the case is real: this prompt's greedy reply holds a special token
+    body = srv.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1})[1]
+    lp, text = body["choices"][0]["logprobs"], body["choices"][0]["text"]
+    assert text == tok.decode(out, skip_special_tokens=True)
+    for k in special:
+        assert lp["tokens"][k] == tok.decode([out[k]])  # e.g. "<|im_end|>"
+        assert k + 1 == len(out) or lp["text_offset"][k + 1] == lp["text_offset"][k]
+    assert lp["text_offset"][-1] <= len(text)

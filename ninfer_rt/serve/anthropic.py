@@ -177,7 +177,7 @@ class MessagesReply:
         self.blocks: list[dict] = []
         self.open: str | None = None  # the kind of the block being streamed
 
-    def add_logprobs(self, entries: list, token_bytes) -> None:
+    def add_logprobs(self, entries: list, token_bytes, text_bytes) -> None:
         """The Messages API has no logprobs, so no Job of it asks for them: nothing to add."""
 
     def start(self) -> list[bytes]:

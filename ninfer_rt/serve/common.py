@@ -199,9 +199,10 @@ class Reply(Protocol):
     def events(self, events: list) -> list[bytes]:
         """Frames for replies.Event items as they come (reasoning, text, tool calls)."""
 
-    def add_logprobs(self, entries: list, token_bytes) -> None:
+    def add_logprobs(self, entries: list, token_bytes, text_bytes) -> None:
         """Output tokens' logprobs.TokenLogprob entries (only where the Job asked for logprobs), to go out with
-        the next frame and in body(); token_bytes(id) -> the bytes a token stands for."""
+        the next frame and in body(); token_bytes(id) -> the bytes a token stands for (a special one's text too),
+        text_bytes(id) -> what it adds to the reply's text (b"" for a special one the text skips)."""
 
     def finish(self, stats) -> list[bytes]:
         """The stream's closing frames, from the run's GenerationStats (finish reason, usage)."""

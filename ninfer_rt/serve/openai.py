@@ -304,7 +304,7 @@ class ChatReply:
         self.reasoning, self.text, self.calls = [], [], []
         self.lp = _Logprobs(job)
 
-    def add_logprobs(self, entries: list, token_bytes) -> None:
+    def add_logprobs(self, entries: list, token_bytes, text_bytes) -> None:
         self.lp.add([{**_token_fields(token_bytes, e.id, e.logprob),
                       "top_logprobs": [_token_fields(token_bytes, i, lp) for i, lp in e.top]} for e in entries])
 
@@ -380,9 +380,9 @@ class CompletionReply:
         self._chars = codecs.getincrementaldecoder("utf-8")("replace")
         self._offset = 0  # characters of the completion before the next token
 
-    def add_logprobs(self, entries: list, token_bytes) -> None:
+    def add_logprobs(self, entries: list, token_bytes, text_bytes) -> None:
         """The legacy form, token by token: its text, logprob, alternatives (text -> logprob) and character
-        offset in the completion."""
+        offset in the completion (a skipped special token adds no characters to it)."""
         for e in entries:
             raw = token_bytes(e.id)
             top = {}
@@ -391,7 +391,7 @@ class CompletionReply:
             first = math.isnan(e.logprob)  # an echoed prompt's first token: nothing precedes it
             self.lp.add([(raw.decode("utf-8", "replace"), None if first else _lp(e.logprob), None if first else top,
                           self._offset)])
-            self._offset += len(self._chars.decode(raw))
+            self._offset += len(self._chars.decode(text_bytes(e.id)))
 
     def _logprobs(self, entries: list) -> dict | None:
         if not self.lp.on:

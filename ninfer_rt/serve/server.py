@@ -328,9 +328,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if kind is None:
                     continue
                 reply = replies[i]
-                if kind == "logprobs":  # a token's text as the reply's text has it (vLLM: "" for a skipped special)
-                    reply.add_logprobs(value, functools.partial(self.app.model.tokenizer.token_bytes,
-                                                                skip_special_tokens=preps[i].skip_special_tokens))
+                if kind == "logprobs":  # each token's own text, a special one's too (vLLM: decode([id]))
+                    tok, skip = self.app.model.tokenizer, preps[i].skip_special_tokens
+                    shown = functools.partial(tok.text_bytes, skip_special_tokens=skip)  # what the text holds of it
+                    reply.add_logprobs(value, tok.token_bytes, shown)
                     continue
                 if kind == "admitted":  # it joined the batch; value: its prompt tokens read from a cache
                     if job.stream:
