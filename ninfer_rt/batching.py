@@ -448,7 +448,11 @@ class Batch:
         """g is done: the detokenizer's held bytes go out (unless a stop string ended it) and its slot goes idle
         with what it fed."""
         if reason != "stop":
-            tail = g._scan.push(g._detok.finish()) + g._scan.finish()
+            tail = g._scan.push(g._detok.finish())
+            if g._scan.stop is None:
+                tail += g._scan.finish()
+            elif reason != "cancelled":  # the held bytes completed a stop string: it ended there, as generate says
+                reason, g.stats.stop_string = "stop", g._scan.stop
             if tail:
                 g._pieces.append(tail)
         g.stats.finish_reason = reason

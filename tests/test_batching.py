@@ -189,6 +189,32 @@ def test_stop_strings_end_the_text_as_generate_does(model):
     assert drain(batch, [g])[id(g)] == want and g.stats.finish_reason == "stop" and g.stats.stop_string == stop
 
 
+def test_a_stop_completed_by_the_last_held_bytes_is_a_stop_as_in_generate(model, fake):
+    """A reply whose last token holds part of a character: at its end the held bytes go out as U+FFFD, and a stop
+    string they complete ends it as "stop" (with that stop string) in the batch, as generate reports it."""
+    tok = model.tokenizer
+
+    def cut_in_a_character(ids) -> bool:
+        try:
+            b"".join(tok.token_bytes(i) for i in ids).decode("utf-8")
+        except UnicodeDecodeError as e:
+            return e.reason == "unexpected end of data"
+        return False
+
+    for first in range(5, 200):  # the first prompt whose greedy 2-token reply ends inside a character
+        text = "".join(model.generate([first, 3], max_new_tokens=2, sampling=GREEDY))
+        if text.count("\ufffd") == 1 and text.endswith("\ufffd") and cut_in_a_character(model.last_stats.token_ids):
+            break
+    else:
+        pytest.fail("no prompt's reply ends inside a character")
+    want = "".join(model.generate([first, 3], max_new_tokens=2, sampling=GREEDY, stop=["\ufffd"]))
+    assert model.last_stats.finish_reason == "stop" and model.last_stats.stop_string == "\ufffd"
+    batch = model.batch()
+    g = batch.add([first, 3], max_new_tokens=2, sampling=GREEDY, stop=["\ufffd"])
+    assert drain(batch, [g])[id(g)] == want == text[:-1]
+    assert (g.stats.finish_reason, g.stats.stop_string) == ("stop", "\ufffd")
+
+
 def test_a_failing_forward_fails_its_batch_and_the_next_starts_clean(model, fake, monkeypatch):
     batch = model.batch(2)
     a, b = (batch.add([10 + i, 11], max_new_tokens=4, sampling=GREEDY) for i in range(2))
