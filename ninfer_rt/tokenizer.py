@@ -7,6 +7,7 @@ ever yields complete UTF-8 text.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import unicodedata
@@ -207,10 +208,19 @@ class IncrementalDetokenizer:
         self._ids.append(i)
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         full_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        if len(full_text) > len(prefix_text) and not (full_text.endswith("\ufffd") and self._unfinished()):
             self._prefix, self._read = self._read, len(self._ids)
             return full_text[len(prefix_text):]
         return ""
+
+    def _unfinished(self) -> bool:
+        """Whether the unreleased ids' bytes end inside a character that a later token may finish (a U+FFFD that
+        is the text's own, or stands for bytes no continuation can mend, goes out at once: holding it would
+        re-decode a growing window at every step)."""
+        pending = b"".join(self._tok.text_bytes(i, self._skip) for i in self._ids[self._read:])
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(pending, final=False)
+        return bool(decoder.getstate()[0])
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Yield the non-empty pieces of ids, then whatever `finish` releases."""

@@ -175,6 +175,19 @@ def test_incremental_decode_streams_complete_utf8(tok, hf_fast):
     assert "".join(tok.detokenizer().stream(ids)) == text
 
 
+def test_incremental_decode_releases_a_replacement_at_once(tok):
+    """U+FFFD the text holds, or bytes no later token can mend, go out at the token that brings them, as Python's
+    incremental UTF-8 decoder (errors="replace") releases them byte by byte; only a character still open is held
+    (a run of replacements was held whole, re-decoding a growing window at every token)."""
+    id_of = {b: tok.token_to_id(c) for c, b in _byte_of_char().items()}
+    data = b"a\xff\xfe b" + "\ufffd".encode() * 6 + b"\xe4\xb8" + b"x" + "中".encode() + b"\xf0\x9f"
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    detok = tok.detokenizer()
+    for b in data:  # one single-byte token each
+        assert detok.push(id_of[b]) == utf8.decode(bytes([b])), bytes([b])
+    assert detok.finish() == utf8.decode(b"", final=True) == "\ufffd"
+
+
 def test_incremental_decode_flushes_an_unfinished_character(tok):
     ids = tok.encode("a😀")
     detok = tok.detokenizer()
