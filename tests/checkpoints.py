@@ -179,3 +179,24 @@ def write_checkpoint(dest, model=None, *, prefix: str = "vlm", experts: str = "f
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return dest, expected
+
+
+def write_tied_checkpoint(dest: Path, kind: str = "dense") -> Path:
+    """The built-in tiny checkpoint of `kind` with its head tied to the embedding, as Qwen3.5's small members ship:
+    config.json says tie_word_embeddings and no lm_head.weight is stored."""
+    from safetensors.torch import load_file
+
+    from ninfer_pack.tiny import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(Path(dest), kind)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop("lm_head.weight")
+    tensors = load_file(src / shard)
+    head = tensors.pop("lm_head.weight")
+    save_file(tensors, src / shard, metadata={"format": "pt"})
+    index["metadata"]["total_size"] -= head.numel() * head.element_size()
+    index_path.write_text(json.dumps(index))
+    return src

@@ -11,28 +11,17 @@ import json
 
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
 
+from checkpoints import write_tied_checkpoint
 from hf_tiny import assert_close_rel
 from ninfer_pack.pipeline import prepare, write_artifact
-from ninfer_pack.tiny import write_tiny_checkpoint
 from ninfer_rt import load
 from ninfer_rt.format import Artifact
 
 
 def test_a_tied_checkpoint_packs_and_runs_as_transformers_ties_it(tmp_path, one_thread):
-    src = write_tiny_checkpoint(tmp_path / "ck", "dense")
+    src = write_tied_checkpoint(tmp_path / "ck")
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    index_path = src / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = index["weight_map"].pop("lm_head.weight")  # a tied checkpoint stores no head
-    tensors = load_file(src / shard)
-    head = tensors.pop("lm_head.weight")
-    save_file(tensors, src / shard, metadata={"format": "pt"})
-    index["metadata"]["total_size"] -= head.numel() * head.element_size()
-    index_path.write_text(json.dumps(index))
-
     art = tmp_path / "tied.ninfer"
     write_artifact(prepare(str(src), "bf16", art))
     with Artifact.open(art) as a:
