@@ -161,7 +161,7 @@ class ChatTemplate:
                 if add_generation_prompt:
                     raise NinferError("continue_final_message continues the last message: add_generation_prompt "
                                       "must be false")
-                return self._open_final(list(messages), tools, enable_thinking, documents, kwargs)
+                return self._open_final(messages, tools, enable_thinking, documents, kwargs)
             return self._render(messages, tools, add_generation_prompt, enable_thinking, documents, kwargs)
         except RecursionError:  # a message nested (or referring to itself) beyond any template's reach
             raise NinferError(f"{self.origin}: the messages or arguments nest too deeply") from None
@@ -171,6 +171,7 @@ class ChatTemplate:
         after it, as transformers does: the same words may stand in the template's closing tokens (a prefill "im"
         in "<|im_end|>"). The mark ends in a space: where the template trims it away, it trims the text too (Qwen's
         do), so the text's trailing whitespace goes."""
+        _check_messages(messages)
         last = messages[-1] if messages else None
         content = last.get("content") if isinstance(last, dict) else None
         if not (isinstance(last, dict) and last.get("role") == "assistant"

@@ -287,6 +287,17 @@ def test_continue_final_message_matches_transformers(files, hf_auto, content, th
         ChatTemplate.from_resources(files).render(messages, continue_final_message=True, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("messages, why", [
+    (None, "messages must be a list of dicts"), ([], "must be an assistant message with text"),
+    ([{"role": "user", "content": "hi"}], "must be an assistant message with text"),
+    ([{"role": "assistant", "content": [{"type": "image"}]}], "must have a text part"),
+])
+def test_continue_final_message_refuses_what_it_cannot_continue(files, messages, why):
+    with pytest.raises(NinferError, match=why) as e:
+        ChatTemplate.from_resources(files).render(messages, continue_final_message=True)
+    assert "\n" not in str(e.value)
+
+
 def test_generation_prompt_follows_qwen36(files):
     # The two generation prompts spelled out in facts §7.
     ct = ChatTemplate.from_resources(files)
