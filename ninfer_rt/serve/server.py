@@ -185,9 +185,6 @@ class _Handler(BaseHTTPRequestHandler):
             want, action = _ROUTES[path]
         else:
             raise RequestError(404, f"no route for {path}", kind="not_found_error")
-        hosts = self.headers.get_all("Host") or []
-        if len(hosts) > 1 or (not hosts and self.request_version == "HTTP/1.1"):
-            raise bad(f"an HTTP/1.1 request has exactly one Host header (this one has {len(hosts)})")
         self._check_host_and_origin()
         if method != "POST" and (self.headers.get("Transfer-Encoding")
                                  or (self.headers.get("Content-Length") or "0").strip() != "0"):
@@ -218,13 +215,13 @@ class _Handler(BaseHTTPRequestHandler):
         if action not in _TOKEN_ONLY:
             self.app.worker.check_room()  # a full queue refuses before the body is read and prepared
         body = self._read_body()
-        if action == "count_tokens":  # any length: whether a conversation fits is what it is asked
+        if action in _TOKEN_ONLY:  # any length (whether a conversation fits is what count_tokens is asked)
             with self.app.counting:
-                _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
-            return self._send_json(200, {"input_tokens": len(ids)})
-        if action in _TOKEN_ONLY:
-            with self.app.counting:
-                reply = openai.tokens_reply(self.app.model, action, body)
+                if action == "count_tokens":
+                    _, ids = prompt_ids(self.app.model, anthropic.parse_messages(body, count_only=True))
+                    reply = {"input_tokens": len(ids)}
+                else:
+                    reply = openai.tokens_reply(self.app.model, action, body)
             return self._send_json(200, reply)
         with self.app.preparing:  # rendering and tokenizing are CPU work: a few at a time, not one per connection
             parse, reply, front = _GENERATORS[action]
@@ -254,9 +251,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _check_host_and_origin(self) -> None:
         """A server on a loopback address answers only requests addressed to a loopback name (a DNS-rebinding page
         names its own host), and no server answers a browser's cross-origin request unless --cors-origin allows
-        that origin (a page could otherwise start generations with a plain form post)."""
+        that origin (a page could otherwise start generations with a plain form post). An HTTP/1.1 request names
+        exactly one Host (RFC 9112 3.2)."""
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1 or (not hosts and self.request_version == "HTTP/1.1"):
+            raise bad(f"an HTTP/1.1 request has exactly one Host header (this one has {len(hosts)})")
         if is_loopback(self.app.address[0]):
-            host = self.headers.get("Host", "")  # none at all: not a browser (HTTP/1.0 clients may omit it)
+            host = hosts[0] if hosts else ""  # none at all: not a browser (HTTP/1.0 clients may omit it)
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if host and not is_loopback(name):
                 raise RequestError(403, f"Host {host!r} is not this machine: the server answers loopback names "
