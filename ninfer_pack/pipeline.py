@@ -58,22 +58,18 @@ _OVERFLOW = {"f16": 65520.0, "bf16": 2.0 ** 128 * (1 - 2.0 ** -9), "fp32": math.
 def _check_representable(arr: np.ndarray, fmt_name: str, name: str | None) -> None:
     """NinferError naming the first weight that is not finite or that the 16-bit format would round to inf (a raw
     format stores what it is given: such a weight would reach the model as inf)."""
-    if arr.dtype == np.uint16 and fmt_name == "bf16":  # bf16 bits kept as they are: inf and NaN are out
-        bad = np.flatnonzero((arr.reshape(-1) & 0x7F80) == 0x7F80)
-        first = int(bad[0]) if bad.size else None
-    else:
-        flat, first = arr.reshape(-1), None
-        for i in range(0, flat.size, ROW_CHUNK_ELEMS):  # chunks: an abs() of a whole embedding is 2 GB
-            x = np.abs(as_f32(flat[i:i + ROW_CHUNK_ELEMS]))
-            bad = np.flatnonzero(~(x < _OVERFLOW[fmt_name]))  # NaN compares false
-            if bad.size:
-                first = i + int(bad[0])
-                break
-    if first is not None:
-        K = arr.shape[-1]
-        value = float(as_f32(arr.reshape(-1)[first:first + 1])[0])
-        raise NinferError(f"tensor {name or '?'}: weight row {first // K}, column {first % K}: {value:g} "
-                          f"{'is not finite' if not math.isfinite(value) else f'is outside {fmt_name} range'}")
+    flat = arr.reshape(-1)
+    for i in range(0, flat.size, ROW_CHUNK_ELEMS):  # chunks: the temporaries of a whole embedding are GBs
+        chunk = flat[i:i + ROW_CHUNK_ELEMS]
+        if chunk.dtype == np.uint16 and fmt_name == "bf16":  # bf16 bits kept as they are: inf and NaN are out
+            bad = np.flatnonzero((chunk & 0x7F80) == 0x7F80)
+        else:
+            bad = np.flatnonzero(~(np.abs(as_f32(chunk)) < _OVERFLOW[fmt_name]))  # NaN compares false
+        if bad.size:
+            first, K = i + int(bad[0]), arr.shape[-1]
+            value = float(as_f32(flat[first:first + 1])[0])
+            raise NinferError(f"tensor {name or '?'}: weight row {first // K}, column {first % K}: {value:g} "
+                              f"{'is not finite' if not math.isfinite(value) else f'is outside {fmt_name} range'}")
 
 
 def encode_tensor(arr: np.ndarray, fmt_name: str, importance: torch.Tensor | None = None,
