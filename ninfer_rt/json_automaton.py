@@ -244,9 +244,9 @@ class _Object(Frame):
             listed = closed is None or any(k.startswith(self.key.raw) for k in closed)
             if r == REJECT or not (listed or self.pats):
                 return REJECT
-            if must is not None and not any(k.startswith(self.key.raw) for k in must) or (
-                    r == DONE and must is not None and self.key.raw not in must):
-                return REJECT
+            if must is not None and (not any(k.startswith(self.key.raw) for k in must)
+                                     or (r == DONE and self.key.raw not in must)):
+                return REJECT  # maxProperties leaves room for the required keys alone
             if r == DONE:
                 self.state, n = self.COLON, self.node
                 if not n.unique and not n.props:  # any key, any value: its name is not needed (nor UTF-8)
