@@ -46,3 +46,14 @@ def test_main_runs_under_pythons_own_handler(tmp_path):
                 print("KeyboardInterrupt reached the command")
         """)
     assert done.returncode == 0 and done.stdout == "KeyboardInterrupt reached the command\n", done.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals to oneself")
+@pytest.mark.parametrize("package", ["ninfer_pack", "ninfer_rt"])
+def test_python_dash_m_goes_through_the_launcher(tmp_path, package):
+    """`python -m PACKAGE` with a Ctrl-C while its CLI imports typer (a stand-in typer that interrupts itself)."""
+    (tmp_path / "typer.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", package, "--help"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")
