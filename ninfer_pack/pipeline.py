@@ -122,8 +122,7 @@ def load_importance(path: str | Path | None) -> dict[str, torch.Tensor]:
     for name, t in tensors.items():
         if t.dim() != 1:
             raise SourceError(f"{p}: importance for {name} must be 1-D [K], got {list(t.shape)}")
-        if not (t.dtype.is_floating_point or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
-                                                         torch.uint8)):
+        if t.dtype.is_complex or t.dtype == torch.bool:  # any other float or integer type reads as its values
             raise SourceError(f"{p}: importance for {name} is {str(t.dtype).removeprefix('torch.')}: it must be "
                               "real numbers")
         t = t.float()

@@ -325,6 +325,7 @@ def _importance(path, tensors):
     ("negative", rf"importance for {re.escape(O_PROJ)} has -1\.0 at channel 5"),
     ("2d", rf"importance for {re.escape(O_PROJ)} must be 1-D"),
     ("complex", rf"importance for {re.escape(O_PROJ)} is complex64: it must be real numbers"),
+    ("bool", rf"importance for {re.escape(O_PROJ)} is bool: it must be real numbers"),
 ])
 def test_bad_importance(case, message, tiny_moe, tmp_path, capsys, monkeypatch):
     import torch
@@ -340,13 +341,28 @@ def test_bad_importance(case, message, tiny_moe, tmp_path, capsys, monkeypatch):
            "nan": {O_PROJ: torch.cat([good[:5], torch.tensor([float("nan")]), good[6:]])},
            "negative": {O_PROJ: torch.cat([good[:5], torch.tensor([-1.0]), good[6:]])},
            "2d": {O_PROJ: torch.ones(1, k)},
-           "complex": {O_PROJ: torch.ones(k, dtype=torch.complex64)}}[case]
+           "complex": {O_PROJ: torch.ones(k, dtype=torch.complex64)},
+           "bool": {O_PROJ: torch.ones(k, dtype=torch.bool)}}[case]
     path = _importance(tmp_path / "imp.safetensors", imp)
     monkeypatch.setattr(pipeline, "encode_tensor", lambda *a, **k: pytest.fail("encoded before the check"))
     code, _, e = run(["quantize", tiny_moe, "--recipe", _o_proj_recipe(tmp_path / "r.toml"), "--out",
                       tmp_path / "m.ninfer", "--importance", path], capsys)
     line = error_line(e)
     assert code == 1 and re.search(message, line) and str(path) in line, line
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "int64", "bfloat16", "float8_e4m3fn"])
+def test_importance_of_any_real_dtype_reads_as_its_values(dtype, tmp_path):
+    """Counts or low-precision floats from another tool: every real dtype is read as float32 of the same values
+    (small integers, exact in all of them)."""
+    import torch
+
+    from ninfer_pack.pipeline import load_importance
+
+    values = torch.tensor([0.0, 1.0, 2.0, 7.0, 12.0])
+    path = _importance(tmp_path / "imp.safetensors", {O_PROJ: values.to(getattr(torch, dtype))})
+    got = load_importance(path)[O_PROJ]
+    assert got.dtype == torch.float32 and torch.equal(got, values)
 
 
 def test_importance_reaches_its_tensor(tiny_moe, tmp_path, capsys):
