@@ -9,18 +9,17 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 from rich.table import Table
 
-from ninfer_rt.console import human_bytes, human_count, run_app
+from ninfer_rt.console import human_bytes, human_count, labelled, plain_console, run_app
 from ninfer_rt.errors import NinferError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Quantize Qwen3.5/3.6 checkpoints into one verified, kernel-ready .ninfer artifact.")
-out = Console()
-err = Console(stderr=True)
+out = plain_console()
+err = plain_console(stderr=True)
 
 
 def _bytes_progress() -> Progress:
@@ -65,7 +64,7 @@ def quantize(
         res = write_artifact(job, progress=lambda n, name: prog.advance(task, n))
     dt = time.perf_counter() - t0
     for w in res.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(labelled("warning:", "yellow", w))
     payload = sum(t.nbytes for t in res.planned)
     out.print(_size_table(f"{out_path}", summarize(res.planned), params_total(res.planned), payload))
     err.print(f"wrote {out_path}: {human_bytes(res.file_size)} ({human_bytes(res.file_size - payload)} of header, "
@@ -135,7 +134,7 @@ def inspect(
                                        "nbytes": t.nbytes} for t in planned] if tensors else None}, indent=1))
         return
     for w in warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(labelled("warning:", "yellow", w))
     if tensors:
         tt = Table(title="tensors")
         for col in ("name", "format", "shape", "bytes"):
@@ -220,14 +219,14 @@ def verify(
             for col in ("tensor", "format", "rel. RMS error", "status"):
                 t.add_column(col)
             for c in rep.checks:
-                t.add_row(c.name, c.format, f"{c.rel_rmse:.2e}", "ok" if c.ok else f"[red]FAIL[/] {c.detail}")
+                t.add_row(c.name, c.format, f"{c.rel_rmse:.2e}", "ok" if c.ok else labelled("FAIL", "red", c.detail))
             out.print(t)
         for name in rep.bad_checksums:
-            err.print(f"[red]checksum mismatch:[/] {name}")
+            err.print(labelled("checksum mismatch:", "red", name))
         for p in rep.problems[:VERIFY_SHOWN]:  # a wrong --source differs everywhere: the first few say enough
-            err.print(f"[red]problem:[/] {p}", soft_wrap=True)
+            err.print(labelled("problem:", "red", p), soft_wrap=True)
         if len(rep.problems) > VERIFY_SHOWN:
-            err.print(f"[red]problem:[/] ... and {len(rep.problems) - VERIFY_SHOWN} more (--json lists every one)")
+            err.print(labelled("problem:", "red", f"... and {len(rep.problems) - VERIFY_SHOWN} more (--json lists every one)"))
         if num is not None:
             from ninfer_pack.numerics import report_tables
 

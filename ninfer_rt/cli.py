@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from ninfer_rt.console import human_bytes, run_app
+from ninfer_rt.console import human_bytes, plain_console, run_app
 from ninfer_rt.errors import NinferError
 from ninfer_rt.gpu import PREFILL_CHUNK
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run Qwen3.5/3.6 .ninfer artifacts.")
-out = Console()
-err = Console(stderr=True)
+out = plain_console()
+err = plain_console(stderr=True)
 
 
 # Options of every command that loads a model (run, serve): one declaration each.
@@ -54,7 +53,7 @@ def _note_context(model, max_context: int | None) -> None:
     warns."""
     if max_context is not None and model.context_length < max_context:
         err.print(f"note: --max-context {max_context} is past the model's {model.context_length} positions: "
-                  f"sequences hold {model.context_length}", highlight=False, soft_wrap=True, markup=False)
+                  f"sequences hold {model.context_length}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -125,10 +124,10 @@ def run(
               f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.1f} tok/s ({s.finish_reason}); "
               f"load {load_s:.2f} s on {model.device}"
               + (f"; seed {params.seed}" if drawn_seed and not params.is_greedy else ""),
-              highlight=False, soft_wrap=True, emoji=False)
+              highlight=False, soft_wrap=True)
     if s.draft_tokens:
         err.print(f"speculative: {s.accepted_tokens} of {s.draft_tokens} drafted tokens accepted "
-                  f"({100 * s.acceptance:.1f}%)", highlight=False, soft_wrap=True, emoji=False)
+                  f"({100 * s.acceptance:.1f}%)", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -185,7 +184,7 @@ def serve(
     _probe_listen(host, port)  # a taken port is said before minutes of loading, not after
     if not is_loopback(host) and api_key is None:
         err.print(f"warning: listening on {host} (not this machine only) with no --api-key-file: anyone who can "
-                  "reach the port can use the model", highlight=False, soft_wrap=True, markup=False)
+                  "reach the port can use the model", highlight=False, soft_wrap=True)
     model = load(path, device=device, max_ctx=context, kv_dtype=kv_cache, prefill_chunk=prefill_chunk,
                  progress=_loading_bar(), check_checksums=check_checksums, cache_slots=parallel + prefix_snapshot,
                  speculative_tokens=speculative_tokens)
@@ -197,12 +196,12 @@ def serve(
         server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
                         api_key=api_key, cors_origin=cors_origin, max_queue=max_queue, parallel=parallel,
                         prefill_chunk=prefill_chunk,
-                        log=lambda line: err.print(line, highlight=False, soft_wrap=True, emoji=False, markup=False))
+                        log=lambda line: err.print(line, highlight=False, soft_wrap=True))
         bound_host, bound_port = server.address
         err.print(f"serving {server.model_name} on http://{authority(bound_host, bound_port)} ({model.device}, "
                   f"context {model.context_length:,}, {parallel} at once{', API key required' if api_key else ''}); "
                   "Ctrl-C stops",
-                  highlight=False, soft_wrap=True, markup=False)
+                  highlight=False, soft_wrap=True)
         server.serve_forever()
     finally:
         model.close()

@@ -8,7 +8,7 @@ import threading
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from ninfer_rt.errors import NinferError
 
@@ -31,6 +31,17 @@ def _usage_error(e: Exception) -> bool:
     return type(e).__module__.endswith("click.exceptions") and hasattr(e, "format_message")
 
 
+def plain_console(stderr: bool = False) -> Console:
+    """A console that prints strings as written. Paths, recipe names and messages carry user text, so no rich
+    markup or emoji code is read in them (a `[/red]` in a file name would raise, `[b]` would vanish)."""
+    return Console(stderr=stderr, markup=False, emoji=False)
+
+
+def labelled(label: str, style: str, text: str) -> Text:
+    """`label text` with the label styled and the text literal (for plain consoles)."""
+    return Text.assemble((label, style), " ", text)
+
+
 def run_app(app: typer.Typer, err: Console) -> None:
     """Run a Typer app. Every user error ends as one line on stderr and a non-zero exit: a NinferError or an OS
     error (disk full, a name too long) `error: ...`, exit 1; a usage error `error: ... (see --help)`, exit 2;
@@ -43,7 +54,7 @@ def run_app(app: typer.Typer, err: Console) -> None:
 
     def fail(message: str, code: int) -> None:
         sys.stdout.flush()  # what was already streamed stays ahead of the error
-        err.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, emoji=False)
+        err.print(labelled("error:", "red", message), highlight=False, soft_wrap=True)
         sys.exit(code)
 
     try:

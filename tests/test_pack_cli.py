@@ -98,6 +98,18 @@ def test_verify_rejects_bad_files(packed, tmp_path, capsys, how, message):
     assert code == (0 if how == "payload" else 1)  # inspect reads only the (intact) header for a payload flip
 
 
+def test_verify_prints_names_as_written(packed, tmp_path, capsys):
+    """Paths in verify's lines are text, not rich markup (a `[/red]` raised, `[b]` vanished)."""
+    (tmp_path / "x[").mkdir()
+    path = tmp_path / "x[/red][b].ninfer"  # "red][b].ninfer" in a folder "x["
+    path.write_bytes(packed.read_bytes())
+    code, _, e = run(["verify", path], capsys)
+    assert code == 0 and f"{path}: sound" in e.replace("\n", ""), e
+    bad = _corrupt_copy(packed, tmp_path / "x[/red][i].ninfer", "payload")
+    code, _, e = run(["verify", bad], capsys)
+    assert code == 1 and str(bad) in error_line(e)
+
+
 def test_verify_source_catches_a_wrong_tensor(packed, tiny_moe, tmp_path, capsys):
     """A payload changed and re-checksummed passes the checksums but not the comparison with the source."""
     from ninfer_rt.format import MAGIC, PREFIX

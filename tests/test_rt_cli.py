@@ -107,6 +107,17 @@ def test_info(packed, capsys):
     assert rows["size"].endswith("MiB of weights)"), out
 
 
+def test_info_prints_names_as_written(packed, tmp_path, capsys):
+    """A path is text, not rich markup: `[/red]` raised a MarkupError, `[b]` vanished, `:smile:` became an emoji."""
+    where = tmp_path / "d[/red]"  # a folder "d[" holding "red]"
+    where.mkdir(parents=True)
+    path = where / "m[b]:smile:.ninfer"
+    path.write_bytes(packed.read_bytes())
+    code, out, err = run(["info", path], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert "m[b]:smile:.ninfer" in out.replace("\n", "").replace(" ", ""), out
+
+
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_one_clear_line(packed, capsys):
     code, out, err = run(["run", packed, "--prompt", PROMPT, "--device", "cuda"], capsys)
