@@ -182,7 +182,8 @@ class Model:
 
     def check_ids(self, token_ids: Sequence[int]) -> list[int]:
         """Token ids (a list, tuple, range, deque, array.array or 1-D integer array: an ordered collection of ints)
-        as a list of ints in [0, vocab_size), at most the model's context; NinferError naming the first bad one.
+        as a list of ints the tokenizer knows, [0, real_vocab_size) (the embedding's padding rows beyond are no
+        token: vLLM refuses them too), at most the model's context; NinferError naming the first bad one.
         Nothing is coerced: 1.5, True and "1" are refused."""
         if isinstance(token_ids, np.ndarray):
             if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
@@ -191,13 +192,12 @@ class Model:
         elif isinstance(token_ids, (str, bytes, bytearray, Mapping, Set)) or not isinstance(token_ids, Collection):
             raise NinferError(f"token ids: expected a list of integers, got {type(token_ids).__name__} (text goes "
                               "in as a str prompt)")
-        ids = []
+        ids, vocab = [], self.real_vocab_size
         for pos, i in enumerate(token_ids):
             if not _is_int(i):
                 raise NinferError(f"token id {i!r} at position {pos} is not an integer")
-            if not 0 <= i < self.spec.vocab_size:
-                raise NinferError(f"token id {i} at position {pos} is outside the vocabulary "
-                                  f"[0, {self.spec.vocab_size})")
+            if not 0 <= i < vocab:
+                raise NinferError(f"token id {i} at position {pos} is outside the vocabulary [0, {vocab})")
             ids.append(int(i))
         if len(ids) > self.context_length:
             raise NinferError(f"{len(ids)} token ids; the context holds {self.context_length}")

@@ -42,12 +42,29 @@ def model(packed):
     ([3, True], "token id True at position 1 is not an integer"),
     (["1"], "token id '1' at position 0 is not an integer"),
     ([float("nan")], "token id nan at position 0 is not an integer"),
-    ([-1], "token id -1 at position 0 is outside the vocabulary [0, 500)"),
+    ([-1], "token id -1 at position 0 is outside the vocabulary [0, 497)"),
 ])
 def test_logits_token_ids(model, ids, message):
     with pytest.raises(NinferError) as e:
         model.logits(ids)
     assert message in one_line(e)
+
+
+def test_padding_rows_are_no_token(model, tiny_moe):
+    """The embedding pads 497 tokens to 500 rows: an id in the padding is refused (as vLLM refuses an id past its
+    tokenizer), not run on a row no token has. The bound is the tokenizer file's own count of tokens."""
+    import json
+
+    tok = json.loads((tiny_moe / "tokenizer.json").read_text())
+    n = len({*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])})
+    assert n < model.spec.vocab_size  # there are padding rows to refuse
+    model.logits([1, n - 1])
+    for bad in (n, model.spec.vocab_size - 1):
+        with pytest.raises(NinferError) as e:
+            model.logits([1, bad])
+        assert f"token id {bad} at position 1 is outside the vocabulary [0, {n})" in one_line(e)
+        with pytest.raises(NinferError, match="outside the vocabulary"):
+            model.batch().add([1, bad], max_new_tokens=1)
 
 
 def test_logits_accepts_integer_sequences_and_stops_at_the_context(model):
