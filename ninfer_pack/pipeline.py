@@ -186,9 +186,8 @@ def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
         else:
             try:  # every run starts from its sampling defaults
                 SamplingParams.defaults_from_generation_config(tokenizer.generation_config)
-            except NinferError as e:
-                why = str(e)
-                problems.append(why if why.startswith("generation_config.json") else f"generation_config.json: {why}")
+            except NinferError as e:  # its message names generation_config.json
+                problems.append(str(e))
     if "chat_template.jinja" in resources or "tokenizer_config.json" in resources:
         try:
             ChatTemplate.from_resources(resources)

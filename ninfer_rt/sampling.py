@@ -53,8 +53,9 @@ class SamplingParams:
         if not isinstance(self.greedy, (bool, np.bool_)):
             raise NinferError(f"sampling greedy={self.greedy!r}: must be True or False")
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
-            ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "finite and >= 0"),
+            ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= -1,
+             "an integer >= 0 (0 or -1 = off)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
@@ -67,6 +68,8 @@ class SamplingParams:
         for name, ok, want in checks:
             if not ok:
                 raise NinferError(f"sampling {name}={getattr(self, name)!r}: must be {want}")
+        if self.top_k == -1:  # vLLM's and llama.cpp's "off" as well as ours
+            object.__setattr__(self, "top_k", 0)
 
     @property
     def is_greedy(self) -> bool:
@@ -82,7 +85,8 @@ class SamplingParams:
     @classmethod
     def defaults_from_generation_config(cls, cfg: dict, **overrides) -> SamplingParams:
         """The checkpoint's defaults from generation_config.json: do_sample false (or absent, as in HF) means
-        greedy; temperature, top_k, top_p, min_p, repetition_penalty when present; then overrides."""
+        greedy; temperature, top_k, top_p, min_p, repetition_penalty when present; then overrides. A bad value
+        in the file is reported as the file's, so the user does not suspect their own options."""
         fields: dict = {"greedy": not cfg.get("do_sample", False)}
         for key, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                           ("repetition_penalty", float)):
@@ -90,8 +94,12 @@ class SamplingParams:
             if value is not None and key not in overrides:  # a value given replaces the file's, even a bad one
                 try:
                     fields[key] = kind(value)
-                except (TypeError, ValueError) as e:
+                except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int(inf)
                     raise NinferError(f"generation_config.json: {key}={value!r} is not a number") from e
+                try:
+                    cls(**{key: fields[key]})
+                except NinferError as e:
+                    raise NinferError(f"generation_config.json: {e}") from None
         fields.update(overrides)
         return cls(**fields)
 
@@ -127,15 +135,18 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], prompt_len: int,
     return x
 
 
-def _limit(x: np.ndarray) -> np.ndarray:
+def _limit(x: np.ndarray, model_logits: np.ndarray | None = None) -> np.ndarray:
     """Logits whose extremes overflowed (an extreme penalty) as their limit, in place: where some are +inf the
     others get probability 0 and those share it equally (their order below the overflow is lost); NaN is taken as
-    impossible (-inf)."""
+    impossible (-inf). With none left, model_logits (before penalties) tells whose fault it was."""
     x[np.isnan(x)] = -np.inf
     top = np.isposinf(x)
     if top.any():
         x[top], x[~top] = 0.0, -np.inf
     if np.isneginf(x).all():
+        if model_logits is not None and not np.isfinite(model_logits).any():
+            raise NinferError("sampling: the model gave no finite logit (a corrupted artifact? `ninfer-pack verify` "
+                              "checks it)")
         raise NinferError("sampling: the penalties left no token with a finite logit")
     return x
 
@@ -170,7 +181,7 @@ class Sampler:
         """(ids, probabilities) of the tokens every stage keeps, ids ascending: `distribution` without the
         vocabulary-sized array (one id with probability 1 when greedy)."""
         p = self.params
-        x = _limit(apply_penalties(logits, history, prompt_len, p))  # x: [V]
+        x = _limit(apply_penalties(logits, history, prompt_len, p), logits)  # x: [V]
         vocab = x.shape[0]
         if p.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)

@@ -203,12 +203,46 @@ def test_empirical_distribution_matches_softmax(params):
         assert abs(counts.get(i, 0) - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1e-9, (i, counts.get(i, 0), n * q)
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
                                           ("min_p", 1.1), ("repetition_penalty", 0.0),
                                           ("presence_penalty", math.nan)])
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(NinferError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_top_k_minus_one_is_off():
+    """-1 switches top-k off, as in vLLM and llama.cpp, the same as our 0."""
+    assert SamplingParams(top_k=-1, temperature=0.8, seed=3) == SamplingParams(top_k=0, temperature=0.8, seed=3)
+
+
+def test_an_infinite_temperature_is_refused_as_not_finite():
+    with pytest.raises(NinferError, match=r"temperature=inf: must be finite and >= 0"):
+        SamplingParams(temperature=math.inf)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"top_k": math.inf}, "generation_config.json: top_k=inf is not a number"),  # int(inf) raised OverflowError
+    ({"temperature": -1}, "generation_config.json: sampling temperature=-1.0: must be finite and >= 0"),
+    ({"top_p": 0}, "generation_config.json: sampling top_p=0.0: must be in (0, 1]"),
+    ({"top_k": -3}, "generation_config.json: sampling top_k=-3: must be"),
+])
+def test_a_bad_generation_config_value_is_blamed_on_the_file(cfg, message):
+    with pytest.raises(NinferError) as e:
+        SamplingParams.defaults_from_generation_config({**cfg, "do_sample": True})
+    assert str(e.value).startswith(message), e.value
+    key = next(iter(cfg))  # a value given replaces the file's bad one
+    good = {"top_k": 5, "temperature": 0.5, "top_p": 0.5}[key]
+    assert getattr(SamplingParams.defaults_from_generation_config(cfg, **{key: good}), key) == good
+
+
+def test_no_finite_logit_names_the_model_not_the_penalties():
+    nan = np.full(8, np.nan, np.float32)
+    with pytest.raises(NinferError, match="the model gave no finite logit"):
+        Sampler(SamplingParams(greedy=True)).distribution(nan)
+    huge = SamplingParams(temperature=1.0, presence_penalty=1e308, frequency_penalty=1e308, seed=1)
+    with pytest.raises(NinferError, match="the penalties left no token with a finite logit"):
+        Sampler(huge).distribution(np.zeros(3, np.float32), history=[0, 1, 2, 0, 1, 2], prompt_len=0)
 
 
 def test_defaults_from_generation_config():

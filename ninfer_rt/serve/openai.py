@@ -34,11 +34,10 @@ def sampling_fields(body: dict) -> dict:
     refused rather than ignored (an empty one is no bias)."""
     if get(body, "logit_bias", (dict,), "an object"):
         raise bad("logit_bias is not supported", "logit_bias")
-    top_k = get_int(body, "top_k", -1)
     return {
         "temperature": get_float(body, "temperature", 0.0, 2.0),
         "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True),
-        "top_k": None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean off
+        "top_k": get_int(body, "top_k", -1),  # -1 (vLLM) and 0 both mean off (SamplingParams)
         "min_p": get_float(body, "min_p", 0.0, 1.0),
         "presence_penalty": get_float(body, "presence_penalty", -2.0, 2.0),
         "frequency_penalty": get_float(body, "frequency_penalty", -2.0, 2.0),
