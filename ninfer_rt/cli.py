@@ -56,6 +56,16 @@ def _note_context(model, max_context: int | None) -> None:
                   f"sequences hold {model.context_length}", highlight=False, soft_wrap=True)
 
 
+def _write_text(text: str) -> None:
+    """Generated text to stdout; on a stdout that cannot encode it (PYTHONIOENCODING=ascii, a C locale) each such
+    character becomes "?", as a terminal would show it, instead of a UnicodeEncodeError ending the run."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        encoding = sys.stdout.encoding or "utf-8"
+        sys.stdout.write(text.encode(encoding, "replace").decode(encoding))
+
+
 @app.command()
 def run(
     path: Path = typer.Argument(..., help="The .ninfer artifact."),
@@ -71,7 +81,7 @@ def run(
                                                          "temperature, top-p, top-k and min-p)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Softmax temperature."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus threshold in (0, 1]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 or -1 = off)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted once per "
                                                                                       "token already generated."),
@@ -93,6 +103,8 @@ def run(
 
     if no_think and not chat:
         raise NinferError("--no-think applies to the chat template: add --chat")
+    if not prompt and not chat:  # a chat turn renders to tokens even when empty
+        raise NinferError("prompt is empty: there is nothing to continue from")
     _check_chunk(prefill_chunk)
     context = _context(max_context)
     if max_new_tokens < 1:
@@ -115,7 +127,7 @@ def run(
     else:
         pieces = model.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, skip_special_tokens=not special)
     for piece in pieces:
-        sys.stdout.write(piece)
+        _write_text(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -107,6 +107,23 @@ def test_info(packed, capsys):
     assert rows["size"].endswith("MiB of weights)"), out
 
 
+def test_a_stdout_that_cannot_encode_the_text_shows_question_marks(packed):
+    """PYTHONIOENCODING=ascii (a C locale): the text's other characters print as "?" instead of a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "ninfer_rt", "run", str(packed), "--prompt", PROMPT, "--device", "cpu",
+            "--greedy", "--max-new-tokens", "24"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    utf8 = subprocess.run(args, env={**env, "PYTHONIOENCODING": "utf-8"}, capture_output=True, timeout=300)
+    ascii_ = subprocess.run(args, env={**env, "PYTHONIOENCODING": "ascii"}, capture_output=True, timeout=300)
+    text = utf8.stdout.decode("utf-8")
+    assert utf8.returncode == 0 and not text.isascii(), (utf8.stderr, text)  # the random model's text is not ASCII
+    assert ascii_.returncode == 0, ascii_.stderr
+    assert ascii_.stdout.decode("ascii") == text.encode("ascii", "replace").decode("ascii")
+
+
 def test_info_prints_names_as_written(packed, tmp_path, capsys):
     """A path is text, not rich markup: `[/red]` raised a MarkupError, `[b]` vanished, `:smile:` became an emoji."""
     where = tmp_path / "d[/red]"  # a folder "d[" holding "red]"

@@ -252,7 +252,8 @@ def test_two_positions_hold_a_one_token_prompt_and_its_token(packed, tiny_moe, c
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--temperature", "-1"], "sampling temperature=-1.0: must be >= 0"),
+    (["--temperature", "-1"], "sampling temperature=-1.0: must be finite and >= 0"),
+    (["--prompt", ""], "prompt is empty"),  # the last --prompt wins
     (["--top-p", "0"], "top_p"),
     (["--seed", "-1"], "seed"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
