@@ -174,14 +174,10 @@ def verify(
         raise NinferError("--text is what --numerics scores: add --numerics")
     if not text and (window, max_tokens) != (512, 4096):
         raise NinferError("--window and --max-tokens shape --text's windows: add --text")
-    windows = ckpt = None
-    if source is not None:  # a mistyped --source ends here, not after the artifact's whole checksum pass
-        from ninfer_pack.source import Checkpoint
-
-        ckpt = Checkpoint.open(source, revision=revision)
-    elif revision is not None:
+    if source is None and revision is not None:
         raise NinferError("--revision is --source's Hub revision: add --source")
-    with Artifact.open(path) as art:  # structural problems end here with one line
+    windows = ckpt = None
+    with Artifact.open(path) as art:  # structural problems end here with one line (before a Hub --source downloads)
         payload = art.payload_bytes  # what the checksums hash
         if numerics:
             from ninfer_pack.numerics import WINDOW_MIN, check_memory
@@ -197,6 +193,10 @@ def verify(
                 windows = [(f"{text[0].name}[{i}]" if len(text) == 1 else f"text[{i}]", w) for i, w in enumerate(ids)]
             # before the long tensor-by-tensor comparison (measure checks again with the built-in prompts' lengths)
             check_memory(art.spec, [len(w) for _, w in windows or ()])
+    if source is not None:  # a mistyped --source ends here, not after the artifact's whole checksum pass
+        from ninfer_pack.source import Checkpoint
+
+        ckpt = Checkpoint.open(source, revision=revision)
     with _bytes_progress() as prog:
         task = prog.add_task("checksums", total=payload)
         rep = run_verify(path, ckpt, on_bytes=lambda n: prog.advance(task, n))
@@ -226,7 +226,8 @@ def verify(
         for p in rep.problems[:VERIFY_SHOWN]:  # a wrong --source differs everywhere: the first few say enough
             err.print(labelled("problem:", "red", p), soft_wrap=True)
         if len(rep.problems) > VERIFY_SHOWN:
-            err.print(labelled("problem:", "red", f"... and {len(rep.problems) - VERIFY_SHOWN} more (--json lists every one)"))
+            more = len(rep.problems) - VERIFY_SHOWN
+            err.print(labelled("problem:", "red", f"... and {more} more (--json lists every one)"))
         if num is not None:
             from ninfer_pack.numerics import report_tables
 
@@ -258,18 +259,23 @@ def calibrate(
 
     from ninfer_pack import calibrate as cal
     from ninfer_pack.source import Checkpoint
-    from ninfer_pack.windows import check_window, text_windows
+    from ninfer_pack.numerics import check_memory
+    from ninfer_pack.windows import check_text_files, check_window, text_windows
     from ninfer_rt.format import check_output_path
     from ninfer_rt.tokenizer import Tokenizer
 
+    # before the checkpoint is opened (a Hub repo: downloaded)
     check_output_path(out_path, overwrite, example="importance.safetensors")
-    check_window(window, max_tokens)  # before the checkpoint is opened (a Hub repo: downloaded)
+    check_window(window, max_tokens)
+    check_text_files(text)
     ckpt = Checkpoint.open(source, revision=revision)
     if "tokenizer.json" not in ckpt.resources:
         raise NinferError(f"{source} has no tokenizer.json to encode the calibration text with")
     windows = text_windows(Tokenizer.from_resources(dict(ckpt.resources)), text, window, max_tokens)
     if not windows:
         raise NinferError("the text gives fewer than 2 tokens: nothing to calibrate on")
+    check_memory(ckpt.spec, [len(w) for w in windows], logits=False,
+                 what="calibrate runs the fp32 reference on the CPU")  # before any weight is read
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err) as prog:

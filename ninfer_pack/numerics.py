@@ -270,13 +270,23 @@ def _spec_mismatch(a, b) -> str | None:
     return next((k for k in da if k != "raw" and da[k] != db.get(k)), "config")
 
 
-def memory_needed(spec, lengths: Sequence[int] = ()) -> int:
+def attention_bytes(spec, n: int) -> int:
+    """Peak bytes of the reference's causal attention over one window of n tokens (ops.gated_attention): two fp32
+    score tensors [heads, n, n] at once (the masked copy beside the scores, then the softmax beside it) and the
+    bool mask [n, n]. Quadratic: a long --window is refused by it before the run."""
+    return (2 * 4 * spec.num_attention_heads + 1) * n * n
+
+
+def memory_needed(spec, lengths: Sequence[int] = (), logits: bool = True) -> int:
     """Bytes the layer-by-layer runs need at most: one stage's fp32 weights (the embedding, a decoder layer or
-    the lm_head) plus two more fp32 copies of the largest tensor while it decodes, and for windows of `lengths`
-    tokens the logits: the scored rows of both runs kept, one window's whole logits at a time. The residual
-    streams are small beside them."""
+    the lm_head) plus two more fp32 copies of the largest tensor while it decodes, the longest window's
+    attention, and with `logits` for windows of `lengths` tokens the logits: the scored rows of both runs kept,
+    one window's whole logits at a time. The residual streams are small beside them."""
     V = spec.vocab_size
-    logits = 4 * V * (2 * sum(score_range(n)[1] - score_range(n)[0] for n in lengths) + max(lengths, default=0))
+    extra = max((attention_bytes(spec, n) for n in lengths), default=0)
+    if logits:
+        scored = sum(score_range(n)[1] - score_range(n)[0] for n in lengths)
+        extra += 4 * V * (2 * scored + max(lengths, default=0))
     stages: dict[str, int] = {}
     largest = 0
     for name, info in spec.tensor_shapes().items():
@@ -287,13 +297,14 @@ def memory_needed(spec, lengths: Sequence[int] = ()) -> int:
         stage = layer[1] if layer else name  # a decoder layer's tensors together; the rest one by one
         stages[stage] = stages.get(stage, 0) + n
         largest = max(largest, n)
-    return 4 * (max(stages.values()) + 2 * largest) + logits
+    return 4 * (max(stages.values()) + 2 * largest) + extra
 
 
-def check_memory(spec, lengths: Sequence[int] = ()) -> None:
+def check_memory(spec, lengths: Sequence[int] = (), logits: bool = True,
+                 what: str = "--numerics runs the fp32 reference on the CPU") -> None:
     """Refuse, before anything is loaded, a run (memory_needed: windows of `lengths` tokens) that exceeds the
     available RAM. Skipped where the available memory cannot be read."""
-    check_fits(memory_needed(spec, lengths), "--numerics runs the fp32 reference on the CPU", available_memory())
+    check_fits(memory_needed(spec, lengths, logits), what, available_memory())
 
 
 def measure(artifact_path: str | Path, source: str, prompts: Sequence[tuple[str, str]] | None = None, *,

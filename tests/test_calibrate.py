@@ -203,6 +203,40 @@ def test_cli_bad_input(tmp_path, capsys, case):
     assert not out.exists() and not list(tmp_path.glob(".imp*"))
 
 
+@pytest.mark.parametrize("case", ["missing", "not-utf8"])
+def test_cli_checks_the_text_before_opening_the_checkpoint(tmp_path, capsys, monkeypatch, case):
+    """A Hub source is downloaded when it opens: a missing or unreadable --text is refused first."""
+    text = tmp_path / "t.txt"
+    if case == "not-utf8":
+        text.write_bytes(b"\xff\xfe\xfa bad")
+    monkeypatch.setattr("ninfer_pack.source.Checkpoint.open", lambda *a, **k: pytest.fail("opened first"))
+    code, _, err = run(["calibrate", "Qwen/Qwen3.6-35B-A3B", "--text", text, "--out", tmp_path / "i.safetensors"],
+                       capsys)
+    assert code == 1 and {"missing": "no such text file", "not-utf8": "UTF-8"}[case] in error_line(err)
+
+
+def test_cli_refuses_a_window_whose_attention_does_not_fit(tmp_path, capsys, monkeypatch):
+    """The reference's attention holds two fp32 [heads, n, n] score tensors and an [n, n] mask: a window of 600 on
+    the tiny MoE (4 heads) needs (2 x 4 x 4 + 1) x 600^2 bytes = 11.9 MB for it beside the weights; refused in one
+    line before any weight is read when that is more than the memory left."""
+    import ninfer_pack.numerics as numerics
+    from ninfer_pack.source import Checkpoint
+
+    spec = Checkpoint.open("builtin:tiny-moe").spec
+    assert spec.num_attention_heads == 4
+    base = numerics.memory_needed(spec)
+    assert numerics.memory_needed(spec, [600], logits=False) - base == 33 * 600 * 600
+    monkeypatch.setattr(numerics, "available_memory", lambda: base + 33 * 600 * 600 - 1)
+    monkeypatch.setattr("ninfer_pack.calibrate.calibrate", lambda *a, **k: pytest.fail("ran before the check"))
+    text = tmp_path / "t.txt"
+    text.write_text("The lighthouse keeper wrote in his log every evening. " * 200, encoding="utf-8")
+    out = tmp_path / "i.safetensors"
+    code, _, err = run(["calibrate", "builtin:tiny-moe", "--text", text, "--out", out, "--window", 600,
+                        "--max-tokens", 600], capsys)
+    assert code == 1 and "calibrate runs the fp32 reference on the CPU: needs ~" in error_line(err)
+    assert not out.exists()
+
+
 def test_card_carries_calibration_and_quality(tiny_moe, tmp_path, capsys, one_thread):
     """quantize records how its importance was measured (recipe.calibration); publish --numerics puts the
     verify --numerics report's figures in the card, and refuses a report that is not one or is another recipe's."""

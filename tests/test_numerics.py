@@ -264,9 +264,10 @@ def test_memory_is_checked_before_loading(builtins, packer, capsys, monkeypatch)
     monkeypatch.setattr(numerics, "available_memory", lambda: 8 * 10**9)
     numerics.check_memory(spec)
     # --text windows add their logits: 8 windows of 512 keep 255 scored rows each from both runs, and one
-    # window's 512 rows exist whole at a time: (2 x 8 x 255 + 512) rows x 248,320 x 4 bytes = 4.56 GB more
-    assert numerics.memory_needed(spec, [512] * 8) - numerics.memory_needed(spec) == 4_561_141_760
-    with pytest.raises(NinferError, match=r"needs ~12.2 GB, 8 GB available$"):
+    # window's 512 rows exist whole at a time: (2 x 8 x 255 + 512) rows x 248,320 x 4 bytes = 4.56 GB more; and
+    # one window's attention: two fp32 [16 heads, 512, 512] scores and a [512, 512] bool mask, 33.8 MB
+    assert numerics.memory_needed(spec, [512] * 8) - numerics.memory_needed(spec) == 4_561_141_760 + 33_816_576
+    with pytest.raises(NinferError, match=r"needs ~12.3 GB, 8 GB available$"):
         numerics.check_memory(spec, [512] * 8)
     monkeypatch.setattr(numerics, "available_memory", lambda: None)  # unreadable: no check
     numerics.check_memory(spec)
@@ -282,6 +283,18 @@ def test_memory_is_checked_before_loading(builtins, packer, capsys, monkeypatch)
                                    r"1e-06 GB available$", error_line(e)), e
     with pytest.raises(NinferError, match="needs"):
         measure(art, str(src))
+
+
+def test_verify_checks_the_artifact_and_text_before_opening_the_source(builtins, packer, capsys, tmp_path,
+                                                                       monkeypatch):
+    """A Hub --source is downloaded when it opens: a missing artifact or --text file is refused first."""
+    art = packer(builtins["dense"], "qwen3.6-27b")
+    monkeypatch.setattr("ninfer_pack.source.Checkpoint.open", lambda *a, **k: pytest.fail("opened first"))
+    code, _o, e = run(["verify", tmp_path / "missing.ninfer", "--source", "Qwen/Qwen3.6-35B-A3B"], capsys)
+    assert code == 1 and "no such file" in error_line(e)
+    code, _o, e = run(["verify", art, "--source", "Qwen/Qwen3.6-35B-A3B", "--numerics", "--text",
+                       tmp_path / "nope.txt"], capsys)
+    assert code == 1 and "no such text file" in error_line(e)
 
 
 def test_text_windows_are_scored(builtins, packer, capsys, tmp_path):
