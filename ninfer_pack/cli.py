@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -118,9 +119,12 @@ def inspect(
         if revision is not None:
             raise NinferError(f"--revision {revision} applies to planning a Hub repo (with --recipe), not to an "
                               "artifact")
-        if Path(path).is_dir():
+        if path and Path(path).is_dir():
             raise NinferError(f"{path} is a directory: to plan a checkpoint, add --recipe NAME; inspect alone reads "
                               "a .ninfer artifact")
+        if path and not path.endswith(".ninfer") and not os.path.lexists(path):  # a Hub id or built-in config
+            raise NinferError(f"no such file: {path}; to plan a checkpoint (a directory, Hub repo id or built-in "
+                              "config), add --recipe NAME")
         with Artifact.open(path) as art:
             planned, warnings = planned_from_artifact(art), []
             title = f"{path} (recipe {art.header['recipe'].get('name', '?')}; {human_bytes(art.size)} file)"

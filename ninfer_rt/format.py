@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import socket
+import stat
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -307,12 +308,18 @@ class Artifact:
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Artifact":
         """Open and validate: magic, version, header checksum and schema, object bounds and alignment."""
+        if not os.fspath(path):  # Path("") is "." (a directory): say what was given
+            raise FormatError("the artifact path is empty")
         path = Path(path)
-        if not path.exists():
-            raise FormatError(f"no such file: {path}")
-        if not path.is_file():
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise FormatError(f"no such file: {path}") from None
+        except OSError as e:  # a symlink loop, a folder we may not enter
+            raise FormatError(f"{path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"not a file: {path}")
-        size = path.stat().st_size
+        size = st.st_size
         with open(path, "rb") as f:
             prefix = f.read(PREFIX.size)
             if len(prefix) < PREFIX.size:

@@ -168,6 +168,23 @@ def test_bad_files_are_rejected_with_a_reason(good, tmp_path, case, message):
     assert "\n" not in str(ei.value)
 
 
+def test_paths_that_are_not_files_say_what_they_are(tmp_path, monkeypatch):
+    """An empty path is not "." (a directory), a symlink loop is not a missing file, a FIFO is not a file."""
+    import errno
+    import os
+
+    with pytest.raises(FormatError, match="^the artifact path is empty$"):
+        Artifact.open("")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(FormatError) as ei:
+        Artifact.open(tmp_path / "a")
+    assert str(ei.value) == f"{tmp_path / 'a'}: {os.strerror(errno.ELOOP)}"
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FormatError, match="^not a file: "):
+        Artifact.open(tmp_path / "fifo")
+
+
 def test_payload_corruption_is_found_by_checksums(good, tmp_path):
     with Artifact.open(good) as art:
         off = art.tensors["c.weight"].offset
@@ -282,6 +299,7 @@ def test_inconsistent_layout_records_fail_on_use_with_one_line(good, tmp_path, m
 def test_a_killed_writers_temporary_file_goes_at_the_next_write(tmp_path):
     """A write of m.ninfer removes the temporary files earlier writes of it left on this host whose process is gone
     (SIGKILL gives no chance to clean up); a live process's, another host's and other outputs' stay."""
+    import errno
     import os
     import socket
     import subprocess

@@ -98,6 +98,14 @@ def test_verify_rejects_bad_files(packed, tmp_path, capsys, how, message):
     assert code == (0 if how == "payload" else 1)  # inspect reads only the (intact) header for a payload flip
 
 
+@pytest.mark.parametrize("source", ["builtin:tiny-moe", "qwen3.6-35b-a3b", "Qwen/Qwen3.6-35B-A3B"])
+def test_inspect_of_a_plan_source_without_recipe_says_to_add_one(source, capsys, monkeypatch):
+    monkeypatch.setattr("ninfer_pack.source.Checkpoint.open", lambda *a, **k: pytest.fail("opened"))
+    code, _, e = run(["inspect", source], capsys)
+    assert code == 1 and error_line(e) == (f"error: no such file: {source}; to plan a checkpoint (a directory, Hub "
+                                           "repo id or built-in config), add --recipe NAME")
+
+
 def test_verify_prints_names_as_written(packed, tmp_path, capsys):
     """Paths in verify's lines are text, not rich markup (a `[/red]` raised, `[b]` vanished)."""
     (tmp_path / "x[").mkdir()
