@@ -8,6 +8,7 @@ artifact) so the card can be read before anything leaves the machine.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -74,16 +75,27 @@ NUMERICS_KEYS = ("artifact_sha256", "recipe", "scored", "prompts", "kld_mean", "
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """An int or a finite float: json.loads also reads NaN and Infinity, which verify never writes."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
+
+def _number_or_null(x) -> bool:
+    """A finite number, or null: NumericsReport.to_dict writes a non-finite statistic (the standard error of one
+    scored position, any figure of NaN logits) as null."""
+    return x is None or _is_number(x)
+
+
+# Figures computed from the logits may be non-finite, hence null; same_top, a mean of 0/1 over scored > 0
+# positions, never is.
+_NULLABLE = ("kld_mean", "kld_mean_stderr", "kld_p99", "kld_p999", "rms_dp", "ppl_ratio")
 
 _NUMERICS_TYPES = (  # what the card's table formats: a hand-edited report is refused before anything is hashed
     ("artifact_sha256", lambda x: isinstance(x, str), "a string"),
     ("recipe", lambda x: isinstance(x, str), "a string"),
     ("scored", lambda x: type(x) is int and x > 0, "a positive integer"),
     ("prompts", lambda x: isinstance(x, list) and all(isinstance(p, dict) for p in x), "a list of objects"),
-    *((k, _is_number, "a number") for k in ("kld_mean", "kld_mean_stderr", "kld_p99", "kld_p999", "same_top",
-                                             "rms_dp", "ppl_ratio")),
+    ("same_top", _is_number, "a finite number"),
+    *((k, _number_or_null, "a finite number or null") for k in _NULLABLE),
 )
 
 
@@ -110,6 +122,11 @@ def read_numerics(path: str | Path, art: Artifact) -> dict:
     return num
 
 
+def _fig(x: float | None, spec: str, scale: float = 1, unit: str = "") -> str:
+    """One figure of the quality table; n/a for a null (a value verify found non-finite)."""
+    return "n/a" if x is None else f"{scale * x:{spec}}{unit}"
+
+
 def _quality(num: dict | None, recipe: dict) -> list[str]:
     """The card's Quality section: the numerics report (when given) and how the scale search was weighted."""
     lines = []
@@ -126,9 +143,10 @@ def _quality(num: dict | None, recipe: dict) -> list[str]:
                   f"{num['scored']:,} scored positions ({names}{', ...' if len(num['prompts']) > 8 else ''}):", "",
                   "| mean KLD | 99% KLD | 99.9% KLD | same top token | RMS Δp | PPL ratio |",
                   "|---:|---:|---:|---:|---:|---:|",
-                  f"| {num['kld_mean']:.6f} ± {num['kld_mean_stderr']:.6f} | {num['kld_p99']:.6f} | "
-                  f"{num['kld_p999']:.6f} | {100 * num['same_top']:.2f}% | {100 * num['rms_dp']:.3f}% | "
-                  f"{num['ppl_ratio']:.4f} |", ""]
+                  f"| {_fig(num['kld_mean'], '.6f')} ± {_fig(num['kld_mean_stderr'], '.6f')} | "
+                  f"{_fig(num['kld_p99'], '.6f')} | {_fig(num['kld_p999'], '.6f')} | "
+                  f"{_fig(num['same_top'], '.2f', 100, '%')} | {_fig(num['rms_dp'], '.3f', 100, '%')} | "
+                  f"{_fig(num['ppl_ratio'], '.4f')} |", ""]
     return ["## Quality", "", *lines] if lines else []
 
 
@@ -140,7 +158,8 @@ def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None 
     prov = art.header["provenance"]
     base = base_model_of(art, base_model)
     rows = summarize(planned_from_artifact(art))
-    params = sum(r["params"] for r in rows)
+    # the total is of the weights, as the class rows and `inspect` count them; the file size is stated apart
+    params, weights = sum(r["params"] for r in rows), sum(r["nbytes"] for r in rows)
     fname = art.path.name
     lines = [
         "---",
@@ -167,10 +186,11 @@ def model_card(art: Artifact, repo: str, sha256: str, *, base_model: str | None 
         lines.append(f"| {r['class']} | {r['tensors']} | {r['params']:,} | {r['formats']} | "
                      f"{r['nbytes'] / 2**30:.3f} | {r['bpw']:.2f} |")
     lines += [
-        f"| **total** | {sum(r['tensors'] for r in rows)} | {params:,} | | {art.size / 2**30:.3f} | "
-        f"{8 * art.size / max(params, 1):.2f} |",
+        f"| **total** | {sum(r['tensors'] for r in rows)} | {params:,} | | {weights / 2**30:.3f} | "
+        f"{8 * weights / max(params, 1):.3f} |",
         "",
-        f"- file: `{fname}`, {art.size:,} bytes",
+        f"- file: `{fname}`, file size {art.size:,} bytes ({weights:,} bytes of weights; the rest is the header, "
+        "resources such as the tokenizer, and alignment)",
         f"- SHA-256: `{sha256}`",
         f"- source revision: `{prov.get('revision', 'local')}`; written by ninfer {prov.get('ninfer_version', '?')}",
         "",
