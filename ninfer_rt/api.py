@@ -194,7 +194,7 @@ class Model:
                               "in as a str prompt)")
         ids, vocab = [], self.real_vocab_size
         for pos, i in enumerate(token_ids):
-            if not _is_int(i):
+            if not is_int_arg(i):
                 raise NinferError(f"token id {i!r} at position {pos} is not an integer")
             if not 0 <= i < vocab:
                 raise NinferError(f"token id {i} at position {pos} is outside the vocabulary [0, {vocab})")
@@ -261,7 +261,7 @@ class Model:
                        ) -> tuple[SamplingParams, int]:
         """(the sampling to use, the tokens that may be generated) for a generation of prompt ids; NinferError
         naming what is wrong."""
-        if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
+        if not (is_int_arg(max_new_tokens) and max_new_tokens >= 1):
             raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise NinferError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
@@ -271,7 +271,7 @@ class Model:
                               "together)")
         if not isinstance(reuse_cache, bool):
             raise NinferError(f"reuse_cache must be True or False, got {reuse_cache!r}")
-        if snapshot_at is not None and not (reuse_cache and _is_int(snapshot_at) and 1 <= snapshot_at < len(ids)):
+        if snapshot_at is not None and not (reuse_cache and is_int_arg(snapshot_at) and 1 <= snapshot_at < len(ids)):
             raise NinferError(f"snapshot_at={snapshot_at!r}: must be a prompt position in [1, {len(ids)})"
                               + ("" if reuse_cache else " and needs reuse_cache"))
         params = sampling if sampling is not None else self.sampling_defaults
@@ -418,7 +418,7 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise NinferError(f"kv cache dtype {kv_dtype!r}: choose int8 or bf16")
 
 
-def _is_int(v) -> bool:
+def is_int_arg(v) -> bool:
     """An integer argument: Python or numpy, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -460,15 +460,15 @@ def load(path: str | PathLike, device: str = "cpu", *, max_ctx: int = 32768, kv_
         raise NinferError(f"load: progress must be a callable(done, total) or None, got {type(progress).__name__}")
     if not isinstance(check_checksums, bool):
         raise NinferError(f"load: check_checksums must be True or False, got {check_checksums!r}")
-    if prefill_chunk is not None and not (_is_int(prefill_chunk) and prefill_chunk >= 1):
+    if prefill_chunk is not None and not (is_int_arg(prefill_chunk) and prefill_chunk >= 1):
         raise NinferError(f"prefill chunk {prefill_chunk!r}: must be a number of tokens >= 1")
     check_kv_dtype(kv_dtype)  # on every device and before any weight loads, though only cuda allocates a cache
-    if not (_is_int(max_ctx) and max_ctx >= 1):
+    if not (is_int_arg(max_ctx) and max_ctx >= 1):
         raise NinferError(f"max context {max_ctx!r}: must be a number of positions >= 1")
-    if not (_is_int(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):
+    if not (is_int_arg(cache_slots) and 1 <= cache_slots <= MAX_CACHE_SLOTS):
         raise NinferError(f"cache_slots={cache_slots!r}: must be an integer in [1, {MAX_CACHE_SLOTS}]")
     most = speculative.MAX_DRAFT_TOKENS
-    if not (_is_int(speculative_tokens) and 0 <= speculative_tokens <= most):
+    if not (is_int_arg(speculative_tokens) and 0 <= speculative_tokens <= most):
         raise NinferError(f"speculative_tokens={speculative_tokens!r}: must be an integer in [0, {most}]")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ninfer_rt.api import GenerationStats, Model
+from ninfer_rt.api import GenerationStats, Model, is_int_arg
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_automaton import SchemaPrefix
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
@@ -73,7 +73,7 @@ class _Slot:
 class Generation:
     """One sequence of a Batch: its text pieces as they come (take()), each output token's log-probability where
     asked (take_logprobs()), and when `done`, its stats (GenerationStats: finish_reason eos, length, stop or
-    cancelled) or an `error` (an exception) instead."""
+    cancelled) or an `error` (an exception; finish_reason "error") instead."""
 
     def __init__(self, ids: list[int], budget: int, params: SamplingParams, stops: list[str], detok,
                  snapshot_at: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -179,6 +179,8 @@ class Batch:
         ids = self.model.check_ids(ids)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
+        if not (is_int_arg(max_new_tokens) and max_new_tokens >= 0):  # False and 0.0 are not 0
+            raise NinferError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0")
         prefill_only = max_new_tokens == 0  # the prompt fed (and scored where asked), nothing drawn
         params, budget = self.model._check_request(ids, 1 if prefill_only else max_new_tokens, sampling, True,
                                                    snapshot_at)
@@ -190,7 +192,7 @@ class Batch:
             except SchemaError as e:
                 raise NinferError(str(e)) from None
         for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if n is not None and not (type(n) is int and 0 <= n <= MAX_TOP_LOGPROBS):
+            if n is not None and not (is_int_arg(n) and 0 <= n <= MAX_TOP_LOGPROBS):
                 raise NinferError(f"{name}={n!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.free <= 0:
             raise NinferError(f"the batch is full: {self.parallel} generations are running")
@@ -459,7 +461,7 @@ class Batch:
         self._release(g)
 
     def _fail(self, g: Generation, error: BaseException) -> None:
-        g.error = error
+        g.error, g.stats.finish_reason = error, "error"
         self._release(g)
 
     def _release(self, g: Generation) -> None:

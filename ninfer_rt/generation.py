@@ -12,7 +12,8 @@ class GenerationStats:
 
     generated_tokens counts every sampled token, the stop token included (it cost a forward like the others);
     token_ids holds the output without the stop token. finish_reason: "eos" (a stop id), "stop" (a stop
-    string), "length" (max_new_tokens or the context end), or "cancelled" (the caller stopped iterating).
+    string), "length" (max_new_tokens or the context end), "cancelled" (the caller stopped iterating), or in a
+    Batch "error" (the generation failed: Generation.error).
     """
 
     prompt_tokens: int

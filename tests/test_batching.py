@@ -153,6 +153,9 @@ def test_cancel_stop_strings_and_refusals(model, fake):
     assert c.stats.cached_tokens == len(a.prompt) + len(a.stats.token_ids) - 1
     assert c.stats.token_ids == fake.decode_fresh(turn, 2)
     for bad, match in [(dict(max_new_tokens=-1), "max_new_tokens"),
+                       (dict(max_new_tokens=False), r"max_new_tokens=False: must be an integer >= 0"),
+                       (dict(max_new_tokens=0.0), r"max_new_tokens=0.0: must be an integer >= 0"),
+                       (dict(logprobs=2.0), r"logprobs=2.0: must be an integer"),
                        (dict(stop=[""]), "stop must be a non-empty string"),
                        (dict(snapshot_at=9), "snapshot_at")]:
         with pytest.raises(NinferError, match=match):
@@ -222,6 +225,7 @@ def test_a_failing_forward_fails_its_batch_and_the_next_starts_clean(model, fake
     monkeypatch.setattr(fake, "decode_batch", lambda ids, caches: (_ for _ in ()).throw(RuntimeError("boom")))
     batch.step()
     assert a.done and b.done and isinstance(a.error, RuntimeError) and isinstance(b.error, RuntimeError)
+    assert a.stats.finish_reason == b.stats.finish_reason == "error"  # not the default "cancelled"
     monkeypatch.setattr(fake, "decode_batch", real)
     c = batch.add([10, 11, 12], max_new_tokens=3, sampling=GREEDY)  # no slot's old contents are trusted
     drain(batch, [c])
@@ -312,6 +316,18 @@ def test_a_schema_dict_is_compiled_and_a_bad_one_refused(model):
     assert texts[0] == texts[1] and texts[0].strip()
     with pytest.raises(NinferError, match="json_schema"):
         model.batch().add(ids, max_new_tokens=2, json_schema={"type": "no-such-type"})
+
+
+def test_numpy_integer_arguments_are_integers(model, fake):
+    """A numpy integer is an integer for logprobs as for every other count (it was refused there alone)."""
+    import numpy as np
+
+    batch = model.batch(2)
+    a = batch.add([10, 11], max_new_tokens=np.int64(3), sampling=GREEDY, logprobs=np.int64(2))
+    b = batch.add([10, 11], max_new_tokens=3, sampling=GREEDY, logprobs=2)
+    drain(batch, [a, b])
+    assert a.stats.token_ids == b.stats.token_ids == fake.decode_fresh([10, 11], 3)
+    assert [(t.id, t.top) for t in a.take_logprobs()] == [(t.id, t.top) for t in b.take_logprobs()]
 
 
 @pytest.mark.parametrize("kw", [{"parallel": True}, {"prefill_chunk": True}, {"parallel": 1.0}])
