@@ -288,8 +288,12 @@ def info(path: Path = typer.Argument(..., help="The .ninfer artifact.")):
 
 
 def _loading_bar():
-    """A progress(done, total) callback drawing a rich bar on stderr while weights load."""
+    """A progress(done, total) callback drawing a rich bar on stderr while weights load; None where stderr is no
+    terminal (a log file would get only the blank line each finished bar leaves)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    if not err.is_terminal:
+        return None
 
     state = {}
 
