@@ -188,7 +188,7 @@ def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
                 SamplingParams.defaults_from_generation_config(tokenizer.generation_config)
             except NinferError as e:  # its message names generation_config.json
                 problems.append(str(e))
-    if "chat_template.jinja" in resources or "tokenizer_config.json" in resources:
+    if any(n in resources for n in ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")):
         try:
             ChatTemplate.from_resources(resources)
         except NinferError as e:

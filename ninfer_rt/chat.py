@@ -96,7 +96,7 @@ def _check_messages(messages: Any) -> None:
 
 def load_chat_template(resources: dict[str, bytes], name: str = "default") -> tuple[str, str]:
     """(template source, where it came from): chat_template.jinja, else tokenizer_config.json's chat_template
-    (a string, or a list of {name, template} from which `name` is taken)."""
+    (a string, or a list of {name, template} from which `name` is taken), else chat_template.json's."""
     return _select_template(resources, _load_json(resources, "tokenizer_config.json"), name)
 
 
@@ -120,7 +120,13 @@ def _select_template(resources: dict[str, bytes], config: dict, name: str) -> tu
         raise NinferError(f"{origin}: expected a string or a list of named templates, got {type(entry).__name__}")
     if name != "default":
         raise NinferError(f"{origin}: no template named {name!r}")
-    raise NinferError("chat template: missing (no chat_template.jinja and no chat_template in tokenizer_config.json)")
+    if "chat_template.json" in resources:  # the processors' older file, which transformers' processors still read
+        legacy = _load_json(resources, "chat_template.json").get("chat_template")
+        if not isinstance(legacy, str):
+            raise NinferError(f"chat_template.json: expected a string chat_template, got {type(legacy).__name__}")
+        return legacy, "chat_template.json"
+    raise NinferError("chat template: missing (no chat_template.jinja, no chat_template in tokenizer_config.json, "
+                      "no chat_template.json)")
 
 
 class ChatTemplate:

@@ -322,6 +322,24 @@ def test_template_source_selection(files):
         load_chat_template({"tokenizer.json": files["tokenizer.json"]})
 
 
+def test_the_processors_chat_template_json_is_the_last_choice(files):
+    """Processor-style checkpoints keep the template in chat_template.json ({"chat_template": ...}), as
+    transformers' processors read it: used when neither chat_template.jinja nor tokenizer_config.json has one."""
+    legacy = {"chat_template.json": json.dumps({"chat_template": "L{{ messages[0]['content'] }}"}).encode()}
+    cfg = json.loads(files["tokenizer_config.json"])
+    bare_cfg = json.dumps({k: v for k, v in cfg.items() if k != "chat_template"}).encode()
+    assert load_chat_template({**legacy, "tokenizer_config.json": bare_cfg}) == (
+        "L{{ messages[0]['content'] }}", "chat_template.json")
+    assert ChatTemplate.from_resources(legacy).render([{"role": "user", "content": "hi"}]) == "Lhi"
+    assert load_chat_template({**legacy, "tokenizer_config.json": files["tokenizer_config.json"]})[0] == \
+        cfg["chat_template"]
+    assert load_chat_template({**legacy, "chat_template.jinja": b"J"})[0] == "J"
+    for bad, why in ((b"[1]", "expected a JSON object"), (b'{"chat_template": 3}', "expected a string chat_template"),
+                     (b"{", "malformed JSON")):
+        with pytest.raises(NinferError, match=f"chat_template.json: {why}"):
+            load_chat_template({"chat_template.json": bad})
+
+
 @pytest.mark.parametrize("eos_form", ["string", "AddedToken"])
 def test_special_tokens_reach_the_template_as_in_transformers(files, tmp_path, eos_form):
     cfg = json.loads(files["tokenizer_config.json"])
