@@ -87,15 +87,19 @@ class SamplingParams:
         """The checkpoint's defaults from generation_config.json: do_sample false (or absent, as in HF) means
         greedy; temperature, top_k, top_p, min_p, repetition_penalty when present; then overrides. A bad value
         in the file is reported as the file's, so the user does not suspect their own options."""
-        fields: dict = {"greedy": not cfg.get("do_sample", False)}
+        do_sample = cfg.get("do_sample", False)
+        if "greedy" not in overrides and not isinstance(do_sample, bool):  # "false" is a true value in Python
+            raise NinferError(f"generation_config.json: do_sample={do_sample!r} is not true or false")
+        fields: dict = {"greedy": not do_sample}
         for key, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                           ("repetition_penalty", float)):
             value = cfg.get(key)
             if value is not None and key not in overrides:  # a value given replaces the file's, even a bad one
-                try:
-                    fields[key] = kind(value)
-                except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int(inf)
-                    raise NinferError(f"generation_config.json: {key}={value!r} is not a number") from e
+                # nothing is coerced, as transformers' GenerationConfig refuses "0.7" and a top_k of 20.7
+                if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+                    what = "an integer" if kind is int else "a number"
+                    raise NinferError(f"generation_config.json: {key}={value!r} is not {what}")
+                fields[key] = kind(value)
                 try:
                     cls(**{key: fields[key]})
                 except NinferError as e:

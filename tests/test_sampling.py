@@ -222,7 +222,12 @@ def test_an_infinite_temperature_is_refused_as_not_finite():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"top_k": math.inf}, "generation_config.json: top_k=inf is not a number"),  # int(inf) raised OverflowError
+    ({"top_k": math.inf}, "generation_config.json: top_k=inf is not an integer"),  # int(inf) raised OverflowError
+    # nothing coerced, as transformers' GenerationConfig refuses these
+    ({"top_k": 20.7}, "generation_config.json: top_k=20.7 is not an integer"),
+    ({"top_k": True}, "generation_config.json: top_k=True is not an integer"),
+    ({"temperature": "0.7"}, "generation_config.json: temperature='0.7' is not a number"),
+    ({"temperature": math.inf}, "generation_config.json: sampling temperature=inf: must be finite and >= 0"),
     ({"temperature": -1}, "generation_config.json: sampling temperature=-1.0: must be finite and >= 0"),
     ({"top_p": 0}, "generation_config.json: sampling top_p=0.0: must be in (0, 1]"),
     ({"top_k": -3}, "generation_config.json: sampling top_k=-3: must be"),
@@ -234,6 +239,13 @@ def test_a_bad_generation_config_value_is_blamed_on_the_file(cfg, message):
     key = next(iter(cfg))  # a value given replaces the file's bad one
     good = {"top_k": 5, "temperature": 0.5, "top_p": 0.5}[key]
     assert getattr(SamplingParams.defaults_from_generation_config(cfg, **{key: good}), key) == good
+
+
+def test_do_sample_must_be_a_boolean():
+    """"false" is a true value in Python: it turned sampling on."""
+    with pytest.raises(NinferError, match=r"^generation_config.json: do_sample='false' is not true or false$"):
+        SamplingParams.defaults_from_generation_config({"do_sample": "false"})
+    assert SamplingParams.defaults_from_generation_config({"do_sample": "false"}, greedy=True).greedy
 
 
 def test_no_finite_logit_names_the_model_not_the_penalties():
