@@ -174,9 +174,10 @@ def match_importance(importance: dict[str, torch.Tensor], planned: list[PlannedT
     return out
 
 
-def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
+def text_resource_problems(resources: dict[str, bytes], vocab_size: int) -> list[str]:
     """What the runtime would refuse among the text resources: no tokenizer.json, or a tokenizer.json,
-    tokenizer_config.json or generation_config.json it cannot read, a chat template that does not compile."""
+    tokenizer_config.json or generation_config.json it cannot read, a tokenizer with ids past the model's
+    vocab_size rows, a chat template that does not compile."""
     problems = [] if "tokenizer.json" in resources else ["tokenizer.json: missing (ninfer-rt needs it to run the model)"]
     if "tokenizer.json" in resources:
         try:
@@ -184,6 +185,9 @@ def text_resource_problems(resources: dict[str, bytes]) -> list[str]:
         except NinferError as e:
             problems.append(str(e))
         else:
+            if tokenizer.id_bound > vocab_size:
+                problems.append(f"tokenizer.json: its ids reach {tokenizer.id_bound - 1}, past the model's "
+                                f"vocab_size {vocab_size} (the embedding has no row for them)")
             try:  # every run starts from its sampling defaults
                 SamplingParams.defaults_from_generation_config(tokenizer.generation_config)
             except NinferError as e:  # its message names generation_config.json
@@ -202,7 +206,7 @@ def require_tokenizer(ckpt: Checkpoint, source: str) -> None:
     one the runtime cannot read, cannot become a model."""
     if "tokenizer.json" not in ckpt.resources:
         raise SourceError(f"{source} has no tokenizer.json: ninfer-rt needs it to run the model")
-    problems = text_resource_problems(dict(ckpt.resources))
+    problems = text_resource_problems(dict(ckpt.resources), ckpt.spec.vocab_size)
     if problems:
         raise SourceError(f"{source}: {problems[0]}")
 

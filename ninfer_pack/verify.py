@@ -104,7 +104,8 @@ def verify(path: str, source: str | Checkpoint | None = None, *, revision: str |
         report = VerifyReport(str(path), len(art.tensors), art.size)
         report.bad_checksums = art.verify_checksums(on_bytes)
         plan_problems = art.plan_problems()
-        report.problems += plan_problems + text_resource_problems({n: art.resource(n) for n in art.resources})
+        resources = {n: art.resource(n) for n in art.resources}
+        report.problems += plan_problems + text_resource_problems(resources, art.spec.vocab_size)
         report.problems += art.nonzero_gaps()  # after the table's problems: a dropped entry leaves bytes unlisted
         if source is None or plan_problems:  # a table that disagrees with its model cannot be laid out again
             return report

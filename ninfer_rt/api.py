@@ -171,13 +171,22 @@ class Model:
         if messages is not None:
             text = self.chat_template.render(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
                                              tools=tools)
-            ids = self.tokenizer.encode(text)
+            ids = self._encoded(text)
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self._encoded(prompt)
         else:
             ids = self.check_ids(prompt)
         if not ids:
             raise NinferError("prompt is empty: there is nothing to continue from")
+        return ids
+
+    def _encoded(self, text: str) -> list[int]:
+        """text's token ids; NinferError where the tokenizer gives an id the model has no row for (an artifact
+        packed before quantize checked that the two agree)."""
+        ids = self.tokenizer.encode(text)
+        if ids and max(ids) >= self.real_vocab_size:
+            raise NinferError(f"the prompt encodes to token id {max(ids)}, past the model's vocabulary of "
+                              f"{self.real_vocab_size}: its tokenizer and weights disagree")
         return ids
 
     def check_ids(self, token_ids: Sequence[int]) -> list[int]:

@@ -64,6 +64,8 @@ class Tokenizer:
         self.tokenizer_config = tokenizer_config
         self.generation_config = generation_config
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # one past the largest id (ids may skip some): what the model's embedding must cover
+        self.id_bound: int = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._added = frozenset(backend.get_added_tokens_decoder())
 
         eos: list[int] = []

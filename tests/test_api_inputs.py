@@ -204,3 +204,17 @@ def test_max_ctx_bounds_a_sequence_on_the_cpu_too(packed):
         assert len(out) <= s.generated_tokens <= 16 - 10 and (s.finish_reason == "length") == (s.generated_tokens == 6)
     with load(packed, device="cpu") as m:  # unbounded: the same greedy ids, cut where the 16 positions end
         assert out == list(m.generate_ids(list(range(3, 13)), max_new_tokens=6, sampling=SamplingParams(greedy=True)))
+
+
+def test_a_prompt_encoded_past_the_vocabulary_is_one_line(model, monkeypatch):
+    """An artifact whose tokenizer gives ids its embedding lacks (packed before quantize checked that): a prompt
+    that encodes to one is refused in one line, not an IndexError inside the forward."""
+    ids = model.prompt_ids(messages=USER)
+    top = max(ids)  # <|im_start|> and friends sit at the end of the tiny vocabulary
+    monkeypatch.setattr(type(model), "real_vocab_size", property(lambda self: top))
+    with pytest.raises(NinferError) as e:
+        model.prompt_ids(messages=USER)
+    assert one_line(e) == (f"the prompt encodes to token id {top}, past the model's vocabulary of {top}: its "
+                           "tokenizer and weights disagree")
+    with pytest.raises(NinferError, match="past the model's vocabulary"):
+        list(model.generate(messages=USER, max_new_tokens=1))

@@ -99,3 +99,27 @@ def test_an_importance_file_gets_the_umask_mode(tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "i.st").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tiny_moe, tmp_path, capsys):
+    """Added tokens until the tokenizer's ids reach the model's 500 embedding rows: quantize refuses in one line
+    (a run would index past the embedding), and no artifact is written."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    src = tmp_path / "ck"
+    shutil.copytree(tiny_moe, src)
+    vocab = json.loads((src / "config.json").read_text())["text_config"]["vocab_size"]
+    tok = json.loads((src / "tokenizer.json").read_text())
+    for i in range(vocab + 1 - Tokenizer.from_str(json.dumps(tok)).get_vocab_size(True)):  # ids are given in order
+        tok["added_tokens"].append({"id": vocab + i, "content": f"<|extra_{i}|>", "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    top = max(Tokenizer.from_str(json.dumps(tok)).get_vocab(True).values())  # the tokenizers library's own ids
+    assert top == vocab
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    out = tmp_path / "m.ninfer"
+    code, _, e = run(["quantize", src, "--recipe", "tiny", "--out", out], capsys)
+    assert code == 1 and error_line(e).endswith(f"tokenizer.json: its ids reach {top}, past the model's "
+                                                f"vocab_size {vocab} (the embedding has no row for them)"), e
+    assert not out.exists()
