@@ -112,7 +112,7 @@ def _read_header(path: Path, shard: int) -> dict[str, _Stored]:
     if not isinstance(header, dict):
         raise SourceError(f"{path}: malformed safetensors header (not a JSON object)")
     data_start, data_size = 8 + n, size - 8 - n
-    out = {}
+    out, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -137,7 +137,22 @@ def _read_header(path: Path, shard: int) -> dict[str, _Stored]:
             raise SourceError(f"{path}: tensor {name} has data offsets [{begin}, {end}] beyond the end of the "
                               f"file ({data_size} data bytes): the file is truncated")
         out[name] = _Stored(name, path, shard, dtype, shape, data_start + begin, nbytes)
+        spans.append((begin, end, name))
+    _check_tiling(path, spans, data_size)
     return out
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors' byte ranges must cover the data area end to end, without overlap or gap, as the safetensors
+    library requires (it refuses such a file); an overlap would read one tensor's bytes as another's."""
+    at, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = f"overlaps {last}" if begin < at else f"leaves bytes [{at}, {begin}) unused before it"
+            raise SourceError(f"{path}: malformed safetensors file: tensor {name} at [{begin}, {end}] {what}")
+        at, last = end, name
+    if at != data_size:
+        raise SourceError(f"{path}: malformed safetensors file: {data_size - at} bytes after the last tensor")
 
 
 def _shard_files(path: Path, label: str) -> tuple[list[Path], Path | None, dict | None]:

@@ -309,6 +309,33 @@ def _edit_header(shard: Path, edit) -> str:
     return name
 
 
+@pytest.mark.parametrize("case", ["overlap", "trailing"])
+def test_tensors_must_tile_the_data_as_safetensors_requires(vlm_dir, case):
+    """A tensor on another's bytes (it would read the other's values) or bytes after the last tensor: the
+    safetensors library refuses both files, and so does the reader, naming the file."""
+    from safetensors import safe_open
+
+    shard = vlm_dir / "model-00001-of-00002.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    if case == "overlap":  # the last tensor moved 2 bytes back, onto the end of the one before it
+        last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+        begin, end = header[last]["data_offsets"]
+        header[last] = {**header[last], "data_offsets": [begin - 2, end - 2]}
+        text = json.dumps(header).encode()
+        shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+        want = "overlaps"
+    else:
+        shard.write_bytes(raw + bytes(6))
+        want = "6 bytes after the last tensor"
+    with pytest.raises(Exception):
+        safe_open(str(shard), "pt")  # the oracle: the library itself refuses the file
+    with pytest.raises(SourceError) as e:
+        Checkpoint.open(vlm_dir)
+    assert one_line(e).startswith(f"{shard}: malformed safetensors file: ") and want in one_line(e)
+
+
 BAD_ENTRIES = {  # case -> (key, bad value); key None replaces the whole entry
     "dtype-list": ("dtype", ["BF16"]), "dtype-int": ("dtype", 16), "shape-bool": ("shape", [True]),
     "shape-negative": ("shape", [-1, 4]), "shape-float": ("shape", [2.0]), "shape-string": ("shape", "64"),
