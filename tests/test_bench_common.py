@@ -294,3 +294,33 @@ def test_planner_ab_variants_name_real_planner_constants():
     mods = planner_modules()
     for label, over in planner_ab.VARIANTS:
         assert parse_settings([f"{key}={value!r}" for key, value in over.items()], mods) == dict(over), label
+
+
+def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch):
+    """bench/host_loop.loop_s: every round's calls end at position ctx, each is fed the id the one before drew, and
+    the first round (which captures the graph) is left out of the median. Oracle: a fake clock that each call
+    advances by a known time, 10x longer in the first round."""
+    import numpy as np
+
+    import host_loop
+
+    now = [0.0]
+    calls = []
+
+    class FakeBackend:
+        def sample_next(self, ids, cache, params, *, vocab, seed, step):
+            calls.append((int(ids[0]), cache.pos, step))
+            now[0] += 0.010 if len(calls) <= 4 else 0.001 * (1 + len(calls) % 3)  # round 1: 4 slow calls
+            cache.pos += 1
+            return 100 + len(calls)
+
+    monkeypatch.setattr(host_loop.time, "perf_counter", lambda: now[0])
+    model = type("M", (), {"sample_vocab": 500})()
+    got = host_loop.loop_s(FakeBackend(), model, ctx=40, steps=4, params=None)
+    assert len(calls) == 4 * host_loop.ROUNDS
+    for n, (fed, pos, step) in enumerate(calls):  # call n (0-based) returned 100 + n + 1
+        assert (pos, step) == (36 + n % 4, n % 4)
+        assert fed == (17 if n % 4 == 0 else 100 + n)
+    # rounds 2..6: calls 5..24 take 0.001 * (1 + n % 3) each; a round's mean, then the median of the five
+    means = [np.mean([0.001 * (1 + n % 3) for n in range(5 + 4 * i, 9 + 4 * i)]) for i in range(5)]
+    assert got == pytest.approx(float(np.median(means)), rel=1e-12)

@@ -1,0 +1,80 @@
+"""What one sequence's decode loop costs beyond its graph: the host's share of a token as Model.generate makes it.
+
+    python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--json PATH]
+
+Each row times --steps calls of GpuBackend.sample_next back to back (each enqueues the step's graph with the draw
+inside, then waits for the one id it reads back, as `Model.generate` does on the GPU), the median of 5 rounds after
+a first that captures the graph, against `ninfer-rt bench`'s back-to-back replay of the same graph: the difference
+is what the host adds to a token (launch, the wait, the id's copy, Python). Greedy and top-k sampling (its draw
+record uploaded each step). The detokenizer and the stop checks of generate come on top. Synthetic weights, no
+file. Exits with a one-line message when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
+
+ROUNDS = 6  # the first captures the context bucket's graph and is not counted
+
+
+def loop_s(backend, model, ctx: int, steps: int, params) -> float:
+    """Median seconds per sample_next call over rounds of `steps` calls that end at position ctx (one graph
+    bucket), each call fed the id the one before drew."""
+    from ninfer_rt.gpu.backend import GpuCache
+
+    times = []
+    for _ in range(ROUNDS):
+        cache, token = GpuCache(pos=ctx - steps, slot=0), 17
+        t0 = time.perf_counter()
+        for i in range(steps):
+            token = backend.sample_next(np.array([token], np.int32), cache, params, vocab=model.sample_vocab,
+                                        seed=1, step=i)
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3.6-35b-a3b", help="synthetic shapes and recipe")
+    ap.add_argument("--context", type=int, default=8192, help="the position the timed steps end at")
+    ap.add_argument("--steps", type=int, default=200, help="calls a round (they stay in one graph bucket)")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    a = ap.parse_args()
+    if not 1 <= a.steps < a.context:
+        sys.exit(f"host_loop: --steps must be in [1, --context), got {a.steps}")
+
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.gpu.bench import _time_decode
+    from ninfer_rt.sampling import SamplingParams
+
+    gpu, k, console = open_gpu("host_loop")
+    rows = []
+    with synthetic_model(gpu, k, a.model, max_ctx=a.context + 1024) as model:
+        backend = GpuBackend.of_model(model)
+        if model.bucket(a.context - a.steps + 1) != model.bucket(a.context):
+            sys.exit(f"host_loop: positions {a.context - a.steps}..{a.context} span two graph buckets; fewer --steps")
+        for label, params in (("greedy", SamplingParams(greedy=True)),
+                              ("top-k 20", SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1))):
+            loop = loop_s(backend, model, a.context, a.steps, params)
+            replay = _time_decode(model, a.context - 1, sampled=label != "greedy")
+            rows.append({"model": a.model, "context": a.context, "sampling": label, "loop_ms": loop * 1e3,
+                         "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
+                         "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+    step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
+                  [("sampling", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
+                   ("loop tok/s", False), ("replay tok/s", False)],
+                  lambda r: (r["sampling"], f"{r['loop_ms']:.4f}", f"{r['replay_ms']:.4f}", f"{r['host_us']:.1f}",
+                             f"{r['loop_tok_s']:.1f}", f"{r['replay_tok_s']:.1f}"), rows, a.json)
+
+
+if __name__ == "__main__":
+    main()
