@@ -347,3 +347,27 @@ def test_other_methods(srv, method, path, status, allow):
             assert (reply.get("type") == "error") == path.startswith("/v1/messages") and "takes" in body.decode()
     finally:
         c.close()
+
+
+def test_a_connection_reset_between_requests_is_no_traceback(srv, capfd):
+    """A keep-alive client that resets after a full reply, and a TCP health probe that connects and resets, are
+    quiet: socketserver printed a 17-line traceback for each (the next request line's read was reset)."""
+    import struct
+
+    def reset(s):  # RST instead of FIN: linger on with a zero timeout
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    capfd.readouterr()
+    s = socket.create_connection(srv.server.address, timeout=TIMEOUT_S)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    time.sleep(0.2)  # the handler is back in its read of the next request line
+    reset(s)
+    probe = socket.create_connection(srv.server.address, timeout=TIMEOUT_S)
+    time.sleep(0.2)
+    reset(probe)
+    time.sleep(0.5)
+    assert srv.request("GET", "/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err

@@ -449,6 +449,13 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True      # a stuck connection never holds the process at exit
     request_queue_size = 64
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that resets its connection between requests (or a TCP health probe that connects and resets)
+        is no error of ours: socketserver would print a traceback for it. Anything else is still printed."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            return
+        super().handle_error(request, client_address)
+
 
 class _HTTPServer6(_HTTPServer):
     address_family = socket.AF_INET6
