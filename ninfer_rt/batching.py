@@ -344,10 +344,14 @@ class Batch:
 
     def _speculate(self, g: Generation) -> None:
         """Give g speculative steps where the model drafts and g asks for nothing they cannot give (logprobs, a JSON
-        constraint): from its slot's head state where that covers the slot's ids, else from an empty head on an
-        empty slot. Its slot's head state is then g's (None: g's steps keep none)."""
+        constraint, sampling that repeats by its seed: a speculative step draws from the seed's stream otherwise
+        than a batched one, so the text would depend on what else runs): from its slot's head state where that
+        covers the slot's ids, else from an empty head on an empty slot. Its slot's head state is then g's (None:
+        g's steps keep none)."""
         slot, k = g._slot, self.model.speculative_tokens
-        if not k or g.logprobs is not None or g.prompt_logprobs is not None or g.constraint is not None:
+        params = g.sampler.params
+        seeded = params.seed is not None and not params.is_greedy
+        if not k or g.logprobs is not None or g.prompt_logprobs is not None or g.constraint is not None or seeded:
             state = None
         elif not slot.ids:
             state = HeadState(self.backend.new_draft_cache(slot.cache))

@@ -181,6 +181,30 @@ def test_seeded_sampling_repeats_in_a_batch(model):
     assert outs[0] == outs[1] and len(outs[0]) == 12 and outs[2] != outs[0]
 
 
+def test_seeded_sampling_decodes_plainly_and_repeats_beside_others(model, packed_model):
+    """A sampled request with a seed takes no drafts (a speculative step uses the seed's stream otherwise than a
+    batched step, so its text would depend on the server's load): alone, beside another sequence, and on a model
+    without the head, the same seed gives the same ids. Unseeded and greedy requests still draft."""
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=8)
+
+    def run(m, others: int):
+        batch = m.batch(parallel=2)
+        g = batch.add(PROMPT, max_new_tokens=12, sampling=seeded)
+        spec = g.spec
+        for _ in range(others):
+            batch.add(PROMPT[:5], max_new_tokens=12, sampling=GREEDY)
+        drain(batch)
+        return g.stats.token_ids, spec, g.stats.draft_tokens
+
+    alone, spec, drafts = run(model, 0)
+    assert spec is None and drafts == 0 and len(alone) == 12
+    assert run(model, 1)[0] == alone == run(packed_model, 0)[0]
+    batch = model.batch(parallel=2)
+    assert batch.add(PROMPT, max_new_tokens=2, sampling=GREEDY).spec is not None
+    assert batch.add(PROMPT, max_new_tokens=2, sampling=SamplingParams(temperature=0.9, top_k=20)).spec is not None
+    drain(batch)
+
+
 def test_serve_drafts_and_counts_its_drafts(model, packed_model):
     """serve over a speculative model: a greedy completion is plain greedy decoding's text, and /metrics counts the
     drafts the generation took and kept (its GenerationStats, which Batch.add made model.last_stats)."""
