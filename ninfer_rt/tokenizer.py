@@ -64,8 +64,6 @@ class Tokenizer:
         self.tokenizer_config = tokenizer_config
         self.generation_config = generation_config
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        # one past the largest id (ids may skip some): what the model's embedding must cover
-        self.id_bound: int = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._added = frozenset(backend.get_added_tokens_decoder())
 
         eos: list[int] = []
@@ -118,6 +116,12 @@ class Tokenizer:
             raise NinferError(f"text is not valid UTF-8 (character {e.start}: {text[e.start]!r})") from None
         # encode_batch releases the GIL while it runs (encode holds it): a long prompt does not stall the server
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def id_bound(self) -> int:
+        """One past the largest id (ids may skip some): what the model's embedding must cover. On first use only:
+        it builds the whole vocabulary as a dict, which loading a model for a run does not need."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @functools.cached_property
     def _most_bytes(self) -> int:
