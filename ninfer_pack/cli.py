@@ -187,11 +187,11 @@ def verify(
             from ninfer_pack.numerics import WINDOW_MIN, check_memory
 
             if text:
-                from ninfer_pack.windows import text_windows
+                from ninfer_pack.windows import read_texts, text_windows
                 from ninfer_rt.tokenizer import Tokenizer
 
                 tok = Tokenizer.from_resources({n: art.resource(n) for n in art.resources})
-                ids = text_windows(tok, text, window, max_tokens, WINDOW_MIN)
+                ids = text_windows(tok, read_texts(text), window, max_tokens, WINDOW_MIN)
                 if not ids:
                     raise NinferError(f"--text gives no window of {WINDOW_MIN} or more tokens to score")
                 windows = [(f"{text[0].name}[{i}]" if len(text) == 1 else f"text[{i}]", w) for i, w in enumerate(ids)]
@@ -264,18 +264,18 @@ def calibrate(
     from ninfer_pack import calibrate as cal
     from ninfer_pack.source import Checkpoint
     from ninfer_pack.numerics import check_memory
-    from ninfer_pack.windows import check_text_files, check_window, text_windows
+    from ninfer_pack.windows import check_window, read_texts, text_windows
     from ninfer_rt.format import check_output_path
     from ninfer_rt.tokenizer import Tokenizer
 
     # before the checkpoint is opened (a Hub repo: downloaded)
     check_output_path(out_path, overwrite, example="importance.safetensors")
     check_window(window, max_tokens)
-    check_text_files(text)
+    texts = read_texts(text)
     ckpt = Checkpoint.open(source, revision=revision)
     if "tokenizer.json" not in ckpt.resources:
         raise NinferError(f"{source} has no tokenizer.json to encode the calibration text with")
-    windows = text_windows(Tokenizer.from_resources(dict(ckpt.resources)), text, window, max_tokens)
+    windows = text_windows(Tokenizer.from_resources(dict(ckpt.resources)), texts, window, max_tokens)
     if not windows:
         raise NinferError("the text gives fewer than 2 tokens: nothing to calibrate on")
     check_memory(ckpt.spec, [len(w) for w in windows], logits=False,

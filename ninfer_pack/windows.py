@@ -22,32 +22,28 @@ def token_windows(ids: Sequence[int], window: int, max_tokens: int, min_len: int
     return [w for w in out if len(w) >= min_len]
 
 
-def _read_text(p: Path) -> str:
-    """A --text file's contents; SourceError naming it where it is missing, a directory or not UTF-8."""
-    if p.is_dir():
-        raise SourceError(f"{p} is a directory; --text takes UTF-8 text files")
-    if not p.is_file():
-        raise SourceError(f"no such text file: {p}")
-    try:
-        return p.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as e:
-        raise SourceError(f"{p}: cannot read it as UTF-8 text ({e})") from None
-
-
-def check_text_files(paths: Sequence[str | Path]) -> None:
-    """What text_windows refuses without a tokenizer, before the checkpoint that has it is opened (a Hub
-    repo: downloaded)."""
+def read_texts(paths: Sequence[str | Path]) -> list[tuple[Path, str]]:
+    """(path, contents) of UTF-8 text files; SourceError naming one that is missing, a directory or not UTF-8.
+    Needs no tokenizer, so it runs before the checkpoint that has one is opened (a Hub repo: downloaded)."""
+    out = []
     for p in map(Path, paths):
-        _read_text(p)
+        if p.is_dir():
+            raise SourceError(f"{p} is a directory; --text takes UTF-8 text files")
+        if not p.is_file():
+            raise SourceError(f"no such text file: {p}")
+        try:
+            out.append((p, p.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError) as e:
+            raise SourceError(f"{p}: cannot read it as UTF-8 text ({e})") from None
+    return out
 
 
-def text_windows(tok, paths: Sequence[str | Path], window: int, max_tokens: int, min_len: int = 2
+def text_windows(tok, texts: Sequence[tuple[Path, str]], window: int, max_tokens: int, min_len: int = 2
                  ) -> list[list[int]]:
-    """UTF-8 text files, each encoded with `tok` (a ninfer_rt Tokenizer) and joined in order, as `token_windows`;
-    SourceError naming a file that is missing, not UTF-8 or gives no tokens."""
+    """read_texts' texts, each encoded with `tok` (a ninfer_rt Tokenizer) and joined in order, as `token_windows`;
+    SourceError naming a file that gives no tokens."""
     ids: list[int] = []
-    for p in map(Path, paths):
-        text = _read_text(p)
+    for p, text in texts:
         got = tok.encode(text)
         if not got:
             raise SourceError(f"{p}: no tokens in it")
