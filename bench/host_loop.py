@@ -2,12 +2,16 @@
 
     python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--json PATH]
 
-Each row times --steps calls of GpuBackend.sample_next back to back (each enqueues the step's graph with the draw
-inside, then waits for the one id it reads back, as `Model.generate` does on the GPU), the median of 5 rounds after
-a first that captures the graph, against `ninfer-rt bench`'s back-to-back replay of the same graph: the difference
-is what the host adds to a token (launch, the wait, the id's copy, Python). Greedy and top-k sampling (its draw
-record uploaded each step). The detokenizer and the stop checks of generate come on top. Synthetic weights, no
-file. Exits with a one-line message when there is no GPU.
+Each row times --steps tokens of one loop, the median of 5 rounds after a first that captures the graph, against
+`ninfer-rt bench`'s back-to-back replay of the same graph: the difference is what the host adds to a token.
+- "wait": GpuBackend.sample_next back to back; each enqueues the step's graph with the draw inside, then waits
+  for the one id it reads back (launch, the wait, the id's copy and Python follow the step: the loop before
+  run-ahead).
+- "ahead": GpuBackend.sample_ahead as Model.generate runs it now (Model._run_ahead): each step is fed its token on
+  the device and enqueued before the host reads the token before it, one step in flight beyond the one read.
+Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
+come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
+when there is no GPU.
 """
 
 from __future__ import annotations
@@ -26,18 +30,28 @@ from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
 ROUNDS = 6  # the first captures the context bucket's graph and is not counted
 
 
-def loop_s(backend, model, ctx: int, steps: int, params) -> float:
-    """Median seconds per sample_next call over rounds of `steps` calls that end at position ctx (one graph
-    bucket), each call fed the id the one before drew."""
+def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
+    """Median seconds a token over rounds of `steps` tokens that end at position ctx (one graph bucket), each
+    step fed the id the one before drew: from the host (sample_next) or on the device (sample_ahead)."""
     from ninfer_rt.gpu.backend import GpuCache
 
     times = []
     for _ in range(ROUNDS):
-        cache, token = GpuCache(pos=ctx - steps, slot=0), 17
+        cache = GpuCache(pos=ctx - steps - 1, slot=0)
+        token = backend.sample_next(np.array([17], np.int32), cache, params, vocab=model.sample_vocab, seed=1,
+                                    step=0)  # the draw the first fed step reads (outside the timing)
         t0 = time.perf_counter()
-        for i in range(steps):
-            token = backend.sample_next(np.array([token], np.int32), cache, params, vocab=model.sample_vocab,
-                                        seed=1, step=i)
+        if ahead:
+            nxt = backend.sample_ahead(cache, params, vocab=model.sample_vocab, seed=1, step=1)
+            for i in range(2, steps + 2):
+                after = backend.sample_ahead(cache, params, vocab=model.sample_vocab, seed=1, step=i) \
+                    if i <= steps else None
+                token = nxt.result()
+                nxt = after
+        else:
+            for i in range(1, steps + 1):
+                token = backend.sample_next(np.array([token], np.int32), cache, params, vocab=model.sample_vocab,
+                                            seed=1, step=i)
         times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times[1:]))
 
@@ -49,8 +63,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="calls a round (they stay in one graph bucket)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
-    if not 1 <= a.steps < a.context:
-        sys.exit(f"host_loop: --steps must be in [1, --context), got {a.steps}")
+    if not 1 <= a.steps < a.context - 1:
+        sys.exit(f"host_loop: --steps must be in [1, --context - 1), got {a.steps}")
 
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.gpu.bench import _time_decode
@@ -60,20 +74,23 @@ def main() -> None:
     rows = []
     with synthetic_model(gpu, k, a.model, max_ctx=a.context + 1024) as model:
         backend = GpuBackend.of_model(model)
-        if model.bucket(a.context - a.steps + 1) != model.bucket(a.context):
-            sys.exit(f"host_loop: positions {a.context - a.steps}..{a.context} span two graph buckets; fewer --steps")
+        if model.bucket(a.context - a.steps) != model.bucket(a.context):
+            sys.exit(f"host_loop: positions {a.context - a.steps - 1}..{a.context} span two graph buckets; fewer "
+                     "--steps")
         for label, params in (("greedy", SamplingParams(greedy=True)),
                               ("top-k 20", SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1))):
-            loop = loop_s(backend, model, a.context, a.steps, params)
             replay = _time_decode(model, a.context - 1, sampled=label != "greedy")
-            rows.append({"model": a.model, "context": a.context, "sampling": label, "loop_ms": loop * 1e3,
-                         "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
-                         "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+            for loop_kind in ("wait", "ahead"):
+                loop = loop_s(backend, model, a.context, a.steps, params, ahead=loop_kind == "ahead")
+                rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": loop_kind,
+                             "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
+                             "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
-                  [("sampling", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
+                  [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],
-                  lambda r: (r["sampling"], f"{r['loop_ms']:.4f}", f"{r['replay_ms']:.4f}", f"{r['host_us']:.1f}",
-                             f"{r['loop_tok_s']:.1f}", f"{r['replay_tok_s']:.1f}"), rows, a.json)
+                  lambda r: (r["sampling"], r["loop"], f"{r['loop_ms']:.4f}", f"{r['replay_ms']:.4f}",
+                             f"{r['host_us']:.1f}", f"{r['loop_tok_s']:.1f}", f"{r['replay_tok_s']:.1f}"),
+                  rows, a.json)
 
 
 if __name__ == "__main__":

@@ -320,14 +320,18 @@ class Model:
         clean = [True]           # False while a forward runs: if it raises, the cache's contents are unknown
         params = sampler.params
         on_device = self._draws_on_device(params)
+        ahead = on_device and hasattr(self._backend, "sample_ahead")
+
+        def owned() -> None:
+            if exclusive and not kept.owns(slot, ticket):
+                raise NinferError("a later generation (or logits) took this generation's sequence slot on the GPU: "
+                                  "finish or close one generation before starting the next")
 
         def step(new_ids: list[int], pick: bool = True) -> int | None:
             """Forward new_ids through the cache and pick the next token from the last row (pick False: only
             feed them)."""
             arr = np.asarray(new_ids, dtype=np.int64)
-            if exclusive and not kept.owns(slot, ticket):
-                raise NinferError("a later generation (or logits) took this generation's sequence slot on the GPU: "
-                                  "finish or close one generation before starting the next")
+            owned()
             clean[0], token = False, None
             if on_device and pick:
                 token = self._backend.sample_next(arr, cache, params, vocab=real, seed=sampler.seed,
@@ -349,6 +353,9 @@ class Model:
                 kept.keep_snapshot(cache, fed, slot)  # (again, when this run began from the snapshot itself)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0
+            if ahead:
+                yield from self._run_ahead(token, cache, budget, sampler, stats, history, fed, clean, owned)
+                return
             while not (yield from emit([token], stats, history, budget, is_stop)):
                 t0 = time.perf_counter()
                 token = step([token])
@@ -356,6 +363,57 @@ class Model:
         finally:  # however it ended (a stop, the caller closing it), its cache is there for the next one
             if reuse and clean[0]:
                 kept.leave(cache, fed, slot, ticket)
+
+    def _run_ahead(self, token: int, cache, budget: int, sampler: Sampler, stats: GenerationStats,
+                   history: list[int], fed: list[int], clean: list[bool], owned) -> Iterator[int]:
+        """_decode_loop's decode on a backend that feeds each drawn token to the next step on the device
+        (GpuBackend.sample_ahead): the step after a token is enqueued before the host reads that token, so the
+        host's wait, the consumer's work and the next launch overlap the GPU's step instead of following it.
+
+        token: the prompt's draw (on the host). At most two steps are in flight: `nxt`, drawing the token after
+        `token`, and one fed by nxt's draw, enqueued while the budget leaves a token after it. If nxt's draw is a
+        stop id that second step was spent for nothing (the cache then holds the stop id too: `fed` says so).
+        decode_s is the wall time from the first decode step's enqueue to the last token's arrival."""
+        is_stop, real, params = self.tokenizer.is_stop, self.real_vocab_size, sampler.params
+        drawn = 1  # tokens drawn so far: the next draw's index in the seed's stream (as _decode_loop's `step`)
+        unread = None  # the pending token whose step's successor is enqueued: fed, not yet in `fed`
+
+        def feed():
+            nonlocal drawn
+            owned()
+            clean[0] = False
+            pending = self._backend.sample_ahead(cache, params, vocab=real, seed=sampler.seed, step=drawn)
+            clean[0] = True  # enqueued: the cache holds one more token, which `fed` gets once it is read
+            drawn += 1
+            return pending
+
+        def read(pending) -> int:
+            clean[0] = False
+            tok = pending.result()
+            clean[0] = True
+            return tok
+
+        t0 = time.perf_counter()
+        nxt = None
+        try:
+            if not is_stop(token) and budget > 1:
+                nxt = feed()
+                fed.append(token)
+            while True:
+                after = None
+                if nxt is not None and not is_stop(token) and len(stats.token_ids) + 2 < budget:
+                    after, unread = feed(), nxt  # fed by nxt's draw, before the host has it
+                if (yield from emit([token], stats, history, budget, is_stop)):
+                    return
+                token = read(nxt)
+                stats.decode_s = time.perf_counter() - t0
+                if unread is nxt:
+                    fed.append(token)
+                    unread = None
+                nxt = after
+        finally:
+            if unread is not None and clean[0]:  # stopped with a fed token unread: `fed` must name it
+                fed.append(read(unread))
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,

@@ -67,3 +67,45 @@ class SlotBackend:
         assert len({c.slot for c in caches}) == len(caches)
         self.batches.append(len(caches))
         return np.concatenate([self.forward([i], c) for i, c in zip(ids, caches)])
+
+
+class _Pending:
+    """A drawn token handed over later, as GpuBackend's PendingToken (it counts the reads for the tests)."""
+
+    def __init__(self, backend: DrawingSlotBackend, token: int):
+        self.backend, self.token = backend, token
+
+    def result(self) -> int:
+        self.backend.reads += 1
+        return self.token
+
+
+class DrawingSlotBackend(SlotBackend):
+    """SlotBackend with the GPU backend's draws on the device: sample_next (the arg-max over ids < vocab), and
+    sample_ahead, whose step is fed the token the latest draw left in the draw slot, which the host may not have
+    read yet. forced: {history length: token} overrides pick (a stop id where a test wants one)."""
+
+    def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
+        super().__init__(vocab, stops, cache_slots)
+        self.forced = forced or {}
+        self.draw_slot: int | None = None
+        self.steps: list[int] = []  # each draw's index in the seed's stream
+        self.reads = 0
+
+    def pick(self, history: list[int]) -> int:
+        return self.forced[len(history)] if len(history) in self.forced else super().pick(history)
+
+    def can_sample(self, params) -> bool:
+        return params.is_greedy
+
+    def sample_next(self, ids, cache, params, *, vocab: int, seed: int, step: int) -> int:
+        self.steps.append(step)
+        self.draw_slot = int(np.argmax(self.forward(ids, cache)[-1][:vocab]))
+        return self.draw_slot
+
+    def sample_ahead(self, cache, params, *, vocab: int, seed: int, step: int) -> _Pending:
+        assert self.draw_slot is not None, "sample_ahead before any draw"
+        token = self.draw_slot
+        self.steps.append(step)
+        self.draw_slot = int(np.argmax(self.forward([token], cache)[-1][:vocab]))
+        return _Pending(self, self.draw_slot)

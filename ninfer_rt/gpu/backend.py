@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ninfer_rt.errors import NinferError
-from ninfer_rt.gpu.driver import Gpu, GpuError
+from ninfer_rt.gpu.driver import Event, Gpu, GpuError, PinnedBuffer
 from ninfer_rt.gpu.engine import GEMV_MAX_ROWS, GpuModel
 from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import load_artifact
@@ -52,6 +52,7 @@ class GpuBackend:
                            "beside the weights: lower --max-context, or serve's --parallel") from None
         self.use_graphs = use_graphs
         self._probs: tuple[int, int, int, int] | None = None  # _probs_of's buffers
+        self._ring: _DrawRing | None = None  # sample_ahead's pinned ids, made on first use
 
     @classmethod
     def of_model(cls, model: GpuModel, use_graphs: bool = True) -> GpuBackend:
@@ -60,7 +61,7 @@ class GpuBackend:
         self = cls.__new__(cls)
         self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, model.w, model
         self.max_ctx, self.cache_slots, self.exclusive_slots = model.max_ctx, model.slots, True
-        self.use_graphs, self._probs = use_graphs, None
+        self.use_graphs, self._probs, self._ring = use_graphs, None, None
         return self
 
     def new_cache(self, slot: int = 0) -> GpuCache:
@@ -124,6 +125,22 @@ class GpuBackend:
         if self._run_last(ids, cache, (vocab, record)):  # a decode step: the draw was part of its graph
             return self.model.drawn()
         return self.model.draw(vocab, record)
+
+    def sample_ahead(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,
+                     step: int) -> PendingToken:
+        """sample_next fed by the token the latest draw on this cache left on the device (sample_next's or an
+        earlier sample_ahead's), before the host has read it: the step is enqueued and this returns at once,
+        advancing cache by one. The token it draws comes back through PendingToken.result(), which waits for
+        that step only, so the host reads one token while the GPU already runs the step after it."""
+        record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
+                                                              params.min_p, seed=seed, step=step)
+        if cache.pos == 0:
+            raise NinferError("sample_ahead: the cache has no drawn token to feed (sample_next its prompt first)")
+        self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs, draw=(vocab, record))
+        cache.pos += 1
+        if self._ring is None:
+            self._ring = _DrawRing()
+        return self._ring.pend(self.model)
 
     # ------------------------------------------------------------------------------------ speculative decoding
     # The reference backend's contract (ninfer_rt.speculative), with the logits and hidden states of the last row
@@ -212,8 +229,54 @@ class GpuBackend:
         draft_cache.pos = pos
 
     def close(self) -> None:
+        if self._ring is not None:
+            self.gpu.synchronize()  # no copy into the ring may be in flight when it is freed
+            self._ring.free()
+            self._ring = None
         self.model.free()
         self.weights.free(self.gpu)
+
+
+class _DrawRing:
+    """Pinned int32 slots the draws of enqueued steps are copied into, each with the event that says it is
+    there; reused in turn, so a PendingToken is good until SLOTS later ones (sample_ahead's loop holds two)."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        self.ids = PinnedBuffer(4 * self.SLOTS)
+        self.events = [Event(timing=False) for _ in range(self.SLOTS)]
+        self.serial = [0] * self.SLOTS  # per slot: the number of the latest PendingToken that owns it
+        self.count = 0
+
+    def pend(self, model: GpuModel) -> PendingToken:
+        """The draw slot's token (once the enqueued step is done) copied into the next slot: its handle."""
+        i = self.count % self.SLOTS
+        self.count += 1
+        self.serial[i] = self.count
+        model.drawn_async(self.ids, 4 * i)
+        self.events[i].record(model.gpu.stream)
+        return PendingToken(self, i, self.count)
+
+    def free(self) -> None:
+        self.ids.free()
+        for e in self.events:
+            e.destroy()
+
+
+class PendingToken:
+    """The token an enqueued decode step draws: result() waits for that step's copy (not for the stream, where
+    later steps may be queued) and returns the id."""
+
+    def __init__(self, ring: _DrawRing, index: int, serial: int):
+        self._ring, self._index, self._serial = ring, index, serial
+
+    def result(self) -> int:
+        ring = self._ring
+        if ring.serial[self._index] != self._serial:
+            raise NinferError(f"a pending token was read after {_DrawRing.SLOTS} later ones reused its slot")
+        ring.events[self._index].synchronize()
+        return int(ring.ids.array[4 * self._index:4 * self._index + 4].view(np.int32)[0])
 
 
 class DeviceRows:

@@ -166,6 +166,11 @@ class Event:
     def synchronize(self) -> None:
         _check(_driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
 
+    def destroy(self) -> None:
+        if self.handle is not None:
+            _check(_driver().cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
     def elapsed_ms(self, later: "Event") -> float:
         """Milliseconds from this event to `later` (both recorded and complete)."""
         return float(_check(_driver().cuEventElapsedTime(self.handle, later.handle), "cuEventElapsedTime"))
@@ -337,6 +342,16 @@ class Gpu:
             self.stream.synchronize()
             _check(_driver().cuMemcpyDtoH(out.ctypes.data, int(src), out.nbytes), "cuMemcpyDtoH")
         return out
+
+    def download_async(self, dst: PinnedBuffer, offset: int, src: int, nbytes: int,
+                       stream: Stream | None = None) -> None:
+        """Copy nbytes of device memory at src into pinned host memory at dst[offset:], ordered on `stream`;
+        returns at once: the bytes are there once an event recorded after it completes."""
+        if not (0 <= offset and offset + nbytes <= dst.nbytes):
+            raise ValueError(f"download_async: {nbytes} bytes at {offset} past a {dst.nbytes}-byte buffer")
+        s = stream or self.stream
+        _check(_driver().cuMemcpyDtoHAsync(dst.address + offset, int(src), int(nbytes), s.handle),
+               "cuMemcpyDtoHAsync")
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
         """Device-to-device copy on a stream (the default stream if none)."""

@@ -297,8 +297,13 @@ class GpuModel:
 
     # ------------------------------------------------------------------------------------------- host API
 
-    def _set_batch(self, tokens: np.ndarray, pos: list[int], slots: list[int]) -> None:
-        self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
+    def _set_batch(self, tokens: np.ndarray | None, pos: list[int], slots: list[int]) -> None:
+        """The step's inputs; tokens None: the one token the latest draw left in the draw slot, copied on the
+        device (the host has not read it yet)."""
+        if tokens is None:
+            self.gpu.copy(self.buf.tokens, self._draw_out, 4)
+        else:
+            self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.slot, np.asarray(slots, np.int32), stream=self.gpu.stream)
 
@@ -318,7 +323,7 @@ class GpuModel:
         if max(pos) + T > self.max_ctx:
             raise NinferError(f"context {max(pos) + T} exceeds the cache's {self.max_ctx} positions")
 
-    def decode(self, tokens: np.ndarray, pos: list[int], slots: list[int], *, graph: bool = True,
+    def decode(self, tokens: np.ndarray | None, pos: list[int], slots: list[int], *, graph: bool = True,
                draw: tuple[int, np.ndarray | None] | None = None, hidden: bool = False) -> None:
         """One decode step for B = len(pos) sequences of T = tokens.size // B new tokens each (T ≤ 8).
 
@@ -326,11 +331,14 @@ class GpuModel:
         with draw = (vocab, record) and B = 1, the next token in the same graph (`drawn()`): the arg-max over
         ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax. hidden:
         also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
-        it rather than normalising x itself.
+        it rather than normalising x itself. tokens None (B = 1, with draw): the step's one token is the one the
+        latest draw left on the device, so a step can be enqueued before the host reads the token before it.
         """
         B = len(pos)
-        T = tokens.size // B
-        if not 1 <= T <= GEMV_MAX_ROWS or T * B != tokens.size or B > self.slots:
+        if tokens is None and (B != 1 or draw is None):
+            raise NinferError("decode: a token fed from the draw slot needs one sequence and a draw")
+        T = 1 if tokens is None else tokens.size // B
+        if not 1 <= T <= GEMV_MAX_ROWS or (tokens is not None and T * B != tokens.size) or B > self.slots:
             raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")
         self._check(pos, T, slots)
         if draw is not None and (B != 1 or not 1 <= draw[0] <= self.V):
@@ -529,4 +537,8 @@ class GpuModel:
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""
         return int(self.gpu.download(self._draw_out, (1,), np.int32)[0])
+
+    def drawn_async(self, dst, offset: int) -> None:
+        """Queue a copy of the draw slot's token into pinned host memory dst[offset:offset + 4] (int32)."""
+        self.gpu.download_async(dst, offset, self._draw_out, 4)
 

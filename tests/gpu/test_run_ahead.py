@@ -1,0 +1,106 @@
+"""GpuBackend.sample_ahead on the tiny artifact: a step fed on the device by the token the step before it drew,
+enqueued before the host reads that token, draws what sample_next fed the same token from the host draws, bit
+for bit (the same graph on the same inputs), greedy and seeded top-k, replayed and launched directly; and
+Model.generate, which runs ahead this way, gives the host path's greedy tokens.
+
+Oracle: the sample_next chain on the same backend and cache slot (itself tested against the step's own logits in
+test_engine.test_decode_draws_the_token_in_its_graph)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_engine import prompt
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def model(artifact):
+    from ninfer_rt.api import load
+
+    m = load(artifact, device="cuda", max_ctx=256)
+    yield m
+    m.close()
+
+
+def _chain(b, ids, params, vocab, ahead: bool) -> tuple[list[int], int]:
+    """The prompt's draw, then STEPS more: each fed from the host (sample_next), or from the device with one step
+    in flight beyond the token being read (sample_ahead, as Model._run_ahead); with the cache's end position."""
+    c = b.new_cache(0)
+    out = [b.sample_next(ids, c, params, vocab=vocab, seed=3, step=0)]
+    if not ahead:
+        for i in range(1, STEPS + 1):
+            out.append(b.sample_next(np.array([out[-1]], np.int32), c, params, vocab=vocab, seed=3, step=i))
+        return out, c.pos
+    nxt = b.sample_ahead(c, params, vocab=vocab, seed=3, step=1)
+    for i in range(2, STEPS + 2):
+        after = b.sample_ahead(c, params, vocab=vocab, seed=3, step=i) if i <= STEPS else None
+        out.append(nxt.result())
+        nxt = after
+    return out, c.pos
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_sample_ahead_draws_what_sample_next_draws(model, graphs):
+    from ninfer_rt.sampling import SamplingParams
+
+    b = model._backend
+    ids = prompt(40, seed=9, vocab=model.real_vocab_size)
+    b.use_graphs = graphs
+    try:
+        for params in (SamplingParams(greedy=True), SamplingParams(temperature=1.3, top_k=40, top_p=0.9, seed=3)):
+            plain, end = _chain(b, ids, params, model.real_vocab_size, ahead=False)
+            ahead, end_ahead = _chain(b, ids, params, model.real_vocab_size, ahead=True)
+            assert ahead == plain and end_ahead == end == len(ids) + STEPS
+            assert len(set(plain)) > 1  # a chain that repeats one id could hide a token fed twice
+    finally:
+        b.use_graphs = True
+
+
+def test_a_pending_token_outlived_by_its_ring_slot_is_refused(model):
+    from ninfer_rt.errors import NinferError
+    from ninfer_rt.gpu.backend import _DrawRing
+    from ninfer_rt.sampling import SamplingParams
+
+    b, greedy = model._backend, SamplingParams(greedy=True)
+    c = b.new_cache(0)
+    b.sample_next(prompt(10, seed=2, vocab=model.real_vocab_size), c, greedy, vocab=model.real_vocab_size, seed=0,
+                  step=0)
+    first = b.sample_ahead(c, greedy, vocab=model.real_vocab_size, seed=0, step=1)
+    later = [b.sample_ahead(c, greedy, vocab=model.real_vocab_size, seed=0, step=i)
+             for i in range(2, _DrawRing.SLOTS + 2)]
+    with pytest.raises(NinferError, match="reused its slot"):
+        first.result()
+    assert 0 <= later[-1].result() < model.real_vocab_size
+    with pytest.raises(NinferError, match="no drawn token"):
+        b.sample_ahead(b.new_cache(0), greedy, vocab=model.real_vocab_size, seed=0, step=1)
+
+
+def test_generate_runs_ahead_and_gives_the_host_paths_tokens(model, monkeypatch):
+    """generate on the GPU: one sample_next (the prompt), then sample_ahead for every later token (one more
+    where a stop id ended the run: the step fed by it was already queued); its greedy tokens equal the host
+    path's (can_sample False: the host picks from downloaded logits)."""
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
+
+    ids = prompt(40, seed=3, vocab=model.real_vocab_size).tolist()
+    calls = {"next": 0, "ahead": 0}
+    for name in calls:
+        real = getattr(GpuBackend, f"sample_{name}")
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(GpuBackend, f"sample_{name}", counted)
+    greedy = list(model.generate_ids(ids, max_new_tokens=20, sampling=SamplingParams(greedy=True)))
+    s = model.last_stats
+    wasted = s.finish_reason == "eos" and 2 <= s.generated_tokens < 20
+    assert calls == {"next": 1, "ahead": s.generated_tokens - 1 + wasted}
+    monkeypatch.setattr(GpuBackend, "can_sample", staticmethod(lambda params: False))
+    host = list(model.generate_ids(ids, max_new_tokens=20, sampling=SamplingParams(greedy=True)))
+    assert greedy == host and len(greedy) >= 1

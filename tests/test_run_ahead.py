@@ -1,0 +1,112 @@
+"""generate on a backend that draws on the device and feeds each draw to the next step before the host reads it
+(GpuBackend.sample_ahead): the same tokens and draw indices as the plain loop, and a cache whose kept ids say
+exactly what it holds however the run ends (a stop id drawn ahead, the budget, the caller closing it).
+
+Oracles: slot_backend.DrawingSlotBackend's rule (decode_fresh: what greedy decoding gives, no slot touched), the
+plain loop on the same rule (SlotBackend, the host picking), and the slot's own history, which a forward checks
+against the cache's position.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ninfer_rt.sampling import SamplingParams
+from slot_backend import DrawingSlotBackend, SlotBackend
+
+GREEDY = SamplingParams(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def model(packed_model):
+    return packed_model
+
+
+def _use(model, monkeypatch, fake):
+    monkeypatch.setattr(model, "_backend", fake)
+    model._kept.fresh()
+    return fake
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 9])
+def test_tokens_and_draw_indices_equal_the_plain_loop(model, monkeypatch, budget):
+    """One sample_next for the prompt, then one sample_ahead a token, each with the index the plain loop gives
+    its draw; no step past the budget; every pending token read."""
+    ids = list(range(100, 130))
+    fake = _use(model, monkeypatch, DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids)))
+    got = list(model.generate_ids(ids, max_new_tokens=budget, sampling=GREEDY))
+    assert got == fake.decode_fresh(ids, budget) and model.last_stats.finish_reason == "length"
+    assert fake.steps == list(range(budget)) and fake.reads == budget - 1
+    assert fake.fed == len(ids) + budget - 1  # the last token is drawn, not fed, as in the plain loop
+
+
+@pytest.mark.parametrize("at", [0, 1, 3, 5])
+def test_a_stop_drawn_ahead_is_in_the_kept_cache(model, monkeypatch, at):
+    """A stop id as output token `at` ends the run there; the step already fed with it (at >= 1, tokens left in
+    the budget) was spent, so the kept cache holds the stop id too, and the next turn that extends it (a chat's
+    next turn renders the stop id after the reply) reuses it and decodes what a fresh run decodes."""
+    ids, stop, budget = list(range(100, 130)), model.tokenizer.eos_ids[0], 8
+    fake = _use(model, monkeypatch, DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids),
+                                                       forced={30 + at: stop}))
+    got = list(model.generate_ids(ids, max_new_tokens=budget, sampling=GREEDY, reuse_cache=True))
+    s = model.last_stats
+    assert got == fake.decode_fresh(ids, at) and s.finish_reason == "eos" and s.generated_tokens == at + 1
+    ahead = at >= 1  # the stop's own step was fed by the token before it; one more was fed by the stop
+    assert fake.steps == list(range(at + 1 + ahead)) and fake.fed == len(ids) + at + ahead
+    turn = ids + got + [stop, 300, 301]
+    again = list(model.generate_ids(turn, max_new_tokens=3, sampling=GREEDY, reuse_cache=True))
+    assert again == fake.decode_fresh(turn, 3)
+    assert model.last_stats.cached_tokens == len(ids) + at + ahead  # the stop id too where it was fed
+
+
+def test_a_run_closed_early_keeps_the_token_fed_ahead(model, monkeypatch):
+    """Closed after 3 tokens, the run had fed the third and the fourth (drawn, not yet read): the kept ids name
+    both, so a turn extending all four reuses them, and one extending only three starts afresh."""
+    ids = list(range(100, 130))
+    fake = _use(model, monkeypatch, DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids)))
+    want = fake.decode_fresh(ids, 4)
+    run = model.generate_ids(ids, max_new_tokens=10, sampling=GREEDY, reuse_cache=True)
+    assert [next(run) for _ in range(3)] == want[:3]
+    run.close()
+    assert model.last_stats.finish_reason == "cancelled"
+    for kept, cached in ((4, len(ids) + 4), (3, 0)):
+        turn = ids + want[:kept] + [300, 301]
+        assert list(model.generate_ids(turn, max_new_tokens=3, sampling=GREEDY, reuse_cache=True)) == \
+            fake.decode_fresh(turn, 3)
+        assert model.last_stats.cached_tokens == cached
+        list(model.generate_ids(ids, max_new_tokens=10, sampling=GREEDY, reuse_cache=True))  # as before
+        run = model.generate_ids(ids, max_new_tokens=10, sampling=GREEDY, reuse_cache=True)
+        [next(run) for _ in range(3)]
+        run.close()
+
+
+def test_random_conversations_decode_and_reuse_as_the_plain_loop(model, monkeypatch):
+    """The same random conversation (extend, branch at a snapshot, start over; early closes) on the host-picking
+    backend and on the drawing one: the same tokens at every turn, equal to fresh runs, and the same prefix reuse
+    wherever the plain loop's kept ids and the run-ahead's agree (they differ only after an early close, where
+    run-ahead fed one token more)."""
+
+    def converse(fake) -> list[tuple[list[int], int]]:
+        _use(model, monkeypatch, fake)
+        rng = random.Random(5)
+        toks = lambda n: [rng.randrange(100, model.real_vocab_size) for _ in range(n)]  # noqa: E731
+        prompt, turns = toks(12), []
+        for _ in range(120):
+            close_at = rng.choice([None, None, 1, 2])
+            run = model.generate_ids(prompt, max_new_tokens=4, sampling=GREEDY, reuse_cache=True,
+                                     snapshot_at=rng.choice([None, rng.randrange(1, len(prompt))]))
+            got = [next(run) for _ in range(close_at)] if close_at else list(run)
+            run.close()
+            assert got == fake.decode_fresh(prompt, len(got))
+            turns.append((got, model.last_stats.cached_tokens, close_at))
+            kind = rng.choice(["extend", "new"])
+            prompt = prompt + got + toks(rng.randrange(1, 5)) if kind == "extend" else toks(rng.randrange(3, 12))
+        return turns
+
+    plain = converse(SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids)))
+    ahead = converse(DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids)))
+    assert [t[0] for t in plain] == [t[0] for t in ahead]
+    same = [(p[1], a[1]) for i, (p, a) in enumerate(zip(plain, ahead)) if i == 0 or not plain[i - 1][2]]
+    assert all(p == a for p, a in same) and sum(1 for p, _ in same if p) > 20
