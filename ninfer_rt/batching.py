@@ -96,6 +96,8 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
+        self._ahead = None             # the draw of a step already fed _next (Batch._run_ahead), not yet read
+        self._ahead_t = 0.0            # when that step was enqueued
         self.spec: Speculator | None = None  # its speculative steps (Batch.add), while the head keeps up
 
     def take(self) -> list[str]:
@@ -211,10 +213,14 @@ class Batch:
             self._finish(g, "cancelled")
 
     def step(self) -> None:
-        """Feed one prefill chunk of each joining generation, then one batched decode step of the others."""
+        """Feed one prefill chunk of each joining generation, then one batched decode step of the others (a
+        sequence whose step ran ahead takes that step's token instead)."""
+        ahead = [g for g in self._running if g._ahead is not None]
+        for g in ahead:
+            self._guard([g], lambda gens: self._take_ahead(gens[0]))
         for g in [g for g in self._running if g._next is None]:
             self._guard([g], lambda gens: self._prefill_chunk(gens[0]))
-        decoding = [g for g in self._running if g._next is not None]
+        decoding = [g for g in self._running if g._next is not None and g not in ahead]
         if len(decoding) == 1 and decoding[0].spec is not None:
             self._guard(decoding, lambda gens: self._spec_decode(gens[0]))
         elif decoding:
@@ -313,7 +319,13 @@ class Batch:
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
         if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn in the step's graph
-            picks = [self._device_draw(gens[0], np.asarray(tokens, np.int64))]
+            g = gens[0]
+            token = self._device_draw(g, np.asarray(tokens, np.int64))
+            g._slot.ids.append(tokens[0])
+            g.stats.decode_s += time.perf_counter() - t0
+            self._run_ahead(g, token)
+            self._emit(g, token)
+            return
         else:
             caches = [g._slot.cache for g in gens]
             if any(g.spec is not None for g in gens):  # their post-norm rows kept for the MTP head
@@ -333,6 +345,28 @@ class Batch:
                 self._fail(g, token)  # its slot holds what it fed: only its own generation ends
             else:
                 self._emit(g, token)
+
+    def _run_ahead(self, g: Generation, token: int) -> None:
+        """Where g decodes alone on the device and will need a token after `token`, enqueue the step fed by it now
+        (GpuBackend.sample_ahead: the draw slot copied on the device), before `token` goes out: the worker's
+        hand-off, the next step's planning and its launch then overlap the GPU's step (a joiner meanwhile is
+        prefilled after it). Where `token` ends g after all (a stop string) or g is cancelled, that step is spent
+        and its token stays in the cache: the slot's ids say so."""
+        if not (len(self._running) == 1 and g.spec is None and hasattr(self.backend, "sample_ahead")
+                and not self.model.tokenizer.is_stop(token) and len(g.stats.token_ids) + 1 < g.budget):
+            return
+        g._ahead = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
+                                             seed=g.sampler.seed, step=len(g.stats.token_ids) + 1)
+        g._ahead_t = time.perf_counter()
+        g._slot.ids.append(token)
+
+    def _take_ahead(self, g: Generation) -> None:
+        """g's decode this step: the token of the step _run_ahead enqueued (its input, g._next, is fed already)."""
+        pending, g._ahead = g._ahead, None
+        token = pending.result()
+        g.stats.decode_s += time.perf_counter() - g._ahead_t  # the step's whole time, the overlapped part too
+        self._run_ahead(g, token)
+        self._emit(g, token)
 
     def _draw_or_error(self, g: Generation, logits):
         """g's next token from its row, or the exception its draw raised (a JSON reply with no way on): one
@@ -469,6 +503,6 @@ class Batch:
         self._release(g)
 
     def _release(self, g: Generation) -> None:
-        g.done, g._next = True, None
+        g.done, g._next, g._ahead = True, None, None  # a step run ahead is spent: its input is in the slot's ids
         g._slot.busy, g._slot.used = False, next(self._clock)  # last used when its sequence left
         self._running.remove(g)

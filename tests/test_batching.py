@@ -16,7 +16,7 @@ from ninfer_rt.batching import Batch
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_schema import compile_schema
 from ninfer_rt.sampling import SamplingParams
-from slot_backend import SlotBackend
+from slot_backend import DrawingSlotBackend, SlotBackend
 
 GREEDY = SamplingParams(greedy=True)
 
@@ -31,6 +31,15 @@ def model(packed):
 @pytest.fixture
 def fake(model, monkeypatch):
     f = SlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+    monkeypatch.setattr(model, "_backend", f)
+    return f
+
+
+@pytest.fixture(params=["host draws", "device draws"])
+def any_fake(model, monkeypatch, request):
+    """SlotBackend, or the same with the GPU backend's draws (a lone sequence then runs a step ahead)."""
+    cls = SlotBackend if request.param == "host draws" else DrawingSlotBackend
+    f = cls(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
     monkeypatch.setattr(model, "_backend", f)
     return f
 
@@ -96,10 +105,11 @@ def test_one_decode_step_serves_every_running_sequence(model, fake):
         assert g.stats.token_ids == fake.decode_fresh(p, g.budget) and g.stats.finish_reason == "length"
 
 
-def test_random_traffic_never_serves_a_stale_slot(model, fake):
+def test_random_traffic_never_serves_a_stale_slot(model, any_fake):
     """Random joins of prompts that extend a finished one's prompt and reply, share a snapshot's prefix, or are
     new, with cancels: every generation decodes what the rule gives its prompt alone, prefills only what its slot
-    lacks, and slots are reused both ways."""
+    lacks, and slots are reused both ways; with device draws too, where a lone sequence's step runs ahead."""
+    fake = any_fake
     rng = random.Random(5)
     toks = lambda n: [rng.randrange(100, model.real_vocab_size) for _ in range(n)]  # noqa: E731
     batch = model.batch(parallel=3)
@@ -134,6 +144,7 @@ def test_random_traffic_never_serves_a_stale_slot(model, fake):
             if g.stats.cached_tokens and g.kind != "new":
                 reused[g.kind] += 1
     assert min(reused.values()) > 15 and max(fake.batches) == 3
+    assert getattr(fake, "reads", 40) >= 40  # with device draws, lone sequences ran ahead (83 reads)
 
 
 def test_cancel_stop_strings_and_refusals(model, fake):

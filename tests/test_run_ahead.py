@@ -110,3 +110,73 @@ def test_random_conversations_decode_and_reuse_as_the_plain_loop(model, monkeypa
     assert [t[0] for t in plain] == [t[0] for t in ahead]
     same = [(p[1], a[1]) for i, (p, a) in enumerate(zip(plain, ahead)) if i == 0 or not plain[i - 1][2]]
     assert all(p == a for p, a in same) and sum(1 for p, _ in same if p) > 20
+
+
+# ------------------------------------------------------------------------------------------------ Batch (serve)
+
+
+@pytest.fixture
+def batch_model(packed):
+    from ninfer_rt import load
+
+    m = load(packed, "cpu", cache_slots=3)
+    yield m
+    m.close()
+
+
+def _drain(batch, gens) -> None:
+    while batch.busy:
+        batch.step()
+        for g in gens:
+            g.take()
+
+
+def test_a_lone_batch_sequence_runs_ahead_and_decodes_as_alone(batch_model, monkeypatch):
+    """A sequence alone in a Batch runs ahead after its first decode step (one sample_next for the prompt, one for
+    the first step, then sample_ahead), with the plain loop's draw indices; a second one joining meanwhile takes
+    the step in flight as the first one's token and the two then decode batched; both decode what the rule gives
+    them alone, and the first one's slot then serves a prompt extending what it fed."""
+    m = batch_model
+    fake = _use(m, monkeypatch, DrawingSlotBackend(m.real_vocab_size, set(m.tokenizer.eos_ids), cache_slots=4))
+    batch = m.batch(2)
+    a = batch.add(list(range(100, 120)), max_new_tokens=9, sampling=GREEDY)
+    for _ in range(4):
+        batch.step()
+    # step 1 prefills and decodes (draws 0 and 1, the step fed by 1 enqueued ahead), steps 2-4 take one each
+    assert fake.steps == [0, 1, 2, 3, 4, 5] and fake.reads == 3
+    b = batch.add(list(range(200, 210)), max_new_tokens=5, sampling=GREEDY)
+    _drain(batch, [a, b])
+    for g in (a, b):
+        assert g.stats.token_ids == fake.decode_fresh(g.prompt, g.budget) and g.stats.finish_reason == "length"
+    assert fake.batches  # they decoded together while both ran
+    turn = a.prompt + a.stats.token_ids + [300]
+    c = batch.add(turn, max_new_tokens=3, sampling=GREEDY)
+    _drain(batch, [c])
+    assert c.stats.token_ids == fake.decode_fresh(turn, 3) and c.stats.cached_tokens == len(turn) - 2
+
+
+@pytest.mark.parametrize("end", ["stop id", "cancel"])
+def test_a_batch_sequence_leaves_its_slot_what_it_fed_ahead(batch_model, monkeypatch, end):
+    """One step in flight at most, fed by the last token out: a stop id is seen before it could be fed (the slot
+    holds the output, as the plain loop's), and a cancel leaves that step's input, the last token out, in the
+    cache (one more than the plain loop's): the slot's ids say so, and the next prompt extending them reuses every
+    fed token and decodes as fresh."""
+    m, stop = batch_model, batch_model.tokenizer.eos_ids[0]
+    ids = list(range(100, 120))
+    forced = {len(ids) + 5: stop} if end == "stop id" else {}
+    fake = _use(m, monkeypatch, DrawingSlotBackend(m.real_vocab_size, set(m.tokenizer.eos_ids), cache_slots=4,
+                                                   forced=forced))
+    batch = m.batch(1)
+    a = batch.add(ids, max_new_tokens=20, sampling=GREEDY)
+    if end == "cancel":
+        for _ in range(4):  # the first step prefills and decodes: 5 tokens out
+            batch.step()
+        batch.cancel(a)
+    _drain(batch, [a])
+    out = a.stats.token_ids
+    assert out == fake.decode_fresh(ids, 5) and a.stats.finish_reason == ("eos" if end == "stop id" else "cancelled")
+    assert batch._slots[0].ids == ids + out and fake.fed == len(ids) + 5
+    turn = ids + out + [300, 301]
+    c = batch.add(turn, max_new_tokens=3, sampling=GREEDY)
+    _drain(batch, [c])
+    assert c.stats.token_ids == fake.decode_fresh(turn, 3) and c.stats.cached_tokens == len(ids) + 5
