@@ -70,6 +70,16 @@ class _Slot:
         self.cache = self.ids = self.head = None
 
 
+@dataclass
+class _Ahead:
+    """A decode step run ahead (GpuBackend.sample_ahead): its draw, not yet read, and whether a later step was
+    fed that draw already (it then goes into the slot's ids once read); `at`: when it was enqueued."""
+
+    pending: object
+    at: float
+    fed_on: bool = False
+
+
 class Generation:
     """One sequence of a Batch: its text pieces as they come (take()), each output token's log-probability where
     asked (take_logprobs()), and when `done`, its stats (GenerationStats: finish_reason eos, length, stop or
@@ -96,8 +106,8 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
-        self._ahead = None             # the draw of a step already fed _next (Batch._run_ahead), not yet read
-        self._ahead_t = 0.0            # when that step was enqueued
+        self._ahead: list[_Ahead] = []  # steps run ahead (Batch._run_ahead), oldest first: their draws unread
+        self._ahead_read = 0.0          # when the last of them was read
         self.spec: Speculator | None = None  # its speculative steps (Batch.add), while the head keeps up
 
     def take(self) -> list[str]:
@@ -215,7 +225,7 @@ class Batch:
     def step(self) -> None:
         """Feed one prefill chunk of each joining generation, then one batched decode step of the others (a
         sequence whose step ran ahead takes that step's token instead)."""
-        ahead = [g for g in self._running if g._ahead is not None]
+        ahead = [g for g in self._running if g._ahead]
         for g in ahead:
             self._guard([g], lambda gens: self._take_ahead(gens[0]))
         for g in [g for g in self._running if g._next is None]:
@@ -346,26 +356,36 @@ class Batch:
             else:
                 self._emit(g, token)
 
-    def _run_ahead(self, g: Generation, token: int) -> None:
-        """Where g decodes alone on the device and will need a token after `token`, enqueue the step fed by it now
-        (GpuBackend.sample_ahead: the draw slot copied on the device), before `token` goes out: the worker's
-        hand-off, the next step's planning and its launch then overlap the GPU's step (a joiner meanwhile is
-        prefilled after it). Where `token` ends g after all (a stop string) or g is cancelled, that step is spent
-        and its token stays in the cache: the slot's ids say so."""
+    def _run_ahead(self, g: Generation, token: int | None = None) -> None:
+        """Where g decodes alone on the device and will need another token, enqueue the next step now
+        (GpuBackend.sample_ahead: the draw slot copied on the device), before the token it is fed goes out: the
+        worker's hand-off, the next step's planning and its launch then overlap the GPU's step. It is fed `token`
+        (just drawn, not yet out), or (None) the draw of g's latest step run ahead, still unread: so a step is
+        queued while the host waits for the one before it. A joiner meanwhile is prefilled after them; a stop id,
+        a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
+        so."""
+        drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
         if not (len(self._running) == 1 and g.spec is None and hasattr(self.backend, "sample_ahead")
-                and not self.model.tokenizer.is_stop(token) and len(g.stats.token_ids) + 1 < g.budget):
+                and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
             return
-        g._ahead = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
-                                             seed=g.sampler.seed, step=len(g.stats.token_ids) + 1)
-        g._ahead_t = time.perf_counter()
-        g._slot.ids.append(token)
+        pending = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
+                                            seed=g.sampler.seed, step=drawn)
+        if token is None:
+            g._ahead[-1].fed_on = True
+        else:
+            g._slot.ids.append(token)
+        g._ahead.append(_Ahead(pending, time.perf_counter()))
 
     def _take_ahead(self, g: Generation) -> None:
-        """g's decode this step: the token of the step _run_ahead enqueued (its input, g._next, is fed already)."""
-        pending, g._ahead = g._ahead, None
-        token = pending.result()
-        g.stats.decode_s += time.perf_counter() - g._ahead_t  # the step's whole time, the overlapped part too
-        self._run_ahead(g, token)
+        """g's decode this step: the token of its oldest step run ahead (that step's input is fed already), read
+        once the next step is queued behind it."""
+        self._run_ahead(g)
+        first = g._ahead.pop(0)
+        token = first.pending.result()
+        g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)  # one step's time, overlap too
+        g._ahead_read = time.perf_counter()
+        if first.fed_on:
+            g._slot.ids.append(token)
         self._emit(g, token)
 
     def _draw_or_error(self, g: Generation, logits):
@@ -503,6 +523,7 @@ class Batch:
         self._release(g)
 
     def _release(self, g: Generation) -> None:
-        g.done, g._next, g._ahead = True, None, None  # a step run ahead is spent: its input is in the slot's ids
+        # a step run ahead is spent; its input is in the ids (between steps none has been fed an unread draw)
+        g.done, g._next, g._ahead = True, None, []
         g._slot.busy, g._slot.used = False, next(self._clock)  # last used when its sequence left
         self._running.remove(g)

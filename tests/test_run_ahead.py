@@ -157,10 +157,10 @@ def test_a_lone_batch_sequence_runs_ahead_and_decodes_as_alone(batch_model, monk
 
 @pytest.mark.parametrize("end", ["stop id", "cancel"])
 def test_a_batch_sequence_leaves_its_slot_what_it_fed_ahead(batch_model, monkeypatch, end):
-    """One step in flight at most, fed by the last token out: a stop id is seen before it could be fed (the slot
-    holds the output, as the plain loop's), and a cancel leaves that step's input, the last token out, in the
-    cache (one more than the plain loop's): the slot's ids say so, and the next prompt extending them reuses every
-    fed token and decodes as fresh."""
+    """Between steps one step is in flight, fed by the last token out; while a step reads its token a second one
+    is queued, fed by that unread draw. So a stop id is fed before it is seen (the slot then holds it too, as
+    generate's), and a cancel leaves the last token out in the cache (one more than the plain loop's): the slot's
+    ids say so, and the next prompt extending them reuses every fed token and decodes as fresh."""
     m, stop = batch_model, batch_model.tokenizer.eos_ids[0]
     ids = list(range(100, 120))
     forced = {len(ids) + 5: stop} if end == "stop id" else {}
@@ -175,8 +175,9 @@ def test_a_batch_sequence_leaves_its_slot_what_it_fed_ahead(batch_model, monkeyp
     _drain(batch, [a])
     out = a.stats.token_ids
     assert out == fake.decode_fresh(ids, 5) and a.stats.finish_reason == ("eos" if end == "stop id" else "cancelled")
-    assert batch._slots[0].ids == ids + out and fake.fed == len(ids) + 5
-    turn = ids + out + [300, 301]
+    fed = ids + out + ([stop] if end == "stop id" else [])
+    assert batch._slots[0].ids == fed and fake.fed == len(fed)
+    turn = fed + [300, 301]
     c = batch.add(turn, max_new_tokens=3, sampling=GREEDY)
     _drain(batch, [c])
-    assert c.stats.token_ids == fake.decode_fresh(turn, 3) and c.stats.cached_tokens == len(ids) + 5
+    assert c.stats.token_ids == fake.decode_fresh(turn, 3) and c.stats.cached_tokens == len(fed)
