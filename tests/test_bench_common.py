@@ -296,31 +296,62 @@ def test_planner_ab_variants_name_real_planner_constants():
         assert parse_settings([f"{key}={value!r}" for key, value in over.items()], mods) == dict(over), label
 
 
-def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch):
-    """bench/host_loop.loop_s: every round's calls end at position ctx, each is fed the id the one before drew, and
-    the first round (which captures the graph) is left out of the median. Oracle: a fake clock that each call
-    advances by a known time, 10x longer in the first round."""
+@pytest.mark.parametrize("ahead", [False, True])
+def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch, ahead):
+    """bench/host_loop.loop_s: each round draws once untimed (sample_next at ctx - steps - 1), then times `steps`
+    tokens ending at position ctx, each fed the id drawn before it: by sample_next, or by sample_ahead with every
+    pending token read once, in order, and at most two steps unread; the first round (which captures the graph)
+    is left out of the median. Oracle: a fake clock that each timed token advances by a known time, 10x longer in
+    the first round."""
     import numpy as np
 
     import host_loop
 
-    now = [0.0]
-    calls = []
+    now, calls, spent = [0.0], [], []  # spent: each timed token's time, in order
+
+    def tick():
+        spent.append(0.010 if len(spent) < 4 else 0.001 * (1 + len(spent) % 3))  # round 1: 4 slow tokens
+        now[0] += spent[-1]
+
+    class Pending:
+        def __init__(self, token):
+            self.token, self.read = token, False
+
+        def result(self):
+            assert not self.read
+            self.read = True
+            tick()
+            return self.token
 
     class FakeBackend:
+        def __init__(self):
+            self.pending = []
+
         def sample_next(self, ids, cache, params, *, vocab, seed, step):
-            calls.append((int(ids[0]), cache.pos, step))
-            now[0] += 0.010 if len(calls) <= 4 else 0.001 * (1 + len(calls) % 3)  # round 1: 4 slow calls
+            calls.append(("next", int(ids[0]), cache.pos, step))
+            if step:
+                tick()
             cache.pos += 1
             return 100 + len(calls)
 
+        def sample_ahead(self, cache, params, *, vocab, seed, step):
+            assert sum(not p.read for p in self.pending) < 2  # one in flight beyond the one being read
+            calls.append(("ahead", None, cache.pos, step))
+            cache.pos += 1
+            self.pending.append(Pending(100 + len(calls)))
+            return self.pending[-1]
+
     monkeypatch.setattr(host_loop.time, "perf_counter", lambda: now[0])
     model = type("M", (), {"sample_vocab": 500})()
-    got = host_loop.loop_s(FakeBackend(), model, ctx=40, steps=4, params=None)
-    assert len(calls) == 4 * host_loop.ROUNDS
-    for n, (fed, pos, step) in enumerate(calls):  # call n (0-based) returned 100 + n + 1
-        assert (pos, step) == (36 + n % 4, n % 4)
-        assert fed == (17 if n % 4 == 0 else 100 + n)
-    # rounds 2..6: calls 5..24 take 0.001 * (1 + n % 3) each; a round's mean, then the median of the five
-    means = [np.mean([0.001 * (1 + n % 3) for n in range(5 + 4 * i, 9 + 4 * i)]) for i in range(5)]
+    backend = FakeBackend()
+    got = host_loop.loop_s(backend, model, ctx=40, steps=4, params=None, ahead=ahead)
+    assert len(calls) == 5 * host_loop.ROUNDS and len(spent) == 4 * host_loop.ROUNDS
+    for n, (kind, fed, pos, step) in enumerate(calls):
+        assert (pos, step) == (35 + n % 5, n % 5)
+        if n % 5 == 0:
+            assert (kind, fed) == ("next", 17)
+        else:
+            assert kind == ("ahead" if ahead else "next") and fed in (None, 100 + n)  # call n returned 100 + n
+    assert all(p.read for p in backend.pending)
+    means = [np.mean(spent[4 * r:4 * r + 4]) for r in range(1, host_loop.ROUNDS)]
     assert got == pytest.approx(float(np.median(means)), rel=1e-12)
