@@ -1,6 +1,6 @@
 """What one sequence's decode loop costs beyond its graph: the host's share of a token as Model.generate makes it.
 
-    python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--json PATH]
+    python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--batch 2,4] [--json PATH]
 
 Each row times --steps tokens of one loop, the median of 5 rounds after a first that captures the graph, against
 `ninfer-rt bench`'s back-to-back replay of the same graph: the difference is what the host adds to a token.
@@ -9,6 +9,10 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
   run-ahead).
 - "ahead": GpuBackend.sample_ahead as Model.generate runs it now (Model._run_ahead): each step is fed its token on
   the device and enqueued before the host reads the token before it, one step in flight beyond the one read.
+- "B=n host" / "B=n device" (--batch): a batched step of n sequences as Batch makes it, each row's token drawn by
+  the host's Sampler from the step's [n, V] logits (Batch before v105, and still where a row asks for logprobs) or
+  on the device (GpuBackend.sample_batch: only the ids come back); against the n-row step's replay. Tokens/s
+  count every sequence's token.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -56,13 +60,47 @@ def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
     return float(np.median(times[1:]))
 
 
+def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, device: bool) -> float:
+    """Median seconds a batched step of B sequences (slots 0..B-1, positions ctx - steps .. ctx - 1) over rounds of
+    `steps` steps, each row fed the token drawn for it the step before: by sample_batch, or from the step's logits
+    by a host Sampler per row (the padded vocabulary masked, as Model._pick does)."""
+    from ninfer_rt.gpu.backend import GpuCache
+    from ninfer_rt.sampling import Sampler
+
+    V = model.sample_vocab
+    times = []
+    for _ in range(ROUNDS):
+        caches = [GpuCache(pos=ctx - steps, slot=i) for i in range(B)]
+        samplers = [Sampler(params) for _ in range(B)]
+        tokens = [(17 + 1009 * i) % V for i in range(B)]
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if device:
+                tokens = backend.sample_batch(tokens, caches, [params] * B, vocab=V,
+                                              seeds=[s.seed for s in samplers], steps=[i] * B)
+            else:
+                logits = backend.decode_batch(tokens, caches)
+                logits[:, V:] = -np.inf
+                tokens = [s.sample(row, [], 0) for s, row in zip(samplers, logits)]
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="synthetic shapes and recipe")
     ap.add_argument("--context", type=int, default=8192, help="the position the timed steps end at")
     ap.add_argument("--steps", type=int, default=200, help="calls a round (they stay in one graph bucket)")
+    ap.add_argument("--batch", default="2,4", help="batched steps of these many sequences (comma-separated; "
+                    "empty: none)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
+    try:
+        batches = [int(b) for b in a.batch.split(",") if b.strip()]
+    except ValueError:
+        sys.exit(f"host_loop: --batch {a.batch!r}: want comma-separated integers")
+    if any(not 2 <= b <= 8 for b in batches):
+        sys.exit(f"host_loop: --batch {a.batch!r}: each must be in [2, 8]")
     if not 1 <= a.steps < a.context - 1:
         sys.exit(f"host_loop: --steps must be in [1, --context - 1), got {a.steps}")
 
@@ -72,7 +110,7 @@ def main() -> None:
 
     gpu, k, console = open_gpu("host_loop")
     rows = []
-    with synthetic_model(gpu, k, a.model, max_ctx=a.context + 1024) as model:
+    with synthetic_model(gpu, k, a.model, max_ctx=a.context + 1024, slots=max(batches, default=1)) as model:
         backend = GpuBackend.of_model(model)
         if model.bucket(a.context - a.steps) != model.bucket(a.context):
             sys.exit(f"host_loop: positions {a.context - a.steps - 1}..{a.context} span two graph buckets; fewer "
@@ -85,6 +123,13 @@ def main() -> None:
                 rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": loop_kind,
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+            for B in batches:
+                replay = _time_decode(model, a.context - 1, batch=B)
+                for draws in ("host", "device"):
+                    loop = batch_loop_s(backend, model, a.context, a.steps, params, B, device=draws == "device")
+                    rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": f"B={B} {draws}",
+                                 "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
+                                 "loop_tok_s": B / loop, "replay_tok_s": B / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
                   [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],

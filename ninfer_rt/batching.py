@@ -338,11 +338,20 @@ class Batch:
             return
         else:
             caches = [g._slot.cache for g in gens]
-            if any(g.spec is not None for g in gens):  # their post-norm rows kept for the MTP head
-                logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
+            spec = any(g.spec is not None for g in gens)  # their post-norm rows kept for the MTP head
+            if all(self._on_device(g) for g in gens) and hasattr(self.backend, "sample_batch"):
+                # every row drawn on the device, only the ids back: no [B, V] logits to the host, no host sampler
+                picks = self.backend.sample_batch(
+                    tokens, caches, [g.sampler.params for g in gens], vocab=self.model.real_vocab_size,
+                    seeds=[g.sampler.seed for g in gens], steps=[len(g.stats.token_ids) for g in gens], hidden=spec)
+                if spec:
+                    picks, hidden = picks
             else:
-                logits = self.backend.decode_batch(tokens, caches)
-            picks = [self._draw_or_error(g, row) for g, row in zip(gens, logits)]
+                if spec:
+                    logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
+                else:
+                    logits = self.backend.decode_batch(tokens, caches)
+                picks = [self._draw_or_error(g, row) for g, row in zip(gens, logits)]
             for b, g in enumerate(gens):
                 if g.spec is not None:  # the pair (h_p, x_{p+1}) waits for the head, its token for the next step
                     g.spec.took(tokens[b], hidden[b:b + 1], BATCHED_HEAD_ROWS)

@@ -81,22 +81,23 @@ class _Pending:
 
 
 class DrawingSlotBackend(SlotBackend):
-    """SlotBackend with the GPU backend's draws on the device: sample_next (the arg-max over ids < vocab), and
-    sample_ahead, whose step is fed the token the latest draw left in the draw slot, which the host may not have
-    read yet. forced: {history length: token} overrides pick (a stop id where a test wants one)."""
+    """SlotBackend with the GPU backend's draws on the device: sample_next (the arg-max over ids < vocab), sample_batch
+    (the same for each of B sequences of a batched step), and sample_ahead, whose step is fed the token the latest
+    draw left in the draw slot, which the host may not have read yet. forced: {history length: token} overrides pick (a stop id where a test wants one)."""
 
     def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
         super().__init__(vocab, stops, cache_slots)
         self.forced = forced or {}
         self.draw_slot: int | None = None
         self.steps: list[int] = []  # each draw's index in the seed's stream
+        self.batch_steps: list[list[int]] = []  # each batched step's rows' draw indices (sample_batch)
         self.reads = 0
 
     def pick(self, history: list[int]) -> int:
         return self.forced[len(history)] if len(history) in self.forced else super().pick(history)
 
     def can_sample(self, params) -> bool:
-        return params.is_greedy
+        return params.is_greedy and not params.penalised  # (the GPU's rule, greedy only)
 
     def sample_next(self, ids, cache, params, *, vocab: int, seed: int, step: int) -> int:
         self.steps.append(step)
@@ -109,3 +110,8 @@ class DrawingSlotBackend(SlotBackend):
         self.steps.append(step)
         self.draw_slot = int(np.argmax(self.forward([token], cache)[-1][:vocab]))
         return _Pending(self, self.draw_slot)
+
+    def sample_batch(self, ids, caches, params, *, vocab: int, seeds, steps, hidden: bool = False):
+        assert not hidden
+        self.batch_steps.append(list(steps))
+        return [int(np.argmax(row[:vocab])) for row in self.decode_batch(ids, caches)]

@@ -345,3 +345,23 @@ def test_numpy_integer_arguments_are_integers(model, fake):
 def test_batch_sizes_are_integers_not_bools(model, kw):
     with pytest.raises(NinferError, match=f"{next(iter(kw))}="):
         model.batch(**kw)
+
+
+def test_batched_steps_draw_on_the_device_unless_a_row_needs_its_logits(model):
+    """Where every sequence of a batched step can draw on the device, the step draws them all there (sample_batch:
+    only the ids come back), each row with its own draw index; one that needs its logits on the host (logprobs)
+    brings the whole step's logits back while it runs. Tokens are the rule's either way."""
+    f = DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "_backend", f)
+        batch = model.batch(3)
+        a = batch.add([100, 7, 8], max_new_tokens=6, sampling=GREEDY)
+        b = batch.add([101, 7], max_new_tokens=4, sampling=GREEDY)
+        drain(batch, [a, b])
+        assert f.batch_steps == [[1, 1], [2, 2], [3, 3]] and f.batches == [2, 2, 2]
+        c = batch.add([102, 7], max_new_tokens=4, sampling=GREEDY)
+        d = batch.add([103, 7], max_new_tokens=4, sampling=GREEDY, logprobs=1)
+        drain(batch, [c, d])
+        assert f.batch_steps == [[1, 1], [2, 2], [3, 3]] and f.batches == [2, 2, 2] * 2
+    for g in (a, b, c, d):
+        assert g.stats.token_ids == f.decode_fresh(g.prompt, g.budget)

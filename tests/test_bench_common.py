@@ -355,3 +355,43 @@ def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch
     assert all(p.read for p in backend.pending)
     means = [np.mean(spent[4 * r:4 * r + 4]) for r in range(1, host_loop.ROUNDS)]
     assert got == pytest.approx(float(np.median(means)), rel=1e-12)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_host_loop_batched_steps_feed_each_row_its_own_draw(device):
+    """bench/host_loop.batch_loop_s: B rows a step, each fed the token drawn for it the step before (by
+    sample_batch, or by a host Sampler over the step's logits with the padded rows masked: the fake's padded
+    row is every row's largest, so an unmasked draw would pick it), positions advancing from ctx - steps."""
+    import numpy as np
+
+    import host_loop
+    from ninfer_rt.sampling import SamplingParams
+
+    V, pad, calls = 50, 56, []
+
+    def step(ids, caches):
+        calls.append(([int(i) for i in ids], [c.pos for c in caches], [c.slot for c in caches]))
+        for c in caches:
+            c.pos += 1
+        return [(3 * int(i) + 1) % V for i in ids]  # each row's next token, a function of its own input
+
+    class FakeBackend:
+        def sample_batch(self, ids, caches, params, *, vocab, seeds, steps):
+            assert vocab == V and len(params) == len(seeds) == len(caches)
+            return step(ids, caches)
+
+        def decode_batch(self, ids, caches):
+            nxt = step(ids, caches)
+            logits = np.zeros((len(ids), pad), np.float32)
+            logits[:, V:] = 100.0
+            logits[np.arange(len(ids)), nxt] = 50.0
+            return logits
+
+    model = type("M", (), {"sample_vocab": V})()
+    host_loop.batch_loop_s(FakeBackend(), model, ctx=30, steps=3, params=SamplingParams(greedy=True), B=2,
+                           device=device)
+    assert len(calls) == 3 * host_loop.ROUNDS
+    for n, (ids, pos, slots) in enumerate(calls):
+        assert slots == [0, 1] and pos == [27 + n % 3] * 2
+        want = [17, 1026 % V] if n % 3 == 0 else [(3 * i + 1) % V for i in calls[n - 1][0]]
+        assert ids == want

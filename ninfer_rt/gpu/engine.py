@@ -55,8 +55,8 @@ class Step(NamedTuple):
     bucket. logit_rows: "last", each sequence's last row's logits into logits[b] and their arg-max; "all", every
     row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
     hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab)
-    with "last" and B = 1, the next token over ids < vocab into the draw slot instead of the arg-max (sample: under
-    the params record in the draw params buffer). vocab: the rows' arg-max over ids < vocab rather than
+    with "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the arg-max
+    (sample: under its row's params record in the draw params buffer). vocab: the rows' arg-max over ids < vocab rather than
     < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state (rewind)."""
 
     B: int
@@ -124,9 +124,11 @@ class GpuModel:
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
-        # drawing one row's next token on the device (the API's decode loop): its params, the id, the scratch
-        self._draw_params, self._draw_out = self._alloc(misc.SAMPLE_PARAMS.itemsize), self._alloc(4)
-        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(1, self.V), misc.argmax_scratch_bytes(1)))
+        # drawing each sequence's next token on the device (the decode loops): params, ids and scratch of a row
+        # a slot (the sampler's scratch is ~2 MB a row at a 248K vocabulary)
+        self._draw_params, self._draw_out = self._alloc(slots * misc.SAMPLE_PARAMS.itemsize), self._alloc(4 * slots)
+        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(slots, self.V),
+                                             misc.argmax_scratch_bytes(slots)))
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -282,17 +284,17 @@ class GpuModel:
             misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=step.vocab or self.sample_vocab,
                         out=b.argmax, scratch=b.scratch)
         else:
-            self._enqueue_draw(*step.draw)
+            self._enqueue_draw(*step.draw, rows=rows)
 
-    def _enqueue_draw(self, how: str, vocab: int) -> None:
-        """The next token from logits row 0 over ids < vocab into the draw slot: the arg-max (ties to the lowest
-        id) or a draw under the params record already in the draw params buffer."""
+    def _enqueue_draw(self, how: str, vocab: int, rows: int = 1) -> None:
+        """The next token from each of logits rows 0..rows-1 over ids < vocab into the draw slots: the arg-max (ties
+        to the lowest id) or a draw under each row's params record already in the draw params buffer."""
         b = self.buf
         if how == "argmax":
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, out=self._draw_out,
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, out=self._draw_out,
                         scratch=self._draw_scratch)
         else:
-            misc.sample(self.k, logits=b.logits, ld=self.V, M=1, V=vocab, params=self._draw_params,
+            misc.sample(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, params=self._draw_params,
                         out=self._draw_out, scratch=self._draw_scratch)
 
     # ------------------------------------------------------------------------------------------- host API
@@ -331,8 +333,9 @@ class GpuModel:
         with draw = (vocab, record) and B = 1, the next token in the same graph (`drawn()`): the arg-max over
         ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax. hidden:
         also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
-        it rather than normalising x itself. tokens None (B = 1, with draw): the step's one token is the one the
-        latest draw left on the device, so a step can be enqueued before the host reads the token before it.
+        it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B
+        records, one a sequence (`drawn_rows(B)`). tokens None (B = 1, with draw): the step's one token is the one
+        the latest draw left on the device, so a step can be enqueued before the host reads the token before it.
         """
         B = len(pos)
         if tokens is None and (B != 1 or draw is None):
@@ -341,9 +344,11 @@ class GpuModel:
         if not 1 <= T <= GEMV_MAX_ROWS or (tokens is not None and T * B != tokens.size) or B > self.slots:
             raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")
         self._check(pos, T, slots)
-        if draw is not None and (B != 1 or not 1 <= draw[0] <= self.V):
-            raise NinferError(f"decode draws one sequence's token over 1..{self.V} ids, got B = {B}, "
-                              f"vocab = {draw[0]}")
+        if draw is not None and (T != 1 or not 1 <= draw[0] <= self.V
+                                 or (draw[1] is not None and len(draw[1]) != B)):
+            raise NinferError(f"decode draws one token for each sequence of one row over 1..{self.V} ids, one params "
+                              f"record each; got T = {T}, vocab = {draw[0]}, "
+                              f"{'no' if draw[1] is None else len(draw[1])} records for B = {B}")
         self._set_batch(tokens, pos, slots)
         self._run(Step(B, T, self.bucket(max(pos) + T), "hidden" if hidden else "last",
                        draw=None if draw is None else self._draw_op(*draw)), graph)
@@ -537,6 +542,10 @@ class GpuModel:
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""
         return int(self.gpu.download(self._draw_out, (1,), np.int32)[0])
+
+    def drawn_rows(self, B: int) -> np.ndarray:
+        """The tokens in the first B draw slots, int32 [B] (after the stream finishes)."""
+        return self.gpu.download(self._draw_out, (B,), np.int32)
 
     def drawn_async(self, dst, offset: int) -> None:
         """Queue a copy of the draw slot's token into pinned host memory dst[offset:offset + 4] (int32)."""

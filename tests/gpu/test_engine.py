@@ -385,7 +385,7 @@ def test_decode_draws_the_token_in_its_graph(gpu, kernels, artifact):
                 got.append(tok)
             runs.append(got)
         assert runs[0] == runs[1] == runs[2]
-        with pytest.raises(NinferError, match="draws one sequence"):
+        with pytest.raises(NinferError, match="draws one token for each sequence"):
             model.decode(ids[:1], [24], [0], draw=(0, None))
     finally:
         model.free()

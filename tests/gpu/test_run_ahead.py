@@ -104,3 +104,40 @@ def test_generate_runs_ahead_and_gives_the_host_paths_tokens(model, monkeypatch)
     monkeypatch.setattr(GpuBackend, "can_sample", staticmethod(lambda params: False))
     host = list(model.generate_ids(ids, max_new_tokens=20, sampling=SamplingParams(greedy=True)))
     assert greedy == host and len(greedy) >= 1
+
+
+def test_sample_batch_draws_each_rows_token_on_the_device(artifact):
+    """GpuBackend.sample_batch (a batched step of Batch whose sequences all draw on the device): a greedy row's
+    token is the arg-max of its own logits row in that step, a top-k row's one of its k largest, and the same
+    states, params and (seed, step) draw the same tokens again; all-greedy rows take the arg-max kernel and equal
+    decode_batch's logits' arg-maxes from the same states."""
+    from ninfer_rt.api import load
+    from ninfer_rt.sampling import SamplingParams
+
+    m = load(artifact, device="cuda", max_ctx=256, cache_slots=3)
+    b, V = m._backend, m.real_vocab_size
+    greedy, topk = SamplingParams(greedy=True), SamplingParams(temperature=1.4, top_k=40, top_p=0.95, seed=1)
+    prompts = [prompt(30 + 7 * i, seed=20 + i, vocab=V) for i in range(3)]
+
+    def caches():
+        out = []
+        for i, p in enumerate(prompts):
+            out.append(b.new_cache(i))
+            b.forward(p, out[-1], last_only=True)
+        return out
+
+    try:
+        runs = []
+        for _ in range(2):
+            ids = b.sample_batch([5, 9, 13], caches(), [greedy, topk, topk], vocab=V, seeds=[1, 2, 3],
+                                 steps=[4, 4, 9])
+            runs.append((ids, m._backend.model.logits(3)[:, :V]))
+        plain = b.sample_batch([5, 9, 13], caches(), [greedy] * 3, vocab=V, seeds=[0] * 3, steps=[0] * 3)
+        host = b.decode_batch([5, 9, 13], caches())[:, :V]
+    finally:
+        m.close()
+    (ids, logits), (again, _) = runs
+    assert ids == again and ids[0] == int(np.argmax(logits[0]))
+    for r in (1, 2):
+        assert ids[r] in set(np.argsort(-logits[r])[:40].tolist())
+    assert plain == [int(np.argmax(row)) for row in host] and plain[0] == ids[0]
