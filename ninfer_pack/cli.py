@@ -302,7 +302,7 @@ def calibrate(
 
 @app.command()
 def publish(
-    path: Path = typer.Argument(..., help="The artifact to upload."),
+    path: str = typer.Argument(..., help="The artifact to upload."),
     repo: str = typer.Option(..., "--repo", help="Target Hub repo, OWNER/NAME (created if missing)."),
     private: bool = typer.Option(False, "--private", help="Create the repo as private."),
     dry_run: Optional[Path] = typer.Option(None, "--dry-run", help="Write the folder that would be uploaded "

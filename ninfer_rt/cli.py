@@ -68,7 +68,7 @@ def _write_text(text: str) -> None:
 
 @app.command()
 def run(
-    path: Path = typer.Argument(..., help="The .ninfer artifact."),
+    path: str = typer.Argument(..., help="The .ninfer artifact."),
     prompt: str = typer.Option(..., "--prompt", help="Prompt text (raw, or a user message with --chat)."),
     chat: bool = typer.Option(False, "--chat", help="Render the prompt as a user message with the artifact's "
                                                    "chat template and the generation prompt."),
@@ -144,7 +144,7 @@ def run(
 
 @app.command()
 def serve(
-    path: Path = typer.Argument(..., help="The .ninfer artifact."),
+    path: str = typer.Argument(..., help="The .ninfer artifact."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 or :: exposes the "
                                                          "server to the network: set --api-key-file then)."),
     port: int = typer.Option(8080, "--port", help="TCP port (0 lets the OS choose; the log says which)."),
@@ -205,7 +205,7 @@ def serve(
         # no tokenizer or no usable template fails here, as `run` does, not as a 400 to every request
         model.tokenizer
         model.chat_template
-        server = Server(model, model_name=model_name or path.name.removesuffix(".ninfer"), host=host, port=port,
+        server = Server(model, model_name=model_name or Path(path).name.removesuffix(".ninfer"), host=host, port=port,
                         api_key=api_key, cors_origin=cors_origin, max_queue=max_queue, parallel=parallel,
                         prefill_chunk=prefill_chunk,
                         log=lambda line: err.print(line, highlight=False, soft_wrap=True))
@@ -253,7 +253,7 @@ def _probe_listen(host: str, port: int) -> None:
 
 
 @app.command()
-def info(path: Path = typer.Argument(..., help="The .ninfer artifact.")):
+def info(path: str = typer.Argument(..., help="The .ninfer artifact.")):
     """Describe the model in an artifact: family, layers, widths, experts, vocabulary, context, recipe, size."""
     from ninfer_rt.format import Artifact
 
@@ -339,7 +339,7 @@ def build_kernels_cmd(
 
 @app.command()
 def bench(
-    path: Optional[Path] = typer.Argument(None, help="A .ninfer artifact (or use --synthetic)."),
+    path: Optional[str] = typer.Argument(None, help="A .ninfer artifact (or use --synthetic)."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a shipped shape in GPU "
                                                                       "memory: qwen3.6-35b-a3b or qwen3.6-27b."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe for --synthetic (default: the model's)."),
@@ -389,7 +389,7 @@ def bench(
         raise NinferError("--decode-batch and --decode-tokens time steps at each --decode-context: give one")
     if json_path is not None:
         check_json_path(json_path, overwrite)
-    res = run_bench(synthetic=synthetic, artifact_path=str(path) if path else None, recipe=recipe,
+    res = run_bench(synthetic=synthetic, artifact_path=path, recipe=recipe,
                     prefill_sizes=sizes, decode_contexts=contexts,
                     kv_dtype=kv_cache, prefill_budget_s=prefill_budget, prefill_chunk=prefill_chunk,
                     decode_batches=batches, decode_tokens=tokens,

@@ -412,3 +412,13 @@ def test_cors_origins_as_browsers_send_them():
     for bad in ("not a url", "https://a.com/", "ftp://a.com", "https://", "https://a.com:123456", "*.example.com"):
         with pytest.raises(NinferError, match="--cors-origin"):
             check_cors_origin(bad)
+
+
+@pytest.mark.parametrize("argv", [["rt", "info", ""], ["rt", "run", "", "--prompt", "hi"], ["rt", "serve", ""],
+                                  ["rt", "bench", ""], ["pack", "inspect", ""], ["pack", "verify", ""],
+                                  ["pack", "publish", "", "--repo", "me/model"]])
+def test_an_empty_artifact_path_is_named_as_empty(argv, capsys):
+    """"" is not the current folder ('not a file: .', as a Path argument read it): every command says it is empty."""
+    main, prog = (rt_cli.main, "ninfer-rt") if argv[0] == "rt" else (pack_cli.main, "ninfer-pack")
+    code, _, err = run_main(main, prog, argv[1:], capsys)
+    assert code == 1 and error_line(err) == "error: the artifact path is empty"
