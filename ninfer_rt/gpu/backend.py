@@ -282,6 +282,7 @@ class _DrawRing:
         self.ids.free()
         for e in self.events:
             e.destroy()
+        self.serial = [-1] * self.SLOTS  # no PendingToken reads freed memory
 
 
 class PendingToken:
@@ -294,7 +295,8 @@ class PendingToken:
     def result(self) -> int:
         ring = self._ring
         if ring.serial[self._index] != self._serial:
-            raise NinferError(f"a pending token was read after {_DrawRing.SLOTS} later ones reused its slot")
+            raise NinferError("a pending token was read after the model was closed" if ring.serial[0] < 0 else
+                              f"a pending token was read after {_DrawRing.SLOTS} later ones reused its slot")
         ring.events[self._index].synchronize()
         return int(ring.ids.array[4 * self._index:4 * self._index + 4].view(np.int32)[0])
 

@@ -76,6 +76,13 @@ def test_a_pending_token_outlived_by_its_ring_slot_is_refused(model):
     with pytest.raises(NinferError, match="reused its slot"):
         first.result()
     assert 0 <= later[-1].result() < model.real_vocab_size
+    ring = b._ring
+    pending = b.sample_ahead(c, greedy, vocab=model.real_vocab_size, seed=0, step=_DrawRing.SLOTS + 2)
+    b.gpu.synchronize()
+    ring.free()  # as close() does
+    with pytest.raises(NinferError, match="after the model was closed"):
+        pending.result()
+    b._ring = None  # a fresh ring for the tests after this one
     with pytest.raises(NinferError, match="no drawn token"):
         b.sample_ahead(b.new_cache(0), greedy, vocab=model.real_vocab_size, seed=0, step=1)
 
