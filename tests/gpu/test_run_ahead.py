@@ -19,7 +19,7 @@ STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def model(artifact):
+def model(gpu, artifact):  # gpu: skipped without one
     from ninfer_rt.api import load
 
     m = load(artifact, device="cuda", max_ctx=256)
@@ -113,7 +113,7 @@ def test_generate_runs_ahead_and_gives_the_host_paths_tokens(model, monkeypatch)
     assert greedy == host and len(greedy) >= 1
 
 
-def test_sample_batch_draws_each_rows_token_on_the_device(artifact):
+def test_sample_batch_draws_each_rows_token_on_the_device(gpu, artifact):
     """GpuBackend.sample_batch (a batched step of Batch whose sequences all draw on the device): a greedy row's
     token is the arg-max of its own logits row in that step, a top-k row's one of its k largest, and the same
     states, params and (seed, step) draw the same tokens again; all-greedy rows take the arg-max kernel and equal
