@@ -1,5 +1,5 @@
-"""Continuous batching on the GPU (ninfer_rt.batching over GpuBackend.decode_batch): sequences in their own slots
-decode together as each decodes alone.
+"""Continuous batching on the GPU (ninfer_rt.batching over GpuBackend.decode_batch, and sample_batch where every
+row draws on the device): sequences in their own slots decode together as each decodes alone.
 
 Bounds: a batched step's logits equal each sequence's lone step within fp32 reassociation (rel <= 1e-4 of the
 row's largest logit, test_engine's bound for batching), so greedy tokens agree over 24 steps on paths whose top-2
@@ -68,9 +68,10 @@ def test_a_batch_decodes_as_each_prompt_alone(gpu, artifact, monkeypatch):
         prompts = [clear_prompt(m._backend, 24, v, seeds, length=n, margin=BATCH_MARGIN)[0] for n in (20, 33, 7)]
         alone = [list(m.generate_ids(p, max_new_tokens=24, sampling=greedy)) for p in prompts]
         batch = m.batch(3, prefill_chunk=64)
-        rows = []
-        real = m._backend.decode_batch
-        monkeypatch.setattr(m._backend, "decode_batch", lambda t, c: rows.append(len(t)) or real(t, c))
+        rows = []  # the batched steps' sizes: greedy rows are drawn on the device (sample_batch)
+        real = m._backend.sample_batch
+        monkeypatch.setattr(m._backend, "sample_batch", lambda t, c, *a, **kw: rows.append(len(t)) or real(t, c, *a,
+                                                                                                        **kw))
         gens = [batch.add(p, max_new_tokens=24, sampling=greedy) for p in prompts[:2]]
         batch.step()
         batch.step()
