@@ -161,6 +161,26 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def _top_k_unscaled(x: np.ndarray, k: int, temperature: float) -> np.ndarray | None:
+    """The ids (ascending) the top-k stage keeps of x / temperature, found from x itself, so that the division and
+    _limit need not touch the whole vocabulary; None where that is not exact (top-k off, or a quotient at the top
+    overflows or leaves the normal range: take the whole path). Dividing by T > 0 keeps the order, but rounding
+    can make x_i < kth tie with kth after it; such an x_i lies within a few ulps of kth, so the candidates are
+    those of x >= kth less 8 ulps, then the ties are settled on the quotients."""
+    vocab = x.shape[0]
+    if not 0 < k < vocab:
+        return None
+    part = np.partition(x, vocab - k)
+    kth, hi = part[vocab - k], part[vocab - k:].max()
+    with np.errstate(over="ignore", under="ignore"):
+        q_hi, q_kth = hi / temperature, kth / temperature
+    tiny = np.finfo(np.float64).tiny
+    if not (np.isfinite(q_hi) and np.isfinite(q_kth) and (kth == 0 or abs(q_kth) >= tiny)):
+        return None
+    near = np.flatnonzero(x >= kth - 8 * np.spacing(abs(kth)))
+    return near[x[near] / temperature >= q_kth]
+
+
 class Sampler:
     """Draws tokens under fixed SamplingParams with its own random stream (same seed, same tokens)."""
 
@@ -181,23 +201,31 @@ class Sampler:
         out[ids] = probs
         return out
 
-    def _survivors(self, logits: np.ndarray, history: Sequence[int], prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    def _survivors(self, logits: np.ndarray, history: Sequence[int], prompt_len: int,
+                   whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(ids, probabilities) of the tokens every stage keeps, ids ascending: `distribution` without the
-        vocabulary-sized array (one id with probability 1 when greedy)."""
+        vocabulary-sized array (one id with probability 1 when greedy). whole: every stage over the whole
+        vocabulary (the definition, which the top-k path below must equal exactly; tests compare them)."""
         p = self.params
-        x = _limit(apply_penalties(logits, history, prompt_len, p), logits)  # x: [V]
+        x = apply_penalties(logits, history, prompt_len, p)  # x: [V]
+        if not np.isfinite(x).all():  # (one pass where _limit takes three, and it changes nothing then)
+            x = _limit(x, logits)
         vocab = x.shape[0]
         if p.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)
-        with np.errstate(over="ignore"):  # overflow to ±inf is taken as its limit just below
-            x = _limit(x / p.temperature)
-        # HF's order from here: top-k, top-p, min-p (vLLM v1 would apply min-p first).
+        # HF's order from here: temperature, top-k, top-p, min-p (vLLM v1 would apply min-p first).
         # Work on the surviving candidates only: after top-k that is k entries instead of the vocabulary.
-        cand = np.arange(vocab)
-        if 0 < p.top_k < vocab:
-            kth = np.partition(x, vocab - p.top_k)[vocab - p.top_k]
-            cand = np.flatnonzero(x >= kth)  # ties with the k-th value stay, as in HF
-        xc = x[cand]
+        cand = None if whole else _top_k_unscaled(x, p.top_k, p.temperature)
+        if cand is not None:
+            xc = x[cand] / p.temperature  # the same quotients as the whole row's, taken for the candidates only
+        else:
+            with np.errstate(over="ignore"):  # overflow to ±inf is taken as its limit just below
+                x = _limit(x / p.temperature)
+            cand = np.arange(vocab)
+            if 0 < p.top_k < vocab:
+                kth = np.partition(x, vocab - p.top_k)[vocab - p.top_k]
+                cand = np.flatnonzero(x >= kth)  # ties with the k-th value stay, as in HF
+            xc = x[cand]
         if p.top_p < 1.0:
             probs = _softmax(xc)
             order = np.argsort(-probs, kind="stable")

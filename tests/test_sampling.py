@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from re import escape as re_escape
 from collections import Counter
 
 import numpy as np
@@ -292,3 +293,64 @@ def test_greedy_picks_agree_on_nan_logits():
     rows = np.array([[2.0, np.nan, 1.0, 0.0], [np.nan, np.nan, -1.0, 5.0], [1.0, 3.0, 3.0, np.nan]], np.float32)
     greedy = Sampler(SamplingParams(greedy=True))
     assert _top1(rows, 4).tolist() == [greedy.sample(row) for row in rows] == [0, 3, 1]
+
+
+def _adversarial_rows(rng) -> list[tuple[np.ndarray, float]]:
+    """(logits float32, temperature) pairs where the top-k path could differ from the whole row's: ties at the
+    k-th value, neighbours one ulp apart, -inf and NaN entries, huge logits with tiny temperatures (overflow at
+    the top), huge temperatures (quotients near the subnormal range), and plain rows."""
+    rows = []
+    for _ in range(300):
+        v = (rng.standard_normal(64) * rng.choice([0.5, 3.0, 30.0])).astype(np.float32)
+        kind = rng.integers(0, 6)
+        if kind == 1:  # many exact ties
+            v = np.round(v).astype(np.float32)
+        elif kind == 2:  # neighbours a float32 ulp apart around one value
+            base = np.float32(rng.standard_normal())
+            v[:16] = [np.nextafter(base, np.float32(np.inf * (-1) ** j)) if j % 3 else base for j in range(16)]
+        elif kind == 3:
+            v[rng.integers(0, 64, 5)] = -np.inf
+            v[rng.integers(0, 64)] = np.nan
+        elif kind == 4:
+            v[:3] = np.float32(3e38)
+        T = float(rng.choice([1e-3, 0.3, 0.7, 1.0, 2.0, 1e5, 1e300]))
+        rows.append((v, T))
+    for _ in range(300):  # float64 rows (as penalties leave them): what float32 logits cannot reach
+        x = rng.standard_normal(64)
+        kind, T = rng.integers(0, 3), float(rng.uniform(1.1, 3.9))
+        if kind == 0:  # the largest values a few float64 ulps apart: dividing by T merges some of them
+            top = 5.0 + rng.random()
+            x[:12] = [top - j * np.spacing(top) for j in range(12)]
+        elif kind == 1:  # quotients past float64's range at the top (an extreme penalty): ties at +inf
+            x[:4] = [1.7e308, 1.6e308, 1e308, 1.0]
+            T = float(rng.choice([0.5, 1e-3]))
+        else:  # quotients in the subnormal range, where division merges values many ulps apart
+            x = x * 1e-300
+            top = 5e-300
+            x[:12] = [top - j * 40 * np.spacing(top) for j in range(12)]
+            T = 1e10
+        rows.append((x, T))
+    return rows
+
+
+def test_the_top_k_path_equals_the_whole_rows_stages_exactly():
+    """Sampler._survivors finds the top-k candidates before dividing by the temperature (two passes over the
+    vocabulary fewer); ids and probabilities equal, bit for bit, those of every stage over the whole row
+    (whole=True), with and without penalties, top-p and min-p, over adversarial rows."""
+    rng = np.random.default_rng(3)
+    cases = 0
+    for v, T in _adversarial_rows(rng):
+        for k in (1, 3, 20, 63):
+            for extra in ({}, {"top_p": 0.8}, {"min_p": 0.05}, {"presence_penalty": 1.5, "repetition_penalty": 1.3}):
+                s = Sampler(SamplingParams(temperature=T, top_k=k, seed=1, **extra))
+                history = [int(i) for i in rng.integers(0, 64, 12)]
+                try:
+                    want = s._survivors(v, history, 4, whole=True)
+                except NinferError as e:
+                    with pytest.raises(NinferError, match=re_escape(str(e))):
+                        s._survivors(v, history, 4)
+                    continue
+                got = s._survivors(v, history, 4)
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (T, k, extra)
+                cases += 1
+    assert cases > 8000
