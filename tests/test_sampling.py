@@ -354,3 +354,52 @@ def test_the_top_k_path_equals_the_whole_rows_stages_exactly():
                 assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (T, k, extra)
                 cases += 1
     assert cases > 8000
+
+
+def test_the_nucleus_of_a_sorted_head_equals_the_whole_sorts():
+    """sampling._nucleus sorts only the likeliest `head` tokens (growing 4x where the cut falls past them): its
+    kept positions, in order, equal the whole row's stable sort cut where the mass before a token reaches top_p,
+    on rows with many ties, flat rows (the head holds nothing sure), peaked and long-tailed ones."""
+    from ninfer_rt.sampling import _nucleus
+
+    def definition(probs, top_p):
+        order = np.argsort(-probs, kind="stable")
+        return order[np.cumsum(probs[order]) - probs[order] < top_p]
+
+    rng = np.random.default_rng(9)
+    grew = 0
+    for _ in range(400):
+        n = int(rng.choice([7, 64, 700, 3000]))
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            z = rng.standard_normal(n) * rng.choice([0.3, 3.0])
+        elif kind == 1:  # few distinct values: ties everywhere, at the cut too
+            z = rng.integers(0, 4, n).astype(np.float64)
+        elif kind == 2:  # flat
+            z = np.zeros(n)
+        else:  # a peak and a long flat tail
+            z = np.zeros(n)
+            z[rng.integers(0, n, 3)] = 6.0
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            for head in (1, 4, 50):
+                got = _nucleus(probs, top_p, head=head)
+                assert np.array_equal(got, definition(probs, top_p)), (n, kind, top_p, head)
+                grew += got.size > head
+    assert grew > 100  # the head had to grow, often
+
+
+def test_top_p_without_top_k_equals_the_whole_rows_stages():
+    """With top-k off (every token a candidate) the sampler's top-p takes the sorted head; ids and probabilities
+    equal the whole-row definition's bit for bit on rows larger than the head."""
+    rng = np.random.default_rng(4)
+    for trial in range(40):
+        v = (rng.standard_normal(5000) * rng.choice([0.5, 2.0, 6.0])).astype(np.float32)
+        if trial % 4 == 1:
+            v = np.round(v).astype(np.float32)  # ties
+        for top_p, min_p in ((0.3, 0.0), (0.9, 0.0), (0.95, 0.01)):
+            s = Sampler(SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.7])), top_p=top_p, min_p=min_p,
+                                       seed=1))
+            got, want = s._survivors(v, [], 0), s._survivors(v, [], 0, whole=True)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
