@@ -339,13 +339,17 @@ class Batch:
         else:
             caches = [g._slot.cache for g in gens]
             spec = any(g.spec is not None for g in gens)  # their post-norm rows kept for the MTP head
-            if all(self._on_device(g) for g in gens) and hasattr(self.backend, "sample_batch"):
-                # every row drawn on the device, only the ids back: no [B, V] logits to the host, no host sampler
+            on_device = [self._on_device(g) for g in gens]
+            if any(on_device) and hasattr(self.backend, "sample_batch"):
+                # rows drawn on the device send only their ids back; a row that needs its logits (logprobs, a
+                # JSON constraint, penalties) gets them, and the host draws it
                 picks = self.backend.sample_batch(
-                    tokens, caches, [g.sampler.params for g in gens], vocab=self.model.real_vocab_size,
-                    seeds=[g.sampler.seed for g in gens], steps=[len(g.stats.token_ids) for g in gens], hidden=spec)
+                    tokens, caches, [g.sampler.params if ok else None for g, ok in zip(gens, on_device)],
+                    vocab=self.model.real_vocab_size, seeds=[g.sampler.seed for g in gens],
+                    steps=[len(g.stats.token_ids) for g in gens], hidden=spec)
                 if spec:
                     picks, hidden = picks
+                picks = [p if ok else self._draw_or_error(g, p) for g, p, ok in zip(gens, picks, on_device)]
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]

@@ -112,6 +112,8 @@ class DrawingSlotBackend(SlotBackend):
         return _Pending(self, self.draw_slot)
 
     def sample_batch(self, ids, caches, params, *, vocab: int, seeds, steps, hidden: bool = False):
+        """Rows whose params are None come back as their logits (the host draws them), as GpuBackend's."""
         assert not hidden
-        self.batch_steps.append(list(steps))
-        return [int(np.argmax(row[:vocab])) for row in self.decode_batch(ids, caches)]
+        self.batch_steps.append([None if p is None else st for p, st in zip(params, steps)])
+        rows = self.decode_batch(ids, caches)
+        return [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]

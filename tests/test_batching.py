@@ -347,10 +347,10 @@ def test_batch_sizes_are_integers_not_bools(model, kw):
         model.batch(**kw)
 
 
-def test_batched_steps_draw_on_the_device_unless_a_row_needs_its_logits(model):
-    """Where every sequence of a batched step can draw on the device, the step draws them all there (sample_batch:
-    only the ids come back), each row with its own draw index; one that needs its logits on the host (logprobs)
-    brings the whole step's logits back while it runs. Tokens are the rule's either way."""
+def test_batched_steps_draw_on_the_device_but_rows_that_need_their_logits(model):
+    """A batched step draws every sequence it can on the device (sample_batch: only the ids come back), each row
+    with its own draw index; a row that needs its logits (logprobs) gets them back in the same step and is drawn
+    on the host, its logprobs reported. Tokens are the rule's either way."""
     f = DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "_backend", f)
@@ -362,6 +362,7 @@ def test_batched_steps_draw_on_the_device_unless_a_row_needs_its_logits(model):
         c = batch.add([102, 7], max_new_tokens=4, sampling=GREEDY)
         d = batch.add([103, 7], max_new_tokens=4, sampling=GREEDY, logprobs=1)
         drain(batch, [c, d])
-        assert f.batch_steps == [[1, 1], [2, 2], [3, 3]] and f.batches == [2, 2, 2] * 2
+        assert f.batch_steps[3:] == [[1, None], [2, None], [3, None]] and f.batches == [2, 2, 2] * 2
     for g in (a, b, c, d):
         assert g.stats.token_ids == f.decode_fresh(g.prompt, g.budget)
+    assert [lp.id for lp in d.take_logprobs()] == d.stats.token_ids and c.take_logprobs() == []

@@ -126,24 +126,28 @@ class GpuBackend:
             return self.model.drawn()
         return self.model.draw(vocab, record)
 
-    def sample_batch(self, ids: list[int], caches: list[GpuCache], params: list[SamplingParams], *, vocab: int,
-                     seeds: list[int], steps: list[int], hidden: bool = False):
+    def sample_batch(self, ids: list[int], caches: list[GpuCache], params: list[SamplingParams | None], *,
+                     vocab: int, seeds: list[int], steps: list[int], hidden: bool = False):
         """decode_batch with each sequence's next token drawn on the device (as sample_next draws a lone one: the
         arg-max, or a draw under its params with Philox stream (seed, step), whatever row it sits in), only the
         ids coming back: list[int] of B (with hidden, and their post-norm hidden states float32 [B, H]). Needs
-        can_sample for every params."""
+        can_sample for every params but None: such a row is the host's to draw, and its place in the list holds
+        its logits (float32 [V]) instead of an id."""
         if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
             raise NinferError("sample_batch: each sequence needs its own slot and a prefilled prompt")
         records = None
-        if not all(p.is_greedy for p in params):  # greedy rows draw at temperature 0: the arg-max, lowest id first
-            records = np.concatenate([sample_params(0.0) if p.is_greedy else
+        if not all(p is None or p.is_greedy for p in params):  # greedy and host rows: temperature 0, the arg-max
+            records = np.concatenate([sample_params(0.0) if p is None or p.is_greedy else
                                       sample_params(p.temperature, p.top_k, p.top_p, p.min_p, seed=sd, step=st)
                                       for p, sd, st in zip(params, seeds, steps)])
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
                           graph=self.use_graphs, hidden=hidden, draw=(vocab, records))
         for c in caches:
             c.pos += 1
-        out = self.model.drawn_rows(len(caches)).tolist()
+        out: list = self.model.drawn_rows(len(caches)).tolist()
+        for b, p in enumerate(params):
+            if p is None:
+                out[b] = self.model.logits_row(b)
         return (out, self.model.hidden(len(caches))) if hidden else out
 
     def sample_ahead(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,

@@ -513,6 +513,10 @@ class GpuModel:
         """The logits buffer's first `rows` rows (float32 [rows, V]), after the stream finishes."""
         return self.gpu.download(self.buf.logits, (rows, self.V), np.float32)
 
+    def logits_row(self, row: int) -> np.ndarray:
+        """One row of the logits buffer (float32 [V]), after the stream finishes."""
+        return self.gpu.download(self.buf.logits + 4 * row * self.V, (self.V,), np.float32)
+
     def argmax(self, rows: int) -> np.ndarray:
         return self.gpu.download(self.buf.argmax, (rows,), np.int32)
 

@@ -117,7 +117,8 @@ def test_sample_batch_draws_each_rows_token_on_the_device(gpu, artifact):
     """GpuBackend.sample_batch (a batched step of Batch whose sequences all draw on the device): a greedy row's
     token is the arg-max of its own logits row in that step, a top-k row's one of its k largest, and the same
     states, params and (seed, step) draw the same tokens again; all-greedy rows take the arg-max kernel and equal
-    decode_batch's logits' arg-maxes from the same states."""
+    decode_batch's logits' arg-maxes from the same states; a row left to the host (params None) comes back as its
+    logits, decode_batch's own, while the others draw as before."""
     from ninfer_rt.api import load
     from ninfer_rt.sampling import SamplingParams
 
@@ -140,11 +141,14 @@ def test_sample_batch_draws_each_rows_token_on_the_device(gpu, artifact):
                                  steps=[4, 4, 9])
             runs.append((ids, m._backend.model.logits(3)[:, :V]))
         plain = b.sample_batch([5, 9, 13], caches(), [greedy] * 3, vocab=V, seeds=[0] * 3, steps=[0] * 3)
-        host = b.decode_batch([5, 9, 13], caches())[:, :V]
+        mixed = b.sample_batch([5, 9, 13], caches(), [greedy, None, topk], vocab=V, seeds=[1, 2, 3], steps=[4, 4, 9])
+        host = b.decode_batch([5, 9, 13], caches())
     finally:
         m.close()
     (ids, logits), (again, _) = runs
     assert ids == again and ids[0] == int(np.argmax(logits[0]))
     for r in (1, 2):
         assert ids[r] in set(np.argsort(-logits[r])[:40].tolist())
-    assert plain == [int(np.argmax(row)) for row in host] and plain[0] == ids[0]
+    assert plain == [int(np.argmax(row[:V])) for row in host] and plain[0] == ids[0]
+    # a row the host draws comes back as its logits: the same bits as decode_batch's row from the same state
+    assert mixed[0] == ids[0] and mixed[2] == ids[2] and np.array_equal(mixed[1], host[1])
