@@ -188,7 +188,7 @@ def _nucleus(probs: np.ndarray, top_p: float, head: int = NUCLEUS_HEAD) -> np.nd
 def _top_k_unscaled(x: np.ndarray, k: int, temperature: float) -> np.ndarray | None:
     """The ids (ascending) the top-k stage keeps of x / temperature, found from x itself, so that the division and
     _limit need not touch the whole vocabulary; None where that is not exact (top-k off, or a quotient at the top
-    overflows or leaves the normal range: take the whole path). Dividing by T > 0 keeps the order, but rounding
+    overflows, or the k-th's is not a normal number: take the whole path). Dividing by T > 0 keeps the order, but rounding
     can make x_i < kth tie with kth after it; such an x_i lies within a few ulps of kth, so the candidates are
     those of x >= kth less 8 ulps, then the ties are settled on the quotients."""
     vocab = x.shape[0]
@@ -198,8 +198,8 @@ def _top_k_unscaled(x: np.ndarray, k: int, temperature: float) -> np.ndarray | N
     kth, hi = part[vocab - k], part[vocab - k:].max()
     with np.errstate(over="ignore", under="ignore"):
         q_hi, q_kth = hi / temperature, kth / temperature
-    tiny = np.finfo(np.float64).tiny
-    if not (np.isfinite(q_hi) and np.isfinite(q_kth) and (kth == 0 or abs(q_kth) >= tiny)):
+    # a subnormal or zero k-th quotient: values far more than 8 ulps from kth can round onto it (to 0 included)
+    if not (np.isfinite(q_hi) and np.isfinite(q_kth) and abs(q_kth) >= np.finfo(np.float64).tiny):
         return None
     near = np.flatnonzero(x >= kth - 8 * np.spacing(abs(kth)))
     return near[x[near] / temperature >= q_kth]

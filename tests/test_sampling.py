@@ -317,13 +317,16 @@ def _adversarial_rows(rng) -> list[tuple[np.ndarray, float]]:
         rows.append((v, T))
     for _ in range(300):  # float64 rows (as penalties leave them): what float32 logits cannot reach
         x = rng.standard_normal(64)
-        kind, T = rng.integers(0, 3), float(rng.uniform(1.1, 3.9))
+        kind, T = rng.integers(0, 4), float(rng.uniform(1.1, 3.9))
         if kind == 0:  # the largest values a few float64 ulps apart: dividing by T merges some of them
             top = 5.0 + rng.random()
             x[:12] = [top - j * np.spacing(top) for j in range(12)]
         elif kind == 1:  # quotients past float64's range at the top (an extreme penalty): ties at +inf
             x[:4] = [1.7e308, 1.6e308, 1e308, 1.0]
             T = float(rng.choice([0.5, 1e-3]))
+        elif kind == 3:  # the k-th value 0, with subnormal negatives that a large temperature rounds to -0
+            x[:8] = [3.0, 2.0, 1.0, 0.0, -1e-320, -4e-321, 0.0, -2e-323]
+            T = 1e10
         else:  # quotients in the subnormal range, where division merges values many ulps apart
             x = x * 1e-300
             top = 5e-300
