@@ -1,4 +1,4 @@
-// sampling.cu: arg-max and on-device sampling over rows of fp32 logits.
+// sampling.cu: arg-max, penalties and on-device sampling over rows of fp32 logits.
 //
 // Layouts: logits [M, ld] fp32, the first V entries of each row are the vocabulary; outputs int32 [M] token ids,
 // or fp32 [M, V] final probabilities (sample_rows with `probs`), and with them the kept tokens alone as int32
@@ -8,6 +8,9 @@
 // argmax_rows / argmax_finish: torch.argmax over logits[m, :V] (ties -> the lowest index). A row is split over
 //   gridDim.x blocks of `chunk` entries each (16-byte loads when aligned); each block leaves its best
 //   (value, index) in part_v/part_i and argmax_finish reduces them. With one block per row it writes out directly.
+//
+// penalize_rows / penalty_count: the repetition, presence and frequency penalties of sampling.apply_penalties,
+//   from a sequence's dense per-id state (seen in its history, count in its output), which the draw keeps.
 //
 // sample_hist / sample_rows: the distribution of ninfer_rt/sampling.py's Sampler.distribution (HF order:
 //   temperature -> top-k -> top-p -> min-p), then one draw. Candidates are capped at SAMPLE_CAND = 1024: with
@@ -136,6 +139,48 @@ extern "C" __global__ void argmax_finish(const float* part_v, const int* part_i,
     for (int j = threadIdx.x; j < nsplit; j += blockDim.x) arg_take(bv, bi, part_v[base + j], part_i[base + j]);
     block_argmax(bv, bi, sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+
+// ------------------------------------------------------------------------------------------ penalties
+
+// penalize_rows: sampling.py's apply_penalties on each row m of logits[m, :V], in place and in fp32 (the host
+//   twin: misc.penalize_reference). With s = slots[m] and pen[s] = (r, presence, frequency, -):
+//   seen[s, i] (uint8: id i is in the sequence's history, prompt and output): v = v > 0 ? v / r : v * r;
+//   counts[s, i] (int32: id i's count in the output): v -= frequency * count + presence, where count > 0.
+//   pen (1, 0, 0) leaves a row as it is. grid (nblk, M), block 256, a grid-stride loop over the row.
+extern "C" __global__ void __launch_bounds__(256) penalize_rows(float* logits, long long ld, int V, const int* slots,
+                                                                const float4* pen, const int* counts,
+                                                                const unsigned char* seen)
+{ ninfer_pdl_begin();
+    const int m = blockIdx.y, s = slots[m];
+    const float4 p = pen[s];
+    if (p.x == 1.f && p.y == 0.f && p.z == 0.f) return;
+    float* row = logits + static_cast<long long>(m) * ld;
+    const int* cnt = counts + static_cast<long long>(s) * V;
+    const unsigned char* sn = seen + static_cast<long long>(s) * V;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
+        const int c = cnt[i];
+        if (!sn[i] && c == 0) continue;
+        float v = row[i];
+        // each step rounded alone (no fused multiply-add), so the host twin repeats it bit for bit
+        if (sn[i] && p.x != 1.f) v = v > 0.f ? __fdiv_rn(v, p.x) : __fmul_rn(v, p.x);
+        if (c > 0) v = __fsub_rn(v, __fadd_rn(__fmul_rn(p.z, static_cast<float>(c)), p.y));
+        row[i] = v;
+    }
+}
+
+// penalty_count: after a draw, the drawn token tokens[m] joins its sequence's output: counts[s, t] += 1 and
+//   seen[s, t] = 1, s = slots[m] (each row its own slot). grid 1, one thread a row (block >= M).
+extern "C" __global__ void penalty_count(const int* tokens, const int* slots, int M, int V, int* counts,
+                                         unsigned char* seen)
+{ ninfer_pdl_begin();
+    const int m = threadIdx.x;
+    if (m >= M) return;
+    const int t = tokens[m];
+    if (t < 0 || t >= V) return;
+    const long long at = static_cast<long long>(slots[m]) * V + t;
+    counts[at] += 1;
+    seen[at] = 1;
 }
 
 // ------------------------------------------------------------------------------------------ sampling helpers

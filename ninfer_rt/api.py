@@ -287,9 +287,9 @@ class Model:
         return params, min(int(max_new_tokens), context - len(ids))
 
     def _draws_on_device(self, params: SamplingParams) -> bool:
-        """Whether the backend draws tokens itself under params (the GPU: greedy, or top-k sampling without
-        penalties), so that only the id comes back."""
-        can = getattr(self._backend, "can_sample", None)
+        """Whether the backend draws tokens itself under params (the GPU: greedy, or top-k sampling; penalties
+        where it applies them: GpuBackend.can_draw), so that only the id comes back."""
+        can = getattr(self._backend, "can_draw", None) or getattr(self._backend, "can_sample", None)
         return can is not None and can(params)
 
     def _pick(self, logits: np.ndarray, sampler: Sampler, history: Sequence[int], prompt_len: int) -> int:
@@ -351,6 +351,8 @@ class Model:
                     step(ids[start:snapshot_at], pick=False)
                     start = snapshot_at
                 kept.keep_snapshot(cache, fed, slot)  # (again, when this run began from the snapshot itself)
+            if on_device and params.penalised:  # the device keeps the sequence's penalty state from here
+                self._backend.set_penalties(cache, ids, len(ids), params)
             token = step(ids[start:])
             stats.prefill_s = time.perf_counter() - t0
             if ahead:

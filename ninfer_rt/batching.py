@@ -308,6 +308,8 @@ class Batch:
             elif g.spec is not None:  # the rows' hidden states kept for the head
                 token = g.spec.prefill(chunk, last and g.budget > 0)
             elif last and g.budget and self._on_device(g):
+                if g.sampler.params.penalised:  # the device keeps the sequence's penalty state from here
+                    self.backend.set_penalties(g._slot.cache, g.prompt, len(g.prompt), g.sampler.params)
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]

@@ -22,6 +22,20 @@ def test_the_device_draws_only_what_the_host_sampler_would():
     assert [GpuBackend.can_sample(p) for p in no] == [False] * len(no)
 
 
+def test_penalties_draw_on_the_device_only_with_device_penalties(monkeypatch):
+    """GpuBackend.can_draw (what generate and Batch draw on the device): can_sample, and where DEVICE_PENALTIES
+    is on the same with penalties (can_sample, which speculative decoding's device rows need, stays without)."""
+    from ninfer_rt.gpu import backend
+    from ninfer_rt.sampling import SamplingParams as P
+
+    pen = [P(greedy=True, repetition_penalty=1.1), P(temperature=0.7, top_k=20, presence_penalty=1.5)]
+    never = [P(temperature=1.0, presence_penalty=1.5), P(greedy=True)]  # top-k off; no penalty
+    assert [backend.GpuBackend.can_draw(p) for p in pen + never] == [False, False, False, True]
+    monkeypatch.setattr(backend, "DEVICE_PENALTIES", True)
+    assert [backend.GpuBackend.can_draw(p) for p in pen + never] == [True, True, False, True]
+    assert not any(backend.GpuBackend.can_sample(p) for p in pen)
+
+
 def test_cache_slots_that_do_not_fit_say_what_to_lower(monkeypatch):
     """GpuBackend: an out-of-memory (the driver's result code) while the sequence slots are allocated is one line
     naming the options that size them, and the weights already loaded are freed; any other driver error passes

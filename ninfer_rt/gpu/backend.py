@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -14,6 +14,12 @@ from ninfer_rt.gpu.loader import load_artifact
 from ninfer_rt.gpu import misc, mtp
 from ninfer_rt.gpu.misc import SAMPLE_MAX_CANDIDATES, sample_params
 from ninfer_rt.sampling import SamplingParams
+
+
+# Penalties drawn on the device (misc.penalize in the draw's graph, each slot's state kept by the draws) instead of
+# on the host from downloaded logits. Off until tests/gpu/test_penalties.py has passed on a GPU (built in session 89
+# without one); can_draw then takes penalised sampling too.
+DEVICE_PENALTIES = False
 
 
 @dataclass
@@ -110,9 +116,25 @@ class GpuBackend:
 
     @staticmethod
     def can_sample(params: SamplingParams) -> bool:
-        """Whether sample_next draws exactly as Sampler would (same distribution, its own RNG): no penalties
-        (they need the history on the host), and greedy or a top_k within the device's candidate cap."""
+        """Whether the device's distributions are Sampler's (same distribution, its own RNG): no penalties, and
+        greedy or a top_k within the device's candidate cap. Speculative decoding's device rows need this."""
         return not params.penalised and (params.is_greedy or 1 <= params.top_k <= SAMPLE_MAX_CANDIDATES)
+
+    @staticmethod
+    def can_draw(params: SamplingParams) -> bool:
+        """Whether sample_next / sample_ahead / sample_batch draw as Sampler would: can_sample, or the same with
+        penalties applied on the device (DEVICE_PENALTIES; the caller sets each sequence's state first,
+        set_penalties), in fp32 where the host takes float64."""
+        if DEVICE_PENALTIES:
+            params = replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        return GpuBackend.can_sample(params)
+
+    def set_penalties(self, cache: GpuCache, history, prompt_len: int, params: SamplingParams) -> None:
+        """The penalties of params, and the state of the sequence in cache's slot (history: prompt + output so
+        far, its first prompt_len ids the prompt), for its draws to apply and keep from now on."""
+        self.model.set_penalties(cache.slot, misc.penalty_params(params.repetition_penalty, params.presence_penalty,
+                                                                 params.frequency_penalty),
+                                 *misc.penalty_state(history, prompt_len, self.model.V))
 
     def sample_next(self, ids: np.ndarray, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,
                     step: int) -> int:
@@ -122,9 +144,9 @@ class GpuBackend:
         ids = np.asarray(ids, np.int32)
         record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
                                                               params.min_p, seed=seed, step=step)
-        if self._run_last(ids, cache, (vocab, record)):  # a decode step: the draw was part of its graph
+        if self._run_last(ids, cache, (vocab, record, params.penalised)):  # a decode step: drawn in its graph
             return self.model.drawn()
-        return self.model.draw(vocab, record)
+        return self.model.draw(vocab, record, penalized_slot=cache.slot if params.penalised else None)
 
     def sample_batch(self, ids: list[int], caches: list[GpuCache], params: list[SamplingParams | None], *,
                      vocab: int, seeds: list[int], steps: list[int], hidden: bool = False):
@@ -140,8 +162,14 @@ class GpuBackend:
             records = np.concatenate([sample_params(0.0) if p is None or p.is_greedy else
                                       sample_params(p.temperature, p.top_k, p.top_p, p.min_p, seed=sd, step=st)
                                       for p, sd, st in zip(params, seeds, steps)])
+        penalized = any(p is not None and p.penalised for p in params)
+        if penalized:  # every row's slot gets its params this step: another's (an earlier sequence's) may be stale
+            for p, c in zip(params, caches):
+                self.model.set_penalties(c.slot, misc.penalty_params() if p is None or not p.penalised else
+                                         misc.penalty_params(p.repetition_penalty, p.presence_penalty,
+                                                             p.frequency_penalty))
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
-                          graph=self.use_graphs, hidden=hidden, draw=(vocab, records))
+                          graph=self.use_graphs, hidden=hidden, draw=(vocab, records, penalized))
         for c in caches:
             c.pos += 1
         out: list = self.model.drawn_rows(len(caches)).tolist()
@@ -160,7 +188,8 @@ class GpuBackend:
                                                               params.min_p, seed=seed, step=step)
         if cache.pos == 0:
             raise NinferError("sample_ahead: the cache has no drawn token to feed (sample_next its prompt first)")
-        self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs, draw=(vocab, record))
+        self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs,
+                          draw=(vocab, record, params.penalised))
         cache.pos += 1
         if self._ring is None:
             self._ring = _DrawRing()

@@ -56,7 +56,8 @@ class Step(NamedTuple):
     row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
     hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab)
     with "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the arg-max
-    (sample: under its row's params record in the draw params buffer). vocab: the rows' arg-max over ids < vocab rather than
+    (sample: under its row's params record in the draw params buffer); a third element "penalized" applies each
+    slot's penalties first (misc.penalize, from the state set_penalties left) and counts the drawn tokens. vocab: the rows' arg-max over ids < vocab rather than
     < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state (rewind)."""
 
     B: int
@@ -129,6 +130,7 @@ class GpuModel:
         self._draw_params, self._draw_out = self._alloc(slots * misc.SAMPLE_PARAMS.itemsize), self._alloc(4 * slots)
         self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(slots, self.V),
                                              misc.argmax_scratch_bytes(slots)))
+        self._pen: tuple[int, int, int] | None = None  # penalties' (params, counts, seen) a slot, on first use
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -286,16 +288,45 @@ class GpuModel:
         else:
             self._enqueue_draw(*step.draw, rows=rows)
 
-    def _enqueue_draw(self, how: str, vocab: int, rows: int = 1) -> None:
+    def _enqueue_draw(self, how: str, vocab: int, penalized: str | None = None, rows: int = 1) -> None:
         """The next token from each of logits rows 0..rows-1 over ids < vocab into the draw slots: the arg-max (ties
-        to the lowest id) or a draw under each row's params record already in the draw params buffer."""
+        to the lowest id) or a draw under each row's params record already in the draw params buffer. penalized:
+        each row's slot's penalties first (rows' slots in the slot buffer), its drawn token counted after."""
         b = self.buf
+        if penalized:
+            params, counts, seen = self.penalty_buffers()
+            misc.penalize(self.k, logits=b.logits, ld=self.V, M=rows, V=self.V, slots=self.slot, params=params,
+                          counts=counts, seen=seen)
         if how == "argmax":
             misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, out=self._draw_out,
                         scratch=self._draw_scratch)
         else:
             misc.sample(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, params=self._draw_params,
                         out=self._draw_out, scratch=self._draw_scratch)
+        if penalized:
+            misc.penalty_count(self.k, tokens=self._draw_out, slots=self.slot, M=rows, V=self.V, counts=counts,
+                               seen=seen)
+
+    def penalty_buffers(self) -> tuple[int, int, int]:
+        """(params PENALTY_PARAMS [slots], counts int32 [slots, V], seen uint8 [slots, V]), made and zeroed on first
+        use (~1.2 MB a slot at a 248K vocabulary), before any graph that reads them is captured."""
+        if self._pen is None:
+            S, V = self.slots, self.V
+            self._pen = (self._alloc(S * misc.PENALTY_PARAMS.itemsize), self._alloc(S * V * 4), self._alloc(S * V))
+            self.gpu.upload(self._pen[0], np.concatenate([misc.penalty_params()] * S))
+            self.gpu.memset(self._pen[1], 0, S * V * 4)
+            self.gpu.memset(self._pen[2], 0, S * V)
+        return self._pen
+
+    def set_penalties(self, slot: int, record: np.ndarray, counts: np.ndarray | None = None,
+                      seen: np.ndarray | None = None) -> None:
+        """Slot's penalties (a misc.penalty_params record) and, where given, its sequence's state
+        (misc.penalty_state: counts int32 [V], seen uint8 [V]), queued on the stream."""
+        params, c, sn = self.penalty_buffers()
+        self.gpu.upload(params + slot * misc.PENALTY_PARAMS.itemsize, record, stream=self.gpu.stream)
+        if counts is not None:
+            self.gpu.upload(c + slot * self.V * 4, np.ascontiguousarray(counts, np.int32), stream=self.gpu.stream)
+            self.gpu.upload(sn + slot * self.V, np.ascontiguousarray(seen, np.uint8), stream=self.gpu.stream)
 
     # ------------------------------------------------------------------------------------------- host API
 
@@ -334,7 +365,8 @@ class GpuModel:
         ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax. hidden:
         also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
         it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B
-        records, one a sequence (`drawn_rows(B)`). tokens None (B = 1, with draw): the step's one token is the one
+        records, one a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first
+        (set_penalties), the drawn tokens counted in their slots' state. tokens None (B = 1, with draw): the step's one token is the one
         the latest draw left on the device, so a step can be enqueued before the host reads the token before it.
         """
         B = len(pos)
@@ -530,18 +562,23 @@ class GpuModel:
                     scratch=self.buf.scratch)
         return self.argmax(rows)
 
-    def draw(self, vocab: int, record: np.ndarray | None = None) -> int:
+    def draw(self, vocab: int, record: np.ndarray | None = None, penalized_slot: int | None = None) -> int:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
-        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record. (A decode
-        step draws inside its graph instead: decode(..., draw=...), then drawn().)"""
-        self._enqueue_draw(*self._draw_op(vocab, record))
+        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record; penalized_slot:
+        that slot's penalties first (and the token counted). (A decode step draws inside its graph instead:
+        decode(..., draw=...), then drawn().)"""
+        if penalized_slot is not None:
+            self.gpu.upload(self.slot, np.array([penalized_slot], np.int32), stream=self.gpu.stream)
+        self._enqueue_draw(*self._draw_op(vocab, record, penalized_slot is not None))
         return self.drawn()
 
-    def _draw_op(self, vocab: int, record: np.ndarray | None) -> tuple[str, int]:
-        """The draw's op, ("argmax" | "sample", vocab), with its params record (if any) queued for upload."""
+    def _draw_op(self, vocab: int, record: np.ndarray | None, penalized: bool = False) -> tuple:
+        """The draw's op, ("argmax" | "sample", vocab[, "penalized"]), with its params record (if any) queued for
+        upload."""
         if record is not None:
             self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
-        return ("argmax" if record is None else "sample", int(vocab))
+        op = ("argmax" if record is None else "sample", int(vocab))
+        return op + ("penalized",) if penalized else op
 
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""

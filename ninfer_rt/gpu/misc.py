@@ -200,6 +200,64 @@ def sample_probs(k, *, logits: int, ld: int, M: int, V: int, params: int, out: i
     _sample("sample_probs", k, logits, ld, M, V, params, scratch, 0, out, stream, support)
 
 
+# ------------------------------------------------------------------------------------------ penalties
+
+PENALTY_PARAMS = np.dtype([("repetition", np.float32), ("presence", np.float32), ("frequency", np.float32),
+                           ("pad", np.float32)])  # one a slot: penalize_rows' float4
+
+
+def penalty_params(repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
+    """One PENALTY_PARAMS record (the defaults leave a row as it is)."""
+    rec = np.zeros(1, PENALTY_PARAMS)
+    rec[0] = (repetition, presence, frequency, 0.0)
+    return rec
+
+
+def penalty_state(history, prompt_len: int, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """(counts int32 [V], seen uint8 [V]) of a sequence: each id's count in the output history[prompt_len:], and
+    whether it is anywhere in history (what penalize_rows reads for its slot, and penalty_count keeps)."""
+    h = np.asarray(history, np.int64)
+    counts = np.bincount(h[prompt_len:], minlength=V)[:V].astype(np.int32)
+    seen = (np.bincount(h, minlength=V)[:V] > 0).astype(np.uint8)
+    return counts, seen
+
+
+def penalize(k, *, logits: int, ld: int, M: int, V: int, slots: int, params: int, counts: int, seen: int,
+             stream=None) -> None:
+    """penalize_rows: logits[m, :V] (fp32, row stride ld) in place under the penalties of slot slots[m] (int32
+    [M]): params PENALTY_PARAMS [S], counts int32 [S, V], seen uint8 [S, V] (penalize_reference is its twin)."""
+    _rows("penalize", M, V, ld)
+    _need(bool(logits and slots and params and counts and seen), "penalize: every array must be a device pointer")
+    if M:
+        k.launch("penalize_rows", (min(64, -(-V // 256)), M), 256,
+                 [ptr(logits), i64(ld), i32(V), ptr(slots), ptr(params), ptr(counts), ptr(seen)], 0, stream)
+
+
+def penalty_count(k, *, tokens: int, slots: int, M: int, V: int, counts: int, seen: int, stream=None) -> None:
+    """penalty_count: each row's drawn token tokens[m] counted in its slot slots[m]'s output (counts, seen)."""
+    _need(0 <= M <= 1024, f"penalty_count: M={M} must be in [0, 1024]")
+    if M:
+        k.launch("penalty_count", 1, round_up(M, 32), [ptr(tokens), ptr(slots), i32(M), i32(V), ptr(counts),
+                                                       ptr(seen)], 0, stream)
+
+
+def penalize_reference(logits: np.ndarray, V: int, slots, params: np.ndarray, counts: np.ndarray,
+                       seen: np.ndarray) -> np.ndarray:
+    """penalize_rows on the host, fp32 step by step as the kernel rounds: a penalized copy of logits [M, ld]."""
+    out = np.array(logits, np.float32)
+    for m, s in enumerate(slots):
+        r, pres, freq = (np.float32(params[s][f]) for f in ("repetition", "presence", "frequency"))
+        if r == 1 and pres == 0 and freq == 0:
+            continue
+        v = out[m, :V]
+        sn, c = seen[s, :V].astype(bool), counts[s, :V]
+        if r != 1:
+            v[sn] = np.where(v[sn] > 0, v[sn] / r, v[sn] * r)
+        hit = c > 0
+        v[hit] = v[hit] - (freq * c[hit].astype(np.float32) + pres)
+    return out
+
+
 SUPPORT_INTS = 1 + 2 * SAMPLE_MAX_CANDIDATES  # a support row: the count L, then L (id, fp32 bits) pairs
 
 
