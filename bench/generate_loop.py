@@ -2,10 +2,11 @@
 steps), each with the run-ahead decode (GpuBackend.sample_ahead) and without it (the step's token read before the
 next step is enqueued, as before v105).
 
-    python bench/generate_loop.py ARTIFACT [--tokens 1500] [--json PATH]
+    python bench/generate_loop.py ARTIFACT [--tokens 1500] [--device-penalties] [--json PATH]
 
-Stop ids are ignored, so every run yields --tokens tokens from the same prompt; greedy and top-k 20 sampling; the
-median of 3 runs of each after one that captures every context bucket's graph. Wall time from the first step to the
+Stop ids are ignored, so every run yields --tokens tokens from the same prompt; greedy, top-k 20 sampling, and
+Qwen3.6's non-thinking card setting (presence_penalty 1.5: drawn on the host unless --device-penalties); the median
+of 3 runs of each after one that captures every context bucket's graph. Wall time from the first step to the
 last token, Python and the detokenizer's bookkeeping included (the Batch loop takes each step's text). Both modes
 must give the same tokens (the same graphs on the same inputs); the table says whether they did. Exits with a
 one-line message when there is no GPU or the artifact cannot be loaded.
@@ -47,6 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("artifact", type=Path, help="a .ninfer file")
     ap.add_argument("--tokens", type=int, default=1500, help="tokens a run")
+    ap.add_argument("--device-penalties", action="store_true", help="draw penalised rows on the device "
+                    "(backend.DEVICE_PENALTIES; off: the host penalizes downloaded logits)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     if a.tokens < 2:
@@ -57,8 +60,11 @@ def main() -> None:
 
     from ninfer_rt.api import load
     from ninfer_rt.errors import NinferError
+    from ninfer_rt.gpu import backend as backend_mod
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.sampling import SamplingParams
+
+    backend_mod.DEVICE_PENALTIES = a.device_penalties
 
     try:
         m = load(a.artifact, device="cuda", max_ctx=a.tokens + 512)
@@ -73,7 +79,9 @@ def main() -> None:
                 del GpuBackend.sample_ahead  # both loops then read each token before the next step is enqueued
             for loop, fn in (("generate", generate_s), ("batch", batch_s)):
                 for label, params in (("greedy", SamplingParams(greedy=True)),
-                                      ("top-k 20", SamplingParams(temperature=0.8, top_k=20, seed=1))):
+                                      ("top-k 20", SamplingParams(temperature=0.8, top_k=20, seed=1)),
+                                      ("non-thinking", SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1,
+                                                                      presence_penalty=1.5))):
                     fn(m, ids, a.tokens, params)  # captures the graphs
                     runs = [fn(m, ids, a.tokens, params) for _ in range(RUNS)]
                     s = float(np.median([t for t, _ in runs]))
