@@ -188,8 +188,8 @@ def _nucleus(probs: np.ndarray, top_p: float, head: int = NUCLEUS_HEAD) -> np.nd
 def _top_k_unscaled(x: np.ndarray, k: int, temperature: float) -> np.ndarray | None:
     """The ids (ascending) the top-k stage keeps of x / temperature, found from x itself, so that the division and
     _limit need not touch the whole vocabulary; None where that is not exact (top-k off, or a quotient at the top
-    overflows, or the k-th's is not a normal number: take the whole path). Dividing by T > 0 keeps the order, but rounding
-    can make x_i < kth tie with kth after it; such an x_i lies within a few ulps of kth, so the candidates are
+    overflows, or the k-th's is not a normal number: take the whole path). Dividing by T > 0 keeps the order, but
+    rounding can make x_i < kth tie with kth after it; such an x_i lies within a few ulps of kth, so the candidates are
     those of x >= kth less 8 ulps, then the ties are settled on the quotients."""
     vocab = x.shape[0]
     if not 0 < k < vocab:

@@ -82,8 +82,9 @@ class _Pending:
 
 class DrawingSlotBackend(SlotBackend):
     """SlotBackend with the GPU backend's draws on the device: sample_next (the arg-max over ids < vocab), sample_batch
-    (the same for each of B sequences of a batched step), and sample_ahead, whose step is fed the token the latest
-    draw left in the draw slot, which the host may not have read yet. forced: {history length: token} overrides pick (a stop id where a test wants one)."""
+    (the same for each of B sequences of a batched step), and sample_ahead, whose step is fed the token the latest draw
+    left in the draw slot, which the host may not have read yet. forced: {history length: token} overrides pick (a stop
+    id where a test wants one)."""
 
     def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
         super().__init__(vocab, stops, cache_slots)

@@ -54,11 +54,12 @@ class Step(NamedTuple):
     """One forward's shape and outputs, and the key of its captured graph: B sequences of T rows each at a context
     bucket. logit_rows: "last", each sequence's last row's logits into logits[b] and their arg-max; "all", every
     row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
-    hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab)
-    with "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the arg-max
-    (sample: under its row's params record in the draw params buffer); a third element "penalized" applies each
-    slot's penalties first (misc.penalize, from the state set_penalties left) and counts the drawn tokens. vocab: the rows' arg-max over ids < vocab rather than
-    < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state (rewind)."""
+    hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab) with
+    "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the arg-max (sample:
+    under its row's params record in the draw params buffer); a third element "penalized" applies each slot's penalties
+    first (misc.penalize, from the state set_penalties left) and counts the drawn tokens. vocab: the rows' arg-max over
+    ids < vocab rather than < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state
+    (rewind)."""
 
     B: int
     T: int
@@ -364,10 +365,10 @@ class GpuModel:
         with draw = (vocab, record) and B = 1, the next token in the same graph (`drawn()`): the arg-max over
         ids < vocab (record None) or a draw under a misc.sample_params record, instead of the argmax. hidden:
         also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
-        it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B
-        records, one a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first
-        (set_penalties), the drawn tokens counted in their slots' state. tokens None (B = 1, with draw): the step's one token is the one
-        the latest draw left on the device, so a step can be enqueued before the host reads the token before it.
+        it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B records, one
+        a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
+        drawn tokens counted in their slots' state. tokens None (B = 1, with draw): the step's one token is the one the
+        latest draw left on the device, so a step can be enqueued before the host reads the token before it.
         """
         B = len(pos)
         if tokens is None and (B != 1 or draw is None):
