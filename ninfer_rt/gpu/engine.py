@@ -295,7 +295,9 @@ class GpuModel:
         each row's slot's penalties first (rows' slots in the slot buffer), its drawn token counted after."""
         b = self.buf
         if penalized:
-            params, counts, seen = self.penalty_buffers()
+            if self._pen is None:  # (made by set_penalties, never inside a capture)
+                raise NinferError("a penalized draw before any set_penalties")
+            params, counts, seen = self._pen
             misc.penalize(self.k, logits=b.logits, ld=self.V, M=rows, V=self.V, slots=self.slot, params=params,
                           counts=counts, seen=seen)
         if how == "argmax":
@@ -310,7 +312,7 @@ class GpuModel:
 
     def penalty_buffers(self) -> tuple[int, int, int]:
         """(params PENALTY_PARAMS [slots], counts int32 [slots, V], seen uint8 [slots, V]), made and zeroed on first
-        use (~1.2 MB a slot at a 248K vocabulary), before any graph that reads them is captured."""
+        use (~1.2 MB a slot at a 248K vocabulary): set_penalties's, before any graph that reads them is captured."""
         if self._pen is None:
             S, V = self.slots, self.V
             self._pen = (self._alloc(S * misc.PENALTY_PARAMS.itemsize), self._alloc(S * V * 4), self._alloc(S * V))
