@@ -1,6 +1,7 @@
 """What one sequence's decode loop costs beyond its graph: the host's share of a token as Model.generate makes it.
 
-    python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--batch 2,4] [--json PATH]
+    python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--batch 2,4] [--penalties]
+                              [--json PATH]
 
 Each row times --steps tokens of one loop, the median of 5 rounds after a first that captures the graph, against
 `ninfer-rt bench`'s back-to-back replay of the same graph: the difference is what the host adds to a token.
@@ -10,9 +11,12 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
 - "ahead": GpuBackend.sample_ahead as Model.generate runs it now (Model._run_ahead): each step is fed its token on
   the device and enqueued before the host reads the token before it, one step in flight beyond the one read.
 - "B=n host" / "B=n device" (--batch): a batched step of n sequences as Batch makes it, each row's token drawn by
-  the host's Sampler from the step's [n, V] logits (Batch before v105, and still where a row asks for logprobs) or
+  the host's Sampler from the step's [n, V] logits (Batch before v106; still a row that asks for logprobs) or
   on the device (GpuBackend.sample_batch: only the ids come back); against the n-row step's replay. Tokens/s
   count every sequence's token.
+- "host" / "device wait" / "device ahead" (--penalties): Qwen3.6's non-thinking setting (presence 1.5), drawn on
+  the host from the step's downloaded logits (what generate does while DEVICE_PENALTIES is off), or on the device
+  with the slot's penalty state (DEVICE_PENALTIES on), against the sampled step's replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -34,14 +38,20 @@ from gpu_common import open_gpu, step_rows_out, synthetic_model  # noqa: E402
 ROUNDS = 6  # the first captures the context bucket's graph and is not counted
 
 
+PROMPT_IDS = 64  # the history a penalised loop starts from (its penalty state): this many ids, all prompt
+
+
 def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
     """Median seconds a token over rounds of `steps` tokens that end at position ctx (one graph bucket), each
-    step fed the id the one before drew: from the host (sample_next) or on the device (sample_ahead)."""
+    step fed the id the one before drew: from the host (sample_next) or on the device (sample_ahead). Penalised
+    params: the slot's penalty state is set each round from PROMPT_IDS prompt ids (backend.DEVICE_PENALTIES on)."""
     from ninfer_rt.gpu.backend import GpuCache
 
     times = []
     for _ in range(ROUNDS):
         cache = GpuCache(pos=ctx - steps - 1, slot=0)
+        if params.penalised:
+            backend.set_penalties(cache, list(range(PROMPT_IDS)), PROMPT_IDS, params)
         token = backend.sample_next(np.array([17], np.int32), cache, params, vocab=model.sample_vocab, seed=1,
                                     step=0)  # the draw the first fed step reads (outside the timing)
         t0 = time.perf_counter()
@@ -56,6 +66,28 @@ def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
             for i in range(1, steps + 1):
                 token = backend.sample_next(np.array([token], np.int32), cache, params, vocab=model.sample_vocab,
                                             seed=1, step=i)
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times[1:]))
+
+
+def host_loop_s(backend, model, ctx: int, steps: int, params) -> float:
+    """loop_s with each token drawn on the host, as generate does where the device cannot draw (penalties without
+    DEVICE_PENALTIES, logprobs, JSON): the step's logits row downloaded, the padded ids masked, Sampler over the
+    history (PROMPT_IDS prompt ids, then the output)."""
+    from ninfer_rt.gpu.backend import GpuCache
+    from ninfer_rt.sampling import Sampler
+
+    V = model.sample_vocab
+    times = []
+    for _ in range(ROUNDS):
+        cache, sampler = GpuCache(pos=ctx - steps, slot=0), Sampler(params)
+        history, token = list(range(PROMPT_IDS)), 17
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+            logits[V:] = -np.inf
+            token = sampler.sample(logits, history, PROMPT_IDS)
+            history.append(token)
         times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times[1:]))
 
@@ -93,6 +125,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="calls a round (they stay in one graph bucket)")
     ap.add_argument("--batch", default="2,4", help="batched steps of these many sequences (comma-separated; "
                     "empty: none)")
+    ap.add_argument("--penalties", action="store_true", help="also Qwen3.6's non-thinking setting (presence 1.5): "
+                    "drawn on the host, and on the device (DEVICE_PENALTIES on for those rows)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     try:
@@ -130,6 +164,21 @@ def main() -> None:
                     rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": f"B={B} {draws}",
                                  "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                                  "loop_tok_s": B / loop, "replay_tok_s": B / replay})
+        if a.penalties:
+            from ninfer_rt.gpu import backend as backend_mod
+
+            params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5, seed=1)
+            replay = _time_decode(model, a.context - 1, sampled=True)
+            for loop_kind in ("host", "device wait", "device ahead"):
+                backend_mod.DEVICE_PENALTIES = loop_kind != "host"
+                try:
+                    loop = host_loop_s(backend, model, a.context, a.steps, params) if loop_kind == "host" else \
+                        loop_s(backend, model, a.context, a.steps, params, ahead=loop_kind == "device ahead")
+                finally:
+                    backend_mod.DEVICE_PENALTIES = False
+                rows.append({"model": a.model, "context": a.context, "sampling": "non-thinking", "loop": loop_kind,
+                             "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
+                             "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
                   [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],

@@ -344,7 +344,9 @@ def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch
     monkeypatch.setattr(host_loop.time, "perf_counter", lambda: now[0])
     model = type("M", (), {"sample_vocab": 500})()
     backend = FakeBackend()
-    got = host_loop.loop_s(backend, model, ctx=40, steps=4, params=None, ahead=ahead)
+    from ninfer_rt.sampling import SamplingParams
+
+    got = host_loop.loop_s(backend, model, ctx=40, steps=4, params=SamplingParams(greedy=True), ahead=ahead)
     assert len(calls) == 5 * host_loop.ROUNDS and len(spent) == 4 * host_loop.ROUNDS
     for n, (kind, fed, pos, step) in enumerate(calls):
         assert (pos, step) == (35 + n % 5, n % 5)
@@ -395,3 +397,45 @@ def test_host_loop_batched_steps_feed_each_row_its_own_draw(device):
         assert slots == [0, 1] and pos == [27 + n % 3] * 2
         want = [17, 1026 % V] if n % 3 == 0 else [(3 * i + 1) % V for i in calls[n - 1][0]]
         assert ids == want
+
+
+def test_host_loop_penalised_loops_set_the_state_and_draw_on_the_host_from_the_history():
+    """bench/host_loop: a penalised loop_s sets the slot's penalty state from PROMPT_IDS prompt ids each round;
+    host_loop_s feeds each step the token the host Sampler drew from that step's logits (padded ids masked: the
+    fake makes a padded id every row's largest) over a history that grows by each token (the presence penalty
+    then turns the pick)."""
+    import numpy as np
+
+    import host_loop
+    from ninfer_rt.sampling import SamplingParams
+
+    V, pad = 50, 56
+    params = SamplingParams(greedy=True, presence_penalty=1.5)
+    calls, states = [], []
+
+    class FakeBackend:
+        def set_penalties(self, cache, history, prompt_len, p):
+            states.append((cache.pos, list(history), prompt_len, p))
+
+        def sample_next(self, ids, cache, p, *, vocab, seed, step):
+            cache.pos += 1
+            return 3
+
+        def forward(self, ids, cache, last_only=False):
+            assert last_only
+            calls.append((int(ids[0]), cache.pos))
+            cache.pos += 1
+            logits = np.zeros((1, pad), np.float32)
+            logits[0, V:] = 100.0
+            logits[0, 20], logits[0, 5] = 10.0, 9.9  # 20 wins until the output holds it (presence 1.5), then 5
+            return logits
+
+    model = type("M", (), {"sample_vocab": V})()
+    host_loop.loop_s(FakeBackend(), model, ctx=30, steps=3, params=params, ahead=False)
+    assert len(states) == host_loop.ROUNDS
+    assert all(s == (26, list(range(host_loop.PROMPT_IDS)), host_loop.PROMPT_IDS, params) for s in states)
+    host_loop.host_loop_s(FakeBackend(), model, ctx=30, steps=3, params=params)
+    assert len(calls) == 3 * host_loop.ROUNDS
+    # each round: 17, then 20 (no output yet: 20 is only in the prompt), then 5 (20 now in the output)
+    assert [fed for fed, _ in calls] == [17, 20, 5] * host_loop.ROUNDS
+    assert [pos for _, pos in calls] == [27, 28, 29] * host_loop.ROUNDS
