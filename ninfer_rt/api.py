@@ -378,7 +378,6 @@ class Model:
         decode_s is the wall time from the first decode step's enqueue to the last token's arrival."""
         is_stop, real, params = self.tokenizer.is_stop, self.real_vocab_size, sampler.params
         drawn = 1  # tokens drawn so far: the next draw's index in the seed's stream (as _decode_loop's `step`)
-        unread = None  # the pending token whose step's successor is enqueued: fed, not yet in `fed`
 
         def feed():
             nonlocal drawn
@@ -396,26 +395,24 @@ class Model:
             return tok
 
         t0 = time.perf_counter()
-        nxt = None
+        nxt = after = None  # after: the step fed by nxt's draw, while the host has not read it
         try:
             if not is_stop(token) and budget > 1:
                 nxt = feed()
                 fed.append(token)
             while True:
-                after = None
                 if nxt is not None and not is_stop(token) and len(stats.token_ids) + 2 < budget:
-                    after, unread = feed(), nxt  # fed by nxt's draw, before the host has it
+                    after = feed()  # fed by nxt's draw, before the host has it
                 if (yield from emit([token], stats, history, budget, is_stop)):
                     return
                 token = read(nxt)
                 stats.decode_s = time.perf_counter() - t0
-                if unread is nxt:
+                if after is not None:
                     fed.append(token)
-                    unread = None
-                nxt = after
+                nxt, after = after, None
         finally:
-            if unread is not None and clean[0]:  # stopped with a fed token unread: `fed` must name it
-                fed.append(read(unread))
+            if after is not None and clean[0]:  # stopped with nxt's draw fed but unread: `fed` must name it
+                fed.append(read(nxt))
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_new_tokens: int = 256, sampling: SamplingParams | None = None,

@@ -72,12 +72,10 @@ class _Slot:
 
 @dataclass
 class _Ahead:
-    """A decode step run ahead (GpuBackend.sample_ahead): its draw, not yet read, and whether a later step was
-    fed that draw already (it then goes into the slot's ids once read); `at`: when it was enqueued."""
+    """A decode step run ahead (GpuBackend.sample_ahead): its draw, not yet read; `at`: when it was enqueued."""
 
     pending: object
     at: float
-    fed_on: bool = False
 
 
 class Generation:
@@ -106,7 +104,8 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
-        self._ahead: list[_Ahead] = []  # steps run ahead (Batch._run_ahead), oldest first: their draws unread
+        self._ahead: list[_Ahead] = []  # steps run ahead (Batch._run_ahead), oldest first: their draws unread,
+                                        # each fed the draw of the one before it
         self._ahead_read = 0.0          # when the last of them was read
         self.spec: Speculator | None = None  # its speculative steps (Batch.add), while the head keeps up
 
@@ -385,9 +384,7 @@ class Batch:
             return
         pending = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
                                             seed=g.sampler.seed, step=drawn)
-        if token is None:
-            g._ahead[-1].fed_on = True
-        else:
+        if token is not None:  # (else the draw it is fed goes into the ids when read: _take_ahead)
             g._slot.ids.append(token)
         g._ahead.append(_Ahead(pending, time.perf_counter()))
 
@@ -399,7 +396,7 @@ class Batch:
         token = first.pending.result()
         g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)  # one step's time, overlap too
         g._ahead_read = time.perf_counter()
-        if first.fed_on:
+        if g._ahead:  # the step queued behind it was fed this token
             g._slot.ids.append(token)
         self._emit(g, token)
 
