@@ -22,6 +22,21 @@ from ninfer_rt.sampling import SamplingParams
 DEVICE_PENALTIES = False
 
 
+def _draw_record(params: SamplingParams | None, seed: int = 0, step: int = 0) -> np.ndarray | None:
+    """The device sampler's params record of one draw: None for the arg-max (greedy; or None: a row the host
+    draws)."""
+    if params is None or params.is_greedy:
+        return None
+    return sample_params(params.temperature, params.top_k, params.top_p, params.min_p, seed=seed, step=step)
+
+
+def _penalty_record(params: SamplingParams | None) -> np.ndarray:
+    """misc.penalty_params of params' penalties (none for None: a row the host draws)."""
+    if params is None:
+        return misc.penalty_params()
+    return misc.penalty_params(params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+
+
 @dataclass
 class GpuCache:
     """Where a sequence stands: its slot, and the positions already in it."""
@@ -132,8 +147,7 @@ class GpuBackend:
     def set_penalties(self, cache: GpuCache, history, prompt_len: int, params: SamplingParams) -> None:
         """The penalties of params, and the state of the sequence in cache's slot (history: prompt + output so
         far, its first prompt_len ids the prompt), for its draws to apply and keep from now on."""
-        self.model.set_penalties(cache.slot, misc.penalty_params(params.repetition_penalty, params.presence_penalty,
-                                                                 params.frequency_penalty),
+        self.model.set_penalties(cache.slot, _penalty_record(params),
                                  *misc.penalty_state(history, prompt_len, self.model.V))
 
     def sample_next(self, ids: np.ndarray, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,
@@ -142,8 +156,7 @@ class GpuBackend:
         arg-max, or misc.sample under params with Philox stream (seed, step). Only the id crosses to the host
         (not 1 MB of logits, and no host softmax over the vocabulary). Needs can_sample(params)."""
         ids = np.asarray(ids, np.int32)
-        record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
-                                                              params.min_p, seed=seed, step=step)
+        record = _draw_record(params, seed, step)
         if self._run_last(ids, cache, (vocab, record, params.penalised)):  # a decode step: drawn in its graph
             return self.model.drawn()
         return self.model.draw(vocab, record, penalized_slot=cache.slot if params.penalised else None)
@@ -157,17 +170,15 @@ class GpuBackend:
         its logits (float32 [V]) instead of an id."""
         if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
             raise NinferError("sample_batch: each sequence needs its own slot and a prefilled prompt")
-        records = None
-        if not all(p is None or p.is_greedy for p in params):  # greedy and host rows: temperature 0, the arg-max
-            records = np.concatenate([sample_params(0.0) if p is None or p.is_greedy else
-                                      sample_params(p.temperature, p.top_k, p.top_p, p.min_p, seed=sd, step=st)
-                                      for p, sd, st in zip(params, seeds, steps)])
+        records = [_draw_record(p, sd, st) for p, sd, st in zip(params, seeds, steps)]
+        if all(r is None for r in records):
+            records = None  # every row's arg-max
+        else:  # greedy and host rows draw at temperature 0: the arg-max, lowest id first
+            records = np.concatenate([sample_params(0.0) if r is None else r for r in records])
         penalized = any(p is not None and p.penalised for p in params)
         if penalized:  # every row's slot gets its params this step: another's (an earlier sequence's) may be stale
             for p, c in zip(params, caches):
-                self.model.set_penalties(c.slot, misc.penalty_params() if p is None or not p.penalised else
-                                         misc.penalty_params(p.repetition_penalty, p.presence_penalty,
-                                                             p.frequency_penalty))
+                self.model.set_penalties(c.slot, _penalty_record(p))
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
                           graph=self.use_graphs, hidden=hidden, draw=(vocab, records, penalized))
         for c in caches:
@@ -184,8 +195,7 @@ class GpuBackend:
         earlier sample_ahead's), before the host has read it: the step is enqueued and this returns at once,
         advancing cache by one. The token it draws comes back through PendingToken.result(), which waits for
         that step only, so the host reads one token while the GPU already runs the step after it."""
-        record = None if params.is_greedy else sample_params(params.temperature, params.top_k, params.top_p,
-                                                              params.min_p, seed=seed, step=step)
+        record = _draw_record(params, seed, step)
         if cache.pos == 0:
             raise NinferError("sample_ahead: the cache has no drawn token to feed (sample_next its prompt first)")
         self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs,
