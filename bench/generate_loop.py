@@ -2,10 +2,10 @@
 steps), each with the run-ahead decode (GpuBackend.sample_ahead) and without it (the step's token read before the
 next step is enqueued, as before v105).
 
-    python bench/generate_loop.py ARTIFACT [--tokens 1500] [--device-penalties] [--json PATH]
+    python bench/generate_loop.py ARTIFACT [--tokens 1500] [--host-penalties] [--json PATH]
 
 Stop ids are ignored, so every run yields --tokens tokens from the same prompt; greedy, top-k 20 sampling, and
-Qwen3.6's non-thinking card setting (presence_penalty 1.5: drawn on the host unless --device-penalties); the median
+Qwen3.6's non-thinking card setting (presence_penalty 1.5: drawn on the device, or on the host with --host-penalties); the median
 of 3 runs of each after one that captures every context bucket's graph. Wall time from the first step to the
 last token, Python and the detokenizer's bookkeeping included (the Batch loop takes each step's text). Both modes
 must give the same tokens (the same graphs on the same inputs); the table says whether they did. Exits with a
@@ -48,8 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("artifact", type=Path, help="a .ninfer file")
     ap.add_argument("--tokens", type=int, default=1500, help="tokens a run")
-    ap.add_argument("--device-penalties", action="store_true", help="draw penalised rows on the device "
-                    "(backend.DEVICE_PENALTIES; off: the host penalizes downloaded logits)")
+    ap.add_argument("--host-penalties", action="store_true", help="draw penalised rows on the host from "
+                    "downloaded logits (backend.DEVICE_PENALTIES off), as before v108")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     if a.tokens < 2:
@@ -64,7 +64,7 @@ def main() -> None:
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.sampling import SamplingParams
 
-    backend_mod.DEVICE_PENALTIES = a.device_penalties
+    backend_mod.DEVICE_PENALTIES = not a.host_penalties
 
     try:
         m = load(a.artifact, device="cuda", max_ctx=a.tokens + 512)

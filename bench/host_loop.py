@@ -169,13 +169,14 @@ def main() -> None:
 
             params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5, seed=1)
             replay = _time_decode(model, a.context - 1, sampled=True)
+            was = backend_mod.DEVICE_PENALTIES
             for loop_kind in ("host", "device wait", "device ahead"):
                 backend_mod.DEVICE_PENALTIES = loop_kind != "host"
                 try:
                     loop = host_loop_s(backend, model, a.context, a.steps, params) if loop_kind == "host" else \
                         loop_s(backend, model, a.context, a.steps, params, ahead=loop_kind == "device ahead")
                 finally:
-                    backend_mod.DEVICE_PENALTIES = False
+                    backend_mod.DEVICE_PENALTIES = was
                 rows.append({"model": a.model, "context": a.context, "sampling": "non-thinking", "loop": loop_kind,
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})

@@ -23,16 +23,18 @@ def test_the_device_draws_only_what_the_host_sampler_would():
 
 
 def test_penalties_draw_on_the_device_only_with_device_penalties(monkeypatch):
-    """GpuBackend.can_draw (what generate and Batch draw on the device): can_sample, and where DEVICE_PENALTIES
-    is on the same with penalties (can_sample, which speculative decoding's device rows need, stays without)."""
+    """GpuBackend.can_draw (what generate and Batch draw on the device): with DEVICE_PENALTIES (the default)
+    can_sample's cases with penalties too, without it can_sample (which speculative decoding's device rows need,
+    and which never takes penalties)."""
     from ninfer_rt.gpu import backend
     from ninfer_rt.sampling import SamplingParams as P
 
     pen = [P(greedy=True, repetition_penalty=1.1), P(temperature=0.7, top_k=20, presence_penalty=1.5)]
     never = [P(temperature=1.0, presence_penalty=1.5), P(greedy=True)]  # top-k off; no penalty
-    assert [backend.GpuBackend.can_draw(p) for p in pen + never] == [False, False, False, True]
-    monkeypatch.setattr(backend, "DEVICE_PENALTIES", True)
+    assert backend.DEVICE_PENALTIES
     assert [backend.GpuBackend.can_draw(p) for p in pen + never] == [True, True, False, True]
+    monkeypatch.setattr(backend, "DEVICE_PENALTIES", False)
+    assert [backend.GpuBackend.can_draw(p) for p in pen + never] == [False, False, False, True]
     assert not any(backend.GpuBackend.can_sample(p) for p in pen)
 
 

@@ -17,9 +17,9 @@ from ninfer_rt.sampling import SamplingParams
 
 
 # Penalties drawn on the device (misc.penalize in the draw's graph, each slot's state kept by the draws) instead of
-# on the host from downloaded logits. Off until tests/gpu/test_penalties.py has passed on a GPU (built in session 89
-# without one); can_draw then takes penalised sampling too.
-DEVICE_PENALTIES = False
+# on the host from downloaded logits: 1.73x on the 35B at 8K (perf.md v108). The benches turn it off to time the
+# host path; tests/gpu/test_penalties.py holds both to the same tokens.
+DEVICE_PENALTIES = True
 
 
 def _draw_record(params: SamplingParams | None, seed: int = 0, step: int = 0) -> np.ndarray | None:

@@ -398,6 +398,7 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
     can_sample False); top_k = 1 sampling equals greedy at any temperature; a seed repeats its tokens, another
     seed changes them; a penalty keeps the host path."""
     from ninfer_rt.api import load
+    from ninfer_rt.gpu import backend as backend_mod
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.sampling import SamplingParams
 
@@ -422,7 +423,11 @@ def test_generation_draws_on_the_device(gpu, artifact, monkeypatch):
         c = list(m.generate_ids(ids, max_new_tokens=16, sampling=SamplingParams(**{**params.__dict__, "seed": 18})))
         calls["n"] = 0
         list(m.generate_ids(ids, max_new_tokens=4, sampling=SamplingParams(greedy=True, repetition_penalty=1.2)))
-        assert calls["n"] == 0
+        assert calls["n"] == 1  # penalties draw on the device too (DEVICE_PENALTIES; test_penalties holds the tokens)
+        monkeypatch.setattr(backend_mod, "DEVICE_PENALTIES", False)
+        calls["n"] = 0
+        list(m.generate_ids(ids, max_new_tokens=4, sampling=SamplingParams(greedy=True, repetition_penalty=1.2)))
+        assert calls["n"] == 0  # ... or on the host from downloaded logits
         monkeypatch.setattr(GpuBackend, "can_sample", staticmethod(lambda params: False))
         host = list(m.generate_ids(ids, max_new_tokens=12, sampling=SamplingParams(greedy=True)))
     finally:

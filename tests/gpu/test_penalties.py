@@ -76,6 +76,7 @@ def test_penalised_generation_draws_on_the_device_as_the_host_does(gpu, artifact
                 batch.step()
             return alone, [g.stats.token_ids for g in gens]
 
+        monkeypatch.setattr(backend_mod, "DEVICE_PENALTIES", False)
         host = run()
         monkeypatch.setattr(backend_mod, "DEVICE_PENALTIES", True)
         downloads = {"n": 0}
