@@ -67,6 +67,61 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return warp_max(t);
 }
 
+// exp(x) to ~2 ulp under --use_fast_math for x <= 0: x·log2(e) is formed with its rounding error (split
+// constant + fma), so the error does not grow with |x| as __expf's does. exp(-inf) = 0 (r is NaN there).
+__device__ __forceinline__ float exp_accurate(float x) {
+    const float L2E_HI = 1.44269502162933349609375f;  // fp32 nearest to log2(e)
+    const float L2E_LO = 1.925962991126617e-08f;      // log2(e) - L2E_HI
+    const float y = x * L2E_HI;
+    float r = fmaf(x, L2E_HI, -y);
+    r = fmaf(x, L2E_LO, r);
+    const float t = exp2f(y);
+    return t == 0.f ? 0.f : fmaf(t, r * 0.693147180559945f, t);  // 2^(y + r) ≈ 2^y · (1 + r·ln 2), |r| < 2^-17
+}
+
+// ------------------------------------------------------------------------------------------------ arg-max
+
+// NaN ranks as -inf in the arg-max and the samplers (sampling.cu, logprobs.cu).
+__device__ __forceinline__ bool is_nan_bits(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
+
+// Keep (v, i) if it beats the best so far: larger value, or equal value at a lower index. v is never NaN.
+__device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i)
+{
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        arg_take(bv, bi, ov, oi);
+    }
+}
+
+// Block-wide best; the result is valid in warp 0. sv/si: shared scratch of 32 entries each.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi, float* sv, int* si)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    warp_argmax(bv, bi);
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : INT_MAX;
+        warp_argmax(bv, bi);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ activations
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
 // softplus as torch: x for x > 20, else log1p(exp(x))

@@ -10,18 +10,6 @@
 #define MOE_MAX_K 16
 #define MOE_MAX_E 512
 
-// exp(x) to ~2 ulp under --use_fast_math for x <= 0: x·log2(e) is formed with its rounding error (split
-// constant + fma), so the error does not grow with |x| as __expf's does. exp(-inf) = 0 (r is NaN there).
-__device__ __forceinline__ float exp_accurate(float x) {
-    const float L2E_HI = 1.44269502162933349609375f;  // fp32 nearest to log2(e)
-    const float L2E_LO = 1.925962991126617e-08f;      // log2(e) - L2E_HI
-    const float y = x * L2E_HI;
-    float r = fmaf(x, L2E_HI, -y);
-    r = fmaf(x, L2E_LO, r);
-    const float t = exp2f(y);
-    return t == 0.f ? 0.f : fmaf(t, r * 0.693147180559945f, t);  // 2^(y + r) ≈ 2^y · (1 + r·ln 2), |r| < 2^-17
-}
-
 // Softmax is monotone, so the top-k of p is the top-k of the logits (selected exactly, no rounding ties), and
 // the renormalised weights p_j / Σ p are the softmax over the k chosen logits (the denominator cancels).
 // Order: larger logit first, equal logits by lower index; ±0 and subnormals compare equal (the build flushes

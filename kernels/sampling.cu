@@ -43,44 +43,6 @@ static_assert(sizeof(SampleParams) == 32, "SampleParams must match misc.SAMPLE_P
 
 // ------------------------------------------------------------------------------------------ arg-max
 
-__device__ __forceinline__ bool is_nan_bits(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
-
-// Keep (v, i) if it beats the best so far: larger value, or equal value at a lower index. v is never NaN.
-__device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i)
-{
-    if (v > bv || (v == bv && i < bi)) {
-        bv = v;
-        bi = i;
-    }
-}
-
-__device__ __forceinline__ void warp_argmax(float& bv, int& bi)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        arg_take(bv, bi, ov, oi);
-    }
-}
-
-// Block-wide best; the result is valid in warp 0. sv/si: shared scratch of 32 entries each.
-__device__ __forceinline__ void block_argmax(float& bv, int& bi, float* sv, int* si)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    warp_argmax(bv, bi);
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        bv = lane < nw ? sv[lane] : -INFINITY;
-        bi = lane < nw ? si[lane] : INT_MAX;
-        warp_argmax(bv, bi);
-    }
-}
-
 // grid (nsplit, M): block b scans logits[m, b*chunk : min(V, (b+1)*chunk)); chunk is a multiple of 4 when
 // nsplit > 1. nsplit == 1: out[m] is written here and part_v/part_i are unused.
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* logits, long long ld, int V, int chunk,

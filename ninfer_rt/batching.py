@@ -97,6 +97,7 @@ class Generation:
         self.constraint = SchemaPrefix(json_schema) if json_schema is not None else None  # the output is JSON
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
+        self._pen_synced = False  # the device's penalty state of its slot is history's (Batch._sync_penalties)
         self.done = False
         self.error: BaseException | None = None
         self._pieces: list[str] = []
@@ -178,7 +179,8 @@ class Batch:
             skip_special_tokens: bool = False) -> Generation:
         """Start a generation of prompt ids (checked as Model.generate checks them); it runs from the next step.
         logprobs: report each output token's log-probability and its `logprobs` (0..20) most likely alternatives'
-        (ninfer_rt.logprobs; its tokens are then drawn on the host). prompt_logprobs: the same for every prompt
+        (ninfer_rt.logprobs; on the GPU computed where its tokens are drawn, else its tokens are drawn on the host
+        from their logits). prompt_logprobs: the same for every prompt
         token (the whole prompt is then prefilled, no cached prefix reused). max_new_tokens 0 only prefills the
         prompt (finish_reason "length"), leaving it in a slot for a later request to extend, as llama.cpp's
         n_predict 0 does. json_object: the output is a JSON object (json_schema.JSON_OBJECT; its tokens are then
@@ -306,9 +308,8 @@ class Batch:
                 token = self._draw(g, rows[-1]) if last and g.budget else None
             elif g.spec is not None:  # the rows' hidden states kept for the head
                 token = g.spec.prefill(chunk, last and g.budget > 0)
-            elif last and g.budget and self._on_device(g):
-                if g.sampler.params.penalised:  # the device keeps the sequence's penalty state from here
-                    self.backend.set_penalties(g._slot.cache, g.prompt, len(g.prompt), g.sampler.params)
+                g._pen_synced = False
+            elif last and g.budget and self._on_device(g) and g.logprobs is None:
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
@@ -329,7 +330,7 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        if len(gens) == 1 and self._on_device(gens[0]):  # alone: drawn in the step's graph
+        if len(gens) == 1 and self._on_device(gens[0]) and gens[0].logprobs is None:  # alone: drawn in its graph
             g = gens[0]
             token = self._device_draw(g, np.asarray(tokens, np.int64))
             g._slot.ids.append(tokens[0])
@@ -342,15 +343,22 @@ class Batch:
             spec = any(g.spec is not None for g in gens)  # their post-norm rows kept for the MTP head
             on_device = [self._on_device(g) for g in gens]
             if any(on_device) and hasattr(self.backend, "sample_batch"):
-                # rows drawn on the device send only their ids back; a row that needs its logits (logprobs, a
-                # JSON constraint, penalties) gets them, and the host draws it
+                # rows drawn on the device send only their ids back (and a logprobs record where asked); a row
+                # that needs its logits (a JSON constraint, sampling the device cannot draw) gets them, and the
+                # host draws it
+                for g, ok in zip(gens, on_device):
+                    if ok:
+                        self._sync_penalties(g)
+                lps = [g.logprobs if ok else None for g, ok in zip(gens, on_device)]
                 picks = self.backend.sample_batch(
                     tokens, caches, [g.sampler.params if ok else None for g, ok in zip(gens, on_device)],
                     vocab=self.model.real_vocab_size, seeds=[g.sampler.seed for g in gens],
-                    steps=[len(g.stats.token_ids) for g in gens], hidden=spec)
+                    steps=[len(g.stats.token_ids) for g in gens], hidden=spec,
+                    **({"logprobs": lps} if any(n is not None for n in lps) else {}))
                 if spec:
                     picks, hidden = picks
-                picks = [p if ok else self._draw_or_error(g, p) for g, p, ok in zip(gens, picks, on_device)]
+                picks = [self._device_pick(g, p) if ok else self._draw_or_error(g, p)
+                         for g, p, ok in zip(gens, picks, on_device)]
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
@@ -379,7 +387,8 @@ class Batch:
         a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
         so."""
         drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
-        if not (len(self._running) == 1 and g.spec is None and hasattr(self.backend, "sample_ahead")
+        if not (len(self._running) == 1 and g.spec is None and g.logprobs is None
+                and hasattr(self.backend, "sample_ahead")
                 and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
             return
         pending = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
@@ -432,6 +441,7 @@ class Batch:
         """One speculative step of g, alone: its drafts and pending token verified together, the tokens it keeps
         emitted in order (a stop among them ends g there; the cache keeps what was verified)."""
         t0 = time.perf_counter()
+        g._pen_synced = False  # its tokens are drawn on the host, or from device rows without penalties
         new, n = g.spec.step(g._next, g.budget - len(g.stats.token_ids) - 1)  # drafts whose tokens could be output
         g._slot.ids += [g._next] + new[:-1]
         g.stats.decode_s += time.perf_counter() - t0
@@ -443,18 +453,39 @@ class Batch:
             self._emit(g, token)
 
     def _on_device(self, g: Generation) -> bool:
-        """Whether g's next token may be drawn on the device (only its id comes back: no logits for logprobs)."""
-        return g.logprobs is None and g.constraint is None and self.model._draws_on_device(g.sampler.params)
+        """Whether g's next token may be drawn on the device (only its id comes back, and its logprobs record where
+        the backend computes them there: GpuBackend.draws_logprobs)."""
+        return (g.constraint is None and self.model._draws_on_device(g.sampler.params)
+                and (g.logprobs is None or getattr(self.backend, "draws_logprobs", False)))
+
+    @staticmethod
+    def _device_pick(g: Generation, pick) -> int:
+        """A device row's token: its id, or (a row with logprobs) the TokenLogprob that carries it, kept for
+        _emit."""
+        if isinstance(pick, TokenLogprob):
+            g._drawn = pick
+            return pick.id
+        return pick
+
+    def _sync_penalties(self, g: Generation) -> None:
+        """Before g's next draw on the device: where it has penalties and a token of its was drawn elsewhere (the
+        host, a speculative step) or none yet, its slot's penalty state is set from its history again (the device
+        keeps it from there, counting what it draws)."""
+        if g.sampler.params.penalised and not g._pen_synced:
+            self.backend.set_penalties(g._slot.cache, g.history, len(g.prompt), g.sampler.params)
+        g._pen_synced = True
 
     def _device_draw(self, g: Generation, ids: np.ndarray) -> int:
         """Forward ids through g's cache and draw the next token on the device (its Philox stream: the sampler's
         seed, the step)."""
+        self._sync_penalties(g)
         return self.backend.sample_next(ids, g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
                                         seed=g.sampler.seed, step=len(g.stats.token_ids))
 
     def _draw(self, g: Generation, logits: np.ndarray) -> int:
         """g's next token from its last logits row (overwritten where the vocabulary is padding), and its logprobs
         where g asked for them."""
+        g._pen_synced = False
         token = self.model._pick(logits, g.sampler, g.history, len(g.prompt))
         if g.constraint is not None:
             token = self._constrained(g, logits, token)

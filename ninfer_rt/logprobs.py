@@ -2,7 +2,8 @@
 
 They are the model's own distribution: log_softmax of the raw logits over the real vocabulary, before temperature,
 penalties or truncation (vLLM's default, `raw_logprobs`), so the numbers do not depend on how the token was drawn.
-Computing them needs the step's logits on the host, so a generation that asks for them draws there too.
+token_logprob computes them from a row of logits on the host; the GPU computes the same record in the step that
+draws the token (kernels/logprobs.cu, read back by ninfer_rt.gpu.misc.logprob_record).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer_rt.logprobs import token_logprob
+
 
 @dataclass
 class _SlotCache:
@@ -86,9 +88,13 @@ class DrawingSlotBackend(SlotBackend):
     left in the draw slot, which the host may not have read yet. forced: {history length: token} overrides pick (a stop
     id where a test wants one)."""
 
+    draws_logprobs = False  # True: sample_batch answers a row's logprobs (token_logprob of its row), as the GPU's
+    device_penalties = False  # True: greedy rows with penalties draw here too (their state set by set_penalties)
+
     def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
         super().__init__(vocab, stops, cache_slots)
         self.forced = forced or {}
+        self.penalty_sets: list[tuple[int, list[int], int]] = []  # set_penalties: (slot, history, prompt length)
         self.draw_slot: int | None = None
         self.steps: list[int] = []  # each draw's index in the seed's stream
         self.batch_steps: list[list[int]] = []  # each batched step's rows' draw indices (sample_batch)
@@ -99,6 +105,12 @@ class DrawingSlotBackend(SlotBackend):
 
     def can_sample(self, params) -> bool:
         return params.is_greedy and not params.penalised  # (the GPU's rule, greedy only)
+
+    def can_draw(self, params) -> bool:
+        return params.is_greedy and (self.device_penalties or not params.penalised)
+
+    def set_penalties(self, cache, history, prompt_len: int, params) -> None:
+        self.penalty_sets.append((cache.slot, list(history), prompt_len))
 
     def sample_next(self, ids, cache, params, *, vocab: int, seed: int, step: int) -> int:
         self.steps.append(step)
@@ -112,9 +124,14 @@ class DrawingSlotBackend(SlotBackend):
         self.draw_slot = int(np.argmax(self.forward([token], cache)[-1][:vocab]))
         return _Pending(self, self.draw_slot)
 
-    def sample_batch(self, ids, caches, params, *, vocab: int, seeds, steps, hidden: bool = False):
-        """Rows whose params are None come back as their logits (the host draws them), as GpuBackend's."""
-        assert not hidden
+    def sample_batch(self, ids, caches, params, *, vocab: int, seeds, steps, hidden: bool = False, logprobs=None):
+        """Rows whose params are None come back as their logits (the host draws them), as GpuBackend's; a row with
+        a logprobs count as the TokenLogprob of its token."""
+        assert not hidden and (logprobs is None or self.draws_logprobs)
         self.batch_steps.append([None if p is None else st for p, st in zip(params, steps)])
         rows = self.decode_batch(ids, caches)
-        return [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]
+        out = [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]
+        for b, n in enumerate(logprobs or []):
+            if n is not None and params[b] is not None:
+                out[b] = token_logprob(rows[b], out[b], n, vocab)
+        return out

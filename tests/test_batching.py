@@ -366,3 +366,45 @@ def test_batched_steps_draw_on_the_device_but_rows_that_need_their_logits(model)
     for g in (a, b, c, d):
         assert g.stats.token_ids == f.decode_fresh(g.prompt, g.budget)
     assert [lp.id for lp in d.take_logprobs()] == d.stats.token_ids and c.take_logprobs() == []
+
+
+def test_rows_with_logprobs_draw_on_the_device_where_the_backend_computes_them(model):
+    """Where the backend computes logprobs with its draws (GpuBackend.draws_logprobs), a row asking for them is a
+    device row of a batched step, alone too (no run-ahead: each step's record comes back with its id), and the
+    logprobs it reports are the ones the host path reports for the same tokens."""
+    def run(on_device: bool):
+        f = DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+        f.draws_logprobs = on_device
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model, "_backend", f)
+            batch = model.batch(3)
+            c = batch.add([102, 7], max_new_tokens=4, sampling=GREEDY)
+            d = batch.add([103, 7], max_new_tokens=4, sampling=GREEDY, logprobs=2)
+            drain(batch, [c, d])
+            e = batch.add([104, 9], max_new_tokens=3, sampling=GREEDY, logprobs=0)
+            drain(batch, [e])
+        return f, [g.stats.token_ids for g in (c, d, e)], [g.take_logprobs() for g in (c, d, e)]
+
+    dev, host = run(True), run(False)
+    assert dev[0].batch_steps == [[1, 1], [2, 2], [3, 3], [1], [2]] and dev[0].reads == 0
+    assert host[0].batch_steps == [[1, None], [2, None], [3, None]]  # (e alone on the host: decode_batch)
+    assert dev[1] == host[1] and dev[2] == host[2]
+    assert [len(lps) for lps in dev[2]] == [0, 4, 3] and all(len(lp.top) == 2 for lp in dev[2][1])
+
+
+def test_the_devices_penalty_state_follows_tokens_drawn_elsewhere(model):
+    """A sequence with penalties whose tokens were drawn on the host (its first, with prompt_logprobs) has its
+    slot's penalty state set from its whole history before its first draw on the device, once; one drawn on the
+    device from its prompt gets the prompt alone."""
+    f = DrawingSlotBackend(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+    f.device_penalties = True
+    pen = SamplingParams(greedy=True, repetition_penalty=1.3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "_backend", f)
+        batch = model.batch(3)
+        a = batch.add([100, 7, 8], max_new_tokens=4, sampling=pen, prompt_logprobs=0)
+        b = batch.add([101, 7], max_new_tokens=4, sampling=pen)
+        drain(batch, [a, b])
+    sets = {slot: (hist, n) for slot, hist, n in f.penalty_sets}
+    assert len(f.penalty_sets) == 2 and len(sets) == 2
+    assert sorted(sets.values()) == sorted([([100, 7, 8, a.stats.token_ids[0]], 3), ([101, 7], 2)])

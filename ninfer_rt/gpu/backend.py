@@ -129,6 +129,10 @@ class GpuBackend:
         cache.pos += ids.size
         return decode and draw is not None
 
+    # sample_batch computes logprobs on the device (only a record a row comes back); Batch asks it where this is
+    # True (the benches turn it off to time the host path)
+    draws_logprobs = True
+
     @staticmethod
     def can_sample(params: SamplingParams) -> bool:
         """Whether the device's distributions are Sampler's (same distribution, its own RNG): no penalties, and
@@ -162,12 +166,14 @@ class GpuBackend:
         return self.model.draw(vocab, record, penalized_slot=cache.slot if params.penalised else None)
 
     def sample_batch(self, ids: list[int], caches: list[GpuCache], params: list[SamplingParams | None], *,
-                     vocab: int, seeds: list[int], steps: list[int], hidden: bool = False):
+                     vocab: int, seeds: list[int], steps: list[int], hidden: bool = False,
+                     logprobs: list[int | None] | None = None):
         """decode_batch with each sequence's next token drawn on the device (as sample_next draws a lone one: the
         arg-max, or a draw under its params with Philox stream (seed, step), whatever row it sits in), only the
         ids coming back: list[int] of B (with hidden, and their post-norm hidden states float32 [B, H]). Needs
-        can_sample for every params but None: such a row is the host's to draw, and its place in the list holds
-        its logits (float32 [V]) instead of an id."""
+        can_draw for every params but None: such a row is the host's to draw, and its place in the list holds
+        its logits (float32 [V]) instead of an id. logprobs: a row's count of alternatives (0..20; None: none)
+        makes its place a TokenLogprob of its token instead (computed on the device, misc.logprob_record)."""
         if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
             raise NinferError("sample_batch: each sequence needs its own slot and a prefilled prompt")
         records = [_draw_record(p, sd, st) for p, sd, st in zip(params, seeds, steps)]
@@ -179,11 +185,16 @@ class GpuBackend:
         if penalized:  # every row's slot gets its params this step: another's (an earlier sequence's) may be stale
             for p, c in zip(params, caches):
                 self.model.set_penalties(c.slot, _penalty_record(p))
+        if logprobs is not None:  # (a host row's logprobs are the host's)
+            logprobs = [None if p is None else n for p, n in zip(params, logprobs)]
+            logprobs = None if all(n is None for n in logprobs) else logprobs
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
-                          graph=self.use_graphs, hidden=hidden, draw=(vocab, records, penalized))
+                          graph=self.use_graphs, hidden=hidden, draw=(vocab, records, penalized, logprobs))
         for c in caches:
             c.pos += 1
         out: list = self.model.drawn_rows(len(caches)).tolist()
+        if logprobs is not None:
+            out = [lp or t for t, lp in zip(out, self.model.draws.logprobs(out, logprobs))]
         for b, p in enumerate(params):
             if p is None:
                 out[b] = self.model.logits_row(b)

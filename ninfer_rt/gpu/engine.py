@@ -32,8 +32,8 @@ import numpy as np
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.formats import round_up
-from ninfer_rt.gpu import (PREFILL_CHUNK, attention, buffers, deltanet, ffn, gemm, linear, misc, mixer, moe, mtp,
-                           router_fold)
+from ninfer_rt.gpu import (PREFILL_CHUNK, attention, buffers, deltanet, draws, ffn, gemm, linear, misc, mixer, moe,
+                           mtp, router_fold)
 from ninfer_rt.gpu.driver import Event, Gpu
 from ninfer_rt.gpu.kernels import Kernels, LaunchRecorder
 from ninfer_rt.gpu.loader import DeviceWeights
@@ -54,10 +54,9 @@ class Step(NamedTuple):
     """One forward's shape and outputs, and the key of its captured graph: B sequences of T rows each at a context
     bucket. logit_rows: "last", each sequence's last row's logits into logits[b] and their arg-max; "all", every
     row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
-    hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab) with
-    "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the arg-max (sample:
-    under its row's params record in the draw params buffer); a third element "penalized" applies each slot's penalties
-    first (misc.penalize, from the state set_penalties left) and counts the drawn tokens. vocab: the rows' arg-max over
+    hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab,
+    *flags) with "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the
+    arg-max (draws.py: flags "logprobs" and "penalized"). vocab: the rows' arg-max over
     ids < vocab rather than < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state
     (rewind)."""
 
@@ -126,12 +125,7 @@ class GpuModel:
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
-        # drawing each sequence's next token on the device (the decode loops): params, ids and scratch of a row
-        # a slot (the sampler's scratch is ~2 MB a row at a 248K vocabulary)
-        self._draw_params, self._draw_out = self._alloc(slots * misc.SAMPLE_PARAMS.itemsize), self._alloc(4 * slots)
-        self._draw_scratch = self._alloc(max(misc.sample_scratch_bytes(slots, self.V),
-                                             misc.argmax_scratch_bytes(slots)))
-        self._pen: tuple[int, int, int] | None = None  # penalties' (params, counts, seen) a slot, on first use
+        self.draws = draws.Draws(gpu, self.k, self._alloc, slots, self.V)  # the decode loops' draws on the device
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -289,47 +283,14 @@ class GpuModel:
         else:
             self._enqueue_draw(*step.draw, rows=rows)
 
-    def _enqueue_draw(self, how: str, vocab: int, penalized: str | None = None, rows: int = 1) -> None:
-        """The next token from each of logits rows 0..rows-1 over ids < vocab into the draw slots: the arg-max (ties
-        to the lowest id) or a draw under each row's params record already in the draw params buffer. penalized:
-        each row's slot's penalties first (rows' slots in the slot buffer), its drawn token counted after."""
-        b = self.buf
-        if penalized:
-            if self._pen is None:  # (made by set_penalties, never inside a capture)
-                raise NinferError("a penalized draw before any set_penalties")
-            params, counts, seen = self._pen
-            misc.penalize(self.k, logits=b.logits, ld=self.V, M=rows, V=self.V, slots=self.slot, params=params,
-                          counts=counts, seen=seen)
-        if how == "argmax":
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, out=self._draw_out,
-                        scratch=self._draw_scratch)
-        else:
-            misc.sample(self.k, logits=b.logits, ld=self.V, M=rows, V=vocab, params=self._draw_params,
-                        out=self._draw_out, scratch=self._draw_scratch)
-        if penalized:
-            misc.penalty_count(self.k, tokens=self._draw_out, slots=self.slot, M=rows, V=self.V, counts=counts,
-                               seen=seen)
-
-    def penalty_buffers(self) -> tuple[int, int, int]:
-        """(params PENALTY_PARAMS [slots], counts int32 [slots, V], seen uint8 [slots, V]), made and zeroed on first
-        use (~1.2 MB a slot at a 248K vocabulary): set_penalties's, before any graph that reads them is captured."""
-        if self._pen is None:
-            S, V = self.slots, self.V
-            self._pen = (self._alloc(S * misc.PENALTY_PARAMS.itemsize), self._alloc(S * V * 4), self._alloc(S * V))
-            self.gpu.upload(self._pen[0], np.concatenate([misc.penalty_params()] * S))
-            self.gpu.memset(self._pen[1], 0, S * V * 4)
-            self.gpu.memset(self._pen[2], 0, S * V)
-        return self._pen
+    def _enqueue_draw(self, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
+        """The draw op (how, vocab, *flags) over logits rows 0..rows-1 (draws.py)."""
+        self.draws.enqueue(self.buf.logits, self.slot, how, vocab, *flags, rows=rows)
 
     def set_penalties(self, slot: int, record: np.ndarray, counts: np.ndarray | None = None,
                       seen: np.ndarray | None = None) -> None:
-        """Slot's penalties (a misc.penalty_params record) and, where given, its sequence's state
-        (misc.penalty_state: counts int32 [V], seen uint8 [V]), queued on the stream."""
-        params, c, sn = self.penalty_buffers()
-        self.gpu.upload(params + slot * misc.PENALTY_PARAMS.itemsize, record, stream=self.gpu.stream)
-        if counts is not None:
-            self.gpu.upload(c + slot * self.V * 4, np.ascontiguousarray(counts, np.int32), stream=self.gpu.stream)
-            self.gpu.upload(sn + slot * self.V, np.ascontiguousarray(seen, np.uint8), stream=self.gpu.stream)
+        """Slot's penalties and, where given, its sequence's state, for its draws (Draws.set_penalties)."""
+        self.draws.set_penalties(slot, record, counts, seen)
 
     # ------------------------------------------------------------------------------------------- host API
 
@@ -337,7 +298,7 @@ class GpuModel:
         """The step's inputs; tokens None: the one token the latest draw left in the draw slot, copied on the
         device (the host has not read it yet)."""
         if tokens is None:
-            self.gpu.copy(self.buf.tokens, self._draw_out, 4)
+            self.gpu.copy(self.buf.tokens, self.draws.out, 4)
         else:
             self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
@@ -369,7 +330,8 @@ class GpuModel:
         also every row's post-norm hidden state (`hidden(B·T)`: the MTP head's input), the lm_head then reading
         it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B records, one
         a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
-        drawn tokens counted in their slots' state. tokens None (B = 1, with draw): the step's one token is the one the
+        drawn tokens counted in their slots' state. A fourth element, B logprob counts (None: none for that row), also
+        leaves each such row's logprobs record (`draws.logprobs`). tokens None (B = 1, with draw): the step's one token is the one the
         latest draw left on the device, so a step can be enqueued before the host reads the token before it.
         """
         B = len(pos)
@@ -380,9 +342,10 @@ class GpuModel:
             raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")
         self._check(pos, T, slots)
         if draw is not None and (T != 1 or not 1 <= draw[0] <= self.V
-                                 or (draw[1] is not None and len(draw[1]) != B)):
+                                 or (draw[1] is not None and len(draw[1]) != B)
+                                 or (len(draw) > 3 and draw[3] is not None and len(draw[3]) != B)):
             raise NinferError(f"decode draws one token for each sequence of one row over 1..{self.V} ids, one params "
-                              f"record each; got T = {T}, vocab = {draw[0]}, "
+                              f"record (and logprob count) each; got T = {T}, vocab = {draw[0]}, "
                               f"{'no' if draw[1] is None else len(draw[1])} records for B = {B}")
         self._set_batch(tokens, pos, slots)
         self._run(Step(B, T, self.bucket(max(pos) + T), "hidden" if hidden else "last",
@@ -575,23 +538,18 @@ class GpuModel:
         self._enqueue_draw(*self._draw_op(vocab, record, penalized_slot is not None))
         return self.drawn()
 
-    def _draw_op(self, vocab: int, record: np.ndarray | None, penalized: bool = False) -> tuple:
-        """The draw's op, ("argmax" | "sample", vocab[, "penalized"]), with its params record (if any) queued for
-        upload."""
-        if record is not None:
-            self.gpu.upload(self._draw_params, record, stream=self.gpu.stream)
-        op = ("argmax" if record is None else "sample", int(vocab))
-        return op + ("penalized",) if penalized else op
+    def _draw_op(self, vocab: int, record: np.ndarray | None, penalized: bool = False, tops=None) -> tuple:
+        """The draw's op (draws.py), its params record and logprob counts queued for upload."""
+        return self.draws.op(vocab, record, penalized, tops)
 
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""
-        return int(self.gpu.download(self._draw_out, (1,), np.int32)[0])
+        return self.draws.drawn()
 
     def drawn_rows(self, B: int) -> np.ndarray:
         """The tokens in the first B draw slots, int32 [B] (after the stream finishes)."""
-        return self.gpu.download(self._draw_out, (B,), np.int32)
+        return self.draws.drawn_rows(B)
 
     def drawn_async(self, dst, offset: int) -> None:
         """Queue a copy of the draw slot's token into pinned host memory dst[offset:offset + 4] (int32)."""
-        self.gpu.download_async(dst, offset, self._draw_out, 4)
-
+        self.draws.drawn_async(dst, offset)

@@ -1,5 +1,5 @@
 """Launch wrappers for the small op families: RMSNorm and the bf16 cast (kernels/norm.cu), arg-max and
-sampling (kernels/sampling.cu).
+sampling (kernels/sampling.cu), log-probabilities (kernels/logprobs.cu).
 
 Each wrapper takes the loaded Kernels first, then device pointers (ints) and sizes by keyword, validates the
 sizes (GpuError, one line), computes the launch shape and launches on `stream` (the context's stream if None).
@@ -19,6 +19,7 @@ import numpy as np
 
 from ninfer_rt.formats import round_up
 from ninfer_rt.gpu.driver import GpuError, f32, i32, i64, ptr
+from ninfer_rt.logprobs import TokenLogprob
 
 SAMPLE_MAX_CANDIDATES = 1024
 ARGMAX_MAX_SPLIT = 256      # partial results per row in the argmax scratch
@@ -256,6 +257,58 @@ def penalize_reference(logits: np.ndarray, V: int, slots, params: np.ndarray, co
         hit = c > 0
         v[hit] = v[hit] - (freq * c[hit].astype(np.float32) + pres)
     return out
+
+
+# ------------------------------------------------------------------------------------------ log-probabilities
+
+LP_TOP = 20                 # logprobs.cu LP_TOP: alternatives a record lists (logprobs.MAX_TOP_LOGPROBS)
+LP_INTS = 4 + 2 * LP_TOP    # a row's record: lse (fp64), the token's logit, n, n (id, logit) pairs
+LP_PART_BYTES = 176         # logprobs.cu struct LpPart: one block's slice of a row
+_LP_CHUNK = 4096            # logprobs.cu LP_CHUNK: ids a logprob_rows block takes
+_LP_MAX_SPLIT = 256         # logprobs.cu LP_MAX_SPLIT
+
+
+def logprob_scratch_bytes(M: int, V: int) -> int:
+    """Bytes of the LpPart records logprob_rows leaves for logprob_finish, M rows of V."""
+    return max(1, M) * -(-V // _LP_CHUNK) * LP_PART_BYTES
+
+
+def logprob_rows(k, *, logits: int, ld: int, M: int, V: int, tops: int, scratch: int, raw: int = 0,
+                 stream=None) -> None:
+    """The first half of each row's logprobs (logprobs.cu): its slices' max, Σ exp and top tops[m] (int32 [M]; -1:
+    the row is skipped) into scratch (logprob_scratch_bytes(M, V)). raw (fp32 [M, ld], optional): the rows copied
+    there, for logprob_finish to read the drawn tokens' logits after a penalty has changed the rows."""
+    _rows("logprob_rows", M, V, ld)
+    nsplit = -(-V // _LP_CHUNK)
+    _need(nsplit <= _LP_MAX_SPLIT, f"logprob_rows: V={V} is over {_LP_MAX_SPLIT * _LP_CHUNK} ids")
+    _need(bool(logits and tops and scratch), "logprob_rows: logits, tops and scratch must be device pointers")
+    if M:
+        k.launch("logprob_rows", (nsplit, M), 256, [ptr(logits), i64(ld), i32(V), ptr(tops), ptr(raw),
+                                                     ptr(scratch)], 0, stream)
+
+
+def logprob_finish(k, *, tokens: int, src: int, ld: int, M: int, V: int, tops: int, scratch: int, out: int,
+                   stream=None) -> None:
+    """out int32 [M, LP_INTS]: each row's record (logprob_record reads one) from logprob_rows's scratch and the
+    drawn tokens (int32 [M]), whose logits come from src (the logits, or logprob_rows's raw copy; row stride ld)."""
+    _rows("logprob_finish", M, V, ld)
+    _need(bool(tokens and src and tops and scratch and out), "logprob_finish: every array must be a device pointer")
+    if M:
+        k.launch("logprob_finish", M, 64, [ptr(tokens), ptr(src), i64(ld), i32(V), ptr(tops), ptr(scratch),
+                                           i32(-(-V // _LP_CHUNK)), ptr(out)], 0, stream)
+
+
+def logprob_record(rec: np.ndarray, token: int) -> TokenLogprob:
+    """One row's record (int32 [LP_INTS]) as the host's TokenLogprob: each logit minus lse in float64, as
+    logprobs.token_logprob reports them."""
+    lse = float(rec[:2].view(np.float64)[0])
+    n = int(rec[3])
+    if not 0 <= n <= LP_TOP:
+        raise GpuError(f"logprobs: a record of {n} alternatives (at most {LP_TOP})")
+    pairs = rec[4:4 + 2 * n].reshape(n, 2)
+    vals = pairs[:, 1].view(np.float32)
+    top = tuple((int(i), float(v) - lse) for i, v in zip(pairs[:, 0], vals))
+    return TokenLogprob(int(token), float(rec[2:3].view(np.float32)[0]) - lse, top)
 
 
 SUPPORT_INTS = 1 + 2 * SAMPLE_MAX_CANDIDATES  # a support row: the count L, then L (id, fp32 bits) pairs
