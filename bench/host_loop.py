@@ -1,7 +1,7 @@
 """What one sequence's decode loop costs beyond its graph: the host's share of a token as Model.generate makes it.
 
     python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--batch 2,4] [--penalties]
-                              [--json PATH]
+                              [--logprobs 5] [--json PATH]
 
 Each row times --steps tokens of one loop, the median of 5 rounds after a first that captures the graph, against
 `ninfer-rt bench`'s back-to-back replay of the same graph: the difference is what the host adds to a token.
@@ -17,6 +17,9 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
 - "host" / "device wait" / "device ahead" (--penalties): Qwen3.6's non-thinking setting (presence 1.5), drawn on
   the host from the step's downloaded logits (what generate does while DEVICE_PENALTIES is off), or on the device
   with the slot's penalty state (DEVICE_PENALTIES on), against the sampled step's replay.
+- "host" / "device" (--logprobs N): greedy with each token's logprob and N alternatives, as Batch takes them for
+  a sequence alone: token_logprob over the step's downloaded logits after the host's draw (before v109), or the
+  device's record (GpuBackend.sample_batch with logprobs), against the greedy step's replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -118,6 +121,31 @@ def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, device: b
     return float(np.median(times[1:]))
 
 
+def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, device: bool) -> float:
+    """Median seconds a greedy token with its logprobs (top alternatives) over rounds of `steps`: from the device's
+    record (sample_batch), or from the downloaded logits (the host's draw and token_logprob)."""
+    from ninfer_rt.gpu.backend import GpuCache
+    from ninfer_rt.logprobs import token_logprob
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    V, params = model.sample_vocab, SamplingParams(greedy=True)
+    times = []
+    for _ in range(ROUNDS):
+        cache, sampler, token = GpuCache(pos=ctx - steps, slot=0), Sampler(params), 17
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if device:
+                lp = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i],
+                                          logprobs=[top])[0]
+            else:
+                logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+                logits[V:] = -np.inf
+                lp = token_logprob(logits, sampler.sample(logits, [], 0), top, V)
+            token = lp.id
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="synthetic shapes and recipe")
@@ -127,6 +155,8 @@ def main() -> None:
                     "empty: none)")
     ap.add_argument("--penalties", action="store_true", help="also Qwen3.6's non-thinking setting (presence 1.5): "
                     "drawn on the host, and on the device (DEVICE_PENALTIES on for those rows)")
+    ap.add_argument("--logprobs", type=int, default=None, help="also greedy with each token's logprob and this many "
+                    "alternatives (0..20): the host's token_logprob over downloaded logits, and the device's record")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     try:
@@ -135,6 +165,8 @@ def main() -> None:
         sys.exit(f"host_loop: --batch {a.batch!r}: want comma-separated integers")
     if any(not 2 <= b <= 8 for b in batches):
         sys.exit(f"host_loop: --batch {a.batch!r}: each must be in [2, 8]")
+    if a.logprobs is not None and not 0 <= a.logprobs <= 20:
+        sys.exit(f"host_loop: --logprobs must be in [0, 20], got {a.logprobs}")
     if not 1 <= a.steps < a.context - 1:
         sys.exit(f"host_loop: --steps must be in [1, --context - 1), got {a.steps}")
 
@@ -180,6 +212,13 @@ def main() -> None:
                 rows.append({"model": a.model, "context": a.context, "sampling": "non-thinking", "loop": loop_kind,
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+        if a.logprobs is not None:
+            replay = _time_decode(model, a.context - 1)
+            for draws in ("host", "device"):
+                loop = logprob_loop_s(backend, model, a.context, a.steps, a.logprobs, device=draws == "device")
+                rows.append({"model": a.model, "context": a.context, "sampling": f"logprobs {a.logprobs}",
+                             "loop": draws, "loop_ms": loop * 1e3, "replay_ms": replay * 1e3,
+                             "host_us": (loop - replay) * 1e6, "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
                   [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],
