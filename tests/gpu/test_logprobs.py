@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from .test_engine import prompt
+from .test_penalties import host_and_device_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -133,17 +134,11 @@ def test_a_batch_reports_device_logprobs_as_the_host_path_does(gpu, artifact, mo
             gens.append(alone)
             return [(g.stats.token_ids, g.take_logprobs()) for g in gens]
 
-        monkeypatch.setattr(GpuBackend, "draws_logprobs", False)
-        host = run()
-        monkeypatch.setattr(GpuBackend, "draws_logprobs", True)
-        downloads = {"n": 0}
-        real = m._backend.model.logits_row
-        monkeypatch.setattr(m._backend.model, "logits_row", lambda b: downloads.__setitem__("n", downloads["n"] + 1)
-                            or real(b))
-        device = run()
+        host, device, downloads = host_and_device_runs(monkeypatch, (GpuBackend, "draws_logprobs"), run,
+                                                       m._backend.model, "logits_row")
     finally:
         m.close()
-    assert downloads["n"] == 0
+    assert downloads == 0
     for (ids_d, lps_d), (ids_h, lps_h) in zip(device, host):
         assert ids_d == ids_h and len(lps_d) == len(lps_h)
         for got, want in zip(lps_d, lps_h):

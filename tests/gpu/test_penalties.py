@@ -51,6 +51,19 @@ def test_penalty_count_counts_each_rows_token_in_its_slot(gpu, kernels, dev):
     assert np.array_equal(dev.get(d_seen, (S, V), np.uint8), seen)
 
 
+def host_and_device_runs(monkeypatch, switch: tuple, run, model, download: str) -> tuple:
+    """run() with the switch (owner, attribute) off (the host path), then on with each call of model's `download`
+    method counted: (host's result, device's result, the device run's downloads)."""
+    owner, name = switch
+    monkeypatch.setattr(owner, name, False)
+    host = run()
+    monkeypatch.setattr(owner, name, True)
+    calls = {"n": 0}
+    real = getattr(model, download)
+    monkeypatch.setattr(model, download, lambda *a: calls.__setitem__("n", calls["n"] + 1) or real(*a))
+    return host, run(), calls["n"]
+
+
 @pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(presence_penalty=1.5),
                                  dict(frequency_penalty=0.8, presence_penalty=0.3)])
 def test_penalised_generation_draws_on_the_device_as_the_host_does(gpu, artifact, monkeypatch, pen):
@@ -76,15 +89,9 @@ def test_penalised_generation_draws_on_the_device_as_the_host_does(gpu, artifact
                 batch.step()
             return alone, [g.stats.token_ids for g in gens]
 
-        monkeypatch.setattr(backend_mod, "DEVICE_PENALTIES", False)
-        host = run()
-        monkeypatch.setattr(backend_mod, "DEVICE_PENALTIES", True)
-        downloads = {"n": 0}
-        real = m._backend.model.logits
-        monkeypatch.setattr(m._backend.model, "logits", lambda rows: downloads.__setitem__("n", downloads["n"] + 1)
-                            or real(rows))
-        device = run()
+        host, device, downloads = host_and_device_runs(monkeypatch, (backend_mod, "DEVICE_PENALTIES"), run,
+                                                       m._backend.model, "logits")
     finally:
         m.close()
-    assert device == host and downloads["n"] == 0
+    assert device == host and downloads == 0
     assert len(set(host[0])) > 4  # the penalties kept the path from one repeated token
