@@ -303,18 +303,29 @@ __device__ __forceinline__ int sample_k(const SampleParams& p, int V)
     return min(greedy ? 1 : K, V);
 }
 
-// hist_pass over sample_compact's segments (cnt[s] entries at ents + s·chunk) instead of the row.
-__device__ __forceinline__ void hist_pass_compact(const int* cnt, const uint2* ents, int nseg, int chunk, int* h,
-                                                  uint32_t mmask, uint32_t mval, int shift, uint32_t bmask)
+// Entry i of sample_compact's segments read as one list in index order: segment s holds entries start[s] ..
+// start[s+1] - 1 of it (at ents + s·chunk). The largest s with start[s] <= i is never an empty segment.
+__device__ __forceinline__ uint2 entry_at(const uint2* ents, const int* start, int nseg, int chunk, int i)
 {
-    for (int s = 0; s < nseg; ++s) {
-        const uint2* e = ents + static_cast<long long>(s) * chunk;
-        for (int j0 = 0; j0 < cnt[s]; j0 += blockDim.x) {
-            const int j = j0 + threadIdx.x;
-            const uint32_t key = j < cnt[s] ? e[j].x : 0u;
-            const bool ok = j < cnt[s] && (key & mmask) == mval;
-            hist_add(h, ok ? static_cast<int>((key >> shift) & bmask) : -1);
-        }
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (start[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return ents[static_cast<long long>(lo) * chunk + (i - start[lo])];
+}
+
+// hist_pass over the n entries of sample_compact's segments instead of the row: SAMPLE_THREADS of them at a time
+// whatever segment they sit in (a loop over the segments waited for one L2 round trip each, ~31 a pass).
+__device__ __forceinline__ void hist_pass_compact(const uint2* ents, const int* start, int nseg, int chunk, int n,
+                                                  int* h, uint32_t mmask, uint32_t mval, int shift, uint32_t bmask)
+{
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        const int j = j0 + threadIdx.x;
+        const uint32_t key = j < n ? entry_at(ents, start, nseg, chunk, j).x : 0u;
+        const bool ok = j < n && (key & mmask) == mval;
+        hist_add(h, ok ? static_cast<int>((key >> shift) & bmask) : -1);
     }
 }
 
@@ -395,13 +406,19 @@ sample_rows(int V, const SampleParams* params, const int* hist, const int* count
     __shared__ double redd[33];
     __shared__ int redi[33];
     __shared__ int sel[2];
-    __shared__ int cnt[MAX_SEGMENTS];
+    __shared__ int start[MAX_SEGMENTS + 1];  // segment s: entries start[s] .. start[s+1] - 1 of the list
     const int m = blockIdx.x, tid = threadIdx.x;
     const SampleParams p = params[m];
     const bool greedy = !(p.temperature > 0.f);
     const int K = sample_k(p, V);
     const uint2* ents = entries + static_cast<long long>(m) * nseg * chunk;
-    for (int i = tid; i < nseg; i += SAMPLE_THREADS) cnt[i] = counts[static_cast<long long>(m) * nseg + i];
+    int n_ent;  // entries in all segments
+    {
+        const int c = tid < nseg ? counts[static_cast<long long>(m) * nseg + tid] : 0;  // nseg <= SAMPLE_THREADS
+        const int incl = block_incl_scan(c, redi, n_ent);
+        if (tid < nseg) start[tid + 1] = incl;
+        if (tid == 0) start[0] = 0;
+    }
 
     // Radix select of the K-th largest key t. Digit 1 (bits 31..21) from sample_hist.
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = hist[static_cast<long long>(m) * HIST_BINS + i];
@@ -413,7 +430,7 @@ sample_rows(int V, const SampleParams* params, const int* hist, const int* count
     // Digit 2 (bits 20..10) among keys whose digit 1 is b1.
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
     __syncthreads();
-    hist_pass_compact(cnt, ents, nseg, chunk, h, 0xffe00000u, b1 << 21, 10, 2047u);
+    hist_pass_compact(ents, start, nseg, chunk, n_ent, h, 0xffe00000u, b1 << 21, 10, 2047u);
     __syncthreads();
     select_bin(h, HIST_BINS, rank, sel, redi);
     const uint32_t b2 = sel[0];
@@ -423,32 +440,29 @@ sample_rows(int V, const SampleParams* params, const int* hist, const int* count
     for (int i = tid; i < HIST_BINS; i += SAMPLE_THREADS) h[i] = 0;
     __syncthreads();
     const uint32_t pre = (b1 << 21) | (b2 << 10);
-    hist_pass_compact(cnt, ents, nseg, chunk, h, 0xfffffc00u, pre, 0, 1023u);
+    hist_pass_compact(ents, start, nseg, chunk, n_ent, h, 0xfffffc00u, pre, 0, 1023u);
     __syncthreads();
     select_bin(h, 1024, rank, sel, redi);
     const uint32_t t = pre | static_cast<uint32_t>(sel[0]);
     G += sel[1];                              // G < K <= SAMPLE_CAND keys are > t
     const int N = min(G + h[sel[0]], SAMPLE_CAND);  // candidates: those, then ties with t in index order
 
-    // Gather, in index order (segment by segment): keys > t to slots [0, G), ties to slots [G, N). One block scan
+    // Gather, in index order (the segments' list): keys > t to slots [0, G), ties to slots [G, N). One block scan
     // per step of SAMPLE_THREADS entries gives each its slot; both counts travel packed in one int.
     for (int i = tid; i < SAMPLE_CAND; i += SAMPLE_THREADS) cand[i] = ~0ull;
     int base_gt = 0, base_eq = 0;
-    for (int sg = 0; sg < nseg && !(base_gt >= G && G + base_eq >= N); ++sg) {  // block-uniform
-        const uint2* e = ents + static_cast<long long>(sg) * chunk;
-        for (int j0 = 0; j0 < cnt[sg]; j0 += SAMPLE_THREADS) {
-            const int j = j0 + tid;
-            const uint2 en = j < cnt[sg] ? e[j] : make_uint2(0u, 0u);
-            const bool gt = j < cnt[sg] && en.x > t, eq = j < cnt[sg] && en.x == t;
-            const int packed = static_cast<int>(gt) | (static_cast<int>(eq) << 16);
-            int tot;
-            const int ex = block_incl_scan(packed, redi, tot) - packed;
-            const unsigned long long c = (static_cast<unsigned long long>(~en.x) << 32) | en.y;
-            if (gt && base_gt + (ex & 0xffff) < SAMPLE_CAND) cand[base_gt + (ex & 0xffff)] = c;
-            if (eq && G + base_eq + (ex >> 16) < SAMPLE_CAND) cand[G + base_eq + (ex >> 16)] = c;
-            base_gt += tot & 0xffff;
-            base_eq += tot >> 16;
-        }
+    for (int j0 = 0; j0 < n_ent && !(base_gt >= G && G + base_eq >= N); j0 += SAMPLE_THREADS) {  // block-uniform
+        const int j = j0 + tid;
+        const uint2 en = j < n_ent ? entry_at(ents, start, nseg, chunk, j) : make_uint2(0u, 0u);
+        const bool gt = j < n_ent && en.x > t, eq = j < n_ent && en.x == t;
+        const int packed = static_cast<int>(gt) | (static_cast<int>(eq) << 16);
+        int tot;
+        const int ex = block_incl_scan(packed, redi, tot) - packed;
+        const unsigned long long c = (static_cast<unsigned long long>(~en.x) << 32) | en.y;
+        if (gt && base_gt + (ex & 0xffff) < SAMPLE_CAND) cand[base_gt + (ex & 0xffff)] = c;
+        if (eq && G + base_eq + (ex >> 16) < SAMPLE_CAND) cand[G + base_eq + (ex >> 16)] = c;
+        base_gt += tot & 0xffff;
+        base_eq += tot >> 16;
     }
     __syncthreads();
 
