@@ -11,8 +11,9 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
 - "ahead": GpuBackend.sample_ahead as Model.generate runs it now (Model._run_ahead): each step is fed its token on
   the device and enqueued before the host reads the token before it, one step in flight beyond the one read.
 - "B=n host" / "B=n device" (--batch): a batched step of n sequences as Batch makes it, each row's token drawn by
-  the host's Sampler from the step's [n, V] logits (Batch before v106; still a row that asks for logprobs) or
-  on the device (GpuBackend.sample_batch: only the ids come back); against the n-row step's replay. Tokens/s
+  the host's Sampler from the step's [n, V] logits (Batch before v106; still a row with a JSON constraint) or
+  on the device (GpuBackend.sample_batch: only the ids come back); against the n-row step's replay (for sampled
+  device rows, the step that draws each row under ninfer_rt.gpu.bench.SAMPLED's record). Tokens/s
   count every sequence's token.
 - "host" / "device wait" / "device ahead" (--penalties): Qwen3.6's non-thinking setting (presence 1.5), drawn on
   the host from the step's downloaded logits (what generate does while DEVICE_PENALTIES is off), or on the device
@@ -190,8 +191,9 @@ def main() -> None:
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
             for B in batches:
-                replay = _time_decode(model, a.context - 1, batch=B)
-                for draws in ("host", "device"):
+                for draws in ("host", "device"):  # against the step that draws as the loop does (host: none)
+                    replay = _time_decode(model, a.context - 1, batch=B,
+                                          sampled=draws == "device" and label != "greedy")
                     loop = batch_loop_s(backend, model, a.context, a.steps, params, B, device=draws == "device")
                     rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": f"B={B} {draws}",
                                  "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,

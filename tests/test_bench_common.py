@@ -114,6 +114,8 @@ def test_time_decode_is_the_median_seconds_per_replay_of_the_step_graph(gpu):
     vocab, rec = m.draws[-1]
     assert vocab == 1000 and (rec["temperature"][0], rec["top_k"][0]) == pytest.approx(
         (SAMPLED["temperature"], SAMPLED["top_k"]))
+    _time_decode(m, 8192, rounds=1, reps=1, sampled=True, batch=3)  # a sampled batched step: a record a row
+    assert m.keys[-1] == Step(3, 1, 16384, "last", draw=("sample", 1000)) and len(m.draws[-1][1]) == 3
 
 
 def test_time_decode_of_several_tokens_replays_the_verify_graph(gpu):

@@ -138,7 +138,7 @@ SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, tokens: int = 1, trail: bool = False):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
-    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; not with sampled), each fed its own
+    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; sampled: each row under the record), each fed its own
     token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
     of every row (GpuModel.verify: speculative decoding's verification; trail: keeping each token's DeltaNet state)."""
     from ninfer_rt.gpu import misc
@@ -148,7 +148,8 @@ def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, to
     if tokens > 1:
         model.verify(tok, ctx, 0, trail=trail)
         return model.step_graph(Step(1, tokens, model.bucket(ctx + tokens), "all", trail=trail))
-    draw = (model.sample_vocab, misc.sample_params(**SAMPLED, seed=1, step=ctx)) if sampled else None
+    draw = (model.sample_vocab, np.concatenate([misc.sample_params(**SAMPLED, seed=1, step=ctx)] * batch)) \
+        if sampled else None
     model.decode(tok, [ctx] * batch, list(range(batch)), draw=draw)
     return model.step_graph(Step(batch, 1, model.bucket(ctx + 1), "last",
                                  draw=("sample", model.sample_vocab) if sampled else None))
