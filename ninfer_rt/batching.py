@@ -309,7 +309,7 @@ class Batch:
             elif g.spec is not None:  # the rows' hidden states kept for the head
                 token = g.spec.prefill(chunk, last and g.budget > 0)
                 g._pen_synced = False
-            elif last and g.budget and self._on_device(g) and g.logprobs is None:
+            elif last and g.budget and self._on_device(g) and g.logprobs is None and g.constraint is None:
                 token = self._device_draw(g, chunk)
             else:
                 logits = self.backend.forward(chunk, g._slot.cache, last_only=True)[-1]
@@ -330,8 +330,8 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        if len(gens) == 1 and self._on_device(gens[0]) and gens[0].logprobs is None:  # alone: drawn in its graph
-            g = gens[0]
+        g = gens[0]
+        if len(gens) == 1 and self._on_device(g) and g.logprobs is None and g.constraint is None:  # alone: run ahead
             token = self._device_draw(g, np.asarray(tokens, np.int64))
             g._slot.ids.append(tokens[0])
             g.stats.decode_s += time.perf_counter() - t0
@@ -343,9 +343,9 @@ class Batch:
             spec = any(g.spec is not None for g in gens)  # their post-norm rows kept for the MTP head
             on_device = [self._on_device(g) for g in gens]
             if any(on_device) and hasattr(self.backend, "sample_batch"):
-                # rows drawn on the device send only their ids back (and a logprobs record where asked); a row
-                # that needs its logits (a JSON constraint, sampling the device cannot draw) gets them, and the
-                # host draws it
+                # rows drawn on the device send only their ids back (and a logprobs record where asked; a JSON
+                # row's logits where its constraint refuses the draw); a row the device cannot draw gets its
+                # logits, and the host draws it
                 for g, ok in zip(gens, on_device):
                     if ok:
                         self._sync_penalties(g)
@@ -357,8 +357,8 @@ class Batch:
                     **({"logprobs": lps} if any(n is not None for n in lps) else {}))
                 if spec:
                     picks, hidden = picks
-                picks = [self._device_pick(g, p) if ok else self._draw_or_error(g, p)
-                         for g, p, ok in zip(gens, picks, on_device)]
+                picks = [self._device_pick(g, b, p) if ok else self._draw_or_error(g, p)
+                         for b, (g, p, ok) in enumerate(zip(gens, picks, on_device))]
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
@@ -387,7 +387,7 @@ class Batch:
         a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
         so."""
         drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
-        if not (len(self._running) == 1 and g.spec is None and g.logprobs is None
+        if not (len(self._running) == 1 and g.spec is None and g.logprobs is None and g.constraint is None
                 and hasattr(self.backend, "sample_ahead")
                 and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
             return
@@ -454,18 +454,33 @@ class Batch:
 
     def _on_device(self, g: Generation) -> bool:
         """Whether g's next token may be drawn on the device (only its id comes back, and its logprobs record where
-        the backend computes them there: GpuBackend.draws_logprobs)."""
-        return (g.constraint is None and self.model._draws_on_device(g.sampler.params)
-                and (g.logprobs is None or getattr(self.backend, "draws_logprobs", False)))
+        the backend computes them there: GpuBackend.draws_logprobs; a JSON-constrained row's logits come back only
+        where the constraint refuses the draw: draws_constrained, without penalties, which change the row)."""
+        return (self.model._draws_on_device(g.sampler.params)
+                and (g.logprobs is None or getattr(self.backend, "draws_logprobs", False))
+                and (g.constraint is None or (getattr(self.backend, "draws_constrained", False)
+                                              and not g.sampler.params.penalised)))
 
-    @staticmethod
-    def _device_pick(g: Generation, pick) -> int:
-        """A device row's token: its id, or (a row with logprobs) the TokenLogprob that carries it, kept for
-        _emit."""
-        if isinstance(pick, TokenLogprob):
-            g._drawn = pick
-            return pick.id
-        return pick
+    def _device_pick(self, g: Generation, row: int, pick):
+        """A device row's token: its id, or (a row with logprobs) the TokenLogprob that carries it, kept for _emit.
+        A JSON-constrained row whose draw its constraint refuses goes on as the host path would after that first
+        draw (_constrained over the step's logits of the row, its logprobs then the host's); the exception where no
+        token can continue."""
+        token = pick.id if isinstance(pick, TokenLogprob) else pick
+        g._drawn = pick if isinstance(pick, TokenLogprob) else None
+        if g.constraint is None:
+            return token
+        if (after := self._allows(g.constraint, token)) is not None:
+            g.constraint = after
+            return token
+        logits = self.backend.last_logits(row)
+        try:
+            token = self._constrained(g, logits, token)
+        except Exception as e:
+            return e
+        if g.logprobs is not None:
+            g._drawn = token_logprob(logits, token, g.logprobs, self.model.real_vocab_size)
+        return token
 
     def _sync_penalties(self, g: Generation) -> None:
         """Before g's next draw on the device: where it has penalties and a token of its was drawn elsewhere (the

@@ -58,8 +58,37 @@ class Steer:
         return np.concatenate([self.forward([t], c, last_only=True) for t, c in zip(ids, caches)])
 
 
-def steering(model) -> tuple[Steer, list[int]]:
-    """A Steer toward T's tokens then the stop token, with decoys a JSON object cannot take at each step."""
+class DeviceSteer(Steer):
+    """Steer with the GPU backend's batched draws (GpuBackend.sample_batch's contract, greedy rows): only each
+    row's arg-max comes back (with its logprobs record where asked), and a JSON row's logits only through
+    last_logits, counted."""
+
+    draws_logprobs = draws_constrained = True
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.steps = self.logits_reads = 0
+
+    def can_draw(self, params) -> bool:
+        return params.is_greedy and not params.penalised
+
+    def sample_batch(self, ids, caches, params, *, vocab, seeds, steps, hidden=False, logprobs=None):
+        from ninfer_rt.logprobs import token_logprob
+
+        self.steps += 1
+        self.rows = self.decode_batch(ids, caches)
+        out = [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, self.rows)]
+        return [token_logprob(self.rows[b], t, n, vocab) if n is not None else t
+                for b, (t, n) in enumerate(zip(out, logprobs or [None] * len(out)))]
+
+    def last_logits(self, row: int) -> np.ndarray:
+        self.logits_reads += 1
+        return self.rows[row].copy()
+
+
+def steering(model, cls=Steer, with_decoys: bool = True) -> tuple[Steer, list[int]]:
+    """A Steer (or cls) toward T's tokens then the stop token, with decoys a JSON object cannot take at each step
+    (or none)."""
     tok = model.tokenizer
     ids = tok.encode(T) + [min(tok.eos_ids)]
     assert tok.decode(ids[:-1]) == T
@@ -72,7 +101,7 @@ def steering(model) -> tuple[Steer, list[int]]:
     # more decoys than the constrained draws: raw control bytes (not the whitespace ones), then an added token
     controls = [by_bytes[bytes([c])] for c in range(1, 32) if c not in b"\t\n\r"]
     decoys[len(ids) // 2] = controls[:batching.JSON_DRAWS + 4] + [added]
-    return Steer(model.real_vocab_size, ids, decoys), ids
+    return cls(model.real_vocab_size, ids, decoys if with_decoys else [[] for _ in ids]), ids
 
 
 @pytest.fixture
@@ -82,15 +111,33 @@ def steered(packed_model, monkeypatch):
     return packed_model, ids
 
 
-def run(model, json_object: bool, sampling=GREEDY, max_new_tokens: int = 64, json_schema=None):
+def run(model, json_object: bool, sampling=GREEDY, max_new_tokens: int = 64, json_schema=None, logprobs=None):
     batch = model.batch(1)
     g = batch.add(model.tokenizer.encode("Reply in JSON"), max_new_tokens=max_new_tokens, sampling=sampling,
-                  json_object=json_object, json_schema=json_schema)
+                  json_object=json_object, json_schema=json_schema, logprobs=logprobs)
     text = ""
     while batch.busy:
         batch.step()
         text += "".join(g.take())
     return g, text
+
+
+@pytest.mark.parametrize("decoys", [True, False])
+def test_a_json_row_drawn_on_the_device_takes_the_host_paths_tokens(packed_model, monkeypatch, decoys):
+    """Drawn on the device (DeviceSteer: arg-max ids alone back), a JSON row's output and logprobs are the host
+    path's; its logits come back only at the steps whose draw the constraint refuses: every decode step where a
+    decoy ranks first, none where T's token does."""
+    def steered_run(cls):
+        steer, ids = steering(packed_model, cls, decoys)
+        monkeypatch.setattr(packed_model, "_backend", steer)
+        g, text = run(packed_model, json_object=True, logprobs=1)
+        return steer, ids, (g.stats.token_ids, text, g.stats.finish_reason, g.take_logprobs())
+
+    _, ids, host = steered_run(Steer)
+    device, _, got = steered_run(DeviceSteer)
+    assert got == host and host[0] == ids[:-1] and host[1] == T
+    assert device.steps == len(ids) - 1  # every token after the prompt's drawn there (the last the stop token)
+    assert device.logits_reads == (device.steps if decoys else 0)
 
 
 def test_the_constraint_refuses_every_decoy(steered):

@@ -132,6 +132,14 @@ class GpuBackend:
     # sample_batch computes logprobs on the device (only a record a row comes back); Batch asks it where this is
     # True (the benches turn it off to time the host path)
     draws_logprobs = True
+    # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
+    # constraint refuses the token drawn
+    draws_constrained = True
+
+    def last_logits(self, row: int) -> np.ndarray:
+        """Row `row`'s logits of the latest decode step (float32 [V], raw: the draws read them, and only a row with
+        penalties is changed; valid until the next step)."""
+        return self.model.logits_row(row)
 
     @staticmethod
     def can_sample(params: SamplingParams) -> bool:

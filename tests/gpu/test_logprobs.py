@@ -146,3 +146,38 @@ def test_a_batch_reports_device_logprobs_as_the_host_path_does(gpu, artifact, mo
             assert abs(got.logprob - want.logprob) <= LOGPROB_TOL
             assert all(abs(a - b) <= LOGPROB_TOL for (_, a), (_, b) in zip(got.top, want.top))
     assert [len(lps) for _, lps in device] == [12, 0, 12, 8]
+
+
+def test_a_json_row_drawn_on_the_device_takes_the_host_paths_tokens(gpu, artifact, monkeypatch):
+    """A JSON-constrained greedy row beside a plain one: drawn on the device (draws_constrained: its logits row
+    downloaded only where the constraint refuses the arg-max, so at most once a decode step) it decodes what the
+    host path decodes from every step's row (the same logits: the draw reads them in the step's graph), with its
+    logprobs."""
+    from ninfer_rt.api import load
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
+
+    m = load(artifact, device="cuda", max_ctx=256, cache_slots=2)
+    try:
+        v = m.real_vocab_size
+        prompts = [prompt(20, seed=80 + i, vocab=v).tolist() for i in range(2)]
+
+        def run():
+            batch = m.batch(2)
+            gens = [batch.add(prompts[0], max_new_tokens=24, sampling=SamplingParams(greedy=True), json_object=True,
+                              logprobs=1),
+                    batch.add(prompts[1], max_new_tokens=24, sampling=SamplingParams(greedy=True))]
+            text = ["", ""]
+            while batch.busy:
+                batch.step()
+                text = [t + "".join(g.take()) for t, g in zip(text, gens)]
+            return [(g.stats.token_ids, t, str(g.error), g.take_logprobs()) for g, t in zip(gens, text)]
+
+        host, device, downloads = host_and_device_runs(monkeypatch, (GpuBackend, "draws_constrained"), run,
+                                                       m._backend.model, "logits_row")
+    finally:
+        m.close()
+    assert [r[:3] for r in device] == [r[:3] for r in host] and len(host[0][0]) > 1
+    assert downloads <= len(host[0][0]) - 1  # at most the refused steps' rows (the host path: every step's)
+    for got, want in zip(device[0][3], host[0][3]):
+        assert got.id == want.id and abs(got.logprob - want.logprob) <= LOGPROB_TOL
