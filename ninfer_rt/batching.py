@@ -330,7 +330,7 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        g = gens[0]
+        g, ahead = gens[0], None
         if len(gens) == 1 and self._on_device(g) and g.logprobs is None and g.constraint is None:  # alone: run ahead
             token = self._device_draw(g, np.asarray(tokens, np.int64))
             g._slot.ids.append(tokens[0])
@@ -359,6 +359,8 @@ class Batch:
                     picks, hidden = picks
                 picks = [self._device_pick(g, b, p) if ok else self._draw_or_error(g, p)
                          for b, (g, p, ok) in enumerate(zip(gens, picks, on_device))]
+                # a lone row with logprobs: its token is in the draw slot, so its next step can run ahead
+                ahead = gens[0] if len(gens) == 1 and on_device[0] and not isinstance(picks[0], Exception) else None
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
@@ -371,6 +373,8 @@ class Batch:
         for g, t in zip(gens, tokens):
             g._slot.ids.append(t)
         dt = time.perf_counter() - t0
+        if ahead is not None:
+            self._run_ahead(ahead, picks[0])
         for g, token in zip(gens, picks):
             g.stats.decode_s += dt
             if isinstance(token, Exception):
@@ -387,12 +391,14 @@ class Batch:
         a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
         so."""
         drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
-        if not (len(self._running) == 1 and g.spec is None and g.logprobs is None and g.constraint is None
+        if not (len(self._running) == 1 and g.spec is None and g.constraint is None
+                and (g.logprobs is None or getattr(self.backend, "logprobs_ahead", False))
                 and hasattr(self.backend, "sample_ahead")
                 and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
             return
         pending = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
-                                            seed=g.sampler.seed, step=drawn)
+                                            seed=g.sampler.seed, step=drawn,
+                                            **({} if g.logprobs is None else {"logprobs": g.logprobs}))
         if token is not None:  # (else the draw it is fed goes into the ids when read: _take_ahead)
             g._slot.ids.append(token)
         g._ahead.append(_Ahead(pending, time.perf_counter()))
@@ -403,6 +409,8 @@ class Batch:
         self._run_ahead(g)
         first = g._ahead.pop(0)
         token = first.pending.result()
+        if g.logprobs is not None:
+            g._drawn = first.pending.logprob()
         g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)  # one step's time, overlap too
         g._ahead_read = time.perf_counter()
         if g._ahead:  # the step queued behind it was fed this token

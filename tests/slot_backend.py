@@ -72,14 +72,19 @@ class SlotBackend:
 
 
 class _Pending:
-    """A drawn token handed over later, as GpuBackend's PendingToken (it counts the reads for the tests)."""
+    """A drawn token handed over later, as GpuBackend's PendingToken (it counts the reads for the tests), with its
+    logprobs where the step drew them."""
 
-    def __init__(self, backend: DrawingSlotBackend, token: int):
-        self.backend, self.token = backend, token
+    def __init__(self, backend: DrawingSlotBackend, token: int, lp=None):
+        self.backend, self.token, self.lp = backend, token, lp
 
     def result(self) -> int:
         self.backend.reads += 1
         return self.token
+
+    def logprob(self):
+        assert self.lp is not None, "logprob() of a step that drew none"
+        return self.lp
 
 
 class DrawingSlotBackend(SlotBackend):
@@ -89,6 +94,7 @@ class DrawingSlotBackend(SlotBackend):
     id where a test wants one)."""
 
     draws_logprobs = False  # True: sample_batch answers a row's logprobs (token_logprob of its row), as the GPU's
+    logprobs_ahead = False  # True: sample_ahead too
     device_penalties = False  # True: greedy rows with penalties draw here too (their state set by set_penalties)
 
     def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
@@ -117,12 +123,15 @@ class DrawingSlotBackend(SlotBackend):
         self.draw_slot = int(np.argmax(self.forward(ids, cache)[-1][:vocab]))
         return self.draw_slot
 
-    def sample_ahead(self, cache, params, *, vocab: int, seed: int, step: int) -> _Pending:
+    def sample_ahead(self, cache, params, *, vocab: int, seed: int, step: int, logprobs=None) -> _Pending:
         assert self.draw_slot is not None, "sample_ahead before any draw"
+        assert logprobs is None or self.logprobs_ahead
         token = self.draw_slot
         self.steps.append(step)
-        self.draw_slot = int(np.argmax(self.forward([token], cache)[-1][:vocab]))
-        return _Pending(self, self.draw_slot)
+        row = self.forward([token], cache)[-1]
+        self.draw_slot = int(np.argmax(row[:vocab]))
+        return _Pending(self, self.draw_slot, None if logprobs is None else
+                        token_logprob(row, self.draw_slot, logprobs, vocab))
 
     def sample_batch(self, ids, caches, params, *, vocab: int, seeds, steps, hidden: bool = False, logprobs=None):
         """Rows whose params are None come back as their logits (the host draws them), as GpuBackend's; a row with
@@ -131,6 +140,8 @@ class DrawingSlotBackend(SlotBackend):
         self.batch_steps.append([None if p is None else st for p, st in zip(params, steps)])
         rows = self.decode_batch(ids, caches)
         out = [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]
+        if params[0] is not None:
+            self.draw_slot = out[0]  # (the device's draw slot holds row 0's token)
         for b, n in enumerate(logprobs or []):
             if n is not None and params[b] is not None:
                 out[b] = token_logprob(rows[b], out[b], n, vocab)

@@ -392,6 +392,29 @@ def test_rows_with_logprobs_draw_on_the_device_where_the_backend_computes_them(m
     assert [len(lps) for lps in dev[2]] == [0, 4, 3] and all(len(lp.top) == 2 for lp in dev[2][1])
 
 
+def test_a_lone_row_with_logprobs_runs_ahead_where_the_backend_brings_the_record_back(model):
+    """Where sample_ahead also brings back a step's logprobs (GpuBackend.logprobs_ahead), a sequence alone with
+    logprobs runs a step ahead after its first device draw, and reports the tokens and logprobs of the path that
+    waits for each step (logprobs_ahead off) and of the host path."""
+    def run(cls, **flags):
+        f = cls(model.real_vocab_size, set(model.tokenizer.eos_ids), cache_slots=4)
+        for k, v in flags.items():
+            setattr(f, k, v)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model, "_backend", f)
+            batch = model.batch(2)
+            g = batch.add([104, 9, 3], max_new_tokens=7, sampling=GREEDY, logprobs=2)
+            drain(batch, [g])
+        return f, (g.stats.token_ids, g.take_logprobs())
+
+    ahead, got = run(DrawingSlotBackend, draws_logprobs=True, logprobs_ahead=True)
+    waiting, want = run(DrawingSlotBackend, draws_logprobs=True)
+    _, host = run(SlotBackend)
+    assert got == want == host and len(got[1]) == 7
+    assert ahead.batch_steps == [[1]] and ahead.steps == list(range(2, 7)) and ahead.reads == 5
+    assert waiting.batch_steps == [[i] for i in range(1, 7)] and waiting.reads == 0
+
+
 def test_the_devices_penalty_state_follows_tokens_drawn_elsewhere(model):
     """A sequence with penalties whose tokens were drawn on the host (its first, with prompt_logprobs) has its
     slot's penalty state set from its whole history before its first draw on the device, once; one drawn on the

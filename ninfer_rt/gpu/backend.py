@@ -13,6 +13,7 @@ from ninfer_rt.gpu.kernels import Kernels
 from ninfer_rt.gpu.loader import load_artifact
 from ninfer_rt.gpu import misc, mtp
 from ninfer_rt.gpu.misc import SAMPLE_MAX_CANDIDATES, sample_params
+from ninfer_rt.logprobs import TokenLogprob
 from ninfer_rt.sampling import SamplingParams
 
 
@@ -132,6 +133,10 @@ class GpuBackend:
     # sample_batch computes logprobs on the device (only a record a row comes back); Batch asks it where this is
     # True (the benches turn it off to time the host path)
     draws_logprobs = True
+    # sample_ahead also brings a row's logprobs record back through the ring, so a lone sequence with logprobs runs
+    # a step ahead too. Off until tests/gpu/test_logprobs.py's run-ahead test has run on a GPU (built in session 90
+    # after its device time was spent)
+    logprobs_ahead = False
     # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
     # constraint refuses the token drawn. Off until tests/gpu/test_logprobs.py's JSON test has run on a GPU (built in
     # session 90 after its device time was spent)
@@ -209,21 +214,22 @@ class GpuBackend:
                 out[b] = self.model.logits_row(b)
         return (out, self.model.hidden(len(caches))) if hidden else out
 
-    def sample_ahead(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int,
-                     step: int) -> PendingToken:
+    def sample_ahead(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int, step: int,
+                     logprobs: int | None = None) -> PendingToken:
         """sample_next fed by the token the latest draw on this cache left on the device (sample_next's or an
         earlier sample_ahead's), before the host has read it: the step is enqueued and this returns at once,
         advancing cache by one. The token it draws comes back through PendingToken.result(), which waits for
-        that step only, so the host reads one token while the GPU already runs the step after it."""
+        that step only, so the host reads one token while the GPU already runs the step after it. logprobs (0..20
+        alternatives): its logprobs record comes back with it (PendingToken.logprob())."""
         record = _draw_record(params, seed, step)
         if cache.pos == 0:
             raise NinferError("sample_ahead: the cache has no drawn token to feed (sample_next its prompt first)")
         self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs,
-                          draw=(vocab, record, params.penalised))
+                          draw=(vocab, record, params.penalised, None if logprobs is None else [logprobs]))
         cache.pos += 1
         if self._ring is None:
             self._ring = _DrawRing()
-        return self._ring.pend(self.model)
+        return self._ring.pend(self.model, logprobs is not None)
 
     # ------------------------------------------------------------------------------------ speculative decoding
     # The reference backend's contract (ninfer_rt.speculative), with the logits and hidden states of the last row
@@ -328,21 +334,27 @@ class _DrawRing:
 
     def __init__(self):
         self.ids = PinnedBuffer(4 * self.SLOTS)
+        self.recs = PinnedBuffer(4 * misc.LP_INTS * self.SLOTS)  # each slot's logprobs record, where asked
         self.events = [Event(timing=False) for _ in range(self.SLOTS)]
         self.serial = [0] * self.SLOTS  # per slot: the number of the latest PendingToken that owns it
         self.count = 0
 
-    def pend(self, model: GpuModel) -> PendingToken:
-        """The draw slot's token (once the enqueued step is done) copied into the next slot: its handle."""
+    def pend(self, model: GpuModel, logprobs: bool = False) -> PendingToken:
+        """The draw slot's token (once the enqueued step is done) copied into the next slot, with the step's
+        logprobs record (row 0's) where it drew one: its handle."""
         i = self.count % self.SLOTS
         self.count += 1
         self.serial[i] = self.count
         model.drawn_async(self.ids, 4 * i)
+        if logprobs:
+            n = 4 * misc.LP_INTS
+            model.gpu.download_async(self.recs, n * i, model.draws.logprob_buffers()[3], n)
         self.events[i].record(model.gpu.stream)
-        return PendingToken(self, i, self.count)
+        return PendingToken(self, i, self.count, logprobs)
 
     def free(self) -> None:
         self.ids.free()
+        self.recs.free()
         for e in self.events:
             e.destroy()
         self.serial = [-1] * self.SLOTS  # no PendingToken reads freed memory
@@ -352,8 +364,8 @@ class PendingToken:
     """The token an enqueued decode step draws: result() waits for that step's copy (not for the stream, where
     later steps may be queued) and returns the id."""
 
-    def __init__(self, ring: _DrawRing, index: int, serial: int):
-        self._ring, self._index, self._serial = ring, index, serial
+    def __init__(self, ring: _DrawRing, index: int, serial: int, logprobs: bool = False):
+        self._ring, self._index, self._serial, self._logprobs = ring, index, serial, logprobs
 
     def result(self) -> int:
         ring = self._ring
@@ -362,6 +374,14 @@ class PendingToken:
                               f"a pending token was read after {_DrawRing.SLOTS} later ones reused its slot")
         ring.events[self._index].synchronize()
         return int(ring.ids.array[4 * self._index:4 * self._index + 4].view(np.int32)[0])
+
+    def logprob(self) -> TokenLogprob:
+        """The token's logprobs record (sample_ahead with logprobs), as a TokenLogprob."""
+        if not self._logprobs:
+            raise NinferError("this pending token's step drew no logprobs")
+        token, n = self.result(), 4 * misc.LP_INTS
+        rec = self._ring.recs.array[n * self._index:n * (self._index + 1)].view(np.int32)
+        return misc.logprob_record(rec, token)
 
 
 class DeviceRows:

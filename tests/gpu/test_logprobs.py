@@ -181,3 +181,39 @@ def test_a_json_row_drawn_on_the_device_takes_the_host_paths_tokens(gpu, artifac
     assert downloads <= len(host[0][0]) - 1  # at most the refused steps' rows (the host path: every step's)
     for got, want in zip(device[0][3], host[0][3]):
         assert got.id == want.id and abs(got.logprob - want.logprob) <= LOGPROB_TOL
+
+
+def test_a_lone_row_with_logprobs_runs_ahead_as_it_waits(gpu, artifact, monkeypatch):
+    """A sequence alone asking for logprobs: run ahead (logprobs_ahead: each step's record comes back through the
+    pinned ring with its token) it reports the tokens and logprobs of the path that waits for each step, exactly
+    (both replay one graph: the step's token comes from the draw slot or from the host), and reads its tokens
+    through the ring."""
+    from ninfer_rt.api import load
+    from ninfer_rt.gpu.backend import GpuBackend, PendingToken
+    from ninfer_rt.sampling import SamplingParams
+
+    m = load(artifact, device="cuda", max_ctx=256)
+    try:
+        monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
+        ids = prompt(30, seed=90, vocab=m.real_vocab_size).tolist()
+        reads = {"n": 0}
+        real = PendingToken.logprob
+        monkeypatch.setattr(PendingToken, "logprob", lambda self: reads.__setitem__("n", reads["n"] + 1)
+                            or real(self))
+
+        def run():
+            batch = m.batch(1)
+            g = batch.add(ids, max_new_tokens=16, sampling=SamplingParams(greedy=True), logprobs=3)
+            while batch.busy:
+                batch.step()
+            return g.stats.token_ids, g.take_logprobs()
+
+        monkeypatch.setattr(GpuBackend, "logprobs_ahead", False)
+        waiting = run()
+        assert reads["n"] == 0
+        monkeypatch.setattr(GpuBackend, "logprobs_ahead", True)
+        ahead = run()
+    finally:
+        m.close()
+    assert ahead == waiting and len(ahead[1]) == 16
+    assert reads["n"] == 14  # draws 2..15: all but the host's first and the batched step that starts the chain
