@@ -18,9 +18,11 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
 - "host" / "device wait" / "device ahead" (--penalties): Qwen3.6's non-thinking setting (presence 1.5), drawn on
   the host from the step's downloaded logits (what generate does while DEVICE_PENALTIES is off), or on the device
   with the slot's penalty state (DEVICE_PENALTIES on), against the sampled step's replay.
-- "host" / "device" (--logprobs N): greedy with each token's logprob and N alternatives, as Batch takes them for
-  a sequence alone: token_logprob over the step's downloaded logits after the host's draw (before v109), or the
-  device's record (GpuBackend.sample_batch with logprobs), against the greedy step's replay.
+- "host" / "device" / "device ahead" (--logprobs N): greedy with each token's logprob and N alternatives, as Batch
+  takes them for a sequence alone: token_logprob over the step's downloaded logits after the host's draw (before
+  v109), the device's record (GpuBackend.sample_batch with logprobs), or the record through the pinned ring a step
+  run ahead (sample_ahead with logprobs; Batch where GpuBackend.logprobs_ahead is on), against the greedy step's
+  replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -122,9 +124,10 @@ def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, device: b
     return float(np.median(times[1:]))
 
 
-def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, device: bool) -> float:
-    """Median seconds a greedy token with its logprobs (top alternatives) over rounds of `steps`: from the device's
-    record (sample_batch), or from the downloaded logits (the host's draw and token_logprob)."""
+def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) -> float:
+    """Median seconds a greedy token with its logprobs (top alternatives) over rounds of `steps`: "host", from the
+    downloaded logits (the host's draw and token_logprob); "device", the device's record (sample_batch);
+    "device ahead", the record with its token through the pinned ring, a step run ahead (sample_ahead)."""
     from ninfer_rt.gpu.backend import GpuCache
     from ninfer_rt.logprobs import token_logprob
     from ninfer_rt.sampling import Sampler, SamplingParams
@@ -132,17 +135,27 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, device: bool)
     V, params = model.sample_vocab, SamplingParams(greedy=True)
     times = []
     for _ in range(ROUNDS):
-        cache, sampler, token = GpuCache(pos=ctx - steps, slot=0), Sampler(params), 17
+        cache, sampler, token = GpuCache(pos=ctx - steps - 1, slot=0), Sampler(params), 17
+        first = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[0], logprobs=[top])[0]
+        token = first.id  # (outside the timing: the draw the first fed step reads)
         t0 = time.perf_counter()
-        for i in range(steps):
-            if device:
-                lp = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i],
-                                          logprobs=[top])[0]
-            else:
-                logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
-                logits[V:] = -np.inf
-                lp = token_logprob(logits, sampler.sample(logits, [], 0), top, V)
-            token = lp.id
+        if loop == "device ahead":
+            nxt = backend.sample_ahead(cache, params, vocab=V, seed=0, step=1, logprobs=top)
+            for i in range(2, steps + 2):
+                after = backend.sample_ahead(cache, params, vocab=V, seed=0, step=i, logprobs=top) \
+                    if i <= steps else None
+                lp = nxt.logprob()
+                nxt = after
+        else:
+            for i in range(1, steps + 1):
+                if loop == "device":
+                    lp = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i],
+                                              logprobs=[top])[0]
+                else:
+                    logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+                    logits[V:] = -np.inf
+                    lp = token_logprob(logits, sampler.sample(logits, [], 0), top, V)
+                token = lp.id
         times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times[1:]))
 
@@ -216,8 +229,8 @@ def main() -> None:
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
         if a.logprobs is not None:
             replay = _time_decode(model, a.context - 1)
-            for draws in ("host", "device"):
-                loop = logprob_loop_s(backend, model, a.context, a.steps, a.logprobs, device=draws == "device")
+            for draws in ("host", "device", "device ahead"):
+                loop = logprob_loop_s(backend, model, a.context, a.steps, a.logprobs, draws)
                 rows.append({"model": a.model, "context": a.context, "sampling": f"logprobs {a.logprobs}",
                              "loop": draws, "loop_ms": loop * 1e3, "replay_ms": replay * 1e3,
                              "host_us": (loop - replay) * 1e6, "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
