@@ -5,11 +5,11 @@ next step is enqueued, as before v105).
     python bench/generate_loop.py ARTIFACT [--tokens 1500] [--host-penalties] [--json PATH]
 
 Stop ids are ignored, so every run yields --tokens tokens from the same prompt; greedy, top-k 20 sampling, and
-Qwen3.6's non-thinking card setting (presence_penalty 1.5: drawn on the device, or on the host with --host-penalties); the median
-of 3 runs of each after one that captures every context bucket's graph. Wall time from the first step to the
-last token, Python and the detokenizer's bookkeeping included (the Batch loop takes each step's text). Both modes
-must give the same tokens (the same graphs on the same inputs); the table says whether they did. Exits with a
-one-line message when there is no GPU or the artifact cannot be loaded.
+Qwen3.6's non-thinking card setting (presence_penalty 1.5: drawn on the device, or on the host with
+--host-penalties); the median of 3 runs of each after one that captures every context bucket's graph. Wall time
+from the first step to the last token, Python and the detokenizer's bookkeeping included (the Batch loop takes
+each step's text). Both modes must give the same tokens (the same graphs on the same inputs); the table says
+whether they did. Exits with a one-line message when there is no GPU or the artifact cannot be loaded.
 """
 
 from __future__ import annotations

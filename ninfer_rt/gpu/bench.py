@@ -138,8 +138,8 @@ SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95)
 def decode_step_graph(model, ctx: int, sampled: bool = False, batch: int = 1, tokens: int = 1, trail: bool = False):
     """The captured graph of one decode step at context ctx (one step runs first, capturing the bucket's graph);
     sampled: the step draws its token on the device under SAMPLED (the decode loop's graph), else it takes the
-    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; sampled: each row under the record), each fed its own
-    token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
+    arg-max. batch: sequences in the step (slots 0..batch-1, each at ctx; sampled: each row under the record),
+    each fed its own token, so that each routes to its own experts. tokens > 1: one sequence fed that many tokens with the logits
     of every row (GpuModel.verify: speculative decoding's verification; trail: keeping each token's DeltaNet state)."""
     from ninfer_rt.gpu import misc
     from ninfer_rt.gpu.engine import Step

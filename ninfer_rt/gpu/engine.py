@@ -331,8 +331,9 @@ class GpuModel:
         it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B records, one
         a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
         drawn tokens counted in their slots' state. A fourth element, B logprob counts (None: none for that row), also
-        leaves each such row's logprobs record (`draws.logprobs`). tokens None (B = 1, with draw): the step's one token is the one the
-        latest draw left on the device, so a step can be enqueued before the host reads the token before it.
+        leaves each such row's logprobs record (`draws.logprobs`). tokens None (B = 1, with draw): the step's one
+        token is the one the latest draw left on the device, so a step can be enqueued before the host reads the
+        token before it.
         """
         B = len(pos)
         if tokens is None and (B != 1 or draw is None):
