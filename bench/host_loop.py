@@ -10,9 +10,10 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
   run-ahead).
 - "ahead": GpuBackend.sample_ahead as Model.generate runs it now (Model._run_ahead): each step is fed its token on
   the device and enqueued before the host reads the token before it, one step in flight beyond the one read.
-- "B=n host" / "B=n device" (--batch): a batched step of n sequences as Batch makes it, each row's token drawn by
-  the host's Sampler from the step's [n, V] logits (Batch before v106; still a row with a JSON constraint) or
-  on the device (GpuBackend.sample_batch: only the ids come back); against the n-row step's replay (for sampled
+- "B=n host" / "B=n device" / "B=n ahead" (--batch): a batched step of n sequences as Batch makes it, each row's
+  token drawn by the host's Sampler from the step's [n, V] logits (Batch before v106; still a row with a JSON
+  constraint), on the device (GpuBackend.sample_batch: only the ids come back), or on the device a step run ahead
+  (sample_batch_ahead: Batch where GpuBackend.batch_ahead is on); against the n-row step's replay (for sampled
   device rows, the step that draws each row under ninfer_rt.gpu.bench.SAMPLED's record). Tokens/s
   count every sequence's token.
 - "host" / "device wait" / "device ahead" (--penalties): Qwen3.6's non-thinking setting (presence 1.5), drawn on
@@ -98,28 +99,41 @@ def host_loop_s(backend, model, ctx: int, steps: int, params) -> float:
     return float(np.median(times[1:]))
 
 
-def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, device: bool) -> float:
+def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, draws: str) -> float:
     """Median seconds a batched step of B sequences (slots 0..B-1, positions ctx - steps .. ctx - 1) over rounds of
-    `steps` steps, each row fed the token drawn for it the step before: by sample_batch, or from the step's logits
-    by a host Sampler per row (the padded vocabulary masked, as Model._pick does)."""
+    `steps` steps, each row fed the token drawn for it the step before: draws "host", by a host Sampler per row from
+    the step's logits (the padded vocabulary masked, as Model._pick does); "device", by sample_batch; "ahead", by
+    sample_batch_ahead, each step fed on the device and queued before the host reads the one before it (as Batch
+    runs them where GpuBackend.batch_ahead is on)."""
     from ninfer_rt.gpu.backend import GpuCache
     from ninfer_rt.sampling import Sampler
 
     V = model.sample_vocab
     times = []
     for _ in range(ROUNDS):
-        caches = [GpuCache(pos=ctx - steps, slot=i) for i in range(B)]
+        caches = [GpuCache(pos=ctx - steps - (draws == "ahead"), slot=i) for i in range(B)]
         samplers = [Sampler(params) for _ in range(B)]
+        seeds = [s.seed for s in samplers]
         tokens = [(17 + 1009 * i) % V for i in range(B)]
+        if draws == "ahead":  # the batched draw the chain starts from (outside the timing)
+            tokens = backend.sample_batch(tokens, caches, [params] * B, vocab=V, seeds=seeds, steps=[0] * B)
         t0 = time.perf_counter()
-        for i in range(steps):
-            if device:
-                tokens = backend.sample_batch(tokens, caches, [params] * B, vocab=V,
-                                              seeds=[s.seed for s in samplers], steps=[i] * B)
-            else:
-                logits = backend.decode_batch(tokens, caches)
-                logits[:, V:] = -np.inf
-                tokens = [s.sample(row, [], 0) for s, row in zip(samplers, logits)]
+        if draws == "ahead":
+            nxt = backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=seeds, steps=[1] * B)
+            for i in range(2, steps + 2):
+                after = backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=seeds, steps=[i] * B) \
+                    if i <= steps else None
+                tokens = [p.result() for p in nxt]
+                nxt = after
+        else:
+            for i in range(steps):
+                if draws == "device":
+                    tokens = backend.sample_batch(tokens, caches, [params] * B, vocab=V, seeds=seeds,
+                                                  steps=[i] * B)
+                else:
+                    logits = backend.decode_batch(tokens, caches)
+                    logits[:, V:] = -np.inf
+                    tokens = [s.sample(row, [], 0) for s, row in zip(samplers, logits)]
         times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times[1:]))
 
@@ -204,10 +218,10 @@ def main() -> None:
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                              "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
             for B in batches:
-                for draws in ("host", "device"):  # against the step that draws as the loop does (host: none)
+                for draws in ("host", "device", "ahead"):  # against the step that draws as the loop does
                     replay = _time_decode(model, a.context - 1, batch=B,
-                                          sampled=draws == "device" and label != "greedy")
-                    loop = batch_loop_s(backend, model, a.context, a.steps, params, B, device=draws == "device")
+                                          sampled=draws != "host" and label != "greedy")
+                    loop = batch_loop_s(backend, model, a.context, a.steps, params, B, draws)
                     rows.append({"model": a.model, "context": a.context, "sampling": label, "loop": f"B={B} {draws}",
                                  "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
                                  "loop_tok_s": B / loop, "replay_tok_s": B / replay})

@@ -227,7 +227,9 @@ class Batch:
         """Feed one prefill chunk of each joining generation, then one batched decode step of the others (a
         sequence whose step ran ahead takes that step's token instead)."""
         ahead = [g for g in self._running if g._ahead]
-        for g in ahead:
+        if len(ahead) > 1:  # the rows of a batched step run ahead, read together
+            self._guard(ahead, self._take_rows_ahead)
+        for g in ahead[:len(ahead) == 1]:
             self._guard([g], lambda gens: self._take_ahead(gens[0]))
         for g in [g for g in self._running if g._next is None]:
             self._guard([g], lambda gens: self._prefill_chunk(gens[0]))
@@ -330,7 +332,7 @@ class Batch:
         """One batched forward of each generation's pending token, then each one's next token."""
         t0 = time.perf_counter()
         tokens = [g._next for g in gens]
-        g, ahead = gens[0], None
+        g, ahead = gens[0], False
         if len(gens) == 1 and self._on_device(g) and g.logprobs is None and g.constraint is None:  # alone: run ahead
             token = self._device_draw(g, np.asarray(tokens, np.int64))
             g._slot.ids.append(tokens[0])
@@ -359,8 +361,9 @@ class Batch:
                     picks, hidden = picks
                 picks = [self._device_pick(g, b, p) if ok else self._draw_or_error(g, p)
                          for b, (g, p, ok) in enumerate(zip(gens, picks, on_device))]
-                # a lone row with logprobs: its token is in the draw slot, so its next step can run ahead
-                ahead = gens[0] if len(gens) == 1 and on_device[0] and not isinstance(picks[0], Exception) else None
+                # every row drawn on the device and kept: the draw slots hold the tokens, so the next step can run
+                # ahead (a lone row here has logprobs or a JSON constraint)
+                ahead = all(on_device) and not any(isinstance(p, Exception) for p in picks)
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
@@ -373,8 +376,10 @@ class Batch:
         for g, t in zip(gens, tokens):
             g._slot.ids.append(t)
         dt = time.perf_counter() - t0
-        if ahead is not None:
-            self._run_ahead(ahead, picks[0])
+        if ahead and len(gens) == 1:
+            self._run_ahead(gens[0], picks[0])
+        elif ahead:
+            self._run_rows_ahead(gens, picks)
         for g, token in zip(gens, picks):
             g.stats.decode_s += dt
             if isinstance(token, Exception):
@@ -391,6 +396,8 @@ class Batch:
         a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
         so."""
         drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
+        if token is None and g._ahead[-1].pending.row != 0:
+            return  # (its unread draw is a batched step's: not in the slot a lone step is fed from)
         if not (len(self._running) == 1 and g.spec is None and g.constraint is None
                 and (g.logprobs is None or getattr(self.backend, "logprobs_ahead", False))
                 and hasattr(self.backend, "sample_ahead")
@@ -402,6 +409,49 @@ class Batch:
         if token is not None:  # (else the draw it is fed goes into the ids when read: _take_ahead)
             g._slot.ids.append(token)
         g._ahead.append(_Ahead(pending, time.perf_counter()))
+
+    def _run_rows_ahead(self, gens: list[Generation], tokens: list[int] | None = None) -> None:
+        """_run_ahead for a batched step: where the running sequences are the rows of the last batched step, in
+        its order, each drawn on the device with nothing the host must see (no logprobs, JSON or speculation) and
+        each with a token to go, enqueue the next batched step now (GpuBackend.sample_batch_ahead: row b fed from
+        draw slot b on the device, where the backend's batch_ahead is on). Fed `tokens` (just drawn, not yet out)
+        or the rows' draws of the step run ahead last, still unread. A joiner, a sequence that ends or a cancel
+        ends the chain: the rows in flight are read, and the next step is fed from the host."""
+        n = len(gens)
+        if not (n > 1 and len(self._running) == n and getattr(self.backend, "batch_ahead", False)):
+            return
+        last = None if tokens is not None else [g._ahead[-1].pending if g._ahead else None for g in gens]
+        for b, g in enumerate(gens):
+            drawn = len(g.stats.token_ids) + len(g._ahead) + (tokens is not None)
+            if not (g.spec is None and g.logprobs is None and g.constraint is None and self._on_device(g)
+                    and drawn < g.budget):
+                return
+            if tokens is not None and self.model.tokenizer.is_stop(tokens[b]):
+                return
+            if last is not None and (last[b] is None or last[b].row != b or not last[b].same_step(last[0])):
+                return  # (the draw slots no longer hold these rows' tokens in this order)
+        pending = self.backend.sample_batch_ahead(
+            [g._slot.cache for g in gens], [g.sampler.params for g in gens], vocab=self.model.real_vocab_size,
+            seeds=[g.sampler.seed for g in gens],
+            steps=[len(g.stats.token_ids) + len(g._ahead) + (tokens is not None) for g in gens])
+        now = time.perf_counter()
+        for b, g in enumerate(gens):
+            if tokens is not None:  # (else the draw it is fed goes into the ids when read)
+                g._slot.ids.append(tokens[b])
+            g._ahead.append(_Ahead(pending[b], now))
+
+    def _take_rows_ahead(self, gens: list[Generation]) -> None:
+        """_take_ahead for the rows of a batched step run ahead: the next one queued behind it first (where the
+        batch is as it was), then each row's token read and given out."""
+        self._run_rows_ahead(gens)
+        for g in gens:
+            first = g._ahead.pop(0)
+            token = first.pending.result()
+            g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)
+            g._ahead_read = time.perf_counter()
+            if g._ahead:  # the step queued behind it was fed this token
+                g._slot.ids.append(token)
+            self._emit(g, token)
 
     def _take_ahead(self, g: Generation) -> None:
         """g's decode this step: the token of its oldest step run ahead (that step's input is fed already), read

@@ -75,8 +75,11 @@ class _Pending:
     """A drawn token handed over later, as GpuBackend's PendingToken (it counts the reads for the tests), with its
     logprobs where the step drew them."""
 
-    def __init__(self, backend: DrawingSlotBackend, token: int, lp=None):
-        self.backend, self.token, self.lp = backend, token, lp
+    def __init__(self, backend: DrawingSlotBackend, token: int, lp=None, row: int = 0, step: int = 0):
+        self.backend, self.token, self.lp, self.row, self.step = backend, token, lp, row, step
+
+    def same_step(self, other: _Pending) -> bool:
+        return other.backend is self.backend and other.step == self.step
 
     def result(self) -> int:
         self.backend.reads += 1
@@ -95,6 +98,7 @@ class DrawingSlotBackend(SlotBackend):
 
     draws_logprobs = False  # True: sample_batch answers a row's logprobs (token_logprob of its row), as the GPU's
     logprobs_ahead = False  # True: sample_ahead too
+    batch_ahead = False  # True: sample_batch_ahead, a batched step fed from the draw slots
     device_penalties = False  # True: greedy rows with penalties draw here too (their state set by set_penalties)
 
     def __init__(self, vocab: int, stops: set[int], cache_slots: int = 2, forced: dict[int, int] | None = None):
@@ -104,6 +108,8 @@ class DrawingSlotBackend(SlotBackend):
         self.draw_slot: int | None = None
         self.steps: list[int] = []  # each draw's index in the seed's stream
         self.batch_steps: list[list[int]] = []  # each batched step's rows' draw indices (sample_batch)
+        self.ahead_steps: list[list[int]] = []  # the same for sample_batch_ahead's
+        self.draw_rows: list[int | None] = []  # the draw slots (row b: the latest batched draw's token of row b)
         self.reads = 0
 
     def pick(self, history: list[int]) -> int:
@@ -122,6 +128,17 @@ class DrawingSlotBackend(SlotBackend):
         self.steps.append(step)
         self.draw_slot = int(np.argmax(self.forward(ids, cache)[-1][:vocab]))
         return self.draw_slot
+
+    def sample_batch_ahead(self, caches, params, *, vocab: int, seeds, steps) -> list[_Pending]:
+        """sample_batch fed row by row from the draw slots (the latest batched draw's tokens, unread)."""
+        assert self.batch_ahead and len(caches) <= len(self.draw_rows)
+        fed = self.draw_rows[:len(caches)]
+        assert None not in fed, "a row fed from a draw slot no device draw filled"
+        self.ahead_steps.append(list(steps))
+        rows = self.decode_batch(fed, caches)
+        self.draw_rows = [int(np.argmax(row[:vocab])) for row in rows]
+        self.draw_slot = self.draw_rows[0]
+        return [_Pending(self, t, row=b, step=len(self.ahead_steps)) for b, t in enumerate(self.draw_rows)]
 
     def sample_ahead(self, cache, params, *, vocab: int, seed: int, step: int, logprobs=None) -> _Pending:
         assert self.draw_slot is not None, "sample_ahead before any draw"
@@ -142,6 +159,7 @@ class DrawingSlotBackend(SlotBackend):
         out = [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]
         if params[0] is not None:
             self.draw_slot = out[0]  # (the device's draw slot holds row 0's token)
+        self.draw_rows = [None if p is None else t for p, t in zip(params, out)]
         for b, n in enumerate(logprobs or []):
             if n is not None and params[b] is not None:
                 out[b] = token_logprob(rows[b], out[b], n, vocab)

@@ -181,3 +181,68 @@ def test_a_batch_sequence_leaves_its_slot_what_it_fed_ahead(batch_model, monkeyp
     c = batch.add(turn, max_new_tokens=3, sampling=GREEDY)
     _drain(batch, [c])
     assert c.stats.token_ids == fake.decode_fresh(turn, 3) and c.stats.cached_tokens == len(fed)
+
+
+@pytest.mark.parametrize("joiner", [True, False])
+def test_batched_rows_run_ahead_and_decode_as_alone(batch_model, monkeypatch, joiner):
+    """Three sequences decoding together run ahead as one batched step (GpuBackend.sample_batch_ahead: each row
+    fed from its draw slot) once a batched step has drawn them all on the device; one ending on a stop id (the
+    other two then in rows 0 and 2 of the steps in flight, not 0 and 1), a budget ending first and a joiner each
+    end the chain (the rows in flight read, the next step fed from the host) and it starts again. Every sequence
+    decodes what the rule gives it alone (the plain loop's tokens and ends), and each slot's ids are exactly what
+    it fed: a prompt extending them reuses every one and decodes as fresh."""
+    m, stop = batch_model, batch_model.tokenizer.eos_ids[0]
+    prompts = [list(range(100, 110)), list(range(200, 230)), list(range(300, 312))]
+
+    def run(batch_ahead: bool):
+        fake = _use(m, monkeypatch, DrawingSlotBackend(m.real_vocab_size, set(m.tokenizer.eos_ids), cache_slots=4,
+                                                       forced={len(prompts[1]) + 5: stop}))  # the second's 6th
+        fake.batch_ahead = batch_ahead
+        batch = m.batch(3)
+        gens = [batch.add(p, max_new_tokens=n, sampling=GREEDY) for p, n in zip(prompts, (14, 20, 9))]
+        while not gens[1].done:
+            batch.step()
+        if joiner:
+            gens.append(batch.add(list(range(400, 406)), max_new_tokens=6, sampling=GREEDY))  # the second's slot
+        _drain(batch, gens)
+        return fake, batch, gens
+
+    plain_fake, _, plain = run(False)
+    fake, batch, gens = run(True)  # (last: the continuations below run on its backend and slots)
+    assert [g.stats.token_ids for g in gens] == [g.stats.token_ids for g in plain]
+    assert [g.stats.finish_reason for g in gens] == ["length", "eos", "length", "length"][:len(gens)]
+    for g in gens:
+        assert g.stats.token_ids == fake.decode_fresh(g.prompt, len(g.stats.token_ids))
+    # after the batched step that draws each row's index 1, the chain: rows fed on the device, the plain loop's
+    # draw indices (each row's read through its pending token)
+    assert fake.batch_steps[0] == [1, 1, 1] and fake.ahead_steps[:5] == [[i] * 3 for i in range(2, 7)]
+    assert fake.reads >= sum(map(len, fake.ahead_steps)) and not plain_fake.ahead_steps
+    for g in gens:
+        fed = list(next(s.ids for s in batch._slots if s.ids[:len(g.prompt)] == g.prompt))
+        assert fed[:len(g.prompt) + len(g.stats.token_ids) - 1] == g.prompt + g.stats.token_ids[:-1]
+        turn = fed + [50, 51]
+        c = batch.add(turn, max_new_tokens=2, sampling=GREEDY)
+        _drain(batch, [c])
+        assert c.stats.token_ids == fake.decode_fresh(turn, 2) and c.stats.cached_tokens == len(fed)
+
+
+def test_the_row_left_alone_by_a_stop_is_fed_from_the_host(batch_model, monkeypatch):
+    """Two sequences run ahead together; the one in row 0 stops. The other's unread draws sit in draw slot 1,
+    which a lone step's run-ahead does not read, so its next step is fed from the host, then it runs ahead alone;
+    it decodes what the rule gives it alone, and its slot's ids are what it fed."""
+    m, stop = batch_model, batch_model.tokenizer.eos_ids[0]
+    a_ids, b_ids = list(range(100, 130)), list(range(200, 210))
+    fake = _use(m, monkeypatch, DrawingSlotBackend(m.real_vocab_size, set(m.tokenizer.eos_ids), cache_slots=4,
+                                                   forced={len(a_ids) + 4: stop}))
+    fake.batch_ahead = True
+    batch = m.batch(2)
+    a = batch.add(a_ids, max_new_tokens=12, sampling=GREEDY)
+    b = batch.add(b_ids, max_new_tokens=12, sampling=GREEDY)
+    _drain(batch, [a, b])
+    assert a.stats.finish_reason == "eos" and b.stats.token_ids == fake.decode_fresh(b_ids, 12)
+    assert fake.ahead_steps and fake.steps  # both chains ran: the batched one, then b's alone
+    fed = list(next(s.ids for s in batch._slots if s.ids[:len(b_ids)] == b_ids))
+    turn = fed + [50, 51]
+    c = batch.add(turn, max_new_tokens=2, sampling=GREEDY)
+    _drain(batch, [c])
+    assert c.stats.token_ids == fake.decode_fresh(turn, 2) and c.stats.cached_tokens == len(fed)

@@ -137,6 +137,10 @@ class GpuBackend:
     # a step ahead too. Off until tests/gpu/test_logprobs.py's run-ahead test has run on a GPU (built in session 90
     # after its device time was spent)
     logprobs_ahead = False
+    # Batch runs its batched steps a step ahead (sample_batch_ahead: each row fed from its draw slot on the device).
+    # Off until tests/gpu/test_run_ahead.py's batched test has run on a GPU (built in session 90 after its device
+    # time was spent)
+    batch_ahead = False
     # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
     # constraint refuses the token drawn. Off until tests/gpu/test_logprobs.py's JSON test has run on a GPU (built in
     # session 90 after its device time was spent)
@@ -188,17 +192,7 @@ class GpuBackend:
         can_draw for every params but None: such a row is the host's to draw, and its place in the list holds
         its logits (float32 [V]) instead of an id. logprobs: a row's count of alternatives (0..20; None: none)
         makes its place a TokenLogprob of its token instead (computed on the device, misc.logprob_record)."""
-        if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
-            raise NinferError("sample_batch: each sequence needs its own slot and a prefilled prompt")
-        records = [_draw_record(p, sd, st) for p, sd, st in zip(params, seeds, steps)]
-        if all(r is None for r in records):
-            records = None  # every row's arg-max
-        else:  # greedy and host rows draw at temperature 0: the arg-max, lowest id first
-            records = np.concatenate([sample_params(0.0) if r is None else r for r in records])
-        penalized = any(p is not None and p.penalised for p in params)
-        if penalized:  # every row's slot gets its params this step: another's (an earlier sequence's) may be stale
-            for p, c in zip(params, caches):
-                self.model.set_penalties(c.slot, _penalty_record(p))
+        records, penalized = self._batch_draw(caches, params, seeds, steps, "sample_batch")
         if logprobs is not None:  # (a host row's logprobs are the host's)
             logprobs = [None if p is None else n for p, n in zip(params, logprobs)]
             logprobs = None if all(n is None for n in logprobs) else logprobs
@@ -214,6 +208,37 @@ class GpuBackend:
                 out[b] = self.model.logits_row(b)
         return (out, self.model.hidden(len(caches))) if hidden else out
 
+    def _batch_draw(self, caches: list[GpuCache], params: list, seeds: list[int], steps: list[int], name: str):
+        """A batched draw's params records (None: every row's arg-max) and whether it penalizes (each row's slot
+        then gets its penalties' params: another's, an earlier sequence's, may be stale)."""
+        if len({c.slot for c in caches}) != len(caches) or any(c.pos == 0 for c in caches):
+            raise NinferError(f"{name}: each sequence needs its own slot and a prefilled prompt")
+        records = [_draw_record(p, sd, st) for p, sd, st in zip(params, seeds, steps)]
+        if all(r is None for r in records):
+            records = None  # every row's arg-max
+        else:  # greedy and host rows draw at temperature 0: the arg-max, lowest id first
+            records = np.concatenate([sample_params(0.0) if r is None else r for r in records])
+        penalized = any(p is not None and p.penalised for p in params)
+        if penalized:
+            for p, c in zip(params, caches):
+                self.model.set_penalties(c.slot, _penalty_record(p))
+        return records, penalized
+
+    def sample_batch_ahead(self, caches: list[GpuCache], params: list[SamplingParams], *, vocab: int,
+                           seeds: list[int], steps: list[int]) -> list[PendingToken]:
+        """sample_batch fed on the device: row b's token is the one the latest batched draw left in draw slot b
+        (sample_batch's or an earlier sample_batch_ahead's over the same sequences in the same rows), before the
+        host has read them. The step is enqueued and this returns at once, advancing each cache by one, with a
+        PendingToken a row (each waits for this step only). Every params must draw on the device (can_draw)."""
+        if self._ring is None:
+            self._ring = _DrawRing(self.model.slots)
+        records, penalized = self._batch_draw(caches, params, seeds, steps, "sample_batch_ahead")
+        self.model.decode(None, [c.pos for c in caches], [c.slot for c in caches], graph=self.use_graphs,
+                          draw=(vocab, records, penalized))
+        for c in caches:
+            c.pos += 1
+        return self._ring.pend_rows(self.model, len(caches))
+
     def sample_ahead(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int, step: int,
                      logprobs: int | None = None) -> PendingToken:
         """sample_next fed by the token the latest draw on this cache left on the device (sample_next's or an
@@ -228,7 +253,7 @@ class GpuBackend:
                           draw=(vocab, record, params.penalised, None if logprobs is None else [logprobs]))
         cache.pos += 1
         if self._ring is None:
-            self._ring = _DrawRing()
+            self._ring = _DrawRing(self.model.slots)
         return self._ring.pend(self.model, logprobs is not None)
 
     # ------------------------------------------------------------------------------------ speculative decoding
@@ -327,13 +352,15 @@ class GpuBackend:
 
 
 class _DrawRing:
-    """Pinned int32 slots the draws of enqueued steps are copied into, each with the event that says it is
-    there; reused in turn, so a PendingToken is good until SLOTS later ones (sample_ahead's loop holds two)."""
+    """Pinned slots the draws of enqueued steps are copied into (up to `rows` int32 ids each: a batched step's),
+    each with the event that says they are there; reused in turn, so a PendingToken is good until SLOTS later
+    steps (the run-ahead loops hold two)."""
 
     SLOTS = 4
 
-    def __init__(self):
-        self.ids = PinnedBuffer(4 * self.SLOTS)
+    def __init__(self, rows: int = 1):
+        self.rows = rows
+        self.ids = PinnedBuffer(4 * rows * self.SLOTS)
         self.recs = PinnedBuffer(4 * misc.LP_INTS * self.SLOTS)  # each slot's logprobs record, where asked
         self.events = [Event(timing=False) for _ in range(self.SLOTS)]
         self.serial = [0] * self.SLOTS  # per slot: the number of the latest PendingToken that owns it
@@ -342,15 +369,27 @@ class _DrawRing:
     def pend(self, model: GpuModel, logprobs: bool = False) -> PendingToken:
         """The draw slot's token (once the enqueued step is done) copied into the next slot, with the step's
         logprobs record (row 0's) where it drew one: its handle."""
-        i = self.count % self.SLOTS
-        self.count += 1
-        self.serial[i] = self.count
-        model.drawn_async(self.ids, 4 * i)
+        i = self._next()
+        model.drawn_async(self.ids, 4 * self.rows * i)
         if logprobs:
             n = 4 * misc.LP_INTS
             model.gpu.download_async(self.recs, n * i, model.draws.logprob_buffers()[3], n)
         self.events[i].record(model.gpu.stream)
         return PendingToken(self, i, self.count, logprobs)
+
+    def pend_rows(self, model: GpuModel, B: int) -> list[PendingToken]:
+        """The first B draw slots' tokens (a batched step's) copied into the next slot: a handle a row."""
+        i = self._next()
+        model.gpu.download_async(self.ids, 4 * self.rows * i, model.draws.out, 4 * B)
+        self.events[i].record(model.gpu.stream)
+        return [PendingToken(self, i, self.count, row=b) for b in range(B)]
+
+    def _next(self) -> int:
+        """The next slot, now owned by the step being pended (its serial the count so far)."""
+        i = self.count % self.SLOTS
+        self.count += 1
+        self.serial[i] = self.count
+        return i
 
     def free(self) -> None:
         self.ids.free()
@@ -364,8 +403,13 @@ class PendingToken:
     """The token an enqueued decode step draws: result() waits for that step's copy (not for the stream, where
     later steps may be queued) and returns the id."""
 
-    def __init__(self, ring: _DrawRing, index: int, serial: int, logprobs: bool = False):
+    def __init__(self, ring: _DrawRing, index: int, serial: int, logprobs: bool = False, row: int = 0):
         self._ring, self._index, self._serial, self._logprobs = ring, index, serial, logprobs
+        self.row = row  # its row of the step, whose draw slot holds it until the next draw
+
+    def same_step(self, other: PendingToken) -> bool:
+        """Whether other is a row of the same enqueued step."""
+        return other._ring is self._ring and other._serial == self._serial
 
     def result(self) -> int:
         ring = self._ring
@@ -373,7 +417,8 @@ class PendingToken:
             raise NinferError("a pending token was read after the model was closed" if ring.serial[0] < 0 else
                               f"a pending token was read after {_DrawRing.SLOTS} later ones reused its slot")
         ring.events[self._index].synchronize()
-        return int(ring.ids.array[4 * self._index:4 * self._index + 4].view(np.int32)[0])
+        at = 4 * (ring.rows * self._index + self.row)
+        return int(ring.ids.array[at:at + 4].view(np.int32)[0])
 
     def logprob(self) -> TokenLogprob:
         """The token's logprobs record (sample_ahead with logprobs), as a TokenLogprob."""

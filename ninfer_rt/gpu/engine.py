@@ -295,10 +295,10 @@ class GpuModel:
     # ------------------------------------------------------------------------------------------- host API
 
     def _set_batch(self, tokens: np.ndarray | None, pos: list[int], slots: list[int]) -> None:
-        """The step's inputs; tokens None: the one token the latest draw left in the draw slot, copied on the
-        device (the host has not read it yet)."""
+        """The step's inputs; tokens None: the tokens the latest draw left in the first B draw slots, copied on
+        the device (the host has not read them yet)."""
         if tokens is None:
-            self.gpu.copy(self.buf.tokens, self.draws.out, 4)
+            self.gpu.copy(self.buf.tokens, self.draws.out, 4 * len(pos))
         else:
             self.gpu.upload(self.buf.tokens, np.asarray(tokens, np.int32), stream=self.gpu.stream)
         self.gpu.upload(self.pos, np.asarray(pos, np.int32), stream=self.gpu.stream)
@@ -331,13 +331,13 @@ class GpuModel:
         it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B records, one
         a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
         drawn tokens counted in their slots' state. A fourth element, B logprob counts (None: none for that row), also
-        leaves each such row's logprobs record (`draws.logprobs`). tokens None (B = 1, with draw): the step's one
-        token is the one the latest draw left on the device, so a step can be enqueued before the host reads the
-        token before it.
+        leaves each such row's logprobs record (`draws.logprobs`). tokens None (with draw): sequence b's token is
+        the one the latest draw left in draw slot b on the device (the same sequences in the same rows), so a step
+        can be enqueued before the host reads the tokens before it.
         """
         B = len(pos)
-        if tokens is None and (B != 1 or draw is None):
-            raise NinferError("decode: a token fed from the draw slot needs one sequence and a draw")
+        if tokens is None and draw is None:
+            raise NinferError("decode: tokens fed from the draw slots need a draw")
         T = 1 if tokens is None else tokens.size // B
         if not 1 <= T <= GEMV_MAX_ROWS or (tokens is not None and T * B != tokens.size) or B > self.slots:
             raise NinferError(f"decode takes 1..{GEMV_MAX_ROWS} tokens for each of at most {self.slots} sequences")

@@ -152,3 +152,48 @@ def test_sample_batch_draws_each_rows_token_on_the_device(gpu, artifact):
     assert plain == [int(np.argmax(row[:V])) for row in host] and plain[0] == ids[0]
     # a row the host draws comes back as its logits: the same bits as decode_batch's row from the same state
     assert mixed[0] == ids[0] and mixed[2] == ids[2] and np.array_equal(mixed[1], host[1])
+
+
+@pytest.mark.parametrize("sampling", [dict(greedy=True), dict(temperature=0.8, top_k=20, seed=11),
+                                      dict(greedy=True, presence_penalty=1.5)])
+def test_batched_steps_run_ahead_as_they_wait(gpu, artifact, monkeypatch, sampling):
+    """Three sequences of a Batch (budgets 20, 14, 17, one joining after the others): with batch_ahead each batched
+    step after the first is fed on the device from the draw slots (sample_batch_ahead) while the host reads the
+    one before; they decode exactly what the batch decodes waiting for each step (the same graphs on the same
+    tokens; seeded draws from the same Philox streams; penalties kept on the device), and run ahead at all."""
+    from ninfer_rt.api import load
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
+
+    params = SamplingParams(**sampling)
+    m = load(artifact, device="cuda", max_ctx=256, cache_slots=3)
+    try:
+        monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
+        v = m.real_vocab_size
+        prompts = [prompt(20 + 3 * i, seed=70 + i, vocab=v).tolist() for i in range(3)]
+        calls = {"n": 0}
+        real = GpuBackend.sample_batch_ahead
+        monkeypatch.setattr(GpuBackend, "sample_batch_ahead", lambda self, *a, **kw: calls.__setitem__(
+            "n", calls["n"] + 1) or real(self, *a, **kw))
+
+        def run():
+            batch = m.batch(3)
+            gens = [batch.add(p, max_new_tokens=n, sampling=params) for p, n in zip(prompts[:2], (20, 14))]
+            for _ in range(4):
+                batch.step()
+            gens.append(batch.add(prompts[2], max_new_tokens=17, sampling=params))
+            while batch.busy:
+                batch.step()
+            return [g.stats.token_ids for g in gens]
+
+        monkeypatch.setattr(GpuBackend, "batch_ahead", False)
+        waiting = run()
+        assert calls["n"] == 0
+        monkeypatch.setattr(GpuBackend, "batch_ahead", True)
+        ahead = run()
+    finally:
+        m.close()
+    assert ahead == waiting and [len(t) for t in ahead] == [20, 14, 17]
+    # Batch's schedule, whatever the backend: draws 2-5 of the first two, 7-13 of all three from the joiner's second
+    # draw, 15-19 of the two left after the budget of 14 (the same loop on the CPU fake runs these 16 steps ahead)
+    assert calls["n"] == 16
