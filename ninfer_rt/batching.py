@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ninfer_rt.api import GenerationStats, Model, is_int_arg
+from ninfer_rt.batch_ahead import AheadStep, RunAhead
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_automaton import SchemaPrefix
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
@@ -70,14 +71,6 @@ class _Slot:
         self.cache = self.ids = self.head = None
 
 
-@dataclass
-class _Ahead:
-    """A decode step run ahead (GpuBackend.sample_ahead): its draw, not yet read; `at`: when it was enqueued."""
-
-    pending: object
-    at: float
-
-
 class Generation:
     """One sequence of a Batch: its text pieces as they come (take()), each output token's log-probability where
     asked (take_logprobs()), and when `done`, its stats (GenerationStats: finish_reason eos, length, stop or
@@ -105,7 +98,7 @@ class Generation:
         self._slot: _Slot | None = None
         self._fed = 0                  # prompt tokens in the cache
         self._next: int | None = None  # the token the next decode step feeds
-        self._ahead: list[_Ahead] = []  # steps run ahead (Batch._run_ahead), oldest first: their draws unread,
+        self._ahead: list[AheadStep] = []  # steps run ahead (Batch._run_ahead), oldest first: their draws unread,
                                         # each fed the draw of the one before it
         self._ahead_read = 0.0          # when the last of them was read
         self.spec: Speculator | None = None  # its speculative steps (Batch.add), while the head keeps up
@@ -141,7 +134,7 @@ def check_batch(model: Model, parallel: int | None, prefill_chunk: int | None) -
     return parallel, prefill_chunk
 
 
-class Batch:
+class Batch(RunAhead):
     """Runs up to `parallel` Generations of `model` at once over its cache slots (load's cache_slots: at least
     parallel; slots beyond it keep prefixes only). The batch owns every slot: a Model.generate or logits started
     meanwhile takes slot 0 from it, and the batch's sequence there fails at its next step."""
@@ -229,8 +222,8 @@ class Batch:
         ahead = [g for g in self._running if g._ahead]
         if len(ahead) > 1:  # the rows of a batched step run ahead, read together
             self._guard(ahead, self._take_rows_ahead)
-        for g in ahead[:len(ahead) == 1]:
-            self._guard([g], lambda gens: self._take_ahead(gens[0]))
+        elif ahead:
+            self._guard(ahead, lambda gens: self._take_ahead(gens[0]))
         for g in [g for g in self._running if g._next is None]:
             self._guard([g], lambda gens: self._prefill_chunk(gens[0]))
         decoding = [g for g in self._running if g._next is not None and g not in ahead]
@@ -386,86 +379,6 @@ class Batch:
                 self._fail(g, token)  # its slot holds what it fed: only its own generation ends
             else:
                 self._emit(g, token)
-
-    def _run_ahead(self, g: Generation, token: int | None = None) -> None:
-        """Where g decodes alone on the device and will need another token, enqueue the next step now
-        (GpuBackend.sample_ahead: the draw slot copied on the device), before the token it is fed goes out: the
-        worker's hand-off, the next step's planning and its launch then overlap the GPU's step. It is fed `token`
-        (just drawn, not yet out), or (None) the draw of g's latest step run ahead, still unread: so a step is
-        queued while the host waits for the one before it. A joiner meanwhile is prefilled after them; a stop id,
-        a stop string or a cancel leaves the step in flight spent, its input in the cache: the slot's ids say
-        so."""
-        drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
-        if token is None and g._ahead[-1].pending.row != 0:
-            return  # (its unread draw is a batched step's: not in the slot a lone step is fed from)
-        if not (len(self._running) == 1 and g.spec is None and g.constraint is None
-                and (g.logprobs is None or getattr(self.backend, "logprobs_ahead", False))
-                and hasattr(self.backend, "sample_ahead")
-                and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
-            return
-        pending = self.backend.sample_ahead(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
-                                            seed=g.sampler.seed, step=drawn,
-                                            **({} if g.logprobs is None else {"logprobs": g.logprobs}))
-        if token is not None:  # (else the draw it is fed goes into the ids when read: _take_ahead)
-            g._slot.ids.append(token)
-        g._ahead.append(_Ahead(pending, time.perf_counter()))
-
-    def _run_rows_ahead(self, gens: list[Generation], tokens: list[int] | None = None) -> None:
-        """_run_ahead for a batched step: where the running sequences are the rows of the last batched step, in
-        its order, each drawn on the device with nothing the host must see (no logprobs, JSON or speculation) and
-        each with a token to go, enqueue the next batched step now (GpuBackend.sample_batch_ahead: row b fed from
-        draw slot b on the device, where the backend's batch_ahead is on). Fed `tokens` (just drawn, not yet out)
-        or the rows' draws of the step run ahead last, still unread. A joiner, a sequence that ends or a cancel
-        ends the chain: the rows in flight are read, and the next step is fed from the host."""
-        n = len(gens)
-        if not (n > 1 and len(self._running) == n and getattr(self.backend, "batch_ahead", False)):
-            return
-        last = None if tokens is not None else [g._ahead[-1].pending if g._ahead else None for g in gens]
-        for b, g in enumerate(gens):
-            drawn = len(g.stats.token_ids) + len(g._ahead) + (tokens is not None)
-            if not (g.spec is None and g.logprobs is None and g.constraint is None and self._on_device(g)
-                    and drawn < g.budget):
-                return
-            if tokens is not None and self.model.tokenizer.is_stop(tokens[b]):
-                return
-            if last is not None and (last[b] is None or last[b].row != b or not last[b].same_step(last[0])):
-                return  # (the draw slots no longer hold these rows' tokens in this order)
-        pending = self.backend.sample_batch_ahead(
-            [g._slot.cache for g in gens], [g.sampler.params for g in gens], vocab=self.model.real_vocab_size,
-            seeds=[g.sampler.seed for g in gens],
-            steps=[len(g.stats.token_ids) + len(g._ahead) + (tokens is not None) for g in gens])
-        now = time.perf_counter()
-        for b, g in enumerate(gens):
-            if tokens is not None:  # (else the draw it is fed goes into the ids when read)
-                g._slot.ids.append(tokens[b])
-            g._ahead.append(_Ahead(pending[b], now))
-
-    def _take_rows_ahead(self, gens: list[Generation]) -> None:
-        """_take_ahead for the rows of a batched step run ahead: the next one queued behind it first (where the
-        batch is as it was), then each row's token read and given out."""
-        self._run_rows_ahead(gens)
-        for g in gens:
-            first = g._ahead.pop(0)
-            token = first.pending.result()
-            g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)
-            g._ahead_read = time.perf_counter()
-            if g._ahead:  # the step queued behind it was fed this token
-                g._slot.ids.append(token)
-            self._emit(g, token)
-
-    def _take_ahead(self, g: Generation) -> None:
-        """g's decode this step: the token of its oldest step run ahead (that step's input is fed already), read
-        once the next step is queued behind it."""
-        self._run_ahead(g)
-        first = g._ahead.pop(0)
-        token = first.pending.result()
-        if g.logprobs is not None:
-            g._drawn = first.pending.logprob()
-        g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)  # one step's time, overlap too
-        g._ahead_read = time.perf_counter()
-        if g._ahead:  # the step queued behind it was fed this token
-            g._slot.ids.append(token)
-        self._emit(g, token)
 
     def _draw_or_error(self, g: Generation, logits):
         """g's next token from its row, or the exception its draw raised (a JSON reply with no way on): one
