@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from .test_engine import prompt
-from .test_penalties import host_and_device_runs
+from .test_penalties import switched_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -134,8 +134,8 @@ def test_a_batch_reports_device_logprobs_as_the_host_path_does(gpu, artifact, mo
             gens.append(alone)
             return [(g.stats.token_ids, g.take_logprobs()) for g in gens]
 
-        host, device, downloads = host_and_device_runs(monkeypatch, (GpuBackend, "draws_logprobs"), run,
-                                                       m._backend.model, "logits_row")
+        host, device, _, downloads = switched_runs(monkeypatch, (GpuBackend, "draws_logprobs"), run,
+                                                   m._backend.model, "logits_row")
     finally:
         m.close()
     assert downloads == 0
@@ -173,8 +173,8 @@ def test_a_json_row_drawn_on_the_device_takes_the_host_paths_tokens(gpu, artifac
                 text = [t + "".join(g.take()) for t, g in zip(text, gens)]
             return [(g.stats.token_ids, t, str(g.error), g.take_logprobs()) for g, t in zip(gens, text)]
 
-        host, device, downloads = host_and_device_runs(monkeypatch, (GpuBackend, "draws_constrained"), run,
-                                                       m._backend.model, "logits_row")
+        host, device, _, downloads = switched_runs(monkeypatch, (GpuBackend, "draws_constrained"), run,
+                                                   m._backend.model, "logits_row")
     finally:
         m.close()
     assert [r[:3] for r in device] == [r[:3] for r in host] and len(host[0][0]) > 1
@@ -196,10 +196,6 @@ def test_a_lone_row_with_logprobs_runs_ahead_as_it_waits(gpu, artifact, monkeypa
     try:
         monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
         ids = prompt(30, seed=90, vocab=m.real_vocab_size).tolist()
-        reads = {"n": 0}
-        real = PendingToken.logprob
-        monkeypatch.setattr(PendingToken, "logprob", lambda self: reads.__setitem__("n", reads["n"] + 1)
-                            or real(self))
 
         def run():
             batch = m.batch(1)
@@ -208,12 +204,10 @@ def test_a_lone_row_with_logprobs_runs_ahead_as_it_waits(gpu, artifact, monkeypa
                 batch.step()
             return g.stats.token_ids, g.take_logprobs()
 
-        monkeypatch.setattr(GpuBackend, "logprobs_ahead", False)
-        waiting = run()
-        assert reads["n"] == 0
-        monkeypatch.setattr(GpuBackend, "logprobs_ahead", True)
-        ahead = run()
+        waiting, ahead, reads_off, reads = switched_runs(monkeypatch, (GpuBackend, "logprobs_ahead"), run,
+                                                         PendingToken, "logprob")
     finally:
         m.close()
+    assert reads_off == 0
     assert ahead == waiting and len(ahead[1]) == 16
-    assert reads["n"] == 14  # draws 2..15: all but the host's first and the batched step that starts the chain
+    assert reads == 14  # draws 2..15: all but the host's first and the batched step that starts the chain

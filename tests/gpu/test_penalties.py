@@ -51,17 +51,17 @@ def test_penalty_count_counts_each_rows_token_in_its_slot(gpu, kernels, dev):
     assert np.array_equal(dev.get(d_seen, (S, V), np.uint8), seen)
 
 
-def host_and_device_runs(monkeypatch, switch: tuple, run, model, download: str) -> tuple:
-    """run() with the switch (owner, attribute) off (the host path), then on with each call of model's `download`
-    method counted: (host's result, device's result, the device run's downloads)."""
-    owner, name = switch
-    monkeypatch.setattr(owner, name, False)
-    host = run()
-    monkeypatch.setattr(owner, name, True)
+def switched_runs(monkeypatch, switch: tuple, run, owner, method: str) -> tuple:
+    """run() with the switch (owner, attribute) off, then on, each call of owner's `method` counted: (the off
+    run's result, the on run's, the off run's calls, the on run's)."""
     calls = {"n": 0}
-    real = getattr(model, download)
-    monkeypatch.setattr(model, download, lambda *a: calls.__setitem__("n", calls["n"] + 1) or real(*a))
-    return host, run(), calls["n"]
+    real = getattr(owner, method)
+    monkeypatch.setattr(owner, method, lambda *a, **kw: calls.__setitem__("n", calls["n"] + 1) or real(*a, **kw))
+    monkeypatch.setattr(*switch, False)
+    off, n_off = run(), calls["n"]
+    monkeypatch.setattr(*switch, True)
+    on = run()
+    return off, on, n_off, calls["n"] - n_off
 
 
 @pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(presence_penalty=1.5),
@@ -89,8 +89,8 @@ def test_penalised_generation_draws_on_the_device_as_the_host_does(gpu, artifact
                 batch.step()
             return alone, [g.stats.token_ids for g in gens]
 
-        host, device, downloads = host_and_device_runs(monkeypatch, (backend_mod, "DEVICE_PENALTIES"), run,
-                                                       m._backend.model, "logits")
+        host, device, _, downloads = switched_runs(monkeypatch, (backend_mod, "DEVICE_PENALTIES"), run,
+                                                   m._backend.model, "logits")
     finally:
         m.close()
     assert device == host and downloads == 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from .test_engine import prompt
+from .test_penalties import switched_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -171,11 +172,6 @@ def test_batched_steps_run_ahead_as_they_wait(gpu, artifact, monkeypatch, sampli
         monkeypatch.setattr(m.tokenizer, "is_stop", lambda token: False)
         v = m.real_vocab_size
         prompts = [prompt(20 + 3 * i, seed=70 + i, vocab=v).tolist() for i in range(3)]
-        calls = {"n": 0}
-        real = GpuBackend.sample_batch_ahead
-        monkeypatch.setattr(GpuBackend, "sample_batch_ahead", lambda self, *a, **kw: calls.__setitem__(
-            "n", calls["n"] + 1) or real(self, *a, **kw))
-
         def run():
             batch = m.batch(3)
             gens = [batch.add(p, max_new_tokens=n, sampling=params) for p, n in zip(prompts[:2], (20, 14))]
@@ -186,14 +182,12 @@ def test_batched_steps_run_ahead_as_they_wait(gpu, artifact, monkeypatch, sampli
                 batch.step()
             return [g.stats.token_ids for g in gens]
 
-        monkeypatch.setattr(GpuBackend, "batch_ahead", False)
-        waiting = run()
-        assert calls["n"] == 0
-        monkeypatch.setattr(GpuBackend, "batch_ahead", True)
-        ahead = run()
+        waiting, ahead, calls_off, calls = switched_runs(monkeypatch, (GpuBackend, "batch_ahead"), run, GpuBackend,
+                                                         "sample_batch_ahead")
     finally:
         m.close()
+    assert calls_off == 0
     assert ahead == waiting and [len(t) for t in ahead] == [20, 14, 17]
     # Batch's schedule, whatever the backend: draws 2-5 of the first two, 7-13 of all three from the joiner's second
     # draw, 15-19 of the two left after the budget of 14 (the same loop on the CPU fake runs these 16 steps ahead)
-    assert calls["n"] == 16
+    assert calls == 16
