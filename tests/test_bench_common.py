@@ -361,11 +361,12 @@ def test_host_loop_times_chained_calls_and_drops_the_capturing_round(monkeypatch
     assert got == pytest.approx(float(np.median(means)), rel=1e-12)
 
 
-@pytest.mark.parametrize("device", [False, True])
-def test_host_loop_batched_steps_feed_each_row_its_own_draw(device):
+@pytest.mark.parametrize("draws", ["host", "device", "ahead"])
+def test_host_loop_batched_steps_feed_each_row_its_own_draw(draws):
     """bench/host_loop.batch_loop_s: B rows a step, each fed the token drawn for it the step before (by
-    sample_batch, or by a host Sampler over the step's logits with the padded rows masked: the fake's padded
-    row is every row's largest, so an unmasked draw would pick it), positions advancing from ctx - steps."""
+    sample_batch; by a host Sampler over the step's logits with the padded rows masked: the fake's padded row is
+    every row's largest, so an unmasked draw would pick it; or, run ahead, from the draw slots the step before
+    left, after a first sample_batch), the steps ending at position ctx - 1."""
     import numpy as np
 
     import host_loop
@@ -379,10 +380,25 @@ def test_host_loop_batched_steps_feed_each_row_its_own_draw(device):
             c.pos += 1
         return [(3 * int(i) + 1) % V for i in ids]  # each row's next token, a function of its own input
 
+    class Pending:
+        def __init__(self, token):
+            self.token = token
+
+        def result(self):
+            return self.token
+
     class FakeBackend:
+        drawn: list[int] = []  # the draw slots
+
         def sample_batch(self, ids, caches, params, *, vocab, seeds, steps):
             assert vocab == V and len(params) == len(seeds) == len(caches)
-            return step(ids, caches)
+            self.drawn = step(ids, caches)
+            return self.drawn
+
+        def sample_batch_ahead(self, caches, params, *, vocab, seeds, steps):
+            assert draws == "ahead" and vocab == V and len(params) == len(seeds) == len(caches)
+            self.drawn = step(self.drawn, caches)
+            return [Pending(t) for t in self.drawn]
 
         def decode_batch(self, ids, caches):
             nxt = step(ids, caches)
@@ -393,12 +409,60 @@ def test_host_loop_batched_steps_feed_each_row_its_own_draw(device):
 
     model = type("M", (), {"sample_vocab": V})()
     host_loop.batch_loop_s(FakeBackend(), model, ctx=30, steps=3, params=SamplingParams(greedy=True), B=2,
-                           device=device)
-    assert len(calls) == 3 * host_loop.ROUNDS
+                           draws=draws)
+    per_round = 3 + (draws == "ahead")  # (run ahead: the first draw, outside the timing, then 3)
+    assert len(calls) == per_round * host_loop.ROUNDS
     for n, (ids, pos, slots) in enumerate(calls):
-        assert slots == [0, 1] and pos == [27 + n % 3] * 2
-        want = [17, 1026 % V] if n % 3 == 0 else [(3 * i + 1) % V for i in calls[n - 1][0]]
+        assert slots == [0, 1] and pos == [30 - per_round + n % per_round] * 2
+        want = [17, 1026 % V] if n % per_round == 0 else [(3 * i + 1) % V for i in calls[n - 1][0]]
         assert ids == want
+
+
+@pytest.mark.parametrize("loop", ["host", "device", "device ahead"])
+def test_host_loop_logprob_loops_feed_each_draw_and_read_its_record(loop):
+    """bench/host_loop.logprob_loop_s: after a first device draw (outside the timing), each step is fed the token
+    drawn before it, which comes from the host's draw over the step's logits (padded rows masked), the device's
+    record (sample_batch with logprobs), or the record read through a step run ahead (sample_ahead with logprobs,
+    fed from the draw slot); the steps end at position ctx - 1 and each asks for the same alternatives."""
+    import numpy as np
+
+    import host_loop
+    from ninfer_rt.logprobs import TokenLogprob
+
+    V, pad, calls = 50, 56, []
+
+    def advance(token, cache, how):
+        calls.append((how, int(token), cache.pos))
+        cache.pos += 1
+        return (3 * int(token) + 1) % V
+
+    class FakeBackend:
+        drawn = None  # the draw slot
+
+        def sample_batch(self, ids, caches, params, *, vocab, seeds, steps, logprobs):
+            assert vocab == V and logprobs == [4] and len(ids) == 1
+            self.drawn = advance(ids[0], caches[0], "batch")
+            return [TokenLogprob(self.drawn, -1.0)]
+
+        def sample_ahead(self, cache, params, *, vocab, seed, step, logprobs):
+            assert loop == "device ahead" and logprobs == 4
+            self.drawn = advance(self.drawn, cache, "ahead")
+            token = self.drawn
+            return type("P", (), {"logprob": lambda _: TokenLogprob(token, -1.0)})()
+
+        def forward(self, ids, cache, last_only):
+            row = np.zeros((1, pad), np.float32)
+            row[0, V:] = 100.0
+            row[0, advance(ids[0], cache, "host")] = 50.0
+            return row
+
+    model = type("M", (), {"sample_vocab": V})()
+    host_loop.logprob_loop_s(FakeBackend(), model, ctx=30, steps=3, top=4, loop=loop)
+    how = {"host": "host", "device": "batch", "device ahead": "ahead"}[loop]
+    assert len(calls) == 4 * host_loop.ROUNDS
+    for n, (kind, token, pos) in enumerate(calls):
+        assert kind == ("batch" if n % 4 == 0 else how) and pos == 26 + n % 4
+        assert token == (17 if n % 4 == 0 else (3 * calls[n - 1][1] + 1) % V)
 
 
 def test_host_loop_penalised_loops_set_the_state_and_draw_on_the_host_from_the_history():
