@@ -3,8 +3,8 @@
     python bench/sampling_bench.py [--rows 1,4] [--json PATH]
 
 Each op is timed two ways: as a CUDA graph of that op alone replayed back to back (what a decode step's graph
-pays for it, launch gaps included), and launched eagerly with an event pair around each of its launches (where
-its time goes, one line a kernel). Logits are "flat" (normal, σ 2.5: thousands of ids within a few logits of the
+pays for it, launch gaps included), and each of its kernels as a graph of that launch alone (where its time goes;
+what is left of the op's time is the launch gaps and the memset). Logits are "flat" (normal, σ 2.5: thousands of ids within a few logits of the
 top, the sampler's worst case) or "peaked" (the same with 40 ids raised by 12, as a trained model's rows look).
 Sampling: Qwen3.6's non-thinking setting (T 0.7, top-k 20, top-p 0.8), and T 0.8 with top-k off (top-p 0.95).
 """
@@ -26,20 +26,33 @@ V = 248_320
 REPS = 200
 
 
-class _Timed:
-    """A Kernels stand-in that puts an event pair around each launch and keeps them per entry point."""
+class _PerKernel:
+    """A Kernels stand-in that captures each launch into a graph of its own and times its replays (µs a launch),
+    kept per entry point: a kernel's own time, without the event pairs' overhead an eager timing would add. The
+    launches run in order (each graph replayed REPS times), so each reads what the one before it wrote; every other
+    kernel of the draws writes its outputs whole, so its replays leave them as one launch does."""
 
     def __init__(self, k):
-        self.k, self.pairs = k, []
+        self.k, self.us = k, {}
 
     def launch(self, name, grid, block, args, smem=0, stream=None, cluster=None):
         from ninfer_rt.gpu.driver import Event
 
-        a, b = Event(), Event()
-        a.record(self.k.gpu.stream)
+        gpu = self.k.gpu
+        gpu.begin_capture(gpu.stream)
+        if name == "sample_hist":  # it adds into its histogram (args[4], [M, 2048] int32): zeroed each replay
+            gpu.memset(args[4].value, 0, grid[1] * 2048 * 4, gpu.stream)
         self.k.launch(name, grid, block, args, smem, stream, cluster)
-        b.record(self.k.gpu.stream)
-        self.pairs.append((name, a, b))
+        graph = gpu.end_capture(gpu.stream)
+        graph.launch(gpu.stream)
+        a, b = Event(), Event()
+        a.record(gpu.stream)
+        for _ in range(REPS):
+            graph.launch(gpu.stream)
+        b.record(gpu.stream)
+        b.synchronize()
+        graph.destroy()
+        self.us[name] = self.us.get(name, 0.0) + a.elapsed_ms(b) * 1e3 / REPS
 
     def __getattr__(self, attr):
         return getattr(self.k, attr)
@@ -97,19 +110,14 @@ def main() -> None:
                 e1.record(gpu.stream)
                 e1.synchronize()
                 graph.destroy()
-                t = _Timed(k)
-                for _ in range(20):
-                    fn(t)
-                gpu.synchronize()
-                parts: dict[str, float] = {}
-                for kn, ea, eb in t.pairs:
-                    parts[kn] = parts.get(kn, 0.0) + ea.elapsed_ms(eb) * 1e3 / 20
+                t = _PerKernel(k)
+                fn(t)
                 out_rows.append({"rows": M, "logits": dist, "op": name, "graph_us": e0.elapsed_ms(e1) * 1e3 / REPS,
-                                 "kernels_us": parts})
+                                 "kernels_us": t.us})
         for p in [lp, out, am, sm, tops, lps, recs, *pp.values()]:
             gpu.free(p)
     table = Table(title=f"draws on {gpu.info.name}, V = {V}: µs a call")
-    for col in ("rows", "logits", "op", "graph µs", "each kernel (eager, µs)"):
+    for col in ("rows", "logits", "op", "graph µs", "each kernel alone (µs)"):
         table.add_column(col, justify="right" if col in ("rows", "graph µs") else "left")
     for r in out_rows:
         table.add_row(str(r["rows"]), r["logits"], r["op"], f"{r['graph_us']:.1f}",
