@@ -72,6 +72,12 @@ class DeviceSteer(Steer):
     def can_draw(self, params) -> bool:
         return params.is_greedy and not params.penalised
 
+    def sample_next(self, ids, cache, params, *, vocab, seed, step) -> int:
+        """The arg-max after ids: a prompt's last chunk, or (one id) a decode step, as decode_batch counts it."""
+        if len(ids) == 1:
+            cache.decoded += 1
+        return int(np.argmax(self.forward(ids, cache, last_only=True)[-1][:vocab]))
+
     def sample_batch(self, ids, caches, params, *, vocab, seeds, steps, hidden=False, logprobs=None):
         from ninfer_rt.logprobs import token_logprob
 
@@ -138,6 +144,29 @@ def test_a_json_row_drawn_on_the_device_takes_the_host_paths_tokens(packed_model
     assert got == host and host[0] == ids[:-1] and host[1] == T
     assert device.steps == len(ids) - 1  # every token after the prompt's drawn there (the last the stop token)
     assert device.logits_reads == (device.steps if decoys else 0)
+
+
+def test_a_json_dead_end_drawn_on_the_device_fails_its_request_alone(packed_model, monkeypatch):
+    """A schema no document satisfies (two distinct empty strings) beside a plain sequence: drawn on the device,
+    the JSON row fails at the step where no token continues it (the host path's tokens before it, its reason)
+    and the plain one decodes on, as on the host."""
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 0}, "minItems": 2, "uniqueItems": True}
+
+    def steered_run(cls):
+        steer, _ = steering(packed_model, cls)
+        monkeypatch.setattr(packed_model, "_backend", steer)
+        batch = packed_model.batch(2)
+        prompt = packed_model.tokenizer.encode("Reply in JSON")
+        gens = [batch.add(prompt, max_new_tokens=64, sampling=GREEDY, json_schema=schema),
+                batch.add(prompt, max_new_tokens=12, sampling=GREEDY)]
+        while batch.busy:
+            batch.step()
+        return steer, [(g.stats.token_ids, g.stats.finish_reason, str(g.error)) for g in gens]
+
+    _, host = steered_run(Steer)
+    device, got = steered_run(DeviceSteer)
+    assert got == host and host[0][1] == "error" and "continues the JSON reply" in host[0][2]
+    assert len(host[0][0]) > 1 and host[1][1] == "length" and device.steps > 1  # it ended in a device step
 
 
 def test_the_constraint_refuses_every_decoy(steered):
