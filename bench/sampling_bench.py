@@ -26,6 +26,20 @@ V = 248_320
 REPS = 200
 
 
+def _replay_us(gpu, graph) -> float:
+    """µs a replay of graph over REPS back to back (then freed)."""
+    from ninfer_rt.gpu.driver import Event
+
+    a, b = Event(), Event()
+    a.record(gpu.stream)
+    for _ in range(REPS):
+        graph.launch(gpu.stream)
+    b.record(gpu.stream)
+    b.synchronize()
+    graph.destroy()
+    return a.elapsed_ms(b) * 1e3 / REPS
+
+
 class _PerKernel:
     """A Kernels stand-in that captures each launch into a graph of its own and times its replays (µs a launch),
     kept per entry point: a kernel's own time, without the event pairs' overhead an eager timing would add. The
@@ -36,8 +50,6 @@ class _PerKernel:
         self.k, self.us = k, {}
 
     def launch(self, name, grid, block, args, smem=0, stream=None, cluster=None):
-        from ninfer_rt.gpu.driver import Event
-
         gpu = self.k.gpu
         gpu.begin_capture(gpu.stream)
         if name == "sample_hist":  # it adds into its histogram (args[4], [M, 2048] int32): zeroed each replay
@@ -45,14 +57,7 @@ class _PerKernel:
         self.k.launch(name, grid, block, args, smem, stream, cluster)
         graph = gpu.end_capture(gpu.stream)
         graph.launch(gpu.stream)
-        a, b = Event(), Event()
-        a.record(gpu.stream)
-        for _ in range(REPS):
-            graph.launch(gpu.stream)
-        b.record(gpu.stream)
-        b.synchronize()
-        graph.destroy()
-        self.us[name] = self.us.get(name, 0.0) + a.elapsed_ms(b) * 1e3 / REPS
+        self.us[name] = self.us.get(name, 0.0) + _replay_us(gpu, graph)
 
     def __getattr__(self, attr):
         return getattr(self.k, attr)
@@ -67,7 +72,7 @@ def main() -> None:
     from rich.table import Table
 
     from ninfer_rt.gpu import misc
-    from ninfer_rt.gpu.driver import Event, Gpu
+    from ninfer_rt.gpu.driver import Gpu
     from ninfer_rt.gpu.kernels import Kernels
 
     gpu = Gpu(0)
@@ -102,18 +107,10 @@ def main() -> None:
                 fn(k)
                 gpu.begin_capture(gpu.stream)
                 fn(k)
-                graph = gpu.end_capture(gpu.stream)
-                e0, e1 = Event(), Event()
-                e0.record(gpu.stream)
-                for _ in range(REPS):
-                    graph.launch(gpu.stream)
-                e1.record(gpu.stream)
-                e1.synchronize()
-                graph.destroy()
+                graph_us = _replay_us(gpu, gpu.end_capture(gpu.stream))
                 t = _PerKernel(k)
                 fn(t)
-                out_rows.append({"rows": M, "logits": dist, "op": name, "graph_us": e0.elapsed_ms(e1) * 1e3 / REPS,
-                                 "kernels_us": t.us})
+                out_rows.append({"rows": M, "logits": dist, "op": name, "graph_us": graph_us, "kernels_us": t.us})
         for p in [lp, out, am, sm, tops, lps, recs, *pp.values()]:
             gpu.free(p)
     table = Table(title=f"draws on {gpu.info.name}, V = {V}: µs a call")
