@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -155,16 +155,19 @@ class GpuBackend:
     def can_sample(params: SamplingParams) -> bool:
         """Whether the device's distributions are Sampler's (same distribution, its own RNG): no penalties, and
         greedy or a top_k within the device's candidate cap. Speculative decoding's device rows need this."""
-        return not params.penalised and (params.is_greedy or 1 <= params.top_k <= SAMPLE_MAX_CANDIDATES)
+        return not params.penalised and GpuBackend._top_k_fits(params)
 
     @staticmethod
     def can_draw(params: SamplingParams) -> bool:
         """Whether sample_next / sample_ahead / sample_batch draw as Sampler would: can_sample, or the same with
         penalties applied on the device (DEVICE_PENALTIES; the caller sets each sequence's state first,
         set_penalties), in fp32 where the host takes float64."""
-        if DEVICE_PENALTIES:
-            params = replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        return GpuBackend.can_sample(params)
+        return (DEVICE_PENALTIES or not params.penalised) and GpuBackend._top_k_fits(params)
+
+    @staticmethod
+    def _top_k_fits(params: SamplingParams) -> bool:
+        """Greedy, or a top_k within the device's candidate cap (the device refuses top-k off)."""
+        return params.is_greedy or 1 <= params.top_k <= SAMPLE_MAX_CANDIDATES
 
     def set_penalties(self, cache: GpuCache, history, prompt_len: int, params: SamplingParams) -> None:
         """The penalties of params, and the state of the sequence in cache's slot (history: prompt + output so
@@ -369,27 +372,20 @@ class _DrawRing:
     def pend(self, model: GpuModel, logprobs: bool = False) -> PendingToken:
         """The draw slot's token (once the enqueued step is done) copied into the next slot, with the step's
         logprobs record (row 0's) where it drew one: its handle."""
-        i = self._next()
-        model.drawn_async(self.ids, 4 * self.rows * i)
+        return self.pend_rows(model, 1, logprobs)[0]
+
+    def pend_rows(self, model: GpuModel, B: int, logprobs: bool = False) -> list[PendingToken]:
+        """The first B draw slots' tokens (a batched step's) copied into the next slot (with row 0's logprobs
+        record, where asked): a handle a row."""
+        i = self.count % self.SLOTS
+        self.count += 1
+        self.serial[i] = self.count
+        model.gpu.download_async(self.ids, 4 * self.rows * i, model.draws.out, 4 * B)
         if logprobs:
             n = 4 * misc.LP_INTS
             model.gpu.download_async(self.recs, n * i, model.draws.logprob_buffers()[3], n)
         self.events[i].record(model.gpu.stream)
-        return PendingToken(self, i, self.count, logprobs)
-
-    def pend_rows(self, model: GpuModel, B: int) -> list[PendingToken]:
-        """The first B draw slots' tokens (a batched step's) copied into the next slot: a handle a row."""
-        i = self._next()
-        model.gpu.download_async(self.ids, 4 * self.rows * i, model.draws.out, 4 * B)
-        self.events[i].record(model.gpu.stream)
-        return [PendingToken(self, i, self.count, row=b) for b in range(B)]
-
-    def _next(self) -> int:
-        """The next slot, now owned by the step being pended (its serial the count so far)."""
-        i = self.count % self.SLOTS
-        self.count += 1
-        self.serial[i] = self.count
-        return i
+        return [PendingToken(self, i, self.count, logprobs, row=b) for b in range(B)]
 
     def free(self) -> None:
         self.ids.free()

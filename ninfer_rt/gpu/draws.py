@@ -114,7 +114,3 @@ class Draws:
     def drawn_rows(self, B: int) -> np.ndarray:
         """The tokens in the first B draw slots, int32 [B] (after the stream finishes)."""
         return self.gpu.download(self.out, (B,), np.int32)
-
-    def drawn_async(self, dst, offset: int) -> None:
-        """Queue a copy of the draw slot's token into pinned host memory dst[offset:offset + 4] (int32)."""
-        self.gpu.download_async(dst, offset, self.out, 4)

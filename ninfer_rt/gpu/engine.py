@@ -550,7 +550,3 @@ class GpuModel:
     def drawn_rows(self, B: int) -> np.ndarray:
         """The tokens in the first B draw slots, int32 [B] (after the stream finishes)."""
         return self.draws.drawn_rows(B)
-
-    def drawn_async(self, dst, offset: int) -> None:
-        """Queue a copy of the draw slot's token into pinned host memory dst[offset:offset + 4] (int32)."""
-        self.draws.drawn_async(dst, offset)
