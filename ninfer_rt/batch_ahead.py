@@ -60,8 +60,8 @@ class RunAhead:
         if not (n > 1 and len(self._running) == n and getattr(self.backend, "batch_ahead", False)):
             return
         last = None if tokens is not None else [g._ahead[-1].pending if g._ahead else None for g in gens]
-        for b, g in enumerate(gens):
-            drawn = len(g.stats.token_ids) + len(g._ahead) + (tokens is not None)
+        steps = [len(g.stats.token_ids) + len(g._ahead) + (tokens is not None) for g in gens]  # the draws' indices
+        for b, (g, drawn) in enumerate(zip(gens, steps)):
             if not (g.spec is None and g.logprobs is None and g.constraint is None and self._on_device(g)
                     and drawn < g.budget):
                 return
@@ -71,8 +71,7 @@ class RunAhead:
                 return  # (the draw slots no longer hold these rows' tokens in this order)
         pending = self.backend.sample_batch_ahead(
             [g._slot.cache for g in gens], [g.sampler.params for g in gens], vocab=self.model.real_vocab_size,
-            seeds=[g.sampler.seed for g in gens],
-            steps=[len(g.stats.token_ids) + len(g._ahead) + (tokens is not None) for g in gens])
+            seeds=[g.sampler.seed for g in gens], steps=steps)
         now = time.perf_counter()
         for b, g in enumerate(gens):
             if tokens is not None:  # (else the draw it is fed goes into the ids when read)
@@ -84,18 +83,16 @@ class RunAhead:
         batch is as it was), then each row's token read and given out."""
         self._run_rows_ahead(gens)
         for g in gens:
-            first = g._ahead.pop(0)
-            token = first.pending.result()
-            g.stats.decode_s += time.perf_counter() - max(first.at, g._ahead_read)
-            g._ahead_read = time.perf_counter()
-            if g._ahead:  # the step queued behind it was fed this token
-                g._slot.ids.append(token)
-            self._emit(g, token)
+            self._read_ahead(g)
 
     def _take_ahead(self, g: Generation) -> None:
         """g's decode this step: the token of its oldest step run ahead (that step's input is fed already), read
         once the next step is queued behind it."""
         self._run_ahead(g)
+        self._read_ahead(g)
+
+    def _read_ahead(self, g: Generation) -> None:
+        """The token of g's oldest step run ahead (with its logprobs record where g asked), given out."""
         first = g._ahead.pop(0)
         token = first.pending.result()
         if g.logprobs is not None:

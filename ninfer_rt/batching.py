@@ -380,11 +380,11 @@ class Batch(RunAhead):
             else:
                 self._emit(g, token)
 
-    def _draw_or_error(self, g: Generation, logits):
-        """g's next token from its row, or the exception its draw raised (a JSON reply with no way on): one
-        sequence's dead end must not fail the others of the step."""
+    def _draw_or_error(self, g: Generation, logits, token: int | None = None):
+        """_draw, or the exception it raised (a JSON reply with no way on): one sequence's dead end must not fail
+        the others of the step."""
         try:
-            return self._draw(g, logits)
+            return self._draw(g, logits, token)
         except Exception as e:
             return e
 
@@ -444,14 +444,7 @@ class Batch(RunAhead):
         if (after := self._allows(g.constraint, token)) is not None:
             g.constraint = after
             return token
-        logits = self.backend.last_logits(row)
-        try:
-            token = self._constrained(g, logits, token)
-        except Exception as e:
-            return e
-        if g.logprobs is not None:
-            g._drawn = token_logprob(logits, token, g.logprobs, self.model.real_vocab_size)
-        return token
+        return self._draw_or_error(g, self.backend.last_logits(row), token)
 
     def _sync_penalties(self, g: Generation) -> None:
         """Before g's next draw on the device: where it has penalties and a token of its was drawn elsewhere (the
@@ -468,11 +461,12 @@ class Batch(RunAhead):
         return self.backend.sample_next(ids, g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
                                         seed=g.sampler.seed, step=len(g.stats.token_ids))
 
-    def _draw(self, g: Generation, logits: np.ndarray) -> int:
+    def _draw(self, g: Generation, logits: np.ndarray, token: int | None = None) -> int:
         """g's next token from its last logits row (overwritten where the vocabulary is padding), and its logprobs
-        where g asked for them."""
+        where g asked for them. token: the first draw, made elsewhere (the device's; else the host draws it)."""
         g._pen_synced = False
-        token = self.model._pick(logits, g.sampler, g.history, len(g.prompt))
+        if token is None:
+            token = self.model._pick(logits, g.sampler, g.history, len(g.prompt))
         if g.constraint is not None:
             token = self._constrained(g, logits, token)
         if g.logprobs is not None:
