@@ -48,6 +48,17 @@ ROUNDS = 6  # the first captures the context bucket's graph and is not counted
 PROMPT_IDS = 64  # the history a penalised loop starts from (its penalty state): this many ids, all prompt
 
 
+def _chain(enqueue, read, steps: int) -> None:
+    """Draws 1..steps run ahead as the decode loops run them: enqueue(i) queues the step drawing i, fed on the
+    device by the draw before it, while read() takes the one before it, so one step stays in flight beyond the one
+    being read."""
+    nxt = enqueue(1)
+    for i in range(2, steps + 2):
+        after = enqueue(i) if i <= steps else None
+        read(nxt)
+        nxt = after
+
+
 def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
     """Median seconds a token over rounds of `steps` tokens that end at position ctx (one graph bucket), each
     step fed the id the one before drew: from the host (sample_next) or on the device (sample_ahead). Penalised
@@ -63,12 +74,8 @@ def loop_s(backend, model, ctx: int, steps: int, params, ahead: bool) -> float:
                                     step=0)  # the draw the first fed step reads (outside the timing)
         t0 = time.perf_counter()
         if ahead:
-            nxt = backend.sample_ahead(cache, params, vocab=model.sample_vocab, seed=1, step=1)
-            for i in range(2, steps + 2):
-                after = backend.sample_ahead(cache, params, vocab=model.sample_vocab, seed=1, step=i) \
-                    if i <= steps else None
-                token = nxt.result()
-                nxt = after
+            _chain(lambda i: backend.sample_ahead(cache, params, vocab=model.sample_vocab, seed=1, step=i),
+                   lambda pending: pending.result(), steps)
         else:
             for i in range(1, steps + 1):
                 token = backend.sample_next(np.array([token], np.int32), cache, params, vocab=model.sample_vocab,
@@ -119,12 +126,8 @@ def batch_loop_s(backend, model, ctx: int, steps: int, params, B: int, draws: st
             tokens = backend.sample_batch(tokens, caches, [params] * B, vocab=V, seeds=seeds, steps=[0] * B)
         t0 = time.perf_counter()
         if draws == "ahead":
-            nxt = backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=seeds, steps=[1] * B)
-            for i in range(2, steps + 2):
-                after = backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=seeds, steps=[i] * B) \
-                    if i <= steps else None
-                tokens = [p.result() for p in nxt]
-                nxt = after
+            _chain(lambda i: backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=seeds, steps=[i] * B),
+                   lambda rows: [p.result() for p in rows], steps)
         else:
             for i in range(steps):
                 if draws == "device":
@@ -154,12 +157,8 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) ->
         token = first.id  # (outside the timing: the draw the first fed step reads)
         t0 = time.perf_counter()
         if loop == "device ahead":
-            nxt = backend.sample_ahead(cache, params, vocab=V, seed=0, step=1, logprobs=top)
-            for i in range(2, steps + 2):
-                after = backend.sample_ahead(cache, params, vocab=V, seed=0, step=i, logprobs=top) \
-                    if i <= steps else None
-                lp = nxt.logprob()
-                nxt = after
+            _chain(lambda i: backend.sample_ahead(cache, params, vocab=V, seed=0, step=i, logprobs=top),
+                   lambda pending: pending.logprob(), steps)
         else:
             for i in range(1, steps + 1):
                 if loop == "device":
