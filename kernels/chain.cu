@@ -1,0 +1,80 @@
+// chain.cu: the persistent decode kernel's first op family. chain_gemv_q8 runs a list of M = 1 stream GEMVs of q8
+// weights in one resident grid: op i waits on a counter of op i - 1's block arrivals where a kernel of its own waits
+// at a kernel boundary. Each op is gemv_q8_s1's body with xvec 2 (x, and norm_w, copied into shared memory by
+// cp.async), whose first two register tiles are issued before its wait, so op i's weights stream while op i - 1's
+// last blocks finish, with no launch, no block ramp-up and no drain between them (perf.md v111 measures it).
+//
+//   ops ChainGemv [n] (device memory): op i computes y_i = W_i x̂_i (mode 0, store) or y_i += W_i x̂_i (mode 1, add)
+//   with x̂_i the fused zero-centred RMSNorm of x_i by norm_w_i (x_i itself where norm_w_i is null), exactly as
+//   gemv_q8_s1 launched with the same grid and d; W_i [N_i, K_i] in the q8g{32,64,128} artifact layout (gemv.cu).
+//   done uint32 [n], zero before the launch: op i's counter, gridDim.x once every block has finished op i.
+// An op may read what earlier ops wrote (x_i = y_j, j < i) and write what earlier ops read: op i reads x_i and
+// writes y_i only after every block finished op i - 1 (which waited on op i - 2, and so on). The grid must be
+// resident all at once (chain.py sizes it by the occupancy query): a block waiting on one that cannot start would
+// wait forever. Reference: ninfer_rt.reference.ops.linear per op, in order; the same sums to the bit as
+// linear.gemv's gemv_q8_s1 launches at the same blocks and d (tests/gpu/test_chain.py).
+#include "gemv_stream.cuh"  // gemv_stream_body
+
+namespace {
+
+// One op of the chain as chain.py's CHAIN_GEMV lays it out (80 bytes, 8-byte aligned).
+struct ChainGemv {
+    const uint8_t* qs;     // q8 codes, the artifact's row-major units
+    const uint8_t* qh;     // unused by q8 (null)
+    const uint8_t* sc;     // fp16 group scales
+    const float* x;        // fp32 [K]
+    float* y;              // fp32 [N]
+    const float* norm_w;   // fp32 [K] or null (no norm)
+    int N, K, kp, gshift;  // rows, columns, stored row length, log2(group)
+    int mode, d;           // 0 store / 1 add; units per lane and row of a register tile (1..2)
+    float eps;
+    int pad;
+};
+static_assert(sizeof(ChainGemv) == 80, "chain.py's CHAIN_GEMV");
+
+// Op i's wait: thread 0 polls op i - 1's counter with acquire loads until every block has arrived; the block
+// barrier then orders the block's reads of x and y after it. The first op waits on the kernel before, as any
+// kernel does (programmatic dependent launch).
+struct ChainWait {
+    static constexpr bool kChain = true;
+    const unsigned* prev;  // op i - 1's counter; null for op 0
+    unsigned target;       // gridDim.x
+    __device__ __forceinline__ void operator()() const {
+        if (prev == nullptr) {
+            ninfer_pdl_begin();
+            return;
+        }
+        if (threadIdx.x == 0) {
+            unsigned now;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(prev) : "memory");
+            } while (now < target);
+        }
+        __syncthreads();
+    }
+};
+
+// The block's arrival at op i's counter once all its threads are done with op i (their y stores and adds made
+// visible at gpu scope by thread 0's fence, which is cumulative over the block barrier before it).
+__device__ __forceinline__ void chain_arrive(unsigned* done) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(done, 1u);
+    }
+}
+
+}  // namespace
+
+// chain_gemv_q8(ops, n, done): grid = the resident blocks chain.py planned (at most 2 an SM), 256 threads, dynamic
+// shared memory = the largest op's slab plus its x (and norm_w) copies.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    chain_gemv_q8(const ChainGemv* __restrict__ ops, int n, unsigned* done) {
+    for (int i = 0; i < n; ++i) {
+        const ChainGemv op = ops[i];
+        gemv_stream_body<8, false, false, false, false, 1, ChainWait>(
+            op.qs, op.qh, op.sc, op.x, op.y, op.norm_w, nullptr, op.N, op.K, op.kp, op.gshift, op.K, op.N, op.mode,
+            op.eps, 2, op.d, nullptr, nullptr, nullptr, 0, ChainWait{i ? done + i - 1 : nullptr, gridDim.x});
+        chain_arrive(done + i);
+    }
+}
