@@ -8,10 +8,11 @@ The 35B's DeltaNet projections as a chain: per layer in_proj_qkvz [12288, 2048] 
   - "launches, own plans": one linear.gemv launch an op at its own stream plan (programmatic dependent launch, as
     the decode graph runs them);
   - "launches, chain's plan": the same kernel at the chain's grid and depths (chain.sequential, its bit oracle);
-  - "chain": one chain_gemv_q8 launch (and its counters' memset).
+  - "chain, wait w": one chain_gemv_q8 launch (and its counters' memset), each op waiting the chain.WAITS way w
+    (0 polling the arrivals' counter, 1 the same with a sleep between polls, 2 a flag the last arrival sets).
 Each row gives µs a replay, µs an op, the weight bytes' rate, and the gap to the bytes at `--copy-gbs` (the card's
 measured copy bandwidth; default the H200's 4,180 GB/s, anchors.md). "saved a boundary" is the row's time less the
-chain's over the op boundaries (2 · layers - 1).
+first chain's (wait 0) over the op boundaries (2 · layers - 1).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def main() -> None:
 
     gpu, k, console = open_gpu("chain_bench")
     ops, ptrs, nbytes = build_ops(gpu, a.format, a.layers, np.random.default_rng(0))
-    c = chain.Chain(k, ops)
+    chains = [chain.Chain(k, ops, how=how) for how in chain.WAITS]
+    c = chains[0]
     try:
         def own():
             for op in ops:
@@ -90,18 +92,19 @@ def main() -> None:
 
         ways = {"launches, own plans": own,
                 "launches, chain's plan": lambda: chain.sequential(k, ops, c.plan),
-                "chain": lambda: c.launch(gpu.stream)}
+                **{f"chain, wait {ch.how}": (lambda ch=ch: ch.launch(gpu.stream)) for ch in chains}}
         us = {name: 1e3 * statistics.median(replay_ms(gpu, fn, rounds=a.rounds, replays=a.replays))
               for name, fn in ways.items()}
     finally:
-        c.free()
+        for ch in chains:
+            ch.free()
         for p in ptrs:
             gpu.free(p)
 
     ideal = nbytes / (a.copy_gbs * 1e3)  # µs
     bounds = len(ops) - 1
     rows = [dict(way=name, us=t, us_per_op=t / len(ops), gbs=nbytes / t / 1e3, over_bytes_us=t - ideal,
-                 saved_per_boundary_us=(t - us["chain"]) / bounds) for name, t in us.items()]
+                 saved_per_boundary_us=(t - us["chain, wait 0"]) / bounds) for name, t in us.items()]
     t = Table(title=f"{a.layers} layers x (in_proj {SHAPE[0]}x{SHAPE[1]} + out_proj {SHAPE[1]}x{SHAPE[2]}), "
                     f"{a.format}, {nbytes / 1e6:.1f} MB: {ideal:.1f} µs at {a.copy_gbs:.0f} GB/s; "
                     f"{c.plan.blocks} blocks")

@@ -7,7 +7,8 @@
 //   ops ChainGemv [n] (device memory): op i computes y_i = W_i x̂_i (mode 0, store) or y_i += W_i x̂_i (mode 1, add)
 //   with x̂_i the fused zero-centred RMSNorm of x_i by norm_w_i (x_i itself where norm_w_i is null), exactly as
 //   gemv_q8_s1 launched with the same grid and d; W_i [N_i, K_i] in the q8g{32,64,128} artifact layout (gemv.cu).
-//   done uint32 [n], zero before the launch: op i's counter, gridDim.x once every block has finished op i.
+//   done uint32 [2n], zero before the launch: op i's counter, gridDim.x once every block has finished op i, then
+//   op i's flag (1 once the counter is full; written where the wait polls flags).
 // An op may read what earlier ops wrote (x_i = y_j, j < i) and write what earlier ops read: op i reads x_i and
 // writes y_i only after every block finished op i - 1 (which waited on op i - 2, and so on). The grid must be
 // resident all at once (chain.py sizes it by the occupancy query): a block waiting on one that cannot start would
@@ -32,13 +33,16 @@ struct ChainGemv {
 };
 static_assert(sizeof(ChainGemv) == 80, "chain.py's CHAIN_GEMV");
 
-// Op i's wait: thread 0 polls op i - 1's counter with acquire loads until every block has arrived; the block
-// barrier then orders the block's reads of x and y after it. The first op waits on the kernel before, as any
-// kernel does (programmatic dependent launch).
+// Op i's wait: thread 0 polls with acquire loads until op i - 1 is done; the block barrier then orders the block's
+// reads of x and y after it. The first op waits on the kernel before, as any kernel does (programmatic dependent
+// launch). How (`how`, a launch argument while the ways are measured: perf.md v111): 0 polls op i - 1's counter,
+// which the arrivals add to; 1 the same with a 64 ns sleep between polls (fewer loads queued at the counter's L2
+// slice beside the arrivals); 2 polls a flag that the block arriving last sets (the polls off the arrivals' line).
 struct ChainWait {
     static constexpr bool kChain = true;
-    const unsigned* prev;  // op i - 1's counter; null for op 0
-    unsigned target;       // gridDim.x
+    const unsigned* prev;  // op i - 1's counter (how 0, 1) or flag (how 2); null for op 0
+    unsigned target;       // gridDim.x (how 0, 1) or 1 (how 2)
+    int how;
     __device__ __forceinline__ void operator()() const {
         if (prev == nullptr) {
             ninfer_pdl_begin();
@@ -46,35 +50,44 @@ struct ChainWait {
         }
         if (threadIdx.x == 0) {
             unsigned now;
-            do {
+            while (true) {
                 asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(prev) : "memory");
-            } while (now < target);
+                if (now >= target) break;
+                if (how == 1) __nanosleep(64);
+            }
         }
         __syncthreads();
     }
 };
 
 // The block's arrival at op i's counter once all its threads are done with op i (their y stores and adds made
-// visible at gpu scope by thread 0's fence, which is cumulative over the block barrier before it).
-__device__ __forceinline__ void chain_arrive(unsigned* done) {
+// visible at gpu scope by thread 0's fence, which is cumulative over the block barrier before it); with how 2 the
+// last block to arrive also sets op i's flag (release: after its acquire-release addition saw every other's).
+__device__ __forceinline__ void chain_arrive(unsigned* done, unsigned* flag, int how) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        atomicAdd(done, 1u);
+        const unsigned before = atomicAdd(done, 1u);
+        if (how == 2 && before == gridDim.x - 1) {
+            __threadfence();
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
+        }
     }
 }
 
 }  // namespace
 
-// chain_gemv_q8(ops, n, done): grid = the resident blocks chain.py planned (at most 2 an SM), 256 threads, dynamic
-// shared memory = the largest op's slab plus its x (and norm_w) copies.
+// chain_gemv_q8(ops, n, done, how): grid = the resident blocks chain.py planned (at most 2 an SM), 256 threads,
+// dynamic shared memory = the largest op's slab plus its x (and norm_w) copies; done uint32 [2n] zero (counters,
+// then flags).
 extern "C" __global__ void __launch_bounds__(256, 2)
-    chain_gemv_q8(const ChainGemv* __restrict__ ops, int n, unsigned* done) {
+    chain_gemv_q8(const ChainGemv* __restrict__ ops, int n, unsigned* done, int how) {
     for (int i = 0; i < n; ++i) {
         const ChainGemv op = ops[i];
+        const unsigned* prev = i == 0 ? nullptr : (how == 2 ? done + n + i - 1 : done + i - 1);
         gemv_stream_body<8, false, false, false, false, 1, ChainWait>(
             op.qs, op.qh, op.sc, op.x, op.y, op.norm_w, nullptr, op.N, op.K, op.kp, op.gshift, op.K, op.N, op.mode,
-            op.eps, 2, op.d, nullptr, nullptr, nullptr, 0, ChainWait{i ? done + i - 1 : nullptr, gridDim.x});
-        chain_arrive(done + i);
+            op.eps, 2, op.d, nullptr, nullptr, nullptr, 0, ChainWait{prev, how == 2 ? 1u : gridDim.x, how});
+        chain_arrive(done + i, done + n + i, how);
     }
 }

@@ -26,6 +26,9 @@ CHAIN_GEMV = np.dtype([("qs", "<u8"), ("qh", "<u8"), ("sc", "<u8"), ("x", "<u8")
                        ("N", "<i4"), ("K", "<i4"), ("kp", "<i4"), ("gshift", "<i4"), ("mode", "<i4"), ("d", "<i4"),
                        ("eps", "<f4"), ("pad", "<i4")])
 _CHAIN_MODES = ("store", "add")
+# how an op waits for the one before (kernels/chain.cu ChainWait): 0 polls the arrivals' counter, 1 the same with a
+# sleep between polls, 2 a flag the last arrival sets (a launch argument while perf.md v111 measures them)
+WAITS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -104,19 +107,21 @@ class Chain:
     """A planned chain on the device: its op records and counters, launched as one kernel (capturable: the
     counters are zeroed by a memset node before each launch)."""
 
-    def __init__(self, k, ops: list[ChainOp], blocks: int | None = None):
-        self.k, self.ops = k, list(ops)
+    def __init__(self, k, ops: list[ChainOp], blocks: int | None = None, how: int = 0):
+        if how not in WAITS:
+            raise GpuError(f"a chain's wait is one of {', '.join(map(str, WAITS))}, got {how}")
+        self.k, self.ops, self.how = k, list(ops), how
         self.plan = plan_chain(k, self.ops, blocks)
         rec = pack_ops(self.ops, self.plan)
         self.records = k.gpu.alloc(rec.nbytes)
-        self.done = k.gpu.alloc(4 * len(self.ops))
+        self.done = k.gpu.alloc(8 * len(self.ops))  # counters, then flags
         k.gpu.upload(self.records, rec)
 
     def launch(self, stream=None) -> None:
         gpu = self.k.gpu
-        gpu.memset(self.done, 0, 4 * len(self.ops), stream)
+        gpu.memset(self.done, 0, 8 * len(self.ops), stream)
         self.k.launch(KERNEL, (self.plan.blocks,), (THREADS,),
-                      [ptr(self.records), i32(len(self.ops)), ptr(self.done)], self.plan.smem, stream)
+                      [ptr(self.records), i32(len(self.ops)), ptr(self.done), i32(self.how)], self.plan.smem, stream)
 
     def free(self) -> None:
         self.k.gpu.free(self.records)

@@ -38,13 +38,16 @@ def layer_chain(dev, rng, fmt: str, shape: str, layers: int):
     return ops, x0, xp, yp
 
 
-@pytest.mark.parametrize("fmt,shape,layers,blocks", [
-    ("q8g32", "small", 4, None), ("q8g64", "small", 3, 7), ("q8g128", "small", 3, 1), ("q8g32", "35b", 3, None)])
-def test_a_dependent_chain_equals_its_launches_to_the_bit(kernels, dev, rng, fmt, shape, layers, blocks):
+@pytest.mark.parametrize("fmt,shape,layers,blocks,how", [
+    ("q8g32", "small", 4, None, 0), ("q8g32", "small", 4, None, 1), ("q8g32", "small", 4, None, 2),
+    ("q8g64", "small", 3, 7, 2), ("q8g128", "small", 3, 1, 0), ("q8g32", "35b", 3, None, 0),
+    ("q8g32", "35b", 3, None, 2)])
+def test_a_dependent_chain_equals_its_launches_to_the_bit(kernels, dev, rng, fmt, shape, layers, blocks, how):
     """Every layer's output and the residual after them equal the sequential launches' bit for bit, at the resident
-    grid, a grid of 7 blocks (uneven row ranges) and of one block (every op in one block: no waits met late)."""
+    grid, a grid of 7 blocks (uneven row ranges) and of one block (every op in one block: no waits met late), with
+    each way of waiting."""
     ops, x0, xp, yp = layer_chain(dev, rng, fmt, shape, layers)
-    c = chain.Chain(kernels, ops, blocks)
+    c = chain.Chain(kernels, ops, blocks, how)
     try:
         c.launch()
         got_x, got_y = dev.get(xp, x0.shape), dev.get(yp, (SHAPES[shape][0],))
@@ -83,11 +86,12 @@ def test_independent_ops_match_float64(kernels, dev, rng):
         c.free()
 
 
-def test_a_captured_chain_replays_from_zeroed_counters(kernels, dev, rng):
-    """Two replays of a captured chain (its counters' memset and the launch) equal two rounds of the launches: the
-    second replay's waits start from zero, not from the first replay's full counters."""
+@pytest.mark.parametrize("how", [0, 2])
+def test_a_captured_chain_replays_from_zeroed_counters(kernels, dev, rng, how):
+    """Two replays of a captured chain (its counters' and flags' memset and the launch) equal two rounds of the
+    launches: the second replay's waits start from zero, not from the first replay's full counters or set flags."""
     ops, x0, xp, _ = layer_chain(dev, rng, "q8g32", "small", 2)
-    c = chain.Chain(kernels, ops)
+    c = chain.Chain(kernels, ops, how=how)
     gpu = kernels.gpu
     try:
         gpu.begin_capture(gpu.stream)
@@ -117,3 +121,5 @@ def test_a_grid_that_cannot_be_resident_is_refused(kernels, dev, rng):
     resident = chain.plan_chain(kernels, ops).blocks
     with pytest.raises(GpuError, match="resident"):
         chain.plan_chain(kernels, ops, blocks=resident + 1)
+    with pytest.raises(GpuError, match="wait is one of"):
+        chain.Chain(kernels, ops, how=3)
