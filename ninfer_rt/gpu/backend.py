@@ -134,17 +134,15 @@ class GpuBackend:
     # True (the benches turn it off to time the host path)
     draws_logprobs = True
     # sample_ahead also brings a row's logprobs record back through the ring, so a lone sequence with logprobs runs
-    # a step ahead too. Off until tests/gpu/test_logprobs.py's run-ahead test has run on a GPU (built in session 90
-    # after its device time was spent)
-    logprobs_ahead = False
+    # a step ahead too (greedy with 5 alternatives, the 35B at 8K on an H100: 577.5 -> 640.9 tok/s, perf.md v112)
+    logprobs_ahead = True
     # Batch runs its batched steps a step ahead (sample_batch_ahead: each row fed from its draw slot on the device).
-    # Off until tests/gpu/test_run_ahead.py's batched test has run on a GPU (built in session 90 after its device
-    # time was spent)
+    # Off: tests/gpu/test_run_ahead.py's batched test failed on one case of three on a GPU (greedy with a presence
+    # penalty on tiny-dense, perf.md v112), not yet explained; B = 4 top-k would gain 5.2% (1,269 -> 1,336 tok/s)
     batch_ahead = False
     # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
-    # constraint refuses the token drawn. Off until tests/gpu/test_logprobs.py's JSON test has run on a GPU (built in
-    # session 90 after its device time was spent)
-    draws_constrained = False
+    # constraint refuses the token drawn (tests/gpu/test_logprobs.py holds it to the host path's tokens, perf.md v112)
+    draws_constrained = True
 
     def last_logits(self, row: int) -> np.ndarray:
         """Row `row`'s logits of the latest decode step (float32 [V], raw: the draws read them, and only a row with
