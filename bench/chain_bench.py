@@ -9,7 +9,9 @@ The 35B's DeltaNet projections as a chain: per layer in_proj_qkvz [12288, 2048] 
     the decode graph runs them);
   - "launches, chain's plan": the same kernel at the chain's grid and depths (chain.sequential, its bit oracle);
   - "chain, wait w": one chain_gemv_q8 launch (and its counters' memset), each op waiting the chain.WAITS way w
-    (0 polling the arrivals' counter, 1 the same with a sleep between polls, 2 a flag the last arrival sets).
+    (0 polling the arrivals' counter, 1 the same with a sleep between polls, 2 a flag the last arrival sets);
+  - "chain, wait w, ops apart": the same weights, each op on buffers of its own, with wait 0 and with none (3): the
+    weight stream without its waits, the bound a persistent kernel's boundaries could reach.
 Each row gives µs a replay, µs an op, the weight bytes' rate, and the gap to the bytes at `--copy-gbs` (the card's
 measured copy bandwidth; default the H200's 4,180 GB/s, anchors.md). "saved a boundary" is the row's time less the
 first chain's (wait 0) over the op boundaries (2 · layers - 1).
@@ -33,7 +35,8 @@ SHAPE = (12288, 2048, 4096)  # in_proj rows, hidden size, out_proj's K (the 35B-
 
 
 def build_ops(gpu, fmt: str, layers: int, rng):
-    """The chain's ops on random weights (codes in range, scales ~1/127) and the device buffers to free."""
+    """The chain's ops on random weights (codes in range, scales ~1/127), the same ops each on buffers of its own
+    (independent: no op reads another's output), and the device buffers to free."""
     from ninfer_rt.formats import K_ALIGN, get_format, round_up
     from ninfer_rt.gpu import chain
     from ninfer_rt.gpu.weights import DeviceWeight
@@ -62,7 +65,9 @@ def build_ops(gpu, fmt: str, layers: int, rng):
         ops += [chain.ChainOp(weight(n1, h, f"layers.{i}.linear_attn.in_proj_qkvz.weight"), x, y, "store", nw),
                 chain.ChainOp(weight(h, k2, f"layers.{i}.linear_attn.out_proj.weight"), y, x, "add")]
     nbytes = sum(f.nbytes(op.w.shape) for op in ops)
-    return ops, ptrs, nbytes
+    apart = [chain.ChainOp(op.w, put(rng.standard_normal(op.w.shape[1]).astype(np.float32)),
+                           put(np.zeros(op.w.shape[0], np.float32)), op.mode, op.norm_w) for op in ops]
+    return ops, apart, ptrs, nbytes
 
 
 def main() -> None:
@@ -82,8 +87,9 @@ def main() -> None:
     from ninfer_rt.gpu import chain, linear
 
     gpu, k, console = open_gpu("chain_bench")
-    ops, ptrs, nbytes = build_ops(gpu, a.format, a.layers, np.random.default_rng(0))
-    chains = [chain.Chain(k, ops, how=how) for how in chain.WAITS]
+    ops, apart, ptrs, nbytes = build_ops(gpu, a.format, a.layers, np.random.default_rng(0))
+    chains = [chain.Chain(k, ops, how=how) for how in chain.WAITS if how != chain.NO_WAIT]
+    chains += [chain.Chain(k, apart, how=how) for how in (0, chain.NO_WAIT)]
     c = chains[0]
     try:
         def own():
@@ -92,7 +98,8 @@ def main() -> None:
 
         ways = {"launches, own plans": own,
                 "launches, chain's plan": lambda: chain.sequential(k, ops, c.plan),
-                **{f"chain, wait {ch.how}": (lambda ch=ch: ch.launch(gpu.stream)) for ch in chains}}
+                **{f"chain, wait {ch.how}" + (", ops apart" if ch.ops is not ops else ""):
+                   (lambda ch=ch: ch.launch(gpu.stream)) for ch in chains}}
         us = {name: 1e3 * statistics.median(replay_ms(gpu, fn, rounds=a.rounds, replays=a.replays))
               for name, fn in ways.items()}
     finally:

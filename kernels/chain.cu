@@ -37,7 +37,8 @@ static_assert(sizeof(ChainGemv) == 80, "chain.py's CHAIN_GEMV");
 // reads of x and y after it. The first op waits on the kernel before, as any kernel does (programmatic dependent
 // launch). How (`how`, a launch argument while the ways are measured: perf.md v111): 0 polls op i - 1's counter,
 // which the arrivals add to; 1 the same with a 64 ns sleep between polls (fewer loads queued at the counter's L2
-// slice beside the arrivals); 2 polls a flag that the block arriving last sets (the polls off the arrivals' line).
+// slice beside the arrivals); 2 polls a flag that the block arriving last sets (the polls off the arrivals' line);
+// 3 does not wait at all, for ops that read nothing the chain writes (chain_bench's bound: the stream alone).
 struct ChainWait {
     static constexpr bool kChain = true;
     const unsigned* prev;  // op i - 1's counter (how 0, 1) or flag (how 2); null for op 0
@@ -48,6 +49,7 @@ struct ChainWait {
             ninfer_pdl_begin();
             return;
         }
+        if (how == 3) return;
         if (threadIdx.x == 0) {
             unsigned now;
             while (true) {

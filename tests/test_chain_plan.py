@@ -85,3 +85,18 @@ def test_a_grid_past_the_resident_blocks_is_refused():
     ops = [chain.ChainOp(w("q8g32", 64, 256), A, A)]
     with pytest.raises(GpuError, match=r"resident: 1\.\.8 here, got 9"):
         chain.plan_chain(k, ops, blocks=9)
+
+
+def test_only_ops_apart_from_each_other_s_outputs_run_without_waits():
+    """A layer chain (each in_proj writing what out_proj reads, out_proj adding into what in_proj reads) is not
+    independent, and a chain of it without waits is refused before anything reaches the GPU; ops on their own
+    buffers are (an add reading its own y is not another op's output)."""
+    layer = [chain.ChainOp(w("q8g32", 768, 256), A, A + 4096, "store", A + 8192),
+             chain.ChainOp(w("q8g32", 256, 512), A + 4096, A, "add")]
+    assert not chain.independent(layer)
+    apart = [chain.ChainOp(w("q8g32", 768, 256), A, A + 4096, "store", A + 8192),
+             chain.ChainOp(w("q8g32", 256, 512), A + 16384, A + 32768, "add")]
+    assert chain.independent(apart)
+    assert not chain.independent([apart[0], chain.ChainOp(w("q8g32", 64, 256), A + 16384, A + 8192 + 512)])
+    with pytest.raises(GpuError, match="without waits"):
+        chain.Chain(None, layer, how=chain.NO_WAIT)

@@ -63,9 +63,10 @@ def test_a_dependent_chain_equals_its_launches_to_the_bit(kernels, dev, rng, fmt
                                f"{got[diff[0]]!r} vs {want[diff[0]]!r}")
 
 
-def test_independent_ops_match_float64(kernels, dev, rng):
+@pytest.mark.parametrize("how", [0, chain.NO_WAIT])
+def test_independent_ops_match_float64(kernels, dev, rng, how):
     """Ops of several K, N and groups, with and without the norm, store and add, each reading an x the chain does
-    not write: each y within test_linear's tolerance of float64 on the exact weights and codes."""
+    not write: each y within test_linear's tolerance of float64 on the exact weights and codes, waiting or not."""
     cases = [("q8g32", 96, 256, "store", True), ("q8g64", 300, 512, "add", False), ("q8g128", 64, 4096, "add", True),
              ("q8g32", 2048, 2048, "store", False)]
     ops, refs = [], []
@@ -77,7 +78,7 @@ def test_independent_ops_match_float64(kernels, dev, rng):
         yp = dev.put(y0) if mode == "add" else dev.empty(4 * n)
         ops.append(chain.ChainOp(w, dev.put(x), yp, mode, dev.put(nw) if norm else 0, EPS))
         refs.append(reference(wv, x, mode=mode, norm_w=nw, row_scale=None, y0=y0, codes=True))
-    c = chain.Chain(kernels, ops)
+    c = chain.Chain(kernels, ops, how=how)
     try:
         c.launch()
         for op, ref, case in zip(ops, refs, cases):
