@@ -88,9 +88,9 @@ def main() -> None:
 
     gpu, k, console = open_gpu("chain_bench")
     ops, apart, ptrs, nbytes = build_ops(gpu, a.format, a.layers, np.random.default_rng(0))
-    chains = [chain.Chain(k, ops, how=how) for how in chain.WAITS if how != chain.NO_WAIT]
-    chains += [chain.Chain(k, apart, how=how) for how in (0, chain.NO_WAIT)]
-    c = chains[0]
+    chains = [(f"chain, wait {how}", chain.Chain(k, ops, how=how)) for how in chain.WAITS if how != chain.NO_WAIT]
+    chains += [(f"chain, wait {how}, ops apart", chain.Chain(k, apart, how=how)) for how in (0, chain.NO_WAIT)]
+    c = chains[0][1]
     try:
         def own():
             for op in ops:
@@ -98,12 +98,11 @@ def main() -> None:
 
         ways = {"launches, own plans": own,
                 "launches, chain's plan": lambda: chain.sequential(k, ops, c.plan),
-                **{f"chain, wait {ch.how}" + (", ops apart" if ch.ops is not ops else ""):
-                   (lambda ch=ch: ch.launch(gpu.stream)) for ch in chains}}
+                **{name: (lambda ch=ch: ch.launch(gpu.stream)) for name, ch in chains}}
         us = {name: 1e3 * statistics.median(replay_ms(gpu, fn, rounds=a.rounds, replays=a.replays))
               for name, fn in ways.items()}
     finally:
-        for ch in chains:
+        for _, ch in chains:
             ch.free()
         for p in ptrs:
             gpu.free(p)

@@ -335,3 +335,23 @@ def test_a_prompt_chunks_moe_may_sum_by_atomics(monkeypatch):
     s = m.spec
     grown = 512 * 4 * max(0, s.num_experts_per_tok * s.hidden_size - m.mixed_cols)
     assert sizes[True] - sizes[False] == grown > 0 and not m.buf.slot_y
+
+
+@pytest.mark.parametrize("draw", ["argmax", "sample"])
+def test_a_steps_first_run_launches_its_draws_once(monkeypatch, draw):
+    """The first decode step of a shape plans the shared carveout by a dry run of the step, recorded and not
+    enqueued; the draw's kernels too. Enqueued there, penalty_count counted a token drawn from the last step's
+    logits into each penalized slot's state before the real draw (greedy with a presence penalty then drew another
+    token on a fresh model than the host path and a warm model, perf.md v112). Each draw kernel of a penalized
+    batched step reaches the driver once on the first step (captured into its graph); the second replays it."""
+    from ninfer_rt.gpu import misc
+
+    m, gpu = dry_model(monkeypatch, "qwen3.6-35b-a3b", slots=2)
+    for slot in (0, 1):
+        m.set_penalties(slot, misc.penalty_params(presence=1.5))
+    records = None if draw == "argmax" else np.concatenate([misc.sample_params(0.7, top_k=20)] * 2)
+    for once in (1, 0):
+        gpu.launches.clear()
+        m.decode(np.array([3, 4], np.int32), [10, 12], [0, 1], draw=(m.V, records, True))
+        assert count(gpu.launches, "penalize") == once and count(gpu.launches, "penalty_count") == once
+        assert count(gpu.launches, "argmax_rows" if draw == "argmax" else "sample_rows") == once

@@ -440,13 +440,15 @@ class GpuModel:
 
     def _plan_carveout(self, step: Step) -> None:
         """A dry run of the decode step (its launches recorded, none enqueued), so that the kernels' shared
-        carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured."""
+        carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured. The draws'
+        launches too: run, they would count a token drawn from the last step's logits into each penalized slot's
+        state (perf.md v112)."""
         real, rec = self.k, LaunchRecorder(self.k)
-        self.k = rec
+        self.k = self.draws.k = rec
         try:
             self._step(step)
         finally:
-            self.k = real
+            self.k = self.draws.k = real
         real.share_carveout(rec.launches)
         self._carveout_planned.add((step.B, step.T, step.trail))
 

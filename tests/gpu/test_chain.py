@@ -123,4 +123,4 @@ def test_a_grid_that_cannot_be_resident_is_refused(kernels, dev, rng):
     with pytest.raises(GpuError, match="resident"):
         chain.plan_chain(kernels, ops, blocks=resident + 1)
     with pytest.raises(GpuError, match="wait is one of"):
-        chain.Chain(kernels, ops, how=3)
+        chain.Chain(kernels, ops, how=len(chain.WAITS))
