@@ -1,8 +1,8 @@
 // chain.cu: the persistent decode kernel's first op family. chain_gemv_q8 runs a list of M = 1 stream GEMVs of q8
 // weights in one resident grid: op i waits on a counter of op i - 1's block arrivals where a kernel of its own waits
 // at a kernel boundary. Each op is gemv_q8_s1's body with xvec 2 (x, and norm_w, copied into shared memory by
-// cp.async), whose first two register tiles are issued before its wait, so op i's weights stream while op i - 1's
-// last blocks finish, with no launch, no block ramp-up and no drain between them (perf.md v111 measures it).
+// cp.async), whose first two register tiles are issued before its wait. Measured (perf.md v111): such a wait costs
+// more than the programmatic launch boundary it replaces, so this is a measuring tool, not a decode path.
 //
 //   ops ChainGemv [n] (device memory): op i computes y_i = W_i x̂_i (mode 0, store) or y_i += W_i x̂_i (mode 1, add)
 //   with x̂_i the fused zero-centred RMSNorm of x_i by norm_w_i (x_i itself where norm_w_i is null), exactly as
@@ -35,7 +35,7 @@ static_assert(sizeof(ChainGemv) == 80, "chain.py's CHAIN_GEMV");
 
 // Op i's wait: thread 0 polls with acquire loads until op i - 1 is done; the block barrier then orders the block's
 // reads of x and y after it. The first op waits on the kernel before, as any kernel does (programmatic dependent
-// launch). How (`how`, a launch argument while the ways are measured: perf.md v111): 0 polls op i - 1's counter,
+// launch). How (`how`, a launch argument; perf.md v111 measured each, 0 the fastest): 0 polls op i - 1's counter,
 // which the arrivals add to; 1 the same with a 64 ns sleep between polls (fewer loads queued at the counter's L2
 // slice beside the arrivals); 2 polls a flag that the block arriving last sets (the polls off the arrivals' line);
 // 3 does not wait at all, for ops that read nothing the chain writes (chain_bench's bound: the stream alone).

@@ -6,6 +6,8 @@ the wait between them (perf.md "Where 900 tok/s must come from"). Here op i of a
 i - 1's block arrivals instead, with its first weight tiles already in flight. Each op is exactly gemv_q8_s1 with
 x copied by cp.async, so a chain's outputs equal linear.gemv's launches at the same blocks and d to the bit
 (`sequential`). q8 weights, one activation row, store or add: the 35B's attention and DeltaNet projections.
+Measured (perf.md v111): the waits cost 0.6-0.8 µs a boundary more than the launches they replace, which sit only
+~0.6 µs a boundary above the same stream without waits (NO_WAIT); a measuring tool, not a decode path.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ CHAIN_GEMV = np.dtype([("qs", "<u8"), ("qh", "<u8"), ("sc", "<u8"), ("x", "<u8")
                        ("eps", "<f4"), ("pad", "<i4")])
 _CHAIN_MODES = ("store", "add")
 # how an op waits for the one before (kernels/chain.cu ChainWait): 0 polls the arrivals' counter, 1 the same with a
-# sleep between polls, 2 a flag the last arrival sets (a launch argument while perf.md v111 measures them); 3 no
-# wait, for ops that read nothing any op writes (chain_bench's bound: the weight stream without its waits)
+# sleep between polls, 2 a flag the last arrival sets (perf.md v111: 0 is the fastest); 3 no wait, for ops that
+# read nothing any op writes (chain_bench's bound: the weight stream without its waits)
 WAITS = (0, 1, 2, 3)
 NO_WAIT = 3
 
