@@ -23,8 +23,8 @@ class Draws:
     """Params records, drawn ids and the sampler's scratch, a row a slot (the scratch is ~2 MB a row at a 248K
     vocabulary); the penalties' state (~1.2 MB a slot) and the logprobs' buffers (~1 MB a slot) once used."""
 
-    def __init__(self, gpu, kernels, alloc, slots: int, V: int):
-        self.gpu, self.k, self._alloc, self.slots, self.V = gpu, kernels, alloc, slots, V
+    def __init__(self, gpu, alloc, slots: int, V: int):
+        self.gpu, self._alloc, self.slots, self.V = gpu, alloc, slots, V
         self.params, self.out = alloc(slots * misc.SAMPLE_PARAMS.itemsize), alloc(4 * slots)
         self.scratch = alloc(max(misc.sample_scratch_bytes(slots, V), misc.argmax_scratch_bytes(slots)))
         self.pen: tuple[int, int, int] | None = None  # (params, counts, seen) a slot
@@ -42,34 +42,35 @@ class Draws:
             op += ("logprobs",)
         return op + ("penalized",) if penalized else op
 
-    def enqueue(self, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
+    def enqueue(self, k, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
         """The next token of each of logits rows 0..rows-1 (row stride V) over ids < vocab into the draw slots,
-        as op (how, vocab, *flags) says; slot_ids: the rows' slots (int32 device array), for the penalties."""
+        as op (how, vocab, *flags) says; slot_ids: the rows' slots (int32 device array), for the penalties. k: the
+        step's kernels (a dry run's recorder, so that its draws are recorded with the rest of the step)."""
         lp = "logprobs" in flags
         penalized = "penalized" in flags
         if lp:
             if self.lp is None:
                 raise NinferError("a draw with logprobs before their buffers exist")
             tops, parts, raw, _ = self.lp
-            misc.logprob_rows(self.k, logits=logits, ld=self.V, M=rows, V=vocab, tops=tops, scratch=parts,
+            misc.logprob_rows(k, logits=logits, ld=self.V, M=rows, V=vocab, tops=tops, scratch=parts,
                               raw=raw if penalized else 0)
         if penalized:
             if self.pen is None:
                 raise NinferError("a penalized draw before any set_penalties")
             params, counts, seen = self.pen
-            misc.penalize(self.k, logits=logits, ld=self.V, M=rows, V=self.V, slots=slot_ids, params=params,
+            misc.penalize(k, logits=logits, ld=self.V, M=rows, V=self.V, slots=slot_ids, params=params,
                           counts=counts, seen=seen)
         if how == "argmax":
-            misc.argmax(self.k, logits=logits, ld=self.V, M=rows, V=vocab, out=self.out, scratch=self.scratch)
+            misc.argmax(k, logits=logits, ld=self.V, M=rows, V=vocab, out=self.out, scratch=self.scratch)
         else:
-            misc.sample(self.k, logits=logits, ld=self.V, M=rows, V=vocab, params=self.params, out=self.out,
+            misc.sample(k, logits=logits, ld=self.V, M=rows, V=vocab, params=self.params, out=self.out,
                         scratch=self.scratch)
         if lp:
             # the drawn ids' logits from before the penalties (the raw copy), as the host reports them
-            misc.logprob_finish(self.k, tokens=self.out, src=raw if penalized else logits, ld=self.V, M=rows,
+            misc.logprob_finish(k, tokens=self.out, src=raw if penalized else logits, ld=self.V, M=rows,
                                 V=vocab, tops=tops, scratch=parts, out=self.lp[3])
         if penalized:
-            misc.penalty_count(self.k, tokens=self.out, slots=slot_ids, M=rows, V=self.V, counts=counts, seen=seen)
+            misc.penalty_count(k, tokens=self.out, slots=slot_ids, M=rows, V=self.V, counts=counts, seen=seen)
 
     def penalty_buffers(self) -> tuple[int, int, int]:
         """(params PENALTY_PARAMS [slots], counts int32 [slots, V], seen uint8 [slots, V]), made and zeroed on first

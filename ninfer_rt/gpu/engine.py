@@ -125,7 +125,7 @@ class GpuModel:
         # batched decode runs the MoE's shared expert on a side stream, beside the router and the routed gate/up
         self._side_streams = (gpu.new_stream(), gpu.new_stream(high_priority=True))  # moe.SHARED_STREAM_PRIORITY
         self._fork, self._join = Event(timing=False), Event(timing=False)
-        self.draws = draws.Draws(gpu, self.k, self._alloc, slots, self.V)  # the decode loops' draws on the device
+        self.draws = draws.Draws(gpu, self._alloc, slots, self.V)  # the decode loops' draws on the device
 
     # ------------------------------------------------------------------------------------------- memory
 
@@ -285,7 +285,7 @@ class GpuModel:
 
     def _enqueue_draw(self, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
         """The draw op (how, vocab, *flags) over logits rows 0..rows-1 (draws.py)."""
-        self.draws.enqueue(self.buf.logits, self.slot, how, vocab, *flags, rows=rows)
+        self.draws.enqueue(self.k, self.buf.logits, self.slot, how, vocab, *flags, rows=rows)
 
     def set_penalties(self, slot: int, record: np.ndarray, counts: np.ndarray | None = None,
                       seen: np.ndarray | None = None) -> None:
@@ -440,15 +440,15 @@ class GpuModel:
 
     def _plan_carveout(self, step: Step) -> None:
         """A dry run of the decode step (its launches recorded, none enqueued), so that the kernels' shared
-        carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured. The draws'
-        launches too: run, they would count a token drawn from the last step's logits into each penalized slot's
-        state (perf.md v112)."""
+        carveout (kernels.SHARED_CARVEOUT) holds its launches before it first runs or is captured. Every launch of
+        the step goes through self.k, the draws' too (Draws.enqueue takes it): run, they would count a token drawn
+        from the last step's logits into each penalized slot's state (perf.md v112)."""
         real, rec = self.k, LaunchRecorder(self.k)
-        self.k = self.draws.k = rec
+        self.k = rec
         try:
             self._step(step)
         finally:
-            self.k = self.draws.k = real
+            self.k = real
         real.share_carveout(rec.launches)
         self._carveout_planned.add((step.B, step.T, step.trail))
 
