@@ -137,10 +137,9 @@ class GpuBackend:
     # a step ahead too (greedy with 5 alternatives, the 35B at 8K on an H100: 577.5 -> 640.9 tok/s, perf.md v112)
     logprobs_ahead = True
     # Batch runs its batched steps a step ahead (sample_batch_ahead: each row fed from its draw slot on the device).
-    # Off until tests/gpu/test_run_ahead.py and test_penalties.py pass on a GPU with the draws' dry-run mend
-    # (GpuModel._plan_carveout): the batched test's one failing case was that first-step bug of the device
-    # penalties (perf.md v112). B = 4 top-k gains 5.2% with it on (1,269 -> 1,336 tok/s on an H100)
-    batch_ahead = False
+    # B = 4 top-k, the 35B at 8K on an H100: 1,269 -> 1,336 tok/s (perf.md v112); its GPU tests, the path under test
+    # run first on a fresh model, passed with the draws' dry-run mend (perf.md v113)
+    batch_ahead = True
     # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
     # constraint refuses the token drawn (tests/gpu/test_logprobs.py holds it to the host path's tokens, perf.md v112)
     draws_constrained = True
