@@ -145,3 +145,19 @@ def test_a_batch_larger_than_the_server_can_hold_is_refused(packed_model):
         assert out["error"]["message"] == ("2 prompts x n=2 exceeds the 3 generations this server runs or queues "
                                            "at once (--parallel + --max-queue)")
         assert r.json("/v1/completions", {"prompt": PROMPTS, "max_tokens": 2})[0] == 200
+
+
+def test_a_seeded_message_is_the_chat_endpoints_reply_with_that_seed(srv):
+    """/v1/messages takes seed as the OpenAI endpoints do (an extension of the Messages API): a sampled message
+    with seed s is the chat endpoint's reply to the same turn with seed s and thinking off (one prompt, one stream
+    of draws), and seeds s and s + 1 differ."""
+    ask = {"temperature": 1.0, "top_k": 50, "max_tokens": 12}
+    chat = [alone(srv, "/v1/chat/completions", {"messages": USER, **ask,
+                                                "chat_template_kwargs": {"enable_thinking": False}}, s)
+            for s in (11, 12)]
+    msgs = [alone(srv, "/v1/messages", {"messages": USER, **ask}, s) for s in (11, 12)]
+    for c, m in zip(chat, msgs):
+        assert [b["type"] for b in m["content"]] == ["text"]
+        assert m["content"][0]["text"] == c["choices"][0]["message"]["content"]
+        assert m["usage"]["output_tokens"] == c["usage"]["completion_tokens"]
+    assert msgs[0]["content"] != msgs[1]["content"], "seeds 11 and 12 sampled the same twelve tokens"

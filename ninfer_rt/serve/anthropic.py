@@ -142,8 +142,11 @@ def parse_messages(body: dict, count_only: bool = False) -> Job:
         raise bad("thinking.type must be 'enabled', 'adaptive' or 'disabled'", "thinking")
     kwargs = {"enable_thinking": thinking["type"] != "disabled"}
     top_k = get_int(body, "top_k", 0)
+    # seed is not the Messages API's: an extension, as on the OpenAI endpoints (llama.cpp's server takes it on every
+    # endpoint), so that a sampled reply can be reproduced from either API
     sampling = {"temperature": get_float(body, "temperature", 0.0, 1.0),
-                "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k}
+                "top_p": get_float(body, "top_p", 0.0, 1.0, open_lo=True), "top_k": top_k,
+                "seed": get_int(body, "seed", 0, 2**64 - 1)}
     messages = chat_messages(body)
     if forced is not None and messages[-1]["role"] == "assistant":
         raise bad("a forced tool call starts the reply: it cannot continue a prefilled assistant message",
