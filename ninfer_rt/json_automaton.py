@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes, value_key
+from ninfer_rt.json_schema import (LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes, integer_texts,
+                                   value_key)
 from ninfer_rt.json_scalars import (AGAIN, DIGITS, DONE, OK, PASS, REJECT, CheckedString, Frame, Literal, Number,
                                    String)
 
@@ -347,14 +348,18 @@ class _Array(Frame):
         return n.prefix_items[self.count] if self.count < len(n.prefix_items) else n.items
 
     def _unseen(self) -> tuple | None:
-        """Under uniqueItems, the texts of an enum (or boolean / null) item whose values no earlier item holds (a
-        duplicate is refused from its first byte, not at its last, where nothing could replace it); else None."""
+        """Under uniqueItems, the texts of an enum (or boolean / null / bounded integer) item whose values no earlier
+        item holds (a duplicate is refused from its first byte, not at its last, where nothing could replace it);
+        else None."""
         item = self._item()
         if not self.node.unique_items or item is None:
             return None
-        texts = item.enum
-        if texts is None and item.types is not None and item.any_of is None and item.types <= {"boolean", "null"}:
-            texts = (b"true", b"false") * ("boolean" in item.types) + (b"null",) * ("null" in item.types)
+        texts, types = item.enum, item.types
+        if texts is None and types is not None and item.any_of is None and types <= {"boolean", "null", "integer"}:
+            ints = integer_texts(item.bounds) if "integer" in types else ()
+            if ints is None:  # an open range (or a wide one): a Number frame
+                return None
+            texts = (b"true", b"false") * ("boolean" in types) + (b"null",) * ("null" in types) + ints
         if texts is None:
             return None
         return tuple(t for t in texts if value_key(json.loads(t)) not in self.seen)

@@ -41,6 +41,7 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -490,6 +491,26 @@ def _value_count(n: Node) -> int | None:
         ints = _integers_within(n.bounds) if "integer" in n.types else 0
         return None if ints is None else 2 * ("boolean" in n.types) + ("null" in n.types) + ints
     return None
+
+
+# uniqueItems over integers between two bounds: up to this many values the automaton matches the unused ones as an
+# enum (a duplicate refused at its first byte, not left a dead end at its last); past it a duplicate is refused only
+# once written, where a longer number may or may not still fit
+UNIQUE_INTEGER_TEXTS = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def integer_texts(b: Bounds | None) -> tuple | None:
+    """The compact texts of every integer the bounds hold, ascending (what an integer item may be written as: the
+    automaton takes no fraction or exponent for one), or None where a side is open or they number more than
+    UNIQUE_INTEGER_TEXTS."""
+    count = _integers_within(b)
+    if count is None or count > UNIQUE_INTEGER_TEXTS:
+        return None
+    lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
+    m = 1 if b.step is None else b.step.numerator
+    first = -(-lo // m) * m
+    return tuple(str(first + m * i).encode() for i in range(count))
 
 
 def _integers_within(b: Bounds | None) -> int | None:

@@ -14,10 +14,13 @@ from fractions import Fraction
 import jsonschema
 import pytest
 
-from ninfer_rt.json_schema import Bounds, SchemaError, _integers_within, compile_schema
+from ninfer_rt.json_schema import (UNIQUE_INTEGER_TEXTS, Bounds, SchemaError, _integers_within, compile_schema,
+                                   integer_texts)
 from test_json_schema import feed_all
 
 BIG = {"type": "integer", "exclusiveMinimum": 2**53, "maximum": 2**53 + 1}  # one value, whose float is 2**53
+SMALL_INTS = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 3}, "uniqueItems": True}
+TWELVE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 12}, "uniqueItems": True}
 
 
 def test_integers_within_bounds_are_counted_as_the_bounds_hold_them():
@@ -30,6 +33,19 @@ def test_integers_within_bounds_are_counted_as_the_bounds_hold_them():
         b = Bounds(lo, rng.random() < 0.5, hi, rng.random() < 0.5, step)
         assert _integers_within(b) == sum(b.holds(Fraction(v)) for v in range(-70, 71)), b
     assert _integers_within(Bounds(Fraction(0), False, None, False, None)) is None
+
+
+def test_integer_texts_are_the_integers_the_bounds_hold():
+    """integer_texts (the values a unique integer item is matched against) against Bounds.holds over every integer
+    of a window wider than the bounds, in order, each as json.dumps writes it; None past UNIQUE_INTEGER_TEXTS."""
+    rng = random.Random()
+    for _ in range(500):
+        lo, hi = sorted(Fraction(rng.randint(-60, 60), rng.choice([1, 2, 3, 4])) for _ in range(2))
+        step = rng.choice([None, Fraction(1), Fraction(3, 2), Fraction(2), Fraction(5, 3), Fraction(1, 4)])
+        b = Bounds(lo, rng.random() < 0.5, hi, rng.random() < 0.5, step)
+        assert integer_texts(b) == tuple(json.dumps(v).encode() for v in range(-70, 71) if b.holds(Fraction(v))), b
+    wide = Bounds(Fraction(0), False, Fraction(UNIQUE_INTEGER_TEXTS), False, None)  # one more than the cap
+    assert integer_texts(wide) is None and integer_texts(Bounds(Fraction(1), False, None, False, None)) is None
 
 
 @pytest.mark.parametrize("schema, text, taken", [
@@ -82,6 +98,18 @@ def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
     ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}, "[true,t", False),
     ({"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True}, "[null, false,true]", True),
     ({"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True}, "[null,false,true,", False),
+    # unique integers between two bounds: as an enum's values (a duplicate refused at its first byte that no unused
+    # value's text continues; a comma once every value is in)
+    (SMALL_INTS, "[1,2,2", False),
+    (SMALL_INTS, "[1,2,3,", False),
+    (SMALL_INTS, "[3, 1,2]", True),
+    (TWELVE, "[12,1", True),  # 10 and 11 remain
+    (TWELVE, "[10,11,12,1", True),  # 1 remains
+    (TWELVE, "[1,10,11,12,1", False),
+    (TWELVE, "[1,-", False),  # -0 is 0's value, but not its compact text
+    ({"items": {"type": ["integer", "null"], "exclusiveMinimum": 0, "maximum": 6, "multipleOf": 1.5},
+      "uniqueItems": True}, "[6,null,3,", False),  # 3 and 6 are the multiples of 1.5 in (0, 6] that are integers
+    ({"items": {"type": "integer", "minimum": 0, "maximum": 5000}, "uniqueItems": True}, "[7,7", True),  # 70..
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1,", False),
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1]", True),
     # an integer's text reads as an int (exact): 2**53 + 1 lies above 2**53, though its float does not
