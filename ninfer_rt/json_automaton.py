@@ -7,6 +7,7 @@ after the exponent)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 from ninfer_rt.json_schema import (LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes, integer_texts,
@@ -309,6 +310,13 @@ class _Object(Frame):
         self.state = self.AFTER
 
 
+@functools.lru_cache(maxsize=256)
+def _free_integers(bounds: Bounds, seen: frozenset) -> tuple:
+    """integer_texts' texts whose values are not in seen: memoised, as every token tried at an item's start asks
+    again for the same array state (a frozenset keeps its hash)."""
+    return tuple(t for t, key in integer_texts(bounds) if key not in seen)
+
+
 class _Array(Frame):
     """An array from its `[`: item i of prefixItems[i], past them of the item schema; `]` only at minItems or more,
     no `,` at maxItems (the compiler caps it at the tuple's length where items is false)."""
@@ -359,7 +367,9 @@ class _Array(Frame):
             ints = integer_texts(item.bounds) if "integer" in types else ()
             if ints is None:  # an open range (or a wide one): a Number frame
                 return None
-            texts = (b"true", b"false") * ("boolean" in types) + (b"null",) * ("null" in types) + ints
+            texts = (b"true", b"false") * ("boolean" in types) + (b"null",) * ("null" in types)
+            return tuple(t for t in texts if value_key(json.loads(t)) not in self.seen) + (
+                _free_integers(item.bounds, self.seen) if ints else ())
         if texts is None:
             return None
         return tuple(t for t in texts if value_key(json.loads(t)) not in self.seen)

@@ -495,22 +495,22 @@ def _value_count(n: Node) -> int | None:
 
 # uniqueItems over integers between two bounds: up to this many values the automaton matches the unused ones as an
 # enum (a duplicate refused at its first byte, not left a dead end at its last); past it a duplicate is refused only
-# once written, where a longer number may or may not still fit
-UNIQUE_INTEGER_TEXTS = 1024
+# once written, where a longer number may or may not still fit. An enum's byte scans all its texts: this bounds it
+UNIQUE_INTEGER_TEXTS = 256
 
 
 @functools.lru_cache(maxsize=64)
 def integer_texts(b: Bounds | None) -> tuple | None:
-    """The compact texts of every integer the bounds hold, ascending (what an integer item may be written as: the
-    automaton takes no fraction or exponent for one), or None where a side is open or they number more than
-    UNIQUE_INTEGER_TEXTS."""
+    """(text, value_key) of every integer the bounds hold, ascending, its text compact (the automaton takes no
+    fraction or exponent for an integer), or None where a side is open or they number more than
+    UNIQUE_INTEGER_TEXTS. Cached: the keys are what an array of unique items compares at each item."""
     count = _integers_within(b)
     if count is None or count > UNIQUE_INTEGER_TEXTS:
         return None
     lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
     m = 1 if b.step is None else b.step.numerator
     first = -(-lo // m) * m
-    return tuple(str(first + m * i).encode() for i in range(count))
+    return tuple((str(v).encode(), value_key(v)) for v in range(first, first + m * count, m))
 
 
 def _integers_within(b: Bounds | None) -> int | None:

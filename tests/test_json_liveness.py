@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from ninfer_rt.json_schema import (UNIQUE_INTEGER_TEXTS, Bounds, SchemaError, _integers_within, compile_schema,
-                                   integer_texts)
+                                   integer_texts, value_key)
 from test_json_schema import feed_all
 
 BIG = {"type": "integer", "exclusiveMinimum": 2**53, "maximum": 2**53 + 1}  # one value, whose float is 2**53
@@ -37,13 +37,15 @@ def test_integers_within_bounds_are_counted_as_the_bounds_hold_them():
 
 def test_integer_texts_are_the_integers_the_bounds_hold():
     """integer_texts (the values a unique integer item is matched against) against Bounds.holds over every integer
-    of a window wider than the bounds, in order, each as json.dumps writes it; None past UNIQUE_INTEGER_TEXTS."""
+    of a window wider than the bounds, in order, each as json.dumps writes it with its value_key; None past
+    UNIQUE_INTEGER_TEXTS."""
     rng = random.Random()
     for _ in range(500):
         lo, hi = sorted(Fraction(rng.randint(-60, 60), rng.choice([1, 2, 3, 4])) for _ in range(2))
         step = rng.choice([None, Fraction(1), Fraction(3, 2), Fraction(2), Fraction(5, 3), Fraction(1, 4)])
         b = Bounds(lo, rng.random() < 0.5, hi, rng.random() < 0.5, step)
-        assert integer_texts(b) == tuple(json.dumps(v).encode() for v in range(-70, 71) if b.holds(Fraction(v))), b
+        held = [v for v in range(-70, 71) if b.holds(Fraction(v))]
+        assert integer_texts(b) == tuple((json.dumps(v).encode(), value_key(v)) for v in held), b
     wide = Bounds(Fraction(0), False, Fraction(UNIQUE_INTEGER_TEXTS), False, None)  # one more than the cap
     assert integer_texts(wide) is None and integer_texts(Bounds(Fraction(1), False, None, False, None)) is None
 
