@@ -1,7 +1,7 @@
 """What one sequence's decode loop costs beyond its graph: the host's share of a token as Model.generate makes it.
 
     python bench/host_loop.py [--model qwen3.6-35b-a3b] [--context 8192] [--steps 200] [--batch 2,4] [--penalties]
-                              [--logprobs 5] [--json PATH]
+                              [--logprobs 5] [--json-string] [--json PATH]
 
 Each row times --steps tokens of one loop, the median of 5 rounds after a first that captures the graph, against
 `ninfer-rt bench`'s back-to-back replay of the same graph: the difference is what the host adds to a token.
@@ -24,6 +24,11 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
   v109), the device's record (GpuBackend.sample_batch with logprobs), or the record through the pinned ring a step
   run ahead (sample_ahead with logprobs; Batch where GpuBackend.logprobs_ahead is on), against the greedy step's
   replay.
+- "host" / "device" (--json-string): greedy inside a JSON string value (`{"text": "` already written), each token's
+  bytes fed to the constraint (json_automaton.SchemaPrefix, as Batch._constrained feeds it) from a synthetic byte
+  table (token t: 1 + t % 4 letters, so every draw is taken, as a trained model's first choice mostly is): drawn on
+  the host from the downloaded logits (Batch before v112), or on the device with only the id back and its bytes
+  checked on the host (Batch where GpuBackend.draws_constrained is on), against the greedy step's replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -173,6 +178,43 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) ->
     return float(np.median(times[1:]))
 
 
+def json_loop_s(backend, model, ctx: int, steps: int, loop: str) -> float:
+    """Median seconds a greedy token inside a JSON string over rounds of `steps`, each token's bytes (a synthetic
+    table: token t is 1 + t % 4 letters) fed to the constraint: "host", drawn from the downloaded logits; "device",
+    drawn on the device (sample_batch), its logits read (last_logits) only where the constraint refused the id."""
+    from ninfer_rt.gpu.backend import GpuCache
+    from ninfer_rt.json_automaton import SchemaPrefix
+    from ninfer_rt.json_schema import compile_schema
+    from ninfer_rt.sampling import Sampler, SamplingParams
+
+    V, params = model.sample_vocab, SamplingParams(greedy=True)
+    schema = compile_schema({"type": "object", "properties": {"text": {"type": "string"}}})
+    text = [bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]
+    times = []
+    for _ in range(ROUNDS):
+        cache, sampler, token = GpuCache(pos=ctx - steps, slot=0), Sampler(params), 17
+        c = SchemaPrefix(schema)
+        if not c.feed(b'{"text": "'):
+            raise RuntimeError("json_loop_s: the constraint refused its own prefix")
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if loop == "device":
+                token = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i])[0]
+                after = c.copy()
+                if not after.feed(text[token]):  # never here: every token's letters continue the string
+                    raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
+            else:
+                logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+                logits[V:] = -np.inf
+                token = sampler.sample(logits, [], 0)
+                after = c.copy()
+                if not after.feed(text[token]):
+                    raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
+            c = after
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="synthetic shapes and recipe")
@@ -184,6 +226,8 @@ def main() -> None:
                     "drawn on the host, and on the device (DEVICE_PENALTIES on for those rows)")
     ap.add_argument("--logprobs", type=int, default=None, help="also greedy with each token's logprob and this many "
                     "alternatives (0..20): the host's token_logprob over downloaded logits, and the device's record")
+    ap.add_argument("--json-string", action="store_true", help="also greedy inside a JSON string value, each "
+                    "token's bytes fed to the constraint: drawn on the host, and on the device with the id checked")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     try:
@@ -247,6 +291,13 @@ def main() -> None:
                 rows.append({"model": a.model, "context": a.context, "sampling": f"logprobs {a.logprobs}",
                              "loop": draws, "loop_ms": loop * 1e3, "replay_ms": replay * 1e3,
                              "host_us": (loop - replay) * 1e6, "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+        if a.json_string:
+            replay = _time_decode(model, a.context - 1)
+            for draws in ("host", "device"):
+                loop = json_loop_s(backend, model, a.context, a.steps, draws)
+                rows.append({"model": a.model, "context": a.context, "sampling": "JSON string", "loop": draws,
+                             "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
+                             "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
                   [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],

@@ -505,3 +505,47 @@ def test_host_loop_penalised_loops_set_the_state_and_draw_on_the_host_from_the_h
     # each round: 17, then 20 (no output yet: 20 is only in the prompt), then 5 (20 now in the output)
     assert [fed for fed, _ in calls] == [17, 20, 5] * host_loop.ROUNDS
     assert [pos for _, pos in calls] == [27, 28, 29] * host_loop.ROUNDS
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_host_loop_json_loops_feed_each_draw_and_its_bytes_to_the_constraint(monkeypatch, loop):
+    """bench/host_loop.json_loop_s: each step is fed the token drawn before it (on the host from the step's logits,
+    padded rows masked; or by sample_batch), the steps end at position ctx - 1, and the constraint takes the
+    string's opening, then each drawn token's bytes from the table (token t: 1 + t % 4 copies of letter t % 26)."""
+    import numpy as np
+
+    import host_loop
+    from ninfer_rt.json_automaton import SchemaPrefix
+
+    V, pad, calls, fed = 50, 56, [], []
+    feed = SchemaPrefix.feed
+    monkeypatch.setattr(SchemaPrefix, "feed", lambda self, data: fed.append(bytes(data)) or feed(self, data))
+
+    def advance(token, cache, how):
+        calls.append((how, int(token), cache.pos))
+        cache.pos += 1
+        return (3 * int(token) + 1) % V
+
+    class FakeBackend:
+        def sample_batch(self, ids, caches, params, *, vocab, seeds, steps):
+            assert loop == "device" and vocab == V and len(ids) == 1 and params[0].greedy
+            return [advance(ids[0], caches[0], "device")]
+
+        def forward(self, ids, cache, last_only):
+            assert loop == "host" and last_only
+            row = np.zeros((1, pad), np.float32)
+            row[0, V:] = 100.0
+            row[0, advance(ids[0], cache, "host")] = 50.0
+            return row
+
+    model = type("M", (), {"sample_vocab": V})()
+    host_loop.json_loop_s(FakeBackend(), model, ctx=30, steps=3, loop=loop)
+    assert len(calls) == 3 * host_loop.ROUNDS
+    for n, (kind, token, pos) in enumerate(calls):
+        assert kind == loop and pos == 27 + n % 3
+        assert token == (17 if n % 3 == 0 else (3 * calls[n - 1][1] + 1) % V)
+    drawn = [(3 * t + 1) % V for _, t, _ in calls]
+    want = []
+    for r in range(host_loop.ROUNDS):
+        want += [b'{"text": "'] + [bytes([0x61 + t % 26]) * (1 + t % 4) for t in drawn[3 * r:3 * r + 3]]
+    assert fed == want
