@@ -288,7 +288,10 @@ def main() -> None:
     console = Console(width=200)
     arch = gpu.info.arch if gpu.info.arch in TARGETS else "sm_80"
     t = time.time()
-    k = Kernels(gpu, build_kernels((arch,), jobs=args.jobs, defines=("NINFER_TIMELINE",)))
+    try:
+        k = Kernels(gpu, build_kernels((arch,), jobs=args.jobs, defines=("NINFER_TIMELINE",)))
+    except GpuError as e:  # a kernel that does not compile with the stamps: its nvcc line, not a traceback
+        sys.exit(f"decode_timeline: the stamped build failed: {e}")
     console.print(f"{gpu.info.name}: stamped kernels ready in {time.time() - t:.0f} s", highlight=False)
 
     if args.smem_carveout is not None:

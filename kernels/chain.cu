@@ -46,7 +46,7 @@ struct ChainWait {
     int how;
     __device__ __forceinline__ void operator()() const {
         if (prev == nullptr) {
-            ninfer_pdl_begin();
+            (ninfer_pdl_begin)();  // the function: the body this waits for stamps the warp (NINFER_TL_WAIT)
             return;
         }
         if (how == 3) return;

@@ -281,7 +281,14 @@ struct NinferStamp {
 // NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
 // same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.
 #define NINFER_TL_MARK(i) (ninfer_stamp_.mark[i] = ninfer_clock_fenced())
+// NINFER_TL_WAIT(wait): a wait that is not one call (a branch between waits, as gemv_stream.cuh's) stamped as
+// ninfer_pdl_begin() is, its stamp in the enclosing scope where the marks after it read it; in other builds, wait
+#define NINFER_TL_WAIT(wait) \
+    NinferStamp ninfer_stamp_(__LINE__); \
+    wait; \
+    ninfer_stamp_.post = ninfer_clock()
 #else
 #define NINFER_TL_MARK(i) ((void)0)
 #define NINFER_TL_USE(v) ((void)0)
+#define NINFER_TL_WAIT(wait) wait
 #endif

@@ -192,8 +192,8 @@ __device__ __forceinline__ void gemv_stream_body(const uint8_t* __restrict__ qs,
     } else if (xvec == 2 && gf) copy_f32_async(gf, norm_w, K);
     // Weights (and norm_w) are never written by earlier kernels, so their first steps are already in flight;
     // only now wait for the previous kernel (programmatic dependent launch), before reading x, row_scale or y.
-    if constexpr (Wait::kChain) wait();
-    else ninfer_pdl_begin();
+    // (one statement, so that a timeline build's stamp is in this scope, where the marks below read it)
+    NINFER_TL_WAIT(if constexpr (Wait::kChain) wait(); else (ninfer_pdl_begin)());
     if constexpr (WREC) {
         // the other parity's counters of this block's chunks back to zero: the launch before this one (that
         // parity) has finished, the one after it starts after this one does

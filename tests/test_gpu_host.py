@@ -291,19 +291,49 @@ def test_defines_reach_the_compiler_and_the_cache_key(tmp_path, monkeypatch):
     assert build.cache_key(srcs, ("sm_90a",), "nvcc x") == build.cache_key(srcs, ("sm_90a",), "nvcc x", ())
 
 
+def _uses_timeline(src, seen=None) -> bool:
+    """Whether a kernel source, or a local header it includes (transitively), places timeline marks or waits of its
+    own (NINFER_TL_MARK, NINFER_TL_WAIT, NINFER_TL_USE): the code a stamped build compiles differently beyond
+    ninfer_pdl_begin()'s stamp (common.cuh, which defines them, aside)."""
+    import re
+
+    seen = set() if seen is None else seen
+    if src.name in seen or not src.exists() or src.name == "common.cuh":
+        return False
+    seen.add(src.name)
+    text = src.read_text()
+    if re.search(r"NINFER_TL_(MARK|WAIT|USE)\(", text):
+        return True
+    return any(_uses_timeline(src.parent / h, seen) for h in re.findall(r'#include "([^"]+)"', text))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_the_timeline_build_keeps_every_entry_point(tmp_path):
-    """kernels/common.cuh's NINFER_TIMELINE stamps compile into a kernel file (norm.cu, a small one) with the
-    same entry points, plus the stamp ring bench/decode_timeline.py reads."""
+    """kernels/common.cuh's NINFER_TIMELINE stamps compile into every kernel file that places marks or waits of its
+    own (and norm.cu, which has only the stamp) with the same entry points, plus the stamp ring
+    bench/decode_timeline.py reads. (v111's stream GEMV header left its marks outside the stamp's scope: every
+    stamped build failed, and decode_timeline with it, while the plain builds stayed green.)"""
     import subprocess
+    from concurrent.futures import ThreadPoolExecutor
 
     from ninfer_rt.gpu.build import NVCC_FLAGS, kernels_dir
-    src = kernels_dir() / "norm.cu"
-    images = {}
-    for tag, extra in (("plain", []), ("stamped", ["-DNINFER_TIMELINE"])):
-        out = tmp_path / f"{tag}.cubin"
-        subprocess.run([shutil.which("nvcc"), "-cubin", "-arch=sm_90a", *NVCC_FLAGS, *extra, "-I", str(src.parent),
-                        "-o", str(out), str(src)], check=True, capture_output=True)
-        images[tag] = out.read_bytes()
-    assert elf_global_functions(images["stamped"]) == elf_global_functions(images["plain"])
-    assert b"ninfer_tl_count" in images["stamped"] and b"ninfer_tl_count" not in images["plain"]
+    srcs = [kernels_dir() / "norm.cu"] + [s for s in sources() if _uses_timeline(s)]
+    assert {"gemv_stream", "moe_fused", "deltanet_step"} <= {s.stem for s in srcs}  # the walk finds the markers
+
+    def compile_(job):
+        src, tag, extra = job
+        out = tmp_path / f"{src.stem}-{tag}.cubin"
+        done = subprocess.run([shutil.which("nvcc"), "-cubin", "-arch=sm_90a", *NVCC_FLAGS, *extra, "-I",
+                               str(src.parent), "-o", str(out), str(src)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{src.name} {tag}: {done.stderr[-1500:]}"
+        return (src.stem, tag), out.read_bytes()
+
+    jobs = [(src, tag, extra) for src in srcs for tag, extra in (("plain", []), ("stamped", ["-DNINFER_TIMELINE"]))]
+    with ThreadPoolExecutor(2) as pool:
+        images = dict(pool.map(compile_, jobs))
+    for src in srcs:
+        plain, stamped = images[src.stem, "plain"], images[src.stem, "stamped"]
+        assert elf_global_functions(stamped) == elf_global_functions(plain), src.name
+        assert b"ninfer_tl_count" in stamped and b"ninfer_tl_count" not in plain, src.name
+
+
