@@ -192,7 +192,7 @@ class CheckedString(Frame):
             return REJECT
         self.code, self.need = self.code * 16 + int(chr(b), 16), self.need - 1
         if self.need:
-            return OK if self.high is not None or self._hex_may() else REJECT
+            return OK if (self._second_may() if self.high is not None else self._hex_may()) else REJECT
         self.state, c = 1, self.code
         if self.high is not None and 0xDC00 <= c <= 0xDFFF:  # the pair's second half: one character
             c, self.high = 0x10000 + ((self.high - 0xD800) << 10) + (c - 0xDC00), None
@@ -204,14 +204,32 @@ class CheckedString(Frame):
             return OK if self._may(c, c) or self._may(base, base + 0x3FF) else REJECT
         return self._char(c)
 
-    def _hex_may(self) -> bool:
-        """Whether the \\u digits so far can still end in a character that fits: itself, or a high surrogate's
-        astral pair."""
+    def _digits(self) -> tuple[int, int]:
+        """The code units the \\u digits so far can still end as."""
         span = 16 ** self.need
-        lo, hi = self.code * span, self.code * span + span - 1
+        return self.code * span, self.code * span + span - 1
+
+    def _hex_may(self, lo: int | None = None, hi: int | None = None) -> bool:
+        """Whether the \\u digits so far (their code units within [lo, hi] where given) can still end in a
+        character that fits: itself, or a high surrogate's astral pair."""
+        d_lo, d_hi = self._digits()
+        lo, hi = d_lo if lo is None else max(lo, d_lo), d_hi if hi is None else min(hi, d_hi)
         hs_lo, hs_hi = max(lo, 0xD800), min(hi, 0xDBFF)
         return self._may(lo, hi) or (hs_lo <= hs_hi and self._may(0x10000 + ((hs_lo - 0xD800) << 10),
                                                                   0x10000 + ((hs_hi - 0xD800) << 10) + 0x3FF))
+
+    def _second_may(self) -> bool:
+        """With a high surrogate waiting: whether the \\u digits so far can still end as its pair's second half
+        (the astral character fits), or, the high kept alone (json.loads keeps a lone one), as a code unit of their
+        own that fits after it (a low half would pair, so not those)."""
+        lo, hi = self._digits()
+        low_lo, low_hi = max(lo, 0xDC00), min(hi, 0xDFFF)
+        base = 0x10000 + ((self.high - 0xD800) << 10)
+        if low_lo <= low_hi and self._may(base + low_lo - 0xDC00, base + low_hi - 0xDC00):
+            return True
+        alone = self.copy()
+        h, alone.high = alone.high, None
+        return alone._char(h) == OK and (alone._hex_may(hi=0xDBFF) or alone._hex_may(lo=0xE000))
 
     def _utf8_may(self) -> int:
         lo = self.code << (6 * self.need)

@@ -61,6 +61,14 @@ def test_integer_texts_are_the_integers_the_bounds_hold():
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83', True),  # a high surrogate whose pair can be 😀
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD84', False),  # pairs from D840 are past U+1F602
     ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\uDE0', True),
+    # a pair's second half: its digits only where the astral character can still fit (U+1F610.. cannot), or the
+    # high half alone where it fits by itself (the pattern holds no lone surrogate)
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\uDE1', False),
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\u0', False),
+    ({"type": "string", "pattern": "^[😀-😂]$"}, '"\\uD83D\\uDE02', True),
+    ({"type": "string", "maxLength": 1}, '"\\uD83D\\uD', True),  # DC00..DFFF pair: one character
+    ({"type": "string", "maxLength": 1}, '"\\uD83D\\uDB', False),  # no pair: two characters
+    ({"type": "string", "maxLength": 2}, '"\\uD83D\\u0', True),  # the lone high and U+0xxx
     # the pattern's fewest characters after the escape must fit the length left
     ({"type": "string", "maxLength": 3, "pattern": "z$"}, '"ab\\u1', False),  # the third character must be z
     ({"type": "string", "maxLength": 3, "pattern": "z$"}, '"ab\\u007', True),  # U+007A is z
