@@ -6,6 +6,7 @@ frames, which push these, are in json_automaton."""
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 from ninfer_rt.json_schema import Bounds, Node
@@ -237,6 +238,30 @@ class CheckedString(Frame):
         return OK if self._may(max(lo, self.least), hi) else REJECT
 
 
+def _float(x: Fraction) -> float:
+    """x as json.loads reads its decimal text: correctly rounded, past the largest float an infinity."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def _floats_meet(a: Fraction, b: Fraction, bounds: Bounds) -> bool:
+    """Whether a fraction in [a, b) within the bounds can still read (json.loads' float) as a float within them too:
+    past 17 digits at an exclusive bound every value left rounds onto it (0.99999999999999999 under
+    exclusiveMaximum 1 reads as 1.0), and no digit more brings it back."""
+    lower = a if bounds.lo is None else max(a, bounds.lo)
+    upper = b if bounds.hi is None else min(b, bounds.hi)
+    f_lo, f_hi = _float(lower), _float(upper)  # every float between is some value's of [lower, upper], rounded
+    if bounds.lo is not None:
+        lo = _float(bounds.lo)
+        f_lo = max(f_lo, math.nextafter(lo, math.inf) if bounds.lo_strict else lo)
+    if bounds.hi is not None:
+        hi = _float(bounds.hi)
+        f_hi = min(f_hi, math.nextafter(hi, -math.inf) if bounds.hi_strict else hi)
+    return f_lo <= f_hi
+
+
 _UTF8_LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of each length (shorter forms are overlong)
 _ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
             ord("r"): 0x0D, ord("t"): 0x09}
@@ -271,7 +296,8 @@ class Number(Frame):
         whole, _, frac = body.partition(".")
         if "." in body:  # [whole.frac, whole.frac + 10^-len(frac))
             a = Fraction(int(whole + frac), 10 ** len(frac))
-            return bounds.meets(a, a + Fraction(1, 10 ** len(frac)), False)
+            b = a + Fraction(1, 10 ** len(frac))
+            return bounds.meets(a, b, False) and _floats_meet(a, b, bounds)
         if whole == "0":  # 0, or 0.xxx
             return bounds.meets(Fraction(0), Fraction(1), self.integer)
         d = int(whole)  # more digits to come: [d·10^k, (d + 1)·10^k) for some k >= 0

@@ -122,6 +122,13 @@ def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
     ({"items": {"type": "integer", "minimum": 0, "maximum": 5000}, "uniqueItems": True}, "[7,7", True),  # 70..
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1,", False),
     ({"prefixItems": [{"const": 1}, {"const": 1}], "uniqueItems": True}, "[1]", True),
+    # a fraction reads as a float: at an exclusive bound, 17 nines past the point round onto it and no digit more
+    # brings them back; 16 do not
+    ({"type": "number", "exclusiveMaximum": 1}, "0.99999999999999999", False),
+    ({"type": "number", "exclusiveMaximum": 1}, "0.9999999999999999", True),
+    ({"type": "number", "exclusiveMaximum": 1}, "0.9999999999999999 ", True),
+    ({"type": "number", "exclusiveMinimum": -1}, "-0.99999999999999999", False),
+    ({"type": "number", "maximum": 1}, "0.99999999999999999 ", True),  # inclusive: 1.0 is in
     # an integer's text reads as an int (exact): 2**53 + 1 lies above 2**53, though its float does not
     (BIG, "9007199254740993 ", True),
     (BIG, "9007199254740992 ", False),
