@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import json
 
-from ninfer_rt.json_schema import (LITERALS, ANY, WHITESPACE, Bounds, Node, first_bytes, integer_texts,
-                                   value_key)
-from ninfer_rt.json_scalars import (AGAIN, DIGITS, DONE, OK, PASS, REJECT, CheckedString, Frame, Literal, Number,
-                                   String)
+from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Node, first_bytes, integer_texts, value_key
+from ninfer_rt.json_scalars import (AGAIN, DIGITS, DONE, OK, PASS, REJECT, Bounds, CheckedString, Frame, Literal,
+                                   Number, String)
 
 MAX_PARSES = 64  # readings kept at once: past it the latest forks are dropped (stricter, never looser)
 # whitespace bytes in a row between tokens of the JSON text (not inside a string): enough for pretty-printing 16
@@ -214,10 +213,14 @@ class _Object(Frame):
 
     def _closed_keys(self) -> list[bytes] | None:
         """The keys still allowed, as their JSON string contents, where no other key is (additionalProperties
-        false); else None."""
-        if self.node.additional is not False:
-            return None
-        return [raw for k, raw in self.node.key_raw.items() if k not in self.used]
+        false, or the short list patterns or propertyNames leave: Node.finite_keys); else None."""
+        n = self.node
+        keys = n.finite_keys if n.finite_keys is not None else n.key_raw if n.additional is False else None
+        return None if keys is None else [raw for k, raw in keys.items() if k not in self.used]
+
+    def _open_patterns(self) -> bool:
+        """Whether patternProperties may still take a key the closed list does not hold."""
+        return bool(self.node.key_patterns) and self.node.finite_keys is None
 
     def _must_keys(self) -> list[bytes] | None:
         """The required keys still missing, as their JSON string contents, where maxProperties leaves room for
@@ -244,7 +247,7 @@ class _Object(Frame):
             matched = any(x == DONE for _, x in steps)
             closed, must = self._closed_keys(), self._must_keys()
             listed = closed is None or any(k.startswith(self.key.raw) for k in closed)
-            if r == REJECT or not (listed or self.pats):
+            if r == REJECT or not (listed or (self.pats and self._open_patterns())):
                 return REJECT
             if must is not None and (not any(k.startswith(self.key.raw) for k in must)
                                      or (r == DONE and self.key.raw not in must)):
@@ -281,12 +284,12 @@ class _Object(Frame):
             if b != 0x2C:
                 return REJECT
             closed = self._closed_keys()
-            if closed is not None and not closed and not n.key_patterns:
+            if closed is not None and not closed and not self._open_patterns():
                 return REJECT  # every allowed key is in: nothing may follow a comma
             self.state = self.NEXT
             return OK
         if b == 0x22 and s in (self.FIRST, self.NEXT):
-            if self._closed_keys() == [] and not n.key_patterns:
+            if self._closed_keys() == [] and not self._open_patterns():
                 return REJECT  # no key is left to write: a quote would lead nowhere
             self.state, self.key = self.KEY, String(keep=True)
             self.names = CheckedString(n.names) if n.names is not None else None

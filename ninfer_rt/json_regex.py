@@ -23,6 +23,7 @@ from collections import deque
 from ninfer_rt.errors import NinferError
 
 MAX_STATES = 4000  # an NFA larger than this (a {n,m} of thousands) is refused
+WORDS_STEPS = 20000  # Pattern.words: states visited before a language counts as too large to list
 _LINE_TERMINATORS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -86,6 +87,30 @@ class Pattern:
             return within is None or (self._min[t] is not None and self._min[t] <= within)
 
         return any(_meets(ranges, neg, lo, hi) and fits(t) for s in states for ranges, neg, t in self.edges[s])
+
+    def words(self, min_len: int = 0, max_len: int | None = None, cap: int = 256) -> list[str] | None:
+        """Every string the pattern matches with min_len..max_len characters, in code point order, where they are
+        at most cap and found within WORDS_STEPS steps (a finite key set: json_schema's finite_keys); else None."""
+        out, budget = [], [WORDS_STEPS]
+
+        def walk(states: frozenset, prefix: str) -> bool:
+            budget[0] -= 1
+            fewest, most = self.lengths(states)
+            if budget[0] < 0 or (most is None and max_len is None):
+                return False  # too many steps, or unboundedly long matches
+            if self.accepts(states) and len(prefix) >= min_len:
+                out.append(prefix)
+            if len(out) > cap or fewest is None or (max_len is not None and len(prefix) >= max_len):
+                return len(out) <= cap
+            points: set[int] = set()
+            for s in states:
+                for ranges, negated, _ in self.edges[s]:
+                    if negated or sum(b - a + 1 for a, b in ranges) > cap:
+                        return False  # a class of more characters than the cap allows strings
+                    points.update(c for a, b in ranges for c in range(a, b + 1))
+            return all(walk(nxt, prefix + chr(c)) for c in sorted(points) if (nxt := self.step(states, c)))
+
+        return out if walk(self._start, "") else None
 
     def lengths(self, states: frozenset) -> tuple[int | None, int | None]:
         """(fewest, most) characters that complete a match from these states; most None: unbounded. (None, 0) where

@@ -7,9 +7,65 @@ frames, which push these, are in json_automaton."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-from ninfer_rt.json_schema import Bounds, Node
+if TYPE_CHECKING:  # json_schema imports Bounds from here: Node only for the annotations
+    from ninfer_rt.json_schema import Node
+
+@dataclass(frozen=True)
+class Bounds:
+    """lo <= v <= hi, each side strict (<) where its flag says, None: unbounded; v a multiple of step where given
+    (multipleOf); exact rationals."""
+
+    lo: Fraction | None = None
+    lo_strict: bool = False
+    hi: Fraction | None = None
+    hi_strict: bool = False
+    step: Fraction | None = None
+
+    def holds(self, v: Fraction) -> bool:
+        return self._within(v, self.lo, self.hi) and (self.step is None or (v / self.step).denominator == 1)
+
+    def holds_float(self, v: float) -> bool:
+        """The range as a reader's json.loads float of the value compares it (0.99999999999999999 reads as 1.0)."""
+        return self._within(v, *(None if x is None else float(x) for x in (self.lo, self.hi)))
+
+    def _within(self, v, lo, hi) -> bool:
+        return ((lo is None or v > lo or (v == lo and not self.lo_strict))
+                and (hi is None or v < hi or (v == hi and not self.hi_strict)))
+
+    def grid(self, integer: bool) -> Fraction | None:
+        """The spacing of the allowed values: the step, and for integers the step's multiples that are integers
+        (k·p/q is one iff q divides k, p/q in lowest terms); None: any value."""
+        if self.step is None:
+            return Fraction(1) if integer else None
+        return Fraction(self.step.numerator) if integer else self.step
+
+    def meets(self, a: Fraction | None, b: Fraction | None, integer: bool) -> bool:
+        """Some allowed value (an integer where asked) lies in [a, b); None: unbounded on that side."""
+        lower, lower_in = a, True  # the intersection's ends, each included or not
+        if self.lo is not None and (a is None or self.lo > a or (self.lo == a and self.lo_strict)):
+            lower, lower_in = self.lo, not self.lo_strict
+        upper, upper_in = b, False
+        if self.hi is not None and (b is None or self.hi < b):
+            upper, upper_in = self.hi, not self.hi_strict
+        if lower is None or upper is None:
+            return True
+        grid = self.grid(integer)
+        if grid is None:
+            return lower < upper or (lower == upper and lower_in and upper_in)
+        k0, k1 = math.ceil(lower / grid), math.floor(upper / grid)  # the grid points within, by index
+        k0 += not lower_in and k0 * grid == lower
+        k1 -= not upper_in and k1 * grid == upper
+        return k0 <= k1
+
+    def negated(self) -> Bounds:
+        """The bounds of -v."""
+        return Bounds(None if self.hi is None else -self.hi, self.hi_strict,
+                      None if self.lo is None else -self.lo, self.lo_strict, self.step)
+
 
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")

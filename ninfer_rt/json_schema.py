@@ -51,6 +51,7 @@ from urllib.parse import unquote
 
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_regex import Pattern, PatternError, compile_pattern
+from ninfer_rt.json_scalars import Bounds
 
 WHITESPACE = b" \t\n\r"
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -114,60 +115,9 @@ class Node:
     key_patterns: tuple = ()                       # patternProperties: a key (not listed) matching the pattern of
                                                    # any of these string nodes...
     pattern_value: Node | None = None              # ...has a value of this schema
+    finite_keys: dict | None = None                # every key an object may hold (key -> raw), where patterns or
+                                                   # propertyNames make them a short list (_finite_keys); else None
     bounds: Bounds | None = None                   # a number's range
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """lo <= v <= hi, each side strict (<) where its flag says, None: unbounded; v a multiple of step where given
-    (multipleOf); exact rationals."""
-
-    lo: Fraction | None = None
-    lo_strict: bool = False
-    hi: Fraction | None = None
-    hi_strict: bool = False
-    step: Fraction | None = None
-
-    def holds(self, v: Fraction) -> bool:
-        return self._within(v, self.lo, self.hi) and (self.step is None or (v / self.step).denominator == 1)
-
-    def holds_float(self, v: float) -> bool:
-        """The range as a reader's json.loads float of the value compares it (0.99999999999999999 reads as 1.0)."""
-        return self._within(v, *(None if x is None else float(x) for x in (self.lo, self.hi)))
-
-    def _within(self, v, lo, hi) -> bool:
-        return ((lo is None or v > lo or (v == lo and not self.lo_strict))
-                and (hi is None or v < hi or (v == hi and not self.hi_strict)))
-
-    def grid(self, integer: bool) -> Fraction | None:
-        """The spacing of the allowed values: the step, and for integers the step's multiples that are integers
-        (k·p/q is one iff q divides k, p/q in lowest terms); None: any value."""
-        if self.step is None:
-            return Fraction(1) if integer else None
-        return Fraction(self.step.numerator) if integer else self.step
-
-    def meets(self, a: Fraction | None, b: Fraction | None, integer: bool) -> bool:
-        """Some allowed value (an integer where asked) lies in [a, b); None: unbounded on that side."""
-        lower, lower_in = a, True  # the intersection's ends, each included or not
-        if self.lo is not None and (a is None or self.lo > a or (self.lo == a and self.lo_strict)):
-            lower, lower_in = self.lo, not self.lo_strict
-        upper, upper_in = b, False
-        if self.hi is not None and (b is None or self.hi < b):
-            upper, upper_in = self.hi, not self.hi_strict
-        if lower is None or upper is None:
-            return True
-        grid = self.grid(integer)
-        if grid is None:
-            return lower < upper or (lower == upper and lower_in and upper_in)
-        k0, k1 = math.ceil(lower / grid), math.floor(upper / grid)  # the grid points within, by index
-        k0 += not lower_in and k0 * grid == lower
-        k1 -= not upper_in and k1 * grid == upper
-        return k0 <= k1
-
-    def negated(self) -> Bounds:
-        """The bounds of -v."""
-        return Bounds(None if self.hi is None else -self.hi, self.hi_strict,
-                      None if self.lo is None else -self.lo, self.lo_strict, self.step)
 
 
 ANY = Node()
@@ -197,6 +147,28 @@ def _utf8(text: str, where: str) -> bytes:
         return text.encode()
     except UnicodeEncodeError:
         raise SchemaError(f"json_schema: {where}: a string with a lone surrogate (not UTF-8)") from None
+
+
+def _finite_keys(n: Node) -> dict | None:
+    """Every key an object may hold, with its raw bytes, where patternProperties (additionalProperties false) or
+    propertyNames (pattern, lengths) leave a short list: the automaton then refuses a key, or a comma, that only
+    used names could complete, as it does a closed object's properties. None where the keys are open or too many."""
+    if n.key_patterns and n.additional is False:
+        langs = [p.pattern.words() for p in n.key_patterns]
+    elif n.names is not None and n.names.any_of is None and n.names.enum is None:
+        langs = [n.names.pattern.words(n.names.min_length, n.names.max_length) if n.names.pattern is not None
+                 else [""] if n.names.max_length == 0 else None]
+    else:
+        return None
+    if any(words is None for words in langs):
+        return None
+    keys = dict(n.key_raw)
+    try:
+        for k in sorted({w for words in langs for w in words} - set(keys)):
+            keys[k] = json.dumps(k, ensure_ascii=False)[1:-1].encode()
+    except UnicodeEncodeError:  # a lone surrogate: not a key the raw match can take
+        return None
+    return keys if len(keys) <= 256 else None
 
 
 def _canonical(schema) -> str:
@@ -258,6 +230,7 @@ class _Compiler:
             self.property_names(n, s["propertyNames"], req, where)
         if "patternProperties" in s:
             self.pattern_properties(n, s["patternProperties"], s.get("properties", {}), where)
+        n.finite_keys = _finite_keys(n)
         unlisted = set(req) - set(n.props) - {r for r in req if any(p.pattern.matches(r) for p in n.key_patterns)}
         if n.additional is False and unlisted:
             raise SchemaError(f"json_schema: {where}: required {sorted(unlisted)[0]!r} is not among the properties or "
@@ -281,6 +254,7 @@ class _Compiler:
             raise SchemaError(f"json_schema: {where}: maxItems is below minItems")
         n.min_props, n.max_props = s.get("minProperties", 0), s.get("maxProperties")
         most = len(n.props) if n.additional is False and not n.key_patterns else None  # keys a closed object holds
+        most = len(n.finite_keys) if n.finite_keys is not None else most
         if n.max_props is not None:
             most = n.max_props if most is None else min(most, n.max_props)
         if (most is not None and (most < n.min_props or most < len(n.required))):

@@ -14,11 +14,13 @@ from fractions import Fraction
 import jsonschema
 import pytest
 
-from ninfer_rt.json_schema import (UNIQUE_INTEGER_TEXTS, Bounds, SchemaError, _integers_within, compile_schema,
-                                   integer_texts, value_key)
+from ninfer_rt.json_scalars import Bounds
+from ninfer_rt.json_schema import (UNIQUE_INTEGER_TEXTS, SchemaError, _integers_within, compile_schema, integer_texts,
+                                   value_key)
 from test_json_schema import feed_all
 
 BIG = {"type": "integer", "exclusiveMinimum": 2**53, "maximum": 2**53 + 1}  # one value, whose float is 2**53
+LANGS = {"type": "object", "patternProperties": {"^(en|fr)$": {"type": "string"}}, "additionalProperties": False}
 SMALL_INTS = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 3}, "uniqueItems": True}
 TWELVE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 12}, "uniqueItems": True}
 
@@ -129,6 +131,15 @@ def test_a_utf8_lead_byte_is_taken_only_where_its_character_can_fit():
     ({"type": "number", "exclusiveMaximum": 1}, "0.9999999999999999 ", True),
     ({"type": "number", "exclusiveMinimum": -1}, "-0.99999999999999999", False),
     ({"type": "number", "maximum": 1}, "0.99999999999999999 ", True),  # inclusive: 1.0 is in
+    # keys from a short list of patterns or propertyNames (Node.finite_keys): a key only where an unused name can
+    # complete it, a comma only while one is left
+    (LANGS, '{"en":"a","e', False),
+    (LANGS, '{"en":"a","fr":"b",', False),
+    (LANGS, '{"fr":"b", "en":"a"}', True),
+    ({"type": "object", "propertyNames": {"pattern": "^(en|fr)$"}}, '{"en":1,"e', False),
+    ({"type": "object", "propertyNames": {"pattern": "^(en|fr)$"}}, '{"en":1,"fr":2}', True),
+    ({"type": "object", "propertyNames": {"maxLength": 0}}, '{"":1,', False),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, '{"en":1,"e', True),  # open: "ea", ...
     # an integer's text reads as an int (exact): 2**53 + 1 lies above 2**53, though its float does not
     (BIG, "9007199254740993 ", True),
     (BIG, "9007199254740992 ", False),
@@ -153,3 +164,35 @@ def test_an_enum_counts_values_not_texts_toward_unique_items():
     with pytest.raises(SchemaError, match="allows only 2 distinct values"):
         compile_schema(schema)
     assert not jsonschema.Draft202012Validator(schema).is_valid([1, 2, 1.0])
+
+
+@pytest.mark.parametrize("pattern, min_len, max_len", [
+    ("^(en|fr|de)$", 0, None), ("^[ab]{1,2}$", 0, None), ("^x?$", 0, None), ("^(a|ab|abc)$", 0, None),
+    ("^[a-c](x|y)?$", 0, None), ("^[ab]{0,3}$", 2, 2), ("^a*$", 0, 3), ("^(b|a)+$", 1, 2),
+])
+def test_pattern_words_are_the_matches_a_search_finds(pattern, min_len, max_len):
+    """Pattern.words (what lists a finite key set) against every string of up to 3 characters over the patterns'
+    letters that Pattern.matches takes within the lengths, in code point order."""
+    from itertools import product
+
+    from ninfer_rt.json_regex import compile_pattern
+    p = compile_pattern(pattern)
+    want = sorted(w for n in range(4) for w in map("".join, product("abcdefnrxy", repeat=n))
+                  if p.matches(w) and n >= min_len and (max_len is None or n <= max_len))
+    assert p.words(min_len, max_len) == want
+
+
+@pytest.mark.parametrize("pattern", ["^a+$", "en", "^[a-z]{3}$", "^[^a]$", "^(a|b)*c$"])
+def test_pattern_words_are_none_where_the_language_is_open_or_long(pattern):
+    """Unbounded matches, an unanchored pattern, more strings than the cap, a negated class: no list."""
+    from ninfer_rt.json_regex import compile_pattern
+    assert compile_pattern(pattern).words() is None
+
+
+def test_finite_keys_fewer_than_min_properties_refuse_the_schema():
+    """propertyNames of two names and minProperties 3: no object validates (jsonschema agrees on the one closest),
+    refused when compiled instead of failing mid-reply."""
+    schema = {"type": "object", "propertyNames": {"pattern": "^(a|b)$"}, "minProperties": 3}
+    with pytest.raises(SchemaError, match="no object holds"):
+        compile_schema(schema)
+    assert not jsonschema.Draft202012Validator(schema).is_valid({"a": 1, "b": 2})
