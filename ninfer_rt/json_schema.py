@@ -11,11 +11,13 @@ The subset, what OpenAI's structured outputs and llama.cpp's `json_schema_to_gra
 - objects: `properties`, `required`, `additionalProperties` (false, true or a schema; absent is true). Keys are
   matched as `json.dumps(key, ensure_ascii=False)` writes them; a key may not repeat;
 - arrays: `prefixItems` (tuples), `items` (false: none past prefixItems), `minItems`, `maxItems`, `uniqueItems`
-  (an item equal to an earlier one, as JSON values, is refused at the byte that completes it);
+  (an item equal to an earlier one, as JSON values, is refused at the byte that completes it; an enum, boolean,
+  null or bounded integer item of at most 256 values at its first byte that no unused value begins);
 - objects also: `minProperties`, `maxProperties`, `propertyNames` (an enum or const of strings closes the object over
   them: pydantic's dict keyed by a Literal or an Enum; a string schema of pattern and lengths checks each other key
   as it is written), `patternProperties` (a key that is not listed and matches a pattern has its schema's value;
-  several patterns must share one schema, as pydantic writes one);
+  several patterns must share one schema, as pydantic writes one); where patterns or propertyNames allow at most
+  256 names (`_finite_keys`), the keys are matched as a closed object's, so no key begins that only used names end;
 - `allOf` of one schema (pydantic v1's way of putting a description beside a `$ref`), and of several object
   schemas (`_Compiler.all_of`: inheritance, a base by `$ref` and a branch that adds properties), merged into one
   where the conjunction is exact;
