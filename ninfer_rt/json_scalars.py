@@ -2,7 +2,8 @@
 UTF-8 but the controls; with minLength, maxLength or a pattern, decoded into characters and stepped through the
 pattern's NFA) and a number (JSON's grammar; under bounds, only bytes some in-range number can still follow). Each
 frame takes one byte at a time and answers with one of the step codes below; the object, array, enum and any-value
-frames, which push these, are in json_automaton."""
+frames, which push these, are in json_automaton. `Bounds` is a number's range in exact rationals (json_schema
+compiles it from minimum, maximum, their exclusive forms and multipleOf)."""
 
 from __future__ import annotations
 
