@@ -271,22 +271,18 @@ struct NinferStamp {
         if (i < NINFER_TL_PER_SM) ninfer_tl[sm * NINFER_TL_PER_SM + i] = r;
     }
 };
-// (begin) in parentheses calls the function of that name above, not the macro below that names it
-#define NINFER_TL_STAMPED(begin) \
-    NinferStamp ninfer_stamp_(__LINE__); \
-    (begin)(); \
-    ninfer_stamp_.post = ninfer_clock()
-#define ninfer_pdl_begin() NINFER_TL_STAMPED(ninfer_pdl_begin)
-#define ninfer_pdl_begin_early() NINFER_TL_STAMPED(ninfer_pdl_begin_early)
-// NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
-// same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.
-#define NINFER_TL_MARK(i) (ninfer_stamp_.mark[i] = ninfer_clock_fenced())
-// NINFER_TL_WAIT(wait): a wait that is not one call (a branch between waits, as gemv_stream.cuh's) stamped as
-// ninfer_pdl_begin() is, its stamp in the enclosing scope where the marks after it read it; in other builds, wait
+// NINFER_TL_WAIT(wait): the wait statement stamped, its stamp declared in the enclosing scope, where the marks
+// after it read it (a branch between waits, as gemv_stream.cuh's, goes in whole); in other builds, wait.
 #define NINFER_TL_WAIT(wait) \
     NinferStamp ninfer_stamp_(__LINE__); \
     wait; \
     ninfer_stamp_.post = ninfer_clock()
+// (ninfer_pdl_begin) in parentheses calls the function of that name above, not the macro that names it
+#define ninfer_pdl_begin() NINFER_TL_WAIT((ninfer_pdl_begin)())
+#define ninfer_pdl_begin_early() NINFER_TL_WAIT((ninfer_pdl_begin_early)())
+// NINFER_TL_MARK(i): the time this warp reached this point, slot i (0 = never), after ninfer_pdl_begin() in the
+// same scope. decode_timeline.py reports each slot relative to the launch's release. Nothing in other builds.
+#define NINFER_TL_MARK(i) (ninfer_stamp_.mark[i] = ninfer_clock_fenced())
 #else
 #define NINFER_TL_MARK(i) ((void)0)
 #define NINFER_TL_USE(v) ((void)0)
