@@ -200,16 +200,13 @@ def json_loop_s(backend, model, ctx: int, steps: int, loop: str) -> float:
         for i in range(steps):
             if loop == "device":
                 token = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i])[0]
-                after = c.copy()
-                if not after.feed(text[token]):  # never here: every token's letters continue the string
-                    raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
             else:
                 logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
                 logits[V:] = -np.inf
                 token = sampler.sample(logits, [], 0)
-                after = c.copy()
-                if not after.feed(text[token]):
-                    raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
+            after = c.copy()  # as Batch._allows tries a token
+            if not after.feed(text[token]):  # never here: every token's letters continue the string
+                raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
             c = after
         times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times[1:]))
