@@ -480,24 +480,28 @@ def integer_texts(b: Bounds | None) -> tuple | None:
     """(text, value_key) of every integer the bounds hold, ascending, its text compact (the automaton takes no
     fraction or exponent for an integer), or None where a side is open or they number more than
     UNIQUE_INTEGER_TEXTS. Cached: the keys are what an array of unique items compares at each item."""
-    count = _integers_within(b)
-    if count is None or count > UNIQUE_INTEGER_TEXTS:
+    grid = _integer_grid(b)
+    if grid is None or grid[2] > UNIQUE_INTEGER_TEXTS:
         return None
-    lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
-    m = 1 if b.step is None else b.step.numerator
-    first = -(-lo // m) * m
+    first, m, count = grid
     return tuple((str(v).encode(), value_key(v)) for v in range(first, first + m * count, m))
 
 
-def _integers_within(b: Bounds | None) -> int | None:
-    """How many integers the bounds hold (multiples of multipleOf's numerator p/q: an integer k·p/q needs q | k),
-    None where a side is open."""
+def _integer_grid(b: Bounds | None) -> tuple[int, int, int] | None:
+    """(the least, the spacing, how many) of the integers the bounds hold (multiples of multipleOf's numerator p/q:
+    an integer k·p/q needs q | k), None where a side is open."""
     if b is None or b.lo is None or b.hi is None:
         return None
     lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
     hi = math.ceil(b.hi) - 1 if b.hi_strict else math.floor(b.hi)
     m = 1 if b.step is None else b.step.numerator
-    return max(0, hi // m - -(-lo // m) + 1)
+    return -(-lo // m) * m, m, max(0, hi // m - -(-lo // m) + 1)
+
+
+def _integers_within(b: Bounds | None) -> int | None:
+    """How many integers the bounds hold, None where a side is open (_integer_grid)."""
+    grid = _integer_grid(b)
+    return None if grid is None else grid[2]
 
 
 def _bounds(s: dict, types, where: str) -> Bounds | None:
