@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import json
 
-from ninfer_rt.json_schema import LITERALS, ANY, WHITESPACE, Node, first_bytes, integer_texts, value_key
+from ninfer_rt.json_schema import (LITERALS, ANY, WHITESPACE, Node, first_bytes, integer_texts, key_text,
+                                   value_key)
 from ninfer_rt.json_scalars import (AGAIN, DIGITS, DONE, OK, PASS, REJECT, Bounds, CheckedString, Frame, Literal,
                                    Number, String)
 
@@ -231,7 +232,7 @@ class _Object(Frame):
         missing = [k for k in n.required if k not in self.used]
         if not missing or len(self.used) + len(missing) < n.max_props:
             return None
-        return [json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in missing]
+        return [key_text(k).encode() for k in missing]
 
     def step(self, b: int, sp: _Parse) -> int:
         s = self.state

@@ -144,6 +144,11 @@ def _name(key: str) -> str:
     return json.dumps(key)[1:-1]
 
 
+def key_text(key: str) -> str:
+    """A key's text between its quotes as json.dumps writes it: what a closed object's keys are matched against."""
+    return json.dumps(key, ensure_ascii=False)[1:-1]
+
+
 def _utf8(text: str, where: str) -> bytes:
     try:
         return text.encode()
@@ -167,7 +172,7 @@ def _finite_keys(n: Node) -> dict | None:
     keys = dict(n.key_raw)
     try:
         for k in sorted({w for words in langs for w in words} - set(keys)):
-            keys[k] = json.dumps(k, ensure_ascii=False)[1:-1].encode()
+            keys[k] = key_text(k).encode()
     except UnicodeEncodeError:  # a lone surrogate: not a key the raw match can take
         return None
     return keys if len(keys) <= 256 else None
@@ -216,7 +221,7 @@ class _Compiler:
         props = s.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"json_schema: {where}: properties must be an object")
-        n.key_raw = {k: _utf8(json.dumps(k, ensure_ascii=False)[1:-1], f"{where}/properties") for k in props}
+        n.key_raw = {k: _utf8(key_text(k), f"{where}/properties") for k in props}
         n.props = {k: self.node(v, f"{where}/properties/{_name(k)}") for k, v in props.items()}
         req = s.get("required", [])
         if not isinstance(req, list) or any(not isinstance(r, str) for r in req):
@@ -324,7 +329,7 @@ class _Compiler:
                 for k in keys:
                     if k not in n.props:
                         n.props[k] = n.additional or ANY
-                        n.key_raw[k] = _utf8(json.dumps(k, ensure_ascii=False)[1:-1], at)
+                        n.key_raw[k] = _utf8(key_text(k), at)
             n.additional = False
         elif n.additional is not False:
             n.names = names
