@@ -35,12 +35,40 @@
 
 namespace {
 
+// The arg-max epilogue (mode store, amax != null): y's rows n < amax_v of each row m also pass through one 64-bit
+// key (argmax_key) to amax[m] by atomicMax, and the block that takes the last ticket (amax[8]'s low word) writes
+// out[m] = the best index and leaves amax zero for the next launch: misc.argmax's result with no launch of its
+// own (the lm_head's decode draw). Keys order by the value (NaN as -inf, -0 as +0), then the lowest index, as
+// torch.argmax (ties -> lowest index). amax: uint64 [9], zero before the first launch.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int n) {
+    unsigned u = is_nan_bits(v) ? 0xff800000u : __float_as_uint(v == 0.f ? 0.f : v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // IEEE order as unsigned order
+    return (unsigned long long)u << 32 | (0xffffffffu - (unsigned)n);
+}
+
+__device__ __forceinline__ void argmax_publish(unsigned long long* amax, int* out, const unsigned long long* s_key,
+                                               int M) {
+    __shared__ bool s_last;
+    __syncthreads();  // every key of the block is in s_key
+    if (threadIdx.x < M) atomicMax(amax + threadIdx.x, s_key[threadIdx.x]);
+    __threadfence();  // the keys before the ticket: whoever takes the last ticket sees them all
+    __syncthreads();
+    unsigned* ticket = reinterpret_cast<unsigned*>(amax + 8);
+    if (threadIdx.x == 0) s_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x < M) out[threadIdx.x] = (int)(0xffffffffu - (unsigned)atomicExch(amax + threadIdx.x, 0ull));
+    if (threadIdx.x == 0) atomicExch(ticket, 0u);
+}
+
 template <int BITS, int M>
 __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const uint8_t* __restrict__ qh,
                                           const uint8_t* __restrict__ sc, const float* __restrict__ x,
                                           float* y, const float* __restrict__ norm_w,
                                           const float* __restrict__ row_scale, int N, int K, int kp, int gshift,
-                                          int ldx, int ldy, int mode, float eps, int kw_log2, int ks, int xvec) {
+                                          int ldx, int ldy, int mode, float eps, int kw_log2, int ks, int xvec,
+                                          unsigned long long* amax, int* amax_out, int amax_v) {
     using F = Fmt<BITS>;
     constexpr int EU = F::EU;
     constexpr int CS = chunk_stride(M), CB = qchunk_bytes(M);
@@ -48,6 +76,7 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
     extern __shared__ float4 smem4[];  // [ks / 32 chunks]: CS floats (bf16 weights) or CB bytes (quantized)
     __shared__ float red[kWarps][32];
     __shared__ float ssred[kWarps][8];
+    __shared__ unsigned long long s_key[8];  // the arg-max epilogue: this block's best key of each row m
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int KW = 1 << kw_log2, RG = kWarps >> kw_log2;
@@ -103,6 +132,7 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
         }
     }
 
+    if (amax && tid < M) s_key[tid] = 0ull;  // ordered before its atomics by the barrier below
     // warp totals -> red[warp][r * M + m]
     {
         float v[32];
@@ -134,8 +164,10 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ qs, const 
                 if (row_scale) v *= __ldg(row_scale + m);
                 float* dst = y + (long long)m * ldy + n;
                 *dst = mode == 1 ? *dst + v : v;
+                if (amax && n < amax_v) atomicMax(s_key + m, argmax_key(v, n));
             }
         }
+        if (amax) argmax_publish(amax, amax_out, s_key, M);
     } else {
         const int PT = RG * 2;  // outputs per block and row of y
         if (tid < PT * M) {
@@ -201,8 +233,9 @@ __device__ __forceinline__ void embed_body(const uint8_t* __restrict__ qs, const
 // decoded weight words of compute_unit_q).
 #define NINFER_GEMV_M(name, BITS, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(256, M == 1 ? 4 : 2)                                      \
-        gemv_##name##_m##M(NINFER_GEMV_ARGS) { ninfer_pdl_begin();                                                             \
-        gemv_body<BITS, M>(NINFER_GEMV_PASS);                                                              \
+        gemv_##name##_m##M(NINFER_GEMV_ARGS, unsigned long long* amax, int* amax_out, int amax_v) {        \
+        ninfer_pdl_begin();                                                                                \
+        gemv_body<BITS, M>(NINFER_GEMV_PASS, amax, amax_out, amax_v);                                      \
     }
 #define NINFER_GEMV(name, BITS)                                                                            \
     NINFER_GEMV_M(name, BITS, 1) NINFER_GEMV_M(name, BITS, 2) NINFER_GEMV_M(name, BITS, 3)                 \

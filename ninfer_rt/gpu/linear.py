@@ -20,6 +20,7 @@ from ninfer_rt.gpu.weights import DeviceWeight
 
 MODES = {"store": 0, "add": 1, "swiglu": 2}
 MAX_M = 8  # activation rows per launch; more are done in chunks of 8
+ARGMAX_BYTES = 9 * 8  # a block GEMV's arg-max epilogue: a uint64 key a row, then its ticket (gemv.cu argmax_publish)
 
 _THREADS = 256  # 8 warps per block
 _WARPS = 8
@@ -221,6 +222,12 @@ def plan_stream(w: DeviceWeight, sm_count: int, *, m: int = 1, d: int | None = N
                     gshift=int(math.log2(w.group)) if w.quantized else 5, d=d, blocks=min(blocks, groups), m=m)
 
 
+def argmax_fits(k, w: DeviceWeight, M: int) -> bool:
+    """Whether gemv of M rows on w runs one block-kernel launch, which can also take its rows' arg-max
+    (gemv's argmax; the lm_head at one row: the stream kernels have no such epilogue)."""
+    return 1 <= M <= MAX_M and not plan_gemv(w, M, k.gpu.info.sm_count).stream
+
+
 def records_order(w: DeviceWeight) -> int:
     """The order of x̂'s codes in a chunk record for this quantized weight (kernels/xcodes.cuh XQ): 1 natural
     (q8), 2 each 8-block's even then odd elements (the nibble formats' low and high nibbles)."""
@@ -251,7 +258,8 @@ def y_records_fit(k, w: DeviceWeight) -> bool:
 
 def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, ldy: int | None = None,
          mode: str = "store", norm_w: int = 0, norm_eps: float = 1e-6, row_scale: int = 0, stream=None,
-         x_records: bool = False, y_records: tuple[int, int, int, int, int] | None = None) -> None:
+         x_records: bool = False, y_records: tuple[int, int, int, int, int] | None = None,
+         argmax: tuple[int, int, int] | None = None) -> None:
     """y = s_m · W x̂ for M activation rows (device pointers; fp32 row-major).
 
     w: [N, K] weight, q{4,5,6,8}g{32,64,128} or bf16, K % 32 == 0. x: fp32 [M, ldx] (K columns read; ldx
@@ -271,6 +279,8 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
     [2, N/64], zero once) settle which block codes a chunk whose pairs none found complete at first; consecutive
     launches on the same buffers alternate `parity` (0, 1): each zeroes the other's counters. M = 1, a weight
     y_records_fit takes (gemv_*_s1bw). The down then reads the records with x_records, the same y to the bit.
+    argmax (amax, out, V), mode store where argmax_fits: also out int32 [M] = misc.argmax of y's rows over columns
+    < V, by the launch itself (amax: ARGMAX_BYTES of device memory, zero before the first launch and left zero).
     """
     n, kk = _check_matrix(w, "gemv")
     eu = _code(w)[2]  # the format has a kernel
@@ -315,6 +325,15 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
         _launch_gemv(k, w, plan_gemv(w, 1, sm_count), x=x, y=y, ldx=ldx, ldy=ldy, mode=mode, norm_w=norm_w,
                      norm_eps=norm_eps, row_scale=0, stream=stream, x_bulk=True, y_records=y_records)
         return
+    if argmax is not None:
+        amax, out, vocab = argmax
+        if mode != "store" or not argmax_fits(k, w, M) or not amax or amax % 8 or not out or not 1 <= vocab <= n:
+            raise GpuError(f"{w.name}: gemv argmax needs mode store, 1..{MAX_M} rows on a block plan (argmax_fits), "
+                           f"an 8-byte aligned key buffer, an out pointer and 1 <= V <= N = {n}; got {mode}, M = {M}, "
+                           f"amax={amax:#x}, out={out:#x}, V = {vocab}")
+        _launch_gemv(k, w, plan_gemv(w, M, sm_count), x=x, y=y, ldx=ldx, ldy=ldy, mode=mode, norm_w=norm_w,
+                     norm_eps=norm_eps, row_scale=row_scale, stream=stream, argmax=argmax)
+        return
     for m0 in range(0, M, MAX_M):
         mc = min(MAX_M, M - m0)
         _launch_gemv(k, w, plan_gemv(w, mc, sm_count), x=x + 4 * m0 * ldx, y=y + 4 * m0 * ldy, ldx=ldx,
@@ -325,7 +344,8 @@ def gemv(k, w: DeviceWeight, *, x: int, M: int, y: int, ldx: int | None = None, 
 def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int, ldy: int, mode: str,
                  norm_w: int, norm_eps: float, row_scale: int, stream=None, x_copy: bool | None = None,
                  x_bulk: bool | None = None, x_records: bool = False,
-                 y_records: tuple[int, int, int, int, int] | None = None) -> None:
+                 y_records: tuple[int, int, int, int, int] | None = None,
+                 argmax: tuple[int, int, int] | None = None) -> None:
     """One launch of an already checked plan (tests call it with a forced kw_log2 to cover every K split, and
     with x_copy True / False to force a stream kernel's copy of x on / off where it would fit, and x_bulk to
     force that copy's kind: bulk copies (sm_90+ only) or cp.async; None: _STREAM_X_BULK past K =
@@ -359,6 +379,9 @@ def _launch_gemv(k, w: DeviceWeight, plan: GemvPlan, *, x: int, y: int, ldx: int
             i32(plan.ks), i32(xvec)]
     if plan.stream:
         args.append(i32(plan.d))
+    else:  # the block kernels' arg-max epilogue (gemv's argmax), off with a null key buffer
+        amax, out, vocab = argmax or (0, 0, 0)
+        args += [ptr(amax), ptr(out), i32(vocab)]
     if y_records is not None:
         rec, pairs, cnt, order, parity = y_records
         args += [ptr(rec), ptr(pairs), ptr(cnt), i32(order | parity << 2)]

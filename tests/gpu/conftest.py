@@ -55,8 +55,10 @@ class Dev:
     def get(self, p: int, shape, dtype=np.float32) -> np.ndarray:
         return self.gpu.download(p, shape, dtype)
 
-    def weight(self, fmt: str, shape, rng: np.random.Generator, name: str = "w") -> tuple[DeviceWeight, np.ndarray]:
-        """A random tensor stored in `fmt` on the device and its exact float32 values (logical shape)."""
+    def weight(self, fmt: str, shape, rng: np.random.Generator, name: str = "w",
+               edit=None) -> tuple[DeviceWeight, np.ndarray]:
+        """A random tensor stored in `fmt` on the device and its exact float32 values (logical shape). edit(q, sc),
+        quantized formats only: changes the codes int8 [rows, Kp] and fp16 scales [rows, Kp / group] before packing."""
         f = get_format(fmt)
         shape = tuple(shape)
         if f.is_quantized:
@@ -66,8 +68,11 @@ class Dev:
             q[:, :k] = rng.integers(f.qmin, f.qmax + 1, size=(rows, k), dtype=np.int8)
             sc = (rng.uniform(0.5, 1.5, size=(rows, kp // f.group)) / f.offset).astype(np.float16)
             sc[:, (k + f.group - 1) // f.group:] = 0  # groups wholly in the padding
+            if edit is not None:
+                edit(q, sc)
             buf = f.pack(q, sc)
         else:
+            assert edit is None, "edit takes a quantized format's codes and scales"
             vals = rng.standard_normal(shape).astype(np.float32) * 0.5
             buf = f.encode(vals)
         assert buf.size == f.nbytes(shape)
