@@ -77,9 +77,9 @@ def synthetic_model(gpu, k, name: str, max_ctx: int, slots: int = 1, groups: tup
 
 def planner_modules() -> dict:
     """The modules whose planner constants the decode-step tools set, by the name "module.attr" uses."""
-    from ninfer_rt.gpu import attention, deltanet, kernels, linear, moe, router_fold
+    from ninfer_rt.gpu import attention, deltanet, engine, kernels, linear, moe, router_fold
     return {"linear": linear, "attention": attention, "deltanet": deltanet, "kernels": kernels, "moe": moe,
-            "router_fold": router_fold}
+            "router_fold": router_fold, "engine": engine}
 
 
 def parse_settings(items: list[str], modules: dict) -> dict:

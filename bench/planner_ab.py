@@ -86,6 +86,7 @@ VARIANTS = [
     ("x̂ records at 1 and 4 rows (v83c-v90)", {"linear.RECORDS_ROWS": (1, 4)}),
     ("x̂ records at a verification of 2-4 tokens (v91's first cut)", {"linear.RECORDS_TOKENS": (2, 3, 4)}),
     ("x̂ records at no verification", {"linear.RECORDS_TOKENS": ()}),
+    ("the arg-max in launches of its own after the lm_head (before v115)", {"engine.ARGMAX_IN_LM_HEAD": False}),
     ("default again", {}),
 ]
 

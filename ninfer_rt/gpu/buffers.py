@@ -38,6 +38,7 @@ class Buffers:
     tokens: int = 0
     logits: int = 0
     argmax: int = 0
+    amax: int = 0       # the lm_head GEMV's arg-max keys and ticket (linear.ARGMAX_BYTES, zero between launches)
     scratch: int = 0
     wscratch: int = 0        # gemm "wgmma_ss": a quantized layer matrix dequantized to bf16 (0: none)
     wscratch_bytes: int = 0
@@ -89,6 +90,8 @@ def alloc(m, rows: int, *, decode_rows: int, layer_prefix: str) -> Buffers:
     b.tokens = m._alloc(rows * 4)
     b.logits = m._alloc(m.logit_rows * m.V * f)
     b.argmax = m._alloc(m.logit_rows * 4)
+    b.amax = m._alloc(linear.ARGMAX_BYTES)
+    m.gpu.memset(b.amax, 0, linear.ARGMAX_BYTES)
     scratch = max(
         attention.decode_scratch_bytes(rows, s.num_attention_heads, s.head_dim, m.max_ctx),
         deltanet.prefill_scratch_bytes(rows, s.conv_dim, s.linear_num_value_heads, s.linear_key_head_dim),
