@@ -25,7 +25,9 @@ ARGMAX_BYTES = 9 * 8  # a block GEMV's arg-max epilogue: a uint64 key a row, the
 _THREADS = 256  # 8 warps per block
 _WARPS = 8
 _ROWS = 4  # weight rows per warp
-_X_SMEM = 46 * 1024  # bytes of x̂ slab per block: under the 48 KB default with the kernel's 1.25 KB static
+# bytes of x̂ slab per block: under the 48 KB default with the kernels' static shared memory (1.25 KB; the block
+# kernels' 1.33 KB with the arg-max epilogue's keys)
+_X_SMEM = 46 * 1024
 _BLOCKS_PER_SM = {1: 4}  # the kernels' launch bounds (registers); 2 for M >= 2
 _STREAM_BLOCKS_PER_SM = 2  # the M = 1 stream kernels' launch bounds (128 registers: two register tiles)
 _STREAM_STEPS_FOR_2 = 2  # steps per warp at which a stream GEMV takes the second block per SM (perf-history.md v13)
