@@ -10,6 +10,8 @@
 //   mode 1 (add):    y[m, n] += s_m · Σ_k W[n, k] x̂[m, k]
 //   mode 2 (swiglu): rows interleaved in tiles of 16 (32t..32t+15 gate 16t.., 32t+16..32t+31 up 16t..):
 //                    y[m, j] = silu(gate_j · x̂[m]) · (up_j · x̂[m]), j < N/2; row_scale ignored
+//   block kernels, mode 0 with amax (uint64 [9]): also out[m] = argmax_{n < V} y[m, n] (argmax_publish; ties to
+//   the lowest n, NaN as -inf: ninfer_rt.gpu.misc.argmax's result, torch.argmax's on finite rows)
 // Reference ops: ninfer_rt.reference.ops.rms_norm_zc, x @ W.T, swiglu_mlp's silu(g)·u, embed_tokens[ids];
 // weights decode as ninfer_rt.formats.IntFormat.decode (w = fp16 scale · code, exact in fp32).
 //
