@@ -262,48 +262,48 @@ class GpuModel:
         if logit_rows == "none":
             return
         norm = self.w.param(LM + "norm.weight")
-        # a draw of the arg-max alone (into buf.argmax, or the draw slots) may ride on the lm_head's launch
+        # an arg-max alone (into buf.argmax, or the draw slots) is the lm_head's to take; other draws come after it
         if step.draw is None:
-            pick = (b.argmax, step.vocab or self.sample_vocab)
+            pick = (b.argmax, step.vocab or self.sample_vocab, b.scratch)
+        elif step.draw[0] == "argmax" and len(step.draw) == 2:
+            pick = (self.draws.out, step.draw[1], self.draws.scratch)
         else:
-            pick = (self.draws.out, step.draw[1]) if step.draw[0] == "argmax" and len(step.draw) == 2 else None
+            pick = None
         if logit_rows == "hidden":  # for the MTP head: every row's post-norm h (fp32), each sequence's last logits
             misc.rms_norm(self.k, x=b.x, y=b.h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out="f32")
-            done = self._lm_head(x=b.h + 4 * (T - 1) * self.H, M=B, ldx=T * self.H, pick=pick)
+            self._lm_head(x=b.h + 4 * (T - 1) * self.H, M=B, ldx=T * self.H, pick=pick)
             rows = B
         elif logit_rows == "all":
             h, out = (b.h, "f32") if M <= GEMV_MAX_ROWS else (b.h16, "bf16")
             misc.rms_norm(self.k, x=b.x, y=h, M=M, D=self.H, w=norm, eps=s.rms_norm_eps, out=out)
-            done = self._lm_head(x=h, M=M, pick=pick)
+            self._lm_head(x=h, M=M, pick=pick)
             rows = M
         else:  # row b·T + T-1 of each sequence: a strided view of x
             last, ld = b.x + 4 * (T - 1) * self.H, T * self.H
             if B <= GEMV_MAX_ROWS:  # the final norm fused into the lm_head GEMV
-                done = self._lm_head(x=last, M=B, ldx=ld, norm_w=norm, pick=pick)
+                self._lm_head(x=last, M=B, ldx=ld, norm_w=norm, pick=pick)
             else:
                 misc.rms_norm(self.k, x=last, y=b.h16, M=B, D=self.H, w=norm, eps=s.rms_norm_eps, ldx=ld,
                               out="bf16")
-                done = self._lm_head(x=b.h16, M=B, pick=pick)
+                self._lm_head(x=b.h16, M=B, pick=pick)
             rows = B
-        if done:
-            return
-        if step.draw is None:
-            misc.argmax(self.k, logits=b.logits, ld=self.V, M=rows, V=step.vocab or self.sample_vocab,
-                        out=b.argmax, scratch=b.scratch)
-        else:
+        if pick is None:
             self._enqueue_draw(*step.draw, rows=rows)
 
     def _lm_head(self, *, x: int, M: int, ldx: int | None = None, norm_w: int = 0,
-                 pick: tuple[int, int] | None = None) -> bool:
-        """logits rows 0..M-1 = lm_head(x); with pick (out, vocab) and where the GEMV's launch can take it
-        (linear.argmax_fits), also out int32 [M] = their arg-max over ids < vocab, and True."""
-        w = k_view(self.lm_head)
-        if pick is not None and ARGMAX_IN_LM_HEAD and M <= GEMV_MAX_ROWS and linear.argmax_fits(self.k, w, M):
-            linear.gemv(self.k, w, x=x, M=M, y=self.buf.logits, ldx=ldx, norm_w=norm_w,
-                        norm_eps=self.spec.rms_norm_eps, argmax=(self.buf.amax, pick[0], pick[1]))
-            return True
-        self._linear(self.lm_head, x=x, M=M, y=self.buf.logits, ldx=ldx, norm_w=norm_w)
-        return False
+                 pick: tuple[int, int, int] | None = None) -> None:
+        """logits rows 0..M-1 = lm_head(x); with pick (out, vocab, scratch), also out int32 [M] = their arg-max over
+        ids < vocab: in the GEMV's own launch where it can take it (linear.argmax_fits), else by misc.argmax after it
+        (on that scratch)."""
+        b, w = self.buf, k_view(self.lm_head)
+        if pick is not None and ARGMAX_IN_LM_HEAD and linear.argmax_fits(self.k, w, M):
+            linear.gemv(self.k, w, x=x, M=M, y=b.logits, ldx=ldx, norm_w=norm_w, norm_eps=self.spec.rms_norm_eps,
+                        argmax=(b.amax, *pick[:2]))
+            return
+        self._linear(self.lm_head, x=x, M=M, y=b.logits, ldx=ldx, norm_w=norm_w)
+        if pick is not None:
+            out, vocab, scratch = pick
+            misc.argmax(self.k, logits=b.logits, ld=self.V, M=M, V=vocab, out=out, scratch=scratch)
 
     def _enqueue_draw(self, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
         """The draw op (how, vocab, *flags) over logits rows 0..rows-1 (draws.py)."""

@@ -69,5 +69,4 @@ def step(m, T: int, ctx_bucket: int, *, prefill: bool) -> None:
     m._linear(m.w.matrix(MTP + "fc.weight"), x=b.cat, M=T, y=b.x)
     m._layer(s.num_hidden_layers, 1, T, ctx_bucket)
     misc.rms_norm(m.k, x=b.x, y=b.h, M=T, D=H, w=P(MTP + "norm.weight"), eps=eps, out="f32")
-    if not m._lm_head(x=b.h + 4 * (T - 1) * H, M=1, pick=(b.argmax, m.sample_vocab)):
-        misc.argmax(m.k, logits=b.logits, ld=m.V, M=1, V=m.sample_vocab, out=b.argmax, scratch=b.scratch)
+    m._lm_head(x=b.h + 4 * (T - 1) * H, M=1, pick=(b.argmax, m.sample_vocab, b.scratch))
