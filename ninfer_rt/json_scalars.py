@@ -44,6 +44,16 @@ class Bounds:
             return Fraction(1) if integer else None
         return Fraction(self.step.numerator) if integer else self.step
 
+    def integers(self) -> tuple[int, int, int] | None:
+        """(the least, the spacing, how many) of the integers the bounds hold, on grid(integer=True); None where a
+        side is open."""
+        if self.lo is None or self.hi is None:
+            return None
+        lo = math.floor(self.lo) + 1 if self.lo_strict else math.ceil(self.lo)
+        hi = math.ceil(self.hi) - 1 if self.hi_strict else math.floor(self.hi)
+        m = int(self.grid(True))
+        return -(-lo // m) * m, m, max(0, hi // m - -(-lo // m) + 1)
+
     def meets(self, a: Fraction | None, b: Fraction | None, integer: bool) -> bool:
         """Some allowed value (an integer where asked) lies in [a, b); None: unbounded on that side."""
         lower, lower_in = a, True  # the intersection's ends, each included or not

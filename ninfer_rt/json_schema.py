@@ -485,27 +485,16 @@ def integer_texts(b: Bounds | None) -> tuple | None:
     """(text, value_key) of every integer the bounds hold, ascending, its text compact (the automaton takes no
     fraction or exponent for an integer), or None where a side is open or they number more than
     UNIQUE_INTEGER_TEXTS. Cached: the keys are what an array of unique items compares at each item."""
-    grid = _integer_grid(b)
+    grid = None if b is None else b.integers()
     if grid is None or grid[2] > UNIQUE_INTEGER_TEXTS:
         return None
     first, m, count = grid
     return tuple((str(v).encode(), value_key(v)) for v in range(first, first + m * count, m))
 
 
-def _integer_grid(b: Bounds | None) -> tuple[int, int, int] | None:
-    """(the least, the spacing, how many) of the integers the bounds hold (multiples of multipleOf's numerator p/q:
-    an integer k·p/q needs q | k), None where a side is open."""
-    if b is None or b.lo is None or b.hi is None:
-        return None
-    lo = math.floor(b.lo) + 1 if b.lo_strict else math.ceil(b.lo)
-    hi = math.ceil(b.hi) - 1 if b.hi_strict else math.floor(b.hi)
-    m = 1 if b.step is None else b.step.numerator
-    return -(-lo // m) * m, m, max(0, hi // m - -(-lo // m) + 1)
-
-
 def _integers_within(b: Bounds | None) -> int | None:
-    """How many integers the bounds hold, None where a side is open (_integer_grid)."""
-    grid = _integer_grid(b)
+    """How many integers the bounds hold, None where a side is open (Bounds.integers)."""
+    grid = None if b is None else b.integers()
     return None if grid is None else grid[2]
 
 

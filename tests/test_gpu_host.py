@@ -337,5 +337,3 @@ def test_the_timeline_build_keeps_every_entry_point(tmp_path):
     assert b"ninfer_tl_count" not in plain
     for src in srcs:
         assert b"ninfer_tl_count" in images[src.stem, "stamped"], src.name
-
-
