@@ -1,6 +1,6 @@
 """Shared test fixtures: tests/ on sys.path (hf_tiny, checkpoints, cli_runner), one torch thread per module,
 tiny HF models (per module), the built-in tiny MoE checkpoint and its artifact (built once per session,
-read-only for tests)."""
+read-only for tests). Option --shard K/N: the K-th of N contiguous parts of the selected tests."""
 
 from __future__ import annotations
 
@@ -10,6 +10,24 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shards import shard_bounds  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", metavar="K/N", default=None,
+                     help="run only the K-th of N contiguous parts of the selected tests (1 <= K <= N; sizes differ "
+                          "by at most one), so a GPU suite longer than one device call runs over several calls")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs: shards split what would run
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    lo, hi = shard_bounds(spec, len(items))
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
 
 
 @pytest.fixture(scope="module")
