@@ -42,6 +42,7 @@ from ninfer_rt.api import GenerationStats, Model, is_int_arg
 from ninfer_rt.batch_ahead import AheadStep, RunAhead
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_automaton import SchemaPrefix
+from ninfer_rt.json_scalars import keeps_plain_string
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
@@ -150,6 +151,7 @@ class Batch(RunAhead):
         self._slots = [_Slot(i) for i in range(slots)]
         self._running: list[Generation] = []
         self._clock = itertools.count(1)
+        self._plain: dict[int, bool] = {}  # token id -> keeps_plain_string of its bytes (_allows)
 
     @property
     def backend(self):
@@ -501,6 +503,11 @@ class Batch(RunAhead):
             return c if c.complete else None
         if c.closed or tok.is_added(token):
             return None
+        if c.in_plain_string:  # most of a string value's tokens leave c as it is: no copy, no feed
+            if (plain := self._plain.get(token)) is None:
+                plain = self._plain[token] = keeps_plain_string(tok.token_bytes(token))
+            if plain:
+                return c
         after = c.copy()
         return after if after.feed(tok.token_bytes(token)) else None
 

@@ -44,6 +44,15 @@ class SchemaPrefix:
         return any(p.done or (len(p.stack) == 1 and p.stack[0].can_end()) for p in self.parses)
 
     @property
+    def in_plain_string(self) -> bool:
+        """One reading, its open value a plain() String and no uniqueItems item recording bytes: a token whose bytes
+        keeps_plain_string leaves this state exactly as it is (Batch then skips the copy and the feed)."""
+        if len(self.parses) != 1:
+            return False
+        p = self.parses[0]
+        return bool(p.stack) and not p.rec and type(p.stack[-1]) is String and p.stack[-1].plain()
+
+    @property
     def closed(self) -> bool:
         """The top-level value has ended in every reading: nothing but whitespace may follow."""
         return all(p.done for p in self.parses)

@@ -131,6 +131,10 @@ class String(Frame):
     def in_text(self) -> bool:
         return self.state != 0
 
+    def plain(self) -> bool:
+        """In the text with no escape or character's bytes pending and no bytes kept: keeps_plain_string's state."""
+        return self.state == 1 and not self.need and self.raw is None
+
     def step(self, b: int, sp) -> int:
         s = self.state
         if s == 0:
@@ -166,6 +170,17 @@ class String(Frame):
         if self.hex_left == 0:
             self.state = 1
         return OK if b in _HEX else REJECT
+
+
+def keeps_plain_string(data: bytes) -> bool:
+    """Whether data, fed to a String that is plain() (in its text, nothing pending), leaves it exactly so: whole
+    well-formed UTF-8 characters (Python's strict decoder refuses what _UTF8_SECOND refuses: overlong forms,
+    surrogates, past U+10FFFF, a character cut short) with no control, quote or backslash."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and not any(ch < " " or ch == '"' or ch == "\\" for ch in text)
 
 
 # a UTF-8 lead byte -> (continuation bytes, the range of the first of them): E0 and F0 exclude overlong forms, ED the
