@@ -44,7 +44,7 @@ def test_shards_of_a_real_selection_are_its_tests_in_order():
     assert first + second == picked and abs(len(first) - len(second)) <= 1
 
 
-@pytest.mark.parametrize("spec", ["0/2", "3/2", "2", "a/b", "1/0", "-1/2", "1/2/3", ""])
+@pytest.mark.parametrize("spec", ["0/2", "3/2", "2", "a/b", "1/0", "-1/2", "1/2/3", "", "²/2", " 1/2"])
 def test_a_bad_shard_is_refused(spec):
     with pytest.raises(pytest.UsageError, match=re.escape(f"--shard takes K/N with 1 <= K <= N, got {spec!r}")):
         shard_bounds(spec, 10)
