@@ -52,7 +52,8 @@ class Bounds:
         lo = math.floor(self.lo) + 1 if self.lo_strict else math.ceil(self.lo)
         hi = math.ceil(self.hi) - 1 if self.hi_strict else math.floor(self.hi)
         m = int(self.grid(True))
-        return -(-lo // m) * m, m, max(0, hi // m - -(-lo // m) + 1)
+        first = -(-lo // m) * m  # the least multiple of m at or above lo
+        return first, m, max(0, hi // m - first // m + 1)
 
     def meets(self, a: Fraction | None, b: Fraction | None, integer: bool) -> bool:
         """Some allowed value (an integer where asked) lies in [a, b); None: unbounded on that side."""
