@@ -12,6 +12,9 @@
 // penalize_rows / penalty_count: the repetition, presence and frequency penalties of sampling.apply_penalties,
 //   from a sequence's dense per-id state (seen in its history, count in its output), which the draw keeps.
 //
+// mask_rows: a copy of each row with the ids its slot's bitmask leaves out set to -inf (a JSON row's allowed
+//   tokens, so that any draw over the copy is one the constraint takes); the rows themselves stay as they were.
+//
 // sample_hist / sample_rows: the distribution of ninfer_rt/sampling.py's Sampler.distribution (HF order:
 //   temperature -> top-k -> top-p -> min-p), then one draw. Candidates are capped at SAMPLE_CAND = 1024: with
 //   top_k = 0 or top_k > 1024 the sampler behaves as top_k = 1024 (vLLM / llama.cpp practice). The K-th largest
@@ -143,6 +146,27 @@ extern "C" __global__ void penalty_count(const int* tokens, const int* slots, in
     const long long at = static_cast<long long>(slots[m]) * V + t;
     counts[at] += 1;
     seen[at] = 1;
+}
+
+// ------------------------------------------------------------------------------------------ masks
+
+// mask_rows: out[m, i] = bit i of masks[slots[m], :] ? logits[m, i] : -inf for i < V (the host twin:
+//   misc.mask_reference). masks: uint32 [S, words], bit (i & 31) of word i >> 5, words >= ceil(V / 32); a slot
+//   whose row needs no mask holds every bit set. grid (ceil(V / 1024), M), block 256: four ids a thread, so the
+//   8 threads of a word read it once each from L1 and the row's loads and stores stay coalesced.
+extern "C" __global__ void __launch_bounds__(256) mask_rows(const float* logits, long long ld, int V,
+                                                            const int* slots, const unsigned* masks, int words,
+                                                            float* out, long long ldo)
+{ ninfer_pdl_begin();
+    const int m = blockIdx.y;
+    const int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i0 >= V) return;
+    const unsigned bits = masks[static_cast<long long>(slots[m]) * words + (i0 >> 5)] >> (i0 & 31);
+    const float* row = logits + static_cast<long long>(m) * ld;
+    float* dst = out + static_cast<long long>(m) * ldo;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        if (i0 + q < V) dst[i0 + q] = (bits >> q) & 1u ? row[i0 + q] : -INFINITY;
 }
 
 // ------------------------------------------------------------------------------------------ sampling helpers

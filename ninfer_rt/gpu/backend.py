@@ -75,6 +75,7 @@ class GpuBackend:
         self.use_graphs = use_graphs
         self._probs: tuple[int, int, int, int] | None = None  # _probs_of's buffers
         self._ring: _DrawRing | None = None  # sample_ahead's pinned ids, made on first use
+        self._masked: set[int] = set()  # slots whose draws are masked (set_mask)
 
     @classmethod
     def of_model(cls, model: GpuModel, use_graphs: bool = True) -> GpuBackend:
@@ -83,17 +84,21 @@ class GpuBackend:
         self = cls.__new__(cls)
         self.gpu, self.kernels, self.weights, self.model = model.gpu, model.k, model.w, model
         self.max_ctx, self.cache_slots, self.exclusive_slots = model.max_ctx, model.slots, True
-        self.use_graphs, self._probs, self._ring = use_graphs, None, None
+        self.use_graphs, self._probs, self._ring, self._masked = use_graphs, None, None, set()
         return self
 
     def new_cache(self, slot: int = 0) -> GpuCache:
-        """An empty sequence in `slot` (whatever it held is forgotten)."""
+        """An empty sequence in `slot` (whatever it held is forgotten, its mask too)."""
         self.model.reset_slot(slot)
+        if slot in self._masked:
+            self.set_mask(GpuCache(slot=slot), None)
         return GpuCache(slot=slot)
 
     def copy_cache(self, cache: GpuCache, slot: int) -> GpuCache:
-        """A copy of cache's sequence in another slot, which later steps can continue independently."""
+        """A copy of cache's sequence in another slot, which later steps can continue independently (unmasked)."""
         self.model.copy_slot(cache.slot, slot, cache.pos)
+        if slot in self._masked:
+            self.set_mask(GpuCache(slot=slot), None)
         return GpuCache(pos=cache.pos, slot=slot)
 
     def forward(self, ids: np.ndarray, cache: GpuCache, last_only: bool = False) -> np.ndarray:
@@ -143,6 +148,33 @@ class GpuBackend:
     # Batch draws a JSON-constrained row on the device too, and reads its logits (last_logits) only where the
     # constraint refuses the token drawn (tests/gpu/test_logprobs.py holds it to the host path's tokens, perf.md v112)
     draws_constrained = True
+    # Batch masks a JSON row's device draws to the tokens its constraint allows while it writes a plain string
+    # (set_mask), so that a lone JSON row runs a step ahead there (batch_ahead.py; perf.md v118)
+    json_ahead = True
+
+    @property
+    def mask_words(self) -> int:
+        """uint32 words of a slot's mask (set_mask)."""
+        return self.model.draws.words
+
+    def set_mask(self, cache: GpuCache, bits: np.ndarray | None) -> None:
+        """From the next draw on, cache's sequence draws only ids whose bit is set in bits (uint32 [mask_words],
+        bit i & 31 of word i >> 5; None: every id), whatever else draws beside it. Its logits (last_logits) and
+        logprobs stay the unmasked ones."""
+        self.model.set_mask(cache.slot, bits)
+        (self._masked.add if bits is not None else self._masked.discard)(cache.slot)
+
+    def _masks(self, caches: list[GpuCache]) -> bool:
+        return any(c.slot in self._masked for c in caches)
+
+    def redraw(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int, step: int) -> int:
+        """The latest decode step's draw again, from its logits (row 0: cache's sequence, stepped alone) under
+        cache's mask as it is now: the token that step would have drawn had set_mask been called before it. Not
+        for penalised params (that step counted its own draw)."""
+        if params.penalised:
+            raise NinferError("redraw: a penalised draw counted its token already")
+        return self.model.draw(vocab, _draw_record(params, seed, step), slot=cache.slot,
+                               masked=cache.slot in self._masked)
 
     def last_logits(self, row: int) -> np.ndarray:
         """Row `row`'s logits of the latest decode step (float32 [V], raw: the draws read them, and only a row with
@@ -179,10 +211,10 @@ class GpuBackend:
         arg-max, or misc.sample under params with Philox stream (seed, step). Only the id crosses to the host
         (not 1 MB of logits, and no host softmax over the vocabulary). Needs can_sample(params)."""
         ids = np.asarray(ids, np.int32)
-        record = _draw_record(params, seed, step)
-        if self._run_last(ids, cache, (vocab, record, params.penalised)):  # a decode step: drawn in its graph
+        record, masked = _draw_record(params, seed, step), self._masks([cache])
+        if self._run_last(ids, cache, (vocab, record, params.penalised, None, masked)):  # drawn in its graph
             return self.model.drawn()
-        return self.model.draw(vocab, record, penalized_slot=cache.slot if params.penalised else None)
+        return self.model.draw(vocab, record, slot=cache.slot, penalized=params.penalised, masked=masked)
 
     def sample_batch(self, ids: list[int], caches: list[GpuCache], params: list[SamplingParams | None], *,
                      vocab: int, seeds: list[int], steps: list[int], hidden: bool = False,
@@ -198,7 +230,8 @@ class GpuBackend:
             logprobs = [None if p is None else n for p, n in zip(params, logprobs)]
             logprobs = None if all(n is None for n in logprobs) else logprobs
         self.model.decode(np.asarray(ids, np.int32), [c.pos for c in caches], [c.slot for c in caches],
-                          graph=self.use_graphs, hidden=hidden, draw=(vocab, records, penalized, logprobs))
+                          graph=self.use_graphs, hidden=hidden,
+                          draw=(vocab, records, penalized, logprobs, self._masks(caches)))
         for c in caches:
             c.pos += 1
         out: list = self.model.drawn_rows(len(caches)).tolist()
@@ -235,7 +268,7 @@ class GpuBackend:
             self._ring = _DrawRing(self.model.slots)
         records, penalized = self._batch_draw(caches, params, seeds, steps, "sample_batch_ahead")
         self.model.decode(None, [c.pos for c in caches], [c.slot for c in caches], graph=self.use_graphs,
-                          draw=(vocab, records, penalized))
+                          draw=(vocab, records, penalized, None, self._masks(caches)))
         for c in caches:
             c.pos += 1
         return self._ring.pend_rows(self.model, len(caches))
@@ -251,7 +284,8 @@ class GpuBackend:
         if cache.pos == 0:
             raise NinferError("sample_ahead: the cache has no drawn token to feed (sample_next its prompt first)")
         self.model.decode(None, [cache.pos], [cache.slot], graph=self.use_graphs,
-                          draw=(vocab, record, params.penalised, None if logprobs is None else [logprobs]))
+                          draw=(vocab, record, params.penalised, None if logprobs is None else [logprobs],
+                                self._masks([cache])))
         cache.pos += 1
         if self._ring is None:
             self._ring = _DrawRing(self.model.slots)

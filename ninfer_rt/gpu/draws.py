@@ -6,7 +6,9 @@ decode Step's key, is ("argmax" | "sample", vocab, *flags): "sample" draws under
 (misc.sample_params, uploaded before the step); flags "logprobs": each row listed in the tops buffer gets its
 record (misc.logprob_rows before anything changes the row, misc.logprob_finish after the draw); "penalized": each
 row's slot's penalties first (misc.penalize from the per-slot state set_penalties left) and its drawn token
-counted after (misc.penalty_count). The penalties' and the logprobs' buffers are made on first use, outside any
+counted after (misc.penalty_count); "masked": each row drawn from a copy of its logits with the ids its slot's mask
+(set_mask) leaves out at -inf (misc.mask_rows: a JSON row's allowed tokens), the logits themselves kept for the
+host and the logprobs. The penalties', the masks' and the logprobs' buffers are made on first use, outside any
 capture, so a step needing them is captured after.
 """
 
@@ -21,7 +23,8 @@ from ninfer_rt.logprobs import TokenLogprob
 
 class Draws:
     """Params records, drawn ids and the sampler's scratch, a row a slot (the scratch is ~2 MB a row at a 248K
-    vocabulary); the penalties' state (~1.2 MB a slot) and the logprobs' buffers (~1 MB a slot) once used."""
+    vocabulary); the penalties' state (~1.2 MB a slot), the masks with their masked copies (~1 MB a slot) and the
+    logprobs' buffers (~1 MB a slot) once used."""
 
     def __init__(self, gpu, alloc, slots: int, V: int):
         self.gpu, self._alloc, self.slots, self.V = gpu, alloc, slots, V
@@ -29,10 +32,13 @@ class Draws:
         self.scratch = alloc(max(misc.sample_scratch_bytes(slots, V), misc.argmax_scratch_bytes(slots)))
         self.pen: tuple[int, int, int] | None = None  # (params, counts, seen) a slot
         self.lp: tuple[int, int, int, int] | None = None  # (tops int32, parts, raw fp32 rows, records int32) a slot
+        self.masks: tuple[int, int] | None = None  # (masks uint32 [slots, words], masked copies fp32 [slots, V])
+        self.words = misc.mask_words(V)
 
-    def op(self, vocab: int, record: np.ndarray | None, penalized: bool = False, tops=None) -> tuple:
+    def op(self, vocab: int, record: np.ndarray | None, penalized: bool = False, tops=None,
+           masked: bool = False) -> tuple:
         """The draw's op, with its params record (if any) and its rows' logprob counts (tops: int per row, None
-        or -1 for a row that asks for none) queued for upload."""
+        or -1 for a row that asks for none) queued for upload. masked: the rows' slots' masks apply (set_mask)."""
         if record is not None:
             self.gpu.upload(self.params, record, stream=self.gpu.stream)
         op = ("argmax" if record is None else "sample", int(vocab))
@@ -40,7 +46,12 @@ class Draws:
             self.gpu.upload(self.logprob_buffers()[0], np.array([-1 if t is None else t for t in tops], np.int32),
                             stream=self.gpu.stream)
             op += ("logprobs",)
-        return op + ("penalized",) if penalized else op
+        op += ("penalized",) if penalized else ()
+        if masked:
+            if self.masks is None:
+                raise NinferError("a masked draw before any set_mask")
+            op += ("masked",)
+        return op
 
     def enqueue(self, k, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
         """The next token of each of logits rows 0..rows-1 (row stride V) over ids < vocab into the draw slots,
@@ -60,10 +71,17 @@ class Draws:
             params, counts, seen = self.pen
             misc.penalize(k, logits=logits, ld=self.V, M=rows, V=self.V, slots=slot_ids, params=params,
                           counts=counts, seen=seen)
+        src = logits  # what the draw reads: the rows, or (masked) their copies after the penalties
+        if "masked" in flags:
+            if self.masks is None:
+                raise NinferError("a masked draw before any set_mask")
+            masks, src = self.masks
+            misc.mask_rows(k, logits=logits, ld=self.V, M=rows, V=vocab, slots=slot_ids, masks=masks,
+                           words=self.words, out=src, ldo=self.V)
         if how == "argmax":
-            misc.argmax(k, logits=logits, ld=self.V, M=rows, V=vocab, out=self.out, scratch=self.scratch)
+            misc.argmax(k, logits=src, ld=self.V, M=rows, V=vocab, out=self.out, scratch=self.scratch)
         else:
-            misc.sample(k, logits=logits, ld=self.V, M=rows, V=vocab, params=self.params, out=self.out,
+            misc.sample(k, logits=src, ld=self.V, M=rows, V=vocab, params=self.params, out=self.out,
                         scratch=self.scratch)
         if lp:
             # the drawn ids' logits from before the penalties (the raw copy), as the host reports them
@@ -92,6 +110,21 @@ class Draws:
         if counts is not None:
             self.gpu.upload(c + slot * self.V * 4, np.ascontiguousarray(counts, np.int32), stream=self.gpu.stream)
             self.gpu.upload(sn + slot * self.V, np.ascontiguousarray(seen, np.uint8), stream=self.gpu.stream)
+
+    def set_mask(self, slot: int, bits: np.ndarray | None) -> None:
+        """Slot's mask (uint32 [words], bit i & 31 of word i >> 5: id i may be drawn), or None: every id; queued on
+        the stream. The buffers are made, every slot's mask all ones, on first use: before any graph that reads
+        them is captured."""
+        if self.masks is None:
+            S, W = self.slots, self.words
+            self.masks = (self._alloc(S * W * 4), self._alloc(S * self.V * 4))
+            self.gpu.memset(self.masks[0], 0xFF, S * W * 4)
+        if bits is None:
+            bits = np.full(self.words, 0xFFFFFFFF, np.uint32)
+        elif bits.shape != (self.words,):
+            raise NinferError(f"set_mask: a mask of {bits.shape} words, not ({self.words},)")
+        self.gpu.upload(self.masks[0] + slot * self.words * 4, np.ascontiguousarray(bits, np.uint32),
+                        stream=self.gpu.stream)
 
     def logprob_buffers(self) -> tuple[int, int, int, int]:
         """(tops int32 [slots], LpPart scratch, raw fp32 [slots, V], records int32 [slots, LP_INTS]), made on first

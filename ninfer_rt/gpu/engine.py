@@ -59,7 +59,7 @@ class Step(NamedTuple):
     row's (M ≤ logit_rows); "none", no lm_head (a prefill chunk before the last); "hidden", every row's post-norm
     hidden state into buf.h (the MTP head's input) and the logits as "last". draw: ("argmax" | "sample", vocab,
     *flags) with "last" or "hidden", each sequence's next token over ids < vocab into the draw slots instead of the
-    arg-max (draws.py: flags "logprobs" and "penalized"). vocab: the rows' arg-max over
+    arg-max (draws.py: flags "logprobs", "penalized" and "masked"). vocab: the rows' arg-max over
     ids < vocab rather than < sample_vocab (a verification's top1). trail: the DeltaNet layers keep each token's state
     (rewind)."""
 
@@ -353,7 +353,8 @@ class GpuModel:
         it rather than normalising x itself. With draw and B > 1, record is None (every row's arg-max) or B records, one
         a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
         drawn tokens counted in their slots' state. A fourth element, B logprob counts (None: none for that row), also
-        leaves each such row's logprobs record (`draws.logprobs`). tokens None (with draw): sequence b's token is
+        leaves each such row's logprobs record (`draws.logprobs`); a fifth, True: each row drawn over its slot's
+        mask (set_mask). tokens None (with draw): sequence b's token is
         the one the latest draw left in draw slot b on the device (the same sequences in the same rows), so a step
         can be enqueued before the host reads the tokens before it.
         """
@@ -553,19 +554,25 @@ class GpuModel:
                     scratch=self.buf.scratch)
         return self.argmax(rows)
 
-    def draw(self, vocab: int, record: np.ndarray | None = None, penalized_slot: int | None = None) -> int:
+    def draw(self, vocab: int, record: np.ndarray | None = None, slot: int | None = None, penalized: bool = False,
+             masked: bool = False) -> int:
         """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
-        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record; penalized_slot:
-        that slot's penalties first (and the token counted). (A decode step draws inside its graph instead:
-        decode(..., draw=...), then drawn().)"""
-        if penalized_slot is not None:
-            self.gpu.upload(self.slot, np.array([penalized_slot], np.int32), stream=self.gpu.stream)
-        self._enqueue_draw(*self._draw_op(vocab, record, penalized_slot is not None))
+        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record; penalized /
+        masked: slot's penalties first (and the token counted) / over slot's mask (the row's slot: the latest
+        step's where None). (A decode step draws inside its graph instead: decode(..., draw=...), then drawn().)"""
+        if slot is not None:
+            self.gpu.upload(self.slot, np.array([slot], np.int32), stream=self.gpu.stream)
+        self._enqueue_draw(*self._draw_op(vocab, record, penalized, masked=masked))
         return self.drawn()
 
-    def _draw_op(self, vocab: int, record: np.ndarray | None, penalized: bool = False, tops=None) -> tuple:
+    def set_mask(self, slot: int, bits: np.ndarray | None) -> None:
+        """Slot's mask for its masked draws, None: every id (Draws.set_mask)."""
+        self.draws.set_mask(slot, bits)
+
+    def _draw_op(self, vocab: int, record: np.ndarray | None, penalized: bool = False, tops=None,
+                 masked: bool = False) -> tuple:
         """The draw's op (draws.py), its params record and logprob counts queued for upload."""
-        return self.draws.op(vocab, record, penalized, tops)
+        return self.draws.op(vocab, record, penalized, tops, masked)
 
     def drawn(self) -> int:
         """The token in the draw slot (after the stream finishes)."""

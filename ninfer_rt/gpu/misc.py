@@ -259,6 +259,32 @@ def penalize_reference(logits: np.ndarray, V: int, slots, params: np.ndarray, co
     return out
 
 
+# ------------------------------------------------------------------------------------------ masks
+
+def mask_words(V: int) -> int:
+    """uint32 words of a slot's mask over ids < V (bit i & 31 of word i >> 5)."""
+    return -(-V // 32)
+
+
+def mask_rows(k, *, logits: int, ld: int, M: int, V: int, slots: int, masks: int, words: int, out: int,
+              ldo: int, stream=None) -> None:
+    """mask_rows: out[m, :V] (fp32, row stride ldo) = logits[m, :V] (row stride ld) where slot slots[m]'s mask
+    (masks uint32 [S, words]) has the id's bit, else -inf (mask_reference is its twin)."""
+    _rows("mask_rows", M, V, ld)
+    _need(ldo >= V and words >= mask_words(V), f"mask_rows: ldo={ldo} or words={words} too small for V={V}")
+    _need(bool(logits and slots and masks and out), "mask_rows: every array must be a device pointer")
+    if M:
+        k.launch("mask_rows", (-(-V // 1024), M), 256,
+                 [ptr(logits), i64(ld), i32(V), ptr(slots), ptr(masks), i32(words), ptr(out), i64(ldo)], 0, stream)
+
+
+def mask_reference(logits: np.ndarray, V: int, slots, masks: np.ndarray) -> np.ndarray:
+    """mask_rows on the host: logits [M, >= V] fp32, masks uint32 [S, words] -> the masked copy [M, V]."""
+    bits = np.unpackbits(np.ascontiguousarray(masks, "<u4").view(np.uint8), axis=1, bitorder="little")
+    keep = bits[np.asarray(slots, np.int64), :V].astype(bool)
+    return np.where(keep, np.asarray(logits, np.float32)[:, :V], np.float32(-np.inf))
+
+
 # ------------------------------------------------------------------------------------------ log-probabilities
 
 LP_TOP = 20                 # logprobs.cu LP_TOP: alternatives a record lists (logprobs.MAX_TOP_LOGPROBS)
