@@ -24,11 +24,11 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
   v109), the device's record (GpuBackend.sample_batch with logprobs), or the record through the pinned ring a step
   run ahead (sample_ahead with logprobs; Batch where GpuBackend.logprobs_ahead is on), against the greedy step's
   replay.
-- "host" / "device" (--json-string): greedy inside a JSON string value (`{"text": "` already written), each token's
-  bytes fed to the constraint (json_automaton.SchemaPrefix, as Batch._constrained feeds it) from a synthetic byte
-  table (token t: 1 + t % 4 letters, so every draw is taken, as a trained model's first choice mostly is): drawn on
-  the host from the downloaded logits (Batch before v112), or on the device with only the id back and its bytes
-  checked on the host (Batch where GpuBackend.draws_constrained is on), against the greedy step's replay.
+- "host" / "device" / "device ahead" (--json-string): greedy inside a JSON string value (`{"text": "` already
+  written), each token checked as Batch checks it (JsonTokens.allows) against a synthetic byte table (token t:
+  1 + t % 4 letters, so every draw is taken, as a trained model's first choice mostly is): drawn on the host from the
+  downloaded logits (Batch before v112), on the device with only the id back (v112), or on the device under the
+  string's mask a step ahead (Batch where GpuBackend.json_ahead is on, v118), against the greedy step's replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -178,37 +178,69 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) ->
     return float(np.median(times[1:]))
 
 
+class _ByteTable:
+    """A tokenizer stand-in for json_loop_s: token t's bytes are 1 + t % 4 letters (every one keeps a string plain, as
+    a trained model's first choice inside a string value mostly does); no stop or added ids."""
+
+    def __init__(self, V: int):
+        self.text = [bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.text[t]
+
+    def is_stop(self, t: int) -> bool:
+        return False
+
+    is_added = is_stop
+
+
 def json_loop_s(backend, model, ctx: int, steps: int, loop: str) -> float:
-    """Median seconds a greedy token inside a JSON string over rounds of `steps`, each token's bytes (a synthetic
-    table: token t is 1 + t % 4 letters) fed to the constraint: "host", drawn from the downloaded logits; "device",
-    drawn on the device (sample_batch), its logits read (last_logits) only where the constraint refused the id."""
+    """Median seconds a greedy token inside a JSON string over rounds of `steps`, each token checked as Batch checks
+    it (JsonTokens.allows over _ByteTable's bytes): "host", drawn from the downloaded logits; "device", drawn on the
+    device (sample_batch), its logits read (last_logits) only where the constraint refused the id; "device ahead",
+    drawn under the string's mask (JsonTokens.mask, set_mask) a step ahead (sample_ahead), as Batch runs a lone JSON
+    row inside a plain string where GpuBackend.json_ahead is on."""
     from ninfer_rt.gpu.backend import GpuCache
     from ninfer_rt.json_automaton import SchemaPrefix
     from ninfer_rt.json_schema import compile_schema
+    from ninfer_rt.json_tokens import JsonTokens
     from ninfer_rt.sampling import Sampler, SamplingParams
 
     V, params = model.sample_vocab, SamplingParams(greedy=True)
     schema = compile_schema({"type": "object", "properties": {"text": {"type": "string"}}})
-    text = [bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]
+    rules = JsonTokens(_ByteTable(V), V)
     times = []
     for _ in range(ROUNDS):
-        cache, sampler, token = GpuCache(pos=ctx - steps, slot=0), Sampler(params), 17
+        cache, sampler, token = GpuCache(pos=ctx - steps - (loop == "device ahead"), slot=0), Sampler(params), 17
         c = SchemaPrefix(schema)
         if not c.feed(b'{"text": "'):
             raise RuntimeError("json_loop_s: the constraint refused its own prefix")
-        t0 = time.perf_counter()
-        for i in range(steps):
-            if loop == "device":
-                token = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i])[0]
-            else:
-                logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
-                logits[V:] = -np.inf
-                token = sampler.sample(logits, [], 0)
-            after = c.copy()  # as Batch._allows tries a token
-            if not after.feed(text[token]):  # never here: every token's letters continue the string
-                raise RuntimeError(f"json_loop_s: the table's token {token} was refused")
+
+        def take(t: int) -> None:
+            nonlocal c
+            if (after := rules.allows(c, t)) is None:  # never here: every token's letters continue the string
+                raise RuntimeError(f"json_loop_s: the table's token {t} was refused")
             c = after
+
+        if loop == "device ahead":  # the masked draw the chain starts from (outside the timing)
+            backend.set_mask(cache, rules.mask(c, backend.mask_words))
+            take(backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[0])[0])
+        t0 = time.perf_counter()
+        if loop == "device ahead":
+            _chain(lambda i: backend.sample_ahead(cache, params, vocab=V, seed=0, step=i),
+                   lambda pending: take(pending.result()), steps)
+        else:
+            for i in range(steps):
+                if loop == "device":
+                    token = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i])[0]
+                else:
+                    logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+                    logits[V:] = -np.inf
+                    token = sampler.sample(logits, [], 0)
+                take(token)
         times.append((time.perf_counter() - t0) / steps)
+        if loop == "device ahead":
+            backend.set_mask(cache, None)
     return float(np.median(times[1:]))
 
 
@@ -290,7 +322,7 @@ def main() -> None:
                              "host_us": (loop - replay) * 1e6, "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
         if a.json_string:
             replay = _time_decode(model, a.context - 1)
-            for draws in ("host", "device"):
+            for draws in ("host", "device", "device ahead"):
                 loop = json_loop_s(backend, model, a.context, a.steps, draws)
                 rows.append({"model": a.model, "context": a.context, "sampling": "JSON string", "loop": draws,
                              "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,

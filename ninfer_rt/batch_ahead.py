@@ -3,13 +3,22 @@ the device copies from its draw slot, so the worker's hand-off, the next step's 
 GPU's step. A sequence alone runs ahead through GpuBackend.sample_ahead (a step and one more queued behind the one
 being read); the rows of a batched step through sample_batch_ahead while the running sequences stay the last step's
 rows in its order. A stop id, a stop string or a cancel leaves a step in flight spent, its input in the cache: the
-slot's ids say so."""
+slot's ids say so.
+
+A JSON row runs ahead alone while it writes a plain string (no length or pattern): its draws are masked on the device
+to the tokens its constraint allows there (JsonTokens.mask, GpuBackend.set_mask), so the token a step is fed is
+always one the constraint takes. A token that keeps the string plain leaves the allowed set as it was, so the step
+queued behind it drew under the right mask. One that changes it (the closing quote, an escape, a cut character)
+leaves that step's draw made under the old mask: _settle draws it again from the step's logits under the new one (the
+draw the step would have made, had it not run ahead), and the chain ends there."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ninfer_rt.errors import NinferError
 
 if TYPE_CHECKING:
     from ninfer_rt.batching import Generation
@@ -37,7 +46,11 @@ class RunAhead:
         drawn = len(g.stats.token_ids) + len(g._ahead) + (token is not None)  # the new step's draw's index
         if token is None and g._ahead[-1].pending.row != 0:
             return  # (its unread draw is a batched step's: not in the slot a lone step is fed from)
-        if not (len(self._running) == 1 and g.spec is None and g.constraint is None
+        if g.constraint is not None:  # a JSON row: only inside a plain string, under that state's mask
+            self._sync_mask(g)
+            if g._mask is None or g.logprobs is not None:
+                return
+        if not (len(self._running) == 1 and g.spec is None
                 and (g.logprobs is None or getattr(self.backend, "logprobs_ahead", False))
                 and hasattr(self.backend, "sample_ahead")
                 and drawn < g.budget and (token is None or not self.model.tokenizer.is_stop(token))):
@@ -101,4 +114,42 @@ class RunAhead:
         g._ahead_read = time.perf_counter()
         if g._ahead:  # the step queued behind it was fed this token
             g._slot.ids.append(token)
+        stale = False
+        if g.constraint is not None:  # drawn under the mask of g's state: always allowed
+            mask, g.constraint = g._mask, self._allows(g.constraint, token)
+            if g.constraint is None:
+                raise NinferError(f"token {token}, drawn under the JSON mask, was refused by the constraint")
+            stale = self._sync_mask(g) is not mask
         self._emit(g, token)
+        if stale and g._ahead and not g.done:
+            self._settle(g)
+
+    def _sync_mask(self, g: Generation):
+        """Set g's slot's mask to its constraint's allowed tokens where it writes a plain string and the backend
+        masks JSON rows (GpuBackend.json_ahead), else to none, where it is not so already; returns it. An equal
+        state gives the same (cached) array, so a token that leaves the state as it was uploads nothing."""
+        if g._mask_of is g.constraint:  # (a token that keeps a plain string plain leaves the very same state)
+            return g._mask
+        g._mask_of, want = g.constraint, None
+        if g.constraint is not None and getattr(self.backend, "json_ahead", False):
+            want = self._tokens().mask(g.constraint, self.backend.mask_words)
+        if want is not g._mask:
+            self.backend.set_mask(g._slot.cache, want)
+            g._mask = want
+        return want
+
+    def _settle(self, g: Generation) -> None:
+        """g's step run ahead behind a token that changed its JSON state (so its draw was masked for the state
+        before): once it is done, its token drawn again from its logits under the new state's mask (or none, then
+        checked by the constraint as _device_pick checks a device draw), given out; g then goes on from the
+        host."""
+        t0 = time.perf_counter()
+        g._ahead.pop(0).pending.result()  # the step is done: its logits are the latest
+        token = self.backend.redraw(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
+                                    seed=g.sampler.seed, step=len(g.stats.token_ids))
+        token = self._device_pick(g, 0, token)
+        g.stats.decode_s += time.perf_counter() - t0
+        if isinstance(token, Exception):
+            self._fail(g, token)
+        else:
+            self._emit(g, token)

@@ -42,7 +42,7 @@ from ninfer_rt.api import GenerationStats, Model, is_int_arg
 from ninfer_rt.batch_ahead import AheadStep, RunAhead
 from ninfer_rt.errors import NinferError
 from ninfer_rt.json_automaton import SchemaPrefix
-from ninfer_rt.json_scalars import keeps_plain_string
+from ninfer_rt.json_tokens import JsonTokens
 from ninfer_rt.json_schema import JSON_OBJECT, Node, SchemaError, compile_schema
 from ninfer_rt.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from ninfer_rt.sampling import Sampler, SamplingParams
@@ -92,6 +92,8 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.history = list(ids)  # prompt and output, for the sampler's penalties
         self._pen_synced = False  # the device's penalty state of its slot is history's (Batch._sync_penalties)
+        self._mask = None  # the allowed-token mask its slot's draws have now (Batch._sync_mask; None: none)
+        self._mask_of: SchemaPrefix | None = None  # the constraint state _mask was found for
         self.done = False
         self.error: BaseException | None = None
         self._pieces: list[str] = []
@@ -151,7 +153,7 @@ class Batch(RunAhead):
         self._slots = [_Slot(i) for i in range(slots)]
         self._running: list[Generation] = []
         self._clock = itertools.count(1)
-        self._plain: dict[int, bool] = {}  # token id -> keeps_plain_string of its bytes (_allows)
+        self._json: JsonTokens | None = None  # the vocabulary's JSON rules and masks, made for the first JSON row
 
     @property
     def backend(self):
@@ -346,6 +348,7 @@ class Batch(RunAhead):
                 for g, ok in zip(gens, on_device):
                     if ok:
                         self._sync_penalties(g)
+                        self._sync_mask(g)
                 lps = [g.logprobs if ok else None for g, ok in zip(gens, on_device)]
                 picks = self.backend.sample_batch(
                     tokens, caches, [g.sampler.params if ok else None for g, ok in zip(gens, on_device)],
@@ -354,11 +357,12 @@ class Batch(RunAhead):
                     **({"logprobs": lps} if any(n is not None for n in lps) else {}))
                 if spec:
                     picks, hidden = picks
+                drawn = [p.id if isinstance(p, TokenLogprob) else p for p in picks]
                 picks = [self._device_pick(g, b, p) if ok else self._draw_or_error(g, p)
                          for b, (g, p, ok) in enumerate(zip(gens, picks, on_device))]
-                # every row drawn on the device and kept: the draw slots hold the tokens, so the next step can run
-                # ahead (a lone row here has logprobs or a JSON constraint)
-                ahead = all(on_device) and not any(isinstance(p, Exception) for p in picks)
+                # every row drawn on the device and kept (not one a JSON constraint refused): the draw slots hold
+                # the tokens, so the next step can run ahead (a lone row here has logprobs or a JSON constraint)
+                ahead = all(on_device) and drawn == picks
             else:
                 if spec:
                     logits, hidden = self.backend.decode_batch(tokens, caches, hidden=True)  # [B, V], [B, H]
@@ -495,21 +499,15 @@ class Batch(RunAhead):
                 return token
         raise NinferError("no token of the vocabulary continues the JSON reply")
 
+    def _tokens(self) -> JsonTokens:
+        if self._json is None:
+            self._json = JsonTokens(self.model.tokenizer, self.model.real_vocab_size)
+        return self._json
+
     def _allows(self, c: SchemaPrefix, token: int) -> SchemaPrefix | None:
-        """c advanced over token's bytes, or None where token cannot continue the JSON: an added token, or a stop
-        token before the value is complete (and nothing but a stop token once it has closed)."""
-        tok = self.model.tokenizer
-        if tok.is_stop(token):
-            return c if c.complete else None
-        if c.closed or tok.is_added(token):
-            return None
-        if c.in_plain_string:  # most of a string value's tokens leave c as it is: no copy, no feed
-            if (plain := self._plain.get(token)) is None:
-                plain = self._plain[token] = keeps_plain_string(tok.token_bytes(token))
-            if plain:
-                return c
-        after = c.copy()
-        return after if after.feed(tok.token_bytes(token)) else None
+        """c advanced over token's bytes (c itself where they keep a plain string plain), or None where token
+        cannot continue the JSON (JsonTokens.allows)."""
+        return self._tokens().allows(c, token)
 
     def _emit(self, g: Generation, token: int) -> None:
         """Take a drawn token: a stop id ends g, else its text goes out (up to a stop string) and it is fed next."""
@@ -555,5 +553,9 @@ class Batch(RunAhead):
     def _release(self, g: Generation) -> None:
         # a step run ahead is spent; its input is in the ids (between steps none has been fed an unread draw)
         g.done, g._next, g._ahead = True, None, []
+        if g._mask is not None and g._slot.cache is not None:  # (a later sequence there draws unmasked; a lost
+            # slot's cache is made anew, which clears it)
+            self.backend.set_mask(g._slot.cache, None)
+            g._mask = g._mask_of = None
         g._slot.busy, g._slot.used = False, next(self._clock)  # last used when its sequence left
         self._running.remove(g)

@@ -110,7 +110,12 @@ class DrawingSlotBackend(SlotBackend):
         self.batch_steps: list[list[int]] = []  # each batched step's rows' draw indices (sample_batch)
         self.ahead_steps: list[list[int]] = []  # the same for sample_batch_ahead's
         self.draw_rows: list[int | None] = []  # the draw slots (row b: the latest batched draw's token of row b)
+        self.rows: list[np.ndarray] = []  # the latest step's logits rows
         self.reads = 0
+
+    def _arg(self, row: np.ndarray, slot: int, vocab: int) -> int:
+        """The device's draw of a row of slot's sequence: its arg-max over ids < vocab."""
+        return int(np.argmax(row[:vocab]))
 
     def pick(self, history: list[int]) -> int:
         return self.forced[len(history)] if len(history) in self.forced else super().pick(history)
@@ -126,7 +131,8 @@ class DrawingSlotBackend(SlotBackend):
 
     def sample_next(self, ids, cache, params, *, vocab: int, seed: int, step: int) -> int:
         self.steps.append(step)
-        self.draw_slot = int(np.argmax(self.forward(ids, cache)[-1][:vocab]))
+        self.rows = [self.forward(ids, cache)[-1]]
+        self.draw_slot = self._arg(self.rows[0], cache.slot, vocab)
         return self.draw_slot
 
     def sample_batch_ahead(self, caches, params, *, vocab: int, seeds, steps) -> list[_Pending]:
@@ -135,8 +141,8 @@ class DrawingSlotBackend(SlotBackend):
         fed = self.draw_rows[:len(caches)]
         assert None not in fed, "a row fed from a draw slot no device draw filled"
         self.ahead_steps.append(list(steps))
-        rows = self.decode_batch(fed, caches)
-        self.draw_rows = [int(np.argmax(row[:vocab])) for row in rows]
+        self.rows = rows = list(self.decode_batch(fed, caches))
+        self.draw_rows = [self._arg(row, c.slot, vocab) for row, c in zip(rows, caches)]
         self.draw_slot = self.draw_rows[0]
         return [_Pending(self, t, row=b, step=len(self.ahead_steps)) for b, t in enumerate(self.draw_rows)]
 
@@ -146,7 +152,8 @@ class DrawingSlotBackend(SlotBackend):
         token = self.draw_slot
         self.steps.append(step)
         row = self.forward([token], cache)[-1]
-        self.draw_slot = int(np.argmax(row[:vocab]))
+        self.rows = [row]
+        self.draw_slot = self._arg(row, cache.slot, vocab)
         return _Pending(self, self.draw_slot, None if logprobs is None else
                         token_logprob(row, self.draw_slot, logprobs, vocab))
 
@@ -155,8 +162,8 @@ class DrawingSlotBackend(SlotBackend):
         a logprobs count as the TokenLogprob of its token."""
         assert not hidden and (logprobs is None or self.draws_logprobs)
         self.batch_steps.append([None if p is None else st for p, st in zip(params, steps)])
-        rows = self.decode_batch(ids, caches)
-        out = [row.copy() if p is None else int(np.argmax(row[:vocab])) for p, row in zip(params, rows)]
+        self.rows = rows = list(self.decode_batch(ids, caches))
+        out = [row.copy() if p is None else self._arg(row, c.slot, vocab) for p, row, c in zip(params, rows, caches)]
         if params[0] is not None:
             self.draw_slot = out[0]  # (the device's draw slot holds row 0's token)
         self.draw_rows = [None if p is None else t for p, t in zip(params, out)]
