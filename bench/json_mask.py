@@ -125,8 +125,9 @@ def measure(name: str, tok, vocab: int, calls: int) -> tuple[dict, list[dict]]:
     from ninfer_rt.json_schema import JSON_OBJECT, compile_schema
     from ninfer_rt.json_tokens import JsonTokens
 
-    build = median_s(lambda: JsonTokens(tok, vocab), 3)
+    build = median_s(lambda: JsonTokens(tok, vocab).prepare(), 3)
     jt, words = JsonTokens(tok, vocab), -(-vocab // 32)
+    jt.prepare()
     head = {"vocabulary": name, "tokens": vocab, "build_s": build, "remainders": jt.remainders,
             "state_remainders": jt.state_remainders}
     rows = []
