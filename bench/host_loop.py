@@ -178,37 +178,22 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) ->
     return float(np.median(times[1:]))
 
 
-class _ByteTable:
-    """A tokenizer stand-in for json_loop_s: token t's bytes are 1 + t % 4 letters (every one keeps a string plain, as
-    a trained model's first choice inside a string value mostly does); no stop or added ids."""
-
-    def __init__(self, V: int):
-        self.text = [bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]
-
-    def token_bytes(self, t: int) -> bytes:
-        return self.text[t]
-
-    def is_stop(self, t: int) -> bool:
-        return False
-
-    is_added = is_stop
-
-
 def json_loop_s(backend, model, ctx: int, steps: int, loop: str) -> float:
     """Median seconds a greedy token inside a JSON string over rounds of `steps`, each token checked as Batch checks
-    it (JsonTokens.allows over _ByteTable's bytes): "host", drawn from the downloaded logits; "device", drawn on the
-    device (sample_batch), its logits read (last_logits) only where the constraint refused the id; "device ahead",
-    drawn under the string's mask (JsonTokens.mask, set_mask) a step ahead (sample_ahead), as Batch runs a lone JSON
-    row inside a plain string where GpuBackend.json_ahead is on."""
+    it (JsonTokens.allows; token t's bytes are 1 + t % 4 letters, so every one keeps the string plain, as a trained
+    model's first choice there mostly does): "host", drawn from the downloaded logits; "device", drawn on the device
+    (sample_batch), its logits read (last_logits) only where the constraint refused the id; "device ahead", drawn
+    under the string's mask (JsonTokens.mask, set_mask) a step ahead (sample_ahead), as Batch runs a lone JSON row
+    inside a plain string where GpuBackend.json_ahead is on."""
     from ninfer_rt.gpu.backend import GpuCache
     from ninfer_rt.json_automaton import SchemaPrefix
     from ninfer_rt.json_schema import compile_schema
-    from ninfer_rt.json_tokens import JsonTokens
+    from ninfer_rt.json_tokens import ByteTokens, JsonTokens
     from ninfer_rt.sampling import Sampler, SamplingParams
 
     V, params = model.sample_vocab, SamplingParams(greedy=True)
     schema = compile_schema({"type": "object", "properties": {"text": {"type": "string"}}})
-    rules = JsonTokens(_ByteTable(V), V)
+    rules = JsonTokens(ByteTokens([bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]), V)
     times = []
     for _ in range(ROUNDS):
         cache, sampler, token = GpuCache(pos=ctx - steps - (loop == "device ahead"), slot=0), Sampler(params), 17

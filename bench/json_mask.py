@@ -38,23 +38,7 @@ QUOTED = ['"', '",', '":', '"}', '"]', '="', '("', '")', '"),', '">', '\'"', '")
 CONTROLS = ["\n", "\n\n", "\r\n", "\t", "\t\t", ".\n", ":\n", ",\n", "{\n", ");\n", "\n\n\n"]
 
 
-class Table:
-    """A tokenizer stand-in over a list of bytes: stop and added ids given."""
-
-    def __init__(self, tokens: list[bytes], stops: set[int], added: set[int]):
-        self.tokens, self.stops, self.added = tokens, stops, added
-
-    def token_bytes(self, t: int) -> bytes:
-        return self.tokens[t]
-
-    def is_stop(self, t: int) -> bool:
-        return t in self.stops
-
-    def is_added(self, t: int) -> bool:
-        return t in self.added
-
-
-def synthetic(vocab: int, seed: int = 0) -> Table:
+def synthetic(vocab: int, seed: int = 0):
     """A vocab-token byte-level BPE-like table (the module docstring's shares)."""
     rng = np.random.default_rng(seed)
     letters = np.frombuffer(b"etaoinshrdlcumwfgypbvkjxqz", dtype=np.uint8)
@@ -104,7 +88,9 @@ def synthetic(vocab: int, seed: int = 0) -> Table:
             seen.add(t)
             tokens.append(t)
     tokens += [f"<|special_{i}|>".encode() for i in range(added)]
-    return Table(tokens, stops={vocab - added, vocab - added + 1}, added=set(range(vocab - added, vocab)))
+    from ninfer_rt.json_tokens import ByteTokens
+
+    return ByteTokens(tokens, stops={vocab - added, vocab - added + 1}, added=set(range(vocab - added, vocab)))
 
 
 def median_s(fn, rounds: int, calls: int = 1, before=None) -> float:

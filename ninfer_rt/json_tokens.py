@@ -65,6 +65,24 @@ def _walk(c: SchemaPrefix, items: list[tuple[bytes, int]], depth: int, out: np.n
                 _walk(after, group, depth + 1, out)
 
 
+class ByteTokens:
+    """A tokenizer over a list of byte strings (token t's bytes are tokens[t]) with the given stop and added ids:
+    what JsonTokens reads of a tokenizer, for a vocabulary known only as bytes (the benches' and tests' tables)."""
+
+    def __init__(self, tokens: list[bytes], stops: frozenset[int] | set[int] = frozenset(),
+                 added: frozenset[int] | set[int] = frozenset()):
+        self.tokens, self.stops, self.added = tokens, stops, added
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.tokens[t]
+
+    def is_stop(self, t: int) -> bool:
+        return t in self.stops
+
+    def is_added(self, t: int) -> bool:
+        return t in self.added
+
+
 class JsonTokens:
     """The tokens of a tokenizer's first `vocab` ids that continue a JSON constraint's state: one at a time
     (allows) or, inside a plain string, all at once as a bitmask (mask). tokenizer: token_bytes, is_added and

@@ -10,7 +10,7 @@ import pytest
 from ninfer_rt.json_automaton import SchemaPrefix
 from ninfer_rt.json_scalars import keeps_plain_string
 from ninfer_rt.json_schema import JSON_OBJECT, compile_schema
-from ninfer_rt.json_tokens import MASK_CACHE, JsonTokens, plain_length
+from ninfer_rt.json_tokens import MASK_CACHE, ByteTokens, JsonTokens, plain_length
 
 TEXT = {"type": "object", "properties": {"text": {"type": "string"}}}
 PAIR = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a", "b"],
@@ -31,22 +31,6 @@ PIECES = [b'"', b"\\", b'"}', b'",', b'": "', b'", "b": ', b'", "b": 12}', b'"]'
           b'"b', b":", b"  "]
 
 
-class Tokens:
-    """A tokenizer stand-in: token t's bytes from a table, and the given stop and added ids."""
-
-    def __init__(self, table: list[bytes], stops: set[int], added: set[int]):
-        self.table, self.stops, self.added = table, stops, added
-
-    def token_bytes(self, t: int) -> bytes:
-        return self.table[t]
-
-    def is_stop(self, t: int) -> bool:
-        return t in self.stops
-
-    def is_added(self, t: int) -> bool:
-        return t in self.added
-
-
 def synthetic(rng, n: int = 3000) -> Tokens:
     """n tokens: one of each piece, then 1-4 pieces joined, random bytes (any of 256) and plain ASCII words; a few
     empty ones; 5 stop ids, 5 added, one of them both."""
@@ -60,7 +44,7 @@ def synthetic(rng, n: int = 3000) -> Tokens:
         else:
             table.append(b" " + bytes(rng.integers(0x61, 0x7b, size=int(rng.integers(1, 8))).tolist()))
     ids = rng.permutation(n)[:9].tolist()
-    return Tokens(table, stops=set(ids[:5]), added=set(ids[4:]))
+    return ByteTokens(table, stops=set(ids[:5]), added=set(ids[4:]))
 
 
 def prefix(schema, data: bytes) -> SchemaPrefix:
@@ -130,7 +114,7 @@ def test_synthetic_vocabulary_against_the_automaton(schema, data, rng):
 
 def test_plain_length_is_keeps_plain_strings_longest_prefix(rng):
     """The split's prefix is plain (or empty) and no longer one is; a token is plain iff non-empty and all prefix."""
-    for d in synthetic(rng).table:
+    for d in synthetic(rng).tokens:
         k = plain_length(d)
         assert keeps_plain_string(d) == (bool(d) and k == len(d)), d
         assert k == 0 or keeps_plain_string(d[:k]), d
@@ -184,7 +168,7 @@ def test_stop_ids_follow_complete(rng):
 
 def test_empty_bytes_token_is_allowed_in_a_string():
     """allows feeds an empty token (keeps_plain_string(b"") is False), and feeding nothing succeeds: a copy of c."""
-    tok = Tokens([b"", b"a", b'"'], stops=set(), added=set())
+    tok = ByteTokens([b"", b"a", b'"'], stops=set(), added=set())
     jt, c = JsonTokens(tok, 3), prefix(TEXT, b'{"text": "')
     got = jt.allows(c, 0)
     assert got is not None and got is not c and state(got) == state(c)

@@ -80,8 +80,8 @@ def _bytes(t: int) -> bytes:
 def test_a_json_row_runs_ahead_as_it_steps(gpu, artifact, monkeypatch, sampling):
     """A lone JSON row (an array of strings) whose tokens' bytes are _bytes: run ahead under its masks it draws
     the tokens it draws stepped one at a time with the same masks (no sample_ahead) and, greedy, those of the path
-    without masks (json_ahead off: unmasked device draws, refused ones redrawn on the host); it ran ahead and
-    settled steps whose state a token changed; its bytes are a JSON prefix the schema accepts."""
+    without masks (json_ahead off: unmasked device draws, refused ones redrawn on the host); it ran ahead (and,
+    sampled, drew again steps whose state a token changed); its bytes are a JSON prefix the schema accepts."""
     from ninfer_rt.api import load
     from ninfer_rt.gpu.backend import GpuBackend
     from ninfer_rt.json_automaton import SchemaPrefix
@@ -120,8 +120,10 @@ def test_a_json_row_runs_ahead_as_it_steps(gpu, artifact, monkeypatch, sampling)
     finally:
         m.close()
     assert ahead == stepped and ahead[1] == "None" and len(ahead[0]) == 40
-    assert seen["sample_ahead"] > 10 and seen["redraw"] > 0
+    assert seen["sample_ahead"] > 10
     if sampling == "greedy":
         assert unmasked == ahead
+    else:  # (a sampled row's tokens vary enough to close a string; a tiny model's greedy ones may repeat one)
+        assert seen["redraw"] > 0
     c = SchemaPrefix(compile_schema(schema))
     assert c.feed(b"".join(_bytes(t) for t in ahead[0]))
