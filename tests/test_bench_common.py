@@ -507,19 +507,21 @@ def test_host_loop_penalised_loops_set_the_state_and_draw_on_the_host_from_the_h
     assert [pos for _, pos in calls] == [27, 28, 29] * host_loop.ROUNDS
 
 
-@pytest.mark.parametrize("loop", ["host", "device"])
-def test_host_loop_json_loops_feed_each_draw_and_its_bytes_to_the_constraint(monkeypatch, loop):
+@pytest.mark.parametrize("loop", ["host", "device", "device ahead"])
+def test_host_loop_json_loops_feed_each_draw_to_the_constraint(monkeypatch, loop):
     """bench/host_loop.json_loop_s: each step is fed the token drawn before it (on the host from the step's logits,
-    padded rows masked; or by sample_batch), the steps end at position ctx - 1, and the constraint takes the
-    string's opening, then each drawn token's bytes from the table (token t: 1 + t % 4 copies of letter t % 26)."""
+    padded rows masked; by sample_batch; or by sample_ahead from the draw slot, after a first sample_batch, under
+    the string's mask, set before and cleared after), the steps end at position ctx - 1, and the constraint
+    (JsonTokens.allows) takes each drawn token in turn. The mask holds every id of the table (each one's letters
+    keep the string plain) and none past it."""
     import numpy as np
 
     import host_loop
-    from ninfer_rt.json_automaton import SchemaPrefix
+    from ninfer_rt.json_tokens import JsonTokens
 
-    V, pad, calls, fed = 50, 56, [], []
-    feed = SchemaPrefix.feed
-    monkeypatch.setattr(SchemaPrefix, "feed", lambda self, data: fed.append(bytes(data)) or feed(self, data))
+    V, pad, calls, taken, masks = 50, 56, [], [], []
+    allows = JsonTokens.allows
+    monkeypatch.setattr(JsonTokens, "allows", lambda self, c, t: taken.append(int(t)) or allows(self, c, t))
 
     def advance(token, cache, how):
         calls.append((how, int(token), cache.pos))
@@ -527,9 +529,20 @@ def test_host_loop_json_loops_feed_each_draw_and_its_bytes_to_the_constraint(mon
         return (3 * int(token) + 1) % V
 
     class FakeBackend:
+        mask_words, slot = 2, None
+
+        def set_mask(self, cache, bits):
+            masks.append(None if bits is None else np.unpackbits(bits.view(np.uint8), bitorder="little"))
+
         def sample_batch(self, ids, caches, params, *, vocab, seeds, steps):
-            assert loop == "device" and vocab == V and len(ids) == 1 and params[0].greedy
-            return [advance(ids[0], caches[0], "device")]
+            assert loop != "host" and vocab == V and len(ids) == 1 and params[0].greedy
+            self.slot = advance(ids[0], caches[0], "device")
+            return [self.slot]
+
+        def sample_ahead(self, cache, params, *, vocab, seed, step):
+            assert loop == "device ahead" and vocab == V
+            token = self.slot = advance(self.slot, cache, "ahead")
+            return type("Pending", (), {"result": lambda _: token})()
 
         def forward(self, ids, cache, last_only):
             assert loop == "host" and last_only
@@ -540,12 +553,18 @@ def test_host_loop_json_loops_feed_each_draw_and_its_bytes_to_the_constraint(mon
 
     model = type("M", (), {"sample_vocab": V})()
     host_loop.json_loop_s(FakeBackend(), model, ctx=30, steps=3, loop=loop)
-    assert len(calls) == 3 * host_loop.ROUNDS
+    per = 4 if loop == "device ahead" else 3  # (the first draw of a chain run ahead is outside the timing)
+    assert len(calls) == per * host_loop.ROUNDS
     for n, (kind, token, pos) in enumerate(calls):
-        assert kind == loop and pos == 27 + n % 3
-        assert token == (17 if n % 3 == 0 else (3 * calls[n - 1][1] + 1) % V)
-    drawn = [(3 * t + 1) % V for _, t, _ in calls]
-    want = []
-    for r in range(host_loop.ROUNDS):
-        want += [b'{"text": "'] + [bytes([0x61 + t % 26]) * (1 + t % 4) for t in drawn[3 * r:3 * r + 3]]
-    assert fed == want
+        first = n % per == 0
+        assert kind == ({"host": "host", "device": "device"}.get(loop) or ("device" if first else "ahead"))
+        assert pos == 30 - per + n % per
+        assert token == (17 if first else (3 * calls[n - 1][1] + 1) % V)
+    assert taken == [(3 * t + 1) % V for _, t, _ in calls]
+    if loop == "device ahead":
+        want = np.zeros(64, np.uint8)
+        want[:V] = 1
+        assert len(masks) == 2 * host_loop.ROUNDS and all(m is None for m in masks[1::2])
+        assert all(np.array_equal(m, want) for m in masks[::2])
+    else:
+        assert masks == []
