@@ -5,12 +5,12 @@ being read); the rows of a batched step through sample_batch_ahead while the run
 rows in its order. A stop id, a stop string or a cancel leaves a step in flight spent, its input in the cache: the
 slot's ids say so.
 
-A JSON row runs ahead alone while it writes a plain string (no length or pattern): its draws are masked on the device
-to the tokens its constraint allows there (JsonTokens.mask, GpuBackend.set_mask), so the token a step is fed is
-always one the constraint takes. A token that keeps the string plain leaves the allowed set as it was, so the step
-queued behind it drew under the right mask. One that changes it (the closing quote, an escape, a cut character)
-leaves that step's draw made under the old mask: _settle draws it again from the step's logits under the new one (the
-draw the step would have made, had it not run ahead), and the chain ends there."""
+A JSON row runs ahead (alone or as a batched step's row) while it writes a plain string (no length or pattern): its
+draws are masked on the device to the tokens its constraint allows there (JsonTokens.mask, GpuBackend.set_mask), so
+the token a step is fed is always one the constraint takes. A token that keeps the string plain leaves the allowed
+set as it was, so the step queued behind it drew under the right mask. One that changes it (the closing quote, a new
+item) leaves that step's draw made under the old mask: _settle draws it again from the step's logits under the new
+one (the draw the step would have made, had it not run ahead), and that row's chain ends there."""
 
 from __future__ import annotations
 
@@ -64,9 +64,10 @@ class RunAhead:
 
     def _run_rows_ahead(self, gens: list[Generation], tokens: list[int] | None = None) -> None:
         """_run_ahead for a batched step: where the running sequences are the rows of the last batched step, in
-        its order, each drawn on the device with nothing the host must see (no logprobs, JSON or speculation) and
-        each with a token to go, enqueue the next batched step now (GpuBackend.sample_batch_ahead: row b fed from
-        draw slot b on the device, where the backend's batch_ahead is on). Fed `tokens` (just drawn, not yet out)
+        its order, each drawn on the device with nothing the host must see (no logprobs or speculation; JSON only
+        inside a plain string, under its mask) and each with a token to go, enqueue the next batched step now
+        (GpuBackend.sample_batch_ahead: row b fed from draw slot b on the device, where the backend's batch_ahead
+        is on). Fed `tokens` (just drawn, not yet out)
         or the rows' draws of the step run ahead last, still unread. A joiner, a sequence that ends or a cancel
         ends the chain: the rows in flight are read, and the next step is fed from the host."""
         n = len(gens)
@@ -75,8 +76,8 @@ class RunAhead:
         last = None if tokens is not None else [g._ahead[-1].pending if g._ahead else None for g in gens]
         steps = [len(g.stats.token_ids) + len(g._ahead) + (tokens is not None) for g in gens]  # the draws' indices
         for b, (g, drawn) in enumerate(zip(gens, steps)):
-            if not (g.spec is None and g.logprobs is None and g.constraint is None and self._on_device(g)
-                    and drawn < g.budget):
+            if not (g.spec is None and g.logprobs is None and self._on_device(g) and drawn < g.budget
+                    and (g.constraint is None or self._sync_mask(g) is not None)):  # JSON: in a plain string
                 return
             if tokens is not None and self.model.tokenizer.is_stop(tokens[b]):
                 return
@@ -140,14 +141,16 @@ class RunAhead:
 
     def _settle(self, g: Generation) -> None:
         """g's step run ahead behind a token that changed its JSON state (so its draw was masked for the state
-        before): once it is done, its token drawn again from its logits under the new state's mask (or none, then
-        checked by the constraint as _device_pick checks a device draw), given out; g then goes on from the
-        host."""
+        before): once it is done, its token (its row of a batched step) drawn again from its logits under the new
+        state's mask (or none, then checked by the constraint as _device_pick checks a device draw), given out; g
+        then goes on from the host. (Nothing is queued behind that step: the run-ahead queues one step beyond the
+        one read.)"""
         t0 = time.perf_counter()
-        g._ahead.pop(0).pending.result()  # the step is done: its logits are the latest
+        pending = g._ahead.pop(0).pending
+        pending.result()  # the step is done: its logits are the latest
         token = self.backend.redraw(g._slot.cache, g.sampler.params, vocab=self.model.real_vocab_size,
-                                    seed=g.sampler.seed, step=len(g.stats.token_ids))
-        token = self._device_pick(g, 0, token)
+                                    seed=g.sampler.seed, step=len(g.stats.token_ids), row=pending.row)
+        token = self._device_pick(g, pending.row, token)
         g.stats.decode_s += time.perf_counter() - t0
         if isinstance(token, Exception):
             self._fail(g, token)

@@ -31,7 +31,7 @@ class MaskingBackend(DrawingSlotBackend):
     """DrawingSlotBackend whose draws read each slot's mask (set_mask: ids out of it drawn as -inf), with
     GpuBackend's redraw of the latest step's row 0 under the mask as it is now."""
 
-    draws_constrained = json_ahead = True
+    draws_constrained = json_ahead = batch_ahead = True
 
     def __init__(self, vocab: int):
         super().__init__(vocab, set(), cache_slots=2)
@@ -54,10 +54,14 @@ class MaskingBackend(DrawingSlotBackend):
         self.ahead += 1
         return super().sample_ahead(cache, params, **kw)
 
-    def redraw(self, cache, params, *, vocab: int, seed: int, step: int) -> int:
+    def redraw(self, cache, params, *, vocab: int, seed: int, step: int, row: int = 0) -> int:
         self.redraws += 1
-        self.draw_slot = self._arg(self.rows[0], cache.slot, vocab)
-        return self.draw_slot
+        token = self._arg(self.rows[row], cache.slot, vocab)
+        if row < len(self.draw_rows):
+            self.draw_rows[row] = token
+        if row == 0:
+            self.draw_slot = token
+        return token
 
     def last_logits(self, row: int) -> np.ndarray:
         return self.rows[row].copy()
@@ -76,16 +80,18 @@ def json_model(packed_model, monkeypatch):
     return packed_model, fake
 
 
-def _run(model, prompt: list[int], n: int, beside: list[int] | None = None):
-    """One JSON row of n tokens after prompt (with another plain row beside it where given): its tokens and
-    error."""
+def _run(model, prompt: list[int], n: int, beside: list[int] | None = None, json_beside: bool = False):
+    """One JSON row of n tokens after prompt (with another row beside it where given, JSON too where json_beside):
+    each row's tokens and error."""
     batch = model.batch(2)
-    g = batch.add(prompt, max_new_tokens=n, sampling=SamplingParams(greedy=True), json_schema=SCHEMA)
+    gens = [batch.add(prompt, max_new_tokens=n, sampling=SamplingParams(greedy=True), json_schema=SCHEMA)]
     if beside is not None:
-        batch.add(beside, max_new_tokens=n, sampling=SamplingParams(greedy=True))
+        gens.append(batch.add(beside, max_new_tokens=n, sampling=SamplingParams(greedy=True),
+                              json_schema=SCHEMA if json_beside else None))
     while batch.busy:
         batch.step()
-    return g.stats.token_ids, g.error
+    out = [(g.stats.token_ids, g.error) for g in gens]
+    return out[0] if beside is None else out
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -101,15 +107,22 @@ def test_a_json_row_runs_ahead_and_draws_what_the_unmasked_path_draws(json_model
     assert SchemaPrefix(compile_schema(SCHEMA)).feed(b"".join(table(t) for t in ahead))
 
 
-def test_beside_another_row_it_steps_under_its_masks(json_model):
-    """Batched with a plain row, the JSON row runs nothing ahead but still draws under its mask: its tokens are
-    those it draws alone, run ahead."""
+@pytest.mark.parametrize("json_beside", [False, True], ids=["beside a plain row", "beside a JSON row"])
+def test_in_batched_steps_it_runs_ahead_as_it_runs_alone(json_model, json_beside):
+    """Batched with another row (plain or JSON), the JSON row runs ahead in batched steps (sample_batch_ahead), a
+    row's step left under a stale mask drawn again from its own row: each row's tokens are those it draws alone,
+    and those of the unmasked path."""
     model, fake = json_model
-    prompt = list(range(40, 52))
-    alone, _ = _run(model, prompt, 40)
-    fake.ahead = fake.redraws = 0
-    batched, error = _run(model, prompt, 40, beside=list(range(60, 70)))
-    assert batched == alone and error is None and fake.ahead == 0
+    prompts = [list(range(40, 52)), list(range(60, 70))]
+    alone = [_run(model, p, 40) if json_beside or i == 0 else None for i, p in enumerate(prompts)]
+    fake.redraws, fake.ahead_steps = 0, []
+    batched = _run(model, prompts[0], 40, beside=prompts[1], json_beside=json_beside)
+    assert batched[0] == alone[0] and alone[0][1] is None and len(alone[0][0]) == 40
+    if json_beside:
+        assert batched[1] == alone[1]
+    assert len(fake.ahead_steps) > 10 and fake.redraws > 0
+    fake.json_ahead = False
+    assert _run(model, prompts[0], 40, beside=prompts[1], json_beside=json_beside) == batched
 
 
 def test_its_masks_are_cleared_when_it_ends(json_model):

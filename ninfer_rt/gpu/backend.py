@@ -167,14 +167,15 @@ class GpuBackend:
     def _masks(self, caches: list[GpuCache]) -> bool:
         return any(c.slot in self._masked for c in caches)
 
-    def redraw(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int, step: int) -> int:
-        """The latest decode step's draw again, from its logits (row 0: cache's sequence, stepped alone) under
-        cache's mask as it is now: the token that step would have drawn had set_mask been called before it. Not
-        for penalised params (that step counted its own draw)."""
+    def redraw(self, cache: GpuCache, params: SamplingParams, *, vocab: int, seed: int, step: int,
+               row: int = 0) -> int:
+        """The latest decode step's draw of cache's sequence (its row `row`) again, from its logits under cache's
+        mask as it is now: the token that step would have drawn had set_mask been called before it. Draw slot
+        `row` then holds it, the others what the step drew. Not for penalised params (that step counted its own draw)."""
         if params.penalised:
             raise NinferError("redraw: a penalised draw counted its token already")
         return self.model.draw(vocab, _draw_record(params, seed, step), slot=cache.slot,
-                               masked=cache.slot in self._masked)
+                               masked=cache.slot in self._masked, row=row)
 
     def last_logits(self, row: int) -> np.ndarray:
         """Row `row`'s logits of the latest decode step (float32 [V], raw: the draws read them, and only a row with

@@ -53,10 +53,13 @@ class Draws:
             op += ("masked",)
         return op
 
-    def enqueue(self, k, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1) -> None:
-        """The next token of each of logits rows 0..rows-1 (row stride V) over ids < vocab into the draw slots,
-        as op (how, vocab, *flags) says; slot_ids: the rows' slots (int32 device array), for the penalties. k: the
+    def enqueue(self, k, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1,
+                at: int = 0) -> None:
+        """The next token of each of logits rows 0..rows-1 (row stride V) over ids < vocab into draw slots at,
+        at + 1, ..., as op (how, vocab, *flags) says; slot_ids: the rows' slots (int32 device array), for the
+        penalties and masks. k: the
         step's kernels (a dry run's recorder, so that its draws are recorded with the rest of the step)."""
+        out = self.out + 4 * at  # the draw slots written: at, at + 1, ...
         lp = "logprobs" in flags
         penalized = "penalized" in flags
         if lp:
@@ -79,16 +82,16 @@ class Draws:
             misc.mask_rows(k, logits=logits, ld=self.V, M=rows, V=vocab, slots=slot_ids, masks=masks,
                            words=self.words, out=src, ldo=self.V)
         if how == "argmax":
-            misc.argmax(k, logits=src, ld=self.V, M=rows, V=vocab, out=self.out, scratch=self.scratch)
+            misc.argmax(k, logits=src, ld=self.V, M=rows, V=vocab, out=out, scratch=self.scratch)
         else:
-            misc.sample(k, logits=src, ld=self.V, M=rows, V=vocab, params=self.params, out=self.out,
+            misc.sample(k, logits=src, ld=self.V, M=rows, V=vocab, params=self.params, out=out,
                         scratch=self.scratch)
         if lp:
             # the drawn ids' logits from before the penalties (the raw copy), as the host reports them
-            misc.logprob_finish(k, tokens=self.out, src=raw if penalized else logits, ld=self.V, M=rows,
+            misc.logprob_finish(k, tokens=out, src=raw if penalized else logits, ld=self.V, M=rows,
                                 V=vocab, tops=tops, scratch=parts, out=self.lp[3])
         if penalized:
-            misc.penalty_count(k, tokens=self.out, slots=slot_ids, M=rows, V=self.V, counts=counts, seen=seen)
+            misc.penalty_count(k, tokens=out, slots=slot_ids, M=rows, V=self.V, counts=counts, seen=seen)
 
     def penalty_buffers(self) -> tuple[int, int, int]:
         """(params PENALTY_PARAMS [slots], counts int32 [slots, V], seen uint8 [slots, V]), made and zeroed on first
@@ -141,9 +144,9 @@ class Draws:
         recs = self.gpu.download(self.lp[3], (len(tops), misc.LP_INTS), np.int32)
         return [None if t is None else misc.logprob_record(r, tok) for r, tok, t in zip(recs, tokens, tops)]
 
-    def drawn(self) -> int:
-        """The token in the draw slot (after the stream finishes)."""
-        return int(self.gpu.download(self.out, (1,), np.int32)[0])
+    def drawn(self, at: int = 0) -> int:
+        """The token in draw slot `at` (after the stream finishes)."""
+        return int(self.gpu.download(self.out + 4 * at, (1,), np.int32)[0])
 
     def drawn_rows(self, B: int) -> np.ndarray:
         """The tokens in the first B draw slots, int32 [B] (after the stream finishes)."""

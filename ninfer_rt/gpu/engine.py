@@ -555,15 +555,19 @@ class GpuModel:
         return self.argmax(rows)
 
     def draw(self, vocab: int, record: np.ndarray | None = None, slot: int | None = None, penalized: bool = False,
-             masked: bool = False) -> int:
-        """The next token from logits row 0 over ids < vocab, with only the id coming back to the host: the
-        arg-max (record None; ties to the lowest id) or a draw under a misc.sample_params record; penalized /
-        masked: slot's penalties first (and the token counted) / over slot's mask (the row's slot: the latest
-        step's where None). (A decode step draws inside its graph instead: decode(..., draw=...), then drawn().)"""
+             masked: bool = False, row: int = 0) -> int:
+        """The next token from logits row `row` over ids < vocab into draw slot `row` (the others keep theirs), with
+        only the id coming back to the host: the arg-max (record None; ties to the lowest id) or a draw under a
+        misc.sample_params record; penalized / masked: slot's penalties first (and the token counted) / over slot's
+        mask (the row's slot: the latest step's row 0's where None). (A decode step draws inside its graph instead:
+        decode(..., draw=...), then drawn().)"""
+        if not 0 <= row < min(self.logit_rows, self.slots):
+            raise NinferError(f"draw: row {row} of {min(self.logit_rows, self.slots)} draw rows")
         if slot is not None:
             self.gpu.upload(self.slot, np.array([slot], np.int32), stream=self.gpu.stream)
-        self._enqueue_draw(*self._draw_op(vocab, record, penalized, masked=masked))
-        return self.drawn()
+        self.draws.enqueue(self.k, self.buf.logits + 4 * row * self.V, self.slot,
+                           *self._draw_op(vocab, record, penalized, masked=masked), at=row)
+        return self.draws.drawn(row)
 
     def set_mask(self, slot: int, bits: np.ndarray | None) -> None:
         """Slot's mask for its masked draws, None: every id (Draws.set_mask)."""

@@ -127,3 +127,43 @@ def test_a_json_row_runs_ahead_as_it_steps(gpu, artifact, monkeypatch, sampling)
         assert seen["redraw"] > 0
     c = SchemaPrefix(compile_schema(schema))
     assert c.feed(b"".join(_bytes(t) for t in ahead[0]))
+
+
+def test_two_json_rows_run_ahead_in_batched_steps_as_they_step(gpu, artifact, monkeypatch):
+    """Two sampled JSON rows (arrays of strings, _bytes) in batched steps: run ahead (sample_batch_ahead, each row
+    under its slot's mask, a row's stale step drawn again from its own row) they draw the tokens they draw with
+    batch_ahead off (batched steps, the same masks); both ran ahead and drew steps again."""
+    from ninfer_rt.api import load
+    from ninfer_rt.gpu.backend import GpuBackend
+    from ninfer_rt.sampling import SamplingParams
+
+    schema = {"type": "array", "items": {"type": "string"}}
+    m = load(artifact, device="cuda", max_ctx=256, cache_slots=2)
+    try:
+        monkeypatch.setattr(m.tokenizer, "token_bytes", _bytes)
+        monkeypatch.setattr(m.tokenizer, "is_stop", lambda t: False)
+        monkeypatch.setattr(m.tokenizer, "is_added", lambda t: False)
+        prompts = [prompt(12, seed=31 + i, vocab=m.real_vocab_size).tolist() for i in range(2)]
+
+        def run():
+            batch = m.batch(2)
+            gens = [batch.add(p, max_new_tokens=40, json_schema=schema,
+                              sampling=SamplingParams(temperature=1.0, top_k=20, seed=5 + i))
+                    for i, p in enumerate(prompts)]
+            while batch.busy:
+                batch.step()
+            return [(g.stats.token_ids, str(g.error)) for g in gens]
+
+        calls = {"sample_batch_ahead": 0, "redraw": 0}
+        for name in calls:
+            real = getattr(m._backend, name)
+            monkeypatch.setattr(m._backend, name,
+                                lambda *a, _r=real, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **kw))
+        ahead = run()
+        seen = dict(calls)
+        monkeypatch.setattr(GpuBackend, "batch_ahead", False)
+        stepped = run()
+    finally:
+        m.close()
+    assert ahead == stepped and all(e == "None" and len(t) == 40 for t, e in ahead)
+    assert seen["sample_batch_ahead"] > 10 and seen["redraw"] > 0
