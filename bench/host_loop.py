@@ -24,11 +24,12 @@ Each row times --steps tokens of one loop, the median of 5 rounds after a first 
   v109), the device's record (GpuBackend.sample_batch with logprobs), or the record through the pinned ring a step
   run ahead (sample_ahead with logprobs; Batch where GpuBackend.logprobs_ahead is on), against the greedy step's
   replay.
-- "host" / "device" / "device ahead" (--json-string): greedy inside a JSON string value (`{"text": "` already
-  written), each token checked as Batch checks it (JsonTokens.allows) against a synthetic byte table (token t:
-  1 + t % 4 letters, so every draw is taken, as a trained model's first choice mostly is): drawn on the host from the
-  downloaded logits (Batch before v112), on the device with only the id back (v112), or on the device under the
-  string's mask a step ahead (Batch where GpuBackend.json_ahead is on, v118), against the greedy step's replay.
+- "host" / "device" / "device ahead" (--json-string; "B=n device" / "B=n device ahead" with --batch, each row in
+  its own string): greedy inside a JSON string value (`{"text": "` already written), each token checked as Batch
+  checks it (JsonTokens.allows) against a synthetic byte table (token t: 1 + t % 4 letters, so every draw is taken,
+  as a trained model's first choice mostly is): drawn on the host from the downloaded logits (Batch before v112), on
+  the device with only the id back (v112), or on the device under the string's mask a step ahead (Batch where
+  GpuBackend.json_ahead is on, v118-v119), against the greedy step's replay.
 Greedy and top-k sampling (its draw record uploaded each step). The detokenizer and the stop checks of generate
 come on top (under "ahead" they overlap the GPU's step). Synthetic weights, no file. Exits with a one-line message
 when there is no GPU.
@@ -178,53 +179,64 @@ def logprob_loop_s(backend, model, ctx: int, steps: int, top: int, loop: str) ->
     return float(np.median(times[1:]))
 
 
-def json_loop_s(backend, model, ctx: int, steps: int, loop: str) -> float:
-    """Median seconds a greedy token inside a JSON string over rounds of `steps`, each token checked as Batch checks
-    it (JsonTokens.allows; token t's bytes are 1 + t % 4 letters, so every one keeps the string plain, as a trained
-    model's first choice there mostly does): "host", drawn from the downloaded logits; "device", drawn on the device
-    (sample_batch), its logits read (last_logits) only where the constraint refused the id; "device ahead", drawn
-    under the string's mask (JsonTokens.mask, set_mask) a step ahead (sample_ahead), as Batch runs a lone JSON row
-    inside a plain string where GpuBackend.json_ahead is on."""
+def json_loop_s(backend, model, ctx: int, steps: int, loop: str, B: int = 1) -> float:
+    """Median seconds a step of B greedy rows inside JSON string values (slots 0..B-1) over rounds of `steps`, each
+    token checked as Batch checks it (JsonTokens.allows; token t's bytes are 1 + t % 4 letters, so every one keeps
+    the string plain, as a trained model's first choice there mostly does): "host" (B = 1), drawn from the
+    downloaded logits; "device", drawn on the device (sample_batch), logits read only where the constraint refuses
+    the id; "device ahead", drawn under each string's mask (JsonTokens.mask, set_mask) a step ahead (sample_ahead
+    alone, sample_batch_ahead for B > 1), as Batch runs JSON rows inside a plain string where GpuBackend.json_ahead
+    is on."""
     from ninfer_rt.gpu.backend import GpuCache
     from ninfer_rt.json_automaton import SchemaPrefix
     from ninfer_rt.json_schema import compile_schema
     from ninfer_rt.json_tokens import ByteTokens, JsonTokens
     from ninfer_rt.sampling import Sampler, SamplingParams
 
-    V, params = model.sample_vocab, SamplingParams(greedy=True)
+    V, params, ahead = model.sample_vocab, SamplingParams(greedy=True), loop == "device ahead"
     schema = compile_schema({"type": "object", "properties": {"text": {"type": "string"}}})
     rules = JsonTokens(ByteTokens([bytes([0x61 + t % 26]) * (1 + t % 4) for t in range(V)]), V)
     times = []
     for _ in range(ROUNDS):
-        cache, sampler, token = GpuCache(pos=ctx - steps - (loop == "device ahead"), slot=0), Sampler(params), 17
-        c = SchemaPrefix(schema)
-        if not c.feed(b'{"text": "'):
-            raise RuntimeError("json_loop_s: the constraint refused its own prefix")
+        caches = [GpuCache(pos=ctx - steps - ahead, slot=b) for b in range(B)]
+        sampler, tokens, states = Sampler(params), [(17 + 1009 * b) % V for b in range(B)], []
+        for _ in range(B):
+            states.append(SchemaPrefix(schema))
+            if not states[-1].feed(b'{"text": "'):
+                raise RuntimeError("json_loop_s: the constraint refused its own prefix")
 
-        def take(t: int) -> None:
-            nonlocal c
-            if (after := rules.allows(c, t)) is None:  # never here: every token's letters continue the string
+        def take(b: int, t: int) -> None:
+            if (after := rules.allows(states[b], t)) is None:  # never here: every token continues the string
                 raise RuntimeError(f"json_loop_s: the table's token {t} was refused")
-            c = after
+            states[b] = after
 
-        if loop == "device ahead":  # the masked draw the chain starts from (outside the timing)
-            backend.set_mask(cache, rules.mask(c, backend.mask_words))
-            take(backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[0])[0])
+        def draw_all(i: int) -> list[int]:
+            return backend.sample_batch(tokens, caches, [params] * B, vocab=V, seeds=[0] * B, steps=[i] * B)
+
+        if ahead:  # the masked draws the chain starts from (outside the timing)
+            for b, cache in enumerate(caches):
+                backend.set_mask(cache, rules.mask(states[b], backend.mask_words))
+            for b, t in enumerate(draw_all(0)):
+                take(b, t)
         t0 = time.perf_counter()
-        if loop == "device ahead":
-            _chain(lambda i: backend.sample_ahead(cache, params, vocab=V, seed=0, step=i),
-                   lambda pending: take(pending.result()), steps)
+        if ahead and B == 1:
+            _chain(lambda i: backend.sample_ahead(caches[0], params, vocab=V, seed=0, step=i),
+                   lambda pending: take(0, pending.result()), steps)
+        elif ahead:
+            _chain(lambda i: backend.sample_batch_ahead(caches, [params] * B, vocab=V, seeds=[0] * B, steps=[i] * B),
+                   lambda rows: [take(b, p.result()) for b, p in enumerate(rows)], steps)
         else:
             for i in range(steps):
                 if loop == "device":
-                    token = backend.sample_batch([token], [cache], [params], vocab=V, seeds=[0], steps=[i])[0]
+                    tokens = draw_all(i)
                 else:
-                    logits = backend.forward(np.array([token], np.int32), cache, last_only=True)[-1]
+                    logits = backend.forward(np.array(tokens, np.int32), caches[0], last_only=True)[-1]
                     logits[V:] = -np.inf
-                    token = sampler.sample(logits, [], 0)
-                take(token)
+                    tokens = [sampler.sample(logits, [], 0)]
+                for b, t in enumerate(tokens):
+                    take(b, t)
         times.append((time.perf_counter() - t0) / steps)
-        if loop == "device ahead":
+        for cache in caches if ahead else []:
             backend.set_mask(cache, None)
     return float(np.median(times[1:]))
 
@@ -306,12 +318,14 @@ def main() -> None:
                              "loop": draws, "loop_ms": loop * 1e3, "replay_ms": replay * 1e3,
                              "host_us": (loop - replay) * 1e6, "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
         if a.json_string:
-            replay = _time_decode(model, a.context - 1)
-            for draws in ("host", "device", "device ahead"):
-                loop = json_loop_s(backend, model, a.context, a.steps, draws)
-                rows.append({"model": a.model, "context": a.context, "sampling": "JSON string", "loop": draws,
-                             "loop_ms": loop * 1e3, "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6,
-                             "loop_tok_s": 1 / loop, "replay_tok_s": 1 / replay})
+            for B in [1] + batches:  # (each JSON row of a batched step in its own string)
+                replay = _time_decode(model, a.context - 1, batch=B)
+                for draws in ("host", "device", "device ahead")[B > 1:]:
+                    loop = json_loop_s(backend, model, a.context, a.steps, draws, B)
+                    rows.append({"model": a.model, "context": a.context, "sampling": "JSON string",
+                                 "loop": draws if B == 1 else f"B={B} {draws}", "loop_ms": loop * 1e3,
+                                 "replay_ms": replay * 1e3, "host_us": (loop - replay) * 1e6, "loop_tok_s": B / loop,
+                                 "replay_tok_s": B / replay})
     step_rows_out(console, gpu, f"{a.model} @ {a.context}: the decode loop against graph replay",
                   [("sampling", True), ("loop", True), ("loop ms", False), ("replay ms", False), ("host µs", False),
                    ("loop tok/s", False), ("replay tok/s", False)],

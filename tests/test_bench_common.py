@@ -507,13 +507,14 @@ def test_host_loop_penalised_loops_set_the_state_and_draw_on_the_host_from_the_h
     assert [pos for _, pos in calls] == [27, 28, 29] * host_loop.ROUNDS
 
 
-@pytest.mark.parametrize("loop", ["host", "device", "device ahead"])
-def test_host_loop_json_loops_feed_each_draw_to_the_constraint(monkeypatch, loop):
-    """bench/host_loop.json_loop_s: each step is fed the token drawn before it (on the host from the step's logits,
-    padded rows masked; by sample_batch; or by sample_ahead from the draw slot, after a first sample_batch, under
-    the string's mask, set before and cleared after), the steps end at position ctx - 1, and the constraint
-    (JsonTokens.allows) takes each drawn token in turn. The mask holds every id of the table (each one's letters
-    keep the string plain) and none past it."""
+@pytest.mark.parametrize("loop,B", [("host", 1), ("device", 1), ("device ahead", 1), ("device", 2),
+                                    ("device ahead", 2)])
+def test_host_loop_json_loops_feed_each_draw_to_the_constraint(monkeypatch, loop, B):
+    """bench/host_loop.json_loop_s: each row's step is fed the token drawn for it before (on the host from the
+    step's logits, padded rows masked; by sample_batch; or, after a first sample_batch, by sample_ahead /
+    sample_batch_ahead from the draw slots, under each string's mask, set before and cleared after), its steps end at
+    position ctx - 1, and the constraint (JsonTokens.allows) takes each drawn token in turn. The mask holds every
+    id of the table (each one's letters keep the string plain) and none past it."""
     import numpy as np
 
     import host_loop
@@ -524,25 +525,33 @@ def test_host_loop_json_loops_feed_each_draw_to_the_constraint(monkeypatch, loop
     monkeypatch.setattr(JsonTokens, "allows", lambda self, c, t: taken.append(int(t)) or allows(self, c, t))
 
     def advance(token, cache, how):
-        calls.append((how, int(token), cache.pos))
+        calls.append((cache.slot, how, int(token), cache.pos))
         cache.pos += 1
         return (3 * int(token) + 1) % V
 
+    def pending(token):
+        return type("Pending", (), {"result": lambda _: token})()
+
     class FakeBackend:
-        mask_words, slot = 2, None
+        mask_words, slots = 2, []
 
         def set_mask(self, cache, bits):
             masks.append(None if bits is None else np.unpackbits(bits.view(np.uint8), bitorder="little"))
 
         def sample_batch(self, ids, caches, params, *, vocab, seeds, steps):
-            assert loop != "host" and vocab == V and len(ids) == 1 and params[0].greedy
-            self.slot = advance(ids[0], caches[0], "device")
-            return [self.slot]
+            assert loop != "host" and vocab == V and len(ids) == len(caches) == B and params[0].greedy
+            self.slots = [advance(t, c, "device") for t, c in zip(ids, caches)]
+            return list(self.slots)
 
         def sample_ahead(self, cache, params, *, vocab, seed, step):
-            assert loop == "device ahead" and vocab == V
-            token = self.slot = advance(self.slot, cache, "ahead")
-            return type("Pending", (), {"result": lambda _: token})()
+            assert loop == "device ahead" and B == 1 and vocab == V
+            self.slots = [advance(self.slots[0], cache, "ahead")]
+            return pending(self.slots[0])
+
+        def sample_batch_ahead(self, caches, params, *, vocab, seeds, steps):
+            assert loop == "device ahead" and B > 1 and len(caches) == B and vocab == V
+            self.slots = [advance(t, c, "ahead") for t, c in zip(self.slots, caches)]
+            return [pending(t) for t in self.slots]
 
         def forward(self, ids, cache, last_only):
             assert loop == "host" and last_only
@@ -552,19 +561,22 @@ def test_host_loop_json_loops_feed_each_draw_to_the_constraint(monkeypatch, loop
             return row
 
     model = type("M", (), {"sample_vocab": V})()
-    host_loop.json_loop_s(FakeBackend(), model, ctx=30, steps=3, loop=loop)
+    host_loop.json_loop_s(FakeBackend(), model, ctx=30, steps=3, loop=loop, B=B)
     per = 4 if loop == "device ahead" else 3  # (the first draw of a chain run ahead is outside the timing)
-    assert len(calls) == per * host_loop.ROUNDS
-    for n, (kind, token, pos) in enumerate(calls):
-        first = n % per == 0
-        assert kind == ({"host": "host", "device": "device"}.get(loop) or ("device" if first else "ahead"))
-        assert pos == 30 - per + n % per
-        assert token == (17 if first else (3 * calls[n - 1][1] + 1) % V)
-    assert taken == [(3 * t + 1) % V for _, t, _ in calls]
+    assert len(calls) == per * host_loop.ROUNDS * B
+    for b in range(B):
+        mine = [c[1:] for c in calls if c[0] == b]
+        for n, (kind, token, pos) in enumerate(mine):
+            first = n % per == 0
+            assert kind == ({"host": "host", "device": "device"}.get(loop) or ("device" if first else "ahead"))
+            assert pos == 30 - per + n % per
+            assert token == ((17 + 1009 * b) % V if first else (3 * mine[n - 1][1] + 1) % V)
+    assert taken == [(3 * t + 1) % V for _, _, t, _ in calls]
     if loop == "device ahead":
         want = np.zeros(64, np.uint8)
         want[:V] = 1
-        assert len(masks) == 2 * host_loop.ROUNDS and all(m is None for m in masks[1::2])
-        assert all(np.array_equal(m, want) for m in masks[::2])
+        assert len(masks) == 2 * B * host_loop.ROUNDS
+        assert all(np.array_equal(m, want) for r in range(host_loop.ROUNDS) for m in masks[2 * B * r:2 * B * r + B])
+        assert all(m is None for r in range(host_loop.ROUNDS) for m in masks[2 * B * r + B:2 * B * (r + 1)])
     else:
         assert masks == []
