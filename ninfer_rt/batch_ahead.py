@@ -67,9 +67,9 @@ class RunAhead:
         its order, each drawn on the device with nothing the host must see (no logprobs or speculation; JSON only
         inside a plain string, under its mask) and each with a token to go, enqueue the next batched step now
         (GpuBackend.sample_batch_ahead: row b fed from draw slot b on the device, where the backend's batch_ahead
-        is on). Fed `tokens` (just drawn, not yet out)
-        or the rows' draws of the step run ahead last, still unread. A joiner, a sequence that ends or a cancel
-        ends the chain: the rows in flight are read, and the next step is fed from the host."""
+        is on). Fed `tokens` (just drawn, not yet out) or the rows' draws of the step run ahead last, still unread.
+        A joiner, a sequence that ends or a cancel ends the chain: the rows in flight are read, and the next step is
+        fed from the host."""
         n = len(gens)
         if not (n > 1 and len(self._running) == n and getattr(self.backend, "batch_ahead", False)):
             return

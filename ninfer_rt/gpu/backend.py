@@ -149,7 +149,7 @@ class GpuBackend:
     # constraint refuses the token drawn (tests/gpu/test_logprobs.py holds it to the host path's tokens, perf.md v112)
     draws_constrained = True
     # Batch masks a JSON row's device draws to the tokens its constraint allows while it writes a plain string
-    # (set_mask), so that a lone JSON row runs a step ahead there (batch_ahead.py; perf.md v118)
+    # (set_mask), so that JSON rows run a step ahead there, alone or batched (batch_ahead.py; perf.md v118-v119)
     json_ahead = True
 
     @property
@@ -171,7 +171,8 @@ class GpuBackend:
                row: int = 0) -> int:
         """The latest decode step's draw of cache's sequence (its row `row`) again, from its logits under cache's
         mask as it is now: the token that step would have drawn had set_mask been called before it. Draw slot
-        `row` then holds it, the others what the step drew. Not for penalised params (that step counted its own draw)."""
+        `row` then holds it, the others what the step drew. Not for penalised params (that step counted its own
+        draw)."""
         if params.penalised:
             raise NinferError("redraw: a penalised draw counted its token already")
         return self.model.draw(vocab, _draw_record(params, seed, step), slot=cache.slot,

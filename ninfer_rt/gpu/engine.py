@@ -354,9 +354,9 @@ class GpuModel:
         a sequence (`drawn_rows(B)`). draw = (vocab, record, True): each slot's penalties first (set_penalties), the
         drawn tokens counted in their slots' state. A fourth element, B logprob counts (None: none for that row), also
         leaves each such row's logprobs record (`draws.logprobs`); a fifth, True: each row drawn over its slot's
-        mask (set_mask). tokens None (with draw): sequence b's token is
-        the one the latest draw left in draw slot b on the device (the same sequences in the same rows), so a step
-        can be enqueued before the host reads the tokens before it.
+        mask (set_mask). tokens None (with draw): sequence b's token is the one the latest draw left in draw slot b
+        on the device (the same sequences in the same rows), so a step can be enqueued before the host reads the
+        tokens before it.
         """
         B = len(pos)
         if tokens is None and draw is None:

@@ -76,6 +76,16 @@ def _bytes(t: int) -> bytes:
     return {0: b'"', 1: b'", "', 2: b"\\n", 3: b'["', 4: b', "'}.get(t % 16, bytes([0x61 + t % 26]) * (1 + t % 3))
 
 
+def _counted(monkeypatch, backend, *names: str) -> dict[str, int]:
+    """Each of backend's methods `names` wrapped to count its calls: the counts, by name."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name,
+                            lambda *a, _r=real, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "top-k"])
 def test_a_json_row_runs_ahead_as_it_steps(gpu, artifact, monkeypatch, sampling):
     """A lone JSON row (an array of strings) whose tokens' bytes are _bytes: run ahead under its masks it draws
@@ -105,11 +115,7 @@ def test_a_json_row_runs_ahead_as_it_steps(gpu, artifact, monkeypatch, sampling)
                 batch.step()
             return g.stats.token_ids, str(g.error)
 
-        calls = {"sample_ahead": 0, "redraw": 0}
-        for name in calls:
-            real = getattr(m._backend, name)
-            monkeypatch.setattr(m._backend, name,
-                                lambda *a, _r=real, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **kw))
+        calls = _counted(monkeypatch, m._backend, "sample_ahead", "redraw")
         ahead = run()
         seen = dict(calls)
         monkeypatch.delattr(GpuBackend, "sample_ahead")
@@ -154,11 +160,7 @@ def test_two_json_rows_run_ahead_in_batched_steps_as_they_step(gpu, artifact, mo
                 batch.step()
             return [(g.stats.token_ids, str(g.error)) for g in gens]
 
-        calls = {"sample_batch_ahead": 0, "redraw": 0}
-        for name in calls:
-            real = getattr(m._backend, name)
-            monkeypatch.setattr(m._backend, name,
-                                lambda *a, _r=real, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **kw))
+        calls = _counted(monkeypatch, m._backend, "sample_batch_ahead", "redraw")
         ahead = run()
         seen = dict(calls)
         monkeypatch.setattr(GpuBackend, "batch_ahead", False)
