@@ -1,12 +1,12 @@
-"""The host's check of one drawn token of a JSON-constrained row (Batch._allows) inside a string value: the
-plain-string shortcut (v117) against the copy and feed of the automaton that every token took before it.
+"""The host's check of one drawn token of a JSON-constrained row (Batch._allows, which is JsonTokens.allows) inside a
+string value: the plain-string shortcut (v117) against the copy and feed of the automaton that every token took
+before it.
 
     python bench/json_check.py [--bytes 1,2,4,8] [--calls 2000] [--json PATH]
 
 Tokens are synthetic: token t is --bytes letters (a trained model's string tokens are mostly whole words). Each row is
-the median of 5 rounds of --calls checks, in µs a token, from `{"text": "ab` (a string with no length or pattern).
-Batch._allows runs unbound over a stand-in that has only what it reads (the tokenizer's stop, added and bytes). CPU
-only.
+the median of 5 rounds of --calls checks, in µs a token, from `{"text": "ab` (a string with no length or pattern),
+over a json_tokens.ByteTokens table (no stop or added ids). CPU only.
 """
 
 from __future__ import annotations
@@ -16,29 +16,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VOCAB = 1000
-
-
-class Letters:
-    """A tokenizer stand-in: token t is n letters from t, no stop or added tokens."""
-
-    def __init__(self, n: int):
-        self.table = [bytes(0x61 + (t + i) % 26 for i in range(n)) for t in range(VOCAB)]
-
-    def is_stop(self, t: int) -> bool:
-        return False
-
-    def is_added(self, t: int) -> bool:
-        return False
-
-    def token_bytes(self, t: int) -> bytes:
-        return self.table[t]
 
 
 def time_us(fn, calls: int) -> float:
@@ -61,18 +44,18 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ninfer_rt.batching import Batch
     from ninfer_rt.json_automaton import SchemaPrefix
     from ninfer_rt.json_schema import compile_schema
+    from ninfer_rt.json_tokens import ByteTokens, JsonTokens
 
     c = SchemaPrefix(compile_schema({"type": "object", "properties": {"text": {"type": "string"}}}))
     if not (c.feed(b'{"text": "ab') and c.in_plain_string):
         raise SystemExit("json_check: the prefix is not a plain string state")
     rows = []
     for n in (int(x) for x in a.bytes.split(",")):
-        tok = Letters(n)
-        batch = SimpleNamespace(model=SimpleNamespace(tokenizer=tok), _plain={})
-        shortcut = time_us(lambda t: Batch._allows(batch, c, t), a.calls)
+        tok = ByteTokens([bytes(0x61 + (t + i) % 26 for i in range(n)) for t in range(VOCAB)])  # n letters from t
+        rules = JsonTokens(tok, VOCAB)
+        shortcut = time_us(lambda t: rules.allows(c, t), a.calls)
         walk = time_us(lambda t: c.copy().feed(tok.token_bytes(t)), a.calls)
         rows.append({"bytes": n, "allows_us": shortcut, "copy_feed_us": walk})
     table = Table(title="a JSON row's check of one token inside a string value, µs")
