@@ -47,11 +47,7 @@ class Draws:
                             stream=self.gpu.stream)
             op += ("logprobs",)
         op += ("penalized",) if penalized else ()
-        if masked:
-            if self.masks is None:
-                raise NinferError("a masked draw before any set_mask")
-            op += ("masked",)
-        return op
+        return op + ("masked",) if masked else op  # (enqueue checks set_mask made the masks, as for penalties)
 
     def enqueue(self, k, logits: int, slot_ids: int, how: str, vocab: int, *flags: str, rows: int = 1,
                 at: int = 0) -> None:
